@@ -1,0 +1,63 @@
+"""The ``strop`` command."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+USAGE = """strop: RL post-training for LLMs
+
+commands:
+  strop train [CONFIG.yaml] [--section.key=value ...]   run GRPO (no arguments: the embedded default)
+  strop train --help                                    list every option
+"""
+
+
+def _quiet_libraries() -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def train_main(argv: list[str]) -> int:
+    from strop.config import ConfigError, build_config, parse_overrides
+
+    yaml_path = None
+    if argv and not argv[0].startswith("-"):
+        yaml_path, argv = argv[0], argv[1:]
+    try:
+        cfg = build_config(yaml_path, parse_overrides(argv))
+    except ConfigError as exc:
+        print(f"strop train: {exc}", file=sys.stderr)
+        return 2
+    _quiet_libraries()
+    from strop.data.sources import DataError
+    from strop.loop import train
+
+    try:
+        train(cfg)
+    except (FileNotFoundError, FileExistsError, DataError, ValueError) as exc:
+        print(f"strop train: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command == "train":
+        return train_main(rest)
+    print(f"strop: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

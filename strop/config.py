@@ -1,0 +1,189 @@
+"""One typed config tree. Every field has a help text; ``strop train --help`` lists them.
+
+Sources, later wins: the defaults here, a YAML file, ``--section.key=value``
+overrides on the command line. Unknown keys and bad values fail before any
+model loads, naming the full key (``train.lr``) and what was expected.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from strop.train.model import EMBEDDED_MODEL
+
+
+class ConfigError(ValueError):
+    """A config problem, already phrased for the user."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    path: str = Field(
+        EMBEDDED_MODEL,
+        description=f"the policy: {EMBEDDED_MODEL!r} (packaged SmolLM2-135M-Instruct), "
+        "a local Hugging Face model folder, or a hub id (needs network)",
+    )
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="parameter dtype for engine and trainer (fp32 is faster on most CPUs)"
+    )
+
+
+class DataConfig(_Section):
+    source: Literal["reasoning_gym", "file"] = Field(
+        "reasoning_gym", description="where prompts come from: a reasoning-gym task or a JSONL/Parquet file"
+    )
+    task: str = Field("basic_arithmetic", description="reasoning-gym task name (source=reasoning_gym)")
+    task_options: dict[str, Any] = Field(
+        default_factory=lambda: {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1},
+        description="options passed to the reasoning-gym task config, as JSON",
+    )
+    seed: int = Field(1, description="seed of the training prompts (reasoning-gym)")
+    size: int = Field(2000, gt=0, description="number of training prompts to generate (reasoning-gym)")
+    eval_seed: int = Field(
+        1_000_003, description="seed of the held-out prompts; must differ from data.seed (reasoning-gym)"
+    )
+    eval_size: int = Field(128, ge=0, description="number of held-out evaluation prompts (0 = no eval)")
+    path: str | None = Field(None, description="training prompts, .jsonl or .parquet (source=file)")
+    eval_path: str | None = Field(None, description="held-out prompts, .jsonl or .parquet (source=file)")
+    prompt_key: str = Field("prompt", description="column holding the prompt (text or chat messages)")
+    label_key: str = Field("label", description="column holding the reference answer")
+    metadata_keys: list[str] = Field(
+        default_factory=list, description="columns copied into Sample.metadata"
+    )
+    prompt_template: str = Field(
+        "{prompt}", description="text prompts are formatted through this; {prompt} is the question"
+    )
+    system_prompt: str | None = Field(None, description="system message put before text prompts")
+    apply_chat_template: bool = Field(True, description="apply the tokenizer's chat template")
+    shuffle: bool = Field(True, description="shuffle training prompts every epoch")
+
+    @model_validator(mode="after")
+    def _check_source(self):
+        if self.source == "file" and not self.path:
+            raise ValueError("data.source='file' needs data.path (a .jsonl or .parquet file)")
+        if self.source == "reasoning_gym" and self.eval_size and self.eval_seed == self.seed:
+            raise ValueError("data.eval_seed must differ from data.seed so the eval set is held out")
+        if "{prompt}" not in self.prompt_template:
+            raise ValueError("data.prompt_template must contain '{prompt}'")
+        return self
+
+
+class RolloutConfig(_Section):
+    prompts_per_step: int = Field(8, gt=0, description="prompts drawn per RL step")
+    n_samples_per_prompt: int = Field(8, gt=0, description="responses sampled per prompt (group size)")
+    temperature: float = Field(1.0, ge=0, description="sampling temperature (also applied to training logits)")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling mass")
+    top_k: int = Field(0, ge=0, description="top-k sampling (0 = off)")
+    max_new_tokens: int = Field(64, gt=0, description="response length limit")
+    max_batch_size: int = Field(64, gt=0, description="embedded engine: most sequences decoded together")
+    reward: str = Field(
+        "math",
+        description="reward function: 'math' (math-verify), 'exact_match', 'reasoning_gym', "
+        "or an import path 'pkg.module:function'",
+    )
+    seed: int = Field(0, description="sampling seed")
+
+
+class AlgoConfig(_Section):
+    normalize_std: bool = Field(True, description="GRPO: divide group-centred rewards by the group std")
+    clip_low: float = Field(0.2, ge=0, description="PPO clip: lower epsilon (ratio >= 1 - clip_low)")
+    clip_high: float = Field(0.2, ge=0, description="PPO clip: upper epsilon (ratio <= 1 + clip_high)")
+
+
+class TrainConfig(_Section):
+    steps: int = Field(20, gt=0, description="RL steps (rollout + one optimizer step each)")
+    lr: float = Field(1e-5, gt=0, description="AdamW learning rate")
+    warmup_steps: int = Field(2, ge=0, description="linear learning-rate warm-up steps")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    betas: tuple[float, float] = Field((0.9, 0.99), description="AdamW betas")
+    grad_clip: float = Field(1.0, gt=0, description="clip the global gradient norm to this")
+    micro_batch_size: int = Field(16, gt=0, description="samples per forward/backward (gradient accumulation)")
+    seed: int = Field(0, description="torch seed")
+
+
+class EvalConfig(_Section):
+    every: int = Field(5, ge=0, description="evaluate every this many steps (0 = only first and last)")
+    max_new_tokens: int | None = Field(None, description="eval response limit (default: rollout.max_new_tokens)")
+
+
+class RunConfig(_Section):
+    dir: str | None = Field(None, description="run directory (default: runs/<timestamp>)")
+    save_final: bool = Field(True, description="save the final policy in Hugging Face format")
+    plot: bool = Field(True, description="write a PNG plot of reward and eval accuracy")
+    progress: bool = Field(True, description="show a progress bar")
+    threads: int | None = Field(None, description="torch CPU threads (default: torch's choice)")
+
+
+class Config(_Section):
+    model: ModelConfig = Field(default_factory=ModelConfig, description="the policy model")
+    data: DataConfig = Field(default_factory=DataConfig, description="prompt sources")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="generation and rewards")
+    algo: AlgoConfig = Field(default_factory=AlgoConfig, description="advantages and policy loss")
+    train: TrainConfig = Field(default_factory=TrainConfig, description="optimizer and batching")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="held-out evaluation")
+    run: RunConfig = Field(default_factory=RunConfig, description="outputs")
+
+
+def _deep_merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _format_validation_error(err: ValidationError, origin: str) -> str:
+    lines = [f"invalid config ({origin}):"]
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "<root>"
+        if e["type"] == "extra_forbidden":
+            lines.append(f"  {key}: unknown key")
+        else:
+            got = e.get("input")
+            got_text = "" if isinstance(got, dict) else f" (got {got!r})"
+            lines.append(f"  {key}: {e['msg']}{got_text}")
+    return "\n".join(lines)
+
+
+def load_yaml(path: str | Path) -> dict:
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"config file {str(p)!r} does not exist")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {str(p)!r} is not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(p)!r} must hold a mapping at the top level")
+    return data
+
+
+def parse_overrides(args: list[str], prog: str = "strop train") -> dict:
+    """Turn ``--section.key=value`` arguments into a nested dict (only what was given)."""
+    from pydantic_settings import CliSettingsSource
+
+    source = CliSettingsSource(Config, cli_parse_args=args, cli_prog_name=prog, cli_implicit_flags=False)
+    return source()
+
+
+def build_config(yaml_path: str | None = None, overrides: dict | None = None) -> Config:
+    data: dict = load_yaml(yaml_path) if yaml_path else {}
+    origin = f"file {yaml_path!r}" if yaml_path else "defaults"
+    if overrides:
+        data = _deep_merge(data, overrides)
+        origin += " + command line"
+    try:
+        return Config.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err, origin)) from None
+
+
+def save_config(cfg: Config, path: Path) -> None:
+    path.write_text(yaml.safe_dump(json.loads(cfg.model_dump_json()), sort_keys=False))

@@ -1,0 +1,214 @@
+"""The embedded engine: in-process batched generation with a KV cache.
+
+Requests arriving concurrently through ``generate`` are gathered into one
+batch (up to ``max_batch_size``) and decoded together: prompts are left-padded,
+the prefill computes logits only at the last position, and rows that finish
+are dropped from the batch and the KV cache so the remaining rows decode faster.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from strop.types import Completion, SamplingParams
+
+
+class PromptTooLongError(ValueError):
+    pass
+
+
+@dataclass
+class _Request:
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    future: asyncio.Future
+
+
+class EmbeddedEngine:
+    def __init__(
+        self,
+        model,
+        *,
+        pad_token_id: int,
+        default_stop_token_ids: list[int] = (),
+        max_batch_size: int = 64,
+        context_window: int | None = None,
+        seed: int = 0,
+    ):
+        self.model = model.eval()
+        self.pad_token_id = pad_token_id
+        self.default_stop_token_ids = list(default_stop_token_ids)
+        self.max_batch_size = max_batch_size
+        self.context_window = context_window or getattr(model.config, "max_position_embeddings", 2048)
+        self.weight_version = 0
+        self.generator = torch.Generator().manual_seed(seed)
+        self._pending: list[_Request] = []
+        self._flush_task: asyncio.Task | None = None
+        self._abort = threading.Event()
+        self._lock = threading.Lock()  # one batch at a time touches the model
+
+    # ---- the async interface -------------------------------------------------------------
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Completion:
+        self._check_length(prompt_ids, sampling)
+        future = asyncio.get_running_loop().create_future()
+        self._pending.append(_Request(list(prompt_ids), sampling, future))
+        if self._flush_task is None or self._flush_task.done():
+            self._flush_task = asyncio.ensure_future(self._flush())
+        return await future
+
+    async def _flush(self) -> None:
+        await asyncio.sleep(0)  # let every coroutine started in this tick enqueue first
+        while self._pending:
+            batch = self._pending[: self.max_batch_size]
+            self._pending = self._pending[self.max_batch_size :]
+            try:
+                results = await asyncio.to_thread(
+                    self.generate_batch, [r.prompt_ids for r in batch], [r.sampling for r in batch]
+                )
+            except BaseException as exc:  # hand the error to every waiter
+                for r in batch:
+                    if not r.future.done():
+                        r.future.set_exception(exc)
+                continue
+            for r, c in zip(batch, results):
+                if not r.future.done():
+                    r.future.set_result(c)
+
+    async def update_weights(self, state_dict, version: int | None = None) -> int:
+        with self._lock:
+            self.model.load_state_dict(state_dict, strict=True)
+            self.weight_version = self.weight_version + 1 if version is None else version
+        return self.weight_version
+
+    async def abort_all(self) -> None:
+        """Finish every running and queued request with finish_reason 'abort'."""
+        self._abort.set()
+        pending, self._pending = self._pending, []
+        for r in pending:
+            if not r.future.done():
+                r.future.set_result(Completion([], [], "abort", self.weight_version))
+        with self._lock:  # wait for the running batch to notice
+            self._abort.clear()
+
+    async def health(self) -> bool:
+        return True
+
+    # ---- the batched decode loop ---------------------------------------------------------
+    def _check_length(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
+        if not prompt_ids:
+            raise ValueError("empty prompt")
+        if len(prompt_ids) >= self.context_window:
+            raise PromptTooLongError(
+                f"prompt has {len(prompt_ids)} tokens; the context window is {self.context_window}"
+            )
+
+    @torch.no_grad()
+    def generate_batch(
+        self, prompts: list[list[int]], samplings: SamplingParams | list[SamplingParams]
+    ) -> list[Completion]:
+        if isinstance(samplings, SamplingParams):
+            samplings = [samplings] * len(prompts)
+        for p, s in zip(prompts, samplings):
+            self._check_length(p, s)
+        with self._lock:
+            return self._decode(prompts, samplings)
+
+    def _decode(self, prompts: list[list[int]], samplings: list[SamplingParams]) -> list[Completion]:
+        from transformers import DynamicCache
+
+        n = len(prompts)
+        version = self.weight_version
+        # per-row budgets: never run past the context window
+        budgets = [min(s.max_new_tokens, self.context_window - len(p)) for p, s in zip(prompts, samplings)]
+        max_len = max(len(p) for p in prompts)
+        input_ids = torch.full((n, max_len), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((n, max_len), dtype=torch.long)
+        for i, p in enumerate(prompts):  # left padding keeps every row's next token at the end
+            input_ids[i, max_len - len(p) :] = torch.tensor(p)
+            attention_mask[i, max_len - len(p) :] = 1
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+        temperature = torch.tensor([s.temperature for s in samplings], dtype=torch.float32)
+        top_p = torch.tensor([s.top_p for s in samplings], dtype=torch.float32)
+        top_k = torch.tensor([s.top_k for s in samplings], dtype=torch.long)
+        stop_sets = [set(s.stop_token_ids or self.default_stop_token_ids) for s in samplings]
+        generators = [
+            torch.Generator().manual_seed(s.seed) if s.seed is not None else None for s in samplings
+        ]
+
+        out_ids: list[list[int]] = [[] for _ in range(n)]
+        out_lp: list[list[float]] = [[] for _ in range(n)]
+        finish: list[str | None] = [None] * n
+        active = torch.arange(n)  # original row index of each row still in the batch
+        cache = DynamicCache(config=self.model.config)
+        step_ids, step_pos, mask = input_ids, position_ids, attention_mask
+
+        while len(active) > 0:
+            out = self.model(
+                input_ids=step_ids,
+                attention_mask=mask,
+                position_ids=step_pos,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            logits = out.logits[:, -1, :].float()  # (B, V)
+            rows = active.tolist()
+            tokens, logprobs = self._sample(logits, temperature[active], top_p[active], top_k[active],
+                                            [generators[r] for r in rows])
+            keep = []
+            for j, r in enumerate(rows):
+                tok = int(tokens[j])
+                out_ids[r].append(tok)
+                out_lp[r].append(float(logprobs[j]))
+                if tok in stop_sets[r]:
+                    finish[r] = "stop"
+                elif len(out_ids[r]) >= budgets[r]:
+                    finish[r] = "length"
+                elif self._abort.is_set():
+                    finish[r] = "abort"
+                else:
+                    keep.append(j)
+            if not keep:
+                break
+            if len(keep) < len(rows):  # drop finished rows from the batch and the cache
+                idx = torch.tensor(keep)
+                cache.batch_select_indices(idx)
+                active, tokens, mask, step_pos = active[idx], tokens[idx], mask[idx], step_pos[idx]
+            step_ids = tokens.view(-1, 1)
+            mask = torch.cat([mask, torch.ones((len(active), 1), dtype=mask.dtype)], dim=1)
+            step_pos = step_pos[:, -1:] + 1
+        return [Completion(out_ids[i], out_lp[i], finish[i], version) for i in range(n)]
+
+    def _sample(self, logits, temperature, top_p, top_k, generators):
+        """Pick one token per row; return it and its logprob under logits / temperature."""
+        greedy = temperature <= 0
+        scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature).unsqueeze(-1)
+        logprobs_all = torch.log_softmax(scaled, dim=-1)  # (B, V): the distribution the trainer sees
+        filtered = scaled.clone()
+        if bool((top_k > 0).any()):
+            k = torch.where(top_k > 0, top_k, torch.full_like(top_k, logits.shape[-1]))
+            kth = torch.sort(filtered, dim=-1, descending=True).values.gather(-1, (k - 1).unsqueeze(-1))
+            filtered = filtered.masked_fill(filtered < kth, float("-inf"))
+        if bool((top_p < 1.0).any()):
+            sorted_logits, order = torch.sort(filtered, dim=-1, descending=True)
+            cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+            # drop a token when the mass before it already reaches top_p (the first always stays)
+            drop_sorted = (cum - torch.softmax(sorted_logits, dim=-1)) >= top_p.unsqueeze(-1)
+            drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+            filtered = filtered.masked_fill(drop, float("-inf"))
+        probs = torch.softmax(filtered, dim=-1)
+        # exponential race (Gumbel-max in disguise): argmax p / E with E ~ Exp(1)
+        noise = torch.empty_like(probs)
+        if all(g is None for g in generators):
+            noise.exponential_(generator=self.generator)
+        else:
+            for i, g in enumerate(generators):
+                noise[i].exponential_(generator=g if g is not None else self.generator)
+        sampled = torch.argmax(probs / noise, dim=-1)
+        tokens = torch.where(greedy, torch.argmax(logits, dim=-1), sampled)
+        return tokens, logprobs_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)

@@ -1,0 +1,75 @@
+"""Run outputs: metrics.jsonl, summary.json, the reward/accuracy plot, the progress bar."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+
+class MetricsLog:
+    def __init__(self, run_dir: Path):
+        self.path = run_dir / "metrics.jsonl"
+        self.rows: list[dict] = []
+
+    def log(self, row: dict) -> None:
+        self.rows.append(row)
+        with self.path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def write_summary(run_dir: Path, summary: dict) -> None:
+    tmp = run_dir / "summary.json.tmp"
+    tmp.write_text(json.dumps(summary, indent=2))
+    tmp.replace(run_dir / "summary.json")
+
+
+def plot_curves(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    train = [r for r in rows if "reward_mean" in r]
+    evals = [r for r in rows if "eval_accuracy" in r]
+    if train:
+        ax.plot([r["step"] for r in train], [r["reward_mean"] for r in train], label="rollout reward (mean)")
+    if evals:
+        ax.plot([r["step"] for r in evals], [r["eval_accuracy"] for r in evals], "o-", label="held-out accuracy (greedy)")
+    ax.set_xlabel("step")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+class Progress:
+    """A tqdm bar showing step, reward, eval accuracy, elapsed and remaining time."""
+
+    def __init__(self, total: int, enabled: bool = True):
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, disable=not enabled, unit="step", dynamic_ncols=True)
+        self.fields: dict = {}
+
+    def update(self, n: int = 0, **fields) -> None:
+        self.fields.update({k: v for k, v in fields.items() if v is not None and not (isinstance(v, float) and math.isnan(v))})
+        self.bar.set_postfix({k: (f"{v:.3f}" if isinstance(v, float) else v) for k, v in self.fields.items()}, refresh=False)
+        self.bar.update(n)
+        if n == 0:
+            self.bar.refresh()
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+class Timer:
+    def __init__(self):
+        self.start = time.perf_counter()
+
+    def __call__(self) -> float:
+        return time.perf_counter() - self.start

@@ -1,0 +1,106 @@
+"""Turn a validated Config into the live objects of a run, checking inputs before any model loads."""
+
+from __future__ import annotations
+
+import copy
+import datetime as _dt
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from strop.config import Config
+from strop.data.sources import PromptSampler, PromptSet, read_prompt_file, reasoning_gym_rows
+from strop.engines.embedded import EmbeddedEngine
+from strop.rollout.generate import resolve_reward
+from strop.train.model import load_model, load_tokenizer, resolve_model_path
+from strop.train.trainer import Trainer
+from strop.types import SamplingParams
+
+
+@dataclass
+class Components:
+    tokenizer: Any
+    train_prompts: PromptSet
+    eval_prompts: PromptSet | None
+    sampler: PromptSampler
+    reward_fn: Callable
+    engine: EmbeddedEngine
+    trainer: Trainer
+    sampling: SamplingParams
+    eval_sampling: SamplingParams
+
+
+def _rows(cfg: Config, which: str):
+    d = cfg.data
+    if d.source == "reasoning_gym":
+        if which == "eval":
+            return reasoning_gym_rows(d.task, d.eval_seed, d.eval_size, d.task_options) if d.eval_size else None
+        return reasoning_gym_rows(d.task, d.seed, d.size, d.task_options)
+    if which == "eval":
+        if not d.eval_path:
+            return None
+        rows = read_prompt_file(d.eval_path, d.prompt_key, d.label_key, d.metadata_keys)
+        return rows[: d.eval_size] if d.eval_size else None
+    return read_prompt_file(d.path, d.prompt_key, d.label_key, d.metadata_keys)
+
+
+def _context_window(model_path: str) -> int:
+    from transformers import AutoConfig
+
+    return int(getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", 2048))
+
+
+def build(cfg: Config) -> Components:
+    """Everything a run needs. Cheap checks first: model path, data, reward, then the weights."""
+    model_path = resolve_model_path(cfg.model.path)  # a missing path fails here
+    tokenizer = load_tokenizer(model_path)
+    reward_fn = resolve_reward(cfg.rollout.reward)
+    context_window = _context_window(model_path)
+    max_new = max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens or 0)
+    max_prompt = context_window - max_new
+    if max_prompt <= 0:
+        raise ValueError(f"rollout.max_new_tokens={max_new} leaves no room in the {context_window}-token context window")
+    prompt_kw = dict(template=cfg.data.prompt_template, system_prompt=cfg.data.system_prompt,
+                     apply_chat_template=cfg.data.apply_chat_template, max_prompt_tokens=max_prompt)
+    train_prompts = PromptSet(_rows(cfg, "train"), tokenizer, name=cfg.data.path or f"{cfg.data.task} (train)", **prompt_kw)
+    eval_rows = _rows(cfg, "eval")
+    eval_prompts = PromptSet(eval_rows, tokenizer, name=cfg.data.eval_path or f"{cfg.data.task} (eval)", **prompt_kw) if eval_rows else None
+
+    torch.manual_seed(cfg.train.seed)
+    dtype = getattr(torch, cfg.model.dtype)
+    policy = load_model(model_path, dtype=dtype)
+    engine_model = copy.deepcopy(policy)  # the engine holds its own copy; weights reach it by update
+    for p in engine_model.parameters():
+        p.requires_grad_(False)
+    stop_ids = sorted({tokenizer.eos_token_id, *([tokenizer.pad_token_id] if tokenizer.pad_token_id is not None else [])} - {None})
+    engine = EmbeddedEngine(engine_model, pad_token_id=tokenizer.pad_token_id, default_stop_token_ids=stop_ids,
+                            max_batch_size=cfg.rollout.max_batch_size, context_window=context_window,
+                            seed=cfg.rollout.seed)
+    r = cfg.rollout
+    trainer = Trainer(policy, pad_token_id=tokenizer.pad_token_id, lr=cfg.train.lr, warmup_steps=cfg.train.warmup_steps,
+                      weight_decay=cfg.train.weight_decay, betas=cfg.train.betas, grad_clip=cfg.train.grad_clip,
+                      micro_batch_size=cfg.train.micro_batch_size, temperature=r.temperature,
+                      clip_low=cfg.algo.clip_low, clip_high=cfg.algo.clip_high)
+    sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                              max_new_tokens=r.max_new_tokens, stop_token_ids=stop_ids)
+    eval_sampling = SamplingParams(temperature=0.0, max_new_tokens=cfg.eval.max_new_tokens or r.max_new_tokens,
+                                   stop_token_ids=stop_ids)
+    return Components(tokenizer, train_prompts, eval_prompts, PromptSampler(len(train_prompts), cfg.data.seed, cfg.data.shuffle),
+                      reward_fn, engine, trainer, sampling, eval_sampling)
+
+
+def make_run_dir(cfg: Config) -> Path:
+    if cfg.run.dir:
+        run_dir = Path(cfg.run.dir)
+        if run_dir.exists() and any(run_dir.iterdir()):
+            raise FileExistsError(f"run.dir={cfg.run.dir!r} already exists and is not empty; choose a new one")
+    else:
+        stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+        run_dir = Path("runs") / stamp
+        n = 1
+        while run_dir.exists():
+            run_dir, n = Path("runs") / f"{stamp}-{n}", n + 1
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return run_dir

@@ -1,0 +1,147 @@
+"""The data types that flow through every stage: Sample, Status, Completion, SamplingParams."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+
+class Status(str, enum.Enum):
+    PENDING = "pending"
+    COMPLETED = "completed"  # the engine stopped on a stop token
+    TRUNCATED = "truncated"  # hit max_new_tokens or the context window
+    ABORTED = "aborted"  # cancelled (weight update, shutdown); never trained on
+    FAILED = "failed"  # an error in generate, tools or reward; never trained on
+
+    @property
+    def trainable(self) -> bool:
+        return self in (Status.COMPLETED, Status.TRUNCATED)
+
+
+FinishReason = Literal["stop", "length", "abort"]
+_FINISH_TO_STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
+
+
+class SampleInvariantError(ValueError):
+    """A Sample's per-token lists disagree in length, or a value is out of range."""
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    max_new_tokens: int = 128
+    stop_token_ids: list[int] = field(default_factory=list)
+    seed: int | None = None
+
+
+@dataclass
+class Completion:
+    """What any engine returns for one prompt."""
+
+    token_ids: list[int]
+    logprobs: list[float] | None
+    finish_reason: FinishReason
+    weight_version: int
+
+
+@dataclass
+class Sample:
+    """One response to one prompt, with everything the trainer needs.
+
+    ``response_ids`` is everything after the prompt (tool output included); the
+    per-token lists ``rollout_logprobs``, ``loss_mask`` and ``weight_versions``
+    always have its length. Use :meth:`append` to grow a response.
+    """
+
+    prompt: str | list[dict]
+    prompt_ids: list[int]
+    label: Any = None
+    group_id: int = 0
+    index: int = 0
+    response_ids: list[int] = field(default_factory=list)
+    rollout_logprobs: list[float] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    weight_versions: list[int] = field(default_factory=list)
+    response_text: str = ""
+    reward: float | None = None
+    status: Status = Status.PENDING
+    metadata: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.check()
+
+    @property
+    def response_length(self) -> int:
+        return len(self.response_ids)
+
+    @property
+    def total_length(self) -> int:
+        return len(self.prompt_ids) + len(self.response_ids)
+
+    def append(
+        self,
+        ids: list[int],
+        logprobs: list[float] | None = None,
+        *,
+        trainable: bool = True,
+        weight_version: int = -1,
+    ) -> None:
+        """Append response tokens, keeping every per-token list in step.
+
+        Trainable tokens must come with their sampling logprobs (the trainer
+        compares against them); non-trainable tokens (tool output) get mask 0
+        and logprob 0.0.
+        """
+        ids = [int(t) for t in ids]
+        if logprobs is None:
+            if trainable and ids:
+                raise SampleInvariantError(
+                    f"sample group={self.group_id} index={self.index}: trainable tokens need logprobs"
+                )
+            logprobs = [0.0] * len(ids)
+        if len(logprobs) != len(ids):
+            raise SampleInvariantError(
+                f"sample group={self.group_id} index={self.index}: "
+                f"{len(ids)} token ids but {len(logprobs)} logprobs"
+            )
+        self.response_ids.extend(ids)
+        self.rollout_logprobs.extend(float(x) for x in logprobs)
+        self.loss_mask.extend([1 if trainable else 0] * len(ids))
+        self.weight_versions.extend([weight_version] * len(ids))
+        self.check()
+
+    def apply_completion(self, completion: Completion) -> None:
+        """Append an engine completion and set the status from its finish reason."""
+        self.append(completion.token_ids, completion.logprobs, weight_version=completion.weight_version)
+        self.status = _FINISH_TO_STATUS[completion.finish_reason]
+
+    def reset_response(self) -> None:
+        """Start the response over (a retried or requeued sample)."""
+        self.response_ids, self.rollout_logprobs = [], []
+        self.loss_mask, self.weight_versions = [], []
+        self.response_text, self.reward, self.status = "", None, Status.PENDING
+
+    def check(self) -> None:
+        n = len(self.response_ids)
+        lengths = {
+            "rollout_logprobs": len(self.rollout_logprobs),
+            "loss_mask": len(self.loss_mask),
+            "weight_versions": len(self.weight_versions),
+        }
+        bad = {k: v for k, v in lengths.items() if v != n}
+        if bad:
+            raise SampleInvariantError(
+                f"sample group={self.group_id} index={self.index}: response has {n} tokens but "
+                + ", ".join(f"{k} has {v}" for k, v in bad.items())
+            )
+        if any(m not in (0, 1) for m in self.loss_mask):
+            raise SampleInvariantError(
+                f"sample group={self.group_id} index={self.index}: loss_mask must hold only 0 and 1"
+            )
+        if not isinstance(self.status, Status):
+            raise SampleInvariantError(
+                f"sample group={self.group_id} index={self.index}: status {self.status!r} is not a Status"
+            )
