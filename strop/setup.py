@@ -53,7 +53,8 @@ def _context_window(model_path: str) -> int:
 
 
 def build(cfg: Config) -> Components:
-    """Everything a run needs. Cheap checks first: model path, data, reward, then the weights."""
+    """Everything a run needs. Cheap checks first: run dir, model path, data, reward, then the weights."""
+    check_run_dir(cfg)
     model_path = resolve_model_path(cfg.model.path)  # a missing path fails here
     tokenizer = load_tokenizer(model_path)
     reward_fn = resolve_reward(cfg.rollout.reward)
@@ -91,11 +92,16 @@ def build(cfg: Config) -> Components:
                       reward_fn, engine, trainer, sampling, eval_sampling)
 
 
+def check_run_dir(cfg: Config) -> None:
+    """Refuse an existing, non-empty run directory: a run never writes over another's outputs."""
+    if cfg.run.dir and Path(cfg.run.dir).exists() and any(Path(cfg.run.dir).iterdir()):
+        raise FileExistsError(f"run.dir={cfg.run.dir!r} already exists and is not empty; choose a new one")
+
+
 def make_run_dir(cfg: Config) -> Path:
+    check_run_dir(cfg)
     if cfg.run.dir:
         run_dir = Path(cfg.run.dir)
-        if run_dir.exists() and any(run_dir.iterdir()):
-            raise FileExistsError(f"run.dir={cfg.run.dir!r} already exists and is not empty; choose a new one")
     else:
         stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
         run_dir = Path("runs") / stamp

@@ -9,6 +9,7 @@ are dropped from the batch and the KV cache so the remaining rows decode faster.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import threading
 from dataclasses import dataclass
 
@@ -50,6 +51,9 @@ class EmbeddedEngine:
         self._flush_task: asyncio.Task | None = None
         self._abort = threading.Event()
         self._lock = threading.Lock()  # one batch at a time touches the model
+        # transformers renamed past_key_values to cache (5.x); pass whichever this model takes
+        params = inspect.signature(model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
 
     # ---- the async interface -------------------------------------------------------------
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Completion:
@@ -91,8 +95,10 @@ class EmbeddedEngine:
         for r in pending:
             if not r.future.done():
                 r.future.set_result(Completion([], [], "abort", self.weight_version))
-        with self._lock:  # wait for the running batch to notice
-            self._abort.clear()
+        # wait (off the event loop) for the running batch to notice, then accept new work
+        await asyncio.to_thread(self._lock.acquire)
+        self._abort.clear()
+        self._lock.release()
 
     async def health(self) -> bool:
         return True
@@ -152,8 +158,8 @@ class EmbeddedEngine:
                 input_ids=step_ids,
                 attention_mask=mask,
                 position_ids=step_pos,
-                past_key_values=cache,
                 use_cache=True,
+                **{self._cache_kwarg: cache},
                 logits_to_keep=1,
             )
             logits = out.logits[:, -1, :].float()  # (B, V)

@@ -1,0 +1,36 @@
+import logging
+
+import pytest
+import torch
+
+from tests.tiny import make_tiny_model
+
+logging.getLogger("math_verify").setLevel(logging.ERROR)
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir():
+    """The embedded model's folder (converted once from the packaged GGUF); we use its tokenizer."""
+    from strop.train.model import embedded_model_path
+
+    return embedded_model_path()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tokenizer_dir):
+    from strop.train.model import load_tokenizer
+
+    return load_tokenizer(str(tokenizer_dir))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, tokenizer):
+    path = tmp_path_factory.mktemp("tiny-llama")
+    make_tiny_model().save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture
+def tiny_model():
+    return make_tiny_model()

@@ -1,0 +1,16 @@
+"""Reward functions used by the tests (loaded by import path, like a user's plugin)."""
+
+from strop.types import Sample
+
+
+def even_token_reward(sample: Sample) -> float:
+    """Fraction of response tokens with an even id: varies between samples of a random model."""
+    return sum(t % 2 == 0 for t in sample.response_ids) / max(sample.response_length, 1)
+
+
+async def async_even_token_reward(sample: Sample) -> float:
+    return even_token_reward(sample)
+
+
+def not_a_number_reward(sample: Sample):
+    return "yes"

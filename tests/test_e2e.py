@@ -1,0 +1,110 @@
+"""Two RL steps of the real loop on a tiny random model, and bad input through the CLI."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from strop.cli import main
+from strop.config import build_config
+from strop.loop import train
+
+
+def tiny_overrides(model_dir, run_dir, **extra):
+    cfg = {
+        "model": {"path": str(model_dir)},
+        "data": {"size": 16, "eval_size": 4},
+        "rollout": {"prompts_per_step": 2, "n_samples_per_prompt": 4, "max_new_tokens": 8,
+                    "reward": "tests.plugins:even_token_reward"},
+        "train": {"steps": 2, "lr": 1e-3, "warmup_steps": 0, "micro_batch_size": 3},
+        "eval": {"every": 1},
+        "run": {"dir": str(run_dir), "progress": False},
+    }
+    for section, values in extra.items():
+        cfg[section] = {**cfg.get(section, {}), **values}
+    return cfg
+
+
+def test_two_rl_steps_change_every_parameter(tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    run_dir = tmp_path / "run"
+    summary = train(build_config(overrides=tiny_overrides(tiny_model_dir, run_dir)))
+    before = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    after = AutoModelForCausalLM.from_pretrained(run_dir / "final")
+    for (name, a), b in zip(after.named_parameters(), before.parameters()):
+        assert not torch.equal(a, b), f"{name} did not change"
+
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "reward_mean" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        for key in ("reward_mean", "accuracy", "response_length_mean", "entropy", "clip_fraction", "grad_norm",
+                    "train_rollout_logprob_abs_diff", "rollout_tokens_per_s", "train_tokens_per_s", "step_seconds"):
+            assert math.isfinite(r[key]), (key, r[key])
+        assert r["train_rollout_logprob_abs_diff"] < 1e-3
+        assert r["trained_samples"] > 0
+    assert [r["step"] for r in rows if "eval_accuracy" in r] == [0, 1, 2]
+    assert summary["steps"] == 2 and summary["eval_accuracy_first"] is not None
+    assert (run_dir / "curves.png").stat().st_size > 0 and (run_dir / "config.yaml").exists()
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 2
+
+
+def test_async_reward_function_works(tiny_model_dir, tmp_path):
+    cfg = tiny_overrides(tiny_model_dir, tmp_path / "run", rollout={"reward": "tests.plugins:async_even_token_reward"},
+                         train={"steps": 1}, run={"save_final": False, "plot": False})
+    assert train(build_config(overrides=cfg))["steps"] == 1
+
+
+def _cli(args, capsys):
+    code = main(["train", *args])
+    return code, capsys.readouterr().err
+
+
+def test_missing_model_path_fails_without_a_run_dir(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    code, err = _cli([f"--model.path={tmp_path / 'no-such-model'}", f"--run.dir={run_dir}"], capsys)
+    assert code == 1 and "no-such-model" in err and "does not exist" in err
+    assert not run_dir.exists()
+
+
+def test_malformed_jsonl_row_names_file_and_line(tiny_model_dir, tmp_path, capsys):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "1+1?", "label": "2"}\n{"prompt": "2+2?", "label": "4"\n')
+    run_dir = tmp_path / "run"
+    code, err = _cli([f"--model.path={tiny_model_dir}", "--data.source=file", f"--data.path={data}",
+                      f"--run.dir={run_dir}"], capsys)
+    assert code == 1 and f"{data}:2: not valid JSON" in err
+    assert not run_dir.exists()
+    data.write_text('{"question": "1+1?"}\n')
+    code, err = _cli([f"--model.path={tiny_model_dir}", "--data.source=file", f"--data.path={data}",
+                      f"--run.dir={run_dir}"], capsys)
+    assert code == 1 and f"{data}:1: missing prompt key 'prompt'" in err
+
+
+def test_unknown_config_key_fails_before_anything_loads(tmp_path, capsys):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("rollout:\n  n_samples: 4\n")
+    code, err = _cli([str(cfg), f"--run.dir={tmp_path / 'run'}"], capsys)
+    assert code == 2 and "rollout.n_samples: unknown key" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_prompt_longer_than_context_window(tiny_model_dir, tmp_path, capsys):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(json.dumps({"prompt": "short", "label": "1"}) + "\n" + json.dumps({"prompt": "word " * 400, "label": "1"}) + "\n")
+    code, err = _cli([f"--model.path={tiny_model_dir}", "--data.source=file", f"--data.path={data}",
+                      f"--run.dir={tmp_path / 'run'}"], capsys)
+    # the tiny model's window is 256 tokens; row 1 is about 400
+    assert code == 1 and "row 1: prompt has" in err and "context window" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_existing_run_dir_is_never_overwritten(tiny_model_dir, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "precious.txt").write_text("keep me")
+    code, err = _cli([f"--model.path={tiny_model_dir}", f"--run.dir={run_dir}"], capsys)
+    assert code == 1 and "already exists" in err
+    assert (run_dir / "precious.txt").read_text() == "keep me"

@@ -1,0 +1,100 @@
+import asyncio
+
+import pytest
+import torch
+
+from strop.engines.embedded import EmbeddedEngine, PromptTooLongError
+from strop.train.logprob import response_logprobs
+from strop.types import SamplingParams
+
+PROMPTS = [[5, 17, 230, 9], [44, 3], [8, 8, 8, 8, 8, 8, 1]]
+
+
+def make_engine(model, **kw):
+    return EmbeddedEngine(model, pad_token_id=0, default_stop_token_ids=[2], **kw)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_engine_logprobs_equal_a_full_forward(tiny_model, temperature):
+    engine = make_engine(tiny_model, seed=1)
+    outs = engine.generate_batch(PROMPTS, SamplingParams(temperature=temperature, max_new_tokens=12, top_k=50))
+    for prompt, out in zip(PROMPTS, outs):
+        ids = torch.tensor([prompt + out.token_ids])
+        positions = torch.arange(len(prompt), ids.shape[1]).unsqueeze(0)
+        with torch.no_grad():
+            lp, _ = response_logprobs(tiny_model, ids, torch.ones_like(ids), positions, temperature=temperature)
+        assert len(out.logprobs) == len(out.token_ids) > 0
+        torch.testing.assert_close(torch.tensor([out.logprobs]), lp, rtol=0, atol=1e-4)
+
+
+def test_length_stop_and_seeded_sampling(tiny_model):
+    engine = make_engine(tiny_model)
+    sp = SamplingParams(temperature=1.0, max_new_tokens=6, seed=123)
+    a = engine.generate_batch(PROMPTS, sp)
+    b = engine.generate_batch(PROMPTS[:1], sp)  # same seed, different batch: same tokens
+    assert a[0].token_ids == b[0].token_ids
+    for out in a:
+        assert out.finish_reason in ("stop", "length")
+        assert len(out.token_ids) <= 6
+        if out.finish_reason == "length":
+            assert len(out.token_ids) == 6
+    # make the first greedy token a stop token: generation ends after one token with "stop"
+    greedy = engine.generate_batch(PROMPTS[:1], SamplingParams(temperature=0, max_new_tokens=5))[0]
+    stopped = engine.generate_batch(PROMPTS[:1], SamplingParams(temperature=0, max_new_tokens=5,
+                                                               stop_token_ids=[greedy.token_ids[0]]))[0]
+    assert stopped.token_ids == greedy.token_ids[:1] and stopped.finish_reason == "stop"
+
+
+def test_top_k_one_is_greedy(tiny_model):
+    engine = make_engine(tiny_model)
+    greedy = engine.generate_batch(PROMPTS, SamplingParams(temperature=0, max_new_tokens=5))
+    topk1 = engine.generate_batch(PROMPTS, SamplingParams(temperature=1.0, top_k=1, max_new_tokens=5))
+    tiny_p = engine.generate_batch(PROMPTS, SamplingParams(temperature=1.0, top_p=1e-6, max_new_tokens=5))
+    assert [o.token_ids for o in greedy] == [o.token_ids for o in topk1] == [o.token_ids for o in tiny_p]
+
+
+def test_async_generate_batches_and_updates_weights(tiny_model):
+    from tests.tiny import make_tiny_model
+
+    engine = make_engine(tiny_model)
+    sp = SamplingParams(temperature=0, max_new_tokens=4)
+
+    async def run():
+        return await asyncio.gather(*(engine.generate(p, sp) for p in PROMPTS))
+
+    before = asyncio.run(run())
+    assert [o.token_ids for o in before] == [o.token_ids for o in engine.generate_batch(PROMPTS, sp)]
+    assert all(o.weight_version == 0 for o in before)
+    other = make_tiny_model(seed=99).state_dict()
+    assert asyncio.run(engine.update_weights(other, version=5)) == 5
+    after = asyncio.run(run())
+    assert all(o.weight_version == 5 for o in after)
+    # new weights give a different distribution (the tiny model's greedy tokens may coincide)
+    assert [o.logprobs for o in after] != [o.logprobs for o in before]
+
+
+def test_abort_all_ends_running_and_queued_requests(tiny_model):
+    engine = make_engine(tiny_model, context_window=100_000, max_batch_size=1)
+    long = SamplingParams(max_new_tokens=20_000, stop_token_ids=[-1])  # would run for minutes
+
+    async def run():
+        running = asyncio.ensure_future(engine.generate(PROMPTS[0], long))
+        queued = asyncio.ensure_future(engine.generate(PROMPTS[1], long))  # waits: batch size 1
+        while not engine._lock.locked():  # the first batch is decoding
+            await asyncio.sleep(0.01)
+        await engine.abort_all()
+        return await asyncio.wait_for(asyncio.gather(running, queued), timeout=60)
+
+    running, queued = asyncio.run(run())
+    assert running.finish_reason == "abort" and 0 < len(running.token_ids) < 20_000
+    assert len(running.logprobs) == len(running.token_ids)
+    assert queued.finish_reason == "abort" and queued.token_ids == []
+    # the engine still serves after an abort
+    again = engine.generate_batch(PROMPTS[:1], SamplingParams(max_new_tokens=3, stop_token_ids=[-1]))[0]
+    assert again.finish_reason == "length" and len(again.token_ids) == 3
+
+
+def test_prompt_longer_than_context_is_rejected(tiny_model):
+    engine = make_engine(tiny_model, context_window=8)
+    with pytest.raises(PromptTooLongError, match="9 tokens; the context window is 8"):
+        engine.generate_batch([list(range(1, 10))], SamplingParams())
