@@ -76,6 +76,8 @@ class Trainer:
         has_signal = bool(active)
         if not has_signal:  # forward one micro-batch anyway so the step still measures logprobs
             active = list(range(min(self.micro_batch_size, len(samples))))
+        # similar lengths share a micro-batch: less right-padding, same loss (the sum is order-free)
+        active.sort(key=lambda i: samples[i].total_length)
 
         sums = {"loss": 0.0, "abs_diff": 0.0, "entropy": 0.0, "clipped": 0.0, "tokens": 0.0}
         train_tokens = 0

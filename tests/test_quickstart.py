@@ -1,0 +1,43 @@
+"""A shortened quickstart on the real embedded model (slow; CI runs it)."""
+
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+
+from strop.config import build_config
+from strop.loop import train
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_shortened_quickstart(tmp_path):
+    cfg = build_config(overrides={
+        "data": {"eval_size": 16},
+        "rollout": {"prompts_per_step": 4, "n_samples_per_prompt": 4},
+        "train": {"steps": 2},
+        "eval": {"every": 0},
+        "run": {"dir": str(tmp_path / "run"), "progress": False},
+    })
+    summary = train(cfg)
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "reward_mean" in r]
+    assert len(steps) == 2 and summary["steps"] == 2
+    for r in steps:
+        assert all(math.isfinite(v) for v in r.values() if isinstance(v, float)), r
+        # engine and trainer run the same fp32 weights: their logprobs agree
+        assert r["train_rollout_logprob_abs_diff"] < 1e-3
+    assert 0.0 <= summary["eval_accuracy_first"] <= 1.0 and summary["eval_accuracy_last"] is not None
+    assert (tmp_path / "run" / "final" / "config.json").exists()
+
+
+def test_ci_runs_the_readme_test_command():
+    readme = (ROOT / "README.md").read_text()
+    block = re.search(r"## Quick start.*?```bash\n(.*?)```", readme, re.S).group(1).strip().splitlines()
+    assert len(block) == 2, "the Quick start is exactly two commands"
+    assert "strop train" in block[0] and "pytest" in block[1]
+    assert block[1] in (ROOT / ".ci" / "run").read_text()
