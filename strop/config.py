@@ -79,10 +79,10 @@ class DataConfig(_Section):
 class RolloutConfig(_Section):
     prompts_per_step: int = Field(8, gt=0, description="prompts drawn per RL step")
     n_samples_per_prompt: int = Field(8, gt=0, description="responses sampled per prompt (group size)")
-    temperature: float = Field(1.0, ge=0, description="sampling temperature (also applied to training logits)")
+    temperature: float = Field(0.8, ge=0, description="sampling temperature (also applied to training logits)")
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling mass")
     top_k: int = Field(0, ge=0, description="top-k sampling (0 = off)")
-    max_new_tokens: int = Field(64, gt=0, description="response length limit")
+    max_new_tokens: int = Field(48, gt=0, description="response length limit")
     max_batch_size: int = Field(64, gt=0, description="embedded engine: most sequences decoded together")
     reward: str = Field(
         "math",
@@ -99,8 +99,8 @@ class AlgoConfig(_Section):
 
 
 class TrainConfig(_Section):
-    steps: int = Field(20, gt=0, description="RL steps (rollout + one optimizer step each)")
-    lr: float = Field(1e-5, gt=0, description="AdamW learning rate")
+    steps: int = Field(15, gt=0, description="RL steps (rollout + one optimizer step each)")
+    lr: float = Field(3e-5, gt=0, description="AdamW learning rate")
     warmup_steps: int = Field(2, ge=0, description="linear learning-rate warm-up steps")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     betas: tuple[float, float] = Field((0.9, 0.99), description="AdamW betas")

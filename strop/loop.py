@@ -56,6 +56,18 @@ def train(cfg: Config) -> dict:
         log.log({"step": step, "eval_accuracy": evals[-1], "eval_seconds": time.perf_counter() - t})
         progress.update(eval_acc=evals[-1])
 
+    try:
+        _steps(cfg, c, ctx, log, clock, progress, maybe_eval)
+    except BaseException as exc:  # leave a summary that says the run did not finish, then re-raise
+        write_summary(run_dir, {"status": "failed", "error": f"{type(exc).__name__}: {exc}",
+                                "steps": sum("reward_mean" in r for r in log.rows), "wall_seconds": round(clock(), 1)})
+        raise
+    finally:
+        progress.close()
+    return finish(cfg, c, run_dir, log, evals, clock())
+
+
+def _steps(cfg, c, ctx, log, clock, progress, maybe_eval) -> None:
     maybe_eval(0, force=True)
     for step in range(1, cfg.train.steps + 1):
         t_step, ctx.step = time.perf_counter(), step
@@ -76,8 +88,6 @@ def train(cfg: Config) -> dict:
         if step < cfg.train.steps:
             maybe_eval(step)
     maybe_eval(cfg.train.steps, force=True)
-    progress.close()
-    return finish(cfg, c, run_dir, log, evals, clock())
 
 
 def finish(cfg: Config, c: Components, run_dir: Path, log: MetricsLog, evals: list[float], seconds: float) -> dict:
@@ -88,6 +98,7 @@ def finish(cfg: Config, c: Components, run_dir: Path, log: MetricsLog, evals: li
         plot_curves(log.rows, run_dir / "curves.png")
     train_rows = [r for r in log.rows if "reward_mean" in r]
     summary = {
+        "status": "completed",
         "steps": len(train_rows),
         "wall_seconds": round(seconds, 1),
         "eval_accuracy_first": evals[0] if evals else None,
