@@ -108,3 +108,15 @@ def test_existing_run_dir_is_never_overwritten(tiny_model_dir, tmp_path, capsys)
     code, err = _cli([f"--model.path={tiny_model_dir}", f"--run.dir={run_dir}"], capsys)
     assert code == 1 and "already exists" in err
     assert (run_dir / "precious.txt").read_text() == "keep me"
+
+
+def test_a_reward_that_is_not_a_number_stops_the_run_cleanly(tiny_model_dir, tmp_path):
+    from strop.rollout.generate import RewardError
+
+    run_dir = tmp_path / "run"
+    cfg = tiny_overrides(tiny_model_dir, run_dir, rollout={"reward": "tests.plugins:not_a_number_reward"})
+    with pytest.raises(RewardError, match=r"not_a_number_reward.*returned 'yes'.*sample group="):
+        train(build_config(overrides=cfg))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed" and "RewardError" in summary["error"]
+    assert not (run_dir / "final").exists()
