@@ -33,7 +33,7 @@ def main() -> None:
     tok = load_tokenizer(args.model)
     model = load_model(args.model).eval()
     engine = EmbeddedEngine(model, pad_token_id=tok.pad_token_id, max_batch_size=max(args.batch))
-    questions = [f"What is {a} plus {b}? Explain step by step." for a, b in zip(range(3, 300, 7), range(11, 500, 13))]
+    questions = [f"What is {3 + 7 * i} plus {11 + 13 * i}? Explain step by step." for i in range(max(args.batch))]
     print(f"| batch | new tokens | HF generate tok/s | strop engine tok/s | ratio (strop / HF) |")
     print(f"|---|---|---|---|---|")
     for batch in args.batch:
@@ -50,7 +50,7 @@ def main() -> None:
                 out = model.generate(**enc, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
                                      max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
                                      pad_token_id=tok.pad_token_id)
-            hf = (out.shape[1] - enc["input_ids"].shape[1]) * batch / (time.perf_counter() - t)
+            hf = (out.shape[1] - enc["input_ids"].shape[1]) * out.shape[0] / (time.perf_counter() - t)
             # strop's engine
             sp = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens, stop_token_ids=[-1])
             t = time.perf_counter()

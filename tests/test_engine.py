@@ -98,3 +98,23 @@ def test_prompt_longer_than_context_is_rejected(tiny_model):
     engine = make_engine(tiny_model, context_window=8)
     with pytest.raises(PromptTooLongError, match="9 tokens; the context window is 8"):
         engine.generate_batch([list(range(1, 10))], SamplingParams())
+
+
+def test_sampling_frequencies_follow_the_filtered_distribution(tiny_model):
+    engine = make_engine(tiny_model, seed=0)
+    n = 20_000
+    logits = torch.tensor([[0.0, 1.0, 2.0, -1.0]]).repeat(n, 1)
+    ones, no_k = torch.ones(n), torch.zeros(n, dtype=torch.long)
+    tokens, logprobs = engine._sample(logits, ones * 0.5, ones, no_k, [None] * n)
+    expected = torch.softmax(logits[0] / 0.5, -1)
+    torch.testing.assert_close(torch.bincount(tokens, minlength=4) / n, expected, rtol=0, atol=0.015)
+    # logprobs are those of the temperature-scaled distribution, whatever was drawn
+    torch.testing.assert_close(logprobs, expected.log()[tokens])
+    # top-k 2 keeps tokens 2 and 1 only, renormalised
+    tokens, _ = engine._sample(logits, ones, ones, no_k + 2, [None] * n)
+    freq = torch.bincount(tokens, minlength=4) / n
+    p = torch.softmax(torch.tensor([1.0, 2.0]), -1)
+    torch.testing.assert_close(freq, torch.tensor([0.0, p[0], p[1], 0.0]), rtol=0, atol=0.015)
+    # top-p 0.7: token 2 (0.665) alone does not reach 0.7, so token 1 joins; 0 and 3 are cut
+    tokens, _ = engine._sample(logits, ones, ones * 0.7, no_k, [None] * n)
+    assert set(tokens.tolist()) == {1, 2}

@@ -167,10 +167,9 @@ class EmbeddedEngine:
             tokens, logprobs = self._sample(logits, temperature[active], top_p[active], top_k[active],
                                             [generators[r] for r in rows])
             keep = []
-            for j, r in enumerate(rows):
-                tok = int(tokens[j])
+            for j, (r, tok, lp) in enumerate(zip(rows, tokens.tolist(), logprobs.tolist())):
                 out_ids[r].append(tok)
-                out_lp[r].append(float(logprobs[j]))
+                out_lp[r].append(lp)
                 if tok in stop_sets[r]:
                     finish[r] = "stop"
                 elif len(out_ids[r]) >= budgets[r]:
@@ -193,28 +192,32 @@ class EmbeddedEngine:
     def _sample(self, logits, temperature, top_p, top_k, generators):
         """Pick one token per row; return it and its logprob under logits / temperature."""
         greedy = temperature <= 0
-        scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature).unsqueeze(-1)
-        logprobs_all = torch.log_softmax(scaled, dim=-1)  # (B, V): the distribution the trainer sees
-        filtered = scaled.clone()
+        scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature).unsqueeze(-1)  # (B, V)
+        filtered = scaled
         if bool((top_k > 0).any()):
             k = torch.where(top_k > 0, top_k, torch.full_like(top_k, logits.shape[-1]))
             kth = torch.sort(filtered, dim=-1, descending=True).values.gather(-1, (k - 1).unsqueeze(-1))
             filtered = filtered.masked_fill(filtered < kth, float("-inf"))
         if bool((top_p < 1.0).any()):
             sorted_logits, order = torch.sort(filtered, dim=-1, descending=True)
-            cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+            probs_sorted = torch.softmax(sorted_logits, dim=-1)
             # drop a token when the mass before it already reaches top_p (the first always stays)
-            drop_sorted = (cum - torch.softmax(sorted_logits, dim=-1)) >= top_p.unsqueeze(-1)
+            drop_sorted = (probs_sorted.cumsum(-1) - probs_sorted) >= top_p.unsqueeze(-1)
             drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
             filtered = filtered.masked_fill(drop, float("-inf"))
-        probs = torch.softmax(filtered, dim=-1)
-        # exponential race (Gumbel-max in disguise): argmax p / E with E ~ Exp(1)
-        noise = torch.empty_like(probs)
+        # inverse-CDF sampling: one uniform number per row (drawing a Gumbel or exponential
+        # per vocabulary entry costs more than a whole decoder layer on a CPU)
+        cdf = torch.softmax(filtered, dim=-1).cumsum(-1)  # (B, V)
+        uniform = torch.empty(len(cdf), 1)
         if all(g is None for g in generators):
-            noise.exponential_(generator=self.generator)
+            uniform.uniform_(generator=self.generator)
         else:
             for i, g in enumerate(generators):
-                noise[i].exponential_(generator=g if g is not None else self.generator)
-        sampled = torch.argmax(probs / noise, dim=-1)
+                uniform[i].uniform_(generator=g if g is not None else self.generator)
+        # u in (0, total]: the first index whose cdf reaches u always carries probability mass
+        targets = (1.0 - uniform) * cdf[:, -1:]
+        sampled = torch.searchsorted(cdf, targets).squeeze(-1).clamp(max=cdf.shape[-1] - 1)
         tokens = torch.where(greedy, torch.argmax(logits, dim=-1), sampled)
-        return tokens, logprobs_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        # logprob under the full temperature-scaled distribution (what the trainer computes)
+        logprobs = scaled.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scaled, dim=-1)
+        return tokens, logprobs
