@@ -10,7 +10,8 @@ import sys
 USAGE = """strop: RL post-training for LLMs
 
 commands:
-  strop train [CONFIG.yaml] [--section.key=value ...]   run GRPO (no arguments: the embedded default)
+  strop train [CONFIG.yaml] [--preset NAME] [--section.key=value ...]
+                                                        run RL (no arguments: GRPO on the embedded default)
   strop train --help                                    list every option
 """
 
@@ -27,11 +28,18 @@ def _quiet_libraries() -> None:
 def train_main(argv: list[str]) -> int:
     from strop.config import ConfigError, build_config, parse_overrides
 
-    yaml_path = None
+    yaml_path, preset = None, None
     if argv and not argv[0].startswith("-"):
         yaml_path, argv = argv[0], argv[1:]
+    for i, arg in enumerate(argv):  # --preset NAME / --preset=NAME picks an algorithm preset
+        if arg == "--preset" and i + 1 < len(argv):
+            preset, argv = argv[i + 1], argv[:i] + argv[i + 2 :]
+            break
+        if arg.startswith("--preset="):
+            preset, argv = arg.split("=", 1)[1], argv[:i] + argv[i + 1 :]
+            break
     try:
-        cfg = build_config(yaml_path, parse_overrides(argv))
+        cfg = build_config(yaml_path, parse_overrides(argv), preset=preset)
     except ConfigError as exc:
         print(f"strop train: {exc}", file=sys.stderr)
         return 2

@@ -93,9 +93,48 @@ class RolloutConfig(_Section):
 
 
 class AlgoConfig(_Section):
-    normalize_std: bool = Field(True, description="GRPO: divide group-centred rewards by the group std")
-    clip_low: float = Field(0.2, ge=0, description="PPO clip: lower epsilon (ratio >= 1 - clip_low)")
-    clip_high: float = Field(0.2, ge=0, description="PPO clip: upper epsilon (ratio <= 1 + clip_high)")
+    estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "ppo"] = Field(
+        "grpo", description="advantage estimator (docs/algorithms.md); 'ppo' trains a critic with GAE")
+    normalize_std: bool = Field(True, description="grpo: divide group-centred rewards by the group std")
+    policy_loss: Literal["ppo_clip", "gspo", "cispo"] = Field("ppo_clip", description="policy loss")
+    clip_low: float = Field(0.2, ge=0, description="clip: lower epsilon (ratio >= 1 - clip_low)")
+    clip_high: float = Field(0.2, ge=0, description="clip: upper epsilon (ratio <= 1 + clip_high)")
+    dual_clip: float | None = Field(None, gt=1, description="ppo_clip: cap the loss of A<0 tokens at -A*dual_clip")
+    loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = Field(
+        "token_mean", description="how per-token losses reduce to the step loss (docs/algorithms.md)")
+    loss_agg_constant: float | None = Field(
+        None, gt=0, description="seq_mean_token_sum_norm: the constant normaliser (default rollout.max_new_tokens)")
+    kl_coef: float = Field(0.0, ge=0, description="weight of the KL-to-reference loss term (0 = off)")
+    kl_kind: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator of the loss term")
+    kl_importance_weighted: bool = Field(
+        False, description="weight the KL loss by pi/pi_old (unbiased when samples come from pi_old)")
+    kl_in_reward_coef: float = Field(0.0, ge=0, description="KL penalty folded into token rewards (reinforce_pp, ppo)")
+    kl_in_reward_kind: Literal["k1", "k2", "k3"] = Field("k1", description="KL estimator of the reward penalty")
+    ref_mode: Literal["copy", "swap"] = Field(
+        "copy", description="reference policy: a frozen copy, or its weights swapped into the training model")
+    entropy_coef: float = Field(0.0, ge=0, description="entropy bonus weight (0 = off)")
+    gamma: float = Field(1.0, ge=0, le=1, description="discount (reinforce_pp, ppo)")
+    lam: float = Field(0.95, ge=0, le=1, description="GAE lambda (ppo)")
+    critic_lr: float = Field(1e-5, gt=0, description="ppo: critic learning rate")
+    value_clip: float | None = Field(0.2, gt=0, description="ppo: value-loss clip range (null = unclipped)")
+    use_rollout_logprobs: bool = Field(False, description="the engine's logprobs serve as the old policy")
+    tis_cap: float | None = Field(None, gt=0, description="truncated importance sampling: cap C of pi_old/pi_rollout")
+    mis_low: float | None = Field(None, ge=0, description="masked importance sampling: drop ratio < mis_low")
+    mis_high: float | None = Field(None, gt=0, description="masked importance sampling: drop ratio > mis_high")
+    mis_level: Literal["token", "sequence"] = Field("token", description="masked importance sampling per token or sequence")
+
+    @model_validator(mode="after")
+    def _check_algo(self):
+        if self.mis_low is not None and self.mis_high is not None and self.mis_low >= self.mis_high:
+            raise ValueError("algo.mis_low must be below algo.mis_high")
+        if self.dual_clip is not None and self.policy_loss != "ppo_clip":
+            raise ValueError("algo.dual_clip applies to policy_loss='ppo_clip' only")
+        if self.kl_in_reward_coef and self.estimator not in ("reinforce_pp", "reinforce_pp_baseline", "ppo"):
+            raise ValueError("algo.kl_in_reward_coef needs a token-level estimator (reinforce_pp*, ppo); "
+                             "use algo.kl_coef for a KL loss term with grpo/dr_grpo/rloo")
+        if self.policy_loss == "cispo" and self.clip_low > 1:
+            raise ValueError("algo.clip_low above 1 would allow negative CISPO weights")
+        return self
 
 
 class TrainConfig(_Section):
@@ -106,6 +145,7 @@ class TrainConfig(_Section):
     betas: tuple[float, float] = Field((0.9, 0.99), description="AdamW betas")
     grad_clip: float = Field(1.0, gt=0, description="clip the global gradient norm to this")
     micro_batch_size: int = Field(16, gt=0, description="samples per forward/backward (gradient accumulation)")
+    mini_batches: int = Field(1, gt=0, description="optimizer steps per rollout batch (PPO-style reuse)")
     seed: int = Field(0, description="torch seed")
 
 
@@ -173,9 +213,19 @@ def parse_overrides(args: list[str], prog: str = "strop train") -> dict:
     return source()
 
 
-def build_config(yaml_path: str | None = None, overrides: dict | None = None) -> Config:
+def build_config(yaml_path: str | None = None, overrides: dict | None = None, preset: str | None = None) -> Config:
+    """Defaults < preset < YAML file < overrides. A YAML file may name a preset with ``preset: NAME``."""
+    from strop.presets import PRESETS
+
     data: dict = load_yaml(yaml_path) if yaml_path else {}
+    preset = preset or data.pop("preset", None)
+    if preset is not None:
+        if preset not in PRESETS:
+            raise ConfigError(f"unknown preset {preset!r}; expected one of {sorted(PRESETS)}")
+        data = _deep_merge(PRESETS[preset], data)
     origin = f"file {yaml_path!r}" if yaml_path else "defaults"
+    if preset:
+        origin += f" + preset {preset!r}"
     if overrides:
         data = _deep_merge(data, overrides)
         origin += " + command line"

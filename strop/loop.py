@@ -9,7 +9,6 @@ from pathlib import Path
 
 import torch
 
-from strop.algo.advantages import grpo_advantages
 from strop.config import Config, save_config
 from strop.observe.metrics import MetricsLog, Progress, Timer, plot_curves, write_summary
 from strop.rollout.generate import RolloutContext, rollout_groups
@@ -35,10 +34,7 @@ def train(cfg: Config) -> dict:
             asyncio.run(rollout_groups(ctx, groups, c.sampling, c.reward_fn))
             metrics = rollout_metrics(groups, time.perf_counter() - t_step)
             samples = [s for g in groups for s in g if s.status.trainable]  # aborted / failed never train
-            advantages = grpo_advantages(torch.tensor([s.reward for s in samples]),
-                                         torch.tensor([s.group_id for s in samples]),
-                                         normalize_std=cfg.algo.normalize_std)
-            metrics |= c.trainer.step(samples, advantages)
+            metrics |= c.trainer.step(samples)  # advantages, loss, optimizer step(s)
             asyncio.run(c.engine.update_weights(c.trainer.state_dict(), version=step))
             log.log(metrics | {"step": step, "step_seconds": time.perf_counter() - t_step, "elapsed_seconds": clock()})
             progress.update(1, reward=metrics["reward_mean"])
@@ -73,6 +69,8 @@ def rollout_metrics(groups, seconds: float) -> dict:
         "reward_mean": statistics.fmean(rewards) if rewards else float("nan"),
         "accuracy": sum(r >= 1.0 for r in rewards) / max(len(rewards), 1),
         "response_length_mean": statistics.fmean(lengths),
+        "response_length_min": min(lengths),
+        "response_length_max": max(lengths),
         "truncated_fraction": sum(s.status.value == "truncated" for s in samples) / len(samples),
         "zero_advantage_group_fraction": sum(len({s.reward for s in g}) == 1 for g in groups) / len(groups),
         "rollout_tokens_per_s": sum(lengths) / seconds,

@@ -80,10 +80,8 @@ def build(cfg: Config) -> Components:
                             max_batch_size=cfg.rollout.max_batch_size, context_window=context_window,
                             seed=cfg.rollout.seed)
     r = cfg.rollout
-    trainer = Trainer(policy, pad_token_id=tokenizer.pad_token_id, lr=cfg.train.lr, warmup_steps=cfg.train.warmup_steps,
-                      weight_decay=cfg.train.weight_decay, betas=cfg.train.betas, grad_clip=cfg.train.grad_clip,
-                      micro_batch_size=cfg.train.micro_batch_size, temperature=r.temperature,
-                      clip_low=cfg.algo.clip_low, clip_high=cfg.algo.clip_high)
+    trainer = Trainer(policy, pad_token_id=tokenizer.pad_token_id, train=cfg.train, algo=cfg.algo,
+                      temperature=r.temperature, max_new_tokens=r.max_new_tokens)
     sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                               max_new_tokens=r.max_new_tokens, stop_token_ids=stop_ids)
     eval_sampling = SamplingParams(temperature=0.0, max_new_tokens=cfg.eval.max_new_tokens or r.max_new_tokens,

@@ -12,13 +12,14 @@ import torch
 
 def response_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                       response_positions: torch.Tensor, *, temperature: float = 1.0,
-                      with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      with_entropy: bool = False, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprobs of the tokens at ``response_positions`` under ``log_softmax(logits / temperature)``.
 
     input_ids, attention_mask: (B, L), right-padded. response_positions: (B, T)
     indices into L of each response token (padding entries may repeat any
     valid index; the caller masks them). Returns logprobs (B, T) and, if asked,
-    the entropy (B, T) of the same distribution (detached: a metric).
+    the entropy (B, T) of the same distribution (detached unless ``entropy_grad``:
+    an entropy bonus needs its gradient, a metric does not).
     """
     backbone = model.get_decoder() if hasattr(model, "get_decoder") else model.model
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
@@ -34,6 +35,6 @@ def response_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     logprobs = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     entropy = None
     if with_entropy:
-        with torch.no_grad():
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
             entropy = -(logp_all.exp() * logp_all).sum(-1)
     return logprobs, entropy

@@ -1,15 +1,31 @@
-"""One process trainer: a batch of scored Samples → one optimizer step."""
+"""One-process trainer: a batch of scored Samples → advantages → optimizer step(s).
+
+Per step: (1) forward passes that must see the pre-update weights (old policy,
+reference policy, critic values) where the configuration needs them; (2) the
+advantage estimator; (3) for each mini-batch, micro-batches with gradient
+accumulation and one optimizer step; (4) the critic's update (PPO).
+Loss normalisers are counted over the whole mini-batch before any forward, so
+the update does not depend on the micro-batch split.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import math
 import time
+from dataclasses import dataclass
 
 import torch
 
-from strop.algo.losses import ppo_clip_loss
+from strop.algo import advantages as adv_fns
+from strop.algo.kl import importance_weighted_kl, kl_estimate
+from strop.algo.losses import aggregate, cispo_loss, gspo_loss, ppo_clip_loss, rollout_correction, value_loss
+from strop.train.critic import ValueModel
 from strop.train.logprob import response_logprobs
 from strop.types import Sample
+
+SCALAR_ESTIMATORS = ("grpo", "dr_grpo", "rloo")  # one advantage per sample
 
 
 def collate(samples: list[Sample], pad_token_id: int) -> dict[str, torch.Tensor]:
@@ -21,113 +37,319 @@ def collate(samples: list[Sample], pad_token_id: int) -> dict[str, torch.Tensor]
     attention_mask = torch.zeros((B, L), dtype=torch.long)
     positions = torch.zeros((B, T), dtype=torch.long)
     loss_mask = torch.zeros((B, T), dtype=torch.float32)
+    response_mask = torch.zeros((B, T), dtype=torch.float32)
     rollout_logprobs = torch.zeros((B, T), dtype=torch.float32)
     for i, s in enumerate(samples):
         P, R = len(s.prompt_ids), s.response_length
         input_ids[i, : P + R] = torch.tensor(s.prompt_ids + s.response_ids)
         attention_mask[i, : P + R] = 1
         positions[i, :R] = torch.arange(P, P + R)
-        positions[i, R:] = P  # padding entries point at a real token; loss_mask hides them
+        positions[i, R:] = P  # padding entries point at a real token; the masks hide them
         loss_mask[i, :R] = torch.tensor(s.loss_mask, dtype=torch.float32)
+        response_mask[i, :R] = 1.0
         rollout_logprobs[i, :R] = torch.tensor(s.rollout_logprobs)
     return {"input_ids": input_ids, "attention_mask": attention_mask, "positions": positions,
-            "loss_mask": loss_mask, "rollout_logprobs": rollout_logprobs}
+            "loss_mask": loss_mask, "response_mask": response_mask, "rollout_logprobs": rollout_logprobs}
+
+
+@dataclass
+class _Batch:
+    """Per-sample tensors of one step, padded to the step's longest response (N, T)."""
+
+    samples: list[Sample]
+    rewards: torch.Tensor  # (N,)
+    group_ids: torch.Tensor  # (N,)
+    loss_mask: torch.Tensor
+    response_mask: torch.Tensor
+    rollout_logprobs: torch.Tensor
+    old_logprobs: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
+    old_values: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None  # (N, T)
+    returns: torch.Tensor | None = None  # (N, T), critic targets
+
+
+def _pad_rows(rows: list[torch.Tensor], T: int) -> torch.Tensor:
+    out = torch.zeros(len(rows), T)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = r
+    return out
 
 
 class Trainer:
-    def __init__(self, model, *, pad_token_id: int, lr: float, warmup_steps: int = 0,
-                 weight_decay: float = 0.0, betas=(0.9, 0.99), grad_clip: float = 1.0,
-                 micro_batch_size: int = 16, temperature: float = 1.0, clip_low: float = 0.2,
-                 clip_high: float = 0.2, skip_zero_advantage: bool = True):
+    def __init__(self, model, *, pad_token_id: int, train, algo, temperature: float = 1.0,
+                 max_new_tokens: int = 1024):
+        """``train`` and ``algo`` are the config sections (TrainConfig, AlgoConfig)."""
         self.model = model.train()
         self.pad_token_id = pad_token_id
-        self.grad_clip = grad_clip
-        self.micro_batch_size = micro_batch_size
+        self.cfg, self.algo = train, algo
         self.temperature = temperature if temperature > 0 else 1.0
-        self.clip_low, self.clip_high = clip_low, clip_high
-        self.skip_zero_advantage = skip_zero_advantage
-        params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=lr, betas=tuple(betas), weight_decay=weight_decay)
-        # linear warm-up to lr, then constant
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: min(1.0, (step + 1) / (warmup_steps + 1)) if warmup_steps else 1.0
-        )
+        self.max_new_tokens = max_new_tokens
+        self.optimizer, self.scheduler = self._make_optimizer(self.model, train.lr)
+        self.needs_ref = bool(algo.kl_coef or algo.kl_in_reward_coef)
+        self.ref_model, self.ref_state = None, None
+        if self.needs_ref:
+            if algo.ref_mode == "copy":  # a frozen copy of the initial policy
+                self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+            else:  # "swap": keep only the initial weights and swap them into the training module
+                self.ref_state = {k: p.detach().clone() for k, p in model.named_parameters()}
+        self.critic = None
+        if algo.estimator == "ppo":
+            self.critic = ValueModel.from_causal_lm(copy.deepcopy(model)).train()
+            self.critic_optimizer, self.critic_scheduler = self._make_optimizer(self.critic, algo.critic_lr)
         self.steps_done = 0
 
-    def step(self, samples: list[Sample], advantages: torch.Tensor) -> dict[str, float]:
-        """One optimizer step on ``samples`` (advantages: one per sample).
+    def _make_optimizer(self, module, lr):
+        params = [p for p in module.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=lr, betas=tuple(self.cfg.betas), weight_decay=self.cfg.weight_decay)
+        warmup = self.cfg.warmup_steps  # counted in optimizer steps; linear warm-up, then constant
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / (warmup + 1)) if warmup else 1.0)
+        return opt, sched
 
-        Only COMPLETED and TRUNCATED samples reach the loss. The loss is the
-        token mean over every loss token of the step, whatever the micro-batch
-        split. Samples whose advantage is exactly zero carry zero gradient, so
-        (with ``skip_zero_advantage``) they are not forwarded at all; they
-        still count in the token-mean denominator.
-        """
+    # ---- forward passes -------------------------------------------------------------------------
+    def _logprobs(self, batch: dict, *, with_entropy: bool = False, entropy_grad: bool = False, model=None):
+        return response_logprobs(model or self.model, batch["input_ids"], batch["attention_mask"], batch["positions"],
+                                 temperature=self.temperature, with_entropy=with_entropy, entropy_grad=entropy_grad)
+
+    @torch.no_grad()
+    def _pre_pass(self, b: _Batch, need_old: bool) -> None:
+        """Everything that must see pre-update weights: old and reference logprobs, critic values."""
+        N, T = b.loss_mask.shape
+        olds, refs, values = [], [], []
+        mb = self.cfg.micro_batch_size
+        for start in range(0, N, mb):
+            chunk = b.samples[start : start + mb]
+            batch = collate(chunk, self.pad_token_id)
+            if need_old:
+                olds += list(self._logprobs(batch)[0])
+            if self.needs_ref:
+                if self.ref_model is not None:
+                    refs += list(self._logprobs(batch, model=self.ref_model)[0])
+                else:
+                    with swapped_weights(self.model, self.ref_state):
+                        refs += list(self._logprobs(batch)[0])
+            if self.critic is not None:
+                values += list(self.critic(batch["input_ids"], batch["attention_mask"], batch["positions"]))
+        if need_old:
+            b.old_logprobs = _pad_rows(olds, T) * b.response_mask
+        if self.needs_ref:
+            b.ref_logprobs = _pad_rows(refs, T) * b.response_mask
+        if self.critic is not None:
+            b.old_values = _pad_rows(values, T) * b.response_mask
+
+    # ---- advantages -----------------------------------------------------------------------------
+    def _advantages(self, b: _Batch) -> None:
+        a, est = self.algo, self.algo.estimator
+        if est in SCALAR_ESTIMATORS:
+            if est == "rloo":
+                scalar = adv_fns.rloo_advantages(b.rewards, b.group_ids)
+            else:
+                scalar = adv_fns.grpo_advantages(b.rewards, b.group_ids,
+                                                 normalize_std=a.normalize_std and est == "grpo")
+            b.advantages = scalar.unsqueeze(-1) * b.response_mask
+            return
+        kl = None
+        if a.kl_in_reward_coef:
+            policy_lp = b.old_logprobs if b.old_logprobs is not None else b.rollout_logprobs
+            kl = kl_estimate(policy_lp, b.ref_logprobs, a.kl_in_reward_kind) * b.response_mask
+        if est in ("reinforce_pp", "reinforce_pp_baseline"):
+            b.advantages = adv_fns.reinforce_pp_advantages(
+                b.rewards, b.group_ids, b.response_mask, kl=kl, kl_coef=a.kl_in_reward_coef, gamma=a.gamma,
+                baseline=est == "reinforce_pp_baseline")
+        elif est == "ppo":
+            token_rewards = adv_fns.outcome_token_rewards(b.rewards, b.response_mask)
+            if kl is not None:
+                token_rewards = token_rewards - a.kl_in_reward_coef * kl
+            advantages, b.returns = adv_fns.gae(token_rewards, b.old_values, b.response_mask, gamma=a.gamma, lam=a.lam)
+            b.advantages = adv_fns.whiten(advantages, b.loss_mask)
+        else:
+            raise ValueError(f"unknown advantage estimator {est!r}")
+
+    # ---- the step -------------------------------------------------------------------------------
+    def step(self, samples: list[Sample]) -> dict[str, float]:
+        """Train on ``samples``. Only COMPLETED and TRUNCATED samples reach the loss."""
         t0 = time.perf_counter()
-        keep = [i for i, s in enumerate(samples) if s.status.trainable]
-        samples = [samples[i] for i in keep]
-        advantages = advantages[keep].float()
-        total_tokens = float(sum(sum(s.loss_mask) for s in samples))
-        if not samples or total_tokens == 0:
+        samples = [s for s in samples if s.status.trainable]
+        if not samples or not any(any(s.loss_mask) for s in samples):
             raise ValueError("no trainable tokens in this step (every sample aborted, failed or fully masked)")
-        active = list(range(len(samples)))
-        if self.skip_zero_advantage:
-            active = [i for i in active if advantages[i] != 0]
-        has_signal = bool(active)
-        if not has_signal:  # forward one micro-batch anyway so the step still measures logprobs
-            active = list(range(min(self.micro_batch_size, len(samples))))
-        # similar lengths share a micro-batch: less right-padding, same loss (the sum is order-free)
-        active.sort(key=lambda i: samples[i].total_length)
+        T = max(s.response_length for s in samples)
+        b = _Batch(
+            samples=samples,
+            rewards=torch.tensor([float(s.reward) for s in samples]),
+            group_ids=torch.tensor([s.group_id for s in samples]),
+            loss_mask=_pad_rows([torch.tensor(s.loss_mask, dtype=torch.float32) for s in samples], T),
+            response_mask=_pad_rows([torch.ones(s.response_length) for s in samples], T),
+            rollout_logprobs=_pad_rows([torch.tensor(s.rollout_logprobs) for s in samples], T),
+        )
+        a = self.algo
+        # the old policy is the pre-update trainer, unless the engine's logprobs stand in for it;
+        # with one optimizer step and no KL-in-reward it equals the current weights: no extra pass
+        need_old = not a.use_rollout_logprobs and (self.cfg.mini_batches > 1 or bool(a.kl_in_reward_coef))
+        if need_old or self.needs_ref or self.critic is not None:
+            self._pre_pass(b, need_old)
+        if a.use_rollout_logprobs:
+            b.old_logprobs = b.rollout_logprobs
+        self._advantages(b)
 
-        sums = {"loss": 0.0, "abs_diff": 0.0, "entropy": 0.0, "clipped": 0.0, "tokens": 0.0}
-        train_tokens = 0
-        for start in range(0, len(active), self.micro_batch_size):
-            idx = active[start : start + self.micro_batch_size]
-            batch = collate([samples[i] for i in idx], self.pad_token_id)
-            train_tokens += int(batch["attention_mask"].sum())
-            logprobs, entropy = response_logprobs(
-                self.model, batch["input_ids"], batch["attention_mask"], batch["positions"],
-                temperature=self.temperature, with_entropy=True,
-            )
+        metrics = _Sums()
+        order = list(range(len(samples)))
+        n_mini = min(self.cfg.mini_batches, len(order))
+        for k in range(n_mini):
+            mini = order[k * len(order) // n_mini : (k + 1) * len(order) // n_mini]
+            self._train_policy(b, mini, metrics)
+            if self.critic is not None:
+                self._train_critic(b, mini, metrics)
+        self.steps_done += 1
+        out = metrics.result()
+        adv_tokens = b.advantages[b.loss_mask > 0]
+        out |= {
+            "advantage_mean": adv_tokens.mean().item(),
+            "advantage_std": adv_tokens.std().item() if adv_tokens.numel() > 1 else 0.0,
+            "train_seconds": time.perf_counter() - t0,
+        }
+        out["train_tokens_per_s"] = out.pop("train_tokens") / out["train_seconds"]
+        out["clip_fraction"] = out["clip_fraction_low"] + out["clip_fraction_high"]
+        return out
+
+    def _train_policy(self, b: _Batch, mini: list[int], m: "_Sums") -> None:
+        a = self.algo
+        mask_all = b.loss_mask[mini]
+        # normalisers over the whole mini-batch (one optimizer step), fixed before any micro-batch
+        norms = dict(num_sequences=float(len(mini)), total_tokens=float(mask_all.sum()),
+                     constant_normalizer=float(a.loss_agg_constant or self.max_new_tokens))
+        # a sample with zero advantage everywhere contributes zero gradient to the policy loss;
+        # skip its forward unless a KL or entropy term gives it a gradient anyway
+        active = list(mini)
+        can_skip = not a.kl_coef and not a.entropy_coef
+        if can_skip:
+            active = [i for i in mini if bool((b.advantages[i] != 0).any())]
+        has_signal = bool(active)
+        if not has_signal:  # measure one micro-batch anyway so every step reports its metrics
+            active = mini[: self.cfg.micro_batch_size]
+        active.sort(key=lambda i: b.samples[i].total_length)  # less padding; the sum is order-free
+        for start in range(0, len(active), self.cfg.micro_batch_size):
+            idx = active[start : start + self.cfg.micro_batch_size]
+            batch = collate([b.samples[i] for i in idx], self.pad_token_id)
+            Tm = batch["loss_mask"].shape[1]
             mask = batch["loss_mask"]
-            # one optimizer step per rollout: the old policy is the current one (ratio = 1)
-            loss, m = ppo_clip_loss(
-                logprobs, logprobs.detach(), advantages[idx].unsqueeze(-1), mask,
-                clip_low=self.clip_low, clip_high=self.clip_high, normalizer=total_tokens,
-            )
+            logprobs, entropy = self._logprobs(batch, with_entropy=True, entropy_grad=bool(a.entropy_coef))
+            old = b.old_logprobs[idx, :Tm] if b.old_logprobs is not None else logprobs.detach()
+            rollout = batch["rollout_logprobs"]
+            advantages = b.advantages[idx, :Tm]
+            weight, loss_mask, corr = rollout_correction(
+                old, rollout, mask, tis_cap=a.tis_cap, mis_low=a.mis_low, mis_high=a.mis_high, mis_level=a.mis_level)
+            if a.policy_loss == "ppo_clip":
+                per_token, info = ppo_clip_loss(logprobs, old, advantages, clip_low=a.clip_low,
+                                                clip_high=a.clip_high, dual_clip=a.dual_clip)
+            elif a.policy_loss == "gspo":
+                per_token, info = gspo_loss(logprobs, old, advantages, loss_mask, clip_low=a.clip_low,
+                                            clip_high=a.clip_high)
+            else:
+                per_token, info = cispo_loss(logprobs, old, advantages, clip_low=a.clip_low, clip_high=a.clip_high)
+            seq_tokens = mask.sum(-1)  # per-rollout denominators: each sample is its own rollout here
+            agg = dict(norms, sequence_tokens=seq_tokens)
+            pg_loss = aggregate(per_token * weight, loss_mask, a.loss_agg, **agg)
+            loss = pg_loss
+            ref_kl = None
+            if b.ref_logprobs is not None:
+                ref = b.ref_logprobs[idx, :Tm]
+                ref_kl = (importance_weighted_kl(logprobs, old, ref, a.kl_kind) if a.kl_importance_weighted
+                          else kl_estimate(logprobs, ref, a.kl_kind))
+                if a.kl_coef:
+                    loss = loss + a.kl_coef * aggregate(ref_kl, mask, a.loss_agg, **agg)
+            if a.entropy_coef:
+                loss = loss - a.entropy_coef * aggregate(entropy, mask, a.loss_agg, **agg)
             if has_signal:
                 loss.backward()
             with torch.no_grad():
-                sums["loss"] += loss.item()
-                sums["abs_diff"] += ((logprobs - batch["rollout_logprobs"]).abs() * mask).sum().item()
-                sums["entropy"] += (entropy * mask).sum().item()
-                sums["clipped"] += m["clipped_tokens"]
-                sums["tokens"] += m["loss_tokens"]
-
+                m.add("policy_loss", pg_loss.item() if has_signal else 0.0, raw=True)
+                m.add("loss", loss.item() if has_signal else 0.0, raw=True)
+                m.tok("train_rollout_logprob_abs_diff", (logprobs - rollout).abs(), mask)
+                m.tok("entropy", entropy, mask)
+                m.tok("clip_fraction_low", info["clipped_low"].float(), mask)
+                m.tok("clip_fraction_high", info["clipped_high"].float(), mask)
+                if "dual_clipped" in info:
+                    m.tok("dual_clip_fraction", info["dual_clipped"].float(), mask)
+                m.tok("approx_kl_old", kl_estimate(logprobs, old, "k3"), mask)
+                if ref_kl is not None:
+                    m.tok("kl_ref", kl_estimate(logprobs, b.ref_logprobs[idx, :Tm], a.kl_kind), mask)
+                m.tok("importance_weight_mean", corr["w"], mask)
+                m.max("importance_weight_max", (corr["w"] * mask).max().item())
+                m.tok("mis_masked_fraction", (mask - loss_mask).clamp(min=0), mask)
+                m.add("train_tokens", float(batch["attention_mask"].sum()), raw=True)
+        m.add("trained_samples", float(len(active)) if has_signal else 0.0, raw=True)
         params = [p for p in self.model.parameters() if p.requires_grad]
-        lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses
+        m.last("lr", self.optimizer.param_groups[0]["lr"])
         if has_signal:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.grad_clip))
-            if math.isfinite(grad_norm):
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip))
+            if math.isfinite(grad_norm):  # a non-finite gradient skips the update instead of poisoning weights
                 self.optimizer.step()
             self.scheduler.step()
+            m.last("grad_norm", grad_norm)
         else:
-            grad_norm = 0.0
+            m.last("grad_norm", 0.0)
         self.optimizer.zero_grad(set_to_none=True)
-        self.steps_done += 1
-        measured = max(sums["tokens"], 1.0)
-        seconds = time.perf_counter() - t0
-        return {
-            "loss": sums["loss"] if has_signal else 0.0,
-            "grad_norm": grad_norm,
-            "lr": lr,
-            "entropy": sums["entropy"] / measured,
-            "clip_fraction": sums["clipped"] / measured,
-            "train_rollout_logprob_abs_diff": sums["abs_diff"] / measured,
-            "trained_samples": len(active) if has_signal else 0,
-            "train_tokens_per_s": train_tokens / seconds,
-            "train_seconds": seconds,
-        }
+
+    def _train_critic(self, b: _Batch, mini: list[int], m: "_Sums") -> None:
+        mask_all = b.loss_mask[mini]
+        total = float(mask_all.sum())
+        for start in range(0, len(mini), self.cfg.micro_batch_size):
+            idx = mini[start : start + self.cfg.micro_batch_size]
+            batch = collate([b.samples[i] for i in idx], self.pad_token_id)
+            Tm, mask = batch["loss_mask"].shape[1], batch["loss_mask"]
+            values = self.critic(batch["input_ids"], batch["attention_mask"], batch["positions"])
+            per_token, info = value_loss(values, b.old_values[idx, :Tm], b.returns[idx, :Tm], clip=self.algo.value_clip)
+            loss = aggregate(per_token, mask, "token_mean", num_sequences=float(len(mini)), total_tokens=total)
+            loss.backward()
+            m.add("value_loss", loss.item(), raw=True)
+            m.tok("value_clip_fraction", info["value_clipped"].float(), mask)
+        params = [p for p in self.critic.parameters() if p.requires_grad]
+        m.last("critic_grad_norm", float(torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip)))
+        self.critic_optimizer.step()
+        self.critic_scheduler.step()
+        self.critic_optimizer.zero_grad(set_to_none=True)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach() for k, v in self.model.state_dict().items()}
+
+
+@contextlib.contextmanager
+def swapped_weights(model, state: dict[str, torch.Tensor]):
+    """Run ``model`` with the parameters in ``state`` (by name), then put its own back.
+
+    Only tensor pointers move (``param.data``), nothing is copied, and tied
+    parameters (embedding / lm_head) swap together because they are one Parameter.
+    """
+    params = dict(model.named_parameters())
+    saved = {}
+    try:
+        for name, tensor in state.items():
+            saved[name], params[name].data = params[name].data, tensor
+        yield model
+    finally:
+        for name, tensor in saved.items():
+            params[name].data = tensor
+
+
+class _Sums:
+    """Accumulates step metrics: token-weighted means, sums, maxima and last values."""
+
+    def __init__(self):
+        self.tok_sum, self.tok_n, self.raw, self.maxes, self.lasts = {}, {}, {}, {}, {}
+
+    def tok(self, name, values, mask):
+        self.tok_sum[name] = self.tok_sum.get(name, 0.0) + float((values * mask).sum())
+        self.tok_n[name] = self.tok_n.get(name, 0.0) + float(mask.sum())
+
+    def add(self, name, value, raw=True):
+        self.raw[name] = self.raw.get(name, 0.0) + value
+
+    def max(self, name, value):
+        self.maxes[name] = max(self.maxes.get(name, -math.inf), value)
+
+    def last(self, name, value):
+        self.lasts[name] = value
+
+    def result(self) -> dict[str, float]:
+        out = {k: v / max(self.tok_n[k], 1.0) for k, v in self.tok_sum.items()}
+        return out | self.raw | self.maxes | self.lasts

@@ -1,0 +1,35 @@
+"""Algorithm presets: partial configs applied over the defaults (``--preset NAME``).
+
+Each names the paper it follows; docs/algorithms.md has the formulas.
+"""
+
+PRESETS: dict[str, dict] = {
+    # DeepSeekMath (Shao et al. 2024): group-normalised advantages, clipped ratio, KL in the loss
+    "grpo": {"algo": {"estimator": "grpo", "normalize_std": True, "policy_loss": "ppo_clip",
+                      "loss_agg": "seq_mean_token_mean", "kl_coef": 0.001, "kl_kind": "k3"}},
+    # Dr. GRPO (Liu et al. 2025): no std scaling, no length normalisation
+    "dr_grpo": {"algo": {"estimator": "dr_grpo", "policy_loss": "ppo_clip", "loss_agg": "seq_mean_token_sum_norm",
+                         "kl_coef": 0.0}},
+    # DAPO (Yu et al. 2025): clip-higher, token-level mean, no KL
+    "dapo": {"algo": {"estimator": "grpo", "policy_loss": "ppo_clip", "clip_low": 0.2, "clip_high": 0.28,
+                      "loss_agg": "token_mean", "kl_coef": 0.0}},
+    # GSPO (Zheng et al. 2025): sequence-level ratio, tiny clip range, sequence mean
+    "gspo": {"algo": {"estimator": "grpo", "policy_loss": "gspo", "clip_low": 3e-4, "clip_high": 4e-4,
+                      "loss_agg": "seq_mean_token_mean", "kl_coef": 0.0},
+             "train": {"mini_batches": 2}},
+    # CISPO (MiniMax-M1, 2025): clipped, stop-gradient importance weight times logprob
+    "cispo": {"algo": {"estimator": "grpo", "policy_loss": "cispo", "clip_low": 1.0, "clip_high": 0.28,
+                       "loss_agg": "token_mean", "kl_coef": 0.0},
+              "train": {"mini_batches": 2}},
+    # RLOO (Ahmadian et al. 2024): leave-one-out baseline
+    "rloo": {"algo": {"estimator": "rloo", "policy_loss": "ppo_clip", "loss_agg": "token_mean", "kl_coef": 0.0}},
+    # REINFORCE++ (Hu et al. 2025): KL folded into the reward, global advantage normalisation
+    "reinforce_pp": {"algo": {"estimator": "reinforce_pp", "policy_loss": "ppo_clip", "loss_agg": "token_mean",
+                              "kl_in_reward_coef": 0.01, "kl_in_reward_kind": "k1", "gamma": 1.0}},
+    "reinforce_pp_baseline": {"algo": {"estimator": "reinforce_pp_baseline", "policy_loss": "ppo_clip",
+                                       "loss_agg": "token_mean", "kl_coef": 0.001, "kl_kind": "k3"}},
+    # PPO with a learned critic and GAE (Schulman et al. 2017; Ouyang et al. 2022 for LLMs)
+    "ppo": {"algo": {"estimator": "ppo", "policy_loss": "ppo_clip", "loss_agg": "token_mean", "gamma": 1.0,
+                     "lam": 0.95, "critic_lr": 1e-5, "value_clip": 0.2, "kl_in_reward_coef": 0.01},
+            "train": {"mini_batches": 2}},
+}

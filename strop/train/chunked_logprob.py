@@ -1,0 +1,183 @@
+"""Per-token logprobs and entropy through the lm_head without materialising (N, V) logits.
+
+Math. With hidden states h (N, H), output projection W (V, H), temperature T and
+targets t (N,), the row-wise distribution is
+
+    z = h @ W.T / T,   p = softmax(z),   lse = logsumexp(z)
+    logprob_i = z[i, t_i] - lse_i
+    entropy_i = -sum_v p_iv log p_iv = lse_i - sum_v p_iv z_iv
+
+and for upstream gradients g_lp = dL/dlogprob, g_H = dL/dentropy,
+
+    dL/dz = g_lp * (onehot(t) - p) + g_H * (-p * (log p + H))
+    dL/dh = dL/dz @ W / T,         dL/dW = dL/dz.T @ h / T.
+
+Memory. ``chunked_logprobs`` walks the N rows in chunks of ``chunk_size`` and holds
+at most two (chunk_size, V) fp32 buffers at once (reused across chunks), so its
+extra memory is about 2 * chunk_size * V * 4 bytes plus one (V, H) fp32 gradient
+accumulator (and an fp32 copy of W when W is not fp32), independent of N. The
+plain path (``naive_logprobs``) keeps several (N, V) fp32 tensors alive for
+backward (logits, log_softmax, its exp, ...).
+
+Backward does not keep any logits: it saves only hidden, weight, targets and
+the per-token logsumexp / entropy, and recomputes each chunk's logits with one
+extra matmul per chunk. That costs one more (N, H) x (H, V) matmul than autograd
+through the full logits, which the saved elementwise passes over (N, V) tensors
+largely pay back.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def naive_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
+                   temperature: float = 1.0,
+                   with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Reference: full fp32 logits, log_softmax, gather. Same contract as ``chunked_logprobs``."""
+    dtype = _compute_dtype(hidden, weight)
+    logits = hidden.to(dtype) @ weight.to(dtype).T  # (N, V)
+    if temperature != 1.0:
+        logits = logits / temperature
+    logp = torch.log_softmax(logits, dim=-1)  # (N, V)
+    lp = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (N,)
+    ent = -(logp.exp() * logp).sum(-1) if with_entropy else None  # (N,)
+    return lp, ent
+
+
+def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
+                     temperature: float = 1.0, chunk_size: int = 1024,
+                     with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``log_softmax(hidden @ weight.T / temperature)[targets]`` and its entropy, chunked over rows.
+
+    hidden: (N, H), weight: (V, H) (may be tied to the input embedding),
+    targets: (N,) long. Returns logprobs (N,) and entropy (N,) (None when
+    ``with_entropy=False``), both computed in fp32 (fp64 if an input is fp64)
+    and both differentiable w.r.t. hidden and weight. Gradients come back in
+    the inputs' dtypes.
+
+    Peak extra memory is about 2 * chunk_size * V * 4 bytes (two reused
+    (chunk, V) buffers) plus a (V, H) fp32 gradient accumulator, whatever N is.
+    Backward recomputes each chunk's logits instead of saving them.
+    """
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"expected hidden (N, H) and weight (V, H), got {tuple(hidden.shape)} and {tuple(weight.shape)}")
+    if targets.shape != hidden.shape[:1]:
+        raise ValueError(f"expected targets ({hidden.shape[0]},), got {tuple(targets.shape)}")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    lp, ent = _ChunkedLogprob.apply(hidden, weight, targets.long(), float(temperature), int(chunk_size),
+                                    bool(with_entropy))
+    return lp, (ent if with_entropy else None)
+
+
+def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    # fp32 always; fp64 only so that gradcheck can run in double precision
+    return torch.float64 if torch.float64 in (hidden.dtype, weight.dtype) else torch.float32
+
+
+class _ChunkedLogprob(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature, chunk_size, with_entropy):
+        n, v = hidden.shape[0], weight.shape[0]
+        dtype = _compute_dtype(hidden, weight)
+        dev = hidden.device
+        w = weight.to(dtype)  # (V, H); no copy when weight is already in the compute dtype
+        inv_t = 1.0 / temperature
+        c_max = min(chunk_size, n)
+        # two reused buffers; each chunk's logits live only in these
+        z_buf = torch.empty(c_max, v, dtype=dtype, device=dev)  # (C, V)
+        e_buf = torch.empty(c_max, v, dtype=dtype, device=dev) if with_entropy else None  # (C, V)
+        lp = torch.empty(n, dtype=dtype, device=dev)  # (N,)
+        lse = torch.empty(n, dtype=dtype, device=dev)  # (N,)
+        ent = torch.empty(n if with_entropy else 0, dtype=dtype, device=dev)  # (N,) or (0,)
+        for s in range(0, n, chunk_size):
+            e = min(s + chunk_size, n)
+            c = e - s
+            # scale the (C, H) side by 1/T rather than the (C, V) logits
+            h = hidden[s:e].to(dtype)  # (C, H)
+            if temperature != 1.0:
+                h = h * inv_t
+            z = z_buf[:c]  # (C, V)
+            torch.mm(h, w.T, out=z)  # z = logits / T
+            tgt = z.gather(1, targets[s:e, None])  # (C, 1)
+            m = z.amax(1, keepdim=True)  # (C, 1)
+            z.sub_(m)  # (C, V) shifted so exp cannot overflow
+            if with_entropy:
+                ez = e_buf[:c]  # (C, V)
+                torch.exp(z, out=ez)
+                sumexp = ez.sum(1, keepdim=True)  # (C, 1)
+                # sum_v exp(z') z' as a batched row dot: no (C, V) temporary
+                pz = torch.bmm(ez.unsqueeze(1), z.unsqueeze(2)).view(c, 1)  # (C, 1)
+                log_s = sumexp.log()  # (C, 1)
+                # H = lse - sum p z = log s - sum exp(z') z' / s  (with z' = z - m)
+                ent[s:e] = (log_s - pz / sumexp).squeeze(1)
+            else:
+                sumexp = z.exp_().sum(1, keepdim=True)  # (C, 1); z is scratch from here on
+                log_s = sumexp.log()
+            lse[s:e] = (m + log_s).squeeze(1)
+            lp[s:e] = (tgt - m - log_s).squeeze(1)
+        ctx.save_for_backward(hidden, weight, targets, lse, ent)
+        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        # unused outputs (e.g. entropy not in the loss) then arrive as None, which skips their work
+        ctx.set_materialize_grads(False)
+        return lp, ent
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent):
+        hidden, weight, targets, lse, ent = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if g_ent is not None and g_ent.numel() == 0:
+            g_ent = None  # with_entropy=False
+        if (g_lp is None and g_ent is None) or not (need_h or need_w):
+            return None, None, None, None, None, None
+        n, v = hidden.shape[0], weight.shape[0]
+        dtype = lse.dtype
+        dev = hidden.device
+        w = weight.to(dtype)  # (V, H)
+        inv_t = 1.0 / ctx.temperature
+        chunk_size = ctx.chunk_size
+        c_max = min(chunk_size, n)
+        z_buf = torch.empty(c_max, v, dtype=dtype, device=dev)  # (C, V)
+        p_buf = torch.empty(c_max, v, dtype=dtype, device=dev) if g_ent is not None else None  # (C, V)
+        grad_h = torch.empty(n, hidden.shape[1], dtype=dtype, device=dev) if need_h else None  # (N, H)
+        # one fp32 accumulator for all chunks' weight gradients
+        grad_w = torch.zeros(v, weight.shape[1], dtype=dtype, device=dev) if need_w else None  # (V, H)
+        for s in range(0, n, chunk_size):
+            e = min(s + chunk_size, n)
+            c = e - s
+            h = hidden[s:e].to(dtype)  # (C, H)
+            if ctx.temperature != 1.0:
+                h = h * inv_t
+            z = z_buf[:c]  # (C, V)
+            torch.mm(h, w.T, out=z)  # recompute logits / T
+            z.sub_(lse[s:e, None])  # log p
+            glp = g_lp[s:e, None].to(dtype) if g_lp is not None else None  # (C, 1)
+            if g_ent is not None:
+                gH = g_ent[s:e, None].to(dtype)  # (C, 1)
+                p = p_buf[:c]  # (C, V)
+                torch.exp(z, out=p)
+                # -p * (g_lp + g_H * (log p + H)) = p * (log p * (-g_H) + (-(g_lp + g_H * H)))
+                bias = gH * ent[s:e, None]  # (C, 1)
+                if glp is not None:
+                    bias = bias + glp
+                torch.addcmul(bias.neg(), z, gH.neg(), out=z)
+                z.mul_(p)  # (C, V) = grad_z without the one-hot term
+            else:
+                z.exp_().mul_(glp.neg())  # (C, V) = -g_lp * p
+            if glp is not None:
+                z.scatter_add_(1, targets[s:e, None], glp)  # + g_lp * onehot(t)
+            # z now holds dL/dz for the chunk; h already carries the 1/T factor
+            if need_h:
+                torch.mm(z, w, out=grad_h[s:e])  # (C, H)
+                if ctx.temperature != 1.0:
+                    grad_h[s:e].mul_(inv_t)
+            if need_w:
+                grad_w.addmm_(z.T, h)  # (V, H) += (V, C) @ (C, H)
+        if grad_h is not None:
+            grad_h = grad_h.to(hidden.dtype)
+        if grad_w is not None:
+            grad_w = grad_w.to(weight.dtype)
+        return grad_h, grad_w, None, None, None, None
