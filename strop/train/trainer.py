@@ -62,7 +62,8 @@ class _Batch:
     loss_mask: torch.Tensor
     response_mask: torch.Tensor
     rollout_logprobs: torch.Tensor
-    old_logprobs: torch.Tensor | None = None
+    old_logprobs: torch.Tensor | None = None  # the ratio's denominator
+    trainer_old_logprobs: torch.Tensor | None = None  # the trainer's pre-update logprobs, when a pre-pass ran
     ref_logprobs: torch.Tensor | None = None
     old_values: torch.Tensor | None = None
     advantages: torch.Tensor | None = None  # (N, T)
@@ -187,6 +188,7 @@ class Trainer:
         need_old = not a.use_rollout_logprobs and (self.cfg.mini_batches > 1 or bool(a.kl_in_reward_coef))
         if need_old or self.needs_ref or self.critic is not None:
             self._pre_pass(b, need_old)
+        b.trainer_old_logprobs = b.old_logprobs
         if a.use_rollout_logprobs:
             b.old_logprobs = b.rollout_logprobs
         self._advantages(b)
@@ -196,7 +198,7 @@ class Trainer:
         n_mini = min(self.cfg.mini_batches, len(order))
         for k in range(n_mini):
             mini = order[k * len(order) // n_mini : (k + 1) * len(order) // n_mini]
-            self._train_policy(b, mini, metrics)
+            self._train_policy(b, mini, metrics, first=k == 0)
             if self.critic is not None:
                 self._train_critic(b, mini, metrics)
         self.steps_done += 1
@@ -211,7 +213,7 @@ class Trainer:
         out["clip_fraction"] = out["clip_fraction_low"] + out["clip_fraction_high"]
         return out
 
-    def _train_policy(self, b: _Batch, mini: list[int], m: "_Sums") -> None:
+    def _train_policy(self, b: _Batch, mini: list[int], m: "_Sums", first: bool) -> None:
         a = self.algo
         mask_all = b.loss_mask[mini]
         # normalisers over the whole mini-batch (one optimizer step), fixed before any micro-batch
@@ -264,7 +266,11 @@ class Trainer:
             with torch.no_grad():
                 m.add("policy_loss", pg_loss.item() if has_signal else 0.0, raw=True)
                 m.add("loss", loss.item() if has_signal else 0.0, raw=True)
-                m.tok("train_rollout_logprob_abs_diff", (logprobs - rollout).abs(), mask)
+                # engine vs trainer on the same weights: the pre-pass, or this pass before any update
+                if b.trainer_old_logprobs is not None:
+                    m.tok("train_rollout_logprob_abs_diff", (b.trainer_old_logprobs[idx, :Tm] - rollout).abs(), mask)
+                elif first:
+                    m.tok("train_rollout_logprob_abs_diff", (logprobs - rollout).abs(), mask)
                 m.tok("entropy", entropy, mask)
                 m.tok("clip_fraction_low", info["clipped_low"].float(), mask)
                 m.tok("clip_fraction_high", info["clipped_high"].float(), mask)
