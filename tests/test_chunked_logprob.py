@@ -104,3 +104,50 @@ def test_gradcheck_float64():
         return chunked_logprobs(h, w, targets, temperature=0.7, chunk_size=2)
 
     assert torch.autograd.gradcheck(f, (hidden, weight))
+
+
+def test_response_logprobs_chunked_equals_full_logits_through_a_model():
+    """The model-level path: chunked and plain agree in values and in every parameter's gradient."""
+    import copy
+
+    from strop.train.logprob import response_logprobs
+    from tests.tiny import make_tiny_model
+
+    model = make_tiny_model(vocab_size=300)
+    other = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 300, (3, 12), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, 9:] = 0
+    positions = torch.tensor([[4, 5, 6, 7], [6, 7, 8, 6], [2, 3, 4, 5]])
+    weights = torch.randn(3, 4, generator=g)
+    results = []
+    for m, chunk in ((model, 5), (other, 0)):
+        lp, ent = response_logprobs(m, ids, mask, positions, temperature=0.7, with_entropy=True,
+                                    entropy_grad=True, chunk_size=chunk)
+        ((lp * weights).sum() + 0.3 * ent.sum()).backward()
+        results.append((lp.detach(), ent.detach()))
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=0, atol=1e-5)
+    torch.testing.assert_close(results[0][1], results[1][1], rtol=0, atol=1e-5)
+    for (name, a), b in zip(model.named_parameters(), other.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_real_vocabulary_size_against_float64_truth():
+    """At SmolLM2's 49152-entry vocabulary the chunked path stays within 1e-5 of the fp64 truth
+    in values and gradients (the plain fp32 path itself errs by about 2e-5 in gradients here)."""
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(600, 32, generator=g)
+    weight = torch.randn(49152, 32, generator=g) * 0.5
+    targets = torch.randint(0, 49152, (600,), generator=g)
+    upstream = torch.randn(600, generator=g)
+
+    def run(fn, h, w):
+        h, w = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        lp, ent = fn(h, w, targets)
+        return (lp, ent, *torch.autograd.grad((lp * upstream).sum() + 0.1 * ent.sum(), [h, w]))
+
+    truth = run(naive_logprobs, hidden.double(), weight.double())
+    chunked = run(lambda h, w, t: chunked_logprobs(h, w, t, chunk_size=256), hidden, weight)
+    for name, got, want in zip(("logprobs", "entropy", "grad hidden", "grad weight"), chunked, truth):
+        assert (got.double() - want).abs().max().item() < 1e-5, name

@@ -1,18 +1,23 @@
-"""Per-token logprobs and entropy of response tokens.
+"""Per-token logprobs and entropy of response tokens, without full logits.
 
-The lm_head runs only at positions that predict a response token, so the
-prompt part never materialises [tokens, vocab] logits. (Chunking over the
-response tokens as well is the next step; see the algorithms issue.)
+The lm_head runs only at positions that predict a response token (never over
+the prompt), and, with ``chunk_size > 0``, through
+:func:`strop.train.chunked_logprob.chunked_logprobs`, which never materialises
+the (tokens, vocab) logits of the micro-batch and recomputes them per chunk in
+backward. ``chunk_size=0`` is the plain path (full logits), kept as the reference.
 """
 
 from __future__ import annotations
 
 import torch
 
+from strop.train.chunked_logprob import chunked_logprobs, naive_logprobs
+
 
 def response_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                       response_positions: torch.Tensor, *, temperature: float = 1.0,
-                      with_entropy: bool = False, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      with_entropy: bool = False, entropy_grad: bool = False,
+                      chunk_size: int = 1024) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprobs of the tokens at ``response_positions`` under ``log_softmax(logits / temperature)``.
 
     input_ids, attention_mask: (B, L), right-padded. response_positions: (B, T)
@@ -24,17 +29,27 @@ def response_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     backbone = model.get_decoder() if hasattr(model, "get_decoder") else model.model
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
+    B, T = response_positions.shape
     # the token at position p is predicted by the hidden state at p - 1
     pred_pos = (response_positions - 1).clamp(min=0)  # (B, T)
     h = hidden.gather(1, pred_pos.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))  # (B, T, H)
-    logits = model.get_output_embeddings()(h).float()  # (B, T, V)
-    if temperature > 0 and temperature != 1.0:
-        logits = logits / temperature  # the rollout's distribution, so the ratio compares like with like
-    logp_all = torch.log_softmax(logits, dim=-1)
     targets = input_ids.gather(1, response_positions)  # (B, T)
-    logprobs = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    entropy = None
-    if with_entropy:
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            entropy = -(logp_all.exp() * logp_all).sum(-1)
-    return logprobs, entropy
+    head = model.get_output_embeddings()
+    temperature = temperature if temperature > 0 else 1.0  # greedy rollouts report the raw distribution
+    if getattr(head, "bias", None) is not None or chunk_size <= 0:
+        logits = head(h.reshape(B * T, -1)).float() / temperature  # (B*T, V): the plain path
+        logp_all = torch.log_softmax(logits, dim=-1)
+        logprobs = logp_all.gather(-1, targets.reshape(-1, 1)).squeeze(-1)
+        entropy = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else None
+    else:
+        logprobs, entropy = chunked_logprobs(h.reshape(B * T, -1), head.weight, targets.reshape(-1),
+                                             temperature=temperature, chunk_size=chunk_size,
+                                             with_entropy=with_entropy)
+    if entropy is not None:
+        if not entropy_grad:
+            entropy = entropy.detach()  # a metric: its backward work is skipped entirely
+        entropy = entropy.reshape(B, T)
+    return logprobs.reshape(B, T), entropy
+
+
+__all__ = ["response_logprobs", "naive_logprobs"]

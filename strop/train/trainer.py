@@ -110,7 +110,8 @@ class Trainer:
     # ---- forward passes -------------------------------------------------------------------------
     def _logprobs(self, batch: dict, *, with_entropy: bool = False, entropy_grad: bool = False, model=None):
         return response_logprobs(model or self.model, batch["input_ids"], batch["attention_mask"], batch["positions"],
-                                 temperature=self.temperature, with_entropy=with_entropy, entropy_grad=entropy_grad)
+                                 temperature=self.temperature, with_entropy=with_entropy, entropy_grad=entropy_grad,
+                                 chunk_size=self.cfg.logprob_chunk_size)
 
     @torch.no_grad()
     def _pre_pass(self, b: _Batch, need_old: bool) -> None:
