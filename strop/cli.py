@@ -13,7 +13,31 @@ commands:
   strop train [CONFIG.yaml] [--preset NAME] [--section.key=value ...]
                                                         run RL (no arguments: GRPO on the embedded default)
   strop train --help                                    list every option
+  strop check-plugin --hook HOOK pkg.module:function    check a plugin against its hook's contract
 """
+
+
+def check_plugin_main(argv: list[str]) -> int:
+    from strop.plugins import HOOKS, PluginError
+
+    parser = argparse.ArgumentParser(prog="strop check-plugin",
+                                     description="Check a plugin's signature and run it on synthetic samples.")
+    parser.add_argument("--hook", required=True, choices=sorted(HOOKS), help="which extension point")
+    parser.add_argument("path", help="import path, 'package.module:function'")
+    args = parser.parse_args(argv)
+    _quiet_libraries()
+    from strop.contracts import check_plugin
+
+    try:
+        print(check_plugin(args.hook, args.path))
+    except PluginError as exc:
+        print(f"strop check-plugin: FAILED\n{exc}", file=sys.stderr)
+        return 1
+    except Exception as exc:  # the plugin itself raised on synthetic input
+        print(f"strop check-plugin: FAILED\n{args.hook} hook {args.path!r} raised on synthetic samples: "
+              f"{type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _quiet_libraries() -> None:
@@ -46,10 +70,11 @@ def train_main(argv: list[str]) -> int:
     _quiet_libraries()
     from strop.data.sources import DataError
     from strop.loop import train
+    from strop.plugins import PluginError
 
     try:
         train(cfg)
-    except (FileNotFoundError, FileExistsError, DataError, ValueError) as exc:
+    except (FileNotFoundError, FileExistsError, DataError, PluginError, ValueError) as exc:
         print(f"strop train: error: {exc}", file=sys.stderr)
         return 1
     return 0
@@ -63,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     command, rest = argv[0], argv[1:]
     if command == "train":
         return train_main(rest)
+    if command == "check-plugin":
+        return check_plugin_main(rest)
     print(f"strop: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
     return 2
 

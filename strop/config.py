@@ -90,6 +90,8 @@ class RolloutConfig(_Section):
         "or an import path 'pkg.module:function'",
     )
     seed: int = Field(0, description="sampling seed")
+    filter_max_rounds: int = Field(
+        3, gt=0, description="with plugins.filter: most rollout rounds per step to refill dropped groups")
 
 
 class AlgoConfig(_Section):
@@ -164,6 +166,16 @@ class RunConfig(_Section):
     threads: int | None = Field(None, description="torch CPU threads (default: torch's choice)")
 
 
+class PluginsConfig(_Section):
+    rollout: str | None = Field(None, description="rollout hook 'pkg.module:fn' (a whole step's rollout; async)")
+    generate: str | None = Field(None, description="generate hook (one sample, possibly multi-turn; async)")
+    filter: str | None = Field(None, description="dynamic sampling filter: keep or drop a scored group")
+    postprocess: str | None = Field(None, description="rollout-data postprocess, just before training")
+    advantage: str | None = Field(None, description="advantage estimator hook (replaces algo.estimator)")
+    policy_loss: str | None = Field(None, description="policy loss hook (replaces algo.policy_loss)")
+    data_source: str | None = Field(None, description="data source hook (replaces data.source)")
+
+
 class Config(_Section):
     model: ModelConfig = Field(default_factory=ModelConfig, description="the policy model")
     data: DataConfig = Field(default_factory=DataConfig, description="prompt sources")
@@ -172,6 +184,7 @@ class Config(_Section):
     train: TrainConfig = Field(default_factory=TrainConfig, description="optimizer and batching")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="held-out evaluation")
     run: RunConfig = Field(default_factory=RunConfig, description="outputs")
+    plugins: PluginsConfig = Field(default_factory=PluginsConfig, description="hooks by import path (docs/plugins.md)")
 
 
 def _deep_merge(base: dict, over: dict) -> dict:

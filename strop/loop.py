@@ -11,6 +11,7 @@ import torch
 
 from strop.config import Config, save_config
 from strop.observe.metrics import MetricsLog, Progress, Timer, plot_curves, write_summary
+from strop.plugins import call_hook, call_hook_sync
 from strop.rollout.generate import RolloutContext, rollout_groups
 from strop.setup import Components, build, make_run_dir
 
@@ -23,17 +24,18 @@ def train(cfg: Config) -> dict:
     print(f"strop: run directory {run_dir}", flush=True)
     save_config(cfg, run_dir / "config.yaml")
     log, clock = MetricsLog(run_dir), Timer()
-    ctx = RolloutContext(engine=c.engine, tokenizer=c.tokenizer, config=cfg)
+    ctx = RolloutContext(engine=c.engine, tokenizer=c.tokenizer, config=cfg, generate=c.hooks.get("generate"),
+                         reward=c.reward_fn, filter=c.hooks.get("filter"))
     progress = Progress(cfg.train.steps, enabled=cfg.run.progress)
     try:
         evaluate(c, ctx, log, progress, step=0)
         for step in range(1, cfg.train.steps + 1):
             t_step, ctx.step = time.perf_counter(), step
-            groups = [c.train_prompts.make_group(i, cfg.rollout.n_samples_per_prompt, gid)
-                      for i, gid in c.sampler.draw(cfg.rollout.prompts_per_step)]
-            asyncio.run(rollout_groups(ctx, groups, c.sampling, c.reward_fn))
-            metrics = rollout_metrics(groups, time.perf_counter() - t_step)
+            groups, drawn = asyncio.run(rollout_step(cfg, c, ctx))
+            metrics = rollout_metrics(groups, time.perf_counter() - t_step) | {"groups_drawn": drawn}
             samples = [s for g in groups for s in g if s.status.trainable]  # aborted / failed never train
+            if "postprocess" in c.hooks:
+                samples = call_hook_sync("postprocess", c.hooks["postprocess"], samples=samples, step=step)
             metrics |= c.trainer.step(samples)  # advantages, loss, optimizer step(s)
             asyncio.run(c.engine.update_weights(c.trainer.state_dict(), version=step))
             log.log(metrics | {"step": step, "step_seconds": time.perf_counter() - t_step, "elapsed_seconds": clock()})
@@ -49,13 +51,29 @@ def train(cfg: Config) -> dict:
     return finish(cfg, c, run_dir, log, clock())
 
 
+async def rollout_step(cfg: Config, c: Components, ctx: RolloutContext) -> tuple[list, int]:
+    """Groups for one step through the rollout hook; refill groups a filter dropped, a few rounds at most."""
+    groups, drawn = [], 0
+    for _ in range(cfg.rollout.filter_max_rounds if "filter" in c.hooks else 1):
+        want = cfg.rollout.prompts_per_step - len(groups)
+        new = [c.train_prompts.make_group(i, cfg.rollout.n_samples_per_prompt, gid) for i, gid in c.sampler.draw(want)]
+        drawn += len(new)
+        groups += await call_hook("rollout", c.hooks["rollout"], ctx=ctx, groups=new, sampling=c.sampling)
+        if len(groups) >= cfg.rollout.prompts_per_step:
+            break
+    if not any(s.status.trainable for g in groups for s in g):
+        raise RuntimeError(f"step {ctx.step}: no trainable sample after {drawn} prompts "
+                           "(every group filtered out, or every sample aborted/failed)")
+    return groups, drawn
+
+
 def evaluate(c: Components, ctx: RolloutContext, log: MetricsLog, progress: Progress, step: int) -> None:
     """Greedy accuracy on the held-out prompts (fraction with reward 1), logged at ``step``."""
     if c.eval_prompts is None:
         return
     t = time.perf_counter()
     groups = [c.eval_prompts.make_group(i, 1, group_id=-1 - i) for i in range(len(c.eval_prompts))]
-    asyncio.run(rollout_groups(ctx, groups, c.eval_sampling, c.reward_fn))
+    groups = asyncio.run(rollout_groups(ctx, groups, c.eval_sampling, apply_filter=False))
     accuracy = sum(1.0 for g in groups if g[0].reward is not None and g[0].reward >= 1.0) / len(groups)
     log.log({"step": step, "eval_accuracy": accuracy, "eval_seconds": time.perf_counter() - t})
     progress.update(eval_acc=accuracy)
@@ -72,6 +90,7 @@ def rollout_metrics(groups, seconds: float) -> dict:
         "response_length_min": min(lengths),
         "response_length_max": max(lengths),
         "truncated_fraction": sum(s.status.value == "truncated" for s in samples) / len(samples),
+        "failed_fraction": sum(s.status.value in ("failed", "aborted") for s in samples) / len(samples),
         "zero_advantage_group_fraction": sum(len({s.reward for s in g}) == 1 for g in groups) / len(groups),
         "rollout_tokens_per_s": sum(lengths) / seconds,
         "rollout_seconds": seconds,

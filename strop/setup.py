@@ -13,7 +13,9 @@ import torch
 from strop.config import Config
 from strop.data.sources import PromptSampler, PromptSet, read_prompt_file, reasoning_gym_rows
 from strop.engines.embedded import EmbeddedEngine
-from strop.rollout.generate import resolve_reward
+from strop.data.sources import DataError, PromptRow, _row_from_record
+from strop.plugins import call_hook_sync, load_hook
+from strop.rollout.generate import resolve_reward, rollout as default_rollout
 from strop.train.model import load_model, load_tokenizer, resolve_model_path
 from strop.train.trainer import Trainer
 from strop.types import SamplingParams
@@ -26,14 +28,26 @@ class Components:
     eval_prompts: PromptSet | None
     sampler: PromptSampler
     reward_fn: Callable
+    hooks: dict[str, Callable]  # loaded plugins by hook name (rollout, generate, filter, postprocess, ...)
     engine: EmbeddedEngine
     trainer: Trainer
     sampling: SamplingParams
     eval_sampling: SamplingParams
 
 
-def _rows(cfg: Config, which: str):
+def _rows(cfg: Config, which: str, data_source: Callable | None = None):
     d = cfg.data
+    if data_source is not None:
+        records = call_hook_sync("data_source", data_source, config=d, split=which)
+        rows = [_row_from_record(r, f"data_source hook {cfg.plugins.data_source} ({which}) row {i}",
+                                 "prompt", "label", []) if not isinstance(r, PromptRow) else r
+                for i, r in enumerate(records)]
+        for r, rec in zip(rows, records):  # the hook's metadata travels as given
+            if isinstance(rec, dict) and isinstance(rec.get("metadata"), dict):
+                r.metadata = dict(rec["metadata"])
+        if which == "train" and not rows:
+            raise DataError(f"data_source hook {cfg.plugins.data_source}: no training rows")
+        return rows or None
     if d.source == "reasoning_gym":
         if which == "eval":
             return reasoning_gym_rows(d.task, d.eval_seed, d.eval_size, d.task_options) if d.eval_size else None
@@ -58,6 +72,9 @@ def build(cfg: Config) -> Components:
     model_path = resolve_model_path(cfg.model.path)  # a missing path fails here
     tokenizer = load_tokenizer(model_path)
     reward_fn = resolve_reward(cfg.rollout.reward)
+    # every hook is imported and its signature checked here, before any model loads
+    hooks = {name: load_hook(name, path) for name, path in cfg.plugins.model_dump().items() if path}
+    hooks.setdefault("rollout", default_rollout)
     context_window = _context_window(model_path)
     max_new = max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens or 0)
     max_prompt = context_window - max_new
@@ -65,8 +82,8 @@ def build(cfg: Config) -> Components:
         raise ValueError(f"rollout.max_new_tokens={max_new} leaves no room in the {context_window}-token context window")
     prompt_kw = dict(template=cfg.data.prompt_template, system_prompt=cfg.data.system_prompt,
                      apply_chat_template=cfg.data.apply_chat_template, max_prompt_tokens=max_prompt)
-    train_prompts = PromptSet(_rows(cfg, "train"), tokenizer, name=cfg.data.path or f"{cfg.data.task} (train)", **prompt_kw)
-    eval_rows = _rows(cfg, "eval")
+    train_prompts = PromptSet(_rows(cfg, "train", hooks.get("data_source")), tokenizer, name=cfg.data.path or f"{cfg.data.task} (train)", **prompt_kw)
+    eval_rows = _rows(cfg, "eval", hooks.get("data_source"))
     eval_prompts = PromptSet(eval_rows, tokenizer, name=cfg.data.eval_path or f"{cfg.data.task} (eval)", **prompt_kw) if eval_rows else None
 
     torch.manual_seed(cfg.train.seed)
@@ -81,13 +98,14 @@ def build(cfg: Config) -> Components:
                             seed=cfg.rollout.seed)
     r = cfg.rollout
     trainer = Trainer(policy, pad_token_id=tokenizer.pad_token_id, train=cfg.train, algo=cfg.algo,
-                      temperature=r.temperature, max_new_tokens=r.max_new_tokens)
+                      temperature=r.temperature, max_new_tokens=r.max_new_tokens,
+                      advantage_fn=hooks.get("advantage"), policy_loss_fn=hooks.get("policy_loss"))
     sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                               max_new_tokens=r.max_new_tokens, stop_token_ids=stop_ids)
     eval_sampling = SamplingParams(temperature=0.0, max_new_tokens=cfg.eval.max_new_tokens or r.max_new_tokens,
                                    stop_token_ids=stop_ids)
     return Components(tokenizer, train_prompts, eval_prompts, PromptSampler(len(train_prompts), cfg.data.seed, cfg.data.shuffle),
-                      reward_fn, engine, trainer, sampling, eval_sampling)
+                      reward_fn, hooks, engine, trainer, sampling, eval_sampling)
 
 
 def check_run_dir(cfg: Config) -> None:

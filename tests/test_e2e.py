@@ -115,8 +115,8 @@ def test_a_reward_that_is_not_a_number_stops_the_run_cleanly(tiny_model_dir, tmp
 
     run_dir = tmp_path / "run"
     cfg = tiny_overrides(tiny_model_dir, run_dir, rollout={"reward": "tests.plugins:not_a_number_reward"})
-    with pytest.raises(RewardError, match=r"not_a_number_reward.*returned 'yes'.*sample group="):
+    with pytest.raises(RewardError, match=r"not_a_number_reward on sample group=-?\d+ index=\d+: returned 'yes'"):
         train(build_config(overrides=cfg))
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["status"] == "failed" and "RewardError" in summary["error"]
+    assert summary["status"] == "failed" and "PluginError" in summary["error"]
     assert not (run_dir / "final").exists()

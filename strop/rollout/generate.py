@@ -1,20 +1,18 @@
-"""Single-turn rollout: prompt → engine → Sample → reward."""
+"""The default rollout: prompt → generate hook → Sample → reward hook → filter hook."""
 
 from __future__ import annotations
 
 import asyncio
-import importlib
-import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from strop.engines.base import Engine
+from strop.plugins import PluginError, call_hook, call_hook_sync, check_signature, import_path, load_hook
 from strop.rollout.rewards import BUILTIN_REWARDS
 from strop.types import SamplingParams, Sample, Status
 
-
-class RewardError(RuntimeError):
-    pass
+# kept for callers that catch reward problems by this name
+RewardError = PluginError
 
 
 @dataclass
@@ -25,7 +23,14 @@ class RolloutContext:
     tokenizer: Any
     config: Any = None
     step: int = 0
+    generate: Callable | None = None  # the generate hook (default: :func:`generate`)
+    reward: Callable | None = None  # the reward hook
+    filter: Callable | None = None  # the dynamic sampling filter, if any
     extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.generate = self.generate or generate
+        self.reward_form = check_signature("reward", self.reward) if self.reward else None
 
 
 async def generate(ctx: RolloutContext, sample: Sample, sampling: SamplingParams) -> Sample:
@@ -36,56 +41,52 @@ async def generate(ctx: RolloutContext, sample: Sample, sampling: SamplingParams
     return sample
 
 
-def load_function(path: str) -> Callable:
-    """Import ``package.module:function`` (or ``package.module.function``)."""
-    module_name, sep, attr = path.partition(":")
-    if not sep:
-        module_name, _, attr = path.rpartition(".")
-    if not module_name or not attr:
-        raise ValueError(f"{path!r} is not an import path like 'package.module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"cannot import {module_name!r} (from {path!r}): {exc}") from None
-    try:
-        fn = getattr(module, attr)
-    except AttributeError:
-        raise ValueError(f"module {module_name!r} has no attribute {attr!r} (from {path!r})") from None
-    if not callable(fn):
-        raise ValueError(f"{path!r} is not callable")
-    return fn
-
-
 def resolve_reward(name: str) -> Callable:
-    return BUILTIN_REWARDS[name] if name in BUILTIN_REWARDS else load_function(name)
+    """A built-in reward by name, or a reward hook by import path (checked now)."""
+    return BUILTIN_REWARDS[name] if name in BUILTIN_REWARDS else load_hook("reward", name)
 
 
-async def score(reward_fn: Callable, sample: Sample) -> float:
-    value = reward_fn(sample)
-    if inspect.isawaitable(value):
-        value = await value
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise RewardError(
-            f"reward function {getattr(reward_fn, '__name__', reward_fn)!r} returned {value!r} "
-            f"({type(value).__name__}) for sample group={sample.group_id} index={sample.index}; expected a float"
-        )
-    return float(value)
+def load_function(path: str) -> Callable:
+    return import_path(path)
 
 
-async def generate_and_score(ctx: RolloutContext, sample: Sample, sampling: SamplingParams,
-                             reward_fn: Callable) -> Sample:
-    sample = await generate(ctx, sample, sampling)
-    if sample.status.trainable:
-        sample.reward = await score(reward_fn, sample)
-    return sample
+async def _generate_one(ctx: RolloutContext, sample: Sample, sampling: SamplingParams) -> Sample:
+    try:
+        return await call_hook("generate", ctx.generate, ctx=ctx, sample=sample, sampling=sampling)
+    except PluginError:
+        raise  # a contract violation stops the run
+    except Exception as exc:  # an ordinary failure (a tool, a server) costs this sample only
+        sample.status = Status.FAILED
+        sample.metadata["error"] = f"{type(exc).__name__}: {exc}"
+        return sample
+
+
+async def score_group(ctx: RolloutContext, group: list[Sample]) -> None:
+    scorable = [s for s in group if s.status.trainable]
+    if not scorable:
+        return
+    if ctx.reward_form == "group":
+        rewards = await call_hook("reward", ctx.reward, samples=scorable)
+    else:
+        rewards = await asyncio.gather(*(call_hook("reward", ctx.reward, sample=s) for s in scorable))
+    for s, r in zip(scorable, rewards):
+        s.reward = r
 
 
 async def rollout_groups(ctx: RolloutContext, groups: list[list[Sample]], sampling: SamplingParams,
-                         reward_fn: Callable) -> list[list[Sample]]:
+                         *, apply_filter: bool = True) -> list[list[Sample]]:
     """Generate and score every sample of every group concurrently (the engine batches them)."""
-    flat = [s for g in groups for s in g]
-    done = await asyncio.gather(*(generate_and_score(ctx, s, sampling, reward_fn) for s in flat))
-    for s in done:
-        if s.status == Status.PENDING:
-            raise RuntimeError(f"sample group={s.group_id} index={s.index} is still PENDING after generate")
-    return groups
+    flat = [(gi, s) for gi, g in enumerate(groups) for s in g]
+    done = await asyncio.gather(*(_generate_one(ctx, s, sampling) for _, s in flat))
+    regrouped = [[] for _ in groups]
+    for (gi, _), s in zip(flat, done):  # a generate hook may return a different Sample object
+        regrouped[gi].append(s)
+    await asyncio.gather(*(score_group(ctx, g) for g in regrouped))
+    if apply_filter and ctx.filter is not None:
+        regrouped = [g for g in regrouped if call_hook_sync("filter", ctx.filter, group=g)]
+    return regrouped
+
+
+async def rollout(ctx: RolloutContext, groups: list[list[Sample]], sampling: SamplingParams) -> list[list[Sample]]:
+    """Default rollout hook: generate, reward and filter every group."""
+    return await rollout_groups(ctx, groups, sampling)

@@ -20,6 +20,7 @@ import torch
 
 from strop.algo import advantages as adv_fns
 from strop.algo.kl import importance_weighted_kl, kl_estimate
+from strop.plugins import call_hook_sync
 from strop.algo.losses import aggregate, cispo_loss, gspo_loss, ppo_clip_loss, rollout_correction, value_loss
 from strop.train.critic import ValueModel
 from strop.train.logprob import response_logprobs
@@ -79,8 +80,10 @@ def _pad_rows(rows: list[torch.Tensor], T: int) -> torch.Tensor:
 
 class Trainer:
     def __init__(self, model, *, pad_token_id: int, train, algo, temperature: float = 1.0,
-                 max_new_tokens: int = 1024):
-        """``train`` and ``algo`` are the config sections (TrainConfig, AlgoConfig)."""
+                 max_new_tokens: int = 1024, advantage_fn=None, policy_loss_fn=None):
+        """``train`` and ``algo`` are the config sections (TrainConfig, AlgoConfig); the two
+        optional hooks replace the advantage estimator and the policy loss (strop.plugins)."""
+        self.advantage_fn, self.policy_loss_fn = advantage_fn, policy_loss_fn
         self.model = model.train()
         self.pad_token_id = pad_token_id
         self.cfg, self.algo = train, algo
@@ -142,6 +145,11 @@ class Trainer:
     # ---- advantages -----------------------------------------------------------------------------
     def _advantages(self, b: _Batch) -> None:
         a, est = self.algo, self.algo.estimator
+        if self.advantage_fn is not None:
+            out = call_hook_sync("advantage", self.advantage_fn, rewards=b.rewards, group_ids=b.group_ids,
+                                 mask=b.response_mask)
+            b.advantages = (out.unsqueeze(-1) if out.dim() == 1 else out).float() * b.response_mask
+            return
         if est in SCALAR_ESTIMATORS:
             if est == "rloo":
                 scalar = adv_fns.rloo_advantages(b.rewards, b.group_ids)
@@ -241,7 +249,12 @@ class Trainer:
             advantages = b.advantages[idx, :Tm]
             weight, loss_mask, corr = rollout_correction(
                 old, rollout, mask, tis_cap=a.tis_cap, mis_low=a.mis_low, mis_high=a.mis_high, mis_level=a.mis_level)
-            if a.policy_loss == "ppo_clip":
+            if self.policy_loss_fn is not None:
+                per_token, extra = call_hook_sync("policy_loss", self.policy_loss_fn, logprobs=logprobs,
+                                                  old_logprobs=old, advantages=advantages, mask=loss_mask)
+                info = {"clipped_low": torch.zeros_like(mask, dtype=torch.bool),
+                        "clipped_high": torch.zeros_like(mask, dtype=torch.bool)} | extra
+            elif a.policy_loss == "ppo_clip":
                 per_token, info = ppo_clip_loss(logprobs, old, advantages, clip_low=a.clip_low,
                                                 clip_high=a.clip_high, dual_clip=a.dual_clip)
             elif a.policy_loss == "gspo":

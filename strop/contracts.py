@@ -1,0 +1,149 @@
+"""Contract checks a user can run on their own plugin before spending an hour on a run.
+
+``check_plugin(hook, path)`` imports the plugin, checks its signature against
+the hook's contract, then calls it through strop's own call path on synthetic
+Samples (a fake engine and a character-level tokenizer, no model) and checks
+the result's type and shape. Used by ``strop check-plugin`` and tests/contracts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import torch
+
+from strop.config import DataConfig
+from strop.plugins import HOOKS, call_hook, call_hook_sync, load_hook
+from strop.types import Completion, SamplingParams, Sample, Status
+
+
+class CharTokenizer:
+    """Token id = character code; enough for plugins that decode or encode text."""
+
+    eos_token_id = pad_token_id = 0
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids if i > 0)
+
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) for c in text]
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": self.encode(text)}
+
+
+class FakeEngine:
+    """Answers every prompt with a fixed text; logprobs -0.5 per token."""
+
+    weight_version = 0
+
+    def __init__(self, answer: str = "The answer is 4."):
+        self.answer = [ord(c) for c in answer]
+        self.calls: list[list[int]] = []
+
+    async def generate(self, prompt_ids, sampling):
+        self.calls.append(list(prompt_ids))
+        ids = self.answer[: sampling.max_new_tokens]
+        return Completion(ids, [-0.5] * len(ids), "stop" if len(ids) == len(self.answer) else "length", 0)
+
+    async def update_weights(self, state_dict, version=None):
+        return self.weight_version
+
+    async def abort_all(self):
+        return None
+
+    async def health(self):
+        return True
+
+
+def synthetic_group(n: int = 4, group_id: int = 0, scored: bool = True) -> list[Sample]:
+    """A finished group: answers '4', '5', '4', '7' to 'What is 2+2?' (label 4)."""
+    group = []
+    for i in range(n):
+        text = f"The answer is {[4, 5, 4, 7][i % 4]}."
+        s = Sample(prompt="What is 2+2?", prompt_ids=[ord(c) for c in "What is 2+2?"], label="4",
+                   group_id=group_id, index=i)
+        if scored:
+            s.append([ord(c) for c in text], [-0.5] * len(text))
+            s.response_text, s.status = text, Status.COMPLETED
+            s.reward = 1.0 if "4" in text else 0.0
+        group.append(s)
+    return group
+
+
+def make_context(reward=None, generate=None, filter=None):
+    from strop.rollout.generate import RolloutContext
+
+    return RolloutContext(engine=FakeEngine(), tokenizer=CharTokenizer(), config=None, step=1,
+                          generate=generate, reward=reward or (lambda sample: 1.0), filter=filter)
+
+
+def run_contract(hook: str, fn) -> str:
+    """Call ``fn`` the way strop does on synthetic data; return a one-line description of the result."""
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=32)
+    if hook == "reward":
+        group = synthetic_group()
+        for s in group:
+            s.reward = None
+        ctx = make_context(reward=fn)
+        from strop.rollout.generate import score_group
+
+        asyncio.run(score_group(ctx, group))
+        return f"rewards {[s.reward for s in group]} for answers {[s.response_text for s in group]}"
+    if hook == "generate":
+        group = synthetic_group(2, scored=False)
+        ctx = make_context(generate=fn)
+        out = [asyncio.run(call_hook("generate", fn, ctx=ctx, sample=s, sampling=sampling)) for s in group]
+        return f"statuses {[s.status.value for s in out]}, response lengths {[s.response_length for s in out]}"
+    if hook == "rollout":
+        groups = [synthetic_group(2, g, scored=False) for g in range(2)]
+        ctx = make_context()
+        out = asyncio.run(call_hook("rollout", fn, ctx=ctx, groups=groups, sampling=sampling))
+        return f"{len(out)} groups of sizes {[len(g) for g in out]}"
+    if hook == "filter":
+        kept = [call_hook_sync("filter", fn, group=g) for g in (synthetic_group(), synthetic_group(4, 1)[:1])]
+        return f"keep decisions {kept}"
+    if hook == "postprocess":
+        out = call_hook_sync("postprocess", fn, samples=synthetic_group(), step=1)
+        return f"{len(out)} samples"
+    if hook == "advantage":
+        mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
+        out = call_hook_sync("advantage", fn, rewards=torch.tensor([1.0, 0.0, 1.0, 0.0]),
+                             group_ids=torch.tensor([0, 0, 1, 1]), mask=mask)
+        return f"advantages of shape {tuple(out.shape)}"
+    if hook == "policy_loss":
+        g = torch.Generator().manual_seed(0)
+        logprobs = (-torch.rand(3, 5, generator=g)).requires_grad_(True)
+        old = logprobs.detach() + 0.05 * torch.randn(3, 5, generator=g)
+        loss, info = call_hook_sync("policy_loss", fn, logprobs=logprobs, old_logprobs=old,
+                                    advantages=torch.tensor([[1.0], [-1.0], [0.5]]), mask=torch.ones(3, 5))
+        loss.sum().backward()
+        if logprobs.grad is None or not torch.isfinite(logprobs.grad).all():
+            raise ValueError("policy_loss hook: the loss has no finite gradient with respect to logprobs")
+        return f"per-token loss of shape {tuple(loss.shape)}, extra metrics {sorted(info)}"
+    if hook == "data_source":
+        from strop.data.sources import _row_from_record
+
+        rows = call_hook_sync("data_source", fn, config=DataConfig(), split="train")
+        for i, r in enumerate(rows[:100]):
+            _row_from_record(r, f"data_source hook row {i}", "prompt", "label", [])
+        return f"{len(rows)} training rows"
+    raise ValueError(f"unknown hook {hook!r}")
+
+
+@dataclass
+class CheckReport:
+    hook: str
+    path: str
+    signature: str
+    result: str
+
+    def __str__(self) -> str:
+        return (f"ok: {self.path} satisfies the {self.hook} hook contract\n"
+                f"  contract: {self.signature}\n  synthetic run: {self.result}")
+
+
+def check_plugin(hook: str, path: str) -> CheckReport:
+    fn = load_hook(hook, path)  # import and signature
+    return CheckReport(hook, path, HOOKS[hook].signature_text(), run_contract(hook, fn))

@@ -1,0 +1,51 @@
+"""Plugins that break their contracts in one way each (for the checker's tests)."""
+
+
+def reward_wrong_name(s):
+    return 1.0
+
+
+def reward_two_params(sample, label):
+    return 1.0
+
+
+def reward_returns_text(sample):
+    return "correct"
+
+
+def generate_sync(ctx, sample, sampling):
+    return sample
+
+
+async def generate_breaks_invariants(ctx, sample, sampling):
+    sample.response_ids.append(5)  # no logprob, no mask entry
+    return sample
+
+
+async def generate_forgets_status(ctx, sample, sampling):
+    completion = await ctx.engine.generate(sample.prompt_ids, sampling)
+    sample.append(completion.token_ids, completion.logprobs)
+    return sample
+
+
+async def filter_async(group):
+    return True
+
+
+def filter_returns_int(group):
+    return 1
+
+
+def advantage_wrong_shape(rewards, group_ids, mask):
+    return rewards[:1]
+
+
+def loss_without_info(logprobs, old_logprobs, advantages, mask):
+    return -advantages * logprobs
+
+
+def postprocess_positional_only(samples, step, /):
+    return None
+
+
+NOT_CALLABLE = 42
