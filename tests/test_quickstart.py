@@ -41,3 +41,27 @@ def test_ci_runs_the_readme_test_command():
     assert len(block) == 2, "the Quick start is exactly two commands"
     assert "strop train" in block[0] and "pytest" in block[1]
     assert block[1] in (ROOT / ".ci" / "run").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_quickstart_with_example_reward_and_generate(tmp_path):
+    cfg = build_config(overrides={
+        "data": {"eval_size": 8},
+        "rollout": {"prompts_per_step": 2, "n_samples_per_prompt": 4, "max_new_tokens": 24,
+                    "reward": "examples.plugins.rewards:concise_math_reward"},
+        "train": {"steps": 2},
+        "eval": {"every": 0},
+        "run": {"dir": str(tmp_path / "run"), "progress": False, "save_final": False},
+        "plugins": {"generate": "examples.plugins.generate:answer_prefix_generate"},
+    })
+    summary = train(cfg)
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "reward_mean" in r]
+    assert summary["steps"] == 2 and len(steps) == 2
+    for r in steps:
+        # the forced prefix is not trainable, and the policy's own tokens still match the engine's
+        assert r["train_rollout_logprob_abs_diff"] < 1e-3
+        assert all(math.isfinite(v) for v in r.values() if isinstance(v, float))
+    # concise_math_reward is 1 - length penalty or 0 - length penalty: never exactly 0 or 1
+    assert all(0 < abs(r["reward_mean"]) < 1.2 for r in steps)
