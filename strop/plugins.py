@@ -17,7 +17,7 @@ import inspect
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -220,20 +220,26 @@ def _describe(obj) -> str:
         return f"sample group={obj.group_id} index={obj.index}"
     if isinstance(obj, list) and obj and isinstance(obj[0], Sample):
         return f"group {obj[0].group_id}"
-    return type(obj).__name__
+    if isinstance(obj, list) and obj and isinstance(obj[0], list):
+        return f"{len(obj)} groups"
+    return "the step's batch"
 
 
 def _name(fn) -> str:
     return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', fn)}"
 
 
-async def call_hook(hook: str, fn: Callable, **kwargs) -> Any:
-    """Call a hook exactly as its contract says, await it if needed, and check what it returns."""
+def _check_call_site(hook: str, kwargs: dict) -> None:
     spec = HOOKS[hook]
     if tuple(kwargs) not in (spec.params, spec.alt_params):
         # the call site drifted from the contract: fail loudly in strop's own tests
         raise TypeError(f"strop bug: call site of the {hook} hook passes {tuple(kwargs)}, "
                         f"the contract is {spec.params}")
+
+
+async def call_hook(hook: str, fn: Callable, **kwargs) -> Any:
+    """Call a hook exactly as its contract says, await it if needed, and check what it returns."""
+    _check_call_site(hook, kwargs)
     result = fn(**kwargs)
     if inspect.isawaitable(result):
         result = await result
@@ -242,9 +248,7 @@ async def call_hook(hook: str, fn: Callable, **kwargs) -> Any:
 
 def check_result(hook: str, fn: Callable, kwargs: dict, result: Any) -> Any:
     where = f"{hook} hook {_name(fn)}"
-    subject = _describe(next(iter(kwargs.values())) if hook != "rollout" else kwargs["groups"])
-    if hook in ("generate",) or hook == "reward":
-        subject = _describe(kwargs.get("sample", kwargs.get("samples")))
+    subject = _describe(next((kwargs[k] for k in ("sample", "samples", "group", "groups") if k in kwargs), None))
 
     def bad(why: str):
         raise PluginError(f"{where} on {subject}: {why}")
@@ -320,10 +324,7 @@ def check_result(hook: str, fn: Callable, kwargs: dict, result: Any) -> Any:
 
 def call_hook_sync(hook: str, fn: Callable, **kwargs) -> Any:
     """:func:`call_hook` for sync call sites (the hook itself must be sync)."""
-    spec = HOOKS[hook]
-    if tuple(kwargs) not in (spec.params, spec.alt_params):
-        raise TypeError(f"strop bug: call site of the {hook} hook passes {tuple(kwargs)}, "
-                        f"the contract is {spec.params}")
+    _check_call_site(hook, kwargs)
     result = fn(**kwargs)
     if inspect.isawaitable(result):
         result.close()
@@ -332,4 +333,4 @@ def call_hook_sync(hook: str, fn: Callable, **kwargs) -> Any:
 
 
 __all__ = ["HOOKS", "HookSpec", "PluginError", "load_hook", "check_signature", "call_hook", "call_hook_sync",
-           "import_path", "Awaitable"]
+           "import_path"]

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from strop.engines.base import Engine
-from strop.plugins import PluginError, call_hook, call_hook_sync, check_signature, import_path, load_hook
+from strop.plugins import PluginError, call_hook, call_hook_sync, check_signature, load_hook
 from strop.rollout.rewards import BUILTIN_REWARDS
 from strop.types import SamplingParams, Sample, Status
 
@@ -44,10 +44,6 @@ async def generate(ctx: RolloutContext, sample: Sample, sampling: SamplingParams
 def resolve_reward(name: str) -> Callable:
     """A built-in reward by name, or a reward hook by import path (checked now)."""
     return BUILTIN_REWARDS[name] if name in BUILTIN_REWARDS else load_hook("reward", name)
-
-
-def load_function(path: str) -> Callable:
-    return import_path(path)
 
 
 async def _generate_one(ctx: RolloutContext, sample: Sample, sampling: SamplingParams) -> Sample:

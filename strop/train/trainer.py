@@ -278,8 +278,8 @@ class Trainer:
             if has_signal:
                 loss.backward()
             with torch.no_grad():
-                m.add("policy_loss", pg_loss.item() if has_signal else 0.0, raw=True)
-                m.add("loss", loss.item() if has_signal else 0.0, raw=True)
+                m.add("policy_loss", pg_loss.item() if has_signal else 0.0)
+                m.add("loss", loss.item() if has_signal else 0.0)
                 # engine vs trainer on the same weights: the pre-pass, or this pass before any update
                 if b.trainer_old_logprobs is not None:
                     m.tok("train_rollout_logprob_abs_diff", (b.trainer_old_logprobs[idx, :Tm] - rollout).abs(), mask)
@@ -296,8 +296,8 @@ class Trainer:
                 m.tok("importance_weight_mean", corr["w"], mask)
                 m.max("importance_weight_max", (corr["w"] * mask).max().item())
                 m.tok("mis_masked_fraction", (mask - loss_mask).clamp(min=0), mask)
-                m.add("train_tokens", float(batch["attention_mask"].sum()), raw=True)
-        m.add("trained_samples", float(len(active)) if has_signal else 0.0, raw=True)
+                m.add("train_tokens", float(batch["attention_mask"].sum()))
+        m.add("trained_samples", float(len(active)) if has_signal else 0.0)
         params = [p for p in self.model.parameters() if p.requires_grad]
         m.last("lr", self.optimizer.param_groups[0]["lr"])
         if has_signal:
@@ -321,7 +321,7 @@ class Trainer:
             per_token, info = value_loss(values, b.old_values[idx, :Tm], b.returns[idx, :Tm], clip=self.algo.value_clip)
             loss = aggregate(per_token, mask, "token_mean", num_sequences=float(len(mini)), total_tokens=total)
             loss.backward()
-            m.add("value_loss", loss.item(), raw=True)
+            m.add("value_loss", loss.item())
             m.tok("value_clip_fraction", info["value_clipped"].float(), mask)
         params = [p for p in self.critic.parameters() if p.requires_grad]
         m.last("critic_grad_norm", float(torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip)))
@@ -361,7 +361,7 @@ class _Sums:
         self.tok_sum[name] = self.tok_sum.get(name, 0.0) + float((values * mask).sum())
         self.tok_n[name] = self.tok_n.get(name, 0.0) + float(mask.sum())
 
-    def add(self, name, value, raw=True):
+    def add(self, name, value):
         self.raw[name] = self.raw.get(name, 0.0) + value
 
     def max(self, name, value):
