@@ -1,0 +1,78 @@
+"""Run a function on N local processes with a gloo (CPU) or NCCL (GPU) group, with a timeout.
+
+Used by the distributed tests and benchmarks: a rank that hangs makes the call
+fail after ``timeout`` seconds instead of stalling; every child is ended.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue as queue_module
+import time
+import socket
+import traceback
+from typing import Any, Callable
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(fn, rank, world_size, port, backend, env, args, queue):
+    os.environ.update(env)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    try:
+        import torch.distributed as dist
+
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
+        try:
+            result = fn(rank, world_size, *args)
+        finally:
+            dist.destroy_process_group()
+        queue.put((rank, "ok", result))
+    except BaseException:
+        queue.put((rank, "error", traceback.format_exc()))
+
+
+def run_on_ranks(fn: Callable, world_size: int = 2, *args, backend: str = "gloo", timeout: float = 120.0,
+                 env: dict[str, str] | None = None) -> list[Any]:
+    """``fn(rank, world_size, *args)`` on every rank (a module-level function); returns results by rank."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, backend, env or {}, args, queue), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors = []
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) < world_size:
+            try:
+                rank, status, value = queue.get(timeout=0.5)
+            except queue_module.Empty:
+                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in results]
+                if dead and queue.empty():
+                    time.sleep(0.5)  # a result may still be in flight from a rank that just exited
+                    if queue.empty():
+                        raise RuntimeError(f"rank(s) {dead} exited without a result "
+                                           f"(exit codes {[procs[r].exitcode for r in dead]})") from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"distributed run did not finish within {timeout:.0f}s (ranks done: "
+                                       f"{sorted(results)}); a rank is probably hung in a collective") from None
+                continue
+            if status == "error":
+                errors.append(f"rank {rank}:\n{value}")
+            results[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise RuntimeError("distributed run failed\n" + "\n".join(errors))
+    return [results[r] for r in range(world_size)]
