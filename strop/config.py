@@ -148,6 +148,9 @@ class TrainConfig(_Section):
     grad_clip: float = Field(1.0, gt=0, description="clip the global gradient norm to this")
     micro_batch_size: int = Field(16, gt=0, description="samples per forward/backward (gradient accumulation)")
     mini_batches: int = Field(1, gt=0, description="optimizer steps per rollout batch (PPO-style reuse)")
+    max_tokens_per_micro_batch: int | None = Field(
+        None, gt=0, description="pack samples into micro-batches of at most this many tokens, with no padding "
+        "(replaces micro_batch_size)")
     logprob_chunk_size: int = Field(
         1024, ge=0, description="tokens per lm_head chunk when computing logprobs (0 = full logits, more memory)")
     seed: int = Field(0, description="torch seed")

@@ -120,3 +120,13 @@ def test_a_reward_that_is_not_a_number_stops_the_run_cleanly(tiny_model_dir, tmp
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "failed" and "PluginError" in summary["error"]
     assert not (run_dir / "final").exists()
+
+
+def test_packed_micro_batches_run_end_to_end(tiny_model_dir, tmp_path):
+    cfg = tiny_overrides(tiny_model_dir, tmp_path / "run", train={"max_tokens_per_micro_batch": 200},
+                         run={"save_final": False, "plot": False})
+    summary = train(build_config(overrides=cfg))
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "reward_mean" in r]
+    assert summary["steps"] == 2 and all(r["train_rollout_logprob_abs_diff"] < 1e-3 for r in steps)
+    assert all(math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0 for r in steps)

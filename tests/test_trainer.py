@@ -26,9 +26,10 @@ def make_samples(n=8, seed=0, group_size=4):
     return out
 
 
-def run_step(model, samples, *, micro_batch_size=8, mini_batches=1, **algo):
+def run_step(model, samples, *, micro_batch_size=8, mini_batches=1, max_tokens=None, **algo):
     # Adam divides by |grad|: near-zero gradients amplify rounding, so keep lr small for 1e-6 checks
-    train = TrainConfig(lr=1e-3, warmup_steps=0, micro_batch_size=micro_batch_size, mini_batches=mini_batches)
+    train = TrainConfig(lr=1e-3, warmup_steps=0, micro_batch_size=micro_batch_size, mini_batches=mini_batches,
+                        max_tokens_per_micro_batch=max_tokens)
     trainer = Trainer(model, pad_token_id=0, train=train, algo=AlgoConfig(**algo), max_new_tokens=8)
     metrics = trainer.step(samples)
     return trainer, metrics

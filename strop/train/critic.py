@@ -21,8 +21,10 @@ class ValueModel(nn.Module):
         backbone = model.get_decoder() if hasattr(model, "get_decoder") else model.model
         return cls(backbone, model.config.hidden_size)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if position_ids is None:
+            position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
                                position_ids=position_ids).last_hidden_state  # (B, L, H)
         pred_pos = (positions - 1).clamp(min=0)  # the state before each response token

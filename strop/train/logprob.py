@@ -17,17 +17,20 @@ from strop.train.chunked_logprob import chunked_logprobs, naive_logprobs
 def response_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                       response_positions: torch.Tensor, *, temperature: float = 1.0,
                       with_entropy: bool = False, entropy_grad: bool = False,
-                      chunk_size: int = 1024) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      chunk_size: int = 1024, position_ids: torch.Tensor | None = None,
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprobs of the tokens at ``response_positions`` under ``log_softmax(logits / temperature)``.
 
     input_ids, attention_mask: (B, L), right-padded. response_positions: (B, T)
     indices into L of each response token (padding entries may repeat any
-    valid index; the caller masks them). Returns logprobs (B, T) and, if asked,
+    valid index; the caller masks them). A packed row passes a 4D block-diagonal
+    ``attention_mask`` and its own ``position_ids``. Returns logprobs (B, T) and, if asked,
     the entropy (B, T) of the same distribution (detached unless ``entropy_grad``:
     an entropy bonus needs its gradient, a metric does not).
     """
     backbone = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    if position_ids is None:
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
     B, T = response_positions.shape
     # the token at position p is predicted by the hidden state at p - 1

@@ -22,6 +22,7 @@ from strop.algo import advantages as adv_fns
 from strop.algo.kl import importance_weighted_kl, kl_estimate
 from strop.plugins import call_hook_sync
 from strop.algo.losses import aggregate, cispo_loss, gspo_loss, ppo_clip_loss, rollout_correction, value_loss
+from strop.parallel.packing import collate_packed, pack_by_token_budget, unpack
 from strop.train.critic import ValueModel
 from strop.train.logprob import response_logprobs
 from strop.types import Sample
@@ -111,30 +112,53 @@ class Trainer:
         return opt, sched
 
     # ---- forward passes -------------------------------------------------------------------------
+    def _micro_batches(self, indices: list[int], samples: list[Sample]) -> list[list[int]]:
+        """Padded micro-batches of ``micro_batch_size`` (similar lengths together), or packed ones
+        filled up to ``max_tokens_per_micro_batch`` tokens."""
+        if self.cfg.max_tokens_per_micro_batch:
+            bins = pack_by_token_budget([samples[i].total_length for i in indices], self.cfg.max_tokens_per_micro_batch)
+            return [[indices[j] for j in b] for b in bins]
+        ordered = sorted(indices, key=lambda i: samples[i].total_length)  # less padding; sums are order-free
+        mb = self.cfg.micro_batch_size
+        return [ordered[k : k + mb] for k in range(0, len(ordered), mb)]
+
+    def _collate(self, samples: list[Sample]) -> dict:
+        return collate_packed(samples) if self.cfg.max_tokens_per_micro_batch else collate(samples, self.pad_token_id)
+
     def _logprobs(self, batch: dict, *, with_entropy: bool = False, entropy_grad: bool = False, model=None):
-        return response_logprobs(model or self.model, batch["input_ids"], batch["attention_mask"], batch["positions"],
-                                 temperature=self.temperature, with_entropy=with_entropy, entropy_grad=entropy_grad,
-                                 chunk_size=self.cfg.logprob_chunk_size)
+        lp, ent = response_logprobs(model or self.model, batch["input_ids"], batch["attention_mask"], batch["positions"],
+                                    temperature=self.temperature, with_entropy=with_entropy, entropy_grad=entropy_grad,
+                                    chunk_size=self.cfg.logprob_chunk_size, position_ids=batch.get("position_ids"))
+        if "scatter" in batch:  # a packed row back to (n, T)
+            lp, ent = unpack(lp, batch), (unpack(ent, batch) if ent is not None else None)
+        return lp, ent
+
+    def _values(self, batch: dict) -> torch.Tensor:
+        values = self.critic(batch["input_ids"], batch["attention_mask"], batch["positions"],
+                             position_ids=batch.get("position_ids"))
+        return unpack(values, batch) if "scatter" in batch else values
 
     @torch.no_grad()
     def _pre_pass(self, b: _Batch, need_old: bool) -> None:
         """Everything that must see pre-update weights: old and reference logprobs, critic values."""
         N, T = b.loss_mask.shape
-        olds, refs, values = [], [], []
-        mb = self.cfg.micro_batch_size
-        for start in range(0, N, mb):
-            chunk = b.samples[start : start + mb]
-            batch = collate(chunk, self.pad_token_id)
+        olds, refs, values = [None] * N, [None] * N, [None] * N
+        for idx in self._micro_batches(list(range(N)), b.samples):
+            batch = self._collate([b.samples[i] for i in idx])
             if need_old:
-                olds += list(self._logprobs(batch)[0])
+                for i, row in zip(idx, self._logprobs(batch)[0]):
+                    olds[i] = row
             if self.needs_ref:
                 if self.ref_model is not None:
-                    refs += list(self._logprobs(batch, model=self.ref_model)[0])
+                    lp = self._logprobs(batch, model=self.ref_model)[0]
                 else:
                     with swapped_weights(self.model, self.ref_state):
-                        refs += list(self._logprobs(batch)[0])
+                        lp = self._logprobs(batch)[0]
+                for i, row in zip(idx, lp):
+                    refs[i] = row
             if self.critic is not None:
-                values += list(self.critic(batch["input_ids"], batch["attention_mask"], batch["positions"]))
+                for i, row in zip(idx, self._values(batch)):
+                    values[i] = row
         if need_old:
             b.old_logprobs = _pad_rows(olds, T) * b.response_mask
         if self.needs_ref:
@@ -237,10 +261,8 @@ class Trainer:
         has_signal = bool(active)
         if not has_signal:  # measure one micro-batch anyway so every step reports its metrics
             active = mini[: self.cfg.micro_batch_size]
-        active.sort(key=lambda i: b.samples[i].total_length)  # less padding; the sum is order-free
-        for start in range(0, len(active), self.cfg.micro_batch_size):
-            idx = active[start : start + self.cfg.micro_batch_size]
-            batch = collate([b.samples[i] for i in idx], self.pad_token_id)
+        for idx in self._micro_batches(active, b.samples):
+            batch = self._collate([b.samples[i] for i in idx])
             Tm = batch["loss_mask"].shape[1]
             mask = batch["loss_mask"]
             logprobs, entropy = self._logprobs(batch, with_entropy=True, entropy_grad=bool(a.entropy_coef))
@@ -296,7 +318,7 @@ class Trainer:
                 m.tok("importance_weight_mean", corr["w"], mask)
                 m.max("importance_weight_max", (corr["w"] * mask).max().item())
                 m.tok("mis_masked_fraction", (mask - loss_mask).clamp(min=0), mask)
-                m.add("train_tokens", float(batch["attention_mask"].sum()))
+                m.add("train_tokens", float(batch.get("tokens", batch["attention_mask"].sum())))
         m.add("trained_samples", float(len(active)) if has_signal else 0.0)
         params = [p for p in self.model.parameters() if p.requires_grad]
         m.last("lr", self.optimizer.param_groups[0]["lr"])
@@ -313,11 +335,10 @@ class Trainer:
     def _train_critic(self, b: _Batch, mini: list[int], m: "_Sums") -> None:
         mask_all = b.loss_mask[mini]
         total = float(mask_all.sum())
-        for start in range(0, len(mini), self.cfg.micro_batch_size):
-            idx = mini[start : start + self.cfg.micro_batch_size]
-            batch = collate([b.samples[i] for i in idx], self.pad_token_id)
+        for idx in self._micro_batches(mini, b.samples):
+            batch = self._collate([b.samples[i] for i in idx])
             Tm, mask = batch["loss_mask"].shape[1], batch["loss_mask"]
-            values = self.critic(batch["input_ids"], batch["attention_mask"], batch["positions"])
+            values = self._values(batch)
             per_token, info = value_loss(values, b.old_values[idx, :Tm], b.returns[idx, :Tm], clip=self.algo.value_clip)
             loss = aggregate(per_token, mask, "token_mean", num_sequences=float(len(mini)), total_tokens=total)
             loss.backward()
