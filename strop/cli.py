@@ -52,7 +52,16 @@ def _quiet_libraries() -> None:
 def train_main(argv: list[str]) -> int:
     from strop.config import ConfigError, build_config, parse_overrides
 
-    yaml_path, preset = None, None
+    yaml_path, preset, nproc = None, None, 1
+    for i, arg in enumerate(argv):  # --nproc N starts N local ranks (data parallel, gloo on CPU)
+        if arg == "--nproc" and i + 1 < len(argv) or arg.startswith("--nproc="):
+            value = arg.split("=", 1)[1] if "=" in arg else argv[i + 1]
+            rest = argv[:i] + argv[i + (1 if "=" in arg else 2) :]
+            if not value.isdigit() or int(value) < 1:
+                print(f"strop train: --nproc must be a positive integer, got {value!r}", file=sys.stderr)
+                return 2
+            nproc, argv = int(value), rest
+            break
     if argv and not argv[0].startswith("-"):
         yaml_path, argv = argv[0], argv[1:]
     for i, arg in enumerate(argv):  # --preset NAME / --preset=NAME picks an algorithm preset
@@ -67,7 +76,13 @@ def train_main(argv: list[str]) -> int:
     except ConfigError as exc:
         print(f"strop train: {exc}", file=sys.stderr)
         return 2
+    if nproc > 1:
+        from strop.parallel.runtime import launch
+
+        return launch(nproc, ([yaml_path] if yaml_path else []) + (["--preset", preset] if preset else []) + argv)
     _quiet_libraries()
+    if os.environ.get("RANK", "0") != "0":
+        cfg.run.progress = False
     from strop.data.sources import DataError
     from strop.loop import train
     from strop.plugins import PluginError

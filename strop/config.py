@@ -179,6 +179,12 @@ class PluginsConfig(_Section):
     data_source: str | None = Field(None, description="data source hook (replaces data.source)")
 
 
+class ParallelConfig(_Section):
+    grad_reduce_bucket_bytes: int = Field(
+        1 << 30, description="largest flat buffer of the chunked gradient all-reduce, in bytes (>= 1 MiB; "
+        "the environment variable STROP_GRAD_REDUCE_BUCKET_BYTES overrides it)")
+
+
 class Config(_Section):
     model: ModelConfig = Field(default_factory=ModelConfig, description="the policy model")
     data: DataConfig = Field(default_factory=DataConfig, description="prompt sources")
@@ -187,6 +193,8 @@ class Config(_Section):
     train: TrainConfig = Field(default_factory=TrainConfig, description="optimizer and batching")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="held-out evaluation")
     run: RunConfig = Field(default_factory=RunConfig, description="outputs")
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig,
+                                     description="multi-process training (strop train --nproc N)")
     plugins: PluginsConfig = Field(default_factory=PluginsConfig, description="hooks by import path (docs/plugins.md)")
 
 

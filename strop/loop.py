@@ -13,12 +13,19 @@ from strop.config import Config, save_config
 from strop.observe.metrics import MetricsLog, Progress, Timer, plot_curves, write_summary
 from strop.plugins import call_hook, call_hook_sync
 from strop.rollout.generate import RolloutContext, rollout_groups
-from strop.setup import Components, build, make_run_dir
+from strop.parallel.runtime import broadcast_object, init_from_env
+from strop.setup import Components, build, build_worker, make_run_dir
 
 
-def train(cfg: Config) -> dict:
+def train(cfg: Config) -> dict | None:
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
+    rank, _ = init_from_env()
+    if rank != 0:  # a data-parallel rank: train on what the controller sends until it says stop
+        trainer = build_worker(cfg)
+        while (samples := broadcast_object()) is not None:
+            trainer.step(samples)
+        return None
     c = build(cfg)  # every input is checked here, before the run directory exists
     run_dir = make_run_dir(cfg)
     print(f"strop: run directory {run_dir}", flush=True)
@@ -36,7 +43,7 @@ def train(cfg: Config) -> dict:
             samples = [s for g in groups for s in g if s.status.trainable]  # aborted / failed never train
             if "postprocess" in c.hooks:
                 samples = call_hook_sync("postprocess", c.hooks["postprocess"], samples=samples, step=step)
-            metrics |= c.trainer.step(samples)  # advantages, loss, optimizer step(s)
+            metrics |= c.trainer.step(broadcast_object(samples))  # every rank: advantages, loss, optimizer step(s)
             asyncio.run(c.engine.update_weights(c.trainer.state_dict(), version=step))
             log.log(metrics | {"step": step, "step_seconds": time.perf_counter() - t_step, "elapsed_seconds": clock()})
             progress.update(1, reward=metrics["reward_mean"])
@@ -48,6 +55,7 @@ def train(cfg: Config) -> dict:
         raise
     finally:
         progress.close()
+        broadcast_object(None)  # data-parallel ranks stop
     return finish(cfg, c, run_dir, log, clock())
 
 

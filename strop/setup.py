@@ -13,6 +13,7 @@ import torch
 from strop.config import Config
 from strop.data.sources import PromptSampler, PromptSet, read_prompt_file, reasoning_gym_rows
 from strop.engines.embedded import EmbeddedEngine
+from strop.parallel.collectives import resolve_bucket_bytes
 from strop.data.sources import DataError, PromptRow, _row_from_record
 from strop.plugins import call_hook_sync, load_hook
 from strop.rollout.generate import resolve_reward, rollout as default_rollout
@@ -66,9 +67,30 @@ def _context_window(model_path: str) -> int:
     return int(getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", 2048))
 
 
+def make_trainer(cfg: Config, policy, tokenizer, hooks: dict) -> Trainer:
+    import torch.distributed as dist
+
+    r = cfg.rollout
+    return Trainer(policy, pad_token_id=tokenizer.pad_token_id, train=cfg.train, algo=cfg.algo,
+                   temperature=r.temperature, max_new_tokens=r.max_new_tokens,
+                   advantage_fn=hooks.get("advantage"), policy_loss_fn=hooks.get("policy_loss"),
+                   dp_group=dist.group.WORLD if dist.is_initialized() else None,
+                   bucket_bytes=resolve_bucket_bytes(cfg.parallel.grad_reduce_bucket_bytes))
+
+
+def build_worker(cfg: Config) -> Trainer:
+    """A data-parallel rank other than the controller: the policy and its trainer, nothing else."""
+    model_path = resolve_model_path(cfg.model.path)
+    hooks = {name: load_hook(name, path) for name, path in cfg.plugins.model_dump().items() if path}
+    torch.manual_seed(cfg.train.seed)
+    policy = load_model(model_path, dtype=getattr(torch, cfg.model.dtype))  # same weights as rank 0
+    return make_trainer(cfg, policy, load_tokenizer(model_path), hooks)
+
+
 def build(cfg: Config) -> Components:
     """Everything a run needs. Cheap checks first: run dir, model path, data, reward, then the weights."""
     check_run_dir(cfg)
+    resolve_bucket_bytes(cfg.parallel.grad_reduce_bucket_bytes)
     model_path = resolve_model_path(cfg.model.path)  # a missing path fails here
     tokenizer = load_tokenizer(model_path)
     reward_fn = resolve_reward(cfg.rollout.reward)
@@ -97,9 +119,7 @@ def build(cfg: Config) -> Components:
                             max_batch_size=cfg.rollout.max_batch_size, context_window=context_window,
                             seed=cfg.rollout.seed)
     r = cfg.rollout
-    trainer = Trainer(policy, pad_token_id=tokenizer.pad_token_id, train=cfg.train, algo=cfg.algo,
-                      temperature=r.temperature, max_new_tokens=r.max_new_tokens,
-                      advantage_fn=hooks.get("advantage"), policy_loss_fn=hooks.get("policy_loss"))
+    trainer = make_trainer(cfg, policy, tokenizer, hooks)
     sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                               max_new_tokens=r.max_new_tokens, stop_token_ids=stop_ids)
     eval_sampling = SamplingParams(temperature=0.0, max_new_tokens=cfg.eval.max_new_tokens or r.max_new_tokens,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue as queue_module
 import time
 import socket
@@ -32,7 +33,9 @@ def _worker(fn, rank, world_size, port, backend, env, args, queue):
             result = fn(rank, world_size, *args)
         finally:
             dist.destroy_process_group()
-        queue.put((rank, "ok", result))
+        # plain pickle: torch's multiprocessing pickler would pass tensors as shared-memory
+        # handles, which die with this process before the parent reads them
+        queue.put((rank, "ok", pickle.dumps(result)))
     except BaseException:
         queue.put((rank, "error", traceback.format_exc()))
 
@@ -67,7 +70,7 @@ def run_on_ranks(fn: Callable, world_size: int = 2, *args, backend: str = "gloo"
                 continue
             if status == "error":
                 errors.append(f"rank {rank}:\n{value}")
-            results[rank] = value
+            results[rank] = pickle.loads(value) if status == "ok" else value
     finally:
         for p in procs:
             p.join(timeout=5)

@@ -17,11 +17,13 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from strop.algo import advantages as adv_fns
 from strop.algo.kl import importance_weighted_kl, kl_estimate
 from strop.plugins import call_hook_sync
 from strop.algo.losses import aggregate, cispo_loss, gspo_loss, ppo_clip_loss, rollout_correction, value_loss
+from strop.parallel.collectives import DEFAULT_BUCKET_BYTES, all_reduce_coalesced
 from strop.parallel.packing import collate_packed, pack_by_token_budget, unpack
 from strop.train.critic import ValueModel
 from strop.train.logprob import response_logprobs
@@ -81,10 +83,18 @@ def _pad_rows(rows: list[torch.Tensor], T: int) -> torch.Tensor:
 
 class Trainer:
     def __init__(self, model, *, pad_token_id: int, train, algo, temperature: float = 1.0,
-                 max_new_tokens: int = 1024, advantage_fn=None, policy_loss_fn=None):
+                 max_new_tokens: int = 1024, advantage_fn=None, policy_loss_fn=None, dp_group=None,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES):
         """``train`` and ``algo`` are the config sections (TrainConfig, AlgoConfig); the two
         optional hooks replace the advantage estimator and the policy loss (strop.plugins)."""
         self.advantage_fn, self.policy_loss_fn = advantage_fn, policy_loss_fn
+        # data parallel (replicate): every rank holds the full model and trains on its share of the
+        # micro-batches; gradients are summed with the chunked reduction (the loss is already
+        # normalised over the whole batch, so the sum is the one-process gradient)
+        self.dp_group, self.bucket_bytes = dp_group, bucket_bytes
+        distributed = dp_group is not None and dist.is_initialized()
+        self.dp_rank = dist.get_rank(dp_group) if distributed else 0
+        self.dp_size = dist.get_world_size(dp_group) if distributed else 1
         self.model = model.train()
         self.pad_token_id = pad_token_id
         self.cfg, self.algo = train, algo
@@ -121,6 +131,16 @@ class Trainer:
         ordered = sorted(indices, key=lambda i: samples[i].total_length)  # less padding; sums are order-free
         mb = self.cfg.micro_batch_size
         return [ordered[k : k + mb] for k in range(0, len(ordered), mb)]
+
+    def _my_share(self, micro_batches: list[list[int]]) -> list[list[int]]:
+        """This data-parallel rank's micro-batches (round robin over the whole mini-batch's list)."""
+        return micro_batches[self.dp_rank :: self.dp_size]
+
+    def _reduce_grads(self, params) -> None:
+        for p in params:  # a rank with no micro-batch still sends zeros, so every rank sends the same list
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        all_reduce_coalesced([p.grad for p in params], op="sum", bucket_bytes=self.bucket_bytes, group=self.dp_group)
 
     def _collate(self, samples: list[Sample]) -> dict:
         return collate_packed(samples) if self.cfg.max_tokens_per_micro_batch else collate(samples, self.pad_token_id)
@@ -235,6 +255,8 @@ class Trainer:
             if self.critic is not None:
                 self._train_critic(b, mini, metrics)
         self.steps_done += 1
+        if self.dp_size > 1:
+            metrics.merge_across(self.dp_group)
         out = metrics.result()
         adv_tokens = b.advantages[b.loss_mask > 0]
         out |= {
@@ -261,7 +283,7 @@ class Trainer:
         has_signal = bool(active)
         if not has_signal:  # measure one micro-batch anyway so every step reports its metrics
             active = mini[: self.cfg.micro_batch_size]
-        for idx in self._micro_batches(active, b.samples):
+        for idx in self._my_share(self._micro_batches(active, b.samples)):
             batch = self._collate([b.samples[i] for i in idx])
             Tm = batch["loss_mask"].shape[1]
             mask = batch["loss_mask"]
@@ -319,9 +341,11 @@ class Trainer:
                 m.max("importance_weight_max", (corr["w"] * mask).max().item())
                 m.tok("mis_masked_fraction", (mask - loss_mask).clamp(min=0), mask)
                 m.add("train_tokens", float(batch.get("tokens", batch["attention_mask"].sum())))
-        m.add("trained_samples", float(len(active)) if has_signal else 0.0)
+                m.add("trained_samples", float(len(idx)) if has_signal else 0.0)
         params = [p for p in self.model.parameters() if p.requires_grad]
         m.last("lr", self.optimizer.param_groups[0]["lr"])
+        if has_signal and self.dp_size > 1:
+            self._reduce_grads(params)
         if has_signal:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip))
             if math.isfinite(grad_norm):  # a non-finite gradient skips the update instead of poisoning weights
@@ -335,7 +359,7 @@ class Trainer:
     def _train_critic(self, b: _Batch, mini: list[int], m: "_Sums") -> None:
         mask_all = b.loss_mask[mini]
         total = float(mask_all.sum())
-        for idx in self._micro_batches(mini, b.samples):
+        for idx in self._my_share(self._micro_batches(mini, b.samples)):
             batch = self._collate([b.samples[i] for i in idx])
             Tm, mask = batch["loss_mask"].shape[1], batch["loss_mask"]
             values = self._values(batch)
@@ -345,6 +369,8 @@ class Trainer:
             m.add("value_loss", loss.item())
             m.tok("value_clip_fraction", info["value_clipped"].float(), mask)
         params = [p for p in self.critic.parameters() if p.requires_grad]
+        if self.dp_size > 1:
+            self._reduce_grads(params)
         m.last("critic_grad_norm", float(torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip)))
         self.critic_optimizer.step()
         self.critic_scheduler.step()
@@ -390,6 +416,18 @@ class _Sums:
 
     def last(self, name, value):
         self.lasts[name] = value
+
+    def merge_across(self, group) -> None:
+        """Combine every rank's sums (each rank measured only its own micro-batches)."""
+        parts = [None] * dist.get_world_size(group)
+        dist.all_gather_object(parts, (self.tok_sum, self.tok_n, self.raw, self.maxes), group=group)
+        self.tok_sum, self.tok_n, self.raw, self.maxes = {}, {}, {}, {}
+        for tok_sum, tok_n, raw, maxes in parts:
+            for target, source in ((self.tok_sum, tok_sum), (self.tok_n, tok_n), (self.raw, raw)):
+                for k, v in source.items():
+                    target[k] = target.get(k, 0.0) + v
+            for k, v in maxes.items():
+                self.maxes[k] = max(self.maxes.get(k, -math.inf), v)
 
     def result(self) -> dict[str, float]:
         out = {k: v / max(self.tok_n[k], 1.0) for k, v in self.tok_sum.items()}

@@ -1,0 +1,51 @@
+"""Data parallel (replicate mode) on 2 gloo processes equals one process: loss, grad norm, update."""
+
+import copy
+import math
+
+import pytest
+import torch
+
+from strop.parallel.launch import run_on_ranks
+
+ALGOS = {"grpo": {}, "ppo": {"estimator": "ppo", "kl_in_reward_coef": 0.01},
+         "seq_mean_kl": {"loss_agg": "seq_mean_token_mean", "kl_coef": 0.1}}
+
+
+def _step(rank, world, algo_name, packed):
+    import torch.distributed as dist
+
+    from strop.config import AlgoConfig, TrainConfig
+    from strop.train.trainer import Trainer
+    from tests.test_trainer import make_samples
+    from tests.tiny import make_tiny_model
+
+    model = make_tiny_model()
+    train = TrainConfig(lr=1e-3, warmup_steps=0, micro_batch_size=3,
+                        max_tokens_per_micro_batch=20 if packed else None)
+    group = dist.group.WORLD if world > 1 else None
+    trainer = Trainer(model, pad_token_id=0, train=train, algo=AlgoConfig(**ALGOS[algo_name]), max_new_tokens=8,
+                      dp_group=group, bucket_bytes=1 << 20)
+    metrics = trainer.step(make_samples(10))
+    grads = [trainer.optimizer.state[p]["exp_avg"].clone() for p in trainer.optimizer.param_groups[0]["params"]]
+    params = [p.detach().clone() for p in trainer.model.parameters()]
+    return metrics, grads, params
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("algo", sorted(ALGOS))
+def test_two_replicas_equal_one_process(algo, packed):
+    single_metrics, single_grads, single_params = _step(0, 1, algo, packed)
+    results = run_on_ranks(_step, 2, algo, packed, timeout=150)
+    for metrics, grads, params in results:
+        assert math.isclose(metrics["loss"], single_metrics["loss"], rel_tol=1e-5, abs_tol=1e-6)
+        assert math.isclose(metrics["grad_norm"], single_metrics["grad_norm"], rel_tol=1e-5)
+        assert metrics["trained_samples"] == single_metrics["trained_samples"]
+        for g, ref in zip(grads, single_grads):
+            assert (g - ref).abs().max().item() <= 1e-5 * ref.abs().max().item() + 1e-12
+        for p, ref in zip(params, single_params):
+            assert (p - ref).abs().max().item() <= 1e-5
+    # both ranks hold the same weights after the step
+    for a, b in zip(results[0][2], results[1][2]):
+        assert torch.equal(a, b)
