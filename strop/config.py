@@ -180,6 +180,10 @@ class PluginsConfig(_Section):
 
 
 class ParallelConfig(_Section):
+    dp_mode: Literal["replicate", "fsdp"] = Field(
+        "replicate", description="data parallel: every rank holds the whole model (replicate; best for small "
+        "models) or FSDP2 shards parameters, gradients and optimizer state")
+    fsdp_mixed_precision: bool = Field(False, description="fsdp: bf16 parameters in compute, fp32 gradient reduction")
     grad_reduce_bucket_bytes: int = Field(
         1 << 30, description="largest flat buffer of the chunked gradient all-reduce, in bytes (>= 1 MiB; "
         "the environment variable STROP_GRAD_REDUCE_BUCKET_BYTES overrides it)")

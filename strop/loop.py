@@ -25,6 +25,7 @@ def train(cfg: Config) -> dict | None:
         trainer = build_worker(cfg)
         while (samples := broadcast_object()) is not None:
             trainer.step(samples)
+            trainer.state_dict()  # FSDP gathers the full weights for rank 0's engine: every rank joins
         return None
     c = build(cfg)  # every input is checked here, before the run directory exists
     run_dir = make_run_dir(cfg)
@@ -44,7 +45,8 @@ def train(cfg: Config) -> dict | None:
             if "postprocess" in c.hooks:
                 samples = call_hook_sync("postprocess", c.hooks["postprocess"], samples=samples, step=step)
             metrics |= c.trainer.step(broadcast_object(samples))  # every rank: advantages, loss, optimizer step(s)
-            asyncio.run(c.engine.update_weights(c.trainer.state_dict(), version=step))
+            c.final_state = c.trainer.state_dict()  # the full weights, gathered if sharded
+            asyncio.run(c.engine.update_weights(c.final_state, version=step))
             log.log(metrics | {"step": step, "step_seconds": time.perf_counter() - t_step, "elapsed_seconds": clock()})
             progress.update(1, reward=metrics["reward_mean"])
             if step == cfg.train.steps or (cfg.eval.every and step % cfg.eval.every == 0):
@@ -107,7 +109,7 @@ def rollout_metrics(groups, seconds: float) -> dict:
 
 def finish(cfg: Config, c: Components, run_dir: Path, log: MetricsLog, seconds: float) -> dict:
     if cfg.run.save_final:
-        c.trainer.model.save_pretrained(run_dir / "final", safe_serialization=True)
+        c.trainer.model.save_pretrained(run_dir / "final", state_dict=c.final_state, safe_serialization=True)
         c.tokenizer.save_pretrained(run_dir / "final")
     if cfg.run.plot:
         plot_curves(log.rows, run_dir / "curves.png")

@@ -34,6 +34,7 @@ class Components:
     trainer: Trainer
     sampling: SamplingParams
     eval_sampling: SamplingParams
+    final_state: dict | None = None  # the policy's latest full weights (what the engine holds)
 
 
 def _rows(cfg: Config, which: str, data_source: Callable | None = None):
@@ -75,7 +76,8 @@ def make_trainer(cfg: Config, policy, tokenizer, hooks: dict) -> Trainer:
                    temperature=r.temperature, max_new_tokens=r.max_new_tokens,
                    advantage_fn=hooks.get("advantage"), policy_loss_fn=hooks.get("policy_loss"),
                    dp_group=dist.group.WORLD if dist.is_initialized() else None,
-                   bucket_bytes=resolve_bucket_bytes(cfg.parallel.grad_reduce_bucket_bytes))
+                   bucket_bytes=resolve_bucket_bytes(cfg.parallel.grad_reduce_bucket_bytes),
+                   dp_mode=cfg.parallel.dp_mode, fsdp_mixed_precision=cfg.parallel.fsdp_mixed_precision)
 
 
 def build_worker(cfg: Config) -> Trainer:

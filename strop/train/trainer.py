@@ -24,9 +24,9 @@ from strop.algo.kl import importance_weighted_kl, kl_estimate
 from strop.plugins import call_hook_sync
 from strop.algo.losses import aggregate, cispo_loss, gspo_loss, ppo_clip_loss, rollout_correction, value_loss
 from strop.parallel.collectives import DEFAULT_BUCKET_BYTES, all_reduce_coalesced
+from strop.parallel.fsdp import LogprobModule, full_state_dict, shard
 from strop.parallel.packing import collate_packed, pack_by_token_budget, unpack
 from strop.train.critic import ValueModel
-from strop.train.logprob import response_logprobs
 from strop.types import Sample
 
 SCALAR_ESTIMATORS = ("grpo", "dr_grpo", "rloo")  # one advantage per sample
@@ -84,7 +84,8 @@ def _pad_rows(rows: list[torch.Tensor], T: int) -> torch.Tensor:
 class Trainer:
     def __init__(self, model, *, pad_token_id: int, train, algo, temperature: float = 1.0,
                  max_new_tokens: int = 1024, advantage_fn=None, policy_loss_fn=None, dp_group=None,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, dp_mode: str = "replicate",
+                 fsdp_mixed_precision: bool = False):
         """``train`` and ``algo`` are the config sections (TrainConfig, AlgoConfig); the two
         optional hooks replace the advantage estimator and the policy loss (strop.plugins)."""
         self.advantage_fn, self.policy_loss_fn = advantage_fn, policy_loss_fn
@@ -96,11 +97,13 @@ class Trainer:
         self.dp_rank = dist.get_rank(dp_group) if distributed else 0
         self.dp_size = dist.get_world_size(dp_group) if distributed else 1
         self.model = model.train()
+        self.dp_mode = dp_mode if self.dp_size > 1 else "replicate"
+        if self.dp_mode == "fsdp" and algo.kl_coef + algo.kl_in_reward_coef > 0 and algo.ref_mode == "swap":
+            raise ValueError("algo.ref_mode='swap' cannot swap into FSDP-sharded weights; use ref_mode='copy'")
         self.pad_token_id = pad_token_id
         self.cfg, self.algo = train, algo
         self.temperature = temperature if temperature > 0 else 1.0
         self.max_new_tokens = max_new_tokens
-        self.optimizer, self.scheduler = self._make_optimizer(self.model, train.lr)
         self.needs_ref = bool(algo.kl_coef or algo.kl_in_reward_coef)
         self.ref_model, self.ref_state = None, None
         if self.needs_ref:
@@ -112,6 +115,11 @@ class Trainer:
         if algo.estimator == "ppo":
             self.critic = ValueModel.from_causal_lm(copy.deepcopy(model)).train()
             self.critic_optimizer, self.critic_scheduler = self._make_optimizer(self.critic, algo.critic_lr)
+        # copies (reference, critic) are taken above from the unsharded model; then shard the policy
+        self.policy = LogprobModule(self.model)
+        if self.dp_mode == "fsdp":
+            shard(self.policy, dp_group, mixed_precision=fsdp_mixed_precision)
+        self.optimizer, self.scheduler = self._make_optimizer(self.model, train.lr)
         self.steps_done = 0
 
     def _make_optimizer(self, module, lr):
@@ -132,9 +140,18 @@ class Trainer:
         mb = self.cfg.micro_batch_size
         return [ordered[k : k + mb] for k in range(0, len(ordered), mb)]
 
-    def _my_share(self, micro_batches: list[list[int]]) -> list[list[int]]:
-        """This data-parallel rank's micro-batches (round robin over the whole mini-batch's list)."""
-        return micro_batches[self.dp_rank :: self.dp_size]
+    def _my_share(self, micro_batches: list[list[int]], balance: bool = False) -> list[tuple[list[int], bool]]:
+        """This rank's micro-batches (round robin), each with a flag "real".
+
+        With ``balance`` (FSDP: every forward and backward is a collective) every rank runs
+        the same number: a rank short of one repeats a real micro-batch with its loss
+        weighted 0, so it joins every collective and changes nothing.
+        """
+        mine = [(idx, True) for idx in micro_batches[self.dp_rank :: self.dp_size]]
+        if balance and micro_batches:
+            per_rank = -(-len(micro_batches) // self.dp_size)
+            mine += [(micro_batches[0], False)] * (per_rank - len(mine))
+        return mine
 
     def _reduce_grads(self, params) -> None:
         for p in params:  # a rank with no micro-batch still sends zeros, so every rank sends the same list
@@ -146,9 +163,10 @@ class Trainer:
         return collate_packed(samples) if self.cfg.max_tokens_per_micro_batch else collate(samples, self.pad_token_id)
 
     def _logprobs(self, batch: dict, *, with_entropy: bool = False, entropy_grad: bool = False, model=None):
-        lp, ent = response_logprobs(model or self.model, batch["input_ids"], batch["attention_mask"], batch["positions"],
-                                    temperature=self.temperature, with_entropy=with_entropy, entropy_grad=entropy_grad,
-                                    chunk_size=self.cfg.logprob_chunk_size, position_ids=batch.get("position_ids"))
+        lp, ent = (self.policy if model is None else LogprobModule(model))(
+            batch["input_ids"], batch["attention_mask"], batch["positions"], batch.get("position_ids"),
+            temperature=self.temperature, with_entropy=with_entropy, entropy_grad=entropy_grad,
+            chunk_size=self.cfg.logprob_chunk_size)
         if "scatter" in batch:  # a packed row back to (n, T)
             lp, ent = unpack(lp, batch), (unpack(ent, batch) if ent is not None else None)
         return lp, ent
@@ -283,7 +301,7 @@ class Trainer:
         has_signal = bool(active)
         if not has_signal:  # measure one micro-batch anyway so every step reports its metrics
             active = mini[: self.cfg.micro_batch_size]
-        for idx in self._my_share(self._micro_batches(active, b.samples)):
+        for idx, real in self._my_share(self._micro_batches(active, b.samples), balance=self.dp_mode == "fsdp"):
             batch = self._collate([b.samples[i] for i in idx])
             Tm = batch["loss_mask"].shape[1]
             mask = batch["loss_mask"]
@@ -320,7 +338,12 @@ class Trainer:
             if a.entropy_coef:
                 loss = loss - a.entropy_coef * aggregate(entropy, mask, a.loss_agg, **agg)
             if has_signal:
-                loss.backward()
+                # FSDP averages gradients over ranks; strop's losses are globally normalised, so scale
+                # by the world size to make that average the sum. A balancing repeat weighs 0.
+                scale = (self.dp_size if self.dp_mode == "fsdp" else 1.0) if real else 0.0
+                (loss * scale if scale != 1.0 else loss).backward()
+            if not real:
+                continue  # a balancing repeat: it joined the collectives, it is not measured
             with torch.no_grad():
                 m.add("policy_loss", pg_loss.item() if has_signal else 0.0)
                 m.add("loss", loss.item() if has_signal else 0.0)
@@ -344,10 +367,11 @@ class Trainer:
                 m.add("trained_samples", float(len(idx)) if has_signal else 0.0)
         params = [p for p in self.model.parameters() if p.requires_grad]
         m.last("lr", self.optimizer.param_groups[0]["lr"])
-        if has_signal and self.dp_size > 1:
-            self._reduce_grads(params)
+        if has_signal and self.dp_size > 1 and self.dp_mode == "replicate":
+            self._reduce_grads(params)  # FSDP has reduce-scattered them already
         if has_signal:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip))
+            norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip)
+            grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
             if math.isfinite(grad_norm):  # a non-finite gradient skips the update instead of poisoning weights
                 self.optimizer.step()
             self.scheduler.step()
@@ -359,7 +383,7 @@ class Trainer:
     def _train_critic(self, b: _Batch, mini: list[int], m: "_Sums") -> None:
         mask_all = b.loss_mask[mini]
         total = float(mask_all.sum())
-        for idx in self._my_share(self._micro_batches(mini, b.samples)):
+        for idx, _ in self._my_share(self._micro_batches(mini, b.samples)):
             batch = self._collate([b.samples[i] for i in idx])
             Tm, mask = batch["loss_mask"].shape[1], batch["loss_mask"]
             values = self._values(batch)
@@ -377,6 +401,10 @@ class Trainer:
         self.critic_optimizer.zero_grad(set_to_none=True)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
+        """The full policy weights (for the engine and checkpoints). With FSDP this is a collective
+        every rank must call; rank 0 gets the weights, the others an empty dict."""
+        if self.dp_mode == "fsdp":
+            return full_state_dict(self.model)
         return {k: v.detach() for k, v in self.model.state_dict().items()}
 
 

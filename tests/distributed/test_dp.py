@@ -12,7 +12,11 @@ ALGOS = {"grpo": {}, "ppo": {"estimator": "ppo", "kl_in_reward_coef": 0.01},
          "seq_mean_kl": {"loss_agg": "seq_mean_token_mean", "kl_coef": 0.1}}
 
 
-def _step(rank, world, algo_name, packed):
+def _full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _step(rank, world, algo_name, packed, mode="replicate"):
     import torch.distributed as dist
 
     from strop.config import AlgoConfig, TrainConfig
@@ -25,19 +29,21 @@ def _step(rank, world, algo_name, packed):
                         max_tokens_per_micro_batch=20 if packed else None)
     group = dist.group.WORLD if world > 1 else None
     trainer = Trainer(model, pad_token_id=0, train=train, algo=AlgoConfig(**ALGOS[algo_name]), max_new_tokens=8,
-                      dp_group=group, bucket_bytes=1 << 20)
+                      dp_group=group, bucket_bytes=1 << 20, dp_mode=mode)
     metrics = trainer.step(make_samples(10))
-    grads = [trainer.optimizer.state[p]["exp_avg"].clone() for p in trainer.optimizer.param_groups[0]["params"]]
-    params = [p.detach().clone() for p in trainer.model.parameters()]
+    grads = [_full(trainer.optimizer.state[p]["exp_avg"]).clone() for p in trainer.optimizer.param_groups[0]["params"]]
+    params = [_full(p.detach()).clone() for p in trainer.model.parameters()]
+    trainer.state_dict()  # the full-weights gather is a collective: every rank joins
     return metrics, grads, params
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("mode", ["replicate", "fsdp"])
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 @pytest.mark.parametrize("algo", sorted(ALGOS))
-def test_two_replicas_equal_one_process(algo, packed):
+def test_two_ranks_equal_one_process(algo, packed, mode):
     single_metrics, single_grads, single_params = _step(0, 1, algo, packed)
-    results = run_on_ranks(_step, 2, algo, packed, timeout=150)
+    results = run_on_ranks(_step, 2, algo, packed, mode, timeout=150)
     for metrics, grads, params in results:
         assert math.isclose(metrics["loss"], single_metrics["loss"], rel_tol=1e-5, abs_tol=1e-6)
         assert math.isclose(metrics["grad_norm"], single_metrics["grad_norm"], rel_tol=1e-5)

@@ -8,12 +8,12 @@ import pytest
 import torch
 
 
-def _run(tiny_model_dir, run_dir, nproc):
+def _run(tiny_model_dir, run_dir, nproc, mode="replicate"):
     args = [sys.executable, "-m", "strop.cli", "train", f"--model.path={tiny_model_dir}",
             "--data.size=16", "--data.eval_size=4", "--rollout.prompts_per_step=2", "--rollout.n_samples_per_prompt=4",
             "--rollout.max_new_tokens=8", "--rollout.reward=tests.plugins:even_token_reward", "--train.steps=2",
             "--train.lr=1e-4", "--train.warmup_steps=0", "--train.micro_batch_size=2", "--run.progress=false",
-            "--parallel.grad_reduce_bucket_bytes=1048576", f"--run.dir={run_dir}"]
+            "--parallel.grad_reduce_bucket_bytes=1048576", f"--parallel.dp_mode={mode}", f"--run.dir={run_dir}"]
     if nproc > 1:
         args.insert(4, f"--nproc={nproc}")
     proc = subprocess.run(args, capture_output=True, text=True, timeout=240)
@@ -22,11 +22,12 @@ def _run(tiny_model_dir, run_dir, nproc):
 
 
 @pytest.mark.timeout(300)
-def test_nproc_2_equals_one_process(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("mode", ["replicate", "fsdp"])
+def test_nproc_2_equals_one_process(tiny_model_dir, tmp_path, mode):
     from transformers import AutoModelForCausalLM
 
     one = _run(tiny_model_dir, tmp_path / "one", 1)
-    two = _run(tiny_model_dir, tmp_path / "two", 2)
+    two = _run(tiny_model_dir, tmp_path / "two", 2, mode)
     steps_one = [r for r in one if "reward_mean" in r]
     steps_two = [r for r in two if "reward_mean" in r]
     for a, b in zip(steps_one, steps_two):
