@@ -34,8 +34,8 @@ def main() -> None:
     model = load_model(args.model).eval()
     engine = EmbeddedEngine(model, pad_token_id=tok.pad_token_id, max_batch_size=max(args.batch))
     questions = [f"What is {3 + 7 * i} plus {11 + 13 * i}? Explain step by step." for i in range(max(args.batch))]
-    print(f"| batch | new tokens | HF generate tok/s | strop engine tok/s | ratio (strop / HF) |")
-    print(f"|---|---|---|---|---|")
+    print("| batch | new tokens | HF generate tok/s | strop engine tok/s | ratio (strop / HF) |")
+    print("|---|---|---|---|---|")
     for batch in args.batch:
         prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                            tokenize=True, return_dict=False) for q in questions[:batch]]

@@ -1,7 +1,6 @@
 import logging
 
 import pytest
-import torch
 
 from tests.tiny import make_tiny_model
 

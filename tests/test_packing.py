@@ -1,5 +1,4 @@
 import copy
-import math
 
 import pytest
 import torch
@@ -7,7 +6,7 @@ import torch
 from strop.parallel.packing import collate_packed, pack_by_token_budget, unpack
 from strop.train.logprob import response_logprobs
 from strop.train.trainer import collate
-from tests.test_trainer import assert_same_gradients, make_samples, run_step
+from tests.test_trainer import assert_same_update, make_samples, run_step
 
 
 def test_first_fit_decreasing_respects_the_budget():
@@ -40,11 +39,6 @@ def test_packed_logprobs_equal_padded_logprobs(tiny_model):
                                   dict(estimator="ppo", kl_in_reward_coef=0.01)], ids=["grpo", "kl", "ppo"])
 def test_packed_update_equals_padded_update(tiny_model, algo):
     samples = make_samples(8)
-    padded, m_pad = run_step(copy.deepcopy(tiny_model), samples, micro_batch_size=3, **algo)
-    packed, m_pack = run_step(copy.deepcopy(tiny_model), samples, max_tokens=20, **algo)
-    assert math.isclose(m_pad["loss"], m_pack["loss"], rel_tol=1e-5, abs_tol=1e-6)
-    assert math.isclose(m_pad["grad_norm"], m_pack["grad_norm"], rel_tol=1e-5)
-    assert_same_gradients(padded.optimizer, packed.optimizer)
-    if padded.critic is not None:
-        assert math.isclose(m_pad["value_loss"], m_pack["value_loss"], rel_tol=1e-5)
-        assert_same_gradients(padded.critic_optimizer, packed.critic_optimizer)
+    padded = run_step(copy.deepcopy(tiny_model), samples, micro_batch_size=3, **algo)
+    packed = run_step(copy.deepcopy(tiny_model), samples, max_tokens=20, **algo)
+    assert_same_update(padded, packed)

@@ -51,6 +51,17 @@ def assert_same_gradients(opt_a, opt_b):
         assert (ga - gb).abs().max().item() <= 1e-5 * scale + 1e-12
 
 
+def assert_same_update(a, b):
+    """Two (trainer, metrics) results of one step: same loss, grad norm and gradients (critic too)."""
+    (ta, ma), (tb, mb) = a, b
+    assert math.isclose(ma["loss"], mb["loss"], rel_tol=1e-5, abs_tol=1e-6)
+    assert math.isclose(ma["grad_norm"], mb["grad_norm"], rel_tol=1e-5)
+    assert_same_gradients(ta.optimizer, tb.optimizer)
+    if ta.critic is not None:
+        assert math.isclose(ma["value_loss"], mb["value_loss"], rel_tol=1e-5)
+        assert_same_gradients(ta.critic_optimizer, tb.critic_optimizer)
+
+
 PRESET_LIKE = [
     dict(),
     dict(estimator="dr_grpo", loss_agg="seq_mean_token_sum_norm"),
@@ -70,14 +81,9 @@ PRESET_LIKE = [
 def test_update_does_not_depend_on_the_micro_batch_split(tiny_model, algo, mode):
     samples = make_samples()
     algo = {**algo, "loss_agg": mode}
-    one, m1 = run_step(copy.deepcopy(tiny_model), samples, micro_batch_size=8, **algo)
-    four, m4 = run_step(copy.deepcopy(tiny_model), samples, micro_batch_size=2, **algo)
-    assert math.isclose(m1["loss"], m4["loss"], rel_tol=1e-5, abs_tol=1e-6)
-    assert math.isclose(m1["grad_norm"], m4["grad_norm"], rel_tol=1e-5)
-    assert_same_gradients(one.optimizer, four.optimizer)
-    if one.critic is not None:
-        assert math.isclose(m1["value_loss"], m4["value_loss"], rel_tol=1e-5)
-        assert_same_gradients(one.critic_optimizer, four.critic_optimizer)
+    one = run_step(copy.deepcopy(tiny_model), samples, micro_batch_size=8, **algo)
+    four = run_step(copy.deepcopy(tiny_model), samples, micro_batch_size=2, **algo)
+    assert_same_update(one, four)
 
 
 def test_every_parameter_changes_and_metrics_are_finite(tiny_model):

@@ -1,6 +1,5 @@
 """Data parallel (replicate mode) on 2 gloo processes equals one process: loss, grad norm, update."""
 
-import copy
 import math
 
 import pytest

@@ -5,7 +5,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 
 def _run(tiny_model_dir, run_dir, nproc, mode="replicate"):
