@@ -49,8 +49,21 @@ def _quiet_libraries() -> None:
     hf_logging.disable_progress_bar()
 
 
+TRAIN_EXTRA_HELP = """strop train [CONFIG.yaml] [--preset NAME] [--nproc N] [--section.key=value ...]
+
+  CONFIG.yaml    a config file (later sources win: defaults, preset, file, command line)
+  --preset NAME  an algorithm preset: {presets}
+  --nproc N      train on N local processes (data parallel; gloo on CPU, NCCL on GPU)
+"""
+
+
 def train_main(argv: list[str]) -> int:
     from strop.config import ConfigError, build_config, parse_overrides
+
+    if "-h" in argv or "--help" in argv:
+        from strop.presets import PRESETS
+
+        print(TRAIN_EXTRA_HELP.format(presets=", ".join(sorted(PRESETS))))
 
     yaml_path, preset, nproc = None, None, 1
     for i, arg in enumerate(argv):  # --nproc N starts N local ranks (data parallel, gloo on CPU)

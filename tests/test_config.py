@@ -67,3 +67,22 @@ def test_missing_and_broken_yaml(tmp_path):
     f.write_text("train: [unclosed\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         build_config(str(f))
+
+
+def test_strop_train_help_names_presets_and_nproc(capsys):
+    from strop.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = capsys.readouterr().out
+    assert "--nproc N" in out and "--preset NAME" in out and "dapo" in out and "--train.lr" in out
+
+
+def test_preset_on_the_command_line_and_in_yaml(tmp_path):
+    assert build_config(preset="dapo").algo.clip_high == 0.28
+    f = tmp_path / "c.yaml"
+    f.write_text("preset: gspo\ntrain:\n  steps: 3\n")
+    cfg = build_config(str(f))
+    assert cfg.algo.policy_loss == "gspo" and cfg.train.steps == 3
+    with pytest.raises(ConfigError, match="unknown preset 'nope'"):
+        build_config(preset="nope")
