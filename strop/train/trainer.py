@@ -284,6 +284,12 @@ class Trainer:
         }
         out["train_tokens_per_s"] = out.pop("train_tokens") / out["train_seconds"]
         out["clip_fraction"] = out["clip_fraction_low"] + out["clip_fraction_high"]
+        if b.returns is not None and b.old_values is not None:
+            # how much of the return the critic predicted before this step: 1 is perfect, <= 0 is no better
+            # than a constant (the usual PPO diagnostic; the raw value loss moves with the reward variance)
+            returns, values = b.returns[b.loss_mask > 0], b.old_values[b.loss_mask > 0]
+            var = returns.var(unbiased=False)
+            out["value_explained_variance"] = (1 - (returns - values).var(unbiased=False) / var).item() if var > 0 else 0.0
         return out
 
     def _train_policy(self, b: _Batch, mini: list[int], m: "_Sums", first: bool) -> None:
