@@ -26,10 +26,10 @@ class LogprobModule(nn.Module):
         self.lm = lm
 
     def forward(self, input_ids, attention_mask, positions, position_ids=None, *, temperature=1.0,
-                with_entropy=False, entropy_grad=False, chunk_size=1024):
+                with_entropy=False, entropy_grad=False, chunk_size=1024, cp=None):
         lp, ent = response_logprobs(self.lm, input_ids, attention_mask, positions, temperature=temperature,
                                     with_entropy=with_entropy, entropy_grad=entropy_grad, chunk_size=chunk_size,
-                                    position_ids=position_ids)
+                                    position_ids=position_ids, cp=cp)
         # FSDP hooks the outputs for backward; fresh tensors, not views, keep those hooks intact
         return lp.clone(), (ent.clone() if ent is not None else None)
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from strop.train.logprob import response_hidden
+
 
 class ValueModel(nn.Module):
     """``V(prefix)`` for every response token, read at the position that predicts it."""
@@ -22,11 +24,7 @@ class ValueModel(nn.Module):
         return cls(backbone, model.config.hidden_size)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor,
-                position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        if position_ids is None:
-            position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
-                               position_ids=position_ids).last_hidden_state  # (B, L, H)
-        pred_pos = (positions - 1).clamp(min=0)  # the state before each response token
-        h = hidden.gather(1, pred_pos.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))  # (B, T, H)
-        return self.value_head(h).squeeze(-1).float()  # (B, T)
+                position_ids: torch.Tensor | None = None, cp=None) -> torch.Tensor:
+        # the state before each response token (N, H); with ``cp`` only this CP rank's entries
+        h, _, restore = response_hidden(self.backbone, input_ids, attention_mask, positions, position_ids, cp)
+        return restore(self.value_head(h).squeeze(-1).float())  # (B, T)

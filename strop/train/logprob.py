@@ -18,7 +18,7 @@ def response_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tens
                       response_positions: torch.Tensor, *, temperature: float = 1.0,
                       with_entropy: bool = False, entropy_grad: bool = False,
                       chunk_size: int = 1024, position_ids: torch.Tensor | None = None,
-                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      cp=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprobs of the tokens at ``response_positions`` under ``log_softmax(logits / temperature)``.
 
     input_ids, attention_mask: (B, L), right-padded. response_positions: (B, T)
@@ -27,32 +27,49 @@ def response_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     ``attention_mask`` and its own ``position_ids``. Returns logprobs (B, T) and, if asked,
     the entropy (B, T) of the same distribution (detached unless ``entropy_grad``:
     an entropy bonus needs its gradient, a metric does not).
+
+    With ``cp`` (a :class:`strop.parallel.context.ContextParallelPlan` for this batch)
+    the backbone runs on this CP rank's tokens only, the lm_head on its response
+    entries only, and the results are gathered into the same (B, T) on every CP rank.
     """
-    backbone = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-    if position_ids is None:
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
-    B, T = response_positions.shape
-    # the token at position p is predicted by the hidden state at p - 1
-    pred_pos = (response_positions - 1).clamp(min=0)  # (B, T)
-    h = hidden.gather(1, pred_pos.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))  # (B, T, H)
-    targets = input_ids.gather(1, response_positions)  # (B, T)
+    h, targets, restore = response_hidden(model.get_decoder() if hasattr(model, "get_decoder") else model.model,
+                                          input_ids, attention_mask, response_positions, position_ids, cp)
     head = model.get_output_embeddings()
     temperature = temperature if temperature > 0 else 1.0  # greedy rollouts report the raw distribution
     if getattr(head, "bias", None) is not None or chunk_size <= 0:
-        logits = head(h.reshape(B * T, -1)).float() / temperature  # (B*T, V): the plain path
+        logits = head(h).float() / temperature  # (N, V): the plain path
         logp_all = torch.log_softmax(logits, dim=-1)
         logprobs = logp_all.gather(-1, targets.reshape(-1, 1)).squeeze(-1)
         entropy = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else None
     else:
-        logprobs, entropy = chunked_logprobs(h.reshape(B * T, -1), head.weight, targets.reshape(-1),
-                                             temperature=temperature, chunk_size=chunk_size,
-                                             with_entropy=with_entropy)
-    if entropy is not None:
-        if not entropy_grad:
-            entropy = entropy.detach()  # a metric: its backward work is skipped entirely
-        entropy = entropy.reshape(B, T)
-    return logprobs.reshape(B, T), entropy
+        logprobs, entropy = chunked_logprobs(h, head.weight, targets, temperature=temperature,
+                                             chunk_size=chunk_size, with_entropy=with_entropy)
+    if entropy is not None and not entropy_grad:
+        entropy = entropy.detach()  # a metric: its backward work is skipped entirely
+    return restore(logprobs), (restore(entropy) if entropy is not None else None)
 
 
-__all__ = ["response_logprobs", "naive_logprobs"]
+def response_hidden(backbone, input_ids, attention_mask, response_positions, position_ids=None, cp=None):
+    """Hidden states that predict each response token: (N, H), their targets (N,), and ``restore``,
+    which turns per-entry values (N,) back into (B, T).
+
+    Without ``cp``, N = B * T. With it, N is this CP rank's share of the entries and
+    ``restore`` gathers every rank's share (a collective every CP rank must join).
+    """
+    B, T = response_positions.shape
+    if cp is not None:
+        with cp.active():
+            hidden = backbone(input_ids=cp.local(input_ids), attention_mask=cp.attention_mask,
+                              position_ids=cp.position_ids).last_hidden_state  # (B, m, H)
+        return cp.entry_hidden(hidden), cp.targets(input_ids), cp.gather
+    if position_ids is None:
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
+    # the token at position p is predicted by the hidden state at p - 1
+    pred_pos = (response_positions - 1).clamp(min=0)  # (B, T)
+    h = hidden.gather(1, pred_pos.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))  # (B, T, H)
+    targets = input_ids.gather(1, response_positions)  # (B, T)
+    return h.reshape(B * T, -1), targets.reshape(-1), lambda values: values.reshape(B, T)
+
+
+__all__ = ["response_logprobs", "response_hidden", "naive_logprobs"]

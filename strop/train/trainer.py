@@ -24,6 +24,7 @@ from strop.algo.kl import importance_weighted_kl, kl_estimate
 from strop.plugins import call_hook_sync
 from strop.algo.losses import aggregate, cispo_loss, gspo_loss, ppo_clip_loss, rollout_correction, value_loss
 from strop.parallel.collectives import DEFAULT_BUCKET_BYTES, all_reduce_coalesced
+from strop.parallel import context as context_parallel
 from strop.parallel.fsdp import LogprobModule, full_state_dict, shard
 from strop.parallel.packing import collate_packed, pack_by_token_budget, unpack
 from strop.train.critic import ValueModel
@@ -84,20 +85,34 @@ def _pad_rows(rows: list[torch.Tensor], T: int) -> torch.Tensor:
 class Trainer:
     def __init__(self, model, *, pad_token_id: int, train, algo, temperature: float = 1.0,
                  max_new_tokens: int = 1024, advantage_fn=None, policy_loss_fn=None, dp_group=None,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, dp_mode: str = "replicate",
+                 cp_group=None, bucket_bytes: int = DEFAULT_BUCKET_BYTES, dp_mode: str = "replicate",
                  fsdp_mixed_precision: bool = False):
         """``train`` and ``algo`` are the config sections (TrainConfig, AlgoConfig); the two
-        optional hooks replace the advantage estimator and the policy loss (strop.plugins)."""
+        optional hooks replace the advantage estimator and the policy loss (strop.plugins).
+
+        ``dp_group`` / ``cp_group``: this rank's data-parallel and context-parallel groups
+        (the two dimensions of the device mesh; together they span every process)."""
         self.advantage_fn, self.policy_loss_fn = advantage_fn, policy_loss_fn
         # data parallel (replicate): every rank holds the full model and trains on its share of the
         # micro-batches; gradients are summed with the chunked reduction (the loss is already
         # normalised over the whole batch, so the sum is the one-process gradient)
-        self.dp_group, self.bucket_bytes = dp_group, bucket_bytes
-        distributed = dp_group is not None and dist.is_initialized()
-        self.dp_rank = dist.get_rank(dp_group) if distributed else 0
-        self.dp_size = dist.get_world_size(dp_group) if distributed else 1
+        self.dp_group, self.cp_group, self.bucket_bytes = dp_group, cp_group, bucket_bytes
+        on = dist.is_initialized()
+        self.dp_rank = dist.get_rank(dp_group) if on and dp_group is not None else 0
+        self.dp_size = dist.get_world_size(dp_group) if on and dp_group is not None else 1
+        # context parallel: the CP ranks of one DP rank split every micro-batch's tokens (strop.parallel.context)
+        self.cp_size = dist.get_world_size(cp_group) if on and cp_group is not None else 1
+        self.world = self.dp_size * self.cp_size
+        if self.world > 1 and self.world != dist.get_world_size():
+            raise ValueError(f"data parallel ({self.dp_size}) x context parallel ({self.cp_size}) must cover all "
+                             f"{dist.get_world_size()} processes")
+        # every rank's parameter gradients add up to the step's gradient: DP ranks saw other
+        # micro-batches, CP ranks other tokens of the same ones
+        self.grad_group = dist.group.WORLD if self.world > 1 else None
+        if self.cp_size > 1:
+            context_parallel.enable(model)  # before the reference / critic copies, so they use it too
         self.model = model.train()
-        self.dp_mode = dp_mode if self.dp_size > 1 else "replicate"
+        self.dp_mode = dp_mode if self.world > 1 else "replicate"
         if self.dp_mode == "fsdp" and algo.kl_coef + algo.kl_in_reward_coef > 0 and algo.ref_mode == "swap":
             raise ValueError("algo.ref_mode='swap' cannot swap into FSDP-sharded weights; use ref_mode='copy'")
         self.pad_token_id = pad_token_id
@@ -118,7 +133,7 @@ class Trainer:
         # copies (reference, critic) are taken above from the unsharded model; then shard the policy
         self.policy = LogprobModule(self.model)
         if self.dp_mode == "fsdp":
-            shard(self.policy, dp_group, mixed_precision=fsdp_mixed_precision)
+            shard(self.policy, self.grad_group, mixed_precision=fsdp_mixed_precision)  # over DP x CP
         self.optimizer, self.scheduler = self._make_optimizer(self.model, train.lr)
         self.steps_done = 0
 
@@ -157,23 +172,26 @@ class Trainer:
         for p in params:  # a rank with no micro-batch still sends zeros, so every rank sends the same list
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        all_reduce_coalesced([p.grad for p in params], op="sum", bucket_bytes=self.bucket_bytes, group=self.dp_group)
+        all_reduce_coalesced([p.grad for p in params], op="sum", bucket_bytes=self.bucket_bytes, group=self.grad_group)
 
     def _collate(self, samples: list[Sample]) -> dict:
-        return collate_packed(samples) if self.cfg.max_tokens_per_micro_batch else collate(samples, self.pad_token_id)
+        batch = collate_packed(samples) if self.cfg.max_tokens_per_micro_batch else collate(samples, self.pad_token_id)
+        if self.cp_size > 1:
+            batch["cp"] = context_parallel.ContextParallelPlan.for_batch(batch, self.cp_group)
+        return batch
 
     def _logprobs(self, batch: dict, *, with_entropy: bool = False, entropy_grad: bool = False, model=None):
         lp, ent = (self.policy if model is None else LogprobModule(model))(
             batch["input_ids"], batch["attention_mask"], batch["positions"], batch.get("position_ids"),
             temperature=self.temperature, with_entropy=with_entropy, entropy_grad=entropy_grad,
-            chunk_size=self.cfg.logprob_chunk_size)
+            chunk_size=self.cfg.logprob_chunk_size, cp=batch.get("cp"))
         if "scatter" in batch:  # a packed row back to (n, T)
             lp, ent = unpack(lp, batch), (unpack(ent, batch) if ent is not None else None)
         return lp, ent
 
     def _values(self, batch: dict) -> torch.Tensor:
         values = self.critic(batch["input_ids"], batch["attention_mask"], batch["positions"],
-                             position_ids=batch.get("position_ids"))
+                             position_ids=batch.get("position_ids"), cp=batch.get("cp"))
         return unpack(values, batch) if "scatter" in batch else values
 
     @torch.no_grad()
@@ -346,7 +364,7 @@ class Trainer:
             if has_signal:
                 # FSDP averages gradients over ranks; strop's losses are globally normalised, so scale
                 # by the world size to make that average the sum. A balancing repeat weighs 0.
-                scale = (self.dp_size if self.dp_mode == "fsdp" else 1.0) if real else 0.0
+                scale = (self.world if self.dp_mode == "fsdp" else 1.0) if real else 0.0
                 (loss * scale if scale != 1.0 else loss).backward()
             if not real:
                 continue  # a balancing repeat: it joined the collectives, it is not measured
@@ -373,7 +391,7 @@ class Trainer:
                 m.add("trained_samples", float(len(idx)) if has_signal else 0.0)
         params = [p for p in self.model.parameters() if p.requires_grad]
         m.last("lr", self.optimizer.param_groups[0]["lr"])
-        if has_signal and self.dp_size > 1 and self.dp_mode == "replicate":
+        if has_signal and self.world > 1 and self.dp_mode == "replicate":
             self._reduce_grads(params)  # FSDP has reduce-scattered them already
         if has_signal:
             norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip)
@@ -399,7 +417,7 @@ class Trainer:
             m.add("value_loss", loss.item())
             m.tok("value_clip_fraction", info["value_clipped"].float(), mask)
         params = [p for p in self.critic.parameters() if p.requires_grad]
-        if self.dp_size > 1:
+        if self.world > 1:
             self._reduce_grads(params)
         m.last("critic_grad_norm", float(torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip)))
         self.critic_optimizer.step()

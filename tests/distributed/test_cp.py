@@ -1,0 +1,198 @@
+"""Context parallel (all-gather, zigzag) on 2 gloo processes equals one process."""
+
+import math
+
+import pytest
+import torch
+
+from strop.parallel.context import zigzag_pieces
+from strop.parallel.launch import run_on_ranks
+from tests.distributed.test_dp import ALGOS, _full
+
+
+# ---- the layout, no processes needed ------------------------------------------------------------
+@pytest.mark.parametrize("cp", [1, 2, 3, 4])
+@pytest.mark.parametrize("length", [0, 1, 3, 7, 8, 17, 64])
+def test_zigzag_pieces_cover_every_token_once_and_balance(length, cp):
+    held = [zigzag_pieces(length, cp, r) for r in range(cp)]
+    assert sorted(i for h in held for i in h) == list(range(length))
+    sizes = [len(h) for h in held]
+    assert max(sizes) - min(sizes) <= 2  # two pieces each, pieces differ by at most one token
+    if length >= 2 * cp:
+        # rank 0 holds the first and the last piece: the cheapest and the dearest under a causal mask
+        assert held[0][0] == 0 and held[0][-1] == length - 1
+
+
+# ---- logprobs and gradients ---------------------------------------------------------------------
+def _collated(packed):
+    from strop.parallel.packing import collate_packed
+    from strop.train.trainer import collate
+    from tests.test_trainer import make_samples
+
+    samples = make_samples(6, seed=3)
+    return collate_packed(samples) if packed else collate(samples, pad_token_id=0)
+
+
+def _logprob_grads(rank, world, packed, empty_rank=False, dtype="float32"):
+    """Logprobs, entropy and summed-over-CP-ranks gradients of a fixed loss."""
+    import torch.distributed as dist
+
+    from strop.parallel import context
+    from strop.parallel.packing import unpack
+    from strop.train.logprob import response_logprobs
+    from tests.tiny import make_tiny_model
+
+    model = make_tiny_model().to(getattr(torch, dtype))
+    batch = _collated(packed) if not empty_rank else _long_prompt_batch()
+    plan = None
+    if world > 1:
+        context.enable(model)
+        plan = context.ContextParallelPlan.for_batch(batch, dist.group.WORLD)
+    lp, ent = response_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["positions"],
+                                position_ids=batch.get("position_ids"), with_entropy=True, entropy_grad=True,
+                                chunk_size=7, cp=plan)
+    if "scatter" in batch:
+        lp, ent = unpack(lp, batch), unpack(ent, batch)
+    mask = batch["loss_mask"]
+    weights = torch.linspace(0.5, 1.5, mask.numel()).reshape(mask.shape)  # a loss that sees every entry
+    loss = (lp * weights * mask).sum() + 0.1 * (ent * mask).sum()
+    loss.backward()
+    grads = {n: p.grad.clone() if p.grad is not None else torch.zeros_like(p) for n, p in model.named_parameters()}
+    if world > 1:
+        for g in grads.values():
+            dist.all_reduce(g)
+    return lp.detach(), ent.detach(), loss.item(), grads, (plan.counts if plan else None)
+
+
+def _long_prompt_batch():
+    """One sample whose only response token is predicted from the last quarter of the row:
+    with cp=2, rank 1 holds the pieces [4, 8) and [8, 12) and no response entry at all."""
+    from strop.train.trainer import collate
+    from strop.types import Sample, Status
+
+    s = Sample(prompt="p", prompt_ids=list(range(10, 25)), group_id=0, index=0)  # 15 prompt tokens
+    s.append([42], [-1.0])
+    s.status, s.reward = Status.COMPLETED, 1.0
+    return collate([s], pad_token_id=0)
+
+
+def _assert_close(a, b, tol=1e-5):
+    assert (a - b).abs().max().item() <= tol * max(b.abs().max().item(), 1.0)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-5), ("float64", 1e-12)])
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_cp2_logprobs_and_gradients_equal_one_process(packed, dtype, tol):
+    """In fp64 the two layouts agree to rounding (1e-12): the math is the same, only the
+    order of sums differs (keys in rank-major order, gradients reduce-scattered)."""
+    lp1, ent1, loss1, grads1, _ = _logprob_grads(0, 1, packed, False, dtype)
+    results = run_on_ranks(_logprob_grads, 2, packed, False, dtype, timeout=90)
+    for lp, ent, loss, grads, counts in results:
+        assert min(counts) > 0  # both ranks really computed part of the responses
+        _assert_close(lp, lp1, tol)
+        _assert_close(ent, ent1, tol)
+        assert math.isclose(loss, loss1, rel_tol=tol)
+        for name, g in grads.items():
+            _assert_close(g, grads1[name], tol)
+
+
+@pytest.mark.timeout(120)
+def test_cp2_rank_without_response_tokens_joins_backward():
+    """Seed 004: a rank whose chunks hold no response token must still run every collective of
+    the backward; otherwise the other rank waits forever in a layer's reduce-scatter."""
+    lp1, _, loss1, grads1, _ = _logprob_grads(0, 1, False, True)
+    results = run_on_ranks(_logprob_grads, 2, False, True, timeout=90)
+    assert results[0][4] == [1, 0]  # rank 1 has no entry
+    for lp, _, loss, grads, _ in results:
+        _assert_close(lp, lp1)
+        assert math.isclose(loss, loss1, rel_tol=1e-5)
+        for name, g in grads.items():
+            _assert_close(g, grads1[name])
+    # rank 1's own gradient is not zero: rank 0's query attends to its keys
+    assert any(g.abs().sum() > 0 for g in results[1][3].values())
+
+
+# ---- the trainer ---------------------------------------------------------------------------------
+def _cp_step(rank, world, algo_name, packed, mode="replicate", cp=2, samples=None):
+    import torch.distributed as dist
+
+    from strop.config import AlgoConfig, TrainConfig
+    from strop.train.trainer import Trainer
+    from tests.test_trainer import make_samples
+    from tests.tiny import make_tiny_model
+
+    model = make_tiny_model()
+    train = TrainConfig(lr=1e-3, warmup_steps=0, micro_batch_size=3,
+                        max_tokens_per_micro_batch=20 if packed else None)
+    dp_group = cp_group = None
+    if world > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (world // cp, cp), mesh_dim_names=("dp", "cp"))
+        dp_group, cp_group = mesh["dp"].get_group(), mesh["cp"].get_group()
+    trainer = Trainer(model, pad_token_id=0, train=train, algo=AlgoConfig(**ALGOS[algo_name]), max_new_tokens=8,
+                      dp_group=dp_group, cp_group=cp_group, bucket_bytes=1 << 20, dp_mode=mode)
+    samples = samples or make_samples(10)
+    counts = trainer._collate(samples)["cp"].counts if trainer.cp_size > 1 else None
+    metrics = trainer.step(samples)
+    metrics["entries_per_cp_rank"] = counts
+    grads = [_full(trainer.optimizer.state[p]["exp_avg"]).clone() for p in trainer.optimizer.param_groups[0]["params"]]
+    params = [_full(p.detach()).clone() for p in trainer.model.parameters()]
+    trainer.state_dict()  # a collective under FSDP
+    if dist.is_initialized():
+        dist.barrier()
+    return metrics, grads, params
+
+
+def _assert_same_update(results, single):
+    single_metrics, single_grads, single_params = single
+    for metrics, grads, params in results:
+        assert math.isclose(metrics["loss"], single_metrics["loss"], rel_tol=1e-5, abs_tol=1e-6)
+        assert math.isclose(metrics["grad_norm"], single_metrics["grad_norm"], rel_tol=1e-5)
+        assert metrics["trained_samples"] == single_metrics["trained_samples"]
+        for g, ref in zip(grads, single_grads):
+            # fp32: one process runs SDPA's causal kernel, CP a masked one over keys in another
+            # order; single tensors then differ by ~1.5e-5 of their largest entry (the fp64
+            # logprob test above shows the math itself is the same to 1e-12)
+            assert (g - ref).abs().max().item() <= 5e-5 * ref.abs().max().item() + 1e-12
+        for p, ref in zip(params, single_params):
+            assert (p - ref).abs().max().item() <= 1e-5
+    for other in results[1:]:
+        for a, b in zip(results[0][2], other[2]):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("mode", ["replicate", "fsdp"])
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("algo", sorted(ALGOS))
+def test_cp2_step_equals_one_process(algo, packed, mode):
+    single = _cp_step(0, 1, algo, packed)
+    _assert_same_update(run_on_ranks(_cp_step, 2, algo, packed, mode, timeout=150), single)
+
+
+def _long_prompt_samples():
+    """Prompts of 15 tokens and 1-token answers: in every 16-token row the answer is predicted at
+    position 14, in the last zigzag piece, which CP rank 0 holds; rank 1 holds no response token."""
+    from strop.types import Sample, Status
+
+    out = []
+    for i in range(6):
+        s = Sample(prompt="p", prompt_ids=[10 + (7 * i + j) % 400 for j in range(15)], group_id=i // 3, index=i % 3)
+        s.append([100 + i], [-2.0 - 0.1 * i])
+        s.status, s.reward = Status.COMPLETED, float(i % 3 == 0)
+        out.append(s)
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["replicate", "fsdp"])
+def test_cp2_step_with_a_rank_holding_no_response_tokens(mode):
+    """Seed 004 at the trainer level: the step finishes on both ranks (a hang fails on the
+    timeout) and its update equals one process's."""
+    samples = _long_prompt_samples()
+    single = _cp_step(0, 1, "grpo", False, samples=samples)
+    results = run_on_ranks(_cp_step, 2, "grpo", False, mode, 2, samples, timeout=90)
+    assert [r[0]["entries_per_cp_rank"] for r in results] == [[6, 0], [6, 0]]  # every answer on rank 0
+    _assert_same_update(results, single)
