@@ -53,7 +53,8 @@ TRAIN_EXTRA_HELP = """strop train [CONFIG.yaml] [--preset NAME] [--nproc N] [--s
 
   CONFIG.yaml    a config file (later sources win: defaults, preset, file, command line)
   --preset NAME  an algorithm preset: {presets}
-  --nproc N      train on N local processes (data parallel; gloo on CPU, NCCL on GPU)
+  --nproc N      train on N local processes (gloo on CPU, NCCL on GPU): data parallel, times
+                 context parallel with --parallel.context_parallel_size
 """
 
 
@@ -87,6 +88,13 @@ def train_main(argv: list[str]) -> int:
     try:
         cfg = build_config(yaml_path, parse_overrides(argv), preset=preset)
     except ConfigError as exc:
+        print(f"strop train: {exc}", file=sys.stderr)
+        return 2
+    from strop.parallel.runtime import parallel_layout
+
+    try:
+        parallel_layout(int(os.environ.get("WORLD_SIZE", nproc)), cfg.parallel.context_parallel_size)
+    except ValueError as exc:
         print(f"strop train: {exc}", file=sys.stderr)
         return 2
     if nproc > 1:

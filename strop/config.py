@@ -184,6 +184,10 @@ class ParallelConfig(_Section):
         "replicate", description="data parallel: every rank holds the whole model (replicate; best for small "
         "models) or FSDP2 shards parameters, gradients and optimizer state")
     fsdp_mixed_precision: bool = Field(False, description="fsdp: bf16 parameters in compute, fp32 gradient reduction")
+    context_parallel_size: int = Field(
+        1, ge=1, description="context parallel: ranks that split every sequence's tokens (zigzag chunks, keys and "
+        "values all-gathered); the processes form a (data parallel x context parallel) mesh, so --nproc must be a "
+        "multiple of it")
     grad_reduce_bucket_bytes: int = Field(
         1 << 30, description="largest flat buffer of the chunked gradient all-reduce, in bytes (>= 1 MiB; "
         "the environment variable STROP_GRAD_REDUCE_BUCKET_BYTES overrides it)")

@@ -30,6 +30,10 @@ def train(cfg: Config) -> dict | None:
     c = build(cfg)  # every input is checked here, before the run directory exists
     run_dir = make_run_dir(cfg)
     print(f"strop: run directory {run_dir}", flush=True)
+    t = c.trainer
+    if t.world > 1:
+        print(f"strop: {t.world} processes = data parallel {t.dp_size} ({t.dp_mode}) x context parallel {t.cp_size}",
+              flush=True)
     save_config(cfg, run_dir / "config.yaml")
     log, clock = MetricsLog(run_dir), Timer()
     ctx = RolloutContext(engine=c.engine, tokenizer=c.tokenizer, config=cfg, generate=c.hooks.get("generate"),

@@ -9,11 +9,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
 from strop.config import Config
 from strop.data.sources import PromptSampler, PromptSet, read_prompt_file, reasoning_gym_rows
 from strop.engines.embedded import EmbeddedEngine
 from strop.parallel.collectives import resolve_bucket_bytes
+from strop.parallel.runtime import device_mesh_groups, parallel_layout
 from strop.data.sources import DataError, PromptRow, _row_from_record
 from strop.plugins import call_hook_sync, load_hook
 from strop.rollout.generate import resolve_reward, rollout as default_rollout
@@ -69,13 +71,14 @@ def _context_window(model_path: str) -> int:
 
 
 def make_trainer(cfg: Config, policy, tokenizer, hooks: dict) -> Trainer:
-    import torch.distributed as dist
-
     r = cfg.rollout
+    dp_group = cp_group = None
+    if dist.is_initialized():
+        dp_group, cp_group = device_mesh_groups(cfg.parallel.context_parallel_size)
     return Trainer(policy, pad_token_id=tokenizer.pad_token_id, train=cfg.train, algo=cfg.algo,
                    temperature=r.temperature, max_new_tokens=r.max_new_tokens,
                    advantage_fn=hooks.get("advantage"), policy_loss_fn=hooks.get("policy_loss"),
-                   dp_group=dist.group.WORLD if dist.is_initialized() else None,
+                   dp_group=dp_group, cp_group=cp_group,
                    bucket_bytes=resolve_bucket_bytes(cfg.parallel.grad_reduce_bucket_bytes),
                    dp_mode=cfg.parallel.dp_mode, fsdp_mixed_precision=cfg.parallel.fsdp_mixed_precision)
 
@@ -93,6 +96,7 @@ def build(cfg: Config) -> Components:
     """Everything a run needs. Cheap checks first: run dir, model path, data, reward, then the weights."""
     check_run_dir(cfg)
     resolve_bucket_bytes(cfg.parallel.grad_reduce_bucket_bytes)
+    parallel_layout(dist.get_world_size() if dist.is_initialized() else 1, cfg.parallel.context_parallel_size)
     model_path = resolve_model_path(cfg.model.path)  # a missing path fails here
     tokenizer = load_tokenizer(model_path)
     reward_fn = resolve_reward(cfg.rollout.reward)

@@ -25,6 +25,29 @@ def init_from_env() -> tuple[int, int]:
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
+def parallel_layout(world: int, context_parallel_size: int) -> tuple[int, int]:
+    """(data-parallel size, context-parallel size) for ``world`` processes, or a ValueError that says why not."""
+    cp = context_parallel_size
+    if world % cp:
+        hint = " (run with --nproc N)" if world == 1 else ""
+        raise ValueError(f"parallel.context_parallel_size={cp} needs a multiple of {cp} processes, "
+                         f"got {world}{hint}")
+    return world // cp, cp
+
+
+def device_mesh_groups(context_parallel_size: int):
+    """This rank's (data-parallel, context-parallel) process groups from a 2D device mesh.
+
+    Ranks are laid out row-major over (dp, cp): the CP ranks of one DP rank are
+    neighbours (0-1, 2-3, ...), and rank 0, the controller, is DP 0 / CP 0.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dp, cp = parallel_layout(dist.get_world_size(), context_parallel_size)
+    mesh = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (dp, cp), mesh_dim_names=("dp", "cp"))
+    return mesh["dp"].get_group(), mesh["cp"].get_group()
+
+
 def broadcast_object(obj=None, src: int = 0):
     """Send a picklable object (the step's samples) from ``src`` to every rank."""
     if not dist.is_initialized():

@@ -196,3 +196,10 @@ def test_cp2_step_with_a_rank_holding_no_response_tokens(mode):
     results = run_on_ranks(_cp_step, 2, "grpo", False, mode, 2, samples, timeout=90)
     assert [r[0]["entries_per_cp_rank"] for r in results] == [[6, 0], [6, 0]]  # every answer on rank 0
     _assert_same_update(results, single)
+
+
+@pytest.mark.timeout(240)
+def test_dp2_cp2_mesh_step_equals_one_process():
+    """Four processes as a 2 x 2 (dp, cp) mesh: micro-batches dealt over DP, tokens split over CP."""
+    single = _cp_step(0, 1, "grpo", True)
+    _assert_same_update(run_on_ranks(_cp_step, 4, "grpo", True, "replicate", 2, timeout=200), single)

@@ -7,26 +7,30 @@ import sys
 import pytest
 
 
-def _run(tiny_model_dir, run_dir, nproc, mode="replicate"):
+def _run(tiny_model_dir, run_dir, nproc, mode="replicate", cp=1):
     args = [sys.executable, "-m", "strop.cli", "train", f"--model.path={tiny_model_dir}",
             "--data.size=16", "--data.eval_size=4", "--rollout.prompts_per_step=2", "--rollout.n_samples_per_prompt=4",
             "--rollout.max_new_tokens=8", "--rollout.reward=tests.plugins:even_token_reward", "--train.steps=2",
             "--train.lr=1e-4", "--train.warmup_steps=0", "--train.micro_batch_size=2", "--run.progress=false",
-            "--parallel.grad_reduce_bucket_bytes=1048576", f"--parallel.dp_mode={mode}", f"--run.dir={run_dir}"]
+            "--parallel.grad_reduce_bucket_bytes=1048576", f"--parallel.dp_mode={mode}", f"--run.dir={run_dir}",
+            f"--parallel.context_parallel_size={cp}"]
     if nproc > 1:
         args.insert(4, f"--nproc={nproc}")
     proc = subprocess.run(args, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    if nproc > 1:
+        assert f"{nproc} processes = data parallel {nproc // cp} ({mode}) x context parallel {cp}" in proc.stdout
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("mode", ["replicate", "fsdp"])
-def test_nproc_2_equals_one_process(tiny_model_dir, tmp_path, mode):
+@pytest.mark.parametrize("mode,cp", [("replicate", 1), ("fsdp", 1), ("replicate", 2)],
+                         ids=["dp2-replicate", "dp2-fsdp", "cp2"])
+def test_nproc_2_equals_one_process(tiny_model_dir, tmp_path, mode, cp):
     from transformers import AutoModelForCausalLM
 
     one = _run(tiny_model_dir, tmp_path / "one", 1)
-    two = _run(tiny_model_dir, tmp_path / "two", 2, mode)
+    two = _run(tiny_model_dir, tmp_path / "two", 2, mode, cp)
     steps_one = [r for r in one if "reward_mean" in r]
     steps_two = [r for r in two if "reward_mean" in r]
     for a, b in zip(steps_one, steps_two):
@@ -37,6 +41,16 @@ def test_nproc_2_equals_one_process(tiny_model_dir, tmp_path, mode):
     m2 = AutoModelForCausalLM.from_pretrained(tmp_path / "two" / "final")
     for (name, p1), p2 in zip(m1.named_parameters(), m2.parameters()):
         assert (p1 - p2).abs().max().item() <= 1e-5, name
+
+
+@pytest.mark.parametrize("nproc", [1, 3])
+def test_context_parallel_size_must_divide_nproc(tmp_path, nproc):
+    proc = subprocess.run([sys.executable, "-m", "strop.cli", "train", f"--nproc={nproc}",
+                           "--parallel.context_parallel_size=2", f"--run.dir={tmp_path / 'run'}"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert f"parallel.context_parallel_size=2 needs a multiple of 2 processes, got {nproc}" in proc.stderr
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.timeout(120)
