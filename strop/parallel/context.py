@@ -42,7 +42,25 @@ import torch
 import torch.distributed as dist
 
 ATTENTION_NAME = "strop_cp"
-_active_group = None  # the CP group while a context-parallel forward runs; None elsewhere
+
+
+class _Active:
+    """The CP group of the forward that is running, and its additive mask, built once for all layers."""
+
+    def __init__(self, group):
+        self.group, self._masks = group, {}
+
+    def additive_mask(self, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        # SDPA turns a bool mask into a float one in every layer and saves each copy for
+        # backward (m x cp*m x 4 bytes per layer); one shared additive mask is saved once
+        key = (id(mask), dtype)
+        if key not in self._masks:
+            self._masks[key] = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
+                ~mask, torch.finfo(dtype).min)
+        return self._masks[key]
+
+
+_active: _Active | None = None  # set while a context-parallel forward runs
 
 
 def zigzag_pieces(length: int, cp: int, rank: int) -> list[int]:
@@ -170,12 +188,12 @@ class ContextParallelPlan:
     @contextlib.contextmanager
     def active(self):
         """Route the "strop_cp" attention of forwards run inside through this plan's CP group."""
-        global _active_group
-        previous, _active_group = _active_group, self.group
+        global _active
+        previous, _active = _active, _Active(self.group)
         try:
             yield self
         finally:
-            _active_group = previous
+            _active = previous
 
 
 def _all_gather(out: torch.Tensor, x: torch.Tensor, group) -> None:
@@ -237,19 +255,32 @@ class _GatherPieces(torch.autograd.Function):
         return grad[ctx.start : ctx.start + ctx.count], None, None, None
 
 
-def context_parallel_attention(module, query, key, value, attention_mask, **kwargs):
+def context_parallel_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
+                               scaling: float | None = None, **kwargs):
     """transformers attention function: gather K/V over the active CP group, then SDPA with the plan's mask.
 
-    Outside a context-parallel forward (no active group: the engine, a user's own call)
-    it is plain SDPA, so a model switched to it still works anywhere.
+    query (B, H, m, d), key / value (B, Hkv, m, d) after RoPE; attention_mask is the
+    plan's (B, 1, m, cp*m) bool mask. Returns (B, m, H, d), as transformers expects.
+    Outside a context-parallel forward (the engine, a user's own call) it is plain SDPA,
+    so a model switched to it still works anywhere.
     """
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    if _active is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    if _active_group is not None:
-        dk = key.shape[-1]
-        kv = _GatherSequence.apply(torch.cat([key, value], dim=-1), _active_group)  # (B, Hkv, cp*m, dk+dv)
-        key, value = kv[..., :dk], kv[..., dk:]
-    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    for feature in ("softcap", "s_aux", "sliding_window"):
+        if kwargs.get(feature) is not None:
+            raise NotImplementedError(f"context parallel attention does not support {feature} "
+                                      f"({type(module).__name__}); use parallel.context_parallel_size=1")
+    dk = key.shape[-1]
+    kv = _GatherSequence.apply(torch.cat([key, value], dim=-1), _active.group)  # (B, Hkv, cp*m, dk+dv)
+    key, value = kv[..., :dk], kv[..., dk:]
+    # grouped-query attention inside SDPA: no repeated (B, H, cp*m, d) keys and values to save
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=_active.additive_mask(attention_mask, query.dtype), dropout_p=dropout,
+        scale=scaling, enable_gqa=query.shape[1] != key.shape[1])  # (B, H, m, d)
+    return out.transpose(1, 2).contiguous(), None
 
 
 def enable(model) -> None:
