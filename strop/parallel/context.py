@@ -2,36 +2,38 @@
 
 Layout. Each sequence of a micro-batch (a padded row, or one sample of a packed
 row) is cut into ``2 * cp`` nearly equal pieces; CP rank ``r`` holds pieces ``r``
-and ``2 * cp - 1 - r``, so under a causal mask every rank does about the same
-attention work (the early, cheap pieces pair with the late, expensive ones).
-A rank's tokens are gathered into a (B, m) local batch; ranks short of ``m``
-tokens in a row fill it with filler slots that attend only to themselves and
-that no real token attends to.
+(its "early" block) and ``2 * cp - 1 - r`` (its "late" block). A rank's tokens
+form a (B, m) local batch, each block padded to a common width with filler
+slots that attend only to themselves and that no real token attends to.
 
 Attention. :func:`context_parallel_attention` is registered with transformers'
 ``AttentionInterface`` as ``"strop_cp"``: any Hugging Face decoder that calls its
 attention through that interface gets its keys and values (after RoPE, which
-uses each token's true position id) all-gathered across the CP group, then runs
-SDPA with a (B, 1, m, cp * m) boolean mask that the plan builds from the tokens'
-true positions and segments: causal, confined to each sequence, blind to filler.
-The gather's backward reduce-scatters key/value gradients to the rank that owns
-each token.
+uses each token's true position id) all-gathered across the CP group and put in
+piece order. An early query can only see pieces ``0..r`` and a late one pieces
+``0..2cp-1-r``; both are prefixes of that order, so each block runs SDPA on its
+prefix with the plan's mask (causal on true positions, confined to each
+sequence, blind to filler). Zigzag makes those prefixes cost the same on every
+rank: ``(2cp+1)/(4cp)`` of attending every query to every key. The gather's
+backward reduce-scatters key/value gradients to the rank that owns each token.
 
 Outputs. The lm_head runs only on the response tokens whose predicting hidden
 state this rank holds; the per-token values (logprobs, entropy, critic values)
 are all-gathered into whole (B, T) responses by :class:`_GatherPieces`. Every
 CP rank then computes the same loss from the same full tensors, so the gather's
 backward hands each rank the gradient of its own piece, and the parameter
-gradients of the CP ranks add up (the trainer sums them with the chunked
-all-reduce) to the one-process gradient.
+gradients of the CP ranks add up to the one-process gradient (the trainer sums
+them with the chunked all-reduce, or FSDP reduce-scatters them over DP x CP).
 
 A rank that holds no response token (short responses, long prompts) must still
 run its backward: other ranks' queries attend to its keys, and every layer's
 backward is a reduce-scatter it has to join, or the group hangs. So its empty
 piece is a slice of its hidden states (``x[:0]``, still in the graph), never a
 fresh zero tensor: a fresh leaf would cut the rank's loss off from its layers,
-its backward would skip their collectives, and the other ranks would wait in them
-(tests/distributed/test_cp.py reproduces exactly that with a fresh tensor).
+its backward would skip their collectives, and the other ranks would wait in them.
+
+The attention function reads the running plan when it is called, so a recompute
+outside the forward (activation checkpointing) is not supported under CP.
 """
 
 from __future__ import annotations
@@ -45,28 +47,30 @@ ATTENTION_NAME = "strop_cp"
 
 
 class _Active:
-    """The CP group of the forward that is running, and its additive mask, built once for all layers."""
+    """The plan of the context-parallel forward that is running, and its additive masks."""
 
-    def __init__(self, group):
-        self.group, self._masks = group, {}
+    def __init__(self, plan: "ContextParallelPlan"):
+        self.plan, self._masks = plan, {}
 
-    def additive_mask(self, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        # SDPA turns a bool mask into a float one in every layer and saves each copy for
-        # backward (m x cp*m x 4 bytes per layer); one shared additive mask is saved once
-        key = (id(mask), dtype)
-        if key not in self._masks:
-            self._masks[key] = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
-                ~mask, torch.finfo(dtype).min)
-        return self._masks[key]
+    def additive_masks(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(early, late) blocks of the plan's mask as additive masks, built once for all layers:
+        SDPA turns a bool mask into a float one in every layer and saves each copy for backward."""
+        if dtype not in self._masks:
+            p, mask = self.plan, self.plan.attention_mask
+            blocks = (mask[:, :, : p.early, : p.early_keys], mask[:, :, p.early :, : p.late_keys])
+            self._masks[dtype] = tuple(torch.zeros(b.shape, dtype=dtype, device=b.device).masked_fill_(
+                ~b, torch.finfo(dtype).min) for b in blocks)
+        return self._masks[dtype]
 
 
 _active: _Active | None = None  # set while a context-parallel forward runs
 
 
-def zigzag_pieces(length: int, cp: int, rank: int) -> list[int]:
-    """Indices 0..length-1 that CP ``rank`` holds: pieces ``rank`` and ``2cp-1-rank`` of ``2cp``."""
+def zigzag_pieces(length: int, cp: int, rank: int) -> tuple[list[int], list[int]]:
+    """The indices of 0..length-1 that CP ``rank`` holds: pieces ``rank`` (early) and
+    ``2cp-1-rank`` (late) of ``2cp`` nearly equal pieces."""
     pieces = torch.arange(length).tensor_split(2 * cp)
-    return pieces[rank].tolist() + pieces[2 * cp - 1 - rank].tolist()
+    return pieces[rank].tolist(), pieces[2 * cp - 1 - rank].tolist()
 
 
 def _segments(row: torch.Tensor) -> list[tuple[int, int]]:
@@ -94,30 +98,56 @@ class ContextParallelPlan:
     """
 
     def __init__(self, segment_ids: torch.Tensor, position_ids: torch.Tensor,
-                 response_positions: torch.Tensor, group, response_mask: torch.Tensor | None = None):
-        self.group = group
-        self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+                 response_positions: torch.Tensor, group, response_mask: torch.Tensor | None = None,
+                 *, size: int | None = None, rank: int | None = None):
+        self.group = group  # ``size`` / ``rank`` stand in for the group's in single-process tests
+        self.size = dist.get_world_size(group) if size is None else size
+        self.rank = dist.get_rank(group) if rank is None else rank
         cp, B, L = self.size, *segment_ids.shape
-        held = [[[] for _ in range(B)] for _ in range(cp)]  # held[rank][row]: token indices
+        # this rank's slots: an "early" block (piece r of every sequence in the row), then a
+        # "late" block (piece 2cp-1-r); each block padded with filler (-1) to a common width
+        early = [[[] for _ in range(B)] for _ in range(cp)]  # [rank][row]: token indices
+        late = [[[] for _ in range(B)] for _ in range(cp)]
         for b in range(B):
             for start, length in _segments(segment_ids[b]):
                 for r in range(cp):
-                    held[r][b] += [start + i for i in zigzag_pieces(length, cp, r)]
-        m = max(1, max(len(row) for rank_rows in held for row in rank_rows))
-        all_idx = torch.full((cp, B, m), -1, dtype=torch.long)  # -1: a filler slot
+                    first, second = zigzag_pieces(length, cp, r)
+                    early[r][b] += [start + i for i in first]
+                    late[r][b] += [start + i for i in second]
+        me = max(1, max(len(row) for rows in early for row in rows))
+        ml = max(1, max(len(row) for rows in late for row in rows))
+        self.early = me  # queries [0, me) are the early block, [me, m) the late one
+        m = me + ml
+        all_idx = torch.full((cp, B, m), -1, dtype=torch.long)  # (cp, B, m), -1: a filler slot
         for r in range(cp):
             for b in range(B):
-                all_idx[r, b, : len(held[r][b])] = torch.tensor(held[r][b], dtype=torch.long)
-        mine = all_idx[self.rank]  # (B, m)
+                all_idx[r, b, : len(early[r][b])] = torch.tensor(early[r][b], dtype=torch.long)
+                all_idx[r, b, me : me + len(late[r][b])] = torch.tensor(late[r][b], dtype=torch.long)
+        mine = self.slot_tokens = all_idx[self.rank]  # (B, m) token index of each slot, -1 for filler
         self.local_index = mine.clamp(min=0)  # (B, m) gather index into the full rows
         self.position_ids = position_ids.gather(1, self.local_index).masked_fill(mine < 0, 0)  # (B, m)
-        # attention mask over (this rank's queries) x (every rank's keys, rank-major slots)
-        keys = all_idx.permute(1, 0, 2).reshape(B, cp * m)  # (B, cp*m)
+        # Keys are gathered rank-major; attention reads them piece-major: piece p of every
+        # sequence lives in the early block of rank p (p < cp) or the late block of rank
+        # 2cp-1-p. In that order the keys an early query can see (pieces 0..r) and those a
+        # late query can see (pieces 0..2cp-1-r) are prefixes, so each block attends to its
+        # prefix only: about (2cp+1)/(4cp) of the full m x cp*m product, the same on every rank.
+        blocks = [torch.arange(r * m, r * m + me) for r in range(cp)]
+        blocks += [torch.arange(r * m + me, (r + 1) * m) for r in reversed(range(cp))]
+        self.key_order = torch.cat(blocks)  # (cp*m,) rank-major slot of each piece-major key
+        self.early_keys = (self.rank + 1) * me
+        self.late_keys = cp * me + (cp - self.rank) * ml
+        keys = all_idx.permute(1, 0, 2).reshape(B, cp * m)[:, self.key_order]  # (B, cp*m) piece-major
         seg_q = segment_ids.gather(1, self.local_index).masked_fill(mine < 0, -2)  # (B, m)
         seg_k = segment_ids.gather(1, keys.clamp(min=0)).masked_fill(keys < 0, -3)  # (B, cp*m)
+        # causal and within one sequence, on true positions; filler keys are never visible
         mask = (keys[:, None, :] <= mine[:, :, None]) & (seg_q[:, :, None] == seg_k[:, None, :])  # (B, m, cp*m)
+        sorted_slot = torch.empty_like(self.key_order)
+        sorted_slot[self.key_order] = torch.arange(cp * m)
         filler_b, filler_j = (mine < 0).nonzero(as_tuple=True)
-        mask[filler_b, filler_j, self.rank * m + filler_j] = True  # a filler query sees itself: no empty softmax row
+        # a filler query sees itself only: no empty softmax row
+        mask[filler_b, filler_j, sorted_slot[self.rank * m + filler_j]] = True
+        if bool(mask[:, :me, self.early_keys:].any()) or bool(mask[:, me:, self.late_keys:].any()):
+            raise AssertionError("context parallel layout: a visible key outside its block's prefix")
         self.attention_mask = mask.unsqueeze(1)  # (B, 1, m, cp*m)
         # owner (rank, slot) of every token, then of every response entry's predicting position
         owner_rank = torch.full((B, L), -1, dtype=torch.long)
@@ -142,7 +172,7 @@ class ContextParallelPlan:
         source = torch.where(computed, flat, flat[:, :1])  # (B, T): the computed entry each entry reads
         entry_rank, computed, flat, source = (x.reshape(-1) for x in (entry_rank, computed, flat, source))
         self.counts = [int(((entry_rank == r) & computed).sum()) for r in range(cp)]
-        mine_entries = flat[(entry_rank == self.rank) & computed]  # (n_r,) flat (b * T + t)
+        mine_entries = self.entry_index = flat[(entry_rank == self.rank) & computed]  # (n_r,) flat b * T + t
         self.entry_rows = mine_entries // T
         self.entry_slots = owner_slot.gather(1, pred).reshape(-1)[mine_entries]
         self.entry_targets = response_positions.reshape(-1)[mine_entries]  # index into the full row
@@ -189,7 +219,7 @@ class ContextParallelPlan:
     def active(self):
         """Route the "strop_cp" attention of forwards run inside through this plan's CP group."""
         global _active
-        previous, _active = _active, _Active(self.group)
+        previous, _active = _active, _Active(self)
         try:
             yield self
         finally:
@@ -259,8 +289,10 @@ def context_parallel_attention(module, query, key, value, attention_mask, dropou
                                scaling: float | None = None, **kwargs):
     """transformers attention function: gather K/V over the active CP group, then SDPA with the plan's mask.
 
-    query (B, H, m, d), key / value (B, Hkv, m, d) after RoPE; attention_mask is the
-    plan's (B, 1, m, cp*m) bool mask. Returns (B, m, H, d), as transformers expects.
+    query (B, H, m, d), key / value (B, Hkv, m, d) after RoPE. ``attention_mask`` is the
+    plan's (B, 1, m, cp*m) bool mask, passed to the model only so that transformers builds
+    no mask of its own; the blocks' additive masks come from the plan. Returns
+    (B, m, H, d), as transformers expects.
     Outside a context-parallel forward (the engine, a user's own call) it is plain SDPA,
     so a model switched to it still works anywhere.
     """
@@ -273,14 +305,18 @@ def context_parallel_attention(module, query, key, value, attention_mask, dropou
         if kwargs.get(feature) is not None:
             raise NotImplementedError(f"context parallel attention does not support {feature} "
                                       f"({type(module).__name__}); use parallel.context_parallel_size=1")
-    dk = key.shape[-1]
-    kv = _GatherSequence.apply(torch.cat([key, value], dim=-1), _active.group)  # (B, Hkv, cp*m, dk+dv)
-    key, value = kv[..., :dk], kv[..., dk:]
-    # grouped-query attention inside SDPA: no repeated (B, H, cp*m, d) keys and values to save
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=_active.additive_mask(attention_mask, query.dtype), dropout_p=dropout,
-        scale=scaling, enable_gqa=query.shape[1] != key.shape[1])  # (B, H, m, d)
-    return out.transpose(1, 2).contiguous(), None
+    plan, dk = _active.plan, key.shape[-1]
+    kv = _GatherSequence.apply(torch.cat([key, value], dim=-1), plan.group)  # (B, Hkv, cp*m, dk+dv) rank-major
+    kv = kv[:, :, plan.key_order[: plan.late_keys]]  # piece-major; no query here sees past late_keys
+    early_mask, late_mask = _active.additive_masks(query.dtype)
+    outs = []
+    for q, n_keys, mask in ((query[:, :, : plan.early], plan.early_keys, early_mask),
+                            (query[:, :, plan.early :], plan.late_keys, late_mask)):
+        # grouped-query attention inside SDPA: no repeated (B, H, keys, d) tensors to save
+        outs.append(torch.nn.functional.scaled_dot_product_attention(
+            q, kv[:, :, :n_keys, :dk], kv[:, :, :n_keys, dk:], attn_mask=mask, dropout_p=dropout, scale=scaling,
+            enable_gqa=q.shape[1] != kv.shape[1]))  # (B, H, block, d)
+    return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
 
 
 def enable(model) -> None:
@@ -291,9 +327,14 @@ def enable(model) -> None:
     config = getattr(model, "config", None)
     if config is None or not hasattr(model, "set_attn_implementation"):
         raise ValueError(f"context parallel needs a transformers model using the attention interface, got {type(model).__name__}")
-    if "sliding_attention" in (getattr(config, "layer_types", None) or []):
-        raise ValueError(f"context parallel does not support sliding-window attention layers ({config.model_type}); "
-                         "use parallel.context_parallel_size=1 for this model")
+    # every layer must be full attention: sliding-window, chunked, linear-attention or
+    # state-space layers would run on this rank's zigzag tokens as if they were a sequence
+    other = sorted(set(getattr(config, "layer_types", None) or ["full_attention"]) - {"full_attention"})
+    if not other and getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        other = ["sliding_window"]
+    if other:
+        raise ValueError(f"context parallel supports full-attention decoders only; {config.model_type} has "
+                         f"{', '.join(other)} layers (use parallel.context_parallel_size=1 for this model)")
     AttentionInterface.register(ATTENTION_NAME, context_parallel_attention)
     AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)  # 2D masks outside CP are built as for SDPA
     model.set_attn_implementation(ATTENTION_NAME)

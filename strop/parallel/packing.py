@@ -35,11 +35,13 @@ def pack_by_token_budget(lengths: list[int], max_tokens: int) -> list[list[int]]
     return bins
 
 
-def collate_packed(samples: list[Sample]) -> dict[str, torch.Tensor]:
+def collate_packed(samples: list[Sample], with_mask: bool = True) -> dict[str, torch.Tensor]:
     """One packed row, plus the per-sample (n, T) tensors the loss works on.
 
     ``positions`` (1, R) indexes every response token in the row; ``scatter``
-    (rows, cols), each (R,), places those R values back into (n, T).
+    (rows, cols), each (R,), places those R values back into (n, T). Without
+    ``with_mask`` the (L, L) attention mask is not built (context parallel builds its
+    own from ``segment_ids``) and ``attention_mask`` is None.
     """
     n = len(samples)
     T = max(max(s.response_length for s in samples), 1)
@@ -57,8 +59,10 @@ def collate_packed(samples: list[Sample]) -> dict[str, torch.Tensor]:
         offset += len(tokens)
     L = offset
     seg = torch.tensor(segment)
-    causal = torch.ones(L, L, dtype=torch.bool).tril()
-    mask = (causal & (seg.unsqueeze(0) == seg.unsqueeze(1))).view(1, 1, L, L)  # (1, 1, L, L) block-diagonal
+    mask = None
+    if with_mask:
+        causal = torch.ones(L, L, dtype=torch.bool).tril()
+        mask = (causal & (seg.unsqueeze(0) == seg.unsqueeze(1))).view(1, 1, L, L)  # (1, 1, L, L) block-diagonal
     loss_mask = torch.zeros(n, T)
     response_mask = torch.zeros(n, T)
     rollout_logprobs = torch.zeros(n, T)

@@ -175,7 +175,10 @@ class Trainer:
         all_reduce_coalesced([p.grad for p in params], op="sum", bucket_bytes=self.bucket_bytes, group=self.grad_group)
 
     def _collate(self, samples: list[Sample]) -> dict:
-        batch = collate_packed(samples) if self.cfg.max_tokens_per_micro_batch else collate(samples, self.pad_token_id)
+        if self.cfg.max_tokens_per_micro_batch:  # under CP the plan builds its own, smaller mask
+            batch = collate_packed(samples, with_mask=self.cp_size == 1)
+        else:
+            batch = collate(samples, self.pad_token_id)
         if self.cp_size > 1:
             batch["cp"] = context_parallel.ContextParallelPlan.for_batch(batch, self.cp_group)
         return batch
@@ -387,7 +390,7 @@ class Trainer:
                 m.tok("importance_weight_mean", corr["w"], mask)
                 m.max("importance_weight_max", (corr["w"] * mask).max().item())
                 m.tok("mis_masked_fraction", (mask - loss_mask).clamp(min=0), mask)
-                m.add("train_tokens", float(batch.get("tokens", batch["attention_mask"].sum())))
+                m.add("train_tokens", float(batch["tokens"] if "tokens" in batch else batch["attention_mask"].sum()))
                 m.add("trained_samples", float(len(idx)) if has_signal else 0.0)
         params = [p for p in self.model.parameters() if p.requires_grad]
         m.last("lr", self.optimizer.param_groups[0]["lr"])

@@ -7,20 +7,76 @@ import torch
 
 from strop.parallel.context import zigzag_pieces
 from strop.parallel.launch import run_on_ranks
-from tests.distributed.test_dp import ALGOS, _full
+from tests.distributed.test_dp import ALGOS as DP_ALGOS, _full
+
+# the data-parallel cases, and one more that only context parallel needs: GSPO's sequence
+# ratio and an entropy bonus see whole responses gathered across ranks; two optimizer steps
+ALGOS = DP_ALGOS | {"gspo_entropy_2mini": {"policy_loss": "gspo", "entropy_coef": 0.01, "loss_agg": "seq_mean_token_mean"}}
+MINI_BATCHES = {"gspo_entropy_2mini": 2}
+# two AdamW steps turn fp32 rounding of near-zero gradients into parameter differences of
+# ~2e-5 (Adam divides by |g|); in fp64 the two layouts agree to 7e-16, so this case runs there
+DTYPES = {"gspo_entropy_2mini": torch.float64}
 
 
 # ---- the layout, no processes needed ------------------------------------------------------------
 @pytest.mark.parametrize("cp", [1, 2, 3, 4])
 @pytest.mark.parametrize("length", [0, 1, 3, 7, 8, 17, 64])
 def test_zigzag_pieces_cover_every_token_once_and_balance(length, cp):
-    held = [zigzag_pieces(length, cp, r) for r in range(cp)]
+    held = [sum(zigzag_pieces(length, cp, r), []) for r in range(cp)]
     assert sorted(i for h in held for i in h) == list(range(length))
     sizes = [len(h) for h in held]
     assert max(sizes) - min(sizes) <= 2  # two pieces each, pieces differ by at most one token
     if length >= 2 * cp:
         # rank 0 holds the first and the last piece: the cheapest and the dearest under a causal mask
         assert held[0][0] == 0 and held[0][-1] == length - 1
+
+
+def _layouts():
+    """(segment_ids, position_ids, response_positions, response_mask) for a padded and a packed batch."""
+    from strop.parallel.packing import collate_packed
+    from strop.train.trainer import collate
+    from tests.test_trainer import make_samples
+
+    samples = make_samples(7, seed=5)
+    padded = collate(samples, pad_token_id=0)
+    am = padded["attention_mask"]
+    packed = collate_packed(samples)
+    return {"padded": (am - 1, (am.cumsum(-1) - 1).clamp(min=0), padded["positions"], padded["response_mask"]),
+            "packed": (packed["segment_ids"], packed["position_ids"], packed["positions"], None)}
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4])
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_plan_masks_and_entries(layout, cp):
+    """Every rank's mask, read through its key order, is exactly "earlier or same token of the
+    same sequence"; every token and every response entry belongs to exactly one rank."""
+    from strop.parallel.context import ContextParallelPlan
+
+    segment_ids, position_ids, positions, response_mask = _layouts()[layout]
+    plans = [ContextParallelPlan(segment_ids, position_ids, positions, None, response_mask, size=cp, rank=r)
+             for r in range(cp)]
+    B, L = segment_ids.shape
+    T = positions.shape[1]
+    held = torch.zeros(B, L, dtype=torch.long)
+    for plan in plans:
+        keys = torch.cat([p.slot_tokens for p in plans], dim=1)[:, plan.key_order]  # (B, cp*m) piece-major
+        for b in range(B):
+            for j in range(plan.slot_tokens.shape[1]):
+                q = int(plan.slot_tokens[b, j])
+                seen = sorted(int(keys[b, k]) for k in plan.attention_mask[b, 0, j].nonzero().flatten())
+                if q < 0:
+                    assert seen == [-1]  # a filler slot sees itself only
+                    continue
+                assert seen == [k for k in range(q + 1) if segment_ids[b, k] == segment_ids[b, q]], (b, j, q)
+                held[b, q] += 1
+    assert torch.equal(held, (segment_ids >= 0).long())  # each real token on exactly one rank, once
+    # response entries: each computed one on one rank; the gathered values come back in (b, t) order
+    computed = torch.ones(B, T, dtype=torch.bool) if response_mask is None else response_mask > 0
+    computed[:, 0] = True
+    assert all(p.counts == plans[0].counts for p in plans) and sum(plans[0].counts) == int(computed.sum())
+    gathered = torch.cat([p.entry_index for p in plans])  # what each rank contributes, rank-major
+    flat = torch.arange(B * T).reshape(B, T)
+    assert torch.equal(gathered[plans[0].restore].reshape(B, T), torch.where(computed, flat, flat[:, :1]))
 
 
 # ---- logprobs and gradients ---------------------------------------------------------------------
@@ -122,8 +178,8 @@ def _cp_step(rank, world, algo_name, packed, mode="replicate", cp=2, samples=Non
     from tests.test_trainer import make_samples
     from tests.tiny import make_tiny_model
 
-    model = make_tiny_model()
-    train = TrainConfig(lr=1e-3, warmup_steps=0, micro_batch_size=3,
+    model = make_tiny_model().to(DTYPES.get(algo_name, torch.float32))
+    train = TrainConfig(lr=1e-3, warmup_steps=0, micro_batch_size=3, mini_batches=MINI_BATCHES.get(algo_name, 1),
                         max_tokens_per_micro_batch=20 if packed else None)
     dp_group = cp_group = None
     if world > 1:
@@ -139,6 +195,8 @@ def _cp_step(rank, world, algo_name, packed, mode="replicate", cp=2, samples=Non
     metrics["entries_per_cp_rank"] = counts
     grads = [_full(trainer.optimizer.state[p]["exp_avg"]).clone() for p in trainer.optimizer.param_groups[0]["params"]]
     params = [_full(p.detach()).clone() for p in trainer.model.parameters()]
+    if trainer.critic is not None:  # PPO: the value model trained under CP too
+        params += [p.detach().clone() for p in trainer.critic.parameters()]
     trainer.state_dict()  # a collective under FSDP
     if dist.is_initialized():
         dist.barrier()
@@ -163,10 +221,14 @@ def _assert_same_update(results, single):
             assert torch.equal(a, b)
 
 
+# every algorithm in both layouts with replicate; FSDP (sharded over the CP ranks) on a subset
+CASES = [(algo, packed, "replicate") for algo in sorted(ALGOS) for packed in (False, True)]
+CASES += [("grpo", True, "fsdp"), ("ppo", False, "fsdp"), ("gspo_entropy_2mini", True, "fsdp")]
+
+
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("mode", ["replicate", "fsdp"])
-@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
-@pytest.mark.parametrize("algo", sorted(ALGOS))
+@pytest.mark.parametrize("algo,packed,mode", CASES,
+                         ids=[f"{a}-{'packed' if p else 'padded'}-{m}" for a, p, m in CASES])
 def test_cp2_step_equals_one_process(algo, packed, mode):
     single = _cp_step(0, 1, algo, packed)
     _assert_same_update(run_on_ranks(_cp_step, 2, algo, packed, mode, timeout=150), single)
@@ -203,3 +265,34 @@ def test_dp2_cp2_mesh_step_equals_one_process():
     """Four processes as a 2 x 2 (dp, cp) mesh: micro-batches dealt over DP, tokens split over CP."""
     single = _cp_step(0, 1, "grpo", True)
     _assert_same_update(run_on_ranks(_cp_step, 4, "grpo", True, "replicate", 2, timeout=200), single)
+
+
+def _bf16_logprobs(rank, world):
+    """bf16 weights: the additive masks are built in bf16 (finfo.min, no fully masked row)."""
+    import torch.distributed as dist
+
+    from strop.parallel import context
+    from strop.train.logprob import response_logprobs
+    from tests.tiny import make_tiny_model
+
+    model = make_tiny_model().to(torch.bfloat16)
+    batch = _collated(False)
+    plan = None
+    if world > 1:
+        context.enable(model)
+        plan = context.ContextParallelPlan.for_batch(batch, dist.group.WORLD)
+    lp, _ = response_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["positions"], cp=plan)
+    (lp * batch["loss_mask"]).sum().backward()
+    grad = model.model.layers[0].self_attn.k_proj.weight.grad.float()
+    if world > 1:
+        dist.all_reduce(grad)
+    return lp.detach() * batch["loss_mask"], grad
+
+
+@pytest.mark.timeout(120)
+def test_cp2_bf16_matches_one_process_to_bf16_precision():
+    lp1, grad1 = _bf16_logprobs(0, 1)
+    for lp, grad in run_on_ranks(_bf16_logprobs, 2, timeout=90):
+        assert torch.isfinite(lp).all() and torch.isfinite(grad).all()
+        assert (lp - lp1).abs().max().item() <= 0.05 * lp1.abs().max().item()
+        assert (grad - grad1).abs().max().item() <= 0.05 * grad1.abs().max().item()
