@@ -199,31 +199,42 @@ class Trainer:
 
     @torch.no_grad()
     def _pre_pass(self, b: _Batch, need_old: bool) -> None:
-        """Everything that must see pre-update weights: old and reference logprobs, critic values."""
+        """Everything that must see pre-update weights: old and reference logprobs, critic values.
+
+        Data-parallel ranks split the micro-batches (as in training) and then sum their
+        disjoint rows, so every rank ends with the whole batch's values.
+        """
         N, T = b.loss_mask.shape
-        olds, refs, values = [None] * N, [None] * N, [None] * N
-        for idx in self._micro_batches(list(range(N)), b.samples):
+        olds = torch.zeros(N, T) if need_old else None
+        refs = torch.zeros(N, T) if self.needs_ref else None
+        values = torch.zeros(N, T) if self.critic is not None else None
+        micro_batches = self._micro_batches(list(range(N)), b.samples)
+        for idx, real in self._my_share(micro_batches, balance=self.dp_mode == "fsdp"):
             batch = self._collate([b.samples[i] for i in idx])
+            rows, Tm = torch.tensor(idx), batch["loss_mask"].shape[1]
             if need_old:
-                for i, row in zip(idx, self._logprobs(batch)[0]):
-                    olds[i] = row
+                lp = self._logprobs(batch)[0]  # under FSDP a collective: balancing repeats run it too
+                if real:
+                    olds[rows, :Tm] = lp.float()
+            if not real:
+                continue
             if self.needs_ref:
                 if self.ref_model is not None:
-                    lp = self._logprobs(batch, model=self.ref_model)[0]
+                    refs[rows, :Tm] = self._logprobs(batch, model=self.ref_model)[0].float()
                 else:
                     with swapped_weights(self.model, self.ref_state):
-                        lp = self._logprobs(batch)[0]
-                for i, row in zip(idx, lp):
-                    refs[i] = row
+                        refs[rows, :Tm] = self._logprobs(batch)[0].float()
             if self.critic is not None:
-                for i, row in zip(idx, self._values(batch)):
-                    values[i] = row
+                values[rows, :Tm] = self._values(batch).float()
+        found = [t for t in (olds, refs, values) if t is not None]
+        if self.dp_size > 1:  # each row came from exactly one rank: the sum assembles the batch
+            all_reduce_coalesced(found, op="sum", bucket_bytes=self.bucket_bytes, group=self.dp_group)
         if need_old:
-            b.old_logprobs = _pad_rows(olds, T) * b.response_mask
+            b.old_logprobs = olds * b.response_mask
         if self.needs_ref:
-            b.ref_logprobs = _pad_rows(refs, T) * b.response_mask
+            b.ref_logprobs = refs * b.response_mask
         if self.critic is not None:
-            b.old_values = _pad_rows(values, T) * b.response_mask
+            b.old_values = values * b.response_mask
 
     # ---- advantages -----------------------------------------------------------------------------
     def _advantages(self, b: _Batch) -> None:

@@ -251,9 +251,10 @@ def test_cp2_step_with_a_rank_holding_no_response_tokens(mode):
 
 @pytest.mark.timeout(240)
 def test_dp2_cp2_mesh_step_equals_one_process():
-    """Four processes as a 2 x 2 (dp, cp) mesh: micro-batches dealt over DP, tokens split over CP."""
-    single = _cp_step(0, 1, "grpo", True)
-    _assert_same_update(run_on_ranks(_cp_step, 4, "grpo", True, "replicate", 2, timeout=200), single)
+    """Four processes as a 2 x 2 (dp, cp) mesh: micro-batches dealt over DP, tokens split over CP;
+    two mini-batches, so the old-policy pre-pass is split over DP and reassembled too."""
+    single = _cp_step(0, 1, "gspo_entropy_2mini", True)
+    _assert_same_update(run_on_ranks(_cp_step, 4, "gspo_entropy_2mini", True, "replicate", 2, timeout=200), single)
 
 
 def _bf16_logprobs(rank, world):
