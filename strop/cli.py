@@ -106,11 +106,14 @@ def train_main(argv: list[str]) -> int:
         cfg.run.progress = False
     from strop.data.sources import DataError
     from strop.loop import train
+    from strop.parallel.runtime import ControllerError
     from strop.plugins import PluginError
+    from strop.train.trainer import NonFiniteGradientError
 
     try:
         train(cfg)
-    except (FileNotFoundError, FileExistsError, DataError, PluginError, ValueError) as exc:
+    except (FileNotFoundError, FileExistsError, DataError, PluginError, ValueError, ControllerError,
+            NonFiniteGradientError) as exc:
         print(f"strop train: error: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -50,7 +50,14 @@ class DataConfig(_Section):
     eval_seed: int = Field(
         1_000_003, description="seed of the held-out prompts; must differ from data.seed (reasoning-gym)"
     )
-    eval_size: int = Field(128, ge=0, description="number of held-out evaluation prompts (0 = no eval)")
+    eval_size: int = Field(128, ge=0, description="number of held-out evaluation prompts (0 = no eval); prompts "
+                           "that occur in the training data are removed first")
+    eval_min_size: int = Field(
+        32, ge=1, description="refuse to run when fewer held-out prompts than this remain after removing those "
+        "that occur in the training data")
+    eval_oversample: int = Field(
+        4, ge=1, description="reasoning-gym: generate eval_size x this many eval candidates, so eval_size remain "
+        "after duplicates of training prompts are removed")
     path: str | None = Field(None, description="training prompts, .jsonl or .parquet (source=file)")
     eval_path: str | None = Field(None, description="held-out prompts, .jsonl or .parquet (source=file)")
     prompt_key: str = Field("prompt", description="column holding the prompt (text or chat messages)")
@@ -134,6 +141,11 @@ class AlgoConfig(_Section):
         if self.kl_in_reward_coef and self.estimator not in ("reinforce_pp", "reinforce_pp_baseline", "ppo"):
             raise ValueError("algo.kl_in_reward_coef needs a token-level estimator (reinforce_pp*, ppo); "
                              "use algo.kl_coef for a KL loss term with grpo/dr_grpo/rloo")
+        if self.use_rollout_logprobs and (self.tis_cap is not None or self.mis_low is not None
+                                          or self.mis_high is not None):
+            raise ValueError("algo.tis_cap / algo.mis_low / algo.mis_high correct pi_old against the engine's "
+                             "logprobs; with algo.use_rollout_logprobs=true pi_old IS the engine's logprobs, so the "
+                             "weight is always 1 and the correction does nothing: turn one of them off")
         if self.policy_loss == "cispo" and self.clip_low > 1:
             raise ValueError("algo.clip_low above 1 would allow negative CISPO weights")
         return self
@@ -154,6 +166,12 @@ class TrainConfig(_Section):
     logprob_chunk_size: int = Field(
         1024, ge=0, description="tokens per lm_head chunk when computing logprobs (0 = full logits, more memory)")
     seed: int = Field(0, description="torch seed")
+    bf16_autocast: bool = Field(
+        False, description="run the trainer's forward passes under bf16 autocast (fp32 master weights and "
+        "optimizer state; meant for GPUs, slow on most CPUs)")
+    max_nonfinite_grad_steps: int = Field(
+        3, gt=0, description="stop the run after this many optimizer steps in a row with a NaN/inf gradient "
+        "norm (each such step is skipped and counted in nonfinite_grad_norm_steps)")
 
 
 class EvalConfig(_Section):
@@ -162,6 +180,9 @@ class EvalConfig(_Section):
 
 
 class RunConfig(_Section):
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="where policy, reference, critic, optimizer state, batches and the embedded engine "
+        "live: 'auto' = cuda when available, else cpu; each process binds cuda:<local rank>")
     dir: str | None = Field(None, description="run directory (default: runs/<timestamp>)")
     save_final: bool = Field(True, description="save the final policy in Hugging Face format")
     plot: bool = Field(True, description="write a PNG plot of reward and eval accuracy")
@@ -188,6 +209,9 @@ class ParallelConfig(_Section):
         1, ge=1, description="context parallel: ranks that split every sequence's tokens (zigzag chunks, keys and "
         "values all-gathered); the processes form a (data parallel x context parallel) mesh, so --nproc must be a "
         "multiple of it")
+    controller_timeout_s: float = Field(
+        6 * 3600, gt=0, description="how long ranks other than 0 wait for rank 0 (rollout, evaluation, set-up) "
+        "before giving up; their own collectives keep torch's default timeout")
     grad_reduce_bucket_bytes: int = Field(
         1 << 30, description="largest flat buffer of the chunked gradient all-reduce, in bytes (>= 1 MiB; "
         "the environment variable STROP_GRAD_REDUCE_BUCKET_BYTES overrides it)")
@@ -204,6 +228,17 @@ class Config(_Section):
     parallel: ParallelConfig = Field(default_factory=ParallelConfig,
                                      description="multi-process training (strop train --nproc N)")
     plugins: PluginsConfig = Field(default_factory=PluginsConfig, description="hooks by import path (docs/plugins.md)")
+
+    @model_validator(mode="after")
+    def _check_groups(self):
+        from strop.algo.advantages import GROUP_ESTIMATORS
+
+        if (self.rollout.n_samples_per_prompt == 1 and self.algo.estimator in GROUP_ESTIMATORS
+                and not self.plugins.advantage):
+            raise ValueError(f"algo.estimator={self.algo.estimator!r} compares the samples of one prompt, and "
+                             "rollout.n_samples_per_prompt=1 makes every advantage 0 (nothing is learned): sample "
+                             "2 or more per prompt, or use estimator 'reinforce_pp' or 'ppo'")
+        return self
 
 
 def _deep_merge(base: dict, over: dict) -> dict:
@@ -241,10 +276,16 @@ def load_yaml(path: str | Path) -> dict:
 
 def parse_overrides(args: list[str], prog: str = "strop train") -> dict:
     """Turn ``--section.key=value`` arguments into a nested dict (only what was given)."""
-    from pydantic_settings import CliSettingsSource
+    from pydantic_settings import CliSettingsSource, SettingsError
 
-    source = CliSettingsSource(Config, cli_parse_args=args, cli_prog_name=prog, cli_implicit_flags=False)
-    return source()
+    if "-h" in args or "--help" in args:  # the full usage, on request only
+        return CliSettingsSource(Config, cli_parse_args=args, cli_prog_name=prog, cli_implicit_flags=False)()
+    try:
+        return CliSettingsSource(Config, cli_parse_args=args, cli_prog_name=prog, cli_implicit_flags=False,
+                                 cli_exit_on_error=False)()
+    except SettingsError as exc:
+        why = str(exc).removeprefix("error parsing CLI: ")
+        raise ConfigError(f"{why}\n  (`{prog} --help` lists every option)") from None
 
 
 def build_config(yaml_path: str | None = None, overrides: dict | None = None, preset: str | None = None) -> Config:

@@ -13,56 +13,99 @@ from strop.config import Config, save_config
 from strop.observe.metrics import MetricsLog, Progress, Timer, plot_curves, write_summary
 from strop.plugins import call_hook, call_hook_sync
 from strop.rollout.generate import RolloutContext, rollout_groups
-from strop.parallel.runtime import broadcast_object, init_from_env
-from strop.setup import Components, build, build_worker, make_run_dir
+from strop.parallel.runtime import Control, init_from_env, resolve_device
+from strop.setup import Components, build
 
 
 def train(cfg: Config) -> dict | None:
+    """Run RL on every rank of this job (one program: rank 0 also rolls out, evaluates and writes)."""
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
-    rank, _ = init_from_env()
-    if rank != 0:  # a data-parallel rank: train on what the controller sends until it says stop
-        trainer = build_worker(cfg)
-        while (samples := broadcast_object()) is not None:
-            trainer.step(samples)
-            trainer.state_dict()  # FSDP gathers the full weights for rank 0's engine: every rank joins
-        return None
-    c = build(cfg)  # every input is checked here, before the run directory exists
-    run_dir = make_run_dir(cfg)
-    print(f"strop: run directory {run_dir}", flush=True)
-    t = c.trainer
-    if t.world > 1:
-        print(f"strop: {t.world} processes = data parallel {t.dp_size} ({t.dp_mode}) x context parallel {t.cp_size}",
-              flush=True)
-    save_config(cfg, run_dir / "config.yaml")
-    log, clock = MetricsLog(run_dir), Timer()
-    ctx = RolloutContext(engine=c.engine, tokenizer=c.tokenizer, config=cfg, generate=c.hooks.get("generate"),
-                         reward=c.reward_fn, filter=c.hooks.get("filter"))
-    progress = Progress(cfg.train.steps, enabled=cfg.run.progress)
+    device = resolve_device(cfg.run.device)
+    init_from_env(device)
+    control = Control(cfg.parallel.controller_timeout_s)
+    c = build(cfg, device, control)  # every input is checked before the run directory exists
+    run = _Controller(cfg, c) if control.rank == 0 else None
     try:
-        evaluate(c, ctx, log, progress, step=0)
+        control.on_controller(lambda: run.start())
         for step in range(1, cfg.train.steps + 1):
-            t_step, ctx.step = time.perf_counter(), step
-            groups, drawn = asyncio.run(rollout_step(cfg, c, ctx))
-            metrics = rollout_metrics(groups, time.perf_counter() - t_step) | {"groups_drawn": drawn}
-            samples = [s for g in groups for s in g if s.status.trainable]  # aborted / failed never train
-            if "postprocess" in c.hooks:
-                samples = call_hook_sync("postprocess", c.hooks["postprocess"], samples=samples, step=step)
-            metrics |= c.trainer.step(broadcast_object(samples))  # every rank: advantages, loss, optimizer step(s)
-            c.final_state = c.trainer.state_dict()  # the full weights, gathered if sharded
-            asyncio.run(c.engine.update_weights(c.final_state, version=step))
-            log.log(metrics | {"step": step, "step_seconds": time.perf_counter() - t_step, "elapsed_seconds": clock()})
-            progress.update(1, reward=metrics["reward_mean"])
-            if step == cfg.train.steps or (cfg.eval.every and step % cfg.eval.every == 0):
-                evaluate(c, ctx, log, progress, step)
+            samples, metrics = control.on_controller(lambda: run.rollout(step))  # rank 0 generates, all receive
+            metrics |= c.trainer.step(samples)  # every rank: advantages, loss, optimizer step(s)
+            weights = c.trainer.full_weights()  # gathered from every rank's shards under FSDP
+            control.on_controller(lambda: run.after_step(step, weights, metrics))  # sync engine, log, evaluate
+            del weights
+        weights = c.trainer.full_weights() if cfg.run.save_final else None
+        return control.on_controller(lambda: run.finish(weights))
     except BaseException as exc:  # leave a summary that says the run did not finish, then re-raise
-        write_summary(run_dir, {"status": "failed", "error": f"{type(exc).__name__}: {exc}",
-                                "steps": sum("reward_mean" in r for r in log.rows), "wall_seconds": round(clock(), 1)})
+        if run is not None:
+            run.failed(exc)
         raise
     finally:
-        progress.close()
-        broadcast_object(None)  # data-parallel ranks stop
-    return finish(cfg, c, run_dir, log, clock())
+        if run is not None:
+            run.close()
+
+
+class _Controller:
+    """Rank 0's part of a run: the event loop, rollout, engine sync, evaluation and every output."""
+
+    def __init__(self, cfg: Config, c: Components):
+        self.cfg, self.c, self.run_dir = cfg, c, c.run_dir
+        self.loop = asyncio.new_event_loop()  # one event loop for the whole run
+        self.log, self.clock = MetricsLog(self.run_dir), Timer()
+        self.ctx = RolloutContext(engine=c.engine, tokenizer=c.tokenizer, config=cfg, generate=c.hooks.get("generate"),
+                                  reward=c.reward_fn, filter=c.hooks.get("filter"), run_dir=self.run_dir)
+        self.progress = Progress(cfg.train.steps, enabled=cfg.run.progress)
+
+    def start(self) -> None:
+        print(f"strop: run directory {self.run_dir}", flush=True)
+        if self.c.trainer.world > 1:
+            print(f"strop: {self.c.trainer.dp.describe()}", flush=True)
+        print(f"strop: device {self.c.trainer.device}", flush=True)
+        save_config(self.cfg, self.run_dir / "config.yaml")
+        self.evaluate(step=0)
+
+    def rollout(self, step: int) -> tuple[list, dict]:
+        t_step, self.ctx.step = time.perf_counter(), step
+        self.t_step = t_step
+        groups, drawn = self.loop.run_until_complete(rollout_step(self.cfg, self.c, self.ctx))
+        metrics = rollout_metrics(groups, time.perf_counter() - t_step) | {"groups_drawn": drawn}
+        samples = [s for g in groups for s in g if s.status.trainable]  # aborted / failed never train
+        if "postprocess" in self.c.hooks:
+            samples = call_hook_sync("postprocess", self.c.hooks["postprocess"], samples=samples, step=step)
+        return samples, metrics
+
+    def after_step(self, step: int, weights: dict, metrics: dict) -> None:
+        self.loop.run_until_complete(self.c.engine.update_weights(weights, version=step))
+        self.log.log(metrics | {"step": step, "step_seconds": time.perf_counter() - self.t_step,
+                                "elapsed_seconds": self.clock()})
+        self.progress.update(1, reward=metrics["reward_mean"])
+        if step == self.cfg.train.steps or (self.cfg.eval.every and step % self.cfg.eval.every == 0):
+            self.evaluate(step)
+
+    def evaluate(self, step: int) -> None:
+        """Greedy accuracy on the held-out prompts (fraction with reward 1), logged at ``step``."""
+        c = self.c
+        if c.eval_prompts is None:
+            return
+        t = time.perf_counter()
+        groups = [c.eval_prompts.make_group(i, 1, group_id=-1 - i) for i in range(len(c.eval_prompts))]
+        groups = self.loop.run_until_complete(rollout_groups(self.ctx, groups, c.eval_sampling, apply_filter=False))
+        accuracy = sum(1.0 for g in groups if g[0].reward is not None and g[0].reward >= 1.0) / len(groups)
+        self.log.log({"step": step, "eval_accuracy": accuracy, "eval_seconds": time.perf_counter() - t})
+        self.progress.update(eval_acc=accuracy)
+
+    def finish(self, weights: dict | None) -> dict:
+        self.progress.close()
+        return finish(self.cfg, self.c, self.run_dir, self.log, self.clock(), weights)
+
+    def failed(self, exc: BaseException) -> None:
+        write_summary(self.run_dir, {"status": "failed", "error": f"{type(exc).__name__}: {exc}",
+                                     "steps": sum("reward_mean" in r for r in self.log.rows),
+                                     "wall_seconds": round(self.clock(), 1)})
+
+    def close(self) -> None:
+        self.progress.close()
+        self.loop.close()
 
 
 async def rollout_step(cfg: Config, c: Components, ctx: RolloutContext) -> tuple[list, int]:
@@ -81,18 +124,6 @@ async def rollout_step(cfg: Config, c: Components, ctx: RolloutContext) -> tuple
     return groups, drawn
 
 
-def evaluate(c: Components, ctx: RolloutContext, log: MetricsLog, progress: Progress, step: int) -> None:
-    """Greedy accuracy on the held-out prompts (fraction with reward 1), logged at ``step``."""
-    if c.eval_prompts is None:
-        return
-    t = time.perf_counter()
-    groups = [c.eval_prompts.make_group(i, 1, group_id=-1 - i) for i in range(len(c.eval_prompts))]
-    groups = asyncio.run(rollout_groups(ctx, groups, c.eval_sampling, apply_filter=False))
-    accuracy = sum(1.0 for g in groups if g[0].reward is not None and g[0].reward >= 1.0) / len(groups)
-    log.log({"step": step, "eval_accuracy": accuracy, "eval_seconds": time.perf_counter() - t})
-    progress.update(eval_acc=accuracy)
-
-
 def rollout_metrics(groups, seconds: float) -> dict:
     samples = [s for g in groups for s in g]
     rewards = [s.reward for s in samples if s.reward is not None]
@@ -104,16 +135,29 @@ def rollout_metrics(groups, seconds: float) -> dict:
         "response_length_min": min(lengths),
         "response_length_max": max(lengths),
         "truncated_fraction": sum(s.status.value == "truncated" for s in samples) / len(samples),
-        "failed_fraction": sum(s.status.value in ("failed", "aborted") for s in samples) / len(samples),
+        "failed_fraction": sum(s.status.value == "failed" for s in samples) / len(samples),
+        "aborted_fraction": sum(s.status.value == "aborted" for s in samples) / len(samples),
         "zero_advantage_group_fraction": sum(len({s.reward for s in g}) == 1 for g in groups) / len(groups),
         "rollout_tokens_per_s": sum(lengths) / seconds,
         "rollout_seconds": seconds,
-    }
+    } | failure_counts(samples)
 
 
-def finish(cfg: Config, c: Components, run_dir: Path, log: MetricsLog, seconds: float) -> dict:
+def failure_counts(samples) -> dict:
+    """How many samples failed and why: ``failed_samples`` and ``failed/<stage>/<error type>`` counts
+    (the error texts are in run_dir/failed_samples.jsonl)."""
+    out = {"failed_samples": 0}
+    for s in samples:
+        if s.status.value == "failed":
+            out["failed_samples"] += 1
+            why = f"failed/{s.metadata.get('error_stage', 'rollout')}/{s.metadata.get('error', 'unknown').split(':')[0]}"
+            out[why] = out.get(why, 0) + 1
+    return out
+
+
+def finish(cfg: Config, c: Components, run_dir: Path, log: MetricsLog, seconds: float, weights: dict | None) -> dict:
     if cfg.run.save_final:
-        c.trainer.model.save_pretrained(run_dir / "final", state_dict=c.final_state, safe_serialization=True)
+        c.trainer.model.save_pretrained(run_dir / "final", state_dict=weights, safe_serialization=True)
         c.tokenizer.save_pretrained(run_dir / "final")
     if cfg.run.plot:
         plot_curves(log.rows, run_dir / "curves.png")

@@ -256,15 +256,25 @@ def check_result(hook: str, fn: Callable, kwargs: dict, result: Any) -> Any:
     def number(x) -> bool:
         return isinstance(x, (int, float)) and not isinstance(x, bool)
 
+    def finite(x) -> bool:
+        return x == x and abs(x) != float("inf")
+
     if hook == "reward":
         if "samples" in kwargs:
             if not isinstance(result, (list, tuple)) or len(result) != len(kwargs["samples"]):
                 bad(f"returned {type(result).__name__}; expected a list of {len(kwargs['samples'])} floats")
             if not all(number(x) for x in result):
                 bad(f"returned {result!r}; every item must be a float")
+            nonfinite = [i for i, x in enumerate(result) if not finite(x)]
+            if nonfinite:
+                i = nonfinite[0]
+                bad(f"returned {result[i]!r} for sample {i} ({_describe(kwargs['samples'][i])}); "
+                    "rewards must be finite")
             return [float(x) for x in result]
         if not number(result):
             bad(f"returned {result!r} ({type(result).__name__}); expected a float")
+        if not finite(result):
+            bad(f"returned {result!r}; rewards must be finite")
         return float(result)
     if hook == "generate":
         if not isinstance(result, Sample):

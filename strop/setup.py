@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import datetime as _dt
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -12,11 +12,12 @@ import torch
 import torch.distributed as dist
 
 from strop.config import Config
-from strop.data.sources import PromptSampler, PromptSet, read_prompt_file, reasoning_gym_rows
+from strop.data.sources import (DataError, PromptRow, PromptSampler, PromptSet, _row_from_record, held_out,
+                                read_prompt_file, reasoning_gym_rows)
+from strop.engines.base import Engine
 from strop.engines.embedded import EmbeddedEngine
 from strop.parallel.collectives import resolve_bucket_bytes
-from strop.parallel.runtime import device_mesh_groups, parallel_layout
-from strop.data.sources import DataError, PromptRow, _row_from_record
+from strop.parallel.runtime import Control, device_mesh_groups, parallel_layout
 from strop.plugins import call_hook_sync, load_hook
 from strop.rollout.generate import resolve_reward, rollout as default_rollout
 from strop.train.model import load_model, load_tokenizer, resolve_model_path
@@ -24,19 +25,36 @@ from strop.train.trainer import Trainer
 from strop.types import SamplingParams
 
 
+LABELLED_REWARDS = ("math", "exact_match")  # built-in rewards that compare with a row's label
+
+
 @dataclass
 class Components:
-    tokenizer: Any
-    train_prompts: PromptSet
-    eval_prompts: PromptSet | None
-    sampler: PromptSampler
-    reward_fn: Callable
-    hooks: dict[str, Callable]  # loaded plugins by hook name (rollout, generate, filter, postprocess, ...)
-    engine: EmbeddedEngine
+    """The live objects of a run. On ranks other than 0 only ``trainer`` is set: rank 0 (the
+    controller) owns the data, the engine and every output."""
+
     trainer: Trainer
-    sampling: SamplingParams
-    eval_sampling: SamplingParams
-    final_state: dict | None = None  # the policy's latest full weights (what the engine holds)
+    tokenizer: Any = None
+    train_prompts: PromptSet | None = None
+    eval_prompts: PromptSet | None = None
+    sampler: PromptSampler | None = None
+    reward_fn: Callable | None = None
+    hooks: dict[str, Callable] = field(default_factory=dict)  # loaded plugins by hook name
+    engine: Engine | None = None
+    sampling: SamplingParams | None = None
+    eval_sampling: SamplingParams | None = None
+    run_dir: Path | None = None
+
+
+@dataclass
+class _Prepared:
+    """What a rank loaded before any collective: checked inputs and the policy's weights."""
+
+    policy: Any
+    model_path: str
+    tokenizer: Any
+    hooks: dict[str, Callable]
+    data: dict[str, Any] = field(default_factory=dict)
 
 
 def _rows(cfg: Config, which: str, data_source: Callable | None = None):
@@ -53,15 +71,36 @@ def _rows(cfg: Config, which: str, data_source: Callable | None = None):
             raise DataError(f"data_source hook {cfg.plugins.data_source}: no training rows")
         return rows or None
     if d.source == "reasoning_gym":
-        if which == "eval":
-            return reasoning_gym_rows(d.task, d.eval_seed, d.eval_size, d.task_options) if d.eval_size else None
+        if which == "eval":  # oversample: duplicates of training prompts are removed afterwards
+            return reasoning_gym_rows(d.task, d.eval_seed, d.eval_size * d.eval_oversample, d.task_options) \
+                if d.eval_size else None
         return reasoning_gym_rows(d.task, d.seed, d.size, d.task_options)
     if which == "eval":
-        if not d.eval_path:
-            return None
-        rows = read_prompt_file(d.eval_path, d.prompt_key, d.label_key, d.metadata_keys)
-        return rows[: d.eval_size] if d.eval_size else None
+        return read_prompt_file(d.eval_path, d.prompt_key, d.label_key, d.metadata_keys) if d.eval_path else None
     return read_prompt_file(d.path, d.prompt_key, d.label_key, d.metadata_keys)
+
+
+def _check_labels(cfg: Config, rows, which: str) -> None:
+    if cfg.rollout.reward in LABELLED_REWARDS:
+        missing = [r for r in rows if r.label is None]
+        if missing:
+            raise DataError(f"{missing[0].where or which}: no label (key {cfg.data.label_key!r}), and "
+                            f"rollout.reward={cfg.rollout.reward!r} compares answers with labels "
+                            f"({len(missing)} of {len(rows)} {which} rows have none)")
+
+
+def _held_out_rows(cfg: Config, train_rows, eval_rows):
+    """Eval rows that never occur in the training data (by templated prompt), at most data.eval_size."""
+    d = cfg.data
+    kept, removed = held_out(eval_rows, train_rows, template=d.prompt_template, system_prompt=d.system_prompt,
+                             size=d.eval_size)
+    if removed:
+        print(f"strop: held-out set: removed {removed} of {len(eval_rows)} eval prompts that occur in the training "
+              f"prompts (or twice in the eval set); {len(kept)} remain", flush=True)
+    if len(kept) < min(d.eval_min_size, d.eval_size or len(eval_rows), len(eval_rows)):  # a small set is fine as given
+        raise DataError(f"only {len(kept)} held-out prompts remain after removing {removed} that occur in the "
+                        f"training data (data.eval_min_size={d.eval_min_size}); use a larger or different eval set")
+    return kept
 
 
 def _context_window(model_path: str) -> int:
@@ -70,68 +109,85 @@ def _context_window(model_path: str) -> int:
     return int(getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", 2048))
 
 
-def make_trainer(cfg: Config, policy, tokenizer, hooks: dict) -> Trainer:
+def prepare(cfg: Config, device: torch.device, controller: bool = True) -> _Prepared:
+    """Every check and load that needs no other rank. Cheap checks first: run dir, layout, data,
+    reward, plugins; the model path (converting the embedded model on a cold cache) after them."""
+    hooks = {name: load_hook(name, path) for name, path in cfg.plugins.model_dump().items() if path}
+    data: dict[str, Any] = {}
+    if controller:
+        check_run_dir(cfg)
+        resolve_bucket_bytes(cfg.parallel.grad_reduce_bucket_bytes)
+        parallel_layout(dist.get_world_size() if dist.is_initialized() else 1, cfg.parallel.context_parallel_size)
+        data["reward_fn"] = resolve_reward(cfg.rollout.reward)
+        hooks.setdefault("rollout", default_rollout)
+        train_rows = _rows(cfg, "train", hooks.get("data_source"))
+        _check_labels(cfg, train_rows, "training")
+        eval_rows = _rows(cfg, "eval", hooks.get("data_source")) if cfg.data.eval_size else None
+        if eval_rows:
+            eval_rows = _held_out_rows(cfg, train_rows, eval_rows)
+            _check_labels(cfg, eval_rows, "eval")
+        data["rows"] = (train_rows, eval_rows or None)
+    model_path = resolve_model_path(cfg.model.path)  # a missing path fails here
+    tokenizer = load_tokenizer(model_path)
+    torch.manual_seed(cfg.train.seed)
+    policy = load_model(model_path, dtype=getattr(torch, cfg.model.dtype))  # same weights on every rank
+    return _Prepared(policy, model_path, tokenizer, hooks, data)
+
+
+def make_trainer(cfg: Config, policy, tokenizer, hooks: dict, device: torch.device) -> Trainer:
+    """The trainer with this rank's data- and context-parallel groups (a collective under several ranks)."""
     r = cfg.rollout
     dp_group = cp_group = None
     if dist.is_initialized():
-        dp_group, cp_group = device_mesh_groups(cfg.parallel.context_parallel_size)
+        dp_group, cp_group = device_mesh_groups(cfg.parallel.context_parallel_size, device.type)
     return Trainer(policy, pad_token_id=tokenizer.pad_token_id, train=cfg.train, algo=cfg.algo,
                    temperature=r.temperature, max_new_tokens=r.max_new_tokens,
                    advantage_fn=hooks.get("advantage"), policy_loss_fn=hooks.get("policy_loss"),
                    dp_group=dp_group, cp_group=cp_group,
                    bucket_bytes=resolve_bucket_bytes(cfg.parallel.grad_reduce_bucket_bytes),
-                   dp_mode=cfg.parallel.dp_mode, fsdp_mixed_precision=cfg.parallel.fsdp_mixed_precision)
+                   dp_mode=cfg.parallel.dp_mode, fsdp_mixed_precision=cfg.parallel.fsdp_mixed_precision,
+                   device=device, bf16_autocast=cfg.train.bf16_autocast)
 
 
-def build_worker(cfg: Config) -> Trainer:
-    """A data-parallel rank other than the controller: the policy and its trainer, nothing else."""
-    model_path = resolve_model_path(cfg.model.path)
-    hooks = {name: load_hook(name, path) for name, path in cfg.plugins.model_dump().items() if path}
-    torch.manual_seed(cfg.train.seed)
-    policy = load_model(model_path, dtype=getattr(torch, cfg.model.dtype))  # same weights as rank 0
-    return make_trainer(cfg, policy, load_tokenizer(model_path), hooks)
+def build(cfg: Config, device: torch.device | None = None, control: Control | None = None) -> Components:
+    """Everything a run needs, on every rank. Set-up failures on any rank stop every rank before
+    the first collective; rank 0 creates the run directory only once every rank is ready."""
+    device = device or torch.device("cpu")
+    control = control or Control()
+    controller = control.rank == 0
+    p = control.on_every_rank(prepare, cfg, device, controller)
+    trainer = make_trainer(cfg, p.policy, p.tokenizer, p.hooks, device)
+    if not controller:
+        return Components(trainer=trainer, hooks=p.hooks)
+    return control.on_controller(_controller_parts, cfg, p, trainer, device)
 
 
-def build(cfg: Config) -> Components:
-    """Everything a run needs. Cheap checks first: run dir, model path, data, reward, then the weights."""
-    check_run_dir(cfg)
-    resolve_bucket_bytes(cfg.parallel.grad_reduce_bucket_bytes)
-    parallel_layout(dist.get_world_size() if dist.is_initialized() else 1, cfg.parallel.context_parallel_size)
-    model_path = resolve_model_path(cfg.model.path)  # a missing path fails here
-    tokenizer = load_tokenizer(model_path)
-    reward_fn = resolve_reward(cfg.rollout.reward)
-    # every hook is imported and its signature checked here, before any model loads
-    hooks = {name: load_hook(name, path) for name, path in cfg.plugins.model_dump().items() if path}
-    hooks.setdefault("rollout", default_rollout)
-    context_window = _context_window(model_path)
-    max_new = max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens or 0)
+def _controller_parts(cfg: Config, p: _Prepared, trainer: Trainer, device: torch.device) -> Components:
+    tokenizer, r = p.tokenizer, cfg.rollout
+    context_window = _context_window(p.model_path)
+    max_new = max(r.max_new_tokens, cfg.eval.max_new_tokens or 0)
     max_prompt = context_window - max_new
     if max_prompt <= 0:
         raise ValueError(f"rollout.max_new_tokens={max_new} leaves no room in the {context_window}-token context window")
     prompt_kw = dict(template=cfg.data.prompt_template, system_prompt=cfg.data.system_prompt,
                      apply_chat_template=cfg.data.apply_chat_template, max_prompt_tokens=max_prompt)
-    train_prompts = PromptSet(_rows(cfg, "train", hooks.get("data_source")), tokenizer, name=cfg.data.path or f"{cfg.data.task} (train)", **prompt_kw)
-    eval_rows = _rows(cfg, "eval", hooks.get("data_source"))
-    eval_prompts = PromptSet(eval_rows, tokenizer, name=cfg.data.eval_path or f"{cfg.data.task} (eval)", **prompt_kw) if eval_rows else None
-
-    torch.manual_seed(cfg.train.seed)
-    dtype = getattr(torch, cfg.model.dtype)
-    policy = load_model(model_path, dtype=dtype)
-    engine_model = copy.deepcopy(policy)  # the engine holds its own copy; weights reach it by update
-    for p in engine_model.parameters():
-        p.requires_grad_(False)
+    train_rows, eval_rows = p.data["rows"]
+    train_prompts = PromptSet(train_rows, tokenizer, name=cfg.data.path or f"{cfg.data.task} (train)", **prompt_kw)
+    eval_prompts = PromptSet(eval_rows, tokenizer, name=cfg.data.eval_path or f"{cfg.data.task} (eval)",
+                             **prompt_kw) if eval_rows else None
+    # the engine holds its own copy on the same device; weights reach it by update
+    engine_model = copy.deepcopy(p.policy).to(device).requires_grad_(False)
     stop_ids = sorted({tokenizer.eos_token_id, *([tokenizer.pad_token_id] if tokenizer.pad_token_id is not None else [])} - {None})
     engine = EmbeddedEngine(engine_model, pad_token_id=tokenizer.pad_token_id, default_stop_token_ids=stop_ids,
-                            max_batch_size=cfg.rollout.max_batch_size, context_window=context_window,
-                            seed=cfg.rollout.seed)
-    r = cfg.rollout
-    trainer = make_trainer(cfg, policy, tokenizer, hooks)
+                            max_batch_size=r.max_batch_size, context_window=context_window, seed=r.seed)
     sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                               max_new_tokens=r.max_new_tokens, stop_token_ids=stop_ids)
     eval_sampling = SamplingParams(temperature=0.0, max_new_tokens=cfg.eval.max_new_tokens or r.max_new_tokens,
                                    stop_token_ids=stop_ids)
-    return Components(tokenizer, train_prompts, eval_prompts, PromptSampler(len(train_prompts), cfg.data.seed, cfg.data.shuffle),
-                      reward_fn, hooks, engine, trainer, sampling, eval_sampling)
+    return Components(trainer=trainer, tokenizer=tokenizer, train_prompts=train_prompts, eval_prompts=eval_prompts,
+                      sampler=PromptSampler(len(train_prompts), cfg.data.seed, cfg.data.shuffle),
+                      reward_fn=p.data["reward_fn"], hooks=p.hooks, engine=engine, sampling=sampling,
+                      eval_sampling=eval_sampling, run_dir=make_run_dir(cfg))
 
 
 def check_run_dir(cfg: Config) -> None:

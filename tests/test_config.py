@@ -39,9 +39,33 @@ def test_unknown_key_in_yaml_is_named(tmp_path):
 
 
 def test_unknown_key_on_command_line(capsys):
-    with pytest.raises(SystemExit):
+    with pytest.raises(ConfigError, match=r"unrecognized arguments: --train\.learning_rate=0\.1") as err:
         parse_overrides(["--train.learning_rate=0.1"])
-    assert "--train.learning_rate=0.1" in capsys.readouterr().err
+    assert "--help" in str(err.value)  # a hint, not the whole usage
+    assert capsys.readouterr().err == ""
+
+
+def test_unknown_key_prints_one_error_and_a_hint_not_the_usage(capsys):
+    from strop.cli import main
+
+    assert main(["train", "--train.learning_rate=0.1"]) == 2
+    err = capsys.readouterr().err
+    assert "unrecognized arguments: --train.learning_rate=0.1" in err and "--help" in err
+    assert "usage:" not in err and len(err) < 300, err
+
+
+def test_tis_with_rollout_logprobs_is_refused():
+    for extra in ({"tis_cap": 2.0}, {"mis_low": 0.5}, {"mis_high": 2.0}):
+        with pytest.raises(ConfigError, match="does nothing"):
+            build_config(overrides={"algo": {"use_rollout_logprobs": True, **extra}})
+    build_config(overrides={"algo": {"tis_cap": 2.0}})  # without use_rollout_logprobs it is real
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"])
+def test_group_estimator_with_one_sample_per_prompt_is_refused(estimator):
+    with pytest.raises(ConfigError, match="every advantage 0"):
+        build_config(overrides={"algo": {"estimator": estimator}, "rollout": {"n_samples_per_prompt": 1}})
+    build_config(overrides={"algo": {"estimator": "reinforce_pp"}, "rollout": {"n_samples_per_prompt": 1}})
 
 
 def test_cross_field_checks():

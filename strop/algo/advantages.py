@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from strop.algo.kl import kl_estimate
+
 
 def _group_stats(values: torch.Tensor, group_ids: torch.Tensor):
     """Per-sample group mean, group size and the index of each sample's group."""
@@ -156,3 +158,39 @@ def reinforce_pp_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, mask
         token_rewards = token_rewards - kl_coef * kl * mask
     returns = discounted_returns(token_rewards, mask, gamma, chunk_size=chunk_size)
     return whiten(returns, mask)
+
+
+SCALAR_ESTIMATORS = ("grpo", "dr_grpo", "rloo")  # one advantage per sample, broadcast to its tokens
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")  # need groups of >= 2 samples
+
+
+def compute_advantages(algo, *, rewards: torch.Tensor, group_ids: torch.Tensor, response_mask: torch.Tensor,
+                       loss_mask: torch.Tensor, policy_logprobs: torch.Tensor | None = None,
+                       ref_logprobs: torch.Tensor | None = None,
+                       old_values: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The configured estimator over one step's batch: (advantages (N, T), critic returns (N, T) or None).
+
+    ``algo`` is an AlgoConfig (estimator, normalize_std, gamma, lam, kl_in_reward_*).
+    ``policy_logprobs`` is the policy side of a KL folded into the reward (the
+    pre-update trainer's logprobs, or the engine's); ``old_values`` the critic's (PPO).
+    """
+    a, est = algo, algo.estimator
+    if est in SCALAR_ESTIMATORS:
+        if est == "rloo":
+            scalar = rloo_advantages(rewards, group_ids)
+        else:
+            scalar = grpo_advantages(rewards, group_ids, normalize_std=a.normalize_std and est == "grpo")
+        return scalar.unsqueeze(-1) * response_mask, None
+    kl = None
+    if a.kl_in_reward_coef:
+        kl = kl_estimate(policy_logprobs, ref_logprobs, a.kl_in_reward_kind) * response_mask
+    if est in ("reinforce_pp", "reinforce_pp_baseline"):
+        return reinforce_pp_advantages(rewards, group_ids, response_mask, kl=kl, kl_coef=a.kl_in_reward_coef,
+                                       gamma=a.gamma, baseline=est == "reinforce_pp_baseline"), None
+    if est == "ppo":
+        token_rewards = outcome_token_rewards(rewards, response_mask)
+        if kl is not None:
+            token_rewards = token_rewards - a.kl_in_reward_coef * kl
+        advantages, returns = gae(token_rewards, old_values, response_mask, gamma=a.gamma, lam=a.lam)
+        return whiten(advantages, loss_mask), returns
+    raise ValueError(f"unknown advantage estimator {est!r}")

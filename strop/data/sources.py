@@ -25,6 +25,7 @@ class PromptRow:
     prompt: str | list[dict]
     label: Any = None
     metadata: dict = field(default_factory=dict)
+    where: str = ""  # file and line (or source and row) it came from, for error messages
 
 
 def _check_prompt(prompt: Any, where: str) -> str | list[dict]:
@@ -54,6 +55,7 @@ def _row_from_record(record: Any, where: str, prompt_key: str, label_key: str, m
         prompt=_check_prompt(record[prompt_key], where),
         label=record.get(label_key),
         metadata={k: record[k] for k in metadata_keys},
+        where=where,
     )
 
 
@@ -63,13 +65,20 @@ def read_prompt_file(path: str, prompt_key: str = "prompt", label_key: str = "la
     p = Path(path)
     if not p.exists():
         raise DataError(f"data file {path!r} does not exist")
+    if p.is_dir():
+        raise DataError(f"data file {path!r} is a directory; expected a .jsonl or .parquet file")
     rows: list[PromptRow] = []
     if p.suffix == ".jsonl" or p.suffix == ".json":
-        with p.open() as f:
-            for lineno, line in enumerate(f, 1):
+        with p.open("rb") as f:
+            for lineno, raw in enumerate(f, 1):
+                where = f"{path}:{lineno}"
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise DataError(f"{where}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at column "
+                                    f"{exc.start + 1}); save the file as UTF-8") from None
                 if not line.strip():
                     continue
-                where = f"{path}:{lineno}"
                 try:
                     record = json.loads(line)
                 except json.JSONDecodeError as exc:
@@ -78,7 +87,10 @@ def read_prompt_file(path: str, prompt_key: str = "prompt", label_key: str = "la
     elif p.suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        table = pq.read_table(p)
+        try:
+            table = pq.read_table(p)
+        except Exception as exc:  # pyarrow's errors name neither the file nor what to do
+            raise DataError(f"data file {path!r}: not a readable Parquet file ({type(exc).__name__}: {exc})") from None
         for i, record in enumerate(table.to_pylist()):
             rows.append(_row_from_record(record, f"{path} row {i}", prompt_key, label_key, list(metadata_keys)))
     else:
@@ -101,9 +113,34 @@ def reasoning_gym_rows(task: str, seed: int, size: int, options: dict) -> list[P
             prompt=entry["question"],
             label=entry["answer"],
             metadata={"reasoning_gym_task": task, "reasoning_gym_entry": entry},
+            where=f"reasoning-gym {task} seed {seed} row {i}",
         )
-        for entry in dataset
+        for i, entry in enumerate(dataset)
     ]
+
+
+def question_key(row: PromptRow, template: str, system_prompt: str | None) -> str:
+    """What the model sees of a row, before tokenisation: the templated text (and system prompt)
+    or the chat messages. Two rows with the same key are the same question."""
+    if isinstance(row.prompt, str):
+        return json.dumps([system_prompt, template.format(prompt=row.prompt)])
+    return json.dumps(row.prompt, sort_keys=True)
+
+
+def held_out(eval_rows: list[PromptRow], train_rows: list[PromptRow], *, template: str, system_prompt: str | None,
+             size: int | None = None) -> tuple[list[PromptRow], int]:
+    """The eval rows whose prompt (after templating) never occurs in the training rows, and how many
+    were removed. Duplicates inside the eval set are removed too. ``size`` keeps the first ``size``."""
+    seen = {question_key(r, template, system_prompt) for r in train_rows}
+    kept, removed = [], 0
+    for r in eval_rows:
+        k = question_key(r, template, system_prompt)
+        if k in seen:
+            removed += 1
+            continue
+        seen.add(k)
+        kept.append(r)
+    return (kept[:size] if size else kept), removed
 
 
 class PromptSet:

@@ -49,8 +49,10 @@ class EmbeddedEngine:
         self.generator = torch.Generator().manual_seed(seed)
         self._pending: list[_Request] = []
         self._flush_task: asyncio.Task | None = None
-        self._abort = threading.Event()
-        self._lock = threading.Lock()  # one batch at a time touches the model
+        self.device = next(model.parameters()).device
+        self._abort_gen = 0  # abort_all bumps it; a decode started before the bump stops at its next step
+        self._lock = threading.Lock()  # one batch at a time touches the model (taken off the event loop only)
+        self._busy = asyncio.Lock()  # the event loop's side: one batch or weight load at a time
         # transformers renamed past_key_values to cache (5.x); pass whichever this model takes
         params = inspect.signature(model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
@@ -70,10 +72,17 @@ class EmbeddedEngine:
             batch = self._pending[: self.max_batch_size]
             self._pending = self._pending[self.max_batch_size :]
             try:
-                results = await asyncio.to_thread(
-                    self.generate_batch, [r.prompt_ids for r in batch], [r.sampling for r in batch]
-                )
-            except BaseException as exc:  # hand the error to every waiter
+                async with self._busy:
+                    results = await asyncio.to_thread(
+                        self.generate_batch, [r.prompt_ids for r in batch], [r.sampling for r in batch]
+                    )
+            except asyncio.CancelledError:  # cancelled: so are the requests it carried, then stop
+                self._abort_gen += 1  # the decode thread stops at its next step
+                for r in batch + self._pending:
+                    r.future.cancel()
+                self._pending = []
+                raise
+            except Exception as exc:  # an engine error: every waiter of this batch gets it
                 for r in batch:
                     if not r.future.done():
                         r.future.set_exception(exc)
@@ -83,22 +92,27 @@ class EmbeddedEngine:
                     r.future.set_result(c)
 
     async def update_weights(self, state_dict, version: int | None = None) -> int:
-        with self._lock:
-            self.model.load_state_dict(state_dict, strict=True)
+        """Copy ``state_dict`` into the engine's model between batches (device to device when the
+        trainer shares this process's device: nothing goes through host memory)."""
+        async with self._busy:
+            await asyncio.to_thread(self._load, state_dict)
             self.weight_version = self.weight_version + 1 if version is None else version
         return self.weight_version
 
+    def _load(self, state_dict) -> None:
+        with self._lock:
+            self.model.load_state_dict(state_dict, strict=True)
+
     async def abort_all(self) -> None:
         """Finish every running and queued request with finish_reason 'abort'."""
-        self._abort.set()
+        self._abort_gen += 1
         pending, self._pending = self._pending, []
         for r in pending:
             if not r.future.done():
                 r.future.set_result(Completion([], [], "abort", self.weight_version))
-        # wait (off the event loop) for the running batch to notice, then accept new work
-        await asyncio.to_thread(self._lock.acquire)
-        self._abort.clear()
-        self._lock.release()
+        # wait for the running batch to notice; nothing is held or left set if this wait is cancelled
+        async with self._busy:
+            pass
 
     async def health(self) -> bool:
         return True
@@ -127,7 +141,7 @@ class EmbeddedEngine:
         from transformers import DynamicCache
 
         n = len(prompts)
-        version = self.weight_version
+        version, abort_gen = self.weight_version, self._abort_gen
         # per-row budgets: never run past the context window
         budgets = [min(s.max_new_tokens, self.context_window - len(p)) for p, s in zip(prompts, samplings)]
         max_len = max(len(p) for p in prompts)
@@ -136,11 +150,13 @@ class EmbeddedEngine:
         for i, p in enumerate(prompts):  # left padding keeps every row's next token at the end
             input_ids[i, max_len - len(p) :] = torch.tensor(p)
             attention_mask[i, max_len - len(p) :] = 1
+        dev = self.device
+        input_ids, attention_mask = input_ids.to(dev), attention_mask.to(dev)
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
 
-        temperature = torch.tensor([s.temperature for s in samplings], dtype=torch.float32)
-        top_p = torch.tensor([s.top_p for s in samplings], dtype=torch.float32)
-        top_k = torch.tensor([s.top_k for s in samplings], dtype=torch.long)
+        temperature = torch.tensor([s.temperature for s in samplings], dtype=torch.float32, device=dev)
+        top_p = torch.tensor([s.top_p for s in samplings], dtype=torch.float32, device=dev)
+        top_k = torch.tensor([s.top_k for s in samplings], dtype=torch.long, device=dev)
         stop_sets = [set(s.stop_token_ids or self.default_stop_token_ids) for s in samplings]
         generators = [
             torch.Generator().manual_seed(s.seed) if s.seed is not None else None for s in samplings
@@ -149,7 +165,7 @@ class EmbeddedEngine:
         out_ids: list[list[int]] = [[] for _ in range(n)]
         out_lp: list[list[float]] = [[] for _ in range(n)]
         finish: list[str | None] = [None] * n
-        active = torch.arange(n)  # original row index of each row still in the batch
+        active = torch.arange(n, device=dev)  # original row index of each row still in the batch
         cache = DynamicCache(config=self.model.config)
         step_ids, step_pos, mask = input_ids, position_ids, attention_mask
 
@@ -174,18 +190,18 @@ class EmbeddedEngine:
                     finish[r] = "stop"
                 elif len(out_ids[r]) >= budgets[r]:
                     finish[r] = "length"
-                elif self._abort.is_set():
+                elif self._abort_gen != abort_gen:
                     finish[r] = "abort"
                 else:
                     keep.append(j)
             if not keep:
                 break
             if len(keep) < len(rows):  # drop finished rows from the batch and the cache
-                idx = torch.tensor(keep)
+                idx = torch.tensor(keep, device=dev)
                 cache.batch_select_indices(idx)
                 active, tokens, mask, step_pos = active[idx], tokens[idx], mask[idx], step_pos[idx]
             step_ids = tokens.view(-1, 1)
-            mask = torch.cat([mask, torch.ones((len(active), 1), dtype=mask.dtype)], dim=1)
+            mask = torch.cat([mask, torch.ones((len(active), 1), dtype=mask.dtype, device=dev)], dim=1)
             step_pos = step_pos[:, -1:] + 1
         return [Completion(out_ids[i], out_lp[i], finish[i], version) for i in range(n)]
 
@@ -214,6 +230,7 @@ class EmbeddedEngine:
         else:
             for i, g in enumerate(generators):
                 uniform[i].uniform_(generator=g if g is not None else self.generator)
+        uniform = uniform.to(cdf.device)  # drawn on the host generator: the same numbers on every device
         # u in (0, total]: the first index whose cdf reaches u always carries probability mass
         targets = (1.0 - uniform) * cdf[:, -1:]
         sampled = torch.searchsorted(cdf, targets).squeeze(-1).clamp(max=cdf.shape[-1] - 1)

@@ -73,3 +73,44 @@ class Timer:
 
     def __call__(self) -> float:
         return time.perf_counter() - self.start
+
+
+class StepStats:
+    """One step's metrics as sums: token-weighted means, plain sums, maxima and last values.
+
+    Each rank measures its own micro-batches; :meth:`absorb` adds every rank's
+    :meth:`parts` (gathered by the data-parallel strategy) into one result.
+    """
+
+    def __init__(self):
+        self.tok_sum, self.tok_n, self.raw, self.maxes, self.lasts = {}, {}, {}, {}, {}
+
+    def tok(self, name, values, mask):
+        self.tok_sum[name] = self.tok_sum.get(name, 0.0) + float((values * mask).sum())
+        self.tok_n[name] = self.tok_n.get(name, 0.0) + float(mask.sum())
+
+    def add(self, name, value):
+        self.raw[name] = self.raw.get(name, 0.0) + value
+
+    def max(self, name, value):
+        self.maxes[name] = max(self.maxes.get(name, -math.inf), value)
+
+    def last(self, name, value):
+        self.lasts[name] = value
+
+    def parts(self) -> tuple:
+        return self.tok_sum, self.tok_n, self.raw, self.maxes
+
+    def absorb(self, all_parts: list[tuple]) -> None:
+        """Replace the sums by the total of ``all_parts`` (every rank's :meth:`parts`)."""
+        self.tok_sum, self.tok_n, self.raw, self.maxes = {}, {}, {}, {}
+        for tok_sum, tok_n, raw, maxes in all_parts:
+            for target, source in ((self.tok_sum, tok_sum), (self.tok_n, tok_n), (self.raw, raw)):
+                for k, v in source.items():
+                    target[k] = target.get(k, 0.0) + v
+            for k, v in maxes.items():
+                self.maxes[k] = max(self.maxes.get(k, -math.inf), v)
+
+    def result(self) -> dict[str, float]:
+        out = {k: v / max(self.tok_n[k], 1.0) for k, v in self.tok_sum.items()}
+        return out | self.raw | self.maxes | self.lasts

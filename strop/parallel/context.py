@@ -191,6 +191,13 @@ class ContextParallelPlan:
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         return cls(segment_ids, position_ids, batch["positions"], group, response_mask=batch["response_mask"])
 
+    def to(self, device: torch.device) -> "ContextParallelPlan":
+        """Move every index and mask tensor of the plan to ``device`` (plans are built on the host)."""
+        for name, value in vars(self).items():
+            if isinstance(value, torch.Tensor):
+                setattr(self, name, value.to(device))
+        return self
+
     def local(self, full: torch.Tensor) -> torch.Tensor:
         """(B, L) → this rank's (B, m) tokens (filler slots repeat token 0 of the row; they are masked)."""
         return full.gather(1, self.local_index)

@@ -11,17 +11,41 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import torch
 import torch.distributed as dist
 
 
-def init_from_env() -> tuple[int, int]:
-    """Join the process group described by RANK / WORLD_SIZE (torchrun or ``--nproc``); (0, 1) alone."""
+def resolve_device(name: str = "auto") -> torch.device:
+    """``run.device`` as a torch device bound to this process: cuda:<LOCAL_RANK> on a GPU, else cpu.
+
+    Binds the CUDA device (``torch.cuda.set_device``) before any process group exists,
+    so NCCL's collectives and every ``.to(device)`` use this rank's own GPU.
+    """
+    if name not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"run.device must be 'auto', 'cpu' or 'cuda', got {name!r}")
+    if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError(f"run.device='cuda' but this torch ({torch.__version__}) sees no CUDA device; "
+                         "use run.device=cpu or install a CUDA build of torch")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if local_rank >= torch.cuda.device_count():
+        raise ValueError(f"local rank {local_rank} has no GPU: this host has {torch.cuda.device_count()}")
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def init_from_env(device: torch.device | None = None) -> tuple[int, int]:
+    """Join the process group described by RANK / WORLD_SIZE (torchrun or ``--nproc``); (0, 1) alone.
+
+    NCCL when this process trains on a GPU, gloo on CPU (whatever the host has).
+    """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend)
+        dist.init_process_group("nccl" if device is not None and device.type == "cuda" else "gloo",
+                                device_id=device if device is not None and device.type == "cuda" else None)
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
@@ -35,7 +59,7 @@ def parallel_layout(world: int, context_parallel_size: int) -> tuple[int, int]:
     return world // cp, cp
 
 
-def device_mesh_groups(context_parallel_size: int):
+def device_mesh_groups(context_parallel_size: int, device_type: str = "cpu"):
     """This rank's (data-parallel, context-parallel) process groups from a 2D device mesh.
 
     Ranks are laid out row-major over (dp, cp): the CP ranks of one DP rank are
@@ -44,52 +68,125 @@ def device_mesh_groups(context_parallel_size: int):
     from torch.distributed.device_mesh import init_device_mesh
 
     dp, cp = parallel_layout(dist.get_world_size(), context_parallel_size)
-    mesh = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (dp, cp), mesh_dim_names=("dp", "cp"))
+    mesh = init_device_mesh(device_type, (dp, cp), mesh_dim_names=("dp", "cp"))
     return mesh["dp"].get_group(), mesh["cp"].get_group()
 
 
-def broadcast_object(obj=None, src: int = 0):
-    """Send a picklable object (the step's samples) from ``src`` to every rank."""
-    if not dist.is_initialized():
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
+class ControllerError(RuntimeError):
+    """Another rank failed; this one stops with its message."""
 
 
-def launch(nproc: int, argv: list[str]) -> int:
-    """``strop train --nproc N``: start N local ranks of ``strop train`` (gloo on CPU) and wait for all."""
+class Control:
+    """Rank 0 (the controller) runs rollout, evaluation and output; every rank runs the same driver.
+
+    Two primitives replace a hand-mirrored worker loop: :meth:`on_controller` runs a function
+    on rank 0 only and hands its result, or its failure, to every rank; :meth:`on_every_rank`
+    runs it everywhere and fails every rank when any one failed, naming it. Control messages
+    travel on their own gloo group whose timeout is ``timeout_s`` (workers wait there while
+    rank 0 generates, which may take much longer than the default collective timeout).
+    """
+
+    def __init__(self, timeout_s: float = 6 * 3600):
+        import datetime
+
+        self.on = dist.is_initialized() and dist.get_world_size() > 1
+        self.rank = dist.get_rank() if self.on else 0
+        self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s)) if self.on else None
+
+    def on_controller(self, fn, *args):
+        if not self.on:
+            return fn(*args)
+        box, error = [None], None
+        if self.rank == 0:
+            try:
+                box = [("ok", fn(*args))]
+            except BaseException as exc:
+                error, box = exc, [("error", f"rank 0: {type(exc).__name__}: {exc}")]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        if error is not None:
+            raise error
+        status, value = box[0]
+        if status == "error":
+            raise ControllerError(value)
+        return value
+
+    def on_every_rank(self, fn, *args):
+        if not self.on:
+            return fn(*args)
+        result, error = None, None
+        try:
+            result = fn(*args)
+        except BaseException as exc:
+            error = exc
+        found = [None] * dist.get_world_size()
+        dist.all_gather_object(found, None if error is None else f"{type(error).__name__}: {error}", group=self.group)
+        if error is not None:
+            raise error
+        failed = [(r, e) for r, e in enumerate(found) if e is not None]
+        if failed:
+            raise ControllerError("; ".join(f"rank {r}: {e}" for r, e in failed))
+        return result
+
+
+def launch(nproc: int, argv: list[str], command: list[str] | None = None, poll_s: float = 0.5) -> int:
+    """``strop train --nproc N``: start N local ranks of ``strop train`` and wait for all.
+
+    Worker stderr goes to files that are read while the ranks run (a pipe nobody drains
+    blocks a worker that writes more than its buffer). When a rank exits with an error,
+    every other rank is terminated (then killed), and the failed ranks' stderr tails are
+    printed. ``command`` replaces ``python -m strop.cli train`` (tests).
+    """
+    import tempfile
+
     from strop.parallel.launch import free_port
 
+    command = command or [sys.executable, "-m", "strop.cli", "train"]
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(nproc))
-    procs = []
-    for rank in range(nproc):
-        rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank))
-        out = None if rank == 0 else subprocess.DEVNULL  # only the controller talks to the user
-        procs.append(subprocess.Popen([sys.executable, "-m", "strop.cli", "train", *argv], env=rank_env,
-                                      stdout=out, stderr=None if rank == 0 else subprocess.PIPE))
-    codes = [None] * nproc
-    try:
-        while any(c is None for c in codes):
-            for i, p in enumerate(procs):
-                if codes[i] is None and p.poll() is not None:
-                    codes[i] = p.returncode
-                    if p.returncode != 0:  # one rank failed: the others would wait forever in a collective
-                        for q in procs:
-                            if q.poll() is None:
-                                q.terminate()
-            if any(c is None for c in codes):
-                try:
-                    procs[[i for i, c in enumerate(codes) if c is None][0]].wait(timeout=1)
-                except subprocess.TimeoutExpired:
-                    pass
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for rank, (p, code) in enumerate(zip(procs, codes)):
-        if code not in (0, None) and rank > 0 and p.stderr is not None:
-            tail = p.stderr.read().decode(errors="replace")[-2000:]
-            if tail.strip():
-                print(f"strop: rank {rank} failed:\n{tail}", file=sys.stderr)
-    return next((c for c in codes if c), 0)
+    procs, logs = [], []
+    with tempfile.TemporaryDirectory(prefix="strop-ranks-") as tmp:
+        for rank in range(nproc):
+            rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank))
+            err = None if rank == 0 else open(os.path.join(tmp, f"rank{rank}.stderr"), "wb")
+            logs.append(err)
+            procs.append(subprocess.Popen([*command, *argv], env=rank_env, stderr=err,
+                                          stdout=None if rank == 0 else subprocess.DEVNULL))  # only rank 0 talks
+        codes: list[int | None] = [None] * nproc
+        stopped = []
+        try:
+            while any(c is None for c in codes):
+                for i, p in enumerate(procs):
+                    codes[i] = p.poll() if codes[i] is None else codes[i]
+                failed = [i for i, c in enumerate(codes) if c not in (0, None)]
+                if failed:  # the others would wait forever in a collective
+                    stopped = [i for i, c in enumerate(codes) if c is None]
+                    _stop([procs[i] for i in stopped])
+                    codes = [p.returncode for p in procs]
+                    break
+                time.sleep(poll_s)
+        finally:
+            _stop([p for p in procs if p.poll() is None])
+            for f in logs:
+                if f is not None:
+                    f.close()
+        for rank, code in enumerate(codes):
+            if rank > 0 and code not in (0, None) and rank not in stopped:
+                tail = open(os.path.join(tmp, f"rank{rank}.stderr"), "rb").read()[-3000:].decode(errors="replace")
+                print(f"strop: rank {rank} failed (exit code {code}):\n{tail}", file=sys.stderr)
+        if stopped:
+            print(f"strop: stopped rank(s) {stopped} after rank(s) "
+                  f"{[i for i, c in enumerate(codes) if i not in stopped and c]} failed", file=sys.stderr)
+    first = next((c for i, c in enumerate(codes) if c and i not in stopped), None)
+    return first if first is not None else next((c for c in codes if c), 0)
+
+
+def _stop(procs, grace_s: float = 5.0) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()

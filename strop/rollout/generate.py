@@ -3,16 +3,40 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import traceback
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 from strop.engines.base import Engine
 from strop.plugins import PluginError, call_hook, call_hook_sync, check_signature, load_hook
 from strop.rollout.rewards import BUILTIN_REWARDS
-from strop.types import SamplingParams, Sample, Status
+from strop.types import SampleInvariantError, SamplingParams, Sample, Status
 
 # kept for callers that catch reward problems by this name
 RewardError = PluginError
+
+
+class EngineError(RuntimeError):
+    """The inference engine failed a request. Not a sample's fault: it stops the step."""
+
+
+class _GuardedEngine:
+    """The engine as hooks see it: any error it raises becomes an :class:`EngineError`, so the
+    rollout can tell an engine failure (stop) from a failure of the sample's own work (fail the sample)."""
+
+    def __init__(self, engine: Engine):
+        self._engine = engine
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    async def generate(self, prompt_ids, sampling):
+        try:
+            return await self._engine.generate(prompt_ids, sampling)
+        except Exception as exc:
+            raise EngineError(f"{type(self._engine).__name__}.generate failed: {type(exc).__name__}: {exc}") from exc
 
 
 @dataclass
@@ -27,8 +51,11 @@ class RolloutContext:
     reward: Callable | None = None  # the reward hook
     filter: Callable | None = None  # the dynamic sampling filter, if any
     extra: dict = field(default_factory=dict)
+    run_dir: Path | None = None  # failed samples are written to run_dir/failed_samples.jsonl
 
     def __post_init__(self):
+        if not isinstance(self.engine, _GuardedEngine):
+            self.engine = _GuardedEngine(self.engine)
         self.generate = self.generate or generate
         self.reward_form = check_signature("reward", self.reward) if self.reward else None
 
@@ -46,25 +73,57 @@ def resolve_reward(name: str) -> Callable:
     return BUILTIN_REWARDS[name] if name in BUILTIN_REWARDS else load_hook("reward", name)
 
 
+# errors that are never a sample's own: a broken contract or invariant, the engine, cancellation
+_NOT_THE_SAMPLES = (PluginError, SampleInvariantError, EngineError)
+
+
+def fail_sample(ctx: RolloutContext, sample: Sample, stage: str, exc: Exception) -> Sample:
+    """Mark ``sample`` FAILED by an error of its own work (its generate plugin, tool or reward),
+    keep the error text in its metadata and append it to run_dir/failed_samples.jsonl."""
+    sample.status = Status.FAILED
+    sample.metadata["error"] = f"{type(exc).__name__}: {exc}"
+    sample.metadata["error_stage"] = stage
+    if ctx.run_dir is not None:
+        record = {"step": ctx.step, "group_id": sample.group_id, "index": sample.index, "stage": stage,
+                  "error": sample.metadata["error"], "traceback": traceback.format_exception(exc)[-6:]}
+        with open(Path(ctx.run_dir) / "failed_samples.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+    return sample
+
+
 async def _generate_one(ctx: RolloutContext, sample: Sample, sampling: SamplingParams) -> Sample:
     try:
         return await call_hook("generate", ctx.generate, ctx=ctx, sample=sample, sampling=sampling)
-    except PluginError:
-        raise  # a contract violation stops the run
-    except Exception as exc:  # an ordinary failure (a tool, a server) costs this sample only
-        sample.status = Status.FAILED
-        sample.metadata["error"] = f"{type(exc).__name__}: {exc}"
-        return sample
+    except _NOT_THE_SAMPLES:
+        raise  # a contract violation, a broken Sample or an engine failure stops the run
+    except Exception as exc:  # the generate plugin's own work (a tool, a parser) failed: this sample only
+        return fail_sample(ctx, sample, "generate", exc)
+
+
+async def _reward_one(ctx: RolloutContext, sample: Sample) -> None:
+    try:
+        sample.reward = await call_hook("reward", ctx.reward, sample=sample)
+    except _NOT_THE_SAMPLES:
+        raise  # a non-numeric or non-finite reward is a broken contract: the run stops naming hook and sample
+    except Exception as exc:
+        fail_sample(ctx, sample, "reward", exc)
 
 
 async def score_group(ctx: RolloutContext, group: list[Sample]) -> None:
     scorable = [s for s in group if s.status.trainable]
     if not scorable:
         return
-    if ctx.reward_form == "group":
+    if ctx.reward_form != "group":
+        await asyncio.gather(*(_reward_one(ctx, s) for s in scorable))
+        return
+    try:
         rewards = await call_hook("reward", ctx.reward, samples=scorable)
-    else:
-        rewards = await asyncio.gather(*(call_hook("reward", ctx.reward, sample=s) for s in scorable))
+    except _NOT_THE_SAMPLES:
+        raise
+    except Exception as exc:  # a group reward that raised fails the group's samples
+        for s in scorable:
+            fail_sample(ctx, s, "reward", exc)
+        return
     for s, r in zip(scorable, rewards):
         s.reward = r
 

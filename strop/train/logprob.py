@@ -10,6 +10,7 @@ backward. ``chunk_size=0`` is the plain path (full logits), kept as the referenc
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from strop.train.chunked_logprob import chunked_logprobs, naive_logprobs
 
@@ -72,4 +73,20 @@ def response_hidden(backbone, input_ids, attention_mask, response_positions, pos
     return h.reshape(B * T, -1), targets.reshape(-1), lambda values: values.reshape(B, T)
 
 
-__all__ = ["response_logprobs", "response_hidden", "naive_logprobs"]
+class LogprobModule(nn.Module):
+    """A causal LM whose forward returns response logprobs (and entropy): one module for FSDP's hooks."""
+
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids, attention_mask, positions, position_ids=None, *, temperature=1.0,
+                with_entropy=False, entropy_grad=False, chunk_size=1024, cp=None):
+        lp, ent = response_logprobs(self.lm, input_ids, attention_mask, positions, temperature=temperature,
+                                    with_entropy=with_entropy, entropy_grad=entropy_grad, chunk_size=chunk_size,
+                                    position_ids=position_ids, cp=cp)
+        # FSDP hooks the outputs for backward; fresh tensors, not views, keep those hooks intact
+        return lp.clone(), (ent.clone() if ent is not None else None)
+
+
+__all__ = ["LogprobModule", "response_logprobs", "response_hidden", "naive_logprobs"]

@@ -196,8 +196,8 @@ def _cp_step(rank, world, algo_name, packed, mode="replicate", cp=2, samples=Non
     grads = [_full(trainer.optimizer.state[p]["exp_avg"]).clone() for p in trainer.optimizer.param_groups[0]["params"]]
     params = [_full(p.detach()).clone() for p in trainer.model.parameters()]
     if trainer.critic is not None:  # PPO: the value model trained under CP too
-        params += [p.detach().clone() for p in trainer.critic.parameters()]
-    trainer.state_dict()  # a collective under FSDP
+        params += [_full(p.detach()).clone() for p in trainer.critic.parameters()]
+    trainer.full_weights()  # a collective under FSDP
     if dist.is_initialized():
         dist.barrier()
     return metrics, grads, params

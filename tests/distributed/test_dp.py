@@ -32,7 +32,7 @@ def _step(rank, world, algo_name, packed, mode="replicate"):
     metrics = trainer.step(make_samples(10))
     grads = [_full(trainer.optimizer.state[p]["exp_avg"]).clone() for p in trainer.optimizer.param_groups[0]["params"]]
     params = [_full(p.detach()).clone() for p in trainer.model.parameters()]
-    trainer.state_dict()  # the full-weights gather is a collective: every rank joins
+    trainer.full_weights()  # the full-weights gather is a collective: every rank joins
     return metrics, grads, params
 
 

@@ -1,0 +1,86 @@
+"""The policy objective of one micro-batch, as a pure function: tensors and settings in, loss out.
+
+Read top to bottom, it is the equation list of the step (all per token, (n, T)):
+
+1. rollout correction   w_t = min(pi_old / pi_rollout, C)  (TIS);  m'_t = m_t * [w_t in range]  (MIS)
+2. policy loss          l_t = PPO-clip | GSPO | CISPO | a plugin (logprobs, old, A)
+3. policy term          L_pg = agg(w * l, m')
+4. KL to the reference  k_t = KL_est(pi, pi_ref)  (optionally * pi / pi_old)
+5. total                L = L_pg + beta * agg(k, m) - c_H * agg(H, m)
+
+``agg`` uses normalisers counted over the whole optimizer step (every micro-batch,
+every rank), so summing L over micro-batches gives the one-batch loss exactly.
+No torch.distributed, no config parsing, no module calls: the trainer computes
+the logprobs and passes them in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from strop.algo.kl import importance_weighted_kl, kl_estimate
+from strop.algo.losses import aggregate, cispo_loss, gspo_loss, ppo_clip_loss, rollout_correction
+
+
+@dataclass(frozen=True)
+class Normalisers:
+    """Denominators of the step's loss, fixed before any micro-batch runs."""
+
+    num_sequences: float  # samples in the optimizer step
+    total_tokens: float  # loss tokens in the optimizer step
+    constant: float  # seq_mean_token_sum_norm's constant (the generation budget by default)
+
+
+def policy_objective(logprobs: torch.Tensor, entropy: torch.Tensor | None, *, old_logprobs: torch.Tensor,
+                     rollout_logprobs: torch.Tensor, ref_logprobs: torch.Tensor | None,
+                     advantages: torch.Tensor, loss_mask: torch.Tensor, norms: Normalisers, algo,
+                     loss_fn: Callable | None = None) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """Loss of one micro-batch, its policy-gradient part, and detached per-token statistics.
+
+    ``algo`` carries the settings (an AlgoConfig: policy_loss, clip ranges, TIS/MIS,
+    KL and entropy coefficients, aggregation). ``loss_fn(logprobs, old, advantages,
+    mask) -> (per_token, info)`` replaces the built-in policy loss (the plugin hook).
+    Statistics: clipped_low, clipped_high, [dual_clipped], importance_weight,
+    mis_dropped, approx_kl_old, [kl_ref] — each (n, T), to be averaged over ``loss_mask``.
+    """
+    a, mask, old = algo, loss_mask, old_logprobs
+    agg = dict(num_sequences=norms.num_sequences, total_tokens=norms.total_tokens,
+               constant_normalizer=norms.constant, sequence_tokens=mask.sum(-1))
+    # 1. the engine sampled from pi_rollout, the ratio's denominator is pi_old
+    weight, kept, corr = rollout_correction(old, rollout_logprobs, mask, tis_cap=a.tis_cap, mis_low=a.mis_low,
+                                            mis_high=a.mis_high, mis_level=a.mis_level)
+    # 2. the per-token policy loss
+    if loss_fn is not None:
+        per_token, info = loss_fn(logprobs, old, advantages, kept)
+    elif a.policy_loss == "ppo_clip":
+        per_token, info = ppo_clip_loss(logprobs, old, advantages, clip_low=a.clip_low, clip_high=a.clip_high,
+                                        dual_clip=a.dual_clip)
+    elif a.policy_loss == "gspo":
+        per_token, info = gspo_loss(logprobs, old, advantages, kept, clip_low=a.clip_low, clip_high=a.clip_high)
+    elif a.policy_loss == "cispo":
+        per_token, info = cispo_loss(logprobs, old, advantages, clip_low=a.clip_low, clip_high=a.clip_high)
+    else:
+        raise ValueError(f"unknown policy loss {a.policy_loss!r}")
+    # 3. the policy-gradient term
+    pg_loss = aggregate(per_token * weight, kept, a.loss_agg, **agg)
+    loss = pg_loss
+    stats = {"clipped_low": info.get("clipped_low", torch.zeros_like(mask, dtype=torch.bool)).float(),
+             "clipped_high": info.get("clipped_high", torch.zeros_like(mask, dtype=torch.bool)).float(),
+             "importance_weight": corr["w"], "mis_dropped": (mask - kept).clamp(min=0)}
+    if "dual_clipped" in info:
+        stats["dual_clipped"] = info["dual_clipped"].float()
+    # 4. the KL to the reference policy
+    if ref_logprobs is not None:
+        kl = (importance_weighted_kl(logprobs, old, ref_logprobs, a.kl_kind) if a.kl_importance_weighted
+              else kl_estimate(logprobs, ref_logprobs, a.kl_kind))
+        if a.kl_coef:
+            loss = loss + a.kl_coef * aggregate(kl, mask, a.loss_agg, **agg)
+        stats["kl_ref"] = kl_estimate(logprobs, ref_logprobs, a.kl_kind).detach()
+    # 5. the entropy bonus
+    if a.entropy_coef:
+        loss = loss - a.entropy_coef * aggregate(entropy, mask, a.loss_agg, **agg)
+    stats["approx_kl_old"] = kl_estimate(logprobs, old, "k3").detach()
+    return loss, pg_loss, stats

@@ -1,0 +1,119 @@
+"""Batches of one training step: per-sample tables on the host, micro-batches on the device."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from strop.parallel.packing import pack_by_token_budget
+from strop.types import Sample
+
+
+def collate(samples: list[Sample], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad prompt+response into (B, L) and index each response token (B, T)."""
+    B = len(samples)
+    L = max(s.total_length for s in samples)
+    T = max(max(s.response_length for s in samples), 1)
+    input_ids = torch.full((B, L), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((B, L), dtype=torch.long)
+    positions = torch.zeros((B, T), dtype=torch.long)
+    loss_mask = torch.zeros((B, T), dtype=torch.float32)
+    response_mask = torch.zeros((B, T), dtype=torch.float32)
+    rollout_logprobs = torch.zeros((B, T), dtype=torch.float32)
+    for i, s in enumerate(samples):
+        P, R = len(s.prompt_ids), s.response_length
+        input_ids[i, : P + R] = torch.tensor(s.prompt_ids + s.response_ids)
+        attention_mask[i, : P + R] = 1
+        positions[i, :R] = torch.arange(P, P + R)
+        positions[i, R:] = P  # padding entries point at a real token; the masks hide them
+        loss_mask[i, :R] = torch.tensor(s.loss_mask, dtype=torch.float32)
+        response_mask[i, :R] = 1.0
+        rollout_logprobs[i, :R] = torch.tensor(s.rollout_logprobs)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "positions": positions,
+            "loss_mask": loss_mask, "response_mask": response_mask, "rollout_logprobs": rollout_logprobs}
+
+
+def to_device(batch: dict, device: torch.device) -> dict:
+    """Every tensor of a collated batch (tuples of tensors too) on ``device``."""
+    def move(v):
+        if isinstance(v, torch.Tensor):
+            return v.to(device, non_blocking=True)
+        if isinstance(v, tuple):
+            return tuple(move(x) for x in v)
+        return v.to(device) if hasattr(v, "to") and not isinstance(v, (int, float, str)) else v
+    return {k: move(v) for k, v in batch.items()}
+
+
+def _pad_rows(rows: list[list[float]], T: int) -> torch.Tensor:
+    out = torch.zeros(len(rows), T)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.tensor(r, dtype=torch.float32)
+    return out
+
+
+@dataclass
+class StepBatch:
+    """Per-sample tensors of one step, padded to the step's longest response (N, T), on the host."""
+
+    samples: list[Sample]
+    rewards: torch.Tensor  # (N,)
+    group_ids: torch.Tensor  # (N,)
+    loss_mask: torch.Tensor
+    response_mask: torch.Tensor
+    rollout_logprobs: torch.Tensor
+    old_logprobs: torch.Tensor | None = None  # the ratio's denominator
+    trainer_old_logprobs: torch.Tensor | None = None  # the trainer's pre-update logprobs, when a pre-pass ran
+    ref_logprobs: torch.Tensor | None = None
+    old_values: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None  # (N, T)
+    returns: torch.Tensor | None = None  # (N, T), critic targets
+
+    @classmethod
+    def of(cls, samples: list[Sample]) -> "StepBatch":
+        bad = [(i, s.reward) for i, s in enumerate(samples)
+               if not isinstance(s.reward, (int, float)) or s.reward != s.reward or abs(s.reward) == float("inf")]
+        if bad:
+            i, r = bad[0]
+            raise ValueError(f"sample {i} (group {samples[i].group_id}, index {samples[i].index}) has reward {r!r}; "
+                             f"rewards must be finite numbers ({len(bad)} such samples in this step)")
+        T = max(s.response_length for s in samples)
+        return cls(samples=samples, rewards=torch.tensor([float(s.reward) for s in samples]),
+                   group_ids=torch.tensor([s.group_id for s in samples]),
+                   loss_mask=_pad_rows([s.loss_mask for s in samples], T),
+                   response_mask=_pad_rows([[1.0] * s.response_length for s in samples], T),
+                   rollout_logprobs=_pad_rows([s.rollout_logprobs for s in samples], T))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.loss_mask.shape)
+
+
+def split_micro_batches(indices: list[int], samples: list[Sample], micro_batch_size: int,
+                        max_tokens: int | None) -> list[list[int]]:
+    """Padded micro-batches of ``micro_batch_size`` (similar lengths together), or packed ones
+    filled up to ``max_tokens`` tokens."""
+    if max_tokens:
+        bins = pack_by_token_budget([samples[i].total_length for i in indices], max_tokens)
+        return [[indices[j] for j in b] for b in bins]
+    ordered = sorted(indices, key=lambda i: samples[i].total_length)  # less padding; sums are order-free
+    return [ordered[k : k + micro_batch_size] for k in range(0, len(ordered), micro_batch_size)]
+
+
+@contextlib.contextmanager
+def swapped_weights(model, state: dict[str, torch.Tensor]):
+    """Run ``model`` with the parameters in ``state`` (by name), then put its own back.
+
+    Only tensor pointers move (``param.data``), nothing is copied, and tied
+    parameters (embedding / lm_head) swap together because they are one Parameter.
+    """
+    params = dict(model.named_parameters())
+    saved = {}
+    try:
+        for name, tensor in state.items():
+            saved[name], params[name].data = params[name].data, tensor
+        yield model
+    finally:
+        for name, tensor in saved.items():
+            params[name].data = tensor
