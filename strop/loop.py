@@ -27,15 +27,15 @@ def train(cfg: Config) -> dict | None:
     c = build(cfg, device, control)  # every input is checked before the run directory exists
     run = _Controller(cfg, c) if control.rank == 0 else None
     try:
-        control.on_controller(lambda: run.start())
+        control.on_controller(lambda: run.start(), share=False)
         for step in range(1, cfg.train.steps + 1):
             samples, metrics = control.on_controller(lambda: run.rollout(step))  # rank 0 generates, all receive
             metrics |= c.trainer.step(samples)  # every rank: advantages, loss, optimizer step(s)
             weights = c.trainer.full_weights()  # gathered from every rank's shards under FSDP
-            control.on_controller(lambda: run.after_step(step, weights, metrics))  # sync engine, log, evaluate
+            control.on_controller(lambda: run.after_step(step, weights, metrics), share=False)  # sync engine, log, evaluate
             del weights
         weights = c.trainer.full_weights() if cfg.run.save_final else None
-        return control.on_controller(lambda: run.finish(weights))
+        return control.on_controller(lambda: run.finish(weights), share=False)
     except BaseException as exc:  # leave a summary that says the run did not finish, then re-raise
         if run is not None:
             run.failed(exc)

@@ -131,6 +131,8 @@ def prepare(cfg: Config, device: torch.device, controller: bool = True) -> _Prep
     tokenizer = load_tokenizer(model_path)
     torch.manual_seed(cfg.train.seed)
     policy = load_model(model_path, dtype=getattr(torch, cfg.model.dtype))  # same weights on every rank
+    if controller:  # the engine holds its own copy on the same device (taken before the trainer shards the policy)
+        data["engine_model"] = copy.deepcopy(policy).to(device).requires_grad_(False)
     return _Prepared(policy, model_path, tokenizer, hooks, data)
 
 
@@ -157,9 +159,8 @@ def build(cfg: Config, device: torch.device | None = None, control: Control | No
     controller = control.rank == 0
     p = control.on_every_rank(prepare, cfg, device, controller)
     trainer = make_trainer(cfg, p.policy, p.tokenizer, p.hooks, device)
-    if not controller:
-        return Components(trainer=trainer, hooks=p.hooks)
-    return control.on_controller(_controller_parts, cfg, p, trainer, device)
+    parts = control.on_controller(_controller_parts, cfg, p, trainer, device, share=False)
+    return parts if controller else Components(trainer=trainer, hooks=p.hooks)
 
 
 def _controller_parts(cfg: Config, p: _Prepared, trainer: Trainer, device: torch.device) -> Components:
@@ -175,10 +176,8 @@ def _controller_parts(cfg: Config, p: _Prepared, trainer: Trainer, device: torch
     train_prompts = PromptSet(train_rows, tokenizer, name=cfg.data.path or f"{cfg.data.task} (train)", **prompt_kw)
     eval_prompts = PromptSet(eval_rows, tokenizer, name=cfg.data.eval_path or f"{cfg.data.task} (eval)",
                              **prompt_kw) if eval_rows else None
-    # the engine holds its own copy on the same device; weights reach it by update
-    engine_model = copy.deepcopy(p.policy).to(device).requires_grad_(False)
     stop_ids = sorted({tokenizer.eos_token_id, *([tokenizer.pad_token_id] if tokenizer.pad_token_id is not None else [])} - {None})
-    engine = EmbeddedEngine(engine_model, pad_token_id=tokenizer.pad_token_id, default_stop_token_ids=stop_ids,
+    engine = EmbeddedEngine(p.data.pop("engine_model"), pad_token_id=tokenizer.pad_token_id, default_stop_token_ids=stop_ids,
                             max_batch_size=r.max_batch_size, context_window=context_window, seed=r.seed)
     sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                               max_new_tokens=r.max_new_tokens, stop_token_ids=stop_ids)

@@ -93,18 +93,22 @@ class Control:
         self.rank = dist.get_rank() if self.on else 0
         self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s)) if self.on else None
 
-    def on_controller(self, fn, *args):
+    def on_controller(self, fn, *args, share: bool = True):
+        """``fn(*args)`` on rank 0; every rank returns its result (``share``) or None, or raises its failure."""
         if not self.on:
             return fn(*args)
-        box, error = [None], None
+        box, error, result = [None], None, None
         if self.rank == 0:
             try:
-                box = [("ok", fn(*args))]
+                result = fn(*args)
+                box = [("ok", result if share else None)]
             except BaseException as exc:
                 error, box = exc, [("error", f"rank 0: {type(exc).__name__}: {exc}")]
         dist.broadcast_object_list(box, src=0, group=self.group)
         if error is not None:
             raise error
+        if self.rank == 0:
+            return result
         status, value = box[0]
         if status == "error":
             raise ControllerError(value)
