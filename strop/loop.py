@@ -58,7 +58,7 @@ class _Controller:
 
     def start(self) -> None:
         print(f"strop: run directory {self.run_dir}", flush=True)
-        if self.c.trainer.world > 1:
+        if self.c.trainer.dp.world > 1:
             print(f"strop: {self.c.trainer.dp.describe()}", flush=True)
         print(f"strop: device {self.c.trainer.device}", flush=True)
         save_config(self.cfg, self.run_dir / "config.yaml")

@@ -30,6 +30,16 @@ def tiny_model_dir(tmp_path_factory, tokenizer):
     return path
 
 
+@pytest.fixture(scope="session")
+def device():
+    """The one place tests get their device: CUDA where a GPU is present (STROP_TEST_DEVICE overrides)."""
+    import os
+
+    import torch
+
+    return os.environ.get("STROP_TEST_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
 @pytest.fixture
 def tiny_model():
     return make_tiny_model()

@@ -14,3 +14,14 @@ async def async_even_token_reward(sample: Sample) -> float:
 
 def not_a_number_reward(sample: Sample):
     return "yes"
+
+
+def nan_reward(sample: Sample) -> float:
+    return float("nan")
+
+
+def flaky_reward(sample: Sample) -> float:
+    """The reward's own work fails for samples of index 0: those samples fail, the run goes on."""
+    if sample.index == 0:
+        raise KeyError("no verifier for this answer")
+    return even_token_reward(sample)

@@ -66,3 +66,88 @@ def test_sampler_covers_each_epoch_and_resumes():
     t = PromptSampler(5, seed=3)
     t.load_state_dict(state)
     assert t.draw(7) == rest
+
+
+def test_sampler_reshuffles_every_epoch():
+    s = PromptSampler(50, seed=3)
+    epochs = [[i for i, _ in s.draw(50)] for _ in range(3)]
+    assert all(sorted(e) == list(range(50)) for e in epochs)
+    assert epochs[0] != epochs[1] != epochs[2]  # a new order each epoch, not the first one again
+    assert PromptSampler(50, seed=3, shuffle=False).draw(50) == [(i, i) for i in range(50)]
+
+
+def test_non_utf8_line_names_file_and_line(tmp_path):
+    f = tmp_path / "d.jsonl"
+    f.write_bytes(b'{"prompt": "ok", "label": "1"}\n{"prompt": "caf\xe9", "label": "2"}\n')
+    with pytest.raises(DataError, match=r"d.jsonl:2: not UTF-8 text \(byte 0xe9 at column 16\)"):
+        read_prompt_file(str(f))
+
+
+def test_directory_as_data_path_is_a_data_error(tmp_path):
+    with pytest.raises(DataError, match="is a directory; expected a .jsonl or .parquet file"):
+        read_prompt_file(str(tmp_path))
+
+
+def test_held_out_removes_training_prompts_and_counts_them():
+    from strop.data.sources import held_out
+
+    opts = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}  # the default task: a small space
+    train = reasoning_gym_rows("basic_arithmetic", 1, 2000, opts)
+    candidates = reasoning_gym_rows("basic_arithmetic", 1_000_003, 512, opts)
+    train_prompts = {r.prompt for r in train}
+    overlap = sum(r.prompt in train_prompts for r in candidates[:128])
+    assert overlap > 50  # why this matters: a different seed alone is not held out
+    kept, removed = held_out(candidates, train, template="{prompt}", system_prompt=None, size=128)
+    assert len(kept) == 128 and removed >= overlap
+    assert not any(r.prompt in train_prompts for r in kept)
+    assert len({r.prompt for r in kept}) == 128  # no question twice
+
+
+def test_default_eval_set_is_disjoint_from_training(tiny_model_dir):
+    """The set-up path itself: no eval prompt (after templating) occurs in the training prompts."""
+    import torch
+
+    from strop.config import build_config
+    from strop.setup import prepare
+
+    cfg = build_config(overrides={"model": {"path": str(tiny_model_dir)}})
+    p = prepare(cfg, torch.device("cpu"))
+    train_rows, eval_rows = p.data["rows"]
+    assert len(eval_rows) == cfg.data.eval_size
+    assert not {r.prompt for r in eval_rows} & {r.prompt for r in train_rows}
+
+
+def test_too_few_held_out_prompts_left_is_refused(tmp_path, tiny_model_dir):
+    import json
+
+    import torch
+
+    from strop.config import build_config
+    from strop.setup import prepare
+
+    rows = [json.dumps({"prompt": f"{i} + 1?", "label": str(i + 1)}) for i in range(40)]
+    (tmp_path / "train.jsonl").write_text("\n".join(rows))
+    (tmp_path / "eval.jsonl").write_text("\n".join(rows[:35] + [json.dumps({"prompt": "new?", "label": "1"})]))
+    cfg = build_config(overrides={"model": {"path": str(tiny_model_dir)}, "data": {
+        "source": "file", "path": str(tmp_path / "train.jsonl"), "eval_path": str(tmp_path / "eval.jsonl")}})
+    with pytest.raises(DataError, match=r"only 1 held-out prompts remain after removing 35"):
+        prepare(cfg, torch.device("cpu"))
+
+
+def test_missing_label_is_refused_before_the_model_loads(tmp_path, monkeypatch):
+    import torch
+
+    import strop.setup
+    from strop.config import build_config
+
+    def no_model(path):
+        raise AssertionError("the model was resolved (and, cold, converted) before the data was checked")
+
+    monkeypatch.setattr(strop.setup, "resolve_model_path", no_model)
+    (tmp_path / "d.jsonl").write_text('{"prompt": "1+1?", "label": "2"}\n{"prompt": "2+2?"}\n')
+    cfg = build_config(overrides={"data": {"source": "file", "path": str(tmp_path / "d.jsonl")}})
+    with pytest.raises(DataError, match=r"d.jsonl:2: no label \(key 'label'\), and rollout.reward='math'"):
+        strop.setup.prepare(cfg, torch.device("cpu"))
+    (tmp_path / "d.jsonl").write_bytes(b'{"prompt": "\xff"}\n')  # any data error comes first
+    with pytest.raises(DataError, match="not UTF-8"):
+        strop.setup.prepare(cfg, torch.device("cpu"))

@@ -130,3 +130,32 @@ def test_packed_micro_batches_run_end_to_end(tiny_model_dir, tmp_path):
     steps = [r for r in rows if "reward_mean" in r]
     assert summary["steps"] == 2 and all(r["train_rollout_logprob_abs_diff"] < 1e-3 for r in steps)
     assert all(math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0 for r in steps)
+
+
+def test_a_nan_reward_stops_the_run_naming_hook_and_sample(tiny_model_dir, tmp_path):
+    from strop.plugins import PluginError
+
+    run_dir = tmp_path / "run"
+    cfg = tiny_overrides(tiny_model_dir, run_dir, rollout={"reward": "tests.plugins:nan_reward"})
+    with pytest.raises(PluginError, match=r"nan_reward on sample group=-?\d+ index=\d+: returned nan; rewards must be finite"):
+        train(build_config(overrides=cfg))
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "failed"
+
+
+def test_check_plugin_refuses_a_nan_reward(capsys):
+    assert main(["check-plugin", "--hook", "reward", "tests.plugins:nan_reward"]) == 1
+    assert "rewards must be finite" in capsys.readouterr().err
+
+
+def test_a_reward_error_fails_only_its_samples_and_is_written_down(tiny_model_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    cfg = tiny_overrides(tiny_model_dir, run_dir, rollout={"reward": "tests.plugins:flaky_reward"})
+    train(build_config(overrides=cfg))
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "reward_mean" in r]
+    per_step = cfg["rollout"]["prompts_per_step"]
+    assert all(r["failed_samples"] == per_step and r["failed/reward/KeyError"] == per_step for r in steps)
+    failed = [json.loads(x) for x in (run_dir / "failed_samples.jsonl").read_text().splitlines()]
+    failed = [f for f in failed if f["group_id"] >= 0]  # (held-out prompts, group ids < 0, fail the same way)
+    assert len(failed) == per_step * len(steps) and all("no verifier" in f["error"] for f in failed)
+    assert all(f["index"] == 0 and f["stage"] == "reward" for f in failed)

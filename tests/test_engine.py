@@ -118,3 +118,48 @@ def test_sampling_frequencies_follow_the_filtered_distribution(tiny_model):
     # top-p 0.7: token 2 (0.665) alone does not reach 0.7, so token 1 joins; 0 and 3 are cut
     tokens, _ = engine._sample(logits, ones, ones * 0.7, no_k, [None] * n)
     assert set(tokens.tolist()) == {1, 2}
+
+
+def test_cancelling_a_request_cancels_and_the_engine_still_works(tiny_model):
+    """Cancellation propagates (it is not turned into an engine error), and nothing stays locked."""
+    engine = make_engine(tiny_model)
+
+    async def main():
+        long = SamplingParams(temperature=1.0, max_new_tokens=200, stop_token_ids=[-1])
+        task = asyncio.ensure_future(engine.generate(PROMPTS[0], long))
+        await asyncio.sleep(0.05)
+        engine._flush_task.cancel()  # e.g. the run is shutting down
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        # a new request runs: no lock was left held, no abort flag left set
+        out = await asyncio.wait_for(engine.generate(PROMPTS[1], SamplingParams(max_new_tokens=3, stop_token_ids=[-1])), 30)
+        assert out.finish_reason == "length" and len(out.token_ids) == 3
+        await asyncio.wait_for(engine.update_weights(tiny_model.state_dict(), version=5), 30)
+        return engine.weight_version
+
+    assert asyncio.run(main()) == 5
+
+
+def test_a_cancelled_abort_all_leaves_nothing_held(tiny_model):
+    engine = make_engine(tiny_model)
+
+    async def main():
+        long = SamplingParams(temperature=1.0, max_new_tokens=120, stop_token_ids=[-1])
+        running = asyncio.ensure_future(engine.generate(PROMPTS[0], long))
+        await asyncio.sleep(0.05)
+        aborting = asyncio.ensure_future(engine.abort_all())
+        await asyncio.sleep(0)
+        aborting.cancel()  # the caller gave up waiting for the running batch
+        out = await asyncio.wait_for(running, 30)
+        assert out.finish_reason == "abort"
+        # later requests are not aborted and not blocked
+        nxt = await asyncio.wait_for(engine.generate(PROMPTS[1], SamplingParams(max_new_tokens=4, stop_token_ids=[-1])), 30)
+        assert nxt.finish_reason == "length" and len(nxt.token_ids) == 4
+
+    asyncio.run(main())
+
+
+def test_engine_generates_on_the_fixture_device(tiny_model, device):
+    engine = make_engine(tiny_model.to(device), seed=1)
+    outs = engine.generate_batch(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=5))
+    assert engine.device.type == torch.device(device).type and all(len(o.token_ids) > 0 for o in outs)

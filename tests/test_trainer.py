@@ -26,11 +26,12 @@ def make_samples(n=8, seed=0, group_size=4):
     return out
 
 
-def run_step(model, samples, *, micro_batch_size=8, mini_batches=1, max_tokens=None, **algo):
+def run_step(model, samples, *, micro_batch_size=8, mini_batches=1, max_tokens=None, device="cpu",
+             bf16_autocast=False, **algo):
     # Adam divides by |grad|: near-zero gradients amplify rounding, so keep lr small for 1e-6 checks
     train = TrainConfig(lr=1e-3, warmup_steps=0, micro_batch_size=micro_batch_size, mini_batches=mini_batches,
-                        max_tokens_per_micro_batch=max_tokens)
-    trainer = Trainer(model, pad_token_id=0, train=train, algo=AlgoConfig(**algo), max_new_tokens=8)
+                        max_tokens_per_micro_batch=max_tokens, bf16_autocast=bf16_autocast)
+    trainer = Trainer(model, pad_token_id=0, train=train, algo=AlgoConfig(**algo), max_new_tokens=8, device=device)
     metrics = trainer.step(samples)
     return trainer, metrics
 
@@ -72,7 +73,8 @@ PRESET_LIKE = [
     dict(estimator="reinforce_pp", kl_in_reward_coef=0.05, kl_coef=0.0),
     dict(estimator="reinforce_pp_baseline", kl_coef=0.05, kl_kind="k2", ref_mode="swap"),
     dict(estimator="ppo", kl_in_reward_coef=0.01),
-    dict(use_rollout_logprobs=True, tis_cap=2.0, mis_low=0.5, mis_high=2.0),
+    dict(use_rollout_logprobs=True),
+    dict(tis_cap=2.0, mis_low=1e-3, mis_high=2.0),  # (with use_rollout_logprobs this is refused: a no-op)
 ]
 
 
@@ -136,3 +138,122 @@ def test_swap_and_copy_reference_give_the_same_kl(tiny_model):
     assert_same_params(a.model, b.model)
     # after the step the training module holds its own (updated) weights again, not the reference
     assert not torch.equal(b.model.model.embed_tokens.weight, b.ref_state["model.embed_tokens.weight"])
+
+
+def _exact_rollout_logprobs(model, samples, temperature=1.0):
+    """The trainer's own logprobs of each sample's response (what a perfect engine reports)."""
+    from strop.train.batch import collate
+    from strop.train.logprob import response_logprobs
+
+    batch = collate(samples, 0)
+    with torch.no_grad():
+        lp, _ = response_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["positions"],
+                                  temperature=temperature)
+    return [lp[i, : s.response_length].tolist() for i, s in enumerate(samples)]
+
+
+def test_tis_changes_the_update_when_rollout_logprobs_differ(tiny_model):
+    """The engine sampled from a slightly different policy: TIS reweights tokens by min(pi_old/pi_rollout, C)."""
+    samples = make_samples()
+    exact = _exact_rollout_logprobs(tiny_model, samples)
+    g = torch.Generator().manual_seed(3)
+    for s, lp in zip(samples, exact):  # the engine's numbers are off by up to +-1 nat
+        s.rollout_logprobs = [x + float(torch.rand(1, generator=g)) * 2 - 1 for x in lp]
+    plain, mp = run_step(copy.deepcopy(tiny_model), samples)
+    tis, mt = run_step(copy.deepcopy(tiny_model), samples, tis_cap=1.5)
+    assert mt["importance_weight_mean"] != pytest.approx(1.0, abs=1e-3)
+    assert not math.isclose(mp["loss"], mt["loss"], rel_tol=1e-4)
+    assert any(not torch.allclose(a, b) for a, b in zip(plain.model.parameters(), tis.model.parameters()))
+    # with the engine exactly on-policy the weight is 1 and TIS changes nothing
+    for s, lp in zip(samples, exact):
+        s.rollout_logprobs = lp
+    plain, mp = run_step(copy.deepcopy(tiny_model), samples)
+    tis, mt = run_step(copy.deepcopy(tiny_model), samples, tis_cap=1.5)
+    assert mt["importance_weight_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert_same_params(plain.model, tis.model)
+
+
+def test_logprob_gap_metric_skips_loss_masked_tokens(tiny_model):
+    """Tokens with loss mask 0 (tool output, a plugin's prefix) may carry any engine logprob: the gap
+    metric must average over trainable tokens only."""
+    samples = make_samples()
+    exact = _exact_rollout_logprobs(tiny_model, samples)
+    masked = 0
+    for s, lp in zip(samples, exact):
+        s.rollout_logprobs = [x if m else 0.0 for x, m in zip(lp, s.loss_mask)]  # garbage where masked
+        masked += s.loss_mask.count(0)
+    assert masked > 0
+    _, m = run_step(copy.deepcopy(tiny_model), samples)
+    assert m["train_rollout_logprob_abs_diff"] < 1e-5
+    _, m2 = run_step(copy.deepcopy(tiny_model), samples, mini_batches=2)  # the pre-pass path too
+    assert m2["train_rollout_logprob_abs_diff"] < 1e-5
+
+
+def test_loss_metrics_are_means_over_mini_batches(tiny_model):
+    """policy_loss / loss / value_loss are the step's mean over mini-batches, not their sum."""
+    half = make_samples(8)
+    samples = half + copy.deepcopy(half)  # two identical mini-batches: each one's loss is the whole batch's
+
+    def step(mini_batches, **algo):  # a tiny learning rate: the second mini-batch sees the same weights
+        train = TrainConfig(lr=1e-12, warmup_steps=0, micro_batch_size=4, mini_batches=mini_batches)
+        trainer = Trainer(copy.deepcopy(tiny_model), pad_token_id=0, train=train, algo=AlgoConfig(**algo),
+                          max_new_tokens=8)
+        return trainer.step(samples)
+
+    for algo, names in (({}, ("policy_loss", "loss")), ({"estimator": "ppo", "critic_lr": 1e-12}, ("value_loss",))):
+        one, two = step(1, **algo), step(2, **algo)
+        for name in names:
+            assert abs(one[name]) > 1e-3, name
+            assert two[name] == pytest.approx(one[name], rel=1e-3), name  # the sum would be 2x
+
+
+def test_non_finite_gradients_are_counted_then_stop_the_run(tiny_model):
+    from strop.train.trainer import NonFiniteGradientError
+
+    train = TrainConfig(lr=1e-3, warmup_steps=0, micro_batch_size=8, max_nonfinite_grad_steps=2)
+    trainer = Trainer(tiny_model, pad_token_id=0, train=train, algo=AlgoConfig(), max_new_tokens=8)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    with torch.no_grad():
+        trainer.model.model.norm.weight.fill_(float("nan"))  # every forward is NaN from here
+    m = trainer.step(make_samples())
+    assert m["nonfinite_grad_norm_steps"] == 1 and not math.isfinite(m["grad_norm"])
+    for p, b in zip(list(trainer.model.parameters())[:1], before[:1]):
+        assert torch.equal(p, b)  # the embedding was not updated with NaN
+    with pytest.raises(NonFiniteGradientError, match="2 optimizer steps in a row"):
+        trainer.step(make_samples())
+
+
+def test_non_finite_reward_is_refused_by_the_trainer(tiny_model):
+    samples = make_samples()
+    samples[3].reward = float("nan")
+    trainer = Trainer(tiny_model, pad_token_id=0, train=TrainConfig(), algo=AlgoConfig(), max_new_tokens=8)
+    with pytest.raises(ValueError, match=r"sample 3 .*reward nan; rewards must be finite"):
+        trainer.step(samples)
+
+
+def test_full_weights_are_copies_not_live_aliases(tiny_model, device):
+    train = TrainConfig(lr=1e-2, warmup_steps=0)
+    trainer = Trainer(tiny_model, pad_token_id=0, train=train, algo=AlgoConfig(), max_new_tokens=8, device=device)
+    weights = trainer.full_weights()
+    snapshot = {k: v.clone() for k, v in weights.items()}
+    assert all(v.device.type == torch.device(device).type for v in weights.values())  # stays on the device
+    trainer.step(make_samples())
+    for k, v in weights.items():
+        assert torch.equal(v, snapshot[k]), f"{k} changed under the reader"
+    assert not torch.equal(trainer.full_weights()["model.embed_tokens.weight"], weights["model.embed_tokens.weight"])
+    # tied embedding / lm_head still share one copy
+    assert weights["lm_head.weight"].data_ptr() == weights["model.embed_tokens.weight"].data_ptr()
+
+
+def test_trainer_runs_on_the_fixture_device(tiny_model, device):
+    trainer, m = run_step(tiny_model, make_samples(), device=device)
+    assert all(p.device.type == torch.device(device).type for p in trainer.model.parameters())
+    state = trainer.optimizer.state[next(trainer.model.parameters())]["exp_avg"]
+    assert state.device.type == torch.device(device).type and math.isfinite(m["loss"])
+
+
+def test_bf16_autocast_keeps_fp32_master_weights(tiny_model, device):
+    trainer, m = run_step(copy.deepcopy(tiny_model), make_samples(), device=device, bf16_autocast=True)
+    _, ref = run_step(copy.deepcopy(tiny_model), make_samples(), device=device)
+    assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
+    assert m["loss"] == pytest.approx(ref["loss"], rel=0.05, abs=1e-3)  # bf16 compute, same step

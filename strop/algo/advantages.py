@@ -194,3 +194,14 @@ def compute_advantages(algo, *, rewards: torch.Tensor, group_ids: torch.Tensor, 
         advantages, returns = gae(token_rewards, old_values, response_mask, gamma=a.gamma, lam=a.lam)
         return whiten(advantages, loss_mask), returns
     raise ValueError(f"unknown advantage estimator {est!r}")
+
+
+def explained_variance(returns: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> float:
+    """How much of the return the critic predicted: ``1 - Var(R - V) / Var(R)`` over masked tokens.
+
+    1 is perfect, <= 0 is no better than a constant (the usual PPO diagnostic; the raw
+    value loss moves with the reward variance). 0 when the returns do not vary.
+    """
+    r, v = returns[mask > 0], values[mask > 0]
+    var = r.var(unbiased=False)
+    return (1 - (r - v).var(unbiased=False) / var).item() if var > 0 else 0.0

@@ -89,6 +89,16 @@ class StepStats:
         self.tok_sum[name] = self.tok_sum.get(name, 0.0) + float((values * mask).sum())
         self.tok_n[name] = self.tok_n.get(name, 0.0) + float(mask.sum())
 
+    def policy_tokens(self, tok: dict, mask) -> None:
+        """The per-token statistics of :func:`strop.algo.objective.policy_objective`, under their metric names."""
+        for name, key in (("clip_fraction_low", "clipped_low"), ("clip_fraction_high", "clipped_high"),
+                          ("dual_clip_fraction", "dual_clipped"), ("approx_kl_old", "approx_kl_old"),
+                          ("kl_ref", "kl_ref"), ("importance_weight_mean", "importance_weight"),
+                          ("mis_masked_fraction", "mis_dropped")):
+            if key in tok:
+                self.tok(name, tok[key], mask)
+        self.max("importance_weight_max", (tok["importance_weight"] * mask).max().item())
+
     def add(self, name, value):
         self.raw[name] = self.raw.get(name, 0.0) + value
 

@@ -1,26 +1,22 @@
 """The trainer: a batch of scored Samples → advantages → optimizer step(s).
 
-Per step: (1) forward passes that must see the pre-update weights (old policy,
-reference policy, critic values) where the configuration needs them; (2) the
-advantage estimator; (3) for each mini-batch, micro-batches with gradient
-accumulation and one optimizer step (the loss is :func:`strop.algo.objective.policy_objective`);
-(4) the critic's update (PPO). Loss normalisers are counted over the whole mini-batch
-before any forward, so the update does not depend on the micro-batch split.
+Per step: (1) forward passes on the pre-update weights (old policy, reference, critic values)
+where needed; (2) the advantage estimator; (3) per mini-batch, micro-batches with gradient
+accumulation and one optimizer step (loss: :func:`strop.algo.objective.policy_objective`,
+normalisers counted over the whole mini-batch first); (4) the critic's update (PPO).
 Which micro-batches this process runs and how ranks combine is the data-parallel
-strategy's business (:mod:`strop.parallel.strategy`); this module never calls
-torch.distributed.
+strategy's business (:mod:`strop.parallel.strategy`); no torch.distributed here.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import math
 import time
 
 import torch
 
-from strop.algo.advantages import compute_advantages
+from strop.algo.advantages import compute_advantages, explained_variance
 from strop.algo.losses import aggregate, value_loss
 from strop.algo.objective import Normalisers, policy_objective
 from strop.observe.metrics import StepStats
@@ -32,13 +28,10 @@ from strop.plugins import call_hook_sync
 from strop.train.batch import StepBatch, collate, split_micro_batches, swapped_weights, to_device
 from strop.train.critic import ValueModel
 from strop.train.logprob import LogprobModule
+from strop.train.optim import GuardedOptimizer, NonFiniteGradientError
 from strop.types import Sample
 
 __all__ = ["Trainer", "NonFiniteGradientError", "collate", "swapped_weights"]
-
-
-class NonFiniteGradientError(RuntimeError):
-    """Several optimizer steps in a row had a NaN or infinite gradient norm."""
 
 
 class Trainer:
@@ -72,29 +65,21 @@ class Trainer:
                 self.ref_state = {k: p.detach().clone() for k, p in model.named_parameters()}
         if algo.estimator == "ppo":
             self.critic = self.dp.wrap(ValueModel.from_causal_lm(copy.deepcopy(model)).to(self.device).train())
-            self.critic_optimizer, self.critic_scheduler = self._make_optimizer(self.critic, algo.critic_lr)
+            self.critic_opt = GuardedOptimizer("critic", self.critic, algo.critic_lr, train, self.dp)
         self.policy = self.dp.wrap(LogprobModule(self.model))
-        self.optimizer, self.scheduler = self._make_optimizer(self.model, train.lr)
-        self.steps_done, self.nonfinite_streak = 0, {"policy": 0, "critic": 0}
+        self.policy_opt = GuardedOptimizer("policy", self.model, train.lr, train, self.dp)
+        self.steps_done = 0
 
     # the strategy's shape, for callers that print or branch on it
     cp_size = property(lambda self: self.dp.cp_size)
-    dp_size = property(lambda self: self.dp.dp_size)
     world = property(lambda self: self.dp.world)
-    dp_mode = property(lambda self: self.dp.mode)
-    ref_model = property(lambda self: self.ref.lm if self.ref is not None else None)
-
-    def _make_optimizer(self, module, lr):
-        params = [p for p in module.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=lr, betas=tuple(self.cfg.betas), weight_decay=self.cfg.weight_decay)
-        warmup = self.cfg.warmup_steps  # counted in optimizer steps; linear warm-up, then constant
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / (warmup + 1)) if warmup else 1.0)
-        return opt, sched
+    optimizer = property(lambda self: self.policy_opt.optimizer)
+    scheduler = property(lambda self: self.policy_opt.scheduler)
+    critic_optimizer = property(lambda self: self.critic_opt.optimizer)
 
     # ---- forward passes -------------------------------------------------------------------------
     def _micro_batches(self, indices, samples) -> list[list[int]]:
-        return split_micro_batches(list(indices), samples, self.cfg.micro_batch_size,
-                                   self.cfg.max_tokens_per_micro_batch)
+        return split_micro_batches(list(indices), samples, self.cfg.micro_batch_size, self.cfg.max_tokens_per_micro_batch)
 
     def _collate(self, samples: list[Sample]) -> dict:
         if self.cfg.max_tokens_per_micro_batch:  # under CP the plan builds its own, smaller mask
@@ -195,17 +180,12 @@ class Trainer:
         out["train_tokens_per_s"] = out.pop("train_tokens") / out["train_seconds"]
         out["clip_fraction"] = out["clip_fraction_low"] + out["clip_fraction_high"]
         if b.returns is not None and b.old_values is not None:
-            # how much of the return the critic predicted before this step: 1 is perfect, <= 0 is no better
-            # than a constant (the usual PPO diagnostic; the raw value loss moves with the reward variance)
-            returns, values = b.returns[b.loss_mask > 0], b.old_values[b.loss_mask > 0]
-            var = returns.var(unbiased=False)
-            out["value_explained_variance"] = (1 - (returns - values).var(unbiased=False) / var).item() if var > 0 else 0.0
+            out["value_explained_variance"] = explained_variance(b.returns, b.old_values, b.loss_mask)
         return out
 
     def _plugin_loss(self, logprobs, old, advantages, mask):
-        per_token, extra = call_hook_sync("policy_loss", self.policy_loss_fn, logprobs=logprobs, old_logprobs=old,
-                                          advantages=advantages, mask=mask)
-        return per_token, extra
+        return call_hook_sync("policy_loss", self.policy_loss_fn, logprobs=logprobs, old_logprobs=old,
+                              advantages=advantages, mask=mask)
 
     def _train_policy(self, b: StepBatch, mini: list[int], m: StepStats, first: bool, n_mini: int) -> None:
         a = self.algo
@@ -241,37 +221,11 @@ class Trainer:
                 elif first:
                     m.tok("train_rollout_logprob_abs_diff", (logprobs - batch["rollout_logprobs"]).abs(), mask)
                 m.tok("entropy", entropy, mask)
-                for name, key in (("clip_fraction_low", "clipped_low"), ("clip_fraction_high", "clipped_high"),
-                                  ("dual_clip_fraction", "dual_clipped"), ("approx_kl_old", "approx_kl_old"),
-                                  ("kl_ref", "kl_ref"), ("importance_weight_mean", "importance_weight"),
-                                  ("mis_masked_fraction", "mis_dropped")):
-                    if key in tok:
-                        m.tok(name, tok[key], mask)
-                m.max("importance_weight_max", (tok["importance_weight"] * mask).max().item())
+                m.policy_tokens(tok, mask)
                 m.add("train_tokens", float(batch["tokens"] if "tokens" in batch else batch["attention_mask"].sum()))
                 m.add("trained_samples", float(len(idx)) if has_signal else 0.0)
-        m.last("lr", self.optimizer.param_groups[0]["lr"])
-        m.last("grad_norm", self._optimizer_step(self.model, self.optimizer, self.scheduler, m) if has_signal else 0.0)
-
-    def _optimizer_step(self, module, optimizer, scheduler, m: StepStats, name: str = "policy") -> float:
-        """Reduce, clip and apply the gradients; a non-finite norm skips the update and is counted."""
-        params = [p for p in module.parameters() if p.requires_grad]
-        self.dp.after_backward(params)
-        norm = self.dp.scalar(torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip))
-        if math.isfinite(norm):
-            optimizer.step()
-            self.nonfinite_streak[name] = 0
-        else:  # a non-finite gradient skips the update instead of poisoning the weights
-            m.add("nonfinite_grad_norm_steps", 1.0)
-            self.nonfinite_streak[name] += 1
-            if self.nonfinite_streak[name] >= self.cfg.max_nonfinite_grad_steps:
-                raise NonFiniteGradientError(
-                    f"{name} gradient norm was {norm} in {self.nonfinite_streak[name]} optimizer steps in a row "
-                    f"(train.max_nonfinite_grad_steps={self.cfg.max_nonfinite_grad_steps}); stopping: check the "
-                    "rewards, the learning rate and the loss settings")
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        return norm
+        m.last("lr", self.policy_opt.lr)
+        m.last("grad_norm", self.policy_opt.step(m) if has_signal else 0.0)
 
     def _train_critic(self, b: StepBatch, mini: list[int], m: StepStats, n_mini: int) -> None:
         total = float(b.loss_mask[mini].sum())
@@ -287,8 +241,7 @@ class Trainer:
             if real:
                 m.add("value_loss", loss.item() / n_mini)
                 m.tok("value_clip_fraction", info["value_clipped"].float(), mask)
-        m.last("critic_grad_norm", self._optimizer_step(self.critic, self.critic_optimizer, self.critic_scheduler, m,
-                                                        name="critic"))
+        m.last("critic_grad_norm", self.critic_opt.step(m))
 
     def full_weights(self) -> dict[str, torch.Tensor]:
         """The policy's whole weights for the engine, on the trainer's device, as copies the next

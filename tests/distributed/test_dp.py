@@ -60,3 +60,31 @@ def assert_same_update(results, single, grad_tol=1e-5):
     for other in results[1:]:
         for a, b in zip(results[0][2], other[2]):
             assert torch.equal(a, b)
+
+
+def _param_bytes(rank, world, mode):
+    import torch.distributed as dist
+
+    from strop.config import AlgoConfig, TrainConfig
+    from strop.parallel.fsdp import local_parameter_bytes
+    from strop.train.trainer import Trainer
+    from tests.tiny import make_tiny_model
+
+    group = dist.group.WORLD if world > 1 else None
+    algo = AlgoConfig(estimator="ppo", kl_coef=0.1)  # policy + reference + critic
+    trainer = Trainer(make_tiny_model(), pad_token_id=0, train=TrainConfig(), algo=algo, dp_group=group, dp_mode=mode)
+    parts = {"policy": local_parameter_bytes(trainer.model), "reference": local_parameter_bytes(trainer.ref),
+             "critic": local_parameter_bytes(trainer.critic)}
+    return parts
+
+
+@pytest.mark.timeout(120)
+def test_fsdp_shards_policy_reference_and_critic():
+    replicate = run_on_ranks(_param_bytes, 2, "replicate", timeout=100)
+    fsdp = run_on_ranks(_param_bytes, 2, "fsdp", timeout=100)
+    for rank in range(2):
+        for part in ("policy", "reference", "critic"):
+            ratio = fsdp[rank][part] / replicate[rank][part]
+            assert 0.45 <= ratio <= 0.55, (rank, part, ratio)  # each rank holds about half of each model
+    print("\nper-rank parameter bytes (replicate -> fsdp):",
+          {p: (replicate[0][p], fsdp[0][p]) for p in ("policy", "reference", "critic")})

@@ -54,7 +54,7 @@ def test_context_parallel_size_must_divide_nproc(tmp_path, nproc):
 
 
 @pytest.mark.timeout(120)
-def test_nproc_failure_stops_every_rank(tmp_path):
+def test_nproc_missing_model_fails_on_every_rank(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "strop.cli", "train", "--nproc=2",
                            f"--model.path={tmp_path / 'missing'}", f"--run.dir={tmp_path / 'run'}"],
                           capture_output=True, text=True, timeout=100)

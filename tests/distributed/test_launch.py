@@ -1,0 +1,52 @@
+"""The local launcher (`strop train --nproc N`) and failures on one rank."""
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from strop.parallel.runtime import launch
+
+WORKER = textwrap.dedent("""
+    import os, sys, time
+    rank = int(os.environ["RANK"])
+    open(os.path.join(sys.argv[1], f"pid{rank}"), "w").write(str(os.getpid()))
+    if rank == 1:
+        sys.stderr.write("x" * 200_000 + "\\nrank one gives up\\n")  # more than a pipe buffer
+        sys.stderr.flush()
+        sys.exit(3)
+    time.sleep(600)  # rank 0 would wait forever (as in a collective whose peer is gone)
+""")
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_rank_gets_the_others_killed_and_its_stderr_shown(tmp_path, capfd):
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    t0 = time.monotonic()
+    code = launch(2, [str(tmp_path)], command=[sys.executable, str(script)], poll_s=0.1)
+    elapsed = time.monotonic() - t0
+    assert code == 3 and elapsed < 30
+    pid0 = int((tmp_path / "pid0").read_text())
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid0, 0)  # rank 0 was stopped by the launcher, not left running
+    err = capfd.readouterr().err
+    assert "rank 1 failed (exit code 3)" in err and "rank one gives up" in err
+    assert "stopped rank(s) [0] after rank(s) [1] failed" in err
+
+
+@pytest.mark.timeout(180)
+def test_rank_0_set_up_failure_stops_the_workers(tiny_model_dir, tmp_path):
+    """Only rank 0 reads the data: its failure must reach rank 1, which is loading the model."""
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "strop.cli", "train", "--nproc=2", f"--model.path={tiny_model_dir}",
+                           "--data.source=file", f"--data.path={tmp_path}", f"--run.dir={tmp_path / 'run'}",
+                           "--parallel.controller_timeout_s=120"],
+                          capture_output=True, text=True, timeout=170)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "is a directory" in proc.stderr
+    assert time.monotonic() - t0 < 150
+    assert not (tmp_path / "run").exists()
