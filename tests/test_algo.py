@@ -192,8 +192,11 @@ def test_value_loss_by_hand():
     # token 0: unclipped (1-0)^2 = 1, clipped V = 0.7 -> 0.49; max = 1 -> 0.5
     # token 1: unclipped 1, clipped V = 0 -> 1 (equal) -> 0.5
     torch.testing.assert_close(loss_t, torch.tensor([[0.5, 0.5]]))
-    loss_t2, _ = value_loss(torch.tensor([[0.0]]), torch.tensor([[0.5]]), torch.tensor([[1.0]]), clip=0.2)
-    # unclipped 1; clipped V = 0.3 -> 0.49... max = 1 -> 0.5; and a case where the clip is worse:
+    loss_t2, info2 = value_loss(torch.tensor([[0.0]]), torch.tensor([[0.5]]), torch.tensor([[1.0]]), clip=0.2)
+    # V moved 0.5 down, past the clip: clipped V = 0.3 -> (0.3 - 1)^2 = 0.49; unclipped (0 - 1)^2 = 1; max = 1 -> 0.5
+    torch.testing.assert_close(loss_t2, torch.tensor([[0.5]]))
+    assert not info2["value_clipped"].item()  # the unclipped term was the larger: it was used
+    # and a case where the clip is worse:
     loss_t3, info3 = value_loss(torch.tensor([[0.9]]), torch.tensor([[0.0]]), torch.tensor([[1.0]]), clip=0.2)
     # unclipped 0.01; clipped V = 0.2 -> 0.64 -> 0.32
     torch.testing.assert_close(loss_t3, torch.tensor([[0.32]]))

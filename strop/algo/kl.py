@@ -6,8 +6,11 @@ Pure tensor functions. All take per-token logprobs of the *sampled* tokens,
 - ``k1 = -log_r``: unbiased, high variance, can be negative;
 - ``k2 = log_r^2 / 2``: biased, low variance, its gradient is the true KL gradient's;
 - ``k3 = exp(log_r) - 1 - log_r``: unbiased and non-negative ("low-variance KL"
-  of GRPO); clamped to [-10, 10] in log space and to <= 10 in value, as verl
-  and slime do, so a single wild token cannot blow up the loss.
+  of GRPO). strop clamps ``log_r`` to [-10, 10] and the value to <= 10, so a
+  single wild token cannot blow up the loss. The peers differ: verl clamps the
+  log-ratio to [-20, 20] and then the k3 value to [-10, 10]; slime clamps the
+  k3 value to [-10, 10]. Below a log-ratio of 10 in size all three agree
+  (docs/algorithms.md, "Conventions").
 """
 
 from __future__ import annotations
