@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from strop.config import Config, save_config
-from strop.observe.metrics import MetricsLog, Progress, Timer, plot_curves, write_summary
+from strop.observe.metrics import MetricsLog, Progress, Timer, memory_metrics, plot_curves, write_summary
 from strop.plugins import call_hook, call_hook_sync
 from strop.rollout.generate import RolloutContext, rollout_groups
 from strop.parallel.runtime import Control, init_from_env, resolve_device
@@ -76,8 +76,8 @@ class _Controller:
 
     def after_step(self, step: int, weights: dict, metrics: dict) -> None:
         self.loop.run_until_complete(self.c.engine.update_weights(weights, version=step))
-        self.log.log(metrics | {"step": step, "step_seconds": time.perf_counter() - self.t_step,
-                                "elapsed_seconds": self.clock()})
+        self.log.log(metrics | memory_metrics(self.c.trainer.device) | {
+            "step": step, "step_seconds": time.perf_counter() - self.t_step, "elapsed_seconds": self.clock()})
         self.progress.update(1, reward=metrics["reward_mean"])
         if step == self.cfg.train.steps or (self.cfg.eval.every and step % self.cfg.eval.every == 0):
             self.evaluate(step)

@@ -19,6 +19,18 @@ class MetricsLog:
             f.write(json.dumps(row) + "\n")
 
 
+def memory_metrics(device) -> dict[str, float]:
+    """This process's peak resident memory and, on a GPU, the peak memory torch allocated there (GiB)."""
+    import resource
+
+    import torch
+
+    out = {"peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}  # kB on Linux
+    if device.type == "cuda":
+        out["cuda_peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    return out
+
+
 def write_summary(run_dir: Path, summary: dict) -> None:
     tmp = run_dir / "summary.json.tmp"
     tmp.write_text(json.dumps(summary, indent=2))

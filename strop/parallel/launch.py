@@ -26,8 +26,11 @@ def _worker(fn, rank, world_size, port, backend, env, args, queue):
     os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     try:
+        import torch
         import torch.distributed as dist
 
+        if backend == "nccl":  # one GPU per rank, bound before the group exists
+            torch.cuda.set_device(rank)
         dist.init_process_group(backend, rank=rank, world_size=world_size)
         try:
             result = fn(rank, world_size, *args)

@@ -7,6 +7,7 @@ import torch
 
 from strop.parallel.context import zigzag_pieces
 from strop.parallel.launch import run_on_ranks
+from tests.distributed import BACKEND, rank_device
 from tests.distributed.test_dp import ALGOS as DP_ALGOS, _full, assert_same_update
 
 # the data-parallel cases, and one more that only context parallel needs: GSPO's sequence
@@ -185,18 +186,18 @@ def _cp_step(rank, world, algo_name, packed, mode="replicate", cp=2, samples=Non
     if world > 1:
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh("cpu", (world // cp, cp), mesh_dim_names=("dp", "cp"))
+        mesh = init_device_mesh(torch.device(rank_device(rank, world)).type, (world // cp, cp), mesh_dim_names=("dp", "cp"))
         dp_group, cp_group = mesh["dp"].get_group(), mesh["cp"].get_group()
     trainer = Trainer(model, pad_token_id=0, train=train, algo=AlgoConfig(**ALGOS[algo_name]), max_new_tokens=8,
-                      dp_group=dp_group, cp_group=cp_group, bucket_bytes=1 << 20, dp_mode=mode)
+                      dp_group=dp_group, cp_group=cp_group, bucket_bytes=1 << 20, dp_mode=mode, device=rank_device(rank, world))
     samples = samples or make_samples(10)
     counts = trainer._collate(samples)["cp"].counts if trainer.cp_size > 1 else None
     metrics = trainer.step(samples)
     metrics["entries_per_cp_rank"] = counts
-    grads = [_full(trainer.optimizer.state[p]["exp_avg"]).clone() for p in trainer.optimizer.param_groups[0]["params"]]
-    params = [_full(p.detach()).clone() for p in trainer.model.parameters()]
+    grads = [_full(trainer.optimizer.state[p]["exp_avg"]).cpu() for p in trainer.optimizer.param_groups[0]["params"]]
+    params = [_full(p.detach()).cpu() for p in trainer.model.parameters()]
     if trainer.critic is not None:  # PPO: the value model trained under CP too
-        params += [_full(p.detach()).clone() for p in trainer.critic.parameters()]
+        params += [_full(p.detach()).cpu() for p in trainer.critic.parameters()]
     trainer.full_weights()  # a collective under FSDP
     if dist.is_initialized():
         dist.barrier()
@@ -220,7 +221,7 @@ CASES += [("grpo", True, "fsdp"), ("ppo", False, "fsdp"), ("gspo_entropy_2mini",
                          ids=[f"{a}-{'packed' if p else 'padded'}-{m}" for a, p, m in CASES])
 def test_cp2_step_equals_one_process(algo, packed, mode):
     single = _cp_step(0, 1, algo, packed)
-    _assert_same_update(run_on_ranks(_cp_step, 2, algo, packed, mode, timeout=150), single)
+    _assert_same_update(run_on_ranks(_cp_step, 2, algo, packed, mode, timeout=150, backend=BACKEND), single)
 
 
 def _long_prompt_samples():
@@ -244,7 +245,7 @@ def test_cp2_step_with_a_rank_holding_no_response_tokens(mode):
     timeout) and its update equals one process's."""
     samples = _long_prompt_samples()
     single = _cp_step(0, 1, "grpo", False, samples=samples)
-    results = run_on_ranks(_cp_step, 2, "grpo", False, mode, 2, samples, timeout=90)
+    results = run_on_ranks(_cp_step, 2, "grpo", False, mode, 2, samples, timeout=90, backend=BACKEND)
     assert [r[0]["entries_per_cp_rank"] for r in results] == [[6, 0], [6, 0]]  # every answer on rank 0
     _assert_same_update(results, single)
 

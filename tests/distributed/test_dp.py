@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from strop.parallel.launch import run_on_ranks
+from tests.distributed import BACKEND, rank_device
 
 ALGOS = {"grpo": {}, "ppo": {"estimator": "ppo", "kl_in_reward_coef": 0.01},
          "seq_mean_kl": {"loss_agg": "seq_mean_token_mean", "kl_coef": 0.1}}
@@ -28,10 +29,10 @@ def _step(rank, world, algo_name, packed, mode="replicate"):
                         max_tokens_per_micro_batch=20 if packed else None)
     group = dist.group.WORLD if world > 1 else None
     trainer = Trainer(model, pad_token_id=0, train=train, algo=AlgoConfig(**ALGOS[algo_name]), max_new_tokens=8,
-                      dp_group=group, bucket_bytes=1 << 20, dp_mode=mode)
+                      dp_group=group, bucket_bytes=1 << 20, dp_mode=mode, device=rank_device(rank, world))
     metrics = trainer.step(make_samples(10))
-    grads = [_full(trainer.optimizer.state[p]["exp_avg"]).clone() for p in trainer.optimizer.param_groups[0]["params"]]
-    params = [_full(p.detach()).clone() for p in trainer.model.parameters()]
+    grads = [_full(trainer.optimizer.state[p]["exp_avg"]).cpu() for p in trainer.optimizer.param_groups[0]["params"]]
+    params = [_full(p.detach()).cpu() for p in trainer.model.parameters()]
     trainer.full_weights()  # the full-weights gather is a collective: every rank joins
     return metrics, grads, params
 
@@ -41,7 +42,7 @@ def _step(rank, world, algo_name, packed, mode="replicate"):
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 @pytest.mark.parametrize("algo", sorted(ALGOS))
 def test_two_ranks_equal_one_process(algo, packed, mode):
-    assert_same_update(run_on_ranks(_step, 2, algo, packed, mode, timeout=150), _step(0, 1, algo, packed))
+    assert_same_update(run_on_ranks(_step, 2, algo, packed, mode, timeout=150, backend=BACKEND), _step(0, 1, algo, packed))
 
 
 def assert_same_update(results, single, grad_tol=1e-5):
@@ -72,7 +73,8 @@ def _param_bytes(rank, world, mode):
 
     group = dist.group.WORLD if world > 1 else None
     algo = AlgoConfig(estimator="ppo", kl_coef=0.1)  # policy + reference + critic
-    trainer = Trainer(make_tiny_model(), pad_token_id=0, train=TrainConfig(), algo=algo, dp_group=group, dp_mode=mode)
+    trainer = Trainer(make_tiny_model(), pad_token_id=0, train=TrainConfig(), algo=algo, dp_group=group, dp_mode=mode,
+                      device=rank_device(rank, world))
     parts = {"policy": local_parameter_bytes(trainer.model), "reference": local_parameter_bytes(trainer.ref),
              "critic": local_parameter_bytes(trainer.critic)}
     return parts
@@ -80,8 +82,8 @@ def _param_bytes(rank, world, mode):
 
 @pytest.mark.timeout(120)
 def test_fsdp_shards_policy_reference_and_critic():
-    replicate = run_on_ranks(_param_bytes, 2, "replicate", timeout=100)
-    fsdp = run_on_ranks(_param_bytes, 2, "fsdp", timeout=100)
+    replicate = run_on_ranks(_param_bytes, 2, "replicate", timeout=100, backend=BACKEND)
+    fsdp = run_on_ranks(_param_bytes, 2, "fsdp", timeout=100, backend=BACKEND)
     for rank in range(2):
         for part in ("policy", "reference", "critic"):
             ratio = fsdp[rank][part] / replicate[rank][part]
