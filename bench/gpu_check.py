@@ -44,6 +44,9 @@ def main() -> int:
     args = parser.parse_args()
     import torch
 
+    from strop.cli import _quiet_libraries
+
+    _quiet_libraries()
     if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu_check: no CUDA device visible to this torch; use --device cpu", file=sys.stderr)
         return 2

@@ -50,3 +50,27 @@ def test_rank_0_set_up_failure_stops_the_workers(tiny_model_dir, tmp_path):
     assert "is a directory" in proc.stderr
     assert time.monotonic() - t0 < 150
     assert not (tmp_path / "run").exists()
+
+
+def _wait_for_rank_0(rank, world, timeout_s, work_s):
+    from strop.parallel.runtime import Control
+
+    control = Control(timeout_s)
+    t0 = time.monotonic()
+    try:
+        value = control.on_controller(lambda: time.sleep(work_s) or "samples")
+    except Exception as exc:  # rank 1 gave up waiting
+        return ("error", type(exc).__name__, str(exc)[:200], time.monotonic() - t0)
+    return ("ok", value, "", time.monotonic() - t0)
+
+
+@pytest.mark.timeout(120)
+def test_workers_wait_for_rank_0_as_long_as_the_controller_timeout_says():
+    """The control channel has its own timeout (parallel.controller_timeout_s), not the collective default."""
+    from strop.parallel.launch import run_on_ranks
+
+    waited = run_on_ranks(_wait_for_rank_0, 2, 30.0, 4.0, timeout=60)
+    assert waited[1][:2] == ("ok", "samples") and waited[1][3] >= 3.5  # waited through a 4 s "rollout"
+    gave_up = run_on_ranks(_wait_for_rank_0, 2, 1.0, 6.0, timeout=60)
+    status, kind, text, seconds = gave_up[1]
+    assert status == "error" and seconds < 5.0, gave_up[1]  # a 1 s budget is honoured
