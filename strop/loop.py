@@ -25,7 +25,7 @@ def train(cfg: Config) -> dict | None:
     init_from_env(device)
     control = Control(cfg.parallel.controller_timeout_s)
     c = build(cfg, device, control)  # every input is checked before the run directory exists
-    run = _Controller(cfg, c) if control.rank == 0 else None
+    run = control.on_controller(lambda: _Controller(cfg, c), share=False)  # None on the other ranks
     try:
         control.on_controller(lambda: run.start(), share=False)
         for step in range(1, cfg.train.steps + 1):

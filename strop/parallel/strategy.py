@@ -128,6 +128,9 @@ class Replicate(SingleProcess):
             dist.all_gather_object(parts, stats.parts(), group=self.dp_group)
             stats.absorb(parts)
 
+    def full_weights(self, model):
+        return super().full_weights(model) if dist.get_rank() == 0 else {}  # only rank 0 feeds an engine
+
     def describe(self) -> str:
         return f"{self.world} processes = data parallel {self.dp_size} ({self.mode}) x context parallel {self.cp_size}"
 
