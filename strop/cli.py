@@ -13,6 +13,8 @@ commands:
   strop train [CONFIG.yaml] [--preset NAME] [--section.key=value ...]
                                                         run RL (no arguments: GRPO on the embedded default)
   strop train --help                                    list every option
+  strop serve [--model-path PATH] [--port N] [--host H] [--token T]
+                                                        the embedded engine behind HTTP (SGLang-native + OpenAI routes)
   strop check-plugin --hook HOOK pkg.module:function    check a plugin against its hook's contract
 """
 
@@ -36,6 +38,38 @@ def check_plugin_main(argv: list[str]) -> int:
     except Exception as exc:  # the plugin itself raised on synthetic input
         print(f"strop check-plugin: FAILED\n{args.hook} hook {args.path!r} raised on synthetic samples: "
               f"{type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def serve_main(argv: list[str]) -> int:
+    from strop.train.model import EMBEDDED_MODEL
+
+    parser = argparse.ArgumentParser(prog="strop serve", description="Serve a model with strop's engine over HTTP "
+                                     "(SGLang's native /generate and OpenAI-compatible completions).")
+    parser.add_argument("--model-path", default=EMBEDDED_MODEL, help="model folder, hub id, or the embedded default")
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (anything but loopback needs --token)")
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--token", default=os.environ.get("STROP_SERVE_TOKEN"),
+                        help="bearer token required on weight and abort routes (env STROP_SERVE_TOKEN)")
+    parser.add_argument("--max-batch-size", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed of the engine")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    args = parser.parse_args(argv)
+    _quiet_libraries()
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    from strop.engines.server import serve
+
+    try:
+        serve(args.model_path, host=args.host, port=args.port, token=args.token, max_batch_size=args.max_batch_size,
+              seed=args.seed, device=args.device, dtype=args.dtype)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"strop serve: error: {exc}", file=sys.stderr)
         return 1
     return 0
 
@@ -129,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
         return train_main(rest)
     if command == "check-plugin":
         return check_plugin_main(rest)
+    if command == "serve":
+        return serve_main(rest)
     print(f"strop: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
     return 2
 

@@ -190,6 +190,38 @@ class RunConfig(_Section):
     threads: int | None = Field(None, description="torch CPU threads (default: torch's choice)")
 
 
+class EngineConfig(_Section):
+    kind: Literal["embedded", "strop", "sglang"] = Field(
+        "embedded", description="where rollouts are generated: 'embedded' (in this process), 'strop' (strop serve "
+        "servers) or 'sglang' (SGLang servers; same native API)")
+    urls: list[str] = Field(default_factory=list, description="server URLs (kind strop / sglang), e.g. "
+                            "[\"http://127.0.0.1:30000\"]; several go behind strop's router")
+    launch: int = Field(0, ge=0, description="kind=strop: start this many local strop serve processes for the run "
+                        "(and stop them at the end) instead of urls")
+    launch_args: list[str] = Field(default_factory=list, description="extra arguments for launched servers, e.g. "
+                                   "[\"--threads=1\"]")
+    token: str | None = Field(None, description="bearer token for weight and abort routes of remote servers")
+    timeout_s: float = Field(600.0, gt=0, description="seconds one HTTP request may take")
+    retries: int = Field(2, ge=0, description="retries of one request on the same server (with backoff) before "
+                         "the router re-issues it to another")
+    health_interval_s: float = Field(2.0, gt=0, description="how often the router probes engines it marked down")
+    affinity: bool = Field(False, description="keep the requests of one sample on one engine (multi-turn)")
+    sync_dir: str | None = Field(None, description="where weights are written for remote engines to load "
+                                 "(default: <run dir>/weights; must be readable by the servers)")
+
+    @model_validator(mode="after")
+    def _check_engine(self):
+        if self.kind == "embedded" and (self.urls or self.launch):
+            raise ValueError("engine.urls / engine.launch need engine.kind='strop' or 'sglang'")
+        if self.kind != "embedded" and not self.urls and not self.launch:
+            raise ValueError(f"engine.kind={self.kind!r} needs engine.urls or engine.launch=N")
+        if self.launch and self.kind != "strop":
+            raise ValueError("engine.launch starts strop serve processes: use engine.kind='strop'")
+        if self.launch and self.urls:
+            raise ValueError("give engine.urls or engine.launch, not both")
+        return self
+
+
 class PluginsConfig(_Section):
     rollout: str | None = Field(None, description="rollout hook 'pkg.module:fn' (a whole step's rollout; async)")
     generate: str | None = Field(None, description="generate hook (one sample, possibly multi-turn; async)")
@@ -225,6 +257,8 @@ class Config(_Section):
     train: TrainConfig = Field(default_factory=TrainConfig, description="optimizer and batching")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="held-out evaluation")
     run: RunConfig = Field(default_factory=RunConfig, description="outputs")
+    engine: EngineConfig = Field(default_factory=EngineConfig, description="the rollout engine: in process or "
+                                 "HTTP servers behind a router")
     parallel: ParallelConfig = Field(default_factory=ParallelConfig,
                                      description="multi-process training (strop train --nproc N)")
     plugins: PluginsConfig = Field(default_factory=PluginsConfig, description="hooks by import path (docs/plugins.md)")

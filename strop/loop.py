@@ -105,7 +105,10 @@ class _Controller:
 
     def close(self) -> None:
         self.progress.close()
-        self.loop.close()
+        try:
+            self.c.close(self.loop)
+        finally:
+            self.loop.close()
 
 
 async def rollout_step(cfg: Config, c: Components, ctx: RolloutContext) -> tuple[list, int]:

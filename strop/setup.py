@@ -44,6 +44,18 @@ class Components:
     sampling: SamplingParams | None = None
     eval_sampling: SamplingParams | None = None
     run_dir: Path | None = None
+    servers: list = field(default_factory=list)  # strop serve processes this run started (engine.launch)
+
+    def close(self, loop=None) -> None:
+        """Stop what the run started: the router's health checks and connections (in the run's event
+        ``loop``, where they were made), and launched servers."""
+        close = getattr(self.engine, "close", None)
+        try:
+            if close is not None and loop is not None and not loop.is_closed():
+                loop.run_until_complete(close())
+        finally:
+            for server in self.servers:
+                server.stop()
 
 
 @dataclass
@@ -131,7 +143,7 @@ def prepare(cfg: Config, device: torch.device, controller: bool = True) -> _Prep
     tokenizer = load_tokenizer(model_path)
     torch.manual_seed(cfg.train.seed)
     policy = load_model(model_path, dtype=getattr(torch, cfg.model.dtype))  # same weights on every rank
-    if controller:  # the engine holds its own copy on the same device (taken before the trainer shards the policy)
+    if controller and cfg.engine.kind == "embedded":  # the engine's own copy, taken before the trainer shards
         data["engine_model"] = copy.deepcopy(policy).to(device).requires_grad_(False)
     return _Prepared(policy, model_path, tokenizer, hooks, data)
 
@@ -177,16 +189,41 @@ def _controller_parts(cfg: Config, p: _Prepared, trainer: Trainer, device: torch
     eval_prompts = PromptSet(eval_rows, tokenizer, name=cfg.data.eval_path or f"{cfg.data.task} (eval)",
                              **prompt_kw) if eval_rows else None
     stop_ids = sorted({tokenizer.eos_token_id, *([tokenizer.pad_token_id] if tokenizer.pad_token_id is not None else [])} - {None})
-    engine = EmbeddedEngine(p.data.pop("engine_model"), pad_token_id=tokenizer.pad_token_id, default_stop_token_ids=stop_ids,
-                            max_batch_size=r.max_batch_size, context_window=context_window, seed=r.seed)
+    run_dir = make_run_dir(cfg, create=False)
+    if cfg.engine.kind == "embedded":
+        engine, servers = EmbeddedEngine(p.data.pop("engine_model"), pad_token_id=tokenizer.pad_token_id,
+                                         default_stop_token_ids=stop_ids, max_batch_size=r.max_batch_size,
+                                         context_window=context_window, seed=r.seed), []
+    else:
+        engine, servers = remote_engine(cfg, p.model_path, run_dir)
     sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                               max_new_tokens=r.max_new_tokens, stop_token_ids=stop_ids)
     eval_sampling = SamplingParams(temperature=0.0, max_new_tokens=cfg.eval.max_new_tokens or r.max_new_tokens,
                                    stop_token_ids=stop_ids)
+    try:
+        run_dir = make_run_dir(cfg)
+    except BaseException:
+        for server in servers:
+            server.stop()
+        raise
     return Components(trainer=trainer, tokenizer=tokenizer, train_prompts=train_prompts, eval_prompts=eval_prompts,
                       sampler=PromptSampler(len(train_prompts), cfg.data.seed, cfg.data.shuffle),
                       reward_fn=p.data["reward_fn"], hooks=p.hooks, engine=engine, sampling=sampling,
-                      eval_sampling=eval_sampling, run_dir=make_run_dir(cfg))
+                      eval_sampling=eval_sampling, run_dir=run_dir, servers=servers)
+
+
+def remote_engine(cfg: Config, model_path: str, run_dir: Path):
+    """A router over HTTP engines (launched here, or at engine.urls); weights reach them through disk."""
+    from strop.engines.http import SGLangEngine, WeightWriter
+    from strop.engines.launch import launch_servers
+    from strop.engines.router import Router
+
+    e = cfg.engine
+    servers = launch_servers(e.launch, model_path, args=e.launch_args) if e.launch else []
+    urls = [s.url for s in servers] or e.urls
+    writer = WeightWriter(e.sync_dir or run_dir / "weights")
+    clients = [SGLangEngine(u, timeout_s=e.timeout_s, retries=e.retries, token=e.token, writer=writer) for u in urls]
+    return Router(clients, writer=writer, health_interval_s=e.health_interval_s, affinity=e.affinity), servers
 
 
 def check_run_dir(cfg: Config) -> None:
@@ -195,7 +232,8 @@ def check_run_dir(cfg: Config) -> None:
         raise FileExistsError(f"run.dir={cfg.run.dir!r} already exists and is not empty; choose a new one")
 
 
-def make_run_dir(cfg: Config) -> Path:
+def make_run_dir(cfg: Config, create: bool = True) -> Path:
+    """The run directory (``runs/<timestamp>`` unless run.dir is set); ``create=False`` only names it."""
     check_run_dir(cfg)
     if cfg.run.dir:
         run_dir = Path(cfg.run.dir)
@@ -205,5 +243,8 @@ def make_run_dir(cfg: Config) -> Path:
         n = 1
         while run_dir.exists():
             run_dir, n = Path("runs") / f"{stamp}-{n}", n + 1
-    run_dir.mkdir(parents=True, exist_ok=True)
+        if not create:
+            cfg.run.dir = str(run_dir)  # the same name when it is created
+    if create:
+        run_dir.mkdir(parents=True, exist_ok=True)
     return run_dir

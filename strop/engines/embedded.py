@@ -27,6 +27,7 @@ class _Request:
     prompt_ids: list[int]
     sampling: SamplingParams
     future: asyncio.Future
+    request_id: str | None = None
 
 
 class EmbeddedEngine:
@@ -51,6 +52,7 @@ class EmbeddedEngine:
         self._flush_task: asyncio.Task | None = None
         self.device = next(model.parameters()).device
         self._abort_gen = 0  # abort_all bumps it; a decode started before the bump stops at its next step
+        self._aborted_ids: set[str] = set()  # requests aborted one by one (abort(request_id))
         self._lock = threading.Lock()  # one batch at a time touches the model (taken off the event loop only)
         self._busy = asyncio.Lock()  # the event loop's side: one batch or weight load at a time
         # transformers renamed past_key_values to cache (5.x); pass whichever this model takes
@@ -58,10 +60,13 @@ class EmbeddedEngine:
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
 
     # ---- the async interface -------------------------------------------------------------
-    async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Completion:
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams,
+                       request_id: str | None = None) -> Completion:
+        """Generate for one prompt; concurrent calls are decoded together. ``request_id`` lets
+        :meth:`abort` end this request alone."""
         self._check_length(prompt_ids, sampling)
         future = asyncio.get_running_loop().create_future()
-        self._pending.append(_Request(list(prompt_ids), sampling, future))
+        self._pending.append(_Request(list(prompt_ids), sampling, future, request_id))
         if self._flush_task is None or self._flush_task.done():
             self._flush_task = asyncio.ensure_future(self._flush())
         return await future
@@ -74,8 +79,8 @@ class EmbeddedEngine:
             try:
                 async with self._busy:
                     results = await asyncio.to_thread(
-                        self.generate_batch, [r.prompt_ids for r in batch], [r.sampling for r in batch]
-                    )
+                        self.generate_batch, [r.prompt_ids for r in batch], [r.sampling for r in batch],
+                        [r.request_id for r in batch])
             except asyncio.CancelledError:  # cancelled: so are the requests it carried, then stop
                 self._abort_gen += 1  # the decode thread stops at its next step
                 for r in batch + self._pending:
@@ -88,6 +93,7 @@ class EmbeddedEngine:
                         r.future.set_exception(exc)
                 continue
             for r, c in zip(batch, results):
+                self._aborted_ids.discard(r.request_id)
                 if not r.future.done():
                     r.future.set_result(c)
 
@@ -102,6 +108,18 @@ class EmbeddedEngine:
     def _load(self, state_dict) -> None:
         with self._lock:
             self.model.load_state_dict(state_dict, strict=True)
+
+    async def abort(self, request_id: str) -> bool:
+        """End one request with finish_reason 'abort' (queued: at once; running: at its next decode
+        step, keeping the tokens it has). False when no such request is queued or running."""
+        for r in self._pending:
+            if r.request_id == request_id:
+                self._pending.remove(r)
+                if not r.future.done():
+                    r.future.set_result(Completion([], [], "abort", self.weight_version))
+                return True
+        self._aborted_ids.add(request_id)
+        return True
 
     async def abort_all(self) -> None:
         """Finish every running and queued request with finish_reason 'abort'."""
@@ -128,16 +146,18 @@ class EmbeddedEngine:
 
     @torch.no_grad()
     def generate_batch(
-        self, prompts: list[list[int]], samplings: SamplingParams | list[SamplingParams]
+        self, prompts: list[list[int]], samplings: SamplingParams | list[SamplingParams],
+        request_ids: list[str | None] | None = None,
     ) -> list[Completion]:
         if isinstance(samplings, SamplingParams):
             samplings = [samplings] * len(prompts)
         for p, s in zip(prompts, samplings):
             self._check_length(p, s)
         with self._lock:
-            return self._decode(prompts, samplings)
+            return self._decode(prompts, samplings, request_ids or [None] * len(prompts))
 
-    def _decode(self, prompts: list[list[int]], samplings: list[SamplingParams]) -> list[Completion]:
+    def _decode(self, prompts: list[list[int]], samplings: list[SamplingParams],
+                request_ids: list[str | None]) -> list[Completion]:
         from transformers import DynamicCache
 
         n = len(prompts)
@@ -190,7 +210,7 @@ class EmbeddedEngine:
                     finish[r] = "stop"
                 elif len(out_ids[r]) >= budgets[r]:
                     finish[r] = "length"
-                elif self._abort_gen != abort_gen:
+                elif self._abort_gen != abort_gen or request_ids[r] in self._aborted_ids:
                     finish[r] = "abort"
                 else:
                     keep.append(j)

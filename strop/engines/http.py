@@ -1,0 +1,189 @@
+"""HTTP engines behind the :class:`~strop.engines.base.Engine` interface, and weight sync from disk.
+
+:class:`SGLangEngine` speaks SGLang's native API (``/generate`` with token ids and
+``return_logprob``); the same payloads work against ``strop serve``. One pooled async
+connection per engine, a timeout per request, retries with exponential backoff on
+connection failures and 5xx answers, a request id per call so one request can be aborted.
+An error that retries do not cure raises :class:`EngineUnavailable` (the router then
+re-issues the request elsewhere); a 4xx answer is the request's fault and raises
+:class:`EngineRequestError` at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+import torch
+
+from strop.types import Completion, SamplingParams
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine did not answer (connection refused or reset, timeout, 5xx) after every retry."""
+
+
+class EngineRequestError(ValueError):
+    """The engine refused the request (4xx): retrying would not help."""
+
+
+def state_checksum(state: dict[str, torch.Tensor]) -> str:
+    """An order-independent checksum of a state dict: blake2b over sorted names, dtypes and bytes."""
+    h = hashlib.blake2b(digest_size=16)
+    for name in sorted(state):
+        t = state[name].detach().contiguous().cpu()
+        h.update(name.encode())
+        h.update(str(t.dtype).encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+class WeightWriter:
+    """Writes each weight version once, atomically, for engines to load from disk.
+
+    ``dir/v<version>/model.safetensors`` is written under a temporary name and renamed into
+    place, so a reader never sees half a file; only the newest ``keep`` versions stay.
+    """
+
+    def __init__(self, directory: str | Path, keep: int = 2):
+        self.dir, self.keep = Path(directory), keep  # created at the first write
+
+    def write(self, state: dict[str, torch.Tensor], version: int) -> tuple[Path, str]:
+        from safetensors.torch import save_file
+
+        final = self.dir / f"v{version}"
+        tmp = self.dir / f".tmp-v{version}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)  # (and self.dir with it)
+        unique, seen = {}, set()
+        for name, t in state.items():  # tied tensors (embedding / lm_head) are written once each name
+            unique[name] = t.detach().contiguous().cpu() if t.data_ptr() not in seen else t.detach().clone().cpu()
+            seen.add(t.data_ptr())
+        save_file(unique, str(tmp / "model.safetensors"))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        for old in sorted(self.dir.glob("v*"), key=lambda p: int(p.name[1:]))[: -self.keep]:
+            shutil.rmtree(old, ignore_errors=True)
+        return final, state_checksum(unique)
+
+
+class SGLangEngine:
+    """An SGLang (or ``strop serve``) server at ``url`` as an Engine."""
+
+    def __init__(self, url: str, *, timeout_s: float = 600.0, retries: int = 3, backoff_s: float = 0.25,
+                 token: str | None = None, writer: WeightWriter | None = None):
+        self.url = url.rstrip("/")
+        self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.writer = writer
+        self.weight_version = 0
+        self._client = None
+
+    def __repr__(self) -> str:
+        return f"SGLangEngine({self.url})"
+
+    def _http(self):
+        import httpx
+
+        if self._client is None:  # created in the running event loop, kept for the run's life
+            self._client = httpx.AsyncClient(headers=self.headers, timeout=self.timeout_s,
+                                             limits=httpx.Limits(max_connections=512, max_keepalive_connections=64))
+        return self._client
+
+    async def _call(self, method: str, path: str, *, json=None, timeout: float | None = None, retries=None) -> dict:
+        import httpx
+
+        retries = self.retries if retries is None else retries
+        last = None
+        for attempt in range(retries + 1):
+            try:
+                r = await self._http().request(method, self.url + path, json=json,
+                                               timeout=timeout if timeout is not None else self.timeout_s)
+            except (httpx.TransportError, OSError) as exc:  # refused, reset, timed out
+                last = f"{type(exc).__name__}: {exc}"
+            else:
+                if r.status_code < 400:
+                    return r.json()
+                if r.status_code < 500:
+                    raise EngineRequestError(f"{self.url}{path}: HTTP {r.status_code}: {r.text[:500]}")
+                last = f"HTTP {r.status_code}: {r.text[:200]}"
+            if attempt < retries:
+                await asyncio.sleep(self.backoff_s * 2**attempt)
+        raise EngineUnavailable(f"{self.url}{path} failed after {retries + 1} attempts: {last}")
+
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams,
+                       request_id: str | None = None) -> Completion:
+        sp = {"temperature": sampling.temperature, "top_p": sampling.top_p,
+              "top_k": sampling.top_k if sampling.top_k > 0 else -1, "max_new_tokens": sampling.max_new_tokens,
+              "no_stop_trim": True, "skip_special_tokens": False}
+        if sampling.stop_token_ids:
+            sp["stop_token_ids"] = list(sampling.stop_token_ids)
+        if sampling.seed is not None:
+            sp["sampling_seed"] = sampling.seed
+        body = {"input_ids": list(prompt_ids), "sampling_params": sp, "return_logprob": True,
+                "rid": request_id or uuid.uuid4().hex}
+        out = await self._call("POST", "/generate", json=body)
+        return parse_generate(out, self.url)
+
+    async def abort(self, request_id: str) -> bool:
+        await self._call("POST", "/abort_request", json={"rid": request_id}, timeout=10, retries=0)
+        return True
+
+    async def abort_all(self) -> None:
+        await self._call("POST", "/abort_request", json={"abort_all": True}, timeout=10, retries=0)
+
+    async def health(self) -> bool:
+        try:
+            await self._call("GET", "/health", timeout=5, retries=0)
+            return True
+        except (EngineUnavailable, EngineRequestError):
+            return False
+
+    async def get_weight_version(self) -> int:
+        out = await self._call("GET", "/get_weight_version", timeout=10, retries=0)
+        return int(out["weight_version"])
+
+    async def load_weights(self, path: str | Path, version: int, checksum: str | None = None) -> int:
+        """Tell the engine to load ``path`` as ``version``; check the checksum it reports."""
+        out = await self._call("POST", "/update_weights_from_disk",
+                               json={"model_path": str(path), "weight_version": version}, retries=1)
+        if not out.get("success", False):
+            raise EngineRequestError(f"{self.url}: update_weights_from_disk failed: {out.get('message')}")
+        if checksum is not None and out.get("checksum") not in (None, checksum):
+            raise EngineRequestError(f"{self.url}: weights of version {version} arrived with checksum "
+                                     f"{out.get('checksum')}, the trainer's is {checksum}")
+        self.weight_version = version
+        return version
+
+    async def update_weights(self, state_dict, version: int | None = None) -> int:
+        if self.writer is None:
+            raise ValueError(f"{self}: weights go through disk; give the engine a WeightWriter")
+        version = self.weight_version + 1 if version is None else version
+        path, checksum = self.writer.write(state_dict, version)
+        return await self.load_weights(path, version, checksum)
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+
+def parse_generate(out: dict, where: str) -> Completion:
+    """An SGLang ``/generate`` answer as a Completion (logprobs from ``meta_info.output_token_logprobs``)."""
+    try:
+        meta = out["meta_info"]
+        entries = meta.get("output_token_logprobs")
+        ids = [int(e[1]) for e in entries] if entries else list(out.get("output_ids", []))
+        logprobs = [float(e[0]) for e in entries] if entries is not None else None
+        reason = meta.get("finish_reason") or {}
+        kind = reason.get("type") if isinstance(reason, dict) else str(reason)
+        finish = {"stop": "stop", "length": "length", "abort": "abort"}.get(kind, "abort")
+        version = meta.get("weight_version", 0)
+        return Completion(ids, logprobs, finish, int(version) if str(version).isdigit() else 0)
+    except (KeyError, TypeError, ValueError, IndexError) as exc:
+        raise EngineRequestError(f"{where}: unexpected /generate answer ({type(exc).__name__}: {exc}): "
+                                 f"{str(out)[:300]}") from None

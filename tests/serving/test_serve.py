@@ -1,0 +1,150 @@
+"""`strop serve`: real server processes on 127.0.0.1, SGLang-native and OpenAI routes, bad input."""
+
+import asyncio
+import json
+
+import httpx
+import pytest
+import torch
+
+from strop.engines.http import SGLangEngine, WeightWriter, state_checksum
+from strop.types import SamplingParams
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _post(url, path, body, **kw):
+    return httpx.post(url + path, json=body, timeout=60, **kw)
+
+
+def test_generate_returns_tokens_and_the_trainers_logprobs(start_server, tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    from strop.train.logprob import response_logprobs
+
+    server = start_server()
+    prompt = [5, 17, 230, 9]
+    r = _post(server.url, "/generate", {"input_ids": prompt, "return_logprob": True,
+                                         "sampling_params": {"temperature": 0.7, "max_new_tokens": 8,
+                                                             "stop_token_ids": [-1]}})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    meta = out["meta_info"]
+    ids = [e[1] for e in meta["output_token_logprobs"]]
+    assert ids == out["output_ids"] and len(ids) == 8 and meta["finish_reason"] == {"type": "length"}
+    assert meta["weight_version"] == 0 and isinstance(out["text"], str)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    full = torch.tensor([prompt + ids])
+    with torch.no_grad():
+        lp, _ = response_logprobs(model, full, torch.ones_like(full), torch.arange(4, 12).unsqueeze(0), temperature=0.7)
+    torch.testing.assert_close(torch.tensor([[e[0] for e in meta["output_token_logprobs"]]]), lp, rtol=0, atol=1e-4)
+
+
+def test_64_concurrent_clients_are_all_answered(start_server):
+    server = start_server()
+    engine = SGLangEngine(server.url, timeout_s=120)
+
+    async def main():
+        sp = SamplingParams(temperature=1.0, max_new_tokens=6)
+        outs = await asyncio.gather(*(engine.generate([3 + i, 40, 7], sp) for i in range(64)))
+        await engine.close()
+        return outs
+
+    outs = asyncio.run(main())
+    assert len(outs) == 64
+    assert all(o.finish_reason in ("stop", "length") and len(o.logprobs) == len(o.token_ids) > 0 for o in outs)
+
+
+def test_bad_requests_get_4xx_and_the_server_keeps_serving(start_server):
+    server = start_server()
+    url = server.url
+    r = httpx.post(url + "/generate", content=b'{"input_ids": [1, 2', headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "json" in r.text.lower()
+    r = _post(url, "/generate", {"input_ids": "not a list"})
+    assert r.status_code == 422 and "input_ids" in r.text
+    r = _post(url, "/generate", {"input_ids": [1, 2], "sampling_params": {"temperature": "hot"}})
+    assert r.status_code == 422 and "temperature" in r.text
+    r = _post(url, "/generate", {"input_ids": [1, 2], "surprise": 1})
+    assert r.status_code == 422 and "surprise" in r.text
+    r = _post(url, "/generate", {"input_ids": [1] * 300})  # the tiny model's window is 256
+    assert r.status_code == 400 and "context window" in r.text
+    r = _post(url, "/generate", {"input_ids": []})
+    assert r.status_code == 422
+    r = _post(url, "/update_weights_from_disk", {"model_path": "/no/such/dir"})
+    assert r.status_code == 400 and "no safetensors" in r.text
+    assert httpx.get(url + "/health").status_code == 200
+    ok = _post(url, "/generate", {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}})
+    assert ok.status_code == 200 and len(ok.json()["output_ids"]) >= 1
+
+
+def test_weights_from_disk_change_generation_and_report_version_and_checksum(start_server, tmp_path):
+    from tests.tiny import make_tiny_model
+
+    server = start_server()
+    engine = SGLangEngine(server.url, writer=WeightWriter(tmp_path / "weights"))
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=6, stop_token_ids=[-1])
+    other = make_tiny_model(seed=7).state_dict()
+
+    async def main():
+        before = await engine.generate([5, 6, 7], greedy)
+        version = await engine.update_weights(other, version=3)  # checks the server's checksum against ours
+        after = await engine.generate([5, 6, 7], greedy)
+        reported = await engine.get_weight_version()
+        await engine.close()
+        return before, version, after, reported
+
+    before, version, after, reported = asyncio.run(main())
+    assert version == reported == 3 and after.weight_version == 3
+    assert before.logprobs != pytest.approx(after.logprobs, abs=1e-3)  # other weights, other distribution
+    written = list((tmp_path / "weights").glob("v*"))
+    assert [p.name for p in written] == ["v3"] and not list((tmp_path / "weights").glob(".tmp*"))
+    r = _post(server.url, "/update_weights_from_disk", {"model_path": str(written[0]), "weight_version": 4})
+    from strop.engines.server import load_weights_dir
+
+    assert r.json()["checksum"] == state_checksum(load_weights_dir(str(written[0]), "cpu"))
+
+
+def test_abort_request_ends_a_running_request(start_server):
+    server = start_server()
+    engine = SGLangEngine(server.url)
+
+    async def main():
+        long = SamplingParams(temperature=1.0, max_new_tokens=250, stop_token_ids=[-1])
+        task = asyncio.ensure_future(engine.generate([4, 5, 6], long, request_id="long-one"))
+        await asyncio.sleep(0.05)  # queued, running or not yet arrived: each ends as an abort
+        await engine.abort("long-one")
+        out = await asyncio.wait_for(task, 60)
+        await engine.close()
+        return out
+
+    out = asyncio.run(main())
+    assert out.finish_reason == "abort" and len(out.token_ids) < 250
+
+
+def test_openai_routes_return_token_ids_and_logprobs(start_server):
+    server = start_server()
+    r = _post(server.url, "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 4, "logprobs": 1, "temperature": 0})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["prompt_token_ids"] == [5, 6, 7] and len(choice["logprobs"]["token_logprobs"]) == len(choice["token_ids"])
+    r = _post(server.url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "2+2?"}],
+                                                     "max_tokens": 4, "logprobs": True, "model": "x"})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["message"]["role"] == "assistant" and len(choice["logprobs"]["content"]) == len(choice["token_ids"])
+
+
+def test_token_guards_weight_and_abort_routes(tiny_model):
+    from fastapi.testclient import TestClient
+
+    from strop.engines.embedded import EmbeddedEngine
+    from strop.engines.server import create_app, serve
+
+    app = create_app(EmbeddedEngine(tiny_model, pad_token_id=0), token="s3cret")
+    with TestClient(app) as client:
+        assert client.post("/abort_request", json={"rid": "x"}).status_code == 401
+        assert client.post("/flush_cache", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert client.post("/flush_cache", headers={"Authorization": "Bearer s3cret"}).status_code == 200
+        assert client.get("/health").status_code == 200  # generation and health stay open
+    with pytest.raises(ValueError, match="pass --token"):
+        serve("unused", host="0.0.0.0", token=None)
