@@ -191,10 +191,11 @@ class RunConfig(_Section):
 
 
 class EngineConfig(_Section):
-    kind: Literal["embedded", "strop", "sglang"] = Field(
+    kind: Literal["embedded", "strop", "sglang", "vllm"] = Field(
         "embedded", description="where rollouts are generated: 'embedded' (in this process), 'strop' (strop serve "
-        "servers) or 'sglang' (SGLang servers; same native API)")
-    urls: list[str] = Field(default_factory=list, description="server URLs (kind strop / sglang), e.g. "
+        "servers), 'sglang' (SGLang servers; same native API) or 'vllm' (vLLM OpenAI servers started with "
+        "--logprobs-mode processed_logprobs, and VLLM_SERVER_DEV_MODE=1 for weight reloads)")
+    urls: list[str] = Field(default_factory=list, description="server URLs (kind strop / sglang / vllm), e.g. "
                             "[\"http://127.0.0.1:30000\"]; several go behind strop's router")
     launch: int = Field(0, ge=0, description="kind=strop: start this many local strop serve processes for the run "
                         "(and stop them at the end) instead of urls")
@@ -208,17 +209,28 @@ class EngineConfig(_Section):
     affinity: bool = Field(False, description="keep the requests of one sample on one engine (multi-turn)")
     sync_dir: str | None = Field(None, description="where weights are written for remote engines to load "
                                  "(default: <run dir>/weights; must be readable by the servers)")
+    sync: Literal["disk", "broadcast"] = Field(
+        "disk", description="how new weights reach remote engines: 'disk' (safetensors written atomically, reloaded, "
+        "checksum compared) or 'broadcast' (a process group of the trainer's rank 0 and the servers; kind strop "
+        "and sglang)")
+    sync_bucket_bytes: int = Field(64 << 20, ge=1 << 20, description="broadcast: largest flat bucket, in bytes "
+                                   "(the extra memory on either side)")
+    sync_backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="broadcast: process-group backend (auto: nccl when the trainer is on cuda, else gloo)")
 
     @model_validator(mode="after")
     def _check_engine(self):
         if self.kind == "embedded" and (self.urls or self.launch):
-            raise ValueError("engine.urls / engine.launch need engine.kind='strop' or 'sglang'")
+            raise ValueError("engine.urls / engine.launch need engine.kind='strop', 'sglang' or 'vllm'")
         if self.kind != "embedded" and not self.urls and not self.launch:
             raise ValueError(f"engine.kind={self.kind!r} needs engine.urls or engine.launch=N")
         if self.launch and self.kind != "strop":
             raise ValueError("engine.launch starts strop serve processes: use engine.kind='strop'")
         if self.launch and self.urls:
             raise ValueError("give engine.urls or engine.launch, not both")
+        if self.sync == "broadcast" and self.kind == "vllm":
+            raise ValueError("engine.sync='broadcast' is not offered for vLLM servers (their weight-update group API "
+                             "differs); use engine.sync='disk'")
         return self
 
 

@@ -61,6 +61,10 @@ class _Controller:
         if self.c.trainer.dp.world > 1:
             print(f"strop: {self.c.trainer.dp.describe()}", flush=True)
         print(f"strop: device {self.c.trainer.device}", flush=True)
+        if self.cfg.engine.kind != "embedded":
+            urls = ", ".join(e.url for e in self.c.engine.engines)
+            how = f"{len(self.c.servers)} launched strop serve processes" if self.c.servers else self.cfg.engine.kind
+            print(f"strop: engine: router over {how}: {urls}", flush=True)
         save_config(self.cfg, self.run_dir / "config.yaml")
         self.evaluate(step=0)
 

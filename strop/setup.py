@@ -195,7 +195,8 @@ def _controller_parts(cfg: Config, p: _Prepared, trainer: Trainer, device: torch
                                          default_stop_token_ids=stop_ids, max_batch_size=r.max_batch_size,
                                          context_window=context_window, seed=r.seed), []
     else:
-        engine, servers = remote_engine(cfg, p.model_path, run_dir)
+        engine, servers = remote_engine(cfg, p.model_path, run_dir, probe_ids=train_prompts.prompt_ids[0],
+                                        device=device)
     sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                               max_new_tokens=r.max_new_tokens, stop_token_ids=stop_ids)
     eval_sampling = SamplingParams(temperature=0.0, max_new_tokens=cfg.eval.max_new_tokens or r.max_new_tokens,
@@ -212,18 +213,39 @@ def _controller_parts(cfg: Config, p: _Prepared, trainer: Trainer, device: torch
                       eval_sampling=eval_sampling, run_dir=run_dir, servers=servers)
 
 
-def remote_engine(cfg: Config, model_path: str, run_dir: Path):
-    """A router over HTTP engines (launched here, or at engine.urls); weights reach them through disk."""
+def remote_engine(cfg: Config, model_path: str, run_dir: Path, probe_ids: list[int], device=None):
+    """A router over HTTP engines (launched here, or at engine.urls); weights reach them through disk.
+    vLLM servers are probed first: one whose logprobs ignore the temperature is refused."""
+    import asyncio
+
     from strop.engines.http import SGLangEngine, WeightWriter
     from strop.engines.launch import launch_servers
     from strop.engines.router import Router
+    from strop.engines.sync import BroadcastSync
+    from strop.engines.vllm import VLLMEngine
 
     e = cfg.engine
     servers = launch_servers(e.launch, model_path, args=e.launch_args) if e.launch else []
     urls = [s.url for s in servers] or e.urls
     writer = WeightWriter(e.sync_dir or run_dir / "weights")
-    clients = [SGLangEngine(u, timeout_s=e.timeout_s, retries=e.retries, token=e.token, writer=writer) for u in urls]
-    return Router(clients, writer=writer, health_interval_s=e.health_interval_s, affinity=e.affinity), servers
+    kind = VLLMEngine if e.kind == "vllm" else SGLangEngine
+    clients = [kind(u, timeout_s=e.timeout_s, retries=e.retries, token=e.token, writer=writer) for u in urls]
+    if e.kind == "vllm":
+        async def probe():
+            try:
+                for c in clients:
+                    await c.check_logprobs(cfg.rollout.temperature, probe_ids)
+            finally:
+                for c in clients:
+                    await c.close()  # connections belong to the run's event loop, made later
+        asyncio.run(probe())
+    broadcast = None
+    if e.sync == "broadcast":
+        backend = e.sync_backend if e.sync_backend != "auto" else (
+            "nccl" if device is not None and device.type == "cuda" else "gloo")
+        broadcast = BroadcastSync(bucket_bytes=e.sync_bucket_bytes, backend=backend, timeout_s=e.timeout_s)
+    return Router(clients, writer=writer, health_interval_s=e.health_interval_s, affinity=e.affinity,
+                  broadcast=broadcast), servers
 
 
 def check_run_dir(cfg: Config) -> None:

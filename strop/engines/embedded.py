@@ -105,6 +105,19 @@ class EmbeddedEngine:
             self.weight_version = self.weight_version + 1 if version is None else version
         return self.weight_version
 
+    async def receive_weights(self, group, params: dict, plan, version: int | None = None) -> int:
+        """Receive broadcast buckets into ``params`` (the model's own tensors) between batches."""
+        from strop.engines.sync import receive_buckets
+
+        async with self._busy:
+            await asyncio.to_thread(self._locked, receive_buckets, group, params, plan, self.device)
+            self.weight_version = self.weight_version + 1 if version is None else version
+        return self.weight_version
+
+    def _locked(self, fn, *args):
+        with self._lock:
+            return fn(*args)
+
     def _load(self, state_dict) -> None:
         with self._lock:
             self.model.load_state_dict(state_dict, strict=True)

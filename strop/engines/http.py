@@ -159,6 +159,19 @@ class SGLangEngine:
         self.weight_version = version
         return version
 
+    async def join_group(self, host: str, port: int, rank: int, world: int, backend: str, name: str) -> None:
+        await self._call("POST", "/init_weights_update_group",
+                         json={"master_address": host, "master_port": port, "rank_offset": rank, "world_size": world,
+                               "group_name": name, "backend": backend}, retries=0)
+
+    async def receive_broadcast(self, manifest, version: int, bucket_bytes: int, name: str) -> int:
+        out = await self._call("POST", "/update_weights_from_distributed", retries=0, json={
+            "names": [m[0] for m in manifest], "dtypes": [m[1] for m in manifest],
+            "shapes": [list(m[2]) for m in manifest], "weight_version": version, "bucket_bytes": bucket_bytes,
+            "group_name": name})
+        self.weight_version = int(out["weight_version"])
+        return self.weight_version
+
     async def update_weights(self, state_dict, version: int | None = None) -> int:
         if self.writer is None:
             raise ValueError(f"{self}: weights go through disk; give the engine a WeightWriter")

@@ -25,7 +25,9 @@ from strop.types import Completion, SamplingParams
 
 class Router:
     def __init__(self, engines: list, *, writer: WeightWriter | None = None, max_attempts: int | None = None,
-                 health_interval_s: float = 2.0, affinity: bool = False):
+                 health_interval_s: float = 2.0, affinity: bool = False, broadcast=None):
+        """``writer``: weights go through disk; ``broadcast`` (a :class:`strop.engines.sync.BroadcastSync`):
+        they are broadcast over a process group with the engines instead."""
         if not engines:
             raise ValueError("a router needs at least one engine")
         self.engines = list(engines)
@@ -40,6 +42,9 @@ class Router:
         self.failovers = 0
         self._sticky: dict[str, int] = {}
         self._health_task: asyncio.Task | None = None
+        self.broadcast = broadcast
+        self.rejoining: set[int] = set()  # broadcast sync: back up, joins the group at the next update
+        self.bytes_sent = 0
 
     def _pick(self, exclude: set[int], key: str | None) -> int | None:
         if key is not None and key in self._sticky:
@@ -80,16 +85,42 @@ class Router:
         return Completion([], [], "abort", self.weight_version)  # every engine tried failed: ABORTED, not lost
 
     async def update_weights(self, state_dict, version: int | None = None) -> int:
-        """Write the weights once, load them into every healthy engine (a failure marks it down)."""
+        """Write the weights once, load them into every healthy engine (a failure marks it down);
+        or broadcast them to every healthy engine and every engine waiting to rejoin."""
+        version = self.weight_version + 1 if version is None else version
+        if self.broadcast is not None:
+            return await self._update_by_broadcast(state_dict, version)
         if self.writer is None:
             raise ValueError("the router syncs weights through disk: give it a WeightWriter")
-        version = self.weight_version + 1 if version is None else version
         self.latest = self.writer.write(state_dict, version)
         await asyncio.gather(*(self._load(i, version) for i in range(len(self.engines)) if self.healthy[i]))
         self.weight_version = version
         if not any(self.healthy):
             raise EngineUnavailable("no engine is healthy after the weight update")
         return version
+
+    async def _update_by_broadcast(self, state_dict, version: int) -> int:
+        for attempt in range(2):
+            members = [i for i in range(len(self.engines)) if self.healthy[i] or i in self.rejoining]
+            if not members:
+                raise EngineUnavailable("no engine is healthy to receive the weights")
+            try:
+                self.bytes_sent = await self.broadcast.update([self.engines[i] for i in members], state_dict, version)
+            except (EngineUnavailable, EngineRequestError, RuntimeError) as exc:
+                for i in members:  # whoever does not answer now leaves the group; the rest try again
+                    if not await self.engines[i].health():
+                        self._mark_down(i, f"weight broadcast failed: {exc}")
+                        self.rejoining.discard(i)
+                if attempt:
+                    raise
+                continue
+            for i in self.rejoining:
+                self.healthy[i] = True
+                self.events.append(f"re-admitted {self.engines[i]!r} at weight version {version}")
+            self.rejoining.clear()
+            self.weight_version = version
+            return version
+        raise AssertionError("unreachable")
 
     async def _load(self, i: int, version: int) -> None:
         path, checksum = self.latest
@@ -109,7 +140,13 @@ class Router:
     async def check_health(self) -> None:
         """Probe every down engine; re-admit one that answers and holds (or now loads) the current weights."""
         for i, engine in enumerate(self.engines):
-            if self.healthy[i] or not await engine.health():
+            if self.healthy[i] or i in self.rejoining or not await engine.health():
+                continue
+            if self.broadcast is not None:  # it gets the weights (and is re-admitted) at the next update
+                if self.weight_version:
+                    self.rejoining.add(i)
+                else:
+                    self.healthy[i] = True
                 continue
             try:
                 if self.weight_version and await engine.get_weight_version() != self.weight_version:

@@ -15,6 +15,7 @@ A bad request gets a 4xx with a message; the server keeps serving.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import time
 import uuid
@@ -67,6 +68,26 @@ class DiskUpdateBody(_Body):
     load_format: str | None = None
     flush_cache: bool = True
     abort_all_requests: bool = False
+
+
+class GroupBody(_Body):
+    master_address: str
+    master_port: int = Field(gt=0, lt=65536)
+    rank_offset: int = Field(ge=1)
+    world_size: int = Field(ge=2)
+    group_name: str = "weight_update_group"
+    backend: str = "gloo"
+
+
+class DistributedUpdateBody(_Body):
+    names: list[str] = Field(min_length=1)
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    weight_version: int | str | None = None
+    bucket_bytes: int = Field(64 << 20, ge=1 << 10)
+    flush_cache: bool = True
+    return_checksum: bool = False
 
 
 class CompletionBody(BaseModel):
@@ -194,6 +215,46 @@ def create_app(engine: EmbeddedEngine, *, tokenizer=None, token: str | None = No
             raise HTTPException(status_code=400, detail=f"update_weights_from_disk: {exc}") from None
         return {"success": True, "message": "weights loaded", "weight_version": version,
                 "checksum": state_checksum(state)}
+
+    groups: dict[str, Any] = {}
+
+    @app.post("/init_weights_update_group")
+    async def init_group(body: GroupBody, request: Request):
+        """Join the trainer's weight-sync group as rank ``rank_offset`` (returns once every rank joined)."""
+        authorise(request)
+        from strop.engines.sync import make_group
+
+        try:
+            groups[body.group_name] = await asyncio.to_thread(
+                make_group, body.master_address, body.master_port, body.rank_offset, body.world_size, body.backend)
+        except (RuntimeError, ValueError) as exc:
+            raise HTTPException(status_code=400, detail=f"init_weights_update_group: {exc}") from None
+        return {"success": True, "message": f"joined {body.group_name} as rank {body.rank_offset}"}
+
+    @app.post("/update_weights_from_distributed")
+    async def update_from_distributed(body: DistributedUpdateBody, request: Request):
+        """Receive the weights broadcast by the trainer, one bucket at a time, into the model in place."""
+        authorise(request)
+        from strop.engines.sync import bucket_plan
+
+        group = groups.get(body.group_name)
+        if group is None:
+            raise HTTPException(status_code=400, detail=f"no weight update group {body.group_name!r}: call "
+                                "/init_weights_update_group first")
+        params = engine.model.state_dict(keep_vars=False)
+        unknown = [n for n in body.names if n not in params]
+        if unknown or len(body.dtypes) != len(body.names) or len(body.shapes) != len(body.names):
+            raise HTTPException(status_code=400, detail=f"update_weights_from_distributed: unknown names {unknown[:5]} "
+                                "or names / dtypes / shapes of different lengths")
+        wrong = [n for n, s in zip(body.names, body.shapes) if tuple(params[n].shape) != tuple(s)]
+        if wrong:
+            raise HTTPException(status_code=400, detail=f"update_weights_from_distributed: shape mismatch for {wrong[:5]}")
+        plan = bucket_plan(list(zip(body.names, body.dtypes, [tuple(s) for s in body.shapes])), body.bucket_bytes)
+        version = await engine.receive_weights(group, params, plan, version=_int_version(body.weight_version))
+        out = {"success": True, "weight_version": version}
+        if body.return_checksum:
+            out["checksum"] = state_checksum({n: params[n] for n in body.names})
+        return out
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody):

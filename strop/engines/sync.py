@@ -1,0 +1,183 @@
+"""Weight sync to remote engines by broadcast, and the delta form's bookkeeping.
+
+Broadcast: the trainer's rank 0 and the engine servers form their own process group
+(rank 0 = trainer, ranks 1..n = engines; gloo on CPU, NCCL on GPU), separate from the
+trainer's data-parallel group. The weights travel as a stream of flat buckets of at most
+``bucket_bytes``: a tensor larger than a bucket is cut into pieces, so the extra memory on
+either side is one bucket, whatever the largest tensor is. Both sides derive the same
+bucket plan from the manifest (names, dtypes, shapes) the trainer sends over HTTP.
+
+Delta: only tensors whose bytes changed since the version the engine holds are sent,
+each with a checksum the engine checks on arrival (:func:`tensor_digest`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_SYNC_BUCKET_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Elements [start, stop) of the flattened tensor ``name``, at ``offset`` in its bucket."""
+
+    name: str
+    start: int
+    stop: int
+    offset: int
+
+
+def bucket_plan(manifest: list[tuple[str, str, tuple[int, ...]]], bucket_bytes: int) -> list[tuple[str, list[Piece]]]:
+    """Cut the manifest's tensors, in order and per dtype, into buckets of at most ``bucket_bytes``.
+
+    Returns ``[(dtype, [Piece, ...]), ...]``; a bucket holds elements of one dtype only.
+    """
+    plan: list[tuple[str, list[Piece]]] = []
+    open_bucket: dict[str, tuple[list[Piece], int]] = {}  # dtype -> (pieces, elements used)
+    for name, dtype, shape in manifest:
+        size = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+        capacity = max(bucket_bytes // size, 1)
+        numel = 1
+        for d in shape:
+            numel *= d
+        start = 0
+        while start < numel:
+            pieces, used = open_bucket.get(dtype, ([], 0))
+            take = min(numel - start, capacity - used)
+            pieces.append(Piece(name, start, start + take, used))
+            used += take
+            start += take
+            if used == capacity:
+                plan.append((dtype, pieces))
+                open_bucket.pop(dtype, None)
+            else:
+                open_bucket[dtype] = (pieces, used)
+    plan += [(dtype, pieces) for dtype, (pieces, _) in open_bucket.items()]
+    return plan
+
+
+def manifest_of(named: dict[str, torch.Tensor]) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(name, dtype, shape) of every tensor, skipping names that alias an earlier one (tied weights)."""
+    seen, out = set(), []
+    for name, t in named.items():
+        key = (t.untyped_storage().data_ptr(), t.storage_offset())
+        if key in seen:
+            continue
+        seen.add(key)
+        out.append((name, str(t.dtype).removeprefix("torch."), tuple(t.shape)))
+    return out
+
+
+def make_group(host: str, port: int, rank: int, world: int, backend: str = "gloo", timeout_s: float = 600.0):
+    """A standalone process group (not the default one): rank 0 hosts the store."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(host, port, world, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, world, timeout)
+    if backend == "nccl":
+        return dist.ProcessGroupNCCL(store, rank, world)
+    raise ValueError(f"weight sync backend must be 'gloo' or 'nccl', got {backend!r}")
+
+
+def _broadcast(group, buf: torch.Tensor) -> None:
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    group.broadcast([buf], opts).wait()
+
+
+def send_buckets(group, named: dict[str, torch.Tensor], plan, device) -> int:
+    """Trainer side: fill one bucket at a time from ``named`` and broadcast it. Returns bytes sent."""
+    sent = 0
+    for dtype, pieces in plan:
+        n = pieces[-1].offset + (pieces[-1].stop - pieces[-1].start)
+        buf = torch.empty(n, dtype=getattr(torch, dtype), device=device)
+        for p in pieces:
+            buf[p.offset : p.offset + p.stop - p.start] = named[p.name].detach().reshape(-1)[p.start : p.stop]
+        _broadcast(group, buf)
+        sent += buf.numel() * buf.element_size()
+        del buf
+    return sent
+
+
+def receive_buckets(group, params: dict[str, torch.Tensor], plan, device) -> int:
+    """Engine side: receive one bucket at a time and copy it into ``params`` (by name, in place)."""
+    received = 0
+    with torch.no_grad():
+        for dtype, pieces in plan:
+            n = pieces[-1].offset + (pieces[-1].stop - pieces[-1].start)
+            buf = torch.empty(n, dtype=getattr(torch, dtype), device=device)
+            _broadcast(group, buf)
+            for p in pieces:
+                params[p.name].view(-1)[p.start : p.stop].copy_(buf[p.offset : p.offset + p.stop - p.start])
+            received += buf.numel() * buf.element_size()
+            del buf
+    return received
+
+
+def tensor_digest(t: torch.Tensor) -> str:
+    """blake2b of one tensor's bytes (the delta form's per-tensor checksum)."""
+    data = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+class DeltaTracker:
+    """What the engines hold: one digest per tensor. :meth:`changed` names the tensors whose
+    bytes differ from the last version sent (all of them the first time)."""
+
+    def __init__(self):
+        self.digests: dict[str, str] = {}
+
+    def changed(self, named: dict[str, torch.Tensor]) -> dict[str, str]:
+        new = {name: tensor_digest(t) for name, t in named.items()}
+        out = {name: d for name, d in new.items() if self.digests.get(name) != d}
+        return out
+
+    def commit(self, sent: dict[str, str]) -> None:
+        self.digests.update(sent)
+
+
+class BroadcastSync:
+    """The trainer's side of broadcast sync: a group with the given engines, rebuilt on demand."""
+
+    def __init__(self, bucket_bytes: int = DEFAULT_SYNC_BUCKET_BYTES, backend: str = "gloo", host: str = "127.0.0.1",
+                 timeout_s: float = 600.0):
+        self.bucket_bytes, self.backend, self.host, self.timeout_s = bucket_bytes, backend, host, timeout_s
+        self.group, self.members, self.generation = None, (), 0
+
+    async def connect(self, engines: list) -> None:
+        """A new group of this process (rank 0) and ``engines`` (ranks 1..n)."""
+        import asyncio
+
+        from strop.parallel.launch import free_port
+
+        port, world = free_port(), len(engines) + 1
+        self.generation += 1
+        name = f"strop-sync-{self.generation}"
+        own = asyncio.to_thread(make_group, self.host, port, 0, world, self.backend, self.timeout_s)
+        joined = await asyncio.gather(own, *(e.join_group(self.host, port, i + 1, world, self.backend, name)
+                                             for i, e in enumerate(engines)))
+        self.group, self.members, self.name = joined[0], tuple(engines), name
+
+    async def update(self, engines: list, named: dict[str, torch.Tensor], version: int) -> int:
+        """Broadcast ``named`` to ``engines`` (reconnecting when the set changed); returns bytes sent."""
+        import asyncio
+
+        if tuple(engines) != self.members:
+            await self.connect(engines)
+        manifest = manifest_of(named)
+        plan = bucket_plan(manifest, self.bucket_bytes)
+        device = next(iter(named.values())).device
+        results = await asyncio.gather(asyncio.to_thread(send_buckets, self.group, named, plan, device),
+                                       *(e.receive_broadcast(manifest, version, self.bucket_bytes, self.name)
+                                         for e in engines), return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            self.members = ()  # the group is broken: the next update builds a new one
+            raise failed[0]
+        return results[0]

@@ -1,0 +1,112 @@
+"""Weight sync by broadcast: the bucket plan, memory within one bucket, a real server receiving."""
+
+import asyncio
+import random
+
+import pytest
+import torch
+
+from strop.engines.sync import BroadcastSync, bucket_plan, manifest_of
+from strop.parallel.launch import run_on_ranks
+
+MiB = 1 << 20
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_bucket_plan_covers_every_element_once_within_the_budget(seed):
+    rng = random.Random(seed)
+    manifest = [(f"t{i}", rng.choice(["float32", "bfloat16"]), tuple(rng.randint(1, 40) for _ in range(rng.randint(1, 3))))
+                for i in range(rng.randint(1, 12))]
+    budget = rng.choice([64, 256, 4096])
+    plan = bucket_plan(manifest, budget)
+    seen = {name: [] for name, _, _ in manifest}
+    for dtype, pieces in plan:
+        size = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+        used = 0
+        for p in pieces:
+            assert p.offset == used and dict((n, d) for n, d, _ in manifest)[p.name] == dtype
+            used += p.stop - p.start
+            seen[p.name].append((p.start, p.stop))
+        assert 0 < used * size <= max(budget, size)
+    for name, _, shape in manifest:
+        spans = sorted(seen[name])
+        assert spans[0][0] == 0 and spans[-1][1] == torch.Size(shape).numel()
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))  # contiguous, no overlap, no gap
+
+
+def test_manifest_skips_tied_weights():
+    w = torch.zeros(4, 2)
+    assert [m[0] for m in manifest_of({"embed": w, "head": w, "norm": torch.ones(2)})] == ["embed", "norm"]
+
+
+SHAPES = [(8 * MiB // 4,), (3 * MiB // 4,), (1000,), (4 * MiB // 4, 2)]  # a tensor of 8 MiB > the 2 MiB bucket
+
+
+def _transfer(rank, world, port, bucket):
+    import ctypes
+    import resource
+
+    # every large buffer a fresh mapping, returned when freed (set here: the environment variable
+    # is read by glibc at start-up, before the launcher could set it in this process)
+    ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD
+
+    from strop.engines.sync import make_group, receive_buckets, send_buckets
+
+    group = make_group("127.0.0.1", port, rank, 2, "gloo", 60)
+    torch.manual_seed(0)
+    named = {f"t{i}": (torch.randn(s) if rank == 0 else torch.zeros(s)) for i, s in enumerate(SHAPES)}
+    for t in named.values():
+        t.add_(0)  # touch every page before the baseline
+    plan = bucket_plan(manifest_of(named), bucket)
+    warm = {"w": torch.zeros(bucket // 4)}  # warm the gloo path (its one-time buffers) with one bucket
+    warm_plan = bucket_plan(manifest_of(warm), bucket)
+    (send_buckets if rank == 0 else receive_buckets)(group, warm, warm_plan, "cpu")
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    (send_buckets if rank == 0 else receive_buckets)(group, named, plan, "cpu")
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return after - before, {k: float(v.double().sum()) for k, v in named.items()}
+
+
+@pytest.mark.timeout(120)
+def test_broadcast_moves_every_weight_with_one_bucket_of_extra_memory():
+    from strop.parallel.launch import free_port
+
+    bucket = 2 * MiB
+    (extra0, sums0), (extra1, sums1) = run_on_ranks(_transfer, 2, free_port(), bucket, timeout=100)
+    assert sums0 == sums1  # the receiver holds exactly the sender's weights
+    largest = max(torch.Size(s).numel() * 4 for s in SHAPES)
+    for extra in (extra0, extra1):
+        assert extra <= bucket + 1.5 * MiB, (extra / MiB, "MiB")  # + 1.5 MiB for allocator and gloo bookkeeping
+    assert bucket + 1.5 * MiB < largest  # the bound is below the largest tensor: pieces, not whole tensors
+
+
+@pytest.mark.timeout(240)
+def test_a_server_receives_broadcast_weights(start_server):
+    from strop.engines.http import SGLangEngine
+    from tests.tiny import make_tiny_model
+
+    server = start_server()
+    engine = SGLangEngine(server.url)
+    sync = BroadcastSync(bucket_bytes=256 * 1024)
+    state = make_tiny_model(seed=11).state_dict()
+
+    async def main():
+        sent = await sync.update([engine], state, version=4)
+        version = await engine.get_weight_version()
+        await engine.close()
+        return sent, version
+
+    sent, version = asyncio.run(main())
+    assert version == 4
+    unique = {n: t for n, t in state.items() if n != "lm_head.weight"}  # tied to the embedding
+    assert sent == sum(t.numel() * 4 for t in unique.values())
+    # the server now generates with exactly these weights: same greedy logprobs as a local model
+    from strop.engines.embedded import EmbeddedEngine
+    from strop.types import SamplingParams
+
+    local = make_tiny_model(seed=11)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=4, stop_token_ids=[-1])
+    want = EmbeddedEngine(local, pad_token_id=0).generate_batch([[5, 6, 7]], greedy)[0]
+    got = asyncio.run(SGLangEngine(server.url).generate([5, 6, 7], greedy))
+    assert got.token_ids == want.token_ids and got.weight_version == 4
+    assert max(abs(a - b) for a, b in zip(got.logprobs, want.logprobs)) < 1e-5

@@ -1,0 +1,29 @@
+"""`strop train` with rollouts from launched `strop serve` processes behind the router."""
+
+import json
+import re
+
+import httpx
+import pytest
+
+from strop.config import build_config
+from strop.loop import train
+from tests.test_e2e import tiny_overrides
+
+
+@pytest.mark.timeout(300)
+def test_train_with_two_launched_servers(tiny_model_dir, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    cfg = tiny_overrides(tiny_model_dir, run_dir, engine={"kind": "strop", "launch": 2, "launch_args": ["--threads=1"]})
+    summary = train(build_config(overrides=cfg))
+    out = capsys.readouterr().out
+    urls = re.search(r"router over 2 launched strop serve processes: (.*)", out).group(1).split(", ")
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "reward_mean" in r]
+    assert summary["status"] == "completed" and len(steps) == 2
+    # the servers sample with the weights the trainer has: engine and trainer logprobs agree
+    assert all(r["train_rollout_logprob_abs_diff"] < 1e-4 for r in steps)
+    assert sorted(p.name for p in (run_dir / "weights").glob("v*")) == ["v1", "v2"]
+    for url in urls:  # launched by the run, stopped by the run
+        with pytest.raises(httpx.TransportError):
+            httpx.get(url + "/health", timeout=2)
