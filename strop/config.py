@@ -209,10 +209,11 @@ class EngineConfig(_Section):
     affinity: bool = Field(False, description="keep the requests of one sample on one engine (multi-turn)")
     sync_dir: str | None = Field(None, description="where weights are written for remote engines to load "
                                  "(default: <run dir>/weights; must be readable by the servers)")
-    sync: Literal["disk", "broadcast"] = Field(
+    sync: Literal["disk", "delta", "broadcast"] = Field(
         "disk", description="how new weights reach remote engines: 'disk' (safetensors written atomically, reloaded, "
-        "checksum compared) or 'broadcast' (a process group of the trainer's rank 0 and the servers; kind strop "
-        "and sglang)")
+        "checksum compared), 'delta' (through disk, only the tensors that changed since the version each engine "
+        "holds, each checked by its digest; kind strop) or 'broadcast' (a process group of the trainer's rank 0 and "
+        "the servers; kind strop)")
     sync_bucket_bytes: int = Field(64 << 20, ge=1 << 20, description="broadcast: largest flat bucket, in bytes "
                                    "(the extra memory on either side)")
     sync_backend: Literal["auto", "gloo", "nccl"] = Field(
@@ -228,9 +229,9 @@ class EngineConfig(_Section):
             raise ValueError("engine.launch starts strop serve processes: use engine.kind='strop'")
         if self.launch and self.urls:
             raise ValueError("give engine.urls or engine.launch, not both")
-        if self.sync == "broadcast" and self.kind == "vllm":
-            raise ValueError("engine.sync='broadcast' is not offered for vLLM servers (their weight-update group API "
-                             "differs); use engine.sync='disk'")
+        if self.sync != "disk" and self.kind != "strop":
+            raise ValueError(f"engine.sync={self.sync!r} needs strop serve servers (engine.kind='strop'): SGLang's and "
+                             "vLLM's routes for it differ; use engine.sync='disk'")
         return self
 
 

@@ -79,7 +79,12 @@ class _Controller:
         return samples, metrics
 
     def after_step(self, step: int, weights: dict, metrics: dict) -> None:
+        t = time.perf_counter()
         self.loop.run_until_complete(self.c.engine.update_weights(weights, version=step))
+        metrics["weight_sync_seconds"] = time.perf_counter() - t
+        if getattr(self.c.engine, "bytes_full", 0):  # the delta form: what moved against a full sync
+            metrics["weight_sync_bytes"] = self.c.engine.bytes_sent
+            metrics["weight_sync_fraction"] = self.c.engine.bytes_sent / self.c.engine.bytes_full
         self.log.log(metrics | memory_metrics(self.c.trainer.device) | {
             "step": step, "step_seconds": time.perf_counter() - self.t_step, "elapsed_seconds": self.clock()})
         self.progress.update(1, reward=metrics["reward_mean"])

@@ -245,7 +245,7 @@ def remote_engine(cfg: Config, model_path: str, run_dir: Path, probe_ids: list[i
             "nccl" if device is not None and device.type == "cuda" else "gloo")
         broadcast = BroadcastSync(bucket_bytes=e.sync_bucket_bytes, backend=backend, timeout_s=e.timeout_s)
     return Router(clients, writer=writer, health_interval_s=e.health_interval_s, affinity=e.affinity,
-                  broadcast=broadcast), servers
+                  broadcast=broadcast, delta=e.sync == "delta"), servers
 
 
 def check_run_dir(cfg: Config) -> None:

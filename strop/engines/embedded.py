@@ -97,11 +97,12 @@ class EmbeddedEngine:
                 if not r.future.done():
                     r.future.set_result(c)
 
-    async def update_weights(self, state_dict, version: int | None = None) -> int:
+    async def update_weights(self, state_dict, version: int | None = None, strict: bool = True) -> int:
         """Copy ``state_dict`` into the engine's model between batches (device to device when the
-        trainer shares this process's device: nothing goes through host memory)."""
+        trainer shares this process's device: nothing goes through host memory). ``strict=False``
+        loads a subset (the delta form)."""
         async with self._busy:
-            await asyncio.to_thread(self._load, state_dict)
+            await asyncio.to_thread(self._load, state_dict, strict)
             self.weight_version = self.weight_version + 1 if version is None else version
         return self.weight_version
 
@@ -118,9 +119,9 @@ class EmbeddedEngine:
         with self._lock:
             return fn(*args)
 
-    def _load(self, state_dict) -> None:
+    def _load(self, state_dict, strict: bool = True) -> None:
         with self._lock:
-            self.model.load_state_dict(state_dict, strict=True)
+            self.model.load_state_dict(state_dict, strict=strict)
 
     async def abort(self, request_id: str) -> bool:
         """End one request with finish_reason 'abort' (queued: at once; running: at its next decode

@@ -52,11 +52,13 @@ class WeightWriter:
     def __init__(self, directory: str | Path, keep: int = 2):
         self.dir, self.keep = Path(directory), keep  # created at the first write
 
-    def write(self, state: dict[str, torch.Tensor], version: int) -> tuple[Path, str]:
+    def write(self, state: dict[str, torch.Tensor], version: int, tag: str = "") -> tuple[Path, str]:
+        """Write ``state`` as version ``version`` (``tag`` tells apart several files of one version:
+        the delta form writes one per set of changed tensors). Returns the folder and the checksum."""
         from safetensors.torch import save_file
 
-        final = self.dir / f"v{version}"
-        tmp = self.dir / f".tmp-v{version}-{os.getpid()}"
+        final = self.dir / f"v{version}{tag}"
+        tmp = self.dir / f".tmp-v{version}{tag}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)  # (and self.dir with it)
         unique, seen = {}, set()
@@ -66,8 +68,10 @@ class WeightWriter:
         save_file(unique, str(tmp / "model.safetensors"))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-        for old in sorted(self.dir.glob("v*"), key=lambda p: int(p.name[1:]))[: -self.keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        versions = sorted({int(p.name[1:].split("-")[0]) for p in self.dir.glob("v*")})
+        for old in self.dir.glob("v*"):
+            if int(old.name[1:].split("-")[0]) in versions[: -self.keep]:
+                shutil.rmtree(old, ignore_errors=True)
         return final, state_checksum(unique)
 
 
@@ -147,10 +151,14 @@ class SGLangEngine:
         out = await self._call("GET", "/get_weight_version", timeout=10, retries=0)
         return int(out["weight_version"])
 
-    async def load_weights(self, path: str | Path, version: int, checksum: str | None = None) -> int:
-        """Tell the engine to load ``path`` as ``version``; check the checksum it reports."""
-        out = await self._call("POST", "/update_weights_from_disk",
-                               json={"model_path": str(path), "weight_version": version}, retries=1)
+    async def load_weights(self, path: str | Path, version: int, checksum: str | None = None,
+                           digests: dict[str, str] | None = None) -> int:
+        """Tell the engine to load ``path`` as ``version``; check the checksum it reports. With
+        ``digests`` (the delta form) the file holds only those tensors and the engine checks each."""
+        body = {"model_path": str(path), "weight_version": version}
+        if digests is not None:
+            body["digests"] = digests
+        out = await self._call("POST", "/update_weights_from_disk", json=body, retries=1)
         if not out.get("success", False):
             raise EngineRequestError(f"{self.url}: update_weights_from_disk failed: {out.get('message')}")
         if checksum is not None and out.get("checksum") not in (None, checksum):

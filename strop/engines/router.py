@@ -25,9 +25,10 @@ from strop.types import Completion, SamplingParams
 
 class Router:
     def __init__(self, engines: list, *, writer: WeightWriter | None = None, max_attempts: int | None = None,
-                 health_interval_s: float = 2.0, affinity: bool = False, broadcast=None):
-        """``writer``: weights go through disk; ``broadcast`` (a :class:`strop.engines.sync.BroadcastSync`):
-        they are broadcast over a process group with the engines instead."""
+                 health_interval_s: float = 2.0, affinity: bool = False, broadcast=None, delta: bool = False):
+        """``writer``: weights go through disk; ``delta``: only the tensors an engine does not hold yet,
+        each checked by its digest; ``broadcast`` (a :class:`strop.engines.sync.BroadcastSync`): they
+        are broadcast over a process group with the engines instead."""
         if not engines:
             raise ValueError("a router needs at least one engine")
         self.engines = list(engines)
@@ -43,8 +44,11 @@ class Router:
         self._sticky: dict[str, int] = {}
         self._health_task: asyncio.Task | None = None
         self.broadcast = broadcast
-        self.rejoining: set[int] = set()  # broadcast sync: back up, joins the group at the next update
-        self.bytes_sent = 0
+        self.rejoining: set[int] = set()  # broadcast / delta sync: back up, gets the weights at the next update
+        self.bytes_sent = 0  # the last update: bytes that reached engines (all of them together)
+        self.bytes_full = 0  # what a full sync to the same engines would have moved
+        self.delta = delta
+        self.held: list[dict[str, str]] = [{} for _ in self.engines]  # delta: digest of each tensor an engine holds
 
     def _pick(self, exclude: set[int], key: str | None) -> int | None:
         if key is not None and key in self._sticky:
@@ -92,6 +96,8 @@ class Router:
             return await self._update_by_broadcast(state_dict, version)
         if self.writer is None:
             raise ValueError("the router syncs weights through disk: give it a WeightWriter")
+        if self.delta:
+            return await self._update_by_delta(state_dict, version)
         self.latest = self.writer.write(state_dict, version)
         await asyncio.gather(*(self._load(i, version) for i in range(len(self.engines)) if self.healthy[i]))
         self.weight_version = version
@@ -122,6 +128,42 @@ class Router:
             return version
         raise AssertionError("unreachable")
 
+    async def _update_by_delta(self, state_dict, version: int) -> int:
+        from strop.engines.sync import manifest_of, tensor_digest
+
+        unique = {name: state_dict[name] for name, _, _ in manifest_of(state_dict)}
+        digests = {name: tensor_digest(t) for name, t in unique.items()}
+        sizes = {name: t.numel() * t.element_size() for name, t in unique.items()}
+        members = [i for i in range(len(self.engines)) if self.healthy[i] or i in self.rejoining]
+        by_change: dict[frozenset, list[int]] = {}
+        for i in members:  # engines holding the same tensors get the same file
+            changed = frozenset(n for n, d in digests.items() if self.held[i].get(n) != d)
+            by_change.setdefault(changed, []).append(i)
+        self.bytes_sent, self.bytes_full = 0, len(members) * sum(sizes.values())
+        for k, (changed, engines) in enumerate(by_change.items()):
+            path, _ = self.writer.write({n: unique[n] for n in sorted(changed)}, version, tag=f"-delta{k}")
+            sent = {n: digests[n] for n in changed}
+
+            async def load(i):
+                try:
+                    await self.engines[i].load_weights(path, version, digests=sent)
+                except (EngineUnavailable, EngineRequestError) as exc:
+                    self._mark_down(i, f"delta weight load failed: {exc}")
+                    self.rejoining.discard(i)
+                    self.held[i] = {}
+                    return
+                self.held[i] = dict(digests)
+                self.bytes_sent += sum(sizes[n] for n in changed)
+                if i in self.rejoining:
+                    self.rejoining.discard(i)
+                    self.healthy[i] = True
+                    self.events.append(f"re-admitted {self.engines[i]!r} at weight version {version}")
+            await asyncio.gather(*(load(i) for i in engines))
+        self.weight_version = version
+        if not any(self.healthy):
+            raise EngineUnavailable("no engine is healthy after the weight update")
+        return version
+
     async def _load(self, i: int, version: int) -> None:
         path, checksum = self.latest
         try:
@@ -142,7 +184,8 @@ class Router:
         for i, engine in enumerate(self.engines):
             if self.healthy[i] or i in self.rejoining or not await engine.health():
                 continue
-            if self.broadcast is not None:  # it gets the weights (and is re-admitted) at the next update
+            if self.broadcast is not None or self.delta:  # it gets the weights (and is re-admitted) at the next update
+                self.held[i] = {}  # a restarted engine holds its initial weights: everything is sent
                 if self.weight_version:
                     self.rejoining.add(i)
                 else:

@@ -65,6 +65,7 @@ class AbortBody(_Body):
 class DiskUpdateBody(_Body):
     model_path: str
     weight_version: int | str | None = None
+    digests: dict[str, str] | None = None  # delta form: the file holds only these tensors, each checked
     load_format: str | None = None
     flush_cache: bool = True
     abort_all_requests: bool = False
@@ -209,8 +210,18 @@ def create_app(engine: EmbeddedEngine, *, tokenizer=None, token: str | None = No
             raise HTTPException(status_code=400, detail=f"update_weights_from_disk: {exc}") from None
         if body.abort_all_requests:
             await engine.abort_all()
+        strict = body.digests is None
+        if body.digests is not None:  # the delta form: exactly the announced tensors, each as sent
+            from strop.engines.sync import tensor_digest
+
+            own = engine.model.state_dict()
+            bad = sorted(set(body.digests) ^ set(state)) + [n for n in state if n not in own]
+            bad += [n for n in state if n in body.digests and tensor_digest(state[n]) != body.digests[n]]
+            if bad:
+                raise HTTPException(status_code=400, detail=f"update_weights_from_disk: delta tensors missing, unknown "
+                                    f"or not matching their checksum: {bad[:5]}")
         try:
-            version = await engine.update_weights(state, version=_int_version(body.weight_version))
+            version = await engine.update_weights(state, version=_int_version(body.weight_version), strict=strict)
         except RuntimeError as exc:  # load_state_dict: missing / unexpected keys, wrong shapes
             raise HTTPException(status_code=400, detail=f"update_weights_from_disk: {exc}") from None
         return {"success": True, "message": "weights loaded", "weight_version": version,

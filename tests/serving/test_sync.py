@@ -110,3 +110,40 @@ def test_a_server_receives_broadcast_weights(start_server):
     got = asyncio.run(SGLangEngine(server.url).generate([5, 6, 7], greedy))
     assert got.token_ids == want.token_ids and got.weight_version == 4
     assert max(abs(a - b) for a, b in zip(got.logprobs, want.logprobs)) < 1e-5
+
+
+@pytest.mark.timeout(240)
+def test_delta_sync_sends_only_changed_tensors_and_checks_them(start_server, tmp_path):
+    from strop.engines.embedded import EmbeddedEngine
+    from strop.engines.http import EngineRequestError, SGLangEngine, WeightWriter
+    from strop.engines.router import Router
+    from strop.types import SamplingParams
+    from tests.tiny import make_tiny_model
+
+    server = start_server()
+    writer = WeightWriter(tmp_path / "w")
+    router = Router([SGLangEngine(server.url, writer=writer)], writer=writer, delta=True)
+    model = make_tiny_model(seed=5)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=4, stop_token_ids=[-1])
+
+    async def main():
+        await router.update_weights(model.state_dict(), version=1)
+        first = (router.bytes_sent, router.bytes_full)
+        with torch.no_grad():
+            model.model.norm.weight.mul_(1.5)  # one tensor changes
+        await router.update_weights(model.state_dict(), version=2)
+        second = (router.bytes_sent, router.bytes_full)
+        got = await router.generate([5, 6, 7], greedy)
+        # a corrupted file is refused: its digest does not match what the trainer announced
+        path, _ = writer.write({"model.norm.weight": torch.zeros(32)}, 3, tag="-bad")
+        with pytest.raises(EngineRequestError, match="checksum"):
+            await router.engines[0].load_weights(path, 3, digests={"model.norm.weight": "0" * 32})
+        await router.close()
+        return first, second, got
+
+    first, second, got = asyncio.run(main())
+    assert first[0] == first[1]  # the first sync sends everything
+    assert second == (32 * 4, first[1])  # then only the 32 floats of the changed norm
+    want = EmbeddedEngine(model, pad_token_id=0).generate_batch([[5, 6, 7]], greedy)[0]
+    assert got.token_ids == want.token_ids and got.weight_version == 2
+    assert max(abs(a - b) for a, b in zip(got.logprobs, want.logprobs)) < 1e-5

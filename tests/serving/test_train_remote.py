@@ -12,9 +12,11 @@ from tests.test_e2e import tiny_overrides
 
 
 @pytest.mark.timeout(300)
-def test_train_with_two_launched_servers(tiny_model_dir, tmp_path, capsys):
+@pytest.mark.parametrize("sync", ["disk", "delta", "broadcast"])
+def test_train_with_two_launched_servers(tiny_model_dir, tmp_path, capsys, sync):
     run_dir = tmp_path / "run"
-    cfg = tiny_overrides(tiny_model_dir, run_dir, engine={"kind": "strop", "launch": 2, "launch_args": ["--threads=1"]})
+    cfg = tiny_overrides(tiny_model_dir, run_dir, engine={"kind": "strop", "launch": 2, "launch_args": ["--threads=1"],
+                                                          "sync": sync})
     summary = train(build_config(overrides=cfg))
     out = capsys.readouterr().out
     urls = re.search(r"router over 2 launched strop serve processes: (.*)", out).group(1).split(", ")
@@ -23,7 +25,8 @@ def test_train_with_two_launched_servers(tiny_model_dir, tmp_path, capsys):
     assert summary["status"] == "completed" and len(steps) == 2
     # the servers sample with the weights the trainer has: engine and trainer logprobs agree
     assert all(r["train_rollout_logprob_abs_diff"] < 1e-4 for r in steps)
-    assert sorted(p.name for p in (run_dir / "weights").glob("v*")) == ["v1", "v2"]
+    written = sorted(p.name for p in (run_dir / "weights").glob("v*")) if sync != "broadcast" else []
+    assert written == {"disk": ["v1", "v2"], "delta": ["v1-delta0", "v2-delta0"], "broadcast": []}[sync]
     for url in urls:  # launched by the run, stopped by the run
         with pytest.raises(httpx.TransportError):
             httpx.get(url + "/health", timeout=2)

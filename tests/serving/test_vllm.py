@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-VLLM = Path(os.environ.get("STROP_VLLM_VENV", ROOT / ".venv-vllm")) / "bin" / "vllm"
+VLLM_PY = Path(os.environ.get("STROP_VLLM_VENV", ROOT / ".venv-vllm")) / "bin" / "python"
+VLLM = VLLM_PY.parent / "vllm"
 
 pytestmark = [
     pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900),
@@ -31,7 +32,9 @@ def vllm_server(tokenizer_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("vllm") / "server.log"
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", VLLM_SERVER_DEV_MODE="1", VLLM_LOGGING_LEVEL="WARNING")
     with open(log, "wb") as out:
-        proc = subprocess.Popen([str(VLLM), "serve", str(tokenizer_dir), "--host", "127.0.0.1", "--port", str(port),
+        # the `vllm` script looks up package metadata named "vllm" (the package is vllm-cpu): use the module
+        proc = subprocess.Popen([str(VLLM_PY), "-m", "vllm.entrypoints.openai.api_server", "--model", str(tokenizer_dir),
+                                 "--host", "127.0.0.1", "--port", str(port),
                                  "--dtype", "float32", "--logprobs-mode", "processed_logprobs",
                                  "--max-num-batched-tokens", "8192", "--max-model-len", "2048"],
                                 stdout=out, stderr=out, env=env)
