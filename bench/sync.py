@@ -4,7 +4,9 @@ For each form (disk, delta, broadcast) a fresh server and a fresh trainer-side p
 the trainer side loads the policy, syncs version 1 (the initial weights), takes one real
 GRPO step on synthetic samples, then syncs version 2. Reported per form, for the second
 sync: seconds, bytes that reached the engine (and the fraction of a full sync), and the
-rise of peak RSS on both sides during it (server: VmHWM; trainer: ru_maxrss).
+rise of peak RSS on both sides during it (VmHWM after, against VmRSS before, the peak reset
+just before the sync with ``5 > /proc/PID/clear_refs``). The trainer side's figure does not
+count the weights copy it syncs from (``Trainer.full_weights``, made before the sync).
 
     python bench/sync.py [--model embedded:smollm2-135m-instruct] [--bucket-mib 64]
 """
@@ -20,17 +22,22 @@ import time
 from pathlib import Path
 
 
-def _hwm_kib(pid: int) -> int:
+def _status_kib(pid, key: str) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
+        if line.startswith(key + ":"):
             return int(line.split()[1])
     return 0
+
+
+def _reset_peak(pid) -> int:
+    """Reset a process's peak RSS (VmHWM) to its current RSS (Linux: 5 > clear_refs); returns that RSS."""
+    Path(f"/proc/{pid}/clear_refs").write_text("5")
+    return _status_kib(pid, "VmRSS")
 
 
 def child(form: str, model: str, url: str, pid: int, bucket: int, work: str) -> dict:
     import asyncio
     import ctypes
-    import resource
 
     import torch
 
@@ -61,7 +68,7 @@ def child(form: str, model: str, url: str, pid: int, bucket: int, work: str) -> 
     weights = trainer.full_weights()
     for t in weights.values():
         t.add_(0)
-    server_before, own_before = _hwm_kib(pid), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    server_before, own_before = _reset_peak(pid), _reset_peak("self")
     t0 = time.perf_counter()
     loop.run_until_complete(router.update_weights(weights, version=2))
     seconds = time.perf_counter() - t0
@@ -69,8 +76,8 @@ def child(form: str, model: str, url: str, pid: int, bucket: int, work: str) -> 
     sent = router.bytes_sent if form != "disk" else full
     loop.run_until_complete(router.close())
     return {"form": form, "seconds": seconds, "bytes": sent, "full": full,
-            "server_extra_mib": (_hwm_kib(pid) - server_before) / 1024,
-            "trainer_extra_mib": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - own_before) / 1024}
+            "server_extra_mib": (_status_kib(pid, "VmHWM") - server_before) / 1024,
+            "trainer_extra_mib": (_status_kib("self", "VmHWM") - own_before) / 1024}
 
 
 def main() -> None:

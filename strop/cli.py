@@ -57,6 +57,8 @@ def serve_main(argv: list[str]) -> int:
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--batch-wait-ms", type=float, default=5.0,
+                        help="before a batch starts, wait while requests keep arriving (up to 10 such waits)")
     args = parser.parse_args(argv)
     _quiet_libraries()
     if args.threads:
@@ -67,7 +69,7 @@ def serve_main(argv: list[str]) -> int:
 
     try:
         serve(args.model_path, host=args.host, port=args.port, token=args.token, max_batch_size=args.max_batch_size,
-              seed=args.seed, device=args.device, dtype=args.dtype)
+              seed=args.seed, device=args.device, dtype=args.dtype, batch_wait_ms=args.batch_wait_ms)
     except (FileNotFoundError, ValueError) as exc:
         print(f"strop serve: error: {exc}", file=sys.stderr)
         return 1

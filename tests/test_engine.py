@@ -163,3 +163,29 @@ def test_engine_generates_on_the_fixture_device(tiny_model, device):
     engine = make_engine(tiny_model.to(device), seed=1)
     outs = engine.generate_batch(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=5))
     assert engine.device.type == torch.device(device).type and all(len(o.token_ids) > 0 for o in outs)
+
+
+@pytest.mark.parametrize("wait,batches", [(0.0, 8), (0.02, 1)])
+def test_batch_wait_gathers_requests_that_arrive_one_by_one(tiny_model, wait, batches):
+    """Over a network requests arrive a little apart: with batch_wait_s they still form one batch."""
+    engine = make_engine(tiny_model, batch_wait_s=wait)
+    sizes = []
+    real = engine.generate_batch
+
+    def recording(prompts, samplings, request_ids=None):
+        sizes.append(len(prompts))
+        return real(prompts, samplings, request_ids)
+
+    engine.generate_batch = recording
+
+    async def main():
+        sp = SamplingParams(max_new_tokens=2, stop_token_ids=[-1])
+        tasks = []
+        for i in range(8):
+            tasks.append(asyncio.ensure_future(engine.generate([5, 6, i + 7], sp)))
+            await asyncio.sleep(0.002)  # the next request arrives 2 ms later
+        return await asyncio.gather(*tasks)
+
+    outs = asyncio.run(main())
+    assert len(outs) == 8 and sum(sizes) == 8
+    assert len(sizes) == batches if wait else len(sizes) > 1

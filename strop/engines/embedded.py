@@ -40,11 +40,15 @@ class EmbeddedEngine:
         max_batch_size: int = 64,
         context_window: int | None = None,
         seed: int = 0,
+        batch_wait_s: float = 0.0,
     ):
+        """``batch_wait_s``: before a batch starts, wait while requests keep arriving (each wait this
+        long, at most ten) so requests sent together over a network form one batch."""
         self.model = model.eval()
         self.pad_token_id = pad_token_id
         self.default_stop_token_ids = list(default_stop_token_ids)
         self.max_batch_size = max_batch_size
+        self.batch_wait_s = batch_wait_s
         self.context_window = context_window or getattr(model.config, "max_position_embeddings", 2048)
         self.weight_version = 0
         self.generator = torch.Generator().manual_seed(seed)
@@ -73,6 +77,13 @@ class EmbeddedEngine:
 
     async def _flush(self) -> None:
         await asyncio.sleep(0)  # let every coroutine started in this tick enqueue first
+        for _ in range(10 if self.batch_wait_s else 0):  # requests still arriving: let them join this batch
+            seen = len(self._pending)
+            if seen >= self.max_batch_size:
+                break
+            await asyncio.sleep(self.batch_wait_s)
+            if len(self._pending) == seen:
+                break
         while self._pending:
             batch = self._pending[: self.max_batch_size]
             self._pending = self._pending[self.max_batch_size :]
