@@ -58,7 +58,7 @@ def serve_main(argv: list[str]) -> int:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--batch-wait-ms", type=float, default=5.0,
-                        help="before a batch starts, wait while requests keep arriving (up to 10 such waits)")
+                        help="before a batch starts, wait while requests keep arriving (up to 40 such waits)")
     args = parser.parse_args(argv)
     _quiet_libraries()
     if args.threads:

@@ -43,7 +43,7 @@ class EmbeddedEngine:
         batch_wait_s: float = 0.0,
     ):
         """``batch_wait_s``: before a batch starts, wait while requests keep arriving (each wait this
-        long, at most ten) so requests sent together over a network form one batch."""
+        long, at most 40) so requests sent together over a network form one batch."""
         self.model = model.eval()
         self.pad_token_id = pad_token_id
         self.default_stop_token_ids = list(default_stop_token_ids)
@@ -77,7 +77,7 @@ class EmbeddedEngine:
 
     async def _flush(self) -> None:
         await asyncio.sleep(0)  # let every coroutine started in this tick enqueue first
-        for _ in range(10 if self.batch_wait_s else 0):  # requests still arriving: let them join this batch
+        for _ in range(40 if self.batch_wait_s else 0):  # requests still arriving: let them join this batch
             seen = len(self._pending)
             if seen >= self.max_batch_size:
                 break
