@@ -69,10 +69,9 @@ class _Controller:
         self.evaluate(step=0)
 
     def rollout(self, step: int) -> tuple[list, dict]:
-        t_step, self.ctx.step = time.perf_counter(), step
-        self.t_step = t_step
+        self.t_step, self.ctx.step = time.perf_counter(), step
         groups, drawn = self.loop.run_until_complete(rollout_step(self.cfg, self.c, self.ctx))
-        metrics = rollout_metrics(groups, time.perf_counter() - t_step) | {"groups_drawn": drawn}
+        metrics = rollout_metrics(groups, time.perf_counter() - self.t_step) | {"groups_drawn": drawn}
         samples = [s for g in groups for s in g if s.status.trainable]  # aborted / failed never train
         if "postprocess" in self.c.hooks:
             samples = call_hook_sync("postprocess", self.c.hooks["postprocess"], samples=samples, step=step)

@@ -60,13 +60,17 @@ class Components:
 
 @dataclass
 class _Prepared:
-    """What a rank loaded before any collective: checked inputs and the policy's weights."""
+    """What a rank loaded before any collective: checked inputs and the policy's weights.
+    The last four are rank 0's only (the controller's data, reward and engine copy)."""
 
     policy: Any
     model_path: str
     tokenizer: Any
     hooks: dict[str, Callable]
-    data: dict[str, Any] = field(default_factory=dict)
+    reward_fn: Callable | None = None
+    train_rows: list | None = None
+    eval_rows: list | None = None
+    engine_model: Any = None
 
 
 def _rows(cfg: Config, which: str, data_source: Callable | None = None):
@@ -125,12 +129,12 @@ def prepare(cfg: Config, device: torch.device, controller: bool = True) -> _Prep
     """Every check and load that needs no other rank. Cheap checks first: run dir, layout, data,
     reward, plugins; the model path (converting the embedded model on a cold cache) after them."""
     hooks = {name: load_hook(name, path) for name, path in cfg.plugins.model_dump().items() if path}
-    data: dict[str, Any] = {}
+    reward_fn = train_rows = eval_rows = engine_model = None
     if controller:
         check_run_dir(cfg)
         resolve_bucket_bytes(cfg.parallel.grad_reduce_bucket_bytes)
         parallel_layout(dist.get_world_size() if dist.is_initialized() else 1, cfg.parallel.context_parallel_size)
-        data["reward_fn"] = resolve_reward(cfg.rollout.reward)
+        reward_fn = resolve_reward(cfg.rollout.reward)
         hooks.setdefault("rollout", default_rollout)
         train_rows = _rows(cfg, "train", hooks.get("data_source"))
         _check_labels(cfg, train_rows, "training")
@@ -138,14 +142,13 @@ def prepare(cfg: Config, device: torch.device, controller: bool = True) -> _Prep
         if eval_rows:
             eval_rows = _held_out_rows(cfg, train_rows, eval_rows)
             _check_labels(cfg, eval_rows, "eval")
-        data["rows"] = (train_rows, eval_rows or None)
     model_path = resolve_model_path(cfg.model.path)  # a missing path fails here
     tokenizer = load_tokenizer(model_path)
     torch.manual_seed(cfg.train.seed)
     policy = load_model(model_path, dtype=getattr(torch, cfg.model.dtype))  # same weights on every rank
     if controller and cfg.engine.kind == "embedded":  # the engine's own copy, taken before the trainer shards
-        data["engine_model"] = copy.deepcopy(policy).to(device).requires_grad_(False)
-    return _Prepared(policy, model_path, tokenizer, hooks, data)
+        engine_model = copy.deepcopy(policy).to(device).requires_grad_(False)
+    return _Prepared(policy, model_path, tokenizer, hooks, reward_fn, train_rows, eval_rows or None, engine_model)
 
 
 def make_trainer(cfg: Config, policy, tokenizer, hooks: dict, device: torch.device) -> Trainer:
@@ -184,14 +187,14 @@ def _controller_parts(cfg: Config, p: _Prepared, trainer: Trainer, device: torch
         raise ValueError(f"rollout.max_new_tokens={max_new} leaves no room in the {context_window}-token context window")
     prompt_kw = dict(template=cfg.data.prompt_template, system_prompt=cfg.data.system_prompt,
                      apply_chat_template=cfg.data.apply_chat_template, max_prompt_tokens=max_prompt)
-    train_rows, eval_rows = p.data["rows"]
+    train_rows, eval_rows = p.train_rows, p.eval_rows
     train_prompts = PromptSet(train_rows, tokenizer, name=cfg.data.path or f"{cfg.data.task} (train)", **prompt_kw)
     eval_prompts = PromptSet(eval_rows, tokenizer, name=cfg.data.eval_path or f"{cfg.data.task} (eval)",
                              **prompt_kw) if eval_rows else None
     stop_ids = sorted({tokenizer.eos_token_id, *([tokenizer.pad_token_id] if tokenizer.pad_token_id is not None else [])} - {None})
     run_dir = make_run_dir(cfg, create=False)
     if cfg.engine.kind == "embedded":
-        engine, servers = EmbeddedEngine(p.data.pop("engine_model"), pad_token_id=tokenizer.pad_token_id,
+        engine, servers = EmbeddedEngine(p.engine_model, pad_token_id=tokenizer.pad_token_id,
                                          default_stop_token_ids=stop_ids, max_batch_size=r.max_batch_size,
                                          context_window=context_window, seed=r.seed), []
     else:
@@ -209,7 +212,7 @@ def _controller_parts(cfg: Config, p: _Prepared, trainer: Trainer, device: torch
         raise
     return Components(trainer=trainer, tokenizer=tokenizer, train_prompts=train_prompts, eval_prompts=eval_prompts,
                       sampler=PromptSampler(len(train_prompts), cfg.data.seed, cfg.data.shuffle),
-                      reward_fn=p.data["reward_fn"], hooks=p.hooks, engine=engine, sampling=sampling,
+                      reward_fn=p.reward_fn, hooks=p.hooks, engine=engine, sampling=sampling,
                       eval_sampling=eval_sampling, run_dir=run_dir, servers=servers)
 
 

@@ -112,7 +112,7 @@ def test_default_eval_set_is_disjoint_from_training(tiny_model_dir):
 
     cfg = build_config(overrides={"model": {"path": str(tiny_model_dir)}})
     p = prepare(cfg, torch.device("cpu"))
-    train_rows, eval_rows = p.data["rows"]
+    train_rows, eval_rows = p.train_rows, p.eval_rows
     assert len(eval_rows) == cfg.data.eval_size
     assert not {r.prompt for r in eval_rows} & {r.prompt for r in train_rows}
 

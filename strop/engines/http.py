@@ -31,14 +31,23 @@ class EngineRequestError(ValueError):
     """The engine refused the request (4xx): retrying would not help."""
 
 
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    """A tensor's raw bytes, on the host."""
+    return t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def tensor_digest(t: torch.Tensor) -> str:
+    """blake2b of one tensor's bytes (the delta form's per-tensor checksum)."""
+    return hashlib.blake2b(tensor_bytes(t), digest_size=16).hexdigest()
+
+
 def state_checksum(state: dict[str, torch.Tensor]) -> str:
     """An order-independent checksum of a state dict: blake2b over sorted names, dtypes and bytes."""
     h = hashlib.blake2b(digest_size=16)
     for name in sorted(state):
-        t = state[name].detach().contiguous().cpu()
         h.update(name.encode())
-        h.update(str(t.dtype).encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        h.update(str(state[name].dtype).encode())
+        h.update(tensor_bytes(state[name]))
     return h.hexdigest()
 
 

@@ -129,7 +129,8 @@ class Router:
         raise AssertionError("unreachable")
 
     async def _update_by_delta(self, state_dict, version: int) -> int:
-        from strop.engines.sync import manifest_of, tensor_digest
+        from strop.engines.http import tensor_digest
+        from strop.engines.sync import manifest_of
 
         unique = {name: state_dict[name] for name, _, _ in manifest_of(state_dict)}
         digests = {name: tensor_digest(t) for name, t in unique.items()}
@@ -195,10 +196,10 @@ class Router:
                 if self.weight_version and await engine.get_weight_version() != self.weight_version:
                     if self.latest is None:
                         continue
+                    # raises unless the engine loaded them and reports the trainer's checksum
                     await engine.load_weights(self.latest[0], self.weight_version, self.latest[1])
-                if await engine.get_weight_version() == self.weight_version or not self.weight_version:
-                    self.healthy[i] = True
-                    self.events.append(f"re-admitted {engine!r} at weight version {self.weight_version}")
+                self.healthy[i] = True
+                self.events.append(f"re-admitted {engine!r} at weight version {self.weight_version}")
             except (EngineUnavailable, EngineRequestError):
                 continue
 

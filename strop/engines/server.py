@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from strop.engines.embedded import EmbeddedEngine, PromptTooLongError
-from strop.engines.http import state_checksum
+from strop.engines.http import state_checksum, tensor_digest
 from strop.types import Completion, SamplingParams
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -212,8 +212,6 @@ def create_app(engine: EmbeddedEngine, *, tokenizer=None, token: str | None = No
             await engine.abort_all()
         strict = body.digests is None
         if body.digests is not None:  # the delta form: exactly the announced tensors, each as sent
-            from strop.engines.sync import tensor_digest
-
             own = engine.model.state_dict()
             bad = sorted(set(body.digests) ^ set(state)) + [n for n in state if n not in own]
             bad += [n for n in state if n in body.digests and tensor_digest(state[n]) != body.digests[n]]

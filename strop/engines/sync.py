@@ -1,4 +1,4 @@
-"""Weight sync to remote engines by broadcast, and the delta form's bookkeeping.
+"""Weight sync to remote engines by broadcast over a process group of the trainer and the servers.
 
 Broadcast: the trainer's rank 0 and the engine servers form their own process group
 (rank 0 = trainer, ranks 1..n = engines; gloo on CPU, NCCL on GPU), separate from the
@@ -7,14 +7,13 @@ trainer's data-parallel group. The weights travel as a stream of flat buckets of
 either side is one bucket, whatever the largest tensor is. Both sides derive the same
 bucket plan from the manifest (names, dtypes, shapes) the trainer sends over HTTP.
 
-Delta: only tensors whose bytes changed since the version the engine holds are sent,
-each with a checksum the engine checks on arrival (:func:`tensor_digest`).
+The delta form (only tensors whose bytes changed, each checked by its digest on arrival)
+lives in the router, :meth:`strop.engines.router.Router._update_by_delta`.
 """
 
 from __future__ import annotations
 
 import datetime
-import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -118,28 +117,6 @@ def receive_buckets(group, params: dict[str, torch.Tensor], plan, device) -> int
             received += buf.numel() * buf.element_size()
             del buf
     return received
-
-
-def tensor_digest(t: torch.Tensor) -> str:
-    """blake2b of one tensor's bytes (the delta form's per-tensor checksum)."""
-    data = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
-    return hashlib.blake2b(data, digest_size=16).hexdigest()
-
-
-class DeltaTracker:
-    """What the engines hold: one digest per tensor. :meth:`changed` names the tensors whose
-    bytes differ from the last version sent (all of them the first time)."""
-
-    def __init__(self):
-        self.digests: dict[str, str] = {}
-
-    def changed(self, named: dict[str, torch.Tensor]) -> dict[str, str]:
-        new = {name: tensor_digest(t) for name, t in named.items()}
-        out = {name: d for name, d in new.items() if self.digests.get(name) != d}
-        return out
-
-    def commit(self, sent: dict[str, str]) -> None:
-        self.digests.update(sent)
 
 
 class BroadcastSync:

@@ -179,8 +179,7 @@ def launch(nproc: int, argv: list[str], command: list[str] | None = None, poll_s
         if stopped:
             print(f"strop: stopped rank(s) {stopped} after rank(s) "
                   f"{[i for i, c in enumerate(codes) if i not in stopped and c]} failed", file=sys.stderr)
-    first = next((c for i, c in enumerate(codes) if c and i not in stopped), None)
-    return first if first is not None else next((c for c in codes if c), 0)
+    return next((c for i, c in enumerate(codes) if c and i not in stopped), 0)  # the rank that failed first
 
 
 def _stop(procs, grace_s: float = 5.0) -> None:

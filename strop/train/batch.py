@@ -42,7 +42,7 @@ def to_device(batch: dict, device: torch.device) -> dict:
             return v.to(device, non_blocking=True)
         if isinstance(v, tuple):
             return tuple(move(x) for x in v)
-        return v.to(device) if hasattr(v, "to") and not isinstance(v, (int, float, str)) else v
+        return v.to(device) if hasattr(v, "to") else v  # a context-parallel plan moves its own tensors
     return {k: move(v) for k, v in batch.items()}
 
 

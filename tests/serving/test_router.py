@@ -1,9 +1,7 @@
 """The router over real `strop serve` processes: an engine killed mid-rollout, re-admission, all down."""
 
 import asyncio
-import json
 
-import httpx
 import pytest
 
 from strop.engines.http import SGLangEngine, WeightWriter

@@ -1,7 +1,6 @@
 """`strop serve`: real server processes on 127.0.0.1, SGLang-native and OpenAI routes, bad input."""
 
 import asyncio
-import json
 
 import httpx
 import pytest
