@@ -85,17 +85,31 @@ def _quiet_libraries() -> None:
     hf_logging.disable_progress_bar()
 
 
-TRAIN_EXTRA_HELP = """strop train [CONFIG.yaml] [--preset NAME] [--nproc N] [--section.key=value ...]
+TRAIN_EXTRA_HELP = """strop train [CONFIG.yaml] [--preset NAME] [--nproc N] [--resume RUN_DIR|latest]
+            [--allow-change FIELD,...] [--section.key=value ...]
 
   CONFIG.yaml    a config file (later sources win: defaults, preset, file, command line)
   --preset NAME  an algorithm preset: {presets}
   --nproc N      train on N local processes (gloo on CPU, NCCL on GPU): data parallel, times
                  context parallel with --parallel.context_parallel_size
+  --resume RUN_DIR  continue a run from its newest checkpoint, in its directory, with its saved
+                 config ('latest': the newest run under ./runs); a changed field is refused unless
+                 named in --allow-change (e.g. --allow-change train.steps)
 """
 
 
+def _take_option(argv: list[str], name: str) -> tuple[str | None, list[str]]:
+    """``name VALUE`` or ``name=VALUE`` out of ``argv``: (value or None, the rest)."""
+    for i, arg in enumerate(argv):
+        if arg == name:
+            return (argv[i + 1] if i + 1 < len(argv) else ""), argv[:i] + argv[i + 2 :]
+        if arg.startswith(name + "="):
+            return arg.split("=", 1)[1], argv[:i] + argv[i + 1 :]
+    return None, argv
+
+
 def train_main(argv: list[str]) -> int:
-    from strop.config import ConfigError, build_config, parse_overrides
+    from strop.config import ConfigError, build_config, find_run_dir, parse_overrides, resume_config
 
     if "-h" in argv or "--help" in argv:
         from strop.presets import PRESETS
@@ -103,6 +117,11 @@ def train_main(argv: list[str]) -> int:
         print(TRAIN_EXTRA_HELP.format(presets=", ".join(sorted(PRESETS))))
 
     yaml_path, preset, nproc = None, None, 1
+    resume, argv = _take_option(argv, "--resume")
+    allow, argv = _take_option(argv, "--allow-change")
+    if resume == "" or allow == "":
+        print("strop train: --resume needs RUN_DIR or 'latest'; --allow-change needs field names", file=sys.stderr)
+        return 2
     for i, arg in enumerate(argv):  # --nproc N starts N local ranks (data parallel, gloo on CPU)
         if arg == "--nproc" and i + 1 < len(argv) or arg.startswith("--nproc="):
             value = arg.split("=", 1)[1] if "=" in arg else argv[i + 1]
@@ -122,7 +141,14 @@ def train_main(argv: list[str]) -> int:
             preset, argv = arg.split("=", 1)[1], argv[:i] + argv[i + 1 :]
             break
     try:
-        cfg = build_config(yaml_path, parse_overrides(argv), preset=preset)
+        if resume is not None:
+            run_dir = find_run_dir(resume)
+            cfg = resume_config(run_dir, yaml_path, parse_overrides(argv), preset,
+                                allow=[k for k in (allow or "").split(",") if k])
+        else:
+            if allow is not None:
+                raise ConfigError("--allow-change only applies with --resume")
+            cfg = build_config(yaml_path, parse_overrides(argv), preset=preset)
     except ConfigError as exc:
         print(f"strop train: {exc}", file=sys.stderr)
         return 2
@@ -136,10 +162,12 @@ def train_main(argv: list[str]) -> int:
     if nproc > 1:
         from strop.parallel.runtime import launch
 
-        return launch(nproc, ([yaml_path] if yaml_path else []) + (["--preset", preset] if preset else []) + argv)
+        extra = ([f"--resume={resume}"] if resume is not None else []) + ([f"--allow-change={allow}"] if allow else [])
+        return launch(nproc, ([yaml_path] if yaml_path else []) + (["--preset", preset] if preset else []) + extra + argv)
     _quiet_libraries()
     if os.environ.get("RANK", "0") != "0":
         cfg.run.progress = False
+    from strop.checkpoint import CheckpointError
     from strop.data.sources import DataError
     from strop.loop import train
     from strop.parallel.runtime import ControllerError
@@ -147,9 +175,9 @@ def train_main(argv: list[str]) -> int:
     from strop.train.trainer import NonFiniteGradientError
 
     try:
-        train(cfg)
+        train(cfg, resume=resume is not None)
     except (FileNotFoundError, FileExistsError, DataError, PluginError, ValueError, ControllerError,
-            NonFiniteGradientError) as exc:
+            NonFiniteGradientError, CheckpointError) as exc:
         print(f"strop train: error: {exc}", file=sys.stderr)
         return 1
     return 0

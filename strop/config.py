@@ -188,6 +188,18 @@ class RunConfig(_Section):
     plot: bool = Field(True, description="write a PNG plot of reward and eval accuracy")
     progress: bool = Field(True, description="show a progress bar")
     threads: int | None = Field(None, description="torch CPU threads (default: torch's choice)")
+    save_every: int = Field(10, ge=0, description="save a checkpoint every this many steps and at the end, into "
+                            "<run dir>/checkpoints (0 = never; `strop train --resume RUN_DIR` continues from the newest)")
+    keep_checkpoints: int = Field(2, ge=1, description="keep this many newest checkpoints, remove older ones")
+    log_samples: int = Field(4, ge=0, description="per step, write this many prompts with one response each to "
+                             "<run dir>/samples.jsonl (and the trackers)")
+    trackers: list[Literal["tensorboard", "wandb"]] = Field(
+        default_factory=list, description="also send every metric to these (optional extras: pip install "
+        "'strop[tensorboard]' / 'strop[wandb]'); TensorBoard writes <run dir>/tensorboard")
+    wandb_project: str = Field("strop", description="Weights & Biases project")
+    wandb_mode: Literal["online", "offline"] = Field(
+        "offline", description="Weights & Biases mode: 'offline' writes <run dir>/wandb (upload later with "
+        "`wandb sync`), 'online' streams to the server")
 
 
 class EngineConfig(_Section):
@@ -359,3 +371,66 @@ def build_config(yaml_path: str | None = None, overrides: dict | None = None, pr
 
 def save_config(cfg: Config, path: Path) -> None:
     path.write_text(yaml.safe_dump(json.loads(cfg.model_dump_json()), sort_keys=False))
+
+
+# fields that may differ on resume without being allowed: where the run is and how it shows progress
+RESUME_FREE = ("run.dir", "run.progress")
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out |= _flat(v, f"{prefix}{k}.")
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def find_run_dir(which: str, runs: Path = Path("runs")) -> Path:
+    """``--resume`` target: a run directory, or ``latest`` (the newest under ./runs with a config)."""
+    if which == "latest":
+        found = sorted((p for p in runs.iterdir() if (p / "config.yaml").is_file()), key=lambda p: p.stat().st_mtime) \
+            if runs.is_dir() else []
+        if not found:
+            raise ConfigError(f"--resume latest: no run directory with a config.yaml under {str(runs)!r}")
+        return found[-1]
+    run_dir = Path(which)
+    if not (run_dir / "config.yaml").is_file():
+        raise ConfigError(f"--resume {which}: not a strop run directory (no config.yaml in {str(run_dir)!r})")
+    return run_dir
+
+
+def resume_config(run_dir: Path, yaml_path: str | None = None, overrides: dict | None = None,
+                  preset: str | None = None, allow: list[str] = ()) -> Config:
+    """The config of a resumed run: the saved one (or the given file / preset) plus ``overrides``.
+    A field that differs from the saved config is refused unless named in ``allow``."""
+    saved = load_yaml(run_dir / "config.yaml")
+    overrides = dict(overrides or {})
+    given_dir = overrides.get("run", {}).get("dir")
+    if given_dir is not None and Path(given_dir).resolve() != run_dir.resolve():
+        raise ConfigError(f"--resume {run_dir} with --run.dir={given_dir}: a run resumes in its own directory")
+    if yaml_path or preset:
+        cfg = build_config(yaml_path, overrides, preset)
+    else:
+        try:
+            cfg = Config.model_validate(_deep_merge(saved, overrides))
+        except ValidationError as err:
+            raise ConfigError(_format_validation_error(err, f"{run_dir / 'config.yaml'} + command line")) from None
+    cfg.run.dir = str(run_dir)
+    known = _flat(json.loads(Config().model_dump_json()))
+    unknown = [k for k in allow if k not in known]
+    if unknown:
+        raise ConfigError(f"--allow-change {','.join(unknown)}: no such config field")
+    try:  # the saved config as this version reads it (fields added since take their defaults)
+        before = _flat(json.loads(Config.model_validate(saved).model_dump_json()))
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err, str(run_dir / "config.yaml"))) from None
+    after = _flat(json.loads(cfg.model_dump_json()))
+    changed = [k for k in sorted(set(before) | set(after))
+               if before.get(k) != after.get(k) and k not in RESUME_FREE and k not in allow]
+    if changed:
+        lines = "\n".join(f"  {k}: {before.get(k)!r} -> {after.get(k)!r}" for k in changed)
+        raise ConfigError(f"--resume {run_dir}: the config differs from the saved one:\n{lines}\n"
+                          f"  (allow on purpose with --allow-change {','.join(changed)})")
+    return cfg

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import torch
 
+from strop import checkpoint
 from strop.config import Config, save_config
+from strop.observe.tracking import open_trackers, sample_rows
 from strop.observe.metrics import MetricsLog, Progress, Timer, memory_metrics, plot_curves, write_summary
 from strop.plugins import call_hook, call_hook_sync
 from strop.rollout.generate import RolloutContext, rollout_groups
@@ -17,22 +19,31 @@ from strop.parallel.runtime import Control, init_from_env, resolve_device
 from strop.setup import Components, build
 
 
-def train(cfg: Config) -> dict | None:
-    """Run RL on every rank of this job (one program: rank 0 also rolls out, evaluates and writes)."""
+def train(cfg: Config, resume: bool = False) -> dict | None:
+    """Run RL on every rank of this job (one program: rank 0 also rolls out, evaluates and writes).
+    ``resume``: continue the run in ``cfg.run.dir`` from its newest checkpoint (strop.checkpoint)."""
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
     device = resolve_device(cfg.run.device)
     init_from_env(device)
     control = Control(cfg.parallel.controller_timeout_s)
-    c = build(cfg, device, control)  # every input is checked before the run directory exists
+    c = build(cfg, device, control, resume=resume)  # every input is checked before the run directory exists
     run = control.on_controller(lambda: _Controller(cfg, c), share=False)  # None on the other ranks
     try:
-        control.on_controller(lambda: run.start(), share=False)
-        for step in range(1, cfg.train.steps + 1):
+        found = control.on_controller(lambda: run.start(resume))  # the checkpoint to resume from, or None
+        first = 1
+        if found is not None:  # every rank loads its state, then the engine gets the checkpoint's weights
+            checkpoint.load_trainer(found, c.trainer)
+            weights = c.trainer.full_weights()
+            first = control.on_controller(lambda: run.restore(found, weights)) + 1
+            del weights
+        for step in range(first, cfg.train.steps + 1):
             samples, metrics = control.on_controller(lambda: run.rollout(step))  # rank 0 generates, all receive
             metrics |= c.trainer.step(samples)  # every rank: advantages, loss, optimizer step(s)
             weights = c.trainer.full_weights()  # gathered from every rank's shards under FSDP
             control.on_controller(lambda: run.after_step(step, weights, metrics), share=False)  # sync engine, log, evaluate
+            if cfg.run.save_every and (step % cfg.run.save_every == 0 or step == cfg.train.steps):
+                save_checkpoint(control, run, c, step, weights)
             del weights
         weights = c.trainer.full_weights() if cfg.run.save_final else None
         return control.on_controller(lambda: run.finish(weights), share=False)
@@ -43,6 +54,14 @@ def train(cfg: Config) -> dict | None:
     finally:
         if run is not None:
             run.close()
+
+
+def save_checkpoint(control: Control, run, c: Components, step: int, weights: dict) -> None:
+    """Every rank writes its trainer state into a temporary folder; rank 0 adds the rest and renames
+    it into place (strop.checkpoint)."""
+    tmp = control.on_controller(lambda: run.begin_checkpoint(step))
+    checkpoint.save_trainer(Path(tmp), c.trainer)  # collective: returns on rank 0 once every rank has written
+    control.on_controller(lambda: run.checkpoint(step, Path(tmp), weights), share=False)
 
 
 class _Controller:
@@ -56,7 +75,9 @@ class _Controller:
                                   reward=c.reward_fn, filter=c.hooks.get("filter"), run_dir=self.run_dir)
         self.progress = Progress(cfg.train.steps, enabled=cfg.run.progress)
 
-    def start(self) -> None:
+    def start(self, resume: bool = False) -> str | None:
+        """Print where the run is, open the trackers, evaluate step 0; resuming, return the newest
+        complete checkpoint instead (None: there is none, the run starts again from step 0)."""
         print(f"strop: run directory {self.run_dir}", flush=True)
         if self.c.trainer.dp.world > 1:
             print(f"strop: {self.c.trainer.dp.describe()}", flush=True)
@@ -65,14 +86,65 @@ class _Controller:
             urls = ", ".join(e.url for e in self.c.engine.engines)
             how = f"{len(self.c.servers)} launched strop serve processes" if self.c.servers else self.cfg.engine.kind
             print(f"strop: engine: router over {how}: {urls}", flush=True)
+        found = checkpoint.latest(self.run_dir) if resume else None
+        resume_step = None
+        if resume:
+            if found is None:
+                print(f"strop: resume: no complete checkpoint in {self.run_dir / checkpoint.CHECKPOINTS}; "
+                      "starting again from step 0", flush=True)
+                checkpoint.cut_logs(self.run_dir, {})
+            resume_step = checkpoint.load_controller_state(found)["step"] if found else 0
         save_config(self.cfg, self.run_dir / "config.yaml")
-        self.evaluate(step=0)
+        r = self.cfg.run
+        self.log.trackers = open_trackers(r.trackers, self.run_dir, self.cfg.model_dump(mode="json"),
+                                          project=r.wandb_project, mode=r.wandb_mode, resume_step=resume_step)
+        if found is None:
+            self.evaluate(step=0)
+        return str(found) if found is not None else None
+
+    def restore(self, found: str, weights: dict) -> int:
+        """Rank 0's side of a resume: logs cut back to the checkpoint, sampler, engine sampling state,
+        clock; the engine gets the checkpoint's weights. Returns the checkpoint's step."""
+        state = checkpoint.load_controller_state(found)
+        checkpoint.cut_logs(self.run_dir, state["logs"])
+        self.log.reload()
+        self.c.sampler.load_state_dict(state["sampler"])
+        generator = getattr(self.c.engine, "generator", None)
+        if generator is not None and state["engine_rng"] is not None:
+            generator.set_state(state["engine_rng"])
+        else:
+            print("strop: resume: the engine's sampling state lives in its servers and is not restored; the "
+                  "steps that follow are not bitwise those of an uninterrupted run", flush=True)
+        self.clock.start -= state["elapsed_seconds"]
+        self.loop.run_until_complete(self.c.engine.update_weights(weights, version=state["weight_version"]))
+        self.progress.update(state["step"])
+        print(f"strop: resumed from {found} at step {state['step']} of {self.cfg.train.steps}", flush=True)
+        return state["step"]
+
+    def begin_checkpoint(self, step: int) -> str:
+        self.t_checkpoint = time.perf_counter()
+        return str(checkpoint.begin(self.run_dir, step))
+
+    def checkpoint(self, step: int, tmp: Path, weights: dict) -> None:
+        """Complete the checkpoint every rank wrote its part of into ``tmp``."""
+        generator = getattr(self.c.engine, "generator", None)
+        state = {"step": step, "weight_version": step, "sampler": self.c.sampler.state_dict(),
+                 "engine_rng": generator.get_state() if generator is not None else None,
+                 "elapsed_seconds": self.clock(), "logs": checkpoint.log_sizes(self.run_dir),
+                 "rollout": None}  # sync rollout holds nothing between steps
+        path = checkpoint.finish(self.run_dir, tmp, step, controller_state=state, weights=weights,
+                                 model=self.c.trainer.model, tokenizer=self.c.tokenizer,
+                                 keep=self.cfg.run.keep_checkpoints)
+        size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+        print(f"strop: checkpoint {path} ({size / 2**30:.2f} GiB) in {time.perf_counter() - self.t_checkpoint:.1f}s",
+              flush=True)
 
     def rollout(self, step: int) -> tuple[list, dict]:
         self.t_step, self.ctx.step = time.perf_counter(), step
         groups, drawn = self.loop.run_until_complete(rollout_step(self.cfg, self.c, self.ctx))
         metrics = rollout_metrics(groups, time.perf_counter() - self.t_step) | {"groups_drawn": drawn}
         samples = [s for g in groups for s in g if s.status.trainable]  # aborted / failed never train
+        self.log.samples(sample_rows(groups, self.c.tokenizer, self.cfg.run.log_samples, step), step)
         if "postprocess" in self.c.hooks:
             samples = call_hook_sync("postprocess", self.c.hooks["postprocess"], samples=samples, step=step)
         return samples, metrics
@@ -114,9 +186,12 @@ class _Controller:
     def close(self) -> None:
         self.progress.close()
         try:
-            self.c.close(self.loop)
+            self.log.close()
         finally:
-            self.loop.close()
+            try:
+                self.c.close(self.loop)
+            finally:
+                self.loop.close()
 
 
 async def rollout_step(cfg: Config, c: Components, ctx: RolloutContext) -> tuple[list, int]:

@@ -125,13 +125,14 @@ def _context_window(model_path: str) -> int:
     return int(getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", 2048))
 
 
-def prepare(cfg: Config, device: torch.device, controller: bool = True) -> _Prepared:
+def prepare(cfg: Config, device: torch.device, controller: bool = True, resume: bool = False) -> _Prepared:
     """Every check and load that needs no other rank. Cheap checks first: run dir, layout, data,
     reward, plugins; the model path (converting the embedded model on a cold cache) after them."""
     hooks = {name: load_hook(name, path) for name, path in cfg.plugins.model_dump().items() if path}
     reward_fn = train_rows = eval_rows = engine_model = None
     if controller:
-        check_run_dir(cfg)
+        if not resume:
+            check_run_dir(cfg)
         resolve_bucket_bytes(cfg.parallel.grad_reduce_bucket_bytes)
         parallel_layout(dist.get_world_size() if dist.is_initialized() else 1, cfg.parallel.context_parallel_size)
         reward_fn = resolve_reward(cfg.rollout.reward)
@@ -166,19 +167,21 @@ def make_trainer(cfg: Config, policy, tokenizer, hooks: dict, device: torch.devi
                    device=device, bf16_autocast=cfg.train.bf16_autocast)
 
 
-def build(cfg: Config, device: torch.device | None = None, control: Control | None = None) -> Components:
+def build(cfg: Config, device: torch.device | None = None, control: Control | None = None,
+          resume: bool = False) -> Components:
     """Everything a run needs, on every rank. Set-up failures on any rank stop every rank before
     the first collective; rank 0 creates the run directory only once every rank is ready."""
     device = device or torch.device("cpu")
     control = control or Control()
     controller = control.rank == 0
-    p = control.on_every_rank(prepare, cfg, device, controller)
+    p = control.on_every_rank(prepare, cfg, device, controller, resume)
     trainer = make_trainer(cfg, p.policy, p.tokenizer, p.hooks, device)
-    parts = control.on_controller(_controller_parts, cfg, p, trainer, device, share=False)
+    parts = control.on_controller(_controller_parts, cfg, p, trainer, device, resume, share=False)
     return parts if controller else Components(trainer=trainer, hooks=p.hooks)
 
 
-def _controller_parts(cfg: Config, p: _Prepared, trainer: Trainer, device: torch.device) -> Components:
+def _controller_parts(cfg: Config, p: _Prepared, trainer: Trainer, device: torch.device,
+                      resume: bool = False) -> Components:
     tokenizer, r = p.tokenizer, cfg.rollout
     context_window = _context_window(p.model_path)
     max_new = max(r.max_new_tokens, cfg.eval.max_new_tokens or 0)
@@ -192,7 +195,7 @@ def _controller_parts(cfg: Config, p: _Prepared, trainer: Trainer, device: torch
     eval_prompts = PromptSet(eval_rows, tokenizer, name=cfg.data.eval_path or f"{cfg.data.task} (eval)",
                              **prompt_kw) if eval_rows else None
     stop_ids = sorted({tokenizer.eos_token_id, *([tokenizer.pad_token_id] if tokenizer.pad_token_id is not None else [])} - {None})
-    run_dir = make_run_dir(cfg, create=False)
+    run_dir = make_run_dir(cfg, create=False, resume=resume)
     if cfg.engine.kind == "embedded":
         engine, servers = EmbeddedEngine(p.engine_model, pad_token_id=tokenizer.pad_token_id,
                                          default_stop_token_ids=stop_ids, max_batch_size=r.max_batch_size,
@@ -205,7 +208,7 @@ def _controller_parts(cfg: Config, p: _Prepared, trainer: Trainer, device: torch
     eval_sampling = SamplingParams(temperature=0.0, max_new_tokens=cfg.eval.max_new_tokens or r.max_new_tokens,
                                    stop_token_ids=stop_ids)
     try:
-        run_dir = make_run_dir(cfg)
+        run_dir = make_run_dir(cfg, resume=resume)
     except BaseException:
         for server in servers:
             server.stop()
@@ -257,8 +260,13 @@ def check_run_dir(cfg: Config) -> None:
         raise FileExistsError(f"run.dir={cfg.run.dir!r} already exists and is not empty; choose a new one")
 
 
-def make_run_dir(cfg: Config, create: bool = True) -> Path:
-    """The run directory (``runs/<timestamp>`` unless run.dir is set); ``create=False`` only names it."""
+def make_run_dir(cfg: Config, create: bool = True, resume: bool = False) -> Path:
+    """The run directory (``runs/<timestamp>`` unless run.dir is set); ``create=False`` only names it.
+    ``resume``: the existing run.dir, written into again."""
+    if resume:
+        if not cfg.run.dir or not (Path(cfg.run.dir) / "config.yaml").is_file():
+            raise FileNotFoundError(f"resume: {cfg.run.dir!r} is not a strop run directory (no config.yaml)")
+        return Path(cfg.run.dir)
     check_run_dir(cfg)
     if cfg.run.dir:
         run_dir = Path(cfg.run.dir)

@@ -9,14 +9,47 @@ from pathlib import Path
 
 
 class MetricsLog:
+    """``metrics.jsonl`` (one row per step and per evaluation), ``samples.jsonl`` (a few readable
+    samples per step), and the trackers that receive both (strop.observe.tracking)."""
+
     def __init__(self, run_dir: Path):
-        self.path = run_dir / "metrics.jsonl"
+        self.path, self.samples_path = run_dir / "metrics.jsonl", run_dir / "samples.jsonl"
         self.rows: list[dict] = []
+        self.trackers: list = []
+
+    def reload(self) -> None:
+        """The rows already written (a resumed run)."""
+        self.rows = [json.loads(x) for x in self.path.read_text().splitlines()] if self.path.exists() else []
 
     def log(self, row: dict) -> None:
         self.rows.append(row)
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
+        for t in self.trackers:
+            t.log(row, row["step"])
+
+    def samples(self, rows: list[dict], step: int) -> None:
+        if not rows:
+            return
+        with self.samples_path.open("a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+        for t in self.trackers:
+            t.samples(rows, step)
+
+    def close(self) -> None:
+        trackers, self.trackers = self.trackers, []
+        for t in trackers:
+            t.close()
+
+
+# measurements of this machine and moment (time, speed, memory): they differ between two runs of
+# the same config; every other metric is a function of the config and seed (docs/checkpoints.md)
+MEASURED_SUFFIXES = ("_seconds", "_per_s", "_gib")
+
+
+def reproducible(row: dict) -> dict:
+    """``row`` without its measured entries: what two runs of one config must agree on exactly."""
+    return {k: v for k, v in row.items() if not k.endswith(MEASURED_SUFFIXES)}
 
 
 def memory_metrics(device) -> dict[str, float]:

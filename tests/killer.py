@@ -1,0 +1,90 @@
+"""``python tests/killer.py train ...``: ``strop train`` that SIGKILLs itself at a chosen point.
+
+``STROP_KILL_AT=PHASE:STEP`` picks the point, ``STROP_KILL_RANK`` the rank that dies (default 0):
+
+- ``rollout:S``  during step S's generation (the engine's third sampling step of that step);
+- ``backward:S`` inside the backward pass of step S's first micro-batch;
+- ``save:S``     while saving step S's checkpoint: every file written, the folder not yet renamed.
+
+Workers of ``--nproc N`` run this file too, so the point can be on any rank.
+"""
+
+import functools
+import os
+import signal
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import strop.checkpoint  # noqa: E402
+import strop.parallel.runtime  # noqa: E402
+import strop.train.trainer  # noqa: E402
+from strop.cli import main  # noqa: E402
+from strop.engines.embedded import EmbeddedEngine  # noqa: E402
+
+PHASE, _, STEP = os.environ.get("STROP_KILL_AT", "none:0").partition(":")
+STEP = int(STEP or 0)
+ME = os.environ.get("RANK", "0") == os.environ.get("STROP_KILL_RANK", "0")
+state = {"step": 0, "samples": 0}
+
+
+def die(where: str) -> None:
+    print(f"killer: SIGKILL at {where}", file=sys.stderr, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+_step = strop.train.trainer.Trainer.step
+
+
+def step(self, samples):
+    state["step"] = self.steps_done + 1
+    return _step(self, samples)
+
+
+strop.train.trainer.Trainer.step = step
+
+if PHASE == "rollout" and ME:
+    _sample = EmbeddedEngine._sample
+    _rollout_step = __import__("strop.loop", fromlist=["x"]).rollout_step
+
+    async def rollout_step(cfg, c, ctx):
+        state["rollout_step"] = ctx.step
+        return await _rollout_step(cfg, c, ctx)
+
+    def sample(self, *args, **kw):
+        if state.get("rollout_step") == STEP:
+            state["samples"] += 1
+            if state["samples"] == 3:
+                die(f"rollout of step {STEP}")
+        return _sample(self, *args, **kw)
+
+    EmbeddedEngine._sample = sample
+    sys.modules["strop.loop"].rollout_step = rollout_step
+
+if PHASE == "backward" and ME:
+    _objective = strop.train.trainer.policy_objective
+
+    def objective(*args, **kw):
+        loss, pg, tok = _objective(*args, **kw)
+        if state["step"] == STEP and loss.requires_grad:
+            loss.register_hook(lambda g: die(f"backward of step {STEP}"))
+        return loss, pg, tok
+
+    strop.train.trainer.policy_objective = objective
+
+if PHASE == "save" and ME:
+    _fsync = strop.checkpoint._fsync_tree
+
+    def fsync(folder):
+        _fsync(folder)
+        if folder.name.endswith(f"step_{STEP:06d}"):
+            die(f"save of step {STEP}")
+
+    strop.checkpoint._fsync_tree = fsync
+
+# workers of --nproc run this file as well
+strop.parallel.runtime.launch = functools.partial(strop.parallel.runtime.launch,
+                                                  command=[sys.executable, os.path.abspath(__file__), "train"])
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
