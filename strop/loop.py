@@ -78,6 +78,7 @@ class _Controller:
     def start(self, resume: bool = False) -> str | None:
         """Print where the run is, open the trackers, evaluate step 0; resuming, return the newest
         complete checkpoint instead (None: there is none, the run starts again from step 0)."""
+        save_config(self.cfg, self.run_dir / "config.yaml")  # first: from here on the run can be resumed
         print(f"strop: run directory {self.run_dir}", flush=True)
         if self.c.trainer.dp.world > 1:
             print(f"strop: {self.c.trainer.dp.describe()}", flush=True)
@@ -94,7 +95,6 @@ class _Controller:
                       "starting again from step 0", flush=True)
                 checkpoint.cut_logs(self.run_dir, {})
             resume_step = checkpoint.load_controller_state(found)["step"] if found else 0
-        save_config(self.cfg, self.run_dir / "config.yaml")
         r = self.cfg.run
         self.log.trackers = open_trackers(r.trackers, self.run_dir, self.cfg.model_dump(mode="json"),
                                           project=r.wandb_project, mode=r.wandb_mode, resume_step=resume_step)

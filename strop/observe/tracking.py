@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import uuid
 from pathlib import Path
 
 
@@ -58,7 +59,7 @@ class WandB:
         self.wandb = wandb
         ids = Path(run_dir) / "tracking.json"
         known = json.loads(ids.read_text()) if ids.exists() else {}
-        run_id = known.get("wandb_id") or wandb.util.generate_id()
+        run_id = known.get("wandb_id") or uuid.uuid4().hex[:12]
         if "wandb_id" not in known:
             ids.write_text(json.dumps(known | {"wandb_id": run_id}))
         self.run = wandb.init(project=project, dir=str(run_dir), id=run_id, name=Path(run_dir).name, mode=mode,

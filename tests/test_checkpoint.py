@@ -1,0 +1,170 @@
+"""Checkpoints and exact resume: runs killed with SIGKILL (mid-rollout, mid-backward, mid-save, and at
+a random moment) and resumed end bitwise equal to a run never interrupted, in one process and under
+``--nproc 2`` with FSDP."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from strop import checkpoint
+from strop.config import ConfigError, build_config, resume_config, save_config
+from strop.observe.metrics import reproducible
+
+ROOT = Path(__file__).resolve().parents[1]
+KILLER = [sys.executable, str(ROOT / "tests" / "killer.py"), "train"]
+
+
+def _args(model_dir, run_dir, *extra):
+    return [f"--model.path={model_dir}", "--data.size=16", "--data.eval_size=4", "--rollout.prompts_per_step=2",
+            "--rollout.n_samples_per_prompt=4", "--rollout.max_new_tokens=8",
+            "--rollout.reward=tests.plugins:even_token_reward", "--rollout.temperature=1.5", "--train.steps=5",
+            "--train.lr=1e-3", "--train.warmup_steps=2", "--train.micro_batch_size=2", "--eval.every=2",
+            "--run.progress=false", "--run.save_every=2", "--run.keep_checkpoints=2",
+            "--parallel.grad_reduce_bucket_bytes=1048576", f"--run.dir={run_dir}", *extra]
+
+
+def _strop(args, kill_at=None, rank=0, timeout=240):
+    env = dict(os.environ, STROP_KILL_AT=kill_at or "none:0", STROP_KILL_RANK=str(rank))
+    return subprocess.run(KILLER + args, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+
+
+def _rows(run_dir):
+    return [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def _weights(path):
+    from safetensors.torch import load_file
+
+    return load_file(Path(path) / "model.safetensors")
+
+
+def _assert_same_run(ref_dir, run_dir):
+    ref, got = _rows(ref_dir), _rows(run_dir)
+    assert [r["step"] for r in got if "reward_mean" in r] == [1, 2, 3, 4, 5]  # none missing, none twice
+    assert [reproducible(r) for r in got] == [reproducible(r) for r in ref]  # every number but time and memory
+    a, b = _weights(Path(ref_dir) / "final"), _weights(Path(run_dir) / "final")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _assert_no_incomplete_checkpoint_is_visible(run_dir):
+    for p in (Path(run_dir) / "checkpoints").iterdir():
+        assert p.name.startswith(".tmp-") or (p / "meta.json").is_file(), p
+
+
+def _kill_chain(tiny_model_dir, tmp_path, nproc_args, kills):
+    """One run killed at each point of ``kills`` in turn, resumed after each; then finished."""
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    done = _strop(_args(tiny_model_dir, ref, *nproc_args))
+    assert done.returncode == 0, done.stderr[-3000:]
+    args = _args(tiny_model_dir, run, *nproc_args)
+    for i, (point, rank) in enumerate(kills):
+        proc = _strop(args if i == 0 else [*nproc_args, f"--resume={run}"], kill_at=point, rank=rank)
+        assert proc.returncode != 0 and f"killer: SIGKILL at {point.split(':')[0]}" in proc.stderr, proc.stderr[-3000:]
+        _assert_no_incomplete_checkpoint_is_visible(run)
+    proc = _strop([*nproc_args, f"--resume={run}"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from" in proc.stdout
+    _assert_same_run(ref, run)
+    return run
+
+
+@pytest.mark.timeout(600)
+def test_sigkill_anywhere_then_resume_is_bitwise_an_uninterrupted_run(tiny_model_dir, tmp_path):
+    # checkpoints at steps 2 and 4: killed in the rollout of step 3 (resumes from 2), while saving
+    # step 4 (files written, folder not renamed: resumes from 2 again), in the backward of step 5
+    # (resumes from 4); killed while saving step 2 at first, the run starts again from step 0
+    run = _kill_chain(tiny_model_dir, tmp_path, [],
+                      [("save:2", 0), ("rollout:3", 0), ("save:4", 0), ("backward:5", 0)])
+    assert [p.name for _, p in checkpoint.complete(run)] == ["step_000004", "step_000005"]  # keep_checkpoints=2
+    from transformers import AutoModelForCausalLM
+
+    policy = AutoModelForCausalLM.from_pretrained(run / "checkpoints" / "step_000005" / "policy")
+    final = _weights(run / "final")
+    assert all(torch.equal(p, final[k]) for k, p in policy.state_dict().items() if k in final)
+
+
+@pytest.mark.timeout(600)
+def test_sigkill_under_fsdp_nproc_2_then_resume_is_bitwise(tiny_model_dir, tmp_path):
+    run = _kill_chain(tiny_model_dir, tmp_path, ["--nproc=2", "--parallel.dp_mode=fsdp"],
+                      [("backward:3", 1), ("save:4", 0)])
+    shards = sorted(p.name for p in (run / "checkpoints" / "step_000004" / "trainer").iterdir())
+    assert shards == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # each rank wrote its own shards
+
+
+@pytest.mark.timeout(600)
+def test_random_moment_sigkill_then_resume(tiny_model_dir, tmp_path):
+    """SIGKILL from outside at random moments after the run starts (the seed is printed)."""
+    seed = int(os.environ.get("STROP_KILL_SEED", time.time_ns() % 10_000))
+    print(f"random kill seed {seed}")
+    rng = random.Random(seed)
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    assert _strop(_args(tiny_model_dir, ref)).returncode == 0
+    args = _args(tiny_model_dir, run)
+    for attempt in range(2):
+        proc = subprocess.Popen(KILLER + (args if attempt == 0 else [f"--resume={run}"]), cwd=ROOT, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True)
+        try:
+            for line in proc.stdout:  # the run is under way once it names its directory
+                if line.startswith("strop: run directory"):
+                    break
+            time.sleep(rng.uniform(0.0, 2.0))
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:  # it had already finished: resuming a finished run is fine too
+                pass
+        finally:
+            proc.wait(timeout=30)
+        _assert_no_incomplete_checkpoint_is_visible(run)
+    done = _strop([f"--resume={run}"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    _assert_same_run(ref, run)
+
+
+def test_a_changed_field_is_refused_on_resume_unless_allowed(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    save_config(build_config(overrides={"train": {"lr": 1e-5}}), run / "config.yaml")
+    with pytest.raises(ConfigError, match=r"(?s)train.lr: 1e-05 -> 0.001.*--allow-change train.lr"):
+        resume_config(run, overrides={"train": {"lr": 1e-3}})
+    cfg = resume_config(run, overrides={"train": {"lr": 1e-3, "steps": 99}}, allow=["train.lr", "train.steps"])
+    assert cfg.train.lr == 1e-3 and cfg.train.steps == 99 and cfg.run.dir == str(run)
+    assert resume_config(run, overrides={"run": {"progress": False}}).train.lr == 1e-5  # progress is free
+    with pytest.raises(ConfigError, match="no such config field"):
+        resume_config(run, allow=["train.nope"])
+    with pytest.raises(ConfigError, match="resumes in its own directory"):
+        resume_config(run, overrides={"run": {"dir": str(tmp_path / "elsewhere")}})
+
+
+def test_resume_cli_errors(tmp_path, capsys):
+    from strop.cli import main
+
+    assert main(["train", f"--resume={tmp_path}"]) == 2
+    assert "not a strop run directory" in capsys.readouterr().err
+    assert main(["train", "--allow-change=train.lr"]) == 2
+    assert "only applies with --resume" in capsys.readouterr().err
+
+
+def test_latest_ignores_unfinished_folders_and_cut_logs_restores_lengths(tmp_path):
+    root = tmp_path / "checkpoints"
+    for name, complete_ in (("step_000002", True), ("step_000004", True), ("step_000006", False),
+                            (".tmp-step_000008", True)):
+        (root / name).mkdir(parents=True)
+        if complete_:
+            (root / name / "meta.json").write_text("{}")
+    assert checkpoint.latest(tmp_path).name == "step_000004"
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    sizes = checkpoint.log_sizes(tmp_path)
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3}\n{"st')  # a row after the checkpoint, and one cut by the kill
+    (tmp_path / "samples.jsonl").write_text("late\n")
+    checkpoint.cut_logs(tmp_path, sizes)
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1}\n{"step": 2}\n'
+    assert (tmp_path / "samples.jsonl").read_text() == ""
