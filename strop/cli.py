@@ -15,6 +15,9 @@ commands:
   strop train --help                                    list every option
   strop serve [--model-path PATH] [--port N] [--host H] [--token T]
                                                         the embedded engine behind HTTP (SGLang-native + OpenAI routes)
+  strop train --resume RUN_DIR|latest                   continue a run from its newest checkpoint
+  strop plot RUN_DIR [RUN_DIR ...] [--metrics a,b] [--out FILE]
+                                                        the curves of one or several runs side by side
   strop check-plugin --hook HOOK pkg.module:function    check a plugin against its hook's contract
 """
 
@@ -73,6 +76,25 @@ def serve_main(argv: list[str]) -> int:
     except (FileNotFoundError, ValueError) as exc:
         print(f"strop serve: error: {exc}", file=sys.stderr)
         return 1
+    return 0
+
+
+def plot_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="strop plot", description="Draw the metrics of one or several runs "
+                                     "side by side (one panel per metric, one line per run).")
+    parser.add_argument("run_dirs", nargs="+", help="run directories (each with a metrics.jsonl)")
+    parser.add_argument("--metrics", default=None, help="comma-separated metric names (default: reward, "
+                        "held-out accuracy, length, entropy, gradient norm, logprob gap, KL, step time)")
+    parser.add_argument("--out", default="runs.png", help="image to write (default: runs.png)")
+    args = parser.parse_args(argv)
+    from strop.observe.metrics import plot_runs
+
+    try:
+        drawn = plot_runs(args.run_dirs, args.out, args.metrics.split(",") if args.metrics else None)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"strop plot: error: {exc}", file=sys.stderr)
+        return 1
+    print(f"strop plot: {len(drawn)} metrics of {len(args.run_dirs)} runs -> {args.out}")
     return 0
 
 
@@ -170,6 +192,7 @@ def train_main(argv: list[str]) -> int:
     from strop.checkpoint import CheckpointError
     from strop.data.sources import DataError
     from strop.loop import train
+    from strop.observe.tracking import MissingExtra
     from strop.parallel.runtime import ControllerError
     from strop.plugins import PluginError
     from strop.train.trainer import NonFiniteGradientError
@@ -177,7 +200,7 @@ def train_main(argv: list[str]) -> int:
     try:
         train(cfg, resume=resume is not None)
     except (FileNotFoundError, FileExistsError, DataError, PluginError, ValueError, ControllerError,
-            NonFiniteGradientError, CheckpointError) as exc:
+            NonFiniteGradientError, CheckpointError, MissingExtra) as exc:
         print(f"strop train: error: {exc}", file=sys.stderr)
         return 1
     return 0
@@ -195,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
         return check_plugin_main(rest)
     if command == "serve":
         return serve_main(rest)
+    if command == "plot":
+        return plot_main(rest)
     print(f"strop: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
     return 2
 

@@ -18,6 +18,7 @@ from strop.engines.base import Engine
 from strop.engines.embedded import EmbeddedEngine
 from strop.parallel.collectives import resolve_bucket_bytes
 from strop.parallel.runtime import Control, device_mesh_groups, parallel_layout
+from strop.observe.tracking import require_trackers
 from strop.plugins import call_hook_sync, load_hook
 from strop.rollout.generate import resolve_reward, rollout as default_rollout
 from strop.train.model import load_model, load_tokenizer, resolve_model_path
@@ -135,6 +136,7 @@ def prepare(cfg: Config, device: torch.device, controller: bool = True, resume: 
             check_run_dir(cfg)
         resolve_bucket_bytes(cfg.parallel.grad_reduce_bucket_bytes)
         parallel_layout(dist.get_world_size() if dist.is_initialized() else 1, cfg.parallel.context_parallel_size)
+        require_trackers(cfg.run.trackers)
         reward_fn = resolve_reward(cfg.rollout.reward)
         hooks.setdefault("rollout", default_rollout)
         train_rows = _rows(cfg, "train", hooks.get("data_source"))

@@ -169,3 +169,50 @@ class StepStats:
     def result(self) -> dict[str, float]:
         out = {k: v / max(self.tok_n[k], 1.0) for k, v in self.tok_sum.items()}
         return out | self.raw | self.maxes | self.lasts
+
+
+DEFAULT_PLOT_METRICS = ("reward_mean", "eval_accuracy", "response_length_mean", "entropy", "grad_norm",
+                        "train_rollout_logprob_abs_diff", "kl_ref", "step_seconds")
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{run_dir}: no metrics.jsonl (not a strop run directory?)")
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def plot_runs(run_dirs: list[Path], path: Path, metrics: list[str] | None = None) -> list[str]:
+    """One panel per metric, one line per run (``strop plot``). Returns the metrics drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [(Path(d), read_metrics(d)) for d in run_dirs]
+    present = {k for _, rows in runs for r in rows for k in r if k != "step"}
+    if metrics:
+        missing = [m for m in metrics if m not in present]
+        if missing:
+            raise ValueError(f"no run has {', '.join(missing)}; the runs have: {', '.join(sorted(present))}")
+    else:
+        metrics = [m for m in DEFAULT_PLOT_METRICS if m in present]
+    cols = min(2, len(metrics))
+    n_rows = -(-len(metrics) // cols)
+    fig, axes = plt.subplots(n_rows, cols, figsize=(6 * cols, 3.2 * n_rows), squeeze=False)
+    names = [d.name if [x.name for x, _ in runs].count(d.name) == 1 else str(d) for d, _ in runs]
+    for ax, metric in zip(axes.flat, metrics):
+        for name, (_, rows) in zip(names, runs):
+            pts = [(r["step"], r[metric]) for r in rows if isinstance(r.get(metric), (int, float))]
+            if pts:
+                ax.plot(*zip(*pts), "o-" if len(pts) < 12 else "-", label=name, markersize=3)
+        ax.set_title(metric)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(metrics):]:
+        ax.set_visible(False)
+    axes.flat[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return metrics

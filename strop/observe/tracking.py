@@ -78,6 +78,16 @@ class WandB:
 
     def close(self) -> None:
         self.run.finish()
+        self.wandb.teardown()  # stop the wandb-core service this process started
+
+
+EXTRAS = {"tensorboard": "tensorboard", "wandb": "wandb"}  # tracker -> the module it needs
+
+
+def require_trackers(names: list[str]) -> None:
+    """Fail before anything loads when a tracker's package is missing."""
+    for name in names:
+        _need(EXTRAS[name], name)
 
 
 def open_trackers(names: list[str], run_dir: Path, config: dict, *, project: str = "strop",
