@@ -190,7 +190,8 @@ class RunConfig(_Section):
     threads: int | None = Field(None, description="torch CPU threads (default: torch's choice)")
     save_every: int = Field(10, ge=0, description="save a checkpoint every this many steps and at the end, into "
                             "<run dir>/checkpoints (0 = never; `strop train --resume RUN_DIR` continues from the newest)")
-    keep_checkpoints: int = Field(2, ge=1, description="keep this many newest checkpoints, remove older ones")
+    keep_checkpoints: int = Field(1, ge=1, description="keep this many newest checkpoints, remove older ones (an "
+                                  "older one is removed only once the new one is complete)")
     log_samples: int = Field(4, ge=0, description="per step, write this many prompts with one response each to "
                              "<run dir>/samples.jsonl (and the trackers)")
     trackers: list[Literal["tensorboard", "wandb"]] = Field(

@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from strop.config import build_config
 from strop.loop import train
@@ -13,17 +14,20 @@ from strop.loop import train
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_shortened_quickstart(tmp_path):
-    cfg = build_config(overrides={
+def _shortened_quickstart(run_dir):
+    return build_config(overrides={
         "data": {"eval_size": 16},
         "rollout": {"prompts_per_step": 4, "n_samples_per_prompt": 4},
         "train": {"steps": 2},
         "eval": {"every": 0},
-        "run": {"dir": str(tmp_path / "run"), "progress": False},
+        "run": {"dir": str(run_dir), "progress": False, "save_every": 0},
     })
-    summary = train(cfg)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_shortened_quickstart(tmp_path):
+    summary = train(_shortened_quickstart(tmp_path / "run"))
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "reward_mean" in r]
     assert len(steps) == 2 and summary["steps"] == 2
@@ -33,6 +37,24 @@ def test_shortened_quickstart(tmp_path):
         assert r["train_rollout_logprob_abs_diff"] < 1e-3
     assert 0.0 <= summary["eval_accuracy_first"] <= 1.0 and summary["eval_accuracy_last"] is not None
     assert (tmp_path / "run" / "final" / "config.json").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_two_shortened_quickstarts_give_identical_metrics(tmp_path):
+    """Same config and seed: every number of metrics.jsonl is equal, except measurements of time,
+    speed and memory (strop.observe.metrics.reproducible)."""
+    from safetensors.torch import load_file
+
+    from strop.observe.metrics import reproducible
+
+    for name in ("a", "b"):
+        train(_shortened_quickstart(tmp_path / name))
+    a, b = ([json.loads(x) for x in (tmp_path / n / "metrics.jsonl").read_text().splitlines()] for n in "ab")
+    assert len(a) == 4 and [reproducible(r) for r in a] == [reproducible(r) for r in b]
+    assert any(k.endswith("_seconds") for k in a[1])  # the measured entries exist, and only they are left out
+    wa, wb = (load_file(tmp_path / n / "final" / "model.safetensors") for n in "ab")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
 def test_ci_runs_the_readme_test_command():
