@@ -115,6 +115,9 @@ class _Controller:
         else:
             print("strop: resume: the engine's sampling state lives in its servers and is not restored; the "
                   "steps that follow are not bitwise those of an uninterrupted run", flush=True)
+        if state.get("world", 1) != self.c.trainer.dp.world:  # DCP reshards; the sums run in another order
+            print(f"strop: resume: saved by {state.get('world', 1)} processes, resumed by {self.c.trainer.dp.world}: "
+                  "the run continues, but not bitwise as it would have", flush=True)
         self.clock.start -= state["elapsed_seconds"]
         self.loop.run_until_complete(self.c.engine.update_weights(weights, version=state["weight_version"]))
         self.progress.update(state["step"])
@@ -128,7 +131,8 @@ class _Controller:
     def checkpoint(self, step: int, tmp: Path, weights: dict) -> None:
         """Complete the checkpoint every rank wrote its part of into ``tmp``."""
         generator = getattr(self.c.engine, "generator", None)
-        state = {"step": step, "weight_version": step, "sampler": self.c.sampler.state_dict(),
+        state = {"step": step, "weight_version": step, "world": self.c.trainer.dp.world,
+                 "sampler": self.c.sampler.state_dict(),
                  "engine_rng": generator.get_state() if generator is not None else None,
                  "elapsed_seconds": self.clock(), "logs": checkpoint.log_sizes(self.run_dir),
                  "rollout": None}  # sync rollout holds nothing between steps

@@ -168,3 +168,17 @@ def test_latest_ignores_unfinished_folders_and_cut_logs_restores_lengths(tmp_pat
     checkpoint.cut_logs(tmp_path, sizes)
     assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1}\n{"step": 2}\n'
     assert (tmp_path / "samples.jsonl").read_text() == ""
+
+
+def test_resume_latest_is_the_newest_run_with_a_config(tmp_path, monkeypatch):
+    from strop.config import find_run_dir
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match="no run directory"):
+        find_run_dir("latest")
+    for i, name in enumerate(("20260101-000000", "20260102-000000", "20260103-000000")):
+        (tmp_path / "runs" / name).mkdir(parents=True)
+        if name != "20260103-000000":  # the newest has no config: it never started
+            (tmp_path / "runs" / name / "config.yaml").write_text("{}")
+        os.utime(tmp_path / "runs" / name, (1000 + i, 1000 + i))
+    assert find_run_dir("latest").name == "20260102-000000"
