@@ -16,6 +16,9 @@ commands:
   strop serve [--model-path PATH] [--port N] [--host H] [--token T]
                                                         the embedded engine behind HTTP (SGLang-native + OpenAI routes)
   strop train --resume RUN_DIR|latest                   continue a run from its newest checkpoint
+  strop rollout [CONFIG.yaml] [--out FILE] [--section.key=value ...]
+                                                        generate and score a run's steps, write them, no training
+  strop train --data.samples=FILE                       train on such a file, with no engine
   strop plot RUN_DIR [RUN_DIR ...] [--metrics a,b] [--out FILE]
                                                         the curves of one or several runs side by side
   strop check-plugin --hook HOOK pkg.module:function    check a plugin against its hook's contract
@@ -75,6 +78,33 @@ def serve_main(argv: list[str]) -> int:
               seed=args.seed, device=args.device, dtype=args.dtype, batch_wait_ms=args.batch_wait_ms)
     except (FileNotFoundError, ValueError) as exc:
         print(f"strop serve: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def rollout_main(argv: list[str]) -> int:
+    """``strop rollout``: the samples a sync run would train on, written to a file; no training."""
+    from strop.config import ConfigError, build_config, parse_overrides
+
+    out, argv = _take_option(argv, "--out")
+    preset, argv = _take_option(argv, "--preset")
+    yaml_path = None
+    if argv and not argv[0].startswith("-"):
+        yaml_path, argv = argv[0], argv[1:]
+    try:
+        cfg = build_config(yaml_path, parse_overrides(argv, prog="strop rollout"), preset=preset)
+    except ConfigError as exc:
+        print(f"strop rollout: {exc}", file=sys.stderr)
+        return 2
+    _quiet_libraries()
+    from strop.data.sources import DataError
+    from strop.loop import rollout_only
+    from strop.plugins import PluginError
+
+    try:
+        rollout_only(cfg, out)
+    except (FileNotFoundError, FileExistsError, DataError, PluginError, ValueError) as exc:
+        print(f"strop rollout: error: {exc}", file=sys.stderr)
         return 1
     return 0
 
@@ -220,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
         return serve_main(rest)
     if command == "plot":
         return plot_main(rest)
+    if command == "rollout":
+        return rollout_main(rest)
     print(f"strop: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
     return 2
 

@@ -41,6 +41,8 @@ class DataConfig(_Section):
         "reasoning_gym", description="where prompts come from: a reasoning-gym task or a JSONL/Parquet file"
     )
     task: str = Field("basic_arithmetic", description="reasoning-gym task name (source=reasoning_gym)")
+    samples: str | None = Field(None, description="train only: scored samples written by `strop rollout` "
+                                "(no engine, no prompts, no evaluation; step k trains on the file's step k)")
     task_options: dict[str, Any] = Field(
         default_factory=lambda: {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1},
         description="options passed to the reasoning-gym task config, as JSON",
@@ -98,7 +100,26 @@ class RolloutConfig(_Section):
     )
     seed: int = Field(0, description="sampling seed")
     filter_max_rounds: int = Field(
-        3, gt=0, description="with plugins.filter: most rollout rounds per step to refill dropped groups")
+        3, gt=0, description="with plugins.filter or dynamic_sampling: most rollout rounds per step to refill "
+        "dropped groups")
+    mode: Literal["sync", "one_step_off", "async"] = Field(
+        "sync", description="'sync': generate a step's groups, then train; 'one_step_off': generate step k+1's "
+        "groups while step k trains; 'async': generate continuously, each step takes the groups that finished "
+        "first (docs/rollout.md)")
+    max_staleness: int = Field(1, ge=0, description="async: a token sampled more than this many weight versions "
+                               "before the trainer's current weights is never trained on")
+    stale_groups: Literal["drop", "regenerate"] = Field(
+        "drop", description="async: a group with a too-stale token is dropped, or regenerated from its prompts")
+    partial: Literal["finish", "resume"] = Field(
+        "finish", description="one_step_off / async, at a weight update: unfinished samples finish on the old "
+        "weights, or are aborted and resumed on the new ones from the tokens they have")
+    resumed_tokens: Literal["correct", "mask"] = Field(
+        "correct", description="partial=resume: tokens sampled before the update are trained with the importance "
+        "correction against their own logprobs (needs algo.use_rollout_logprobs, tis_cap or mis_*), or masked")
+    over_sample: float = Field(1.0, ge=1.0, description="draw this many times the groups a step still needs; "
+                               "once the step is full the rest are aborted")
+    dynamic_sampling: bool = Field(False, description="drop groups whose rewards are all equal (no learning "
+                                   "signal under group baselines) and top up, at most filter_max_rounds rounds")
 
 
 class AlgoConfig(_Section):
@@ -298,6 +319,26 @@ class Config(_Section):
             raise ValueError(f"algo.estimator={self.algo.estimator!r} compares the samples of one prompt, and "
                              "rollout.n_samples_per_prompt=1 makes every advantage 0 (nothing is learned): sample "
                              "2 or more per prompt, or use estimator 'reinforce_pp' or 'ppo'")
+        r, a = self.rollout, self.algo
+        if r.mode == "one_step_off" and r.max_staleness < 1:
+            raise ValueError("rollout.mode='one_step_off' trains on tokens one weight version old: it needs "
+                             "rollout.max_staleness >= 1")
+        if r.mode != "sync" and self.plugins.rollout:
+            raise ValueError(f"rollout.mode={r.mode!r} schedules groups one by one and cannot use a rollout hook "
+                             f"(plugins.rollout={self.plugins.rollout!r}), which generates whole steps; use "
+                             "plugins.generate / reward / filter, or rollout.mode='sync'")
+        if (r.over_sample > 1 or r.dynamic_sampling) and self.plugins.rollout:
+            raise ValueError("rollout.over_sample / dynamic_sampling need the default rollout (plugins.rollout "
+                             "generates whole steps its own way)")
+        if r.partial == "resume" and self.plugins.generate:
+            raise ValueError("rollout.partial='resume' continues a sample from the tokens it has, which the default "
+                             f"generate function does; plugins.generate={self.plugins.generate!r} may not: use "
+                             "partial='finish'")
+        if r.partial == "resume" and r.resumed_tokens == "correct" and r.mode != "sync" and not (
+                a.use_rollout_logprobs or a.tis_cap is not None or a.mis_low is not None or a.mis_high is not None):
+            raise ValueError("rollout.resumed_tokens='correct' trains tokens of older weights with an importance "
+                             "correction: set algo.use_rollout_logprobs=true (the ratio against the rollout's own "
+                             "logprobs), or algo.tis_cap / mis_low / mis_high; or resumed_tokens='mask'")
         return self
 
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import statistics
+import threading
 import time
 from pathlib import Path
 
@@ -15,6 +17,8 @@ from strop.observe.tracking import open_trackers, sample_rows
 from strop.observe.metrics import MetricsLog, Progress, Timer, memory_metrics, plot_curves, write_summary
 from strop.plugins import call_hook, call_hook_sync
 from strop.rollout.generate import RolloutContext, rollout_groups
+from strop.rollout.manager import RolloutManager
+from strop.rollout.samples_file import write_header, write_samples
 from strop.parallel.runtime import Control, init_from_env, resolve_device
 from strop.setup import Components, build
 
@@ -56,6 +60,34 @@ def train(cfg: Config, resume: bool = False) -> dict | None:
             run.close()
 
 
+def rollout_only(cfg: Config, out: Path | None = None) -> Path:
+    """``strop rollout``: what a sync run would generate and score, step by step, written to ``out``
+    (default <run dir>/rollout_samples.jsonl) with no training. The weights never change, so this is
+    the run's first step exactly (and later steps on the initial weights)."""
+    if cfg.rollout.mode != "sync":
+        raise ValueError(f"strop rollout generates without training: rollout.mode={cfg.rollout.mode!r} has "
+                         "no weight updates to be ahead of; use rollout.mode=sync")
+    if cfg.run.threads:
+        torch.set_num_threads(cfg.run.threads)
+    device = resolve_device(cfg.run.device)
+    c = build(cfg, device, Control())
+    run = _Controller(cfg, c)
+    try:
+        run.samples_out = Path(out) if out else run.run_dir / "rollout_samples.jsonl"
+        write_header(run.samples_out, {"temperature": cfg.rollout.temperature, "top_p": cfg.rollout.top_p,
+                                       "top_k": cfg.rollout.top_k, "max_new_tokens": cfg.rollout.max_new_tokens,
+                                       "model": cfg.model.path})
+        run.start()
+        for step in range(1, cfg.train.steps + 1):
+            samples, metrics = run.rollout(step)
+            run.log.log(metrics | {"step": step, "step_seconds": time.perf_counter() - run.t_step})
+            run.progress.update(1, reward=metrics["reward_mean"])
+        print(f"strop: {cfg.train.steps} steps of scored samples -> {run.samples_out}", flush=True)
+        return run.samples_out
+    finally:
+        run.close()
+
+
 def save_checkpoint(control: Control, run, c: Components, step: int, weights: dict) -> None:
     """Every rank writes its trainer state into a temporary folder; rank 0 adds the rest and renames
     it into place (strop.checkpoint)."""
@@ -69,11 +101,20 @@ class _Controller:
 
     def __init__(self, cfg: Config, c: Components):
         self.cfg, self.c, self.run_dir = cfg, c, c.run_dir
-        self.loop = asyncio.new_event_loop()  # one event loop for the whole run
+        # one event loop for the whole run, in its own thread: rollout goes on while the trainer works
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="strop-rollout", daemon=True)
+        self.thread.start()
         self.log, self.clock = MetricsLog(self.run_dir), Timer()
         self.ctx = RolloutContext(engine=c.engine, tokenizer=c.tokenizer, config=cfg, generate=c.hooks.get("generate"),
                                   reward=c.reward_fn, filter=c.hooks.get("filter"), run_dir=self.run_dir)
         self.progress = Progress(cfg.train.steps, enabled=cfg.run.progress)
+        self.manager = RolloutManager(cfg, c, self.ctx)
+        self.samples_out: Path | None = None  # rollout only: where the scored samples go
+
+    def run(self, coroutine):
+        """Run ``coroutine`` in the run's event loop and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
 
     def start(self, resume: bool = False) -> str | None:
         """Print where the run is, open the trackers, evaluate step 0; resuming, return the newest
@@ -83,7 +124,9 @@ class _Controller:
         if self.c.trainer.dp.world > 1:
             print(f"strop: {self.c.trainer.dp.describe()}", flush=True)
         print(f"strop: device {self.c.trainer.device}", flush=True)
-        if self.cfg.engine.kind != "embedded":
+        if self.c.replay is not None:
+            print(f"strop: train only: samples of {len(self.c.replay)} steps from {self.cfg.data.samples}", flush=True)
+        elif self.cfg.engine.kind != "embedded":
             urls = ", ".join(e.url for e in self.c.engine.engines)
             how = f"{len(self.c.servers)} launched strop serve processes" if self.c.servers else self.cfg.engine.kind
             print(f"strop: engine: router over {how}: {urls}", flush=True)
@@ -108,18 +151,21 @@ class _Controller:
         state = checkpoint.load_controller_state(found)
         checkpoint.cut_logs(self.run_dir, state["logs"])
         self.log.reload()
-        self.c.sampler.load_state_dict(state["sampler"])
+        if self.c.sampler is not None:
+            self.c.sampler.load_state_dict(state["sampler"])
+        self.run(self.manager.load(state["rollout"]))
         generator = getattr(self.c.engine, "generator", None)
         if generator is not None and state["engine_rng"] is not None:
             generator.set_state(state["engine_rng"])
-        else:
+        elif self.c.engine is not None:
             print("strop: resume: the engine's sampling state lives in its servers and is not restored; the "
                   "steps that follow are not bitwise those of an uninterrupted run", flush=True)
         if state.get("world", 1) != self.c.trainer.dp.world:  # DCP reshards; the sums run in another order
             print(f"strop: resume: saved by {state.get('world', 1)} processes, resumed by {self.c.trainer.dp.world}: "
                   "the run continues, but not bitwise as it would have", flush=True)
         self.clock.start -= state["elapsed_seconds"]
-        self.loop.run_until_complete(self.c.engine.update_weights(weights, version=state["weight_version"]))
+        if self.c.engine is not None:
+            self.run(self.c.engine.update_weights(weights, version=state["weight_version"]))
         self.progress.update(state["step"])
         print(f"strop: resumed from {found} at step {state['step']} of {self.cfg.train.steps}", flush=True)
         return state["step"]
@@ -131,11 +177,15 @@ class _Controller:
     def checkpoint(self, step: int, tmp: Path, weights: dict) -> None:
         """Complete the checkpoint every rank wrote its part of into ``tmp``."""
         generator = getattr(self.c.engine, "generator", None)
-        state = {"step": step, "weight_version": step, "world": self.c.trainer.dp.world,
-                 "sampler": self.c.sampler.state_dict(),
-                 "engine_rng": generator.get_state() if generator is not None else None,
-                 "elapsed_seconds": self.clock(), "logs": checkpoint.log_sizes(self.run_dir),
-                 "rollout": None}  # sync rollout holds nothing between steps
+        rollout = self.run(self.manager.pause())  # what it holds; nothing new starts until resume()
+        try:
+            state = {"step": step, "weight_version": step, "world": self.c.trainer.dp.world,
+                     "sampler": self.c.sampler.state_dict() if self.c.sampler is not None else None,
+                     "engine_rng": generator.get_state() if generator is not None else None,
+                     "elapsed_seconds": self.clock(), "logs": checkpoint.log_sizes(self.run_dir),
+                     "rollout": rollout}  # None in sync mode: it holds nothing between steps
+        finally:
+            self.run(self.manager.resume())
         path = checkpoint.finish(self.run_dir, tmp, step, controller_state=state, weights=weights,
                                  model=self.c.trainer.model, tokenizer=self.c.tokenizer,
                                  keep=self.cfg.run.keep_checkpoints)
@@ -145,17 +195,40 @@ class _Controller:
 
     def rollout(self, step: int) -> tuple[list, dict]:
         self.t_step, self.ctx.step = time.perf_counter(), step
-        groups, drawn = self.loop.run_until_complete(rollout_step(self.cfg, self.c, self.ctx))
-        metrics = rollout_metrics(groups, time.perf_counter() - self.t_step) | {"groups_drawn": drawn}
+        if self.c.replay is not None:  # train only: the file's samples of this step, grouped again
+            by_group: dict[int, list] = {}
+            for s in self.c.replay[step]:
+                by_group.setdefault(s.group_id, []).append(s)
+            groups = list(by_group.values())
+            managed = {"groups_drawn": len(groups), "staleness_histogram": {}}
+        else:
+            groups, managed = self.run(self.manager.batch(step))
+        if not any(s.status.trainable for g in groups for s in g):
+            raise RuntimeError(f"step {step}: no trainable sample after {managed['groups_drawn']} prompts "
+                               "(every group filtered out, or every sample aborted/failed)")
+        histogram = managed.pop("staleness_histogram")
+        if self.cfg.rollout.mode != "sync":
+            with open(self.run_dir / "staleness.jsonl", "a") as f:
+                f.write(json.dumps({"step": step, "tokens_by_staleness": histogram}) + "\n")
+        metrics = rollout_metrics(groups, time.perf_counter() - self.t_step) | managed
         samples = [s for g in groups for s in g if s.status.trainable]  # aborted / failed never train
         self.log.samples(sample_rows(groups, self.c.tokenizer, self.cfg.run.log_samples, step), step)
+        if self.samples_out is not None:
+            write_samples(self.samples_out, samples, step)
         if "postprocess" in self.c.hooks:
             samples = call_hook_sync("postprocess", self.c.hooks["postprocess"], samples=samples, step=step)
+        if self.c.replay is None:
+            self.manager.check_accounts()
         return samples, metrics
 
     def after_step(self, step: int, weights: dict, metrics: dict) -> None:
         t = time.perf_counter()
-        self.loop.run_until_complete(self.c.engine.update_weights(weights, version=step))
+        if self.c.engine is not None:  # (train only has none)
+            self.run(self.manager.before_update())  # partial=resume: abort what is generating
+            try:
+                self.run(self.c.engine.update_weights(weights, version=step))
+            finally:
+                self.run(self.manager.after_update())
         metrics["weight_sync_seconds"] = time.perf_counter() - t
         if getattr(self.c.engine, "bytes_full", 0):  # the delta form: what moved against a full sync
             metrics["weight_sync_bytes"] = self.c.engine.bytes_sent
@@ -173,7 +246,7 @@ class _Controller:
             return
         t = time.perf_counter()
         groups = [c.eval_prompts.make_group(i, 1, group_id=-1 - i) for i in range(len(c.eval_prompts))]
-        groups = self.loop.run_until_complete(rollout_groups(self.ctx, groups, c.eval_sampling, apply_filter=False))
+        groups = self.run(rollout_groups(self.ctx, groups, c.eval_sampling, apply_filter=False))
         accuracy = sum(1.0 for g in groups if g[0].reward is not None and g[0].reward >= 1.0) / len(groups)
         self.log.log({"step": step, "eval_accuracy": accuracy, "eval_seconds": time.perf_counter() - t})
         self.progress.update(eval_acc=accuracy)
@@ -191,27 +264,14 @@ class _Controller:
         self.progress.close()
         try:
             self.log.close()
+            self.run(self.manager.close())
         finally:
             try:
-                self.c.close(self.loop)
+                self.c.close(self.run)
             finally:
+                self.loop.call_soon_threadsafe(self.loop.stop)
+                self.thread.join(timeout=60)
                 self.loop.close()
-
-
-async def rollout_step(cfg: Config, c: Components, ctx: RolloutContext) -> tuple[list, int]:
-    """Groups for one step through the rollout hook; refill groups a filter dropped, a few rounds at most."""
-    groups, drawn = [], 0
-    for _ in range(cfg.rollout.filter_max_rounds if "filter" in c.hooks else 1):
-        want = cfg.rollout.prompts_per_step - len(groups)
-        new = [c.train_prompts.make_group(i, cfg.rollout.n_samples_per_prompt, gid) for i, gid in c.sampler.draw(want)]
-        drawn += len(new)
-        groups += await call_hook("rollout", c.hooks["rollout"], ctx=ctx, groups=new, sampling=c.sampling)
-        if len(groups) >= cfg.rollout.prompts_per_step:
-            break
-    if not any(s.status.trainable for g in groups for s in g):
-        raise RuntimeError(f"step {ctx.step}: no trainable sample after {drawn} prompts "
-                           "(every group filtered out, or every sample aborted/failed)")
-    return groups, drawn
 
 
 def rollout_metrics(groups, seconds: float) -> dict:

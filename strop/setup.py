@@ -46,14 +46,15 @@ class Components:
     eval_sampling: SamplingParams | None = None
     run_dir: Path | None = None
     servers: list = field(default_factory=list)  # strop serve processes this run started (engine.launch)
+    replay: dict | None = None  # train only (data.samples): the file's samples by step
 
-    def close(self, loop=None) -> None:
-        """Stop what the run started: the router's health checks and connections (in the run's event
-        ``loop``, where they were made), and launched servers."""
+    def close(self, run=None) -> None:
+        """Stop what the run started: the router's health checks and connections (``run(coroutine)``
+        runs it in the run's event loop, where they were made), and launched servers."""
         close = getattr(self.engine, "close", None)
         try:
-            if close is not None and loop is not None and not loop.is_closed():
-                loop.run_until_complete(close())
+            if close is not None and run is not None:
+                run(close())
         finally:
             for server in self.servers:
                 server.stop()
@@ -72,6 +73,7 @@ class _Prepared:
     train_rows: list | None = None
     eval_rows: list | None = None
     engine_model: Any = None
+    replay: dict | None = None
 
 
 def _rows(cfg: Config, which: str, data_source: Callable | None = None):
@@ -130,8 +132,12 @@ def prepare(cfg: Config, device: torch.device, controller: bool = True, resume: 
     """Every check and load that needs no other rank. Cheap checks first: run dir, layout, data,
     reward, plugins; the model path (converting the embedded model on a cold cache) after them."""
     hooks = {name: load_hook(name, path) for name, path in cfg.plugins.model_dump().items() if path}
-    reward_fn = train_rows = eval_rows = engine_model = None
-    if controller:
+    reward_fn = train_rows = eval_rows = engine_model = replay = None
+    if controller and cfg.data.samples:  # train only: samples from a file, no prompts or engine
+        if not resume:
+            check_run_dir(cfg)
+        replay = _read_replay(cfg)
+    elif controller:
         if not resume:
             check_run_dir(cfg)
         resolve_bucket_bytes(cfg.parallel.grad_reduce_bucket_bytes)
@@ -149,9 +155,26 @@ def prepare(cfg: Config, device: torch.device, controller: bool = True, resume: 
     tokenizer = load_tokenizer(model_path)
     torch.manual_seed(cfg.train.seed)
     policy = load_model(model_path, dtype=getattr(torch, cfg.model.dtype))  # same weights on every rank
-    if controller and cfg.engine.kind == "embedded":  # the engine's own copy, taken before the trainer shards
+    if controller and cfg.engine.kind == "embedded" and not replay:  # the engine's copy, before the trainer shards
         engine_model = copy.deepcopy(policy).to(device).requires_grad_(False)
-    return _Prepared(policy, model_path, tokenizer, hooks, reward_fn, train_rows, eval_rows or None, engine_model)
+    return _Prepared(policy, model_path, tokenizer, hooks, reward_fn, train_rows, eval_rows or None, engine_model,
+                     replay)
+
+
+def _read_replay(cfg: Config) -> dict:
+    """``data.samples``: the samples of each step; the rollout settings must match the file's."""
+    from strop.rollout.samples_file import read_samples
+
+    rollout, steps = read_samples(cfg.data.samples)
+    if rollout.get("temperature") != cfg.rollout.temperature:
+        raise DataError(f"data.samples={cfg.data.samples!r} was sampled at rollout.temperature="
+                        f"{rollout.get('temperature')}, this run has {cfg.rollout.temperature}: the trainer scales "
+                        "logits by it, so the logprobs would not compare; set --rollout.temperature to match")
+    missing = [k for k in range(1, cfg.train.steps + 1) if k not in steps]
+    if missing:
+        raise DataError(f"data.samples={cfg.data.samples!r} has samples for steps {sorted(steps)}, but "
+                        f"train.steps={cfg.train.steps} needs step {missing[0]}")
+    return steps
 
 
 def make_trainer(cfg: Config, policy, tokenizer, hooks: dict, device: torch.device) -> Trainer:
@@ -185,6 +208,9 @@ def build(cfg: Config, device: torch.device | None = None, control: Control | No
 def _controller_parts(cfg: Config, p: _Prepared, trainer: Trainer, device: torch.device,
                       resume: bool = False) -> Components:
     tokenizer, r = p.tokenizer, cfg.rollout
+    if p.replay is not None:  # train only: no prompts, no engine
+        return Components(trainer=trainer, tokenizer=tokenizer, hooks=p.hooks, replay=p.replay,
+                          run_dir=make_run_dir(cfg, resume=resume))
     context_window = _context_window(p.model_path)
     max_new = max(r.max_new_tokens, cfg.eval.max_new_tokens or 0)
     max_prompt = context_window - max_new

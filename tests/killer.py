@@ -44,12 +44,14 @@ def step(self, samples):
 strop.train.trainer.Trainer.step = step
 
 if PHASE == "rollout" and ME:
-    _sample = EmbeddedEngine._sample
-    _rollout_step = __import__("strop.loop", fromlist=["x"]).rollout_step
+    from strop.rollout.manager import RolloutManager
 
-    async def rollout_step(cfg, c, ctx):
-        state["rollout_step"] = ctx.step
-        return await _rollout_step(cfg, c, ctx)
+    _sample = EmbeddedEngine._sample
+    _batch = RolloutManager.batch
+
+    async def batch(self, step):
+        state["rollout_step"] = step
+        return await _batch(self, step)
 
     def sample(self, *args, **kw):
         if state.get("rollout_step") == STEP:
@@ -59,7 +61,7 @@ if PHASE == "rollout" and ME:
         return _sample(self, *args, **kw)
 
     EmbeddedEngine._sample = sample
-    sys.modules["strop.loop"].rollout_step = rollout_step
+    RolloutManager.batch = batch
 
 if PHASE == "backward" and ME:
     _objective = strop.train.trainer.policy_objective

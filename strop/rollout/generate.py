@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import traceback
 from dataclasses import dataclass, field
@@ -61,8 +62,14 @@ class RolloutContext:
 
 
 async def generate(ctx: RolloutContext, sample: Sample, sampling: SamplingParams) -> Sample:
-    """Default generate function: one engine call, the response decoded into ``response_text``."""
-    completion = await ctx.engine.generate(sample.prompt_ids, sampling)
+    """Default generate function: one engine call, the response decoded into ``response_text``.
+    A sample that already has tokens (aborted at a weight update, resumed: rollout.partial=resume)
+    continues from its prompt plus those tokens, with the budget it has left."""
+    done = sample.response_length
+    if done:
+        sampling = dataclasses.replace(sampling, max_new_tokens=sampling.max_new_tokens - done)
+    completion = await ctx.engine.generate(sample.prompt_ids + sample.response_ids if done else sample.prompt_ids,
+                                           sampling)
     sample.apply_completion(completion)
     sample.response_text = ctx.tokenizer.decode(sample.response_ids, skip_special_tokens=True)
     return sample

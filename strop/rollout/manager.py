@@ -1,0 +1,330 @@
+"""The rollout manager: which groups each step trains on, generated how far ahead, with exact staleness.
+
+Weight versions: the engine starts at version 0 and holds version ``k`` after the update that
+follows step ``k``. A token's version is that of the weights that sampled it
+(``Sample.weight_versions``). Step ``k`` trains on the weights of version ``k - 1``, so a token of
+version ``v`` trained at step ``k`` has **staleness** ``k - 1 - v``: 0 in ``sync`` mode, 1 in
+``one_step_off``, at most ``rollout.max_staleness`` in ``async`` (docs/rollout.md).
+
+Modes (``rollout.mode``):
+
+- ``sync``: a step's groups are generated, then trained on (today's path, unchanged, when there
+  is no over-sampling or dynamic sampling);
+- ``one_step_off``: step k+1's groups are generated while step k trains;
+- ``async``: groups are generated continuously (at most ``prompts_per_step * (max_staleness + 1)``
+  in the manager's hands); each step takes the first ``prompts_per_step`` that finished. A group
+  with a token staler than ``max_staleness`` is dropped or regenerated (``rollout.stale_groups``).
+
+At a weight update, unfinished samples either finish on the old weights (``rollout.partial=finish``)
+or are aborted and resumed on the new ones from their prompt plus the tokens they have, with the
+budget they have left (``partial=resume``); the tokens keep their versions. Tokens of a resumed
+sample from before the update are trained with the importance correction against their own
+logprobs (``resumed_tokens=correct``) or masked out of the loss (``mask``).
+
+Accounting: every sample generated is trained on, dropped with a reason, or still held (finished
+and waiting, or being generated) -- :meth:`RolloutManager.check_accounts` verifies it every step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections import Counter
+
+from strop.plugins import call_hook, call_hook_sync
+from strop.rollout.generate import _generate_one, rollout_groups, score_group
+from strop.types import Sample, Status
+
+DROP_REASONS = ("filter", "all_equal_reward", "stale", "over_sampled", "aborted_leftover", "no_trainable_sample")
+
+
+def staleness(sample: Sample, step: int) -> list[int]:
+    """Per-token staleness of ``sample`` if trained at ``step`` (trainer weights: version step - 1)."""
+    return [step - 1 - v for v in sample.weight_versions]
+
+
+class RolloutManager:
+    def __init__(self, cfg, c, ctx):
+        self.cfg, self.r, self.c, self.ctx = cfg, cfg.rollout, c, ctx
+        self.ready: list[list[Sample]] = []  # finished groups that passed the filters, in finishing order
+        self.tasks: set[asyncio.Task] = set()  # groups being generated
+        self.resume_gate = asyncio.Event()  # cleared while aborted samples wait for new weights
+        self.resume_gate.set()
+        self.closing = False
+        self.prefetch: asyncio.Task | None = None  # one_step_off: the next step's groups
+        self.producer: asyncio.Task | None = None  # async: the continuous generation
+        self.wake = asyncio.Event()  # async: a group finished or a step took groups
+        self.generated = 0  # samples launched (each regeneration counts again)
+        self.trained = 0
+        self.dropped: Counter = Counter()
+        self.step_dropped: Counter = Counter()
+        self.step, self.step_drawn = 0, 0
+        self.finished_lengths: list[int] = []  # response lengths of every sample finished since the last step
+        self.ready_event = asyncio.Event()
+        self.paused = False  # async: no new groups while a checkpoint drains what is in flight
+        self.error: BaseException | None = None  # a group's generation failed (engine error): the step says so
+
+    # ---- what the driver calls -------------------------------------------------------------
+    @property
+    def simple(self) -> bool:
+        """Today's path: sync, no over-sampling, no dynamic sampling (the rollout hook sees whole steps)."""
+        return self.r.mode == "sync" and self.r.over_sample == 1.0 and not self.r.dynamic_sampling
+
+    async def batch(self, step: int) -> tuple[list[list[Sample]], dict]:
+        """The groups step ``step`` trains on, and the manager's metrics for it."""
+        self.step, self.step_dropped, self.step_drawn = step, Counter(), 0
+        if self.r.mode == "sync":
+            groups = await self._round_robin(step)
+        elif self.r.mode == "one_step_off":
+            if self.prefetch is None:
+                self.prefetch = asyncio.ensure_future(self._round_robin(step))
+            groups = await self.prefetch
+            self.prefetch = asyncio.ensure_future(self._round_robin(step + 1)) \
+                if step < self.cfg.train.steps else None
+        else:
+            groups = await self._take_async(step)
+        trained = [s for g in groups for s in g if s.status.trainable]
+        for g in groups:
+            for s in g:
+                if not s.status.trainable:
+                    self._drop([s], "no_trainable_sample" if s.status != Status.FAILED else "failed")
+        self.trained += len(trained)
+        if self.r.resumed_tokens == "mask":
+            for s in trained:
+                if s.metadata.get("resumed"):
+                    last = s.weight_versions[-1]
+                    s.loss_mask = [m if v == last else 0 for m, v in zip(s.loss_mask, s.weight_versions)]
+        return groups, self._metrics(step, groups, trained)
+
+    async def before_update(self) -> None:
+        """``partial=resume``: abort what is generating; the samples wait for the new weights."""
+        if self.r.partial == "resume" and self.tasks and self.r.mode != "sync":
+            self.resume_gate.clear()
+            await self.c.engine.abort_all()
+
+    async def after_update(self) -> None:
+        self.resume_gate.set()
+
+    def check_accounts(self) -> dict[str, int]:
+        """Every generated sample is trained, dropped with a reason, or held: raise if not."""
+        held = sum(len(g) for g in self.ready) + self._in_flight_samples()
+        dropped = sum(self.dropped.values())
+        if self.generated != self.trained + dropped + held:
+            raise AssertionError(f"rollout accounting: {self.generated} generated but {self.trained} trained + "
+                                 f"{dropped} dropped + {held} held")
+        return {"generated": self.generated, "trained": self.trained, "dropped": dropped, "held": held}
+
+    async def close(self) -> None:
+        self.closing = True
+        self.resume_gate.set()
+        for t in [self.producer, self.prefetch, *self.tasks]:
+            if t is not None and not t.done():
+                t.cancel()
+        await asyncio.gather(*(t for t in [self.producer, self.prefetch, *self.tasks] if t is not None),
+                             return_exceptions=True)
+
+    # ---- checkpoints -------------------------------------------------------------------------
+    async def pause(self) -> dict | None:
+        """For a checkpoint: stop starting new groups, let what is generating finish (a short drain),
+        and return what the manager holds: one_step_off's next step, async's finished groups, and the
+        counters. None in sync mode, which holds nothing between steps. :meth:`resume` restarts."""
+        if self.r.mode == "sync":
+            return None
+        self.paused = True
+        prefetched = await asyncio.shield(self.prefetch) if self.prefetch is not None else None
+        while self.tasks:
+            await asyncio.gather(*self.tasks, return_exceptions=True)
+        if self.error is not None:
+            raise self.error
+        return {"ready": list(self.ready), "prefetched": prefetched, "generated": self.generated,
+                "trained": self.trained, "dropped": dict(self.dropped)}
+
+    async def resume(self) -> None:
+        self.paused = False
+        self.wake.set()
+
+    async def load(self, state: dict | None) -> None:
+        """Take back what :meth:`pause` returned (a resumed run)."""
+        if not state:
+            return
+        self.ready = state["ready"]
+        if state["prefetched"] is not None:
+            self.prefetch = asyncio.get_running_loop().create_future()
+            self.prefetch.set_result(state["prefetched"])
+        self.generated, self.trained, self.dropped = state["generated"], state["trained"], Counter(state["dropped"])
+
+    # ---- generation of one group -------------------------------------------------------------
+    def _in_flight_samples(self) -> int:
+        held = sum(len(t.group) for t in self.tasks)  # type: ignore[attr-defined]
+        if self.prefetch is not None and self.prefetch.done() and not self.prefetch.cancelled() \
+                and self.prefetch.exception() is None:
+            held += sum(len(g) for g in self.prefetch.result())  # one_step_off: the next step's, finished
+        return held
+
+    def _launch(self, group: list[Sample]) -> asyncio.Task:
+        self.generated += len(group)
+        for s in group:
+            s.reset_response()
+            s.metadata.pop("resumed", None)
+        task = asyncio.ensure_future(self._run_group(group))
+        task.group = group  # type: ignore[attr-defined]
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return task
+
+    async def _sample(self, s: Sample) -> Sample:
+        sampling = self.c.sampling
+        while True:
+            s = await _generate_one(self.ctx, s, sampling)
+            if s.status == Status.ABORTED and self.r.partial == "resume" and not self.closing \
+                    and not s.metadata.get("leftover"):
+                await self.resume_gate.wait()  # the update that aborted it is under way
+                s.metadata["resumed"] = s.metadata.get("resumed", 0) + 1
+                s.status = Status.PENDING
+                continue
+            return s
+
+    async def _run_group(self, group: list[Sample]) -> list[Sample] | None:
+        """Generate and score ``group``; None when a filter drops it (counted with its reason)."""
+        done = await asyncio.gather(*(self._sample(s) for s in group))
+        group[:] = done
+        self.finished_lengths += [s.response_length for s in group]
+        if any(s.metadata.get("leftover") and s.status == Status.ABORTED for s in group):
+            self._drop(group, "aborted_leftover")  # stopped because the step was already full
+            return None
+        await score_group(self.ctx, group)
+        if self.r.dynamic_sampling and len({s.reward for s in group if s.status.trainable}) <= 1:
+            self._drop(group, "all_equal_reward")
+            return None
+        if self.ctx.filter is not None and not call_hook_sync("filter", self.ctx.filter, group=group):
+            self._drop(group, "filter")
+            return None
+        return group
+
+    def _drop(self, samples: list[Sample], reason: str) -> None:
+        self.dropped[reason] += len(samples)
+        self.step_dropped[reason] += len(samples)
+
+    def _draw(self, k: int) -> list[list[Sample]]:
+        n = self.r.n_samples_per_prompt
+        self.step_drawn += k
+        return [self.c.train_prompts.make_group(i, n, gid) for i, gid in self.c.sampler.draw(k)]
+
+    # ---- sync and one_step_off: rounds of over-sampled groups ---------------------------------
+    async def _round_robin(self, step: int) -> list[list[Sample]]:
+        """``prompts_per_step`` groups: draw ``over_sample`` times what is missing, keep groups that
+        pass the filters, top up for at most ``filter_max_rounds`` rounds; abort what is left over."""
+        if self.simple:
+            return await self._simple_step(step)
+        want, kept = self.r.prompts_per_step, []
+        for _ in range(self.r.filter_max_rounds):
+            tasks = [self._launch(g) for g in self._draw(math.ceil((want - len(kept)) * self.r.over_sample))]
+            for fut in asyncio.as_completed(tasks):
+                group = await fut
+                if group is None:
+                    continue
+                if len(kept) < want:
+                    kept.append(group)
+                    if len(kept) == want and any(not t.done() for t in tasks):  # enough: stop the rest
+                        for t in tasks:
+                            for s in t.group:  # type: ignore[attr-defined]
+                                s.metadata["leftover"] = True
+                        for s in (s for g in kept for s in g):
+                            s.metadata.pop("leftover", None)
+                        await self.c.engine.abort_all()
+                else:
+                    self._drop(group, "over_sampled")
+            if len(kept) >= want:
+                break
+        if not kept:
+            raise RuntimeError(f"step {step}: no group passed the filters in {self.r.filter_max_rounds} rounds "
+                               f"({dict(self.step_dropped)} samples dropped)")
+        return kept
+
+    async def _simple_step(self, step: int) -> list[list[Sample]]:
+        """Exactly the path strop always had: the rollout hook on the step's groups (refilled when its
+        filter drops some, for at most ``filter_max_rounds`` rounds)."""
+        groups = []
+        for _ in range(self.r.filter_max_rounds if self.ctx.filter is not None else 1):
+            new = self._draw(self.r.prompts_per_step - len(groups))
+            self.generated += sum(len(g) for g in new)
+            got = await call_hook("rollout", self.c.hooks["rollout"], ctx=self.ctx, groups=new, sampling=self.c.sampling)
+            self.finished_lengths += [s.response_length for g in got for s in g]
+            filtered = sum(len(g) for g in new) - sum(len(g) for g in got)
+            if filtered > 0:  # the hook's filter dropped whole groups
+                self.dropped["filter"] += filtered
+                self.step_dropped["filter"] += filtered
+            groups += got
+            if len(groups) >= self.r.prompts_per_step:
+                break
+        return groups
+
+    # ---- async: continuous generation -----------------------------------------------------------
+    def _capacity(self) -> int:
+        return math.ceil(self.r.prompts_per_step * (self.r.max_staleness + 1) * self.r.over_sample)
+
+    async def _produce(self) -> None:
+        while not self.closing:
+            held = len(self.ready) + len(self.tasks)
+            if held < self._capacity() and not self.paused:
+                for group in self._draw(self._capacity() - held):
+                    self._launch(group).add_done_callback(self._finished)
+            self.wake.clear()
+            await self.wake.wait()
+
+    def _finished(self, task: asyncio.Task) -> None:
+        if task.cancelled():
+            return
+        if task.exception() is not None:
+            self.error = self.error or task.exception()
+        elif task.result() is not None:
+            self.ready.append(task.result())
+        self.wake.set()
+        self.ready_event.set()
+
+    async def _take_async(self, step: int) -> list[list[Sample]]:
+        if self.producer is None:
+            self.producer = asyncio.ensure_future(self._produce())
+        out = []
+        while len(out) < self.r.prompts_per_step:
+            if self.error is not None:
+                raise self.error
+            if self.producer.done():  # it failed: say why
+                self.producer.result()
+            while self.ready and len(out) < self.r.prompts_per_step:
+                group = self.ready.pop(0)
+                if max(max(staleness(s, step), default=0) for s in group) > self.r.max_staleness:
+                    self._drop(group, "stale")
+                    if self.r.stale_groups == "regenerate":  # the same prompts, on the current weights
+                        self._launch(group).add_done_callback(self._finished)
+                    continue
+                out.append(group)
+            self.wake.set()
+            if len(out) < self.r.prompts_per_step:
+                self.ready_event.clear()
+                if not self.ready and self.error is None:
+                    waiting = asyncio.ensure_future(self.ready_event.wait())
+                    await asyncio.wait([waiting, self.producer], return_when=asyncio.FIRST_COMPLETED)
+                    waiting.cancel()
+        return out
+
+    # ---- metrics ----------------------------------------------------------------------------------
+    def _metrics(self, step: int, groups, trained: list[Sample]) -> dict:
+        tok = [st for s in trained for st, m in zip(staleness(s, step), s.loss_mask) if m]
+        histogram = Counter(tok)
+        lengths, self.finished_lengths = self.finished_lengths, []
+        out = {
+            "staleness_mean": sum(tok) / max(len(tok), 1),
+            "staleness_max": max(tok, default=0),
+            "samples_trained": len(trained),
+            "samples_dropped": sum(self.step_dropped.values()),
+            "samples_held": sum(len(g) for g in self.ready) + self._in_flight_samples(),
+            "resumed_fraction": sum(1 for s in trained if s.metadata.get("resumed")) / max(len(trained), 1),
+            "response_length_trained_mean": sum(s.response_length for s in trained) / max(len(trained), 1),
+            "response_length_generated_mean": sum(lengths) / max(len(lengths), 1),
+            "groups_drawn": self.step_drawn,
+        }
+        for reason, n in self.step_dropped.items():
+            out[f"dropped/{reason}"] = n
+        out["staleness_histogram"] = {str(k): v for k, v in sorted(histogram.items())}
+        return out

@@ -1,0 +1,297 @@
+"""The rollout manager on a scripted engine: staleness bounds, accounting, partial rollout with per-token
+versions, over-sampling and dynamic sampling; every wait has a timeout."""
+
+import asyncio
+import random
+from types import SimpleNamespace
+
+import pytest
+
+from strop.config import build_config
+from strop.data.sources import PromptSampler
+from strop.rollout.generate import RolloutContext
+from strop.rollout.manager import RolloutManager, staleness
+from strop.types import Completion, Sample, SamplingParams
+
+
+class ScriptedEngine:
+    """Tokens one at a time (``delay`` seconds each); ``abort_all`` stops every running request at its
+    next token, returning what it has with finish reason 'abort'. Every completion carries the
+    weight version its request started on."""
+
+    def __init__(self, delay=0.001, seed=0):
+        self.weight_version, self.delay, self.abort_gen = 0, delay, 0
+        self.rng = random.Random(seed)
+        self.requests = []
+
+    async def generate(self, prompt_ids, sampling):
+        version, gen = self.weight_version, self.abort_gen
+        self.requests.append((len(prompt_ids), sampling.max_new_tokens, version))
+        n = self.rng.randint(1, sampling.max_new_tokens)  # an early stop somewhere
+        ids = []
+        for _ in range(n):
+            await asyncio.sleep(self.delay)
+            if self.abort_gen != gen:
+                return Completion(ids, [-1.0] * len(ids), "abort", version)
+            ids.append(3 + len(ids) % 7)
+        return Completion(ids, [-1.0] * len(ids), "stop" if n < sampling.max_new_tokens else "length", version)
+
+    async def abort_all(self):
+        self.abort_gen += 1
+
+    async def update_weights(self, state, version=None):
+        self.weight_version = version
+        return version
+
+
+class Prompts:
+    def make_group(self, i, n, group_id):
+        return [Sample(prompt=f"p{i}", prompt_ids=[1, 2, 3 + i % 5], group_id=group_id, index=j) for j in range(n)]
+
+
+class Tok:
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
+async def slow_or_fast_reward(sample: Sample) -> float:
+    """Every third prompt's reward is slow to compute (a verifier that takes a while)."""
+    if sample.group_id % 3 == 0:
+        await asyncio.sleep(0.03)
+    return float(sample.response_length % 2)
+
+
+def _manager(engine, reward=slow_or_fast_reward, **rollout):
+    cfg = build_config(overrides={"rollout": {"prompts_per_step": 4, "n_samples_per_prompt": 4, "max_new_tokens": 12,
+                                              **rollout},
+                                  "algo": {"use_rollout_logprobs": True}, "train": {"steps": 6}})
+    c = SimpleNamespace(train_prompts=Prompts(), sampler=PromptSampler(50, 0), engine=engine, hooks={},
+                        sampling=SamplingParams(temperature=1.0, max_new_tokens=12))
+    ctx = RolloutContext(engine=engine, tokenizer=Tok(), config=cfg, reward=reward)
+    return RolloutManager(cfg, c, ctx), cfg
+
+
+async def _drive(manager, engine, steps, train_seconds=0.02):
+    """The driver's order: take a step's groups, train (here: sleep), update the weights."""
+    seen = []
+    for step in range(1, steps + 1):
+        groups, metrics = await asyncio.wait_for(manager.batch(step), timeout=20)
+        manager.check_accounts()
+        seen.append((step, groups, metrics))
+        await asyncio.sleep(train_seconds)
+        await manager.before_update()
+        await engine.update_weights(None, version=step)
+        await manager.after_update()
+    accounts = manager.check_accounts()
+    await asyncio.wait_for(manager.close(), timeout=20)
+    return seen, accounts
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("max_staleness,stale_groups", [(1, "drop"), (2, "regenerate"), (0, "drop")])
+def test_async_never_trains_a_token_staler_than_max_staleness(max_staleness, stale_groups):
+    engine = ScriptedEngine(delay=0.002)
+    manager, _ = _manager(engine, mode="async", max_staleness=max_staleness, stale_groups=stale_groups)
+    seen, accounts = asyncio.run(_drive(manager, engine, steps=6))
+    worst = 0
+    for step, groups, metrics in seen:
+        assert len(groups) == 4
+        for s in (s for g in groups for s in g):
+            assert all(0 <= st <= max_staleness for st in staleness(s, step)), (step, s.weight_versions)
+            worst = max(worst, max(staleness(s, step), default=0))
+        assert metrics["staleness_max"] <= max_staleness
+    if max_staleness:
+        assert worst >= 1  # generation really ran ahead of training
+    # nothing disappears: generated = trained + dropped (with reasons) + still held
+    assert accounts["generated"] == accounts["trained"] + accounts["dropped"] + accounts["held"]
+    assert accounts["trained"] == 6 * 4 * 4
+    assert set(manager.dropped) <= {"stale"}
+
+
+@pytest.mark.timeout(60)
+def test_one_step_off_trains_tokens_exactly_one_version_old():
+    engine = ScriptedEngine(delay=0.0005)
+    manager, _ = _manager(engine, mode="one_step_off")
+    seen, accounts = asyncio.run(_drive(manager, engine, steps=6, train_seconds=0.05))  # train.steps=6
+    for step, groups, metrics in seen[1:]:  # step 1 has nothing to be ahead of
+        assert {st for g in groups for s in g for st in staleness(s, step)} == {1}
+        assert metrics["staleness_mean"] == 1.0
+    assert accounts["generated"] == accounts["trained"] + accounts["dropped"] + accounts["held"]
+    assert accounts["held"] == 0  # the last step starts nothing after it
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("resumed_tokens", ["correct", "mask"])
+def test_partial_rollout_resumes_aborted_samples_keeping_per_token_versions(resumed_tokens):
+    engine = ScriptedEngine(delay=0.004)  # slow decoding: the update lands mid-sample
+    manager, _ = _manager(engine, mode="one_step_off", partial="resume", resumed_tokens=resumed_tokens)
+    seen, _ = asyncio.run(_drive(manager, engine, steps=4, train_seconds=0.01))
+    resumed = [(step, s) for step, groups, _ in seen for g in groups for s in g if s.metadata.get("resumed")]
+    assert resumed, "no sample was resumed"
+    for step, s in resumed:
+        versions = s.weight_versions
+        assert len(set(versions)) >= 2 and versions == sorted(versions)  # old tokens first, then the new weights
+        assert len(versions) == s.response_length <= 12  # the budget counts the tokens from before the abort
+        last = versions[-1]
+        if resumed_tokens == "mask":
+            assert s.loss_mask == [int(v == last) for v in versions]
+        else:
+            assert all(s.loss_mask)
+    # a resumed request continues from prompt + tokens so far, with the budget that is left
+    assert any(prompt_len > 3 and budget < 12 for prompt_len, budget, _ in engine.requests)
+    assert any(m["resumed_fraction"] > 0 for _, _, m in seen)
+
+
+@pytest.mark.timeout(60)
+def test_dynamic_sampling_drops_equal_reward_groups_and_tops_up():
+    async def parity_of_prompt(sample: Sample) -> float:  # every sample of an even prompt gets the same reward
+        return 1.0 if sample.prompt_ids[-1] % 2 == 0 else float(sample.index % 2)
+
+    engine = ScriptedEngine()
+    manager, _ = _manager(engine, reward=parity_of_prompt, dynamic_sampling=True, over_sample=1.5)
+    seen, accounts = asyncio.run(_drive(manager, engine, steps=3))
+    for _, groups, metrics in seen:
+        assert len(groups) == 4
+        assert all(len({s.reward for s in g}) > 1 for g in groups)  # no zero-signal group is trained
+        dropped = sum(v for k, v in metrics.items() if k.startswith("dropped/"))
+        assert dropped == metrics["samples_dropped"] > 0
+        assert metrics["groups_drawn"] >= 6  # 1.5 x 4, topped up when too few survived
+    assert manager.dropped["all_equal_reward"] > 0
+    assert accounts["generated"] == accounts["trained"] + accounts["dropped"] + accounts["held"]
+
+
+@pytest.mark.timeout(60)
+def test_over_sampling_aborts_the_leftover_once_the_step_is_full():
+    engine = ScriptedEngine(delay=0.003)
+    manager, _ = _manager(engine, over_sample=2.0)
+    seen, accounts = asyncio.run(_drive(manager, engine, steps=2))
+    assert all(len(groups) == 4 for _, groups, _ in seen)
+    assert manager.dropped["aborted_leftover"] + manager.dropped["over_sampled"] == 2 * 4 * 4
+    assert manager.dropped["aborted_leftover"] > 0  # stopped mid-generation, not run to the end
+    assert accounts["generated"] == accounts["trained"] + accounts["dropped"] + accounts["held"]
+
+
+@pytest.mark.timeout(60)
+def test_response_length_of_trained_and_generated_samples_are_both_reported():
+    engine = ScriptedEngine(delay=0.002)
+    manager, _ = _manager(engine, mode="async", max_staleness=0, over_sample=1.0)
+    seen, _ = asyncio.run(_drive(manager, engine, steps=3))
+    for _, groups, m in seen:
+        assert m["response_length_trained_mean"] == pytest.approx(
+            sum(s.response_length for g in groups for s in g) / sum(len(g) for g in groups))
+        assert m["response_length_generated_mean"] > 0
+
+
+@pytest.mark.timeout(60)
+def test_an_engine_error_in_async_generation_reaches_the_step():
+    class Broken(ScriptedEngine):
+        async def generate(self, prompt_ids, sampling):
+            raise ConnectionError("engine gone")
+
+    engine = Broken()
+    manager, _ = _manager(engine, mode="async")
+
+    async def go():
+        try:
+            await asyncio.wait_for(manager.batch(1), timeout=20)
+        finally:
+            await manager.close()
+
+    with pytest.raises(Exception, match="engine gone"):
+        asyncio.run(go())
+
+
+def test_modes_refuse_what_they_cannot_do():
+    from strop.config import ConfigError
+
+    with pytest.raises(ConfigError, match="one_step_off.*max_staleness >= 1"):
+        build_config(overrides={"rollout": {"mode": "one_step_off", "max_staleness": 0}})
+    with pytest.raises(ConfigError, match="cannot use a rollout hook"):
+        build_config(overrides={"rollout": {"mode": "async"}, "plugins": {"rollout": "x.y:z"}})
+    with pytest.raises(ConfigError, match="importance correction"):
+        build_config(overrides={"rollout": {"mode": "async", "partial": "resume"}})
+    build_config(overrides={"rollout": {"mode": "async", "partial": "resume"}, "algo": {"tis_cap": 2.0}})
+    build_config(overrides={"rollout": {"mode": "async", "partial": "resume", "resumed_tokens": "mask"}})
+
+
+# ---- through the real driver, on the tiny model and the embedded engine ---------------------------
+def _rows(run_dir):
+    import json
+
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("rollout", [{"mode": "one_step_off"},
+                                     {"mode": "async", "max_staleness": 2, "partial": "resume"},
+                                     {"mode": "sync", "dynamic_sampling": True, "over_sample": 1.5}],
+                         ids=["one_step_off", "async-resume", "sync-dynamic"])
+def test_modes_train_end_to_end(tiny_model_dir, tmp_path, rollout):
+    import json
+
+    from strop.loop import train
+    from tests.test_e2e import tiny_overrides
+
+    run_dir = tmp_path / "run"
+    cfg = tiny_overrides(tiny_model_dir, run_dir, rollout=rollout, train={"steps": 3},
+                         algo={"use_rollout_logprobs": True}, run={"save_every": 2, "plot": False})
+    summary = train(build_config(overrides=cfg))
+    assert summary["steps"] == 3
+    steps = [r for r in _rows(run_dir) if "reward_mean" in r]
+    limit = {"sync": 0, "one_step_off": 1, "async": 2}[rollout["mode"]]
+    for r in steps:
+        assert 0 <= r["staleness_max"] <= limit and r["samples_trained"] > 0
+        assert r["response_length_trained_mean"] > 0 and r["response_length_generated_mean"] > 0
+    if rollout["mode"] != "sync":
+        assert max(r["staleness_max"] for r in steps) >= 1  # it ran ahead
+        hist = [json.loads(x) for x in (run_dir / "staleness.jsonl").read_text().splitlines()]
+        assert [h["step"] for h in hist] == [1, 2, 3]
+        assert sum(hist[-1]["tokens_by_staleness"].values()) > 0
+
+
+@pytest.mark.timeout(300)
+def test_rollout_only_then_train_only_reproduces_the_first_step(tiny_model_dir, tmp_path, capsys):
+    from strop.cli import main
+
+    args = [f"--model.path={tiny_model_dir}", "--data.size=16", "--data.eval_size=4", "--rollout.prompts_per_step=2",
+            "--rollout.n_samples_per_prompt=4", "--rollout.max_new_tokens=8", "--rollout.temperature=1.3",
+            "--rollout.reward=tests.plugins:even_token_reward", "--train.lr=1e-3", "--train.warmup_steps=0",
+            "--run.progress=false", "--run.save_every=0", "--run.plot=false"]
+    assert main(["train", *args, "--train.steps=1", f"--run.dir={tmp_path / 'sync'}"]) == 0
+    out = tmp_path / "samples.jsonl"
+    assert main(["rollout", *args, "--train.steps=1", f"--out={out}", f"--run.dir={tmp_path / 'ro'}"]) == 0
+    assert main(["train", *args, "--train.steps=1", f"--data.samples={out}", f"--run.dir={tmp_path / 'to'}"]) == 0
+    sync = [r for r in _rows(tmp_path / "sync") if "loss" in r][0]
+    replay = [r for r in _rows(tmp_path / "to") if "loss" in r][0]
+    for key in ("loss", "grad_norm", "reward_mean", "entropy", "train_rollout_logprob_abs_diff", "advantage_std"):
+        assert replay[key] == sync[key], key  # exactly: same samples, same logprobs, same trainer
+    assert sync["grad_norm"] > 0
+    capsys.readouterr()
+    # the file's temperature must match: the trainer scales logits by it
+    assert main(["train", *args, "--train.steps=1", f"--data.samples={out}", "--rollout.temperature=1.0",
+                 f"--run.dir={tmp_path / 'bad'}"]) == 1
+    assert "rollout.temperature=1.3" in capsys.readouterr().err
+    assert main(["train", *args, "--train.steps=2", f"--data.samples={out}", f"--run.dir={tmp_path / 'bad2'}"]) == 1
+    assert "needs step 2" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists() and not (tmp_path / "bad2").exists()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", ["one_step_off", "async"])
+def test_a_killed_run_resumes_with_what_the_rollout_manager_held(tiny_model_dir, tmp_path, mode):
+    """The checkpoint holds the manager's finished groups (one_step_off: the next step's); the resumed
+    run trains each step once and keeps its accounts."""
+    import torch
+
+    from tests.test_checkpoint import _args, _strop
+
+    run = tmp_path / "run"
+    args = _args(tiny_model_dir, run, f"--rollout.mode={mode}", "--rollout.max_staleness=2", "--run.save_every=1")
+    killed = _strop(args, kill_at="rollout:4")
+    assert killed.returncode != 0 and "SIGKILL at rollout" in killed.stderr, killed.stderr[-2000:]
+    state = torch.load(run / "checkpoints" / "step_000003" / "controller.pt", weights_only=False)["rollout"]
+    held = sum(len(g) for g in state["ready"]) + sum(len(g) for g in state["prefetched"] or [])
+    assert held > 0 and state["generated"] == state["trained"] + sum(state["dropped"].values()) + held
+    done = _strop([f"--resume={run}"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [r["step"] for r in _rows(run) if "reward_mean" in r] == [1, 2, 3, 4, 5]
