@@ -17,7 +17,7 @@ from strop.observe.tracking import open_trackers, sample_rows
 from strop.observe.metrics import MetricsLog, Progress, Timer, memory_metrics, plot_curves, write_summary
 from strop.plugins import call_hook, call_hook_sync
 from strop.rollout.generate import RolloutContext, rollout_groups
-from strop.rollout.manager import RolloutManager
+from strop.rollout.manager import RolloutManager, describe as describe_rollout
 from strop.rollout.samples_file import write_header, write_samples
 from strop.parallel.runtime import Control, init_from_env, resolve_device
 from strop.setup import Components, build
@@ -130,6 +130,8 @@ class _Controller:
             urls = ", ".join(e.url for e in self.c.engine.engines)
             how = f"{len(self.c.servers)} launched strop serve processes" if self.c.servers else self.cfg.engine.kind
             print(f"strop: engine: router over {how}: {urls}", flush=True)
+        if self.c.replay is None:
+            print(f"strop: {describe_rollout(self.cfg)}", flush=True)
         found = checkpoint.latest(self.run_dir) if resume else None
         resume_step = None
         if resume:

@@ -116,6 +116,7 @@ def test_one_step_off_trains_tokens_exactly_one_version_old():
     for step, groups, metrics in seen[1:]:  # step 1 has nothing to be ahead of
         assert {st for g in groups for s in g for st in staleness(s, step)} == {1}
         assert metrics["staleness_mean"] == 1.0
+    assert [m["groups_drawn"] for _, _, m in seen] == [4] * 6  # each step's draws, made while the last trained
     assert accounts["generated"] == accounts["trained"] + accounts["dropped"] + accounts["held"]
     assert accounts["held"] == 0  # the last step starts nothing after it
 

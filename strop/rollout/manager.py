@@ -72,7 +72,7 @@ class RolloutManager:
 
     async def batch(self, step: int) -> tuple[list[list[Sample]], dict]:
         """The groups step ``step`` trains on, and the manager's metrics for it."""
-        self.step, self.step_dropped, self.step_drawn = step, Counter(), 0
+        self.step = step  # the step counters run from the previous batch() (one_step_off: the prefetch)
         if self.r.mode == "sync":
             groups = await self._round_robin(step)
         elif self.r.mode == "one_step_off":
@@ -94,7 +94,9 @@ class RolloutManager:
                 if s.metadata.get("resumed"):
                     last = s.weight_versions[-1]
                     s.loss_mask = [m if v == last else 0 for m, v in zip(s.loss_mask, s.weight_versions)]
-        return groups, self._metrics(step, groups, trained)
+        metrics = self._metrics(step, groups, trained)
+        self.step_dropped, self.step_drawn = Counter(), 0
+        return groups, metrics
 
     async def before_update(self) -> None:
         """``partial=resume``: abort what is generating; the samples wait for the new weights."""
@@ -328,3 +330,27 @@ class RolloutManager:
             out[f"dropped/{reason}"] = n
         out["staleness_histogram"] = {str(k): v for k, v in sorted(histogram.items())}
         return out
+
+
+def describe(cfg) -> str:
+    """One line: the mode, and how tokens of older weights are corrected (printed at start)."""
+    r, a = cfg.rollout, cfg.algo
+    parts = [f"rollout {r.mode}"]
+    if r.mode == "async":
+        parts.append(f"max_staleness {r.max_staleness}, stale groups: {r.stale_groups}")
+    if r.mode != "sync":
+        parts.append(f"unfinished samples at an update: {r.partial}"
+                     + (f" (older tokens: {r.resumed_tokens})" if r.partial == "resume" else ""))
+    if r.over_sample > 1 or r.dynamic_sampling:
+        parts.append(f"over_sample {r.over_sample}" + (", dynamic sampling" if r.dynamic_sampling else ""))
+    if a.use_rollout_logprobs:
+        how = "PPO ratio against the rollout's own logprobs (algo.use_rollout_logprobs)"
+    elif a.tis_cap is not None or a.mis_low is not None or a.mis_high is not None:
+        how = "pi_trainer/pi_rollout per token, " + ", ".join(
+            x for x in (f"TIS cap {a.tis_cap}" if a.tis_cap is not None else "",
+                        f"MIS [{a.mis_low}, {a.mis_high}] per {a.mis_level}"
+                        if a.mis_low is not None or a.mis_high is not None else "") if x)
+    else:
+        how = "none" + (" (tokens of older weights train as if on-policy; see algo.use_rollout_logprobs, "
+                        "algo.tis_cap)" if r.mode != "sync" else "")
+    return "; ".join(parts) + f"; off-policy correction: {how}"
