@@ -220,7 +220,7 @@ class _Controller:
         if "postprocess" in self.c.hooks:
             samples = call_hook_sync("postprocess", self.c.hooks["postprocess"], samples=samples, step=step)
         if self.c.replay is None:
-            self.manager.check_accounts()
+            self.run(self.manager.accounts())
         return samples, metrics
 
     def after_step(self, step: int, weights: dict, metrics: dict) -> None:

@@ -59,6 +59,7 @@ class RolloutManager:
         self.dropped: Counter = Counter()
         self.step_dropped: Counter = Counter()
         self.step, self.step_drawn = 0, 0
+        self.round_held = 0  # samples of groups a round (sync / one_step_off) kept, until batch() takes them
         self.finished_lengths: list[int] = []  # response lengths of every sample finished since the last step
         self.ready_event = asyncio.Event()
         self.paused = False  # async: no new groups while a checkpoint drains what is in flight
@@ -83,6 +84,8 @@ class RolloutManager:
                 if step < self.cfg.train.steps else None
         else:
             groups = await self._take_async(step)
+        if self.r.mode != "async" and not self.simple:
+            self.round_held -= sum(len(g) for g in groups)
         trained = [s for g in groups for s in g if s.status.trainable]
         for g in groups:
             for s in g:
@@ -107,13 +110,17 @@ class RolloutManager:
     async def after_update(self) -> None:
         self.resume_gate.set()
 
+    async def accounts(self) -> dict[str, int]:
+        """:meth:`check_accounts`, in the event loop that changes them."""
+        return self.check_accounts()
+
     def check_accounts(self) -> dict[str, int]:
         """Every generated sample is trained, dropped with a reason, or held: raise if not."""
         held = sum(len(g) for g in self.ready) + self._in_flight_samples()
         dropped = sum(self.dropped.values())
         if self.generated != self.trained + dropped + held:
-            raise AssertionError(f"rollout accounting: {self.generated} generated but {self.trained} trained + "
-                                 f"{dropped} dropped + {held} held")
+            raise RuntimeError(f"rollout accounting is off (a bug): {self.generated} samples generated but "
+                               f"{self.trained} trained + {dropped} dropped + {held} held")
         return {"generated": self.generated, "trained": self.trained, "dropped": dropped, "held": held}
 
     async def close(self) -> None:
@@ -153,15 +160,13 @@ class RolloutManager:
         if state["prefetched"] is not None:
             self.prefetch = asyncio.get_running_loop().create_future()
             self.prefetch.set_result(state["prefetched"])
+            self.round_held = sum(len(g) for g in state["prefetched"])
         self.generated, self.trained, self.dropped = state["generated"], state["trained"], Counter(state["dropped"])
 
     # ---- generation of one group -------------------------------------------------------------
     def _in_flight_samples(self) -> int:
-        held = sum(len(t.group) for t in self.tasks)  # type: ignore[attr-defined]
-        if self.prefetch is not None and self.prefetch.done() and not self.prefetch.cancelled() \
-                and self.prefetch.exception() is None:
-            held += sum(len(g) for g in self.prefetch.result())  # one_step_off: the next step's, finished
-        return held
+        """Samples being generated, and finished ones a round has kept for a step not yet taken."""
+        return sum(len(t.group) for t in self.tasks) + self.round_held  # type: ignore[attr-defined]
 
     def _launch(self, group: list[Sample]) -> asyncio.Task:
         self.generated += len(group)
@@ -227,6 +232,7 @@ class RolloutManager:
                     continue
                 if len(kept) < want:
                     kept.append(group)
+                    self.round_held += len(group)
                     if len(kept) == want and any(not t.done() for t in tasks):  # enough: stop the rest
                         for t in tasks:
                             for s in t.group:  # type: ignore[attr-defined]
