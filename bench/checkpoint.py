@@ -45,31 +45,20 @@ def _trainer(model_path):
                    algo=AlgoConfig(), max_new_tokens=16)
 
 
-def _samples():
-    from strop.types import Sample, Status
-
-    g = torch.Generator().manual_seed(0)
-    out = []
-    for i in range(16):
-        s = Sample(prompt="p", prompt_ids=torch.randint(3, 40000, (24,), generator=g).tolist(), group_id=i // 4, index=i % 4)
-        s.append(torch.randint(3, 40000, (16,), generator=g).tolist(), [-3.0] * 16)
-        s.status, s.reward = Status.COMPLETED, float(i % 2)
-        out.append(s)
-    return out
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="embedded:smollm2-135m-instruct")
     args = ap.parse_args()
     ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)  # large buffers go back to the system when freed
+    from common import synthetic_samples
+
     from strop import checkpoint
     from strop.train.model import load_tokenizer, resolve_model_path
 
     path = resolve_model_path(args.model)
     tokenizer = load_tokenizer(path)
     trainer = _trainer(path)
-    trainer.step(_samples())
+    trainer.step(synthetic_samples())
     params = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
     optim = sum(t.numel() * t.element_size() for s in trainer.policy_opt.optimizer.state.values()
                 for t in s.values() if torch.is_tensor(t))

@@ -39,8 +39,6 @@ def child(form: str, model: str, url: str, pid: int, bucket: int, work: str) -> 
     import asyncio
     import ctypes
 
-    import torch
-
     ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)  # large buffers are returned when freed
     from strop.config import AlgoConfig, TrainConfig
     from strop.engines.http import SGLangEngine, WeightWriter
@@ -48,20 +46,14 @@ def child(form: str, model: str, url: str, pid: int, bucket: int, work: str) -> 
     from strop.engines.sync import BroadcastSync
     from strop.train.model import load_model
     from strop.train.trainer import Trainer
-    from strop.types import Sample, Status
+    from common import synthetic_samples
 
     writer = WeightWriter(Path(work) / "weights")
     router = Router([SGLangEngine(url, writer=writer, timeout_s=600)], writer=writer, delta=form == "delta",
                     broadcast=BroadcastSync(bucket_bytes=bucket) if form == "broadcast" else None)
     trainer = Trainer(load_model(model), pad_token_id=0, train=TrainConfig(micro_batch_size=8), algo=AlgoConfig(),
                       max_new_tokens=16)
-    g = torch.Generator().manual_seed(0)
-    samples = []
-    for i in range(16):
-        s = Sample(prompt="p", prompt_ids=torch.randint(3, 40000, (24,), generator=g).tolist(), group_id=i // 4, index=i % 4)
-        s.append(torch.randint(3, 40000, (16,), generator=g).tolist(), [-3.0] * 16)
-        s.status, s.reward = Status.COMPLETED, float(i % 2)
-        samples.append(s)
+    samples = synthetic_samples()
     loop = asyncio.new_event_loop()
     loop.run_until_complete(router.update_weights(trainer.full_weights(), version=1))
     trainer.step(samples)

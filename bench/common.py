@@ -1,0 +1,20 @@
+"""Shared by the benchmark scripts."""
+
+from __future__ import annotations
+
+
+def synthetic_samples(n: int = 16, prompt_len: int = 24, response_len: int = 16, group: int = 4, seed: int = 0):
+    """``n`` scored samples of random tokens in groups of ``group`` (rewards alternate 0/1)."""
+    import torch
+
+    from strop.types import Sample, Status
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        s = Sample(prompt="p", prompt_ids=torch.randint(3, 40000, (prompt_len,), generator=g).tolist(),
+                   group_id=i // group, index=i % group)
+        s.append(torch.randint(3, 40000, (response_len,), generator=g).tolist(), [-3.0] * response_len)
+        s.status, s.reward = Status.COMPLETED, float(i % 2)
+        out.append(s)
+    return out
