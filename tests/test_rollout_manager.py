@@ -88,11 +88,17 @@ async def _drive(manager, engine, steps, train_seconds=0.02):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("max_staleness,stale_groups", [(1, "drop"), (2, "regenerate"), (0, "drop")])
-def test_async_never_trains_a_token_staler_than_max_staleness(max_staleness, stale_groups):
+@pytest.mark.parametrize("max_staleness,stale_groups,partial", [(1, "drop", "finish"), (2, "regenerate", "finish"),
+                                                                (0, "drop", "finish"), (2, "drop", "resume")])
+def test_async_never_trains_a_token_staler_than_max_staleness(max_staleness, stale_groups, partial):
     engine = ScriptedEngine(delay=0.002)
-    manager, _ = _manager(engine, mode="async", max_staleness=max_staleness, stale_groups=stale_groups)
+    manager, _ = _manager(engine, mode="async", max_staleness=max_staleness, stale_groups=stale_groups,
+                          partial=partial)
     seen, accounts = asyncio.run(_drive(manager, engine, steps=6))
+    if partial == "resume":  # aborted at an update, resumed: both versions kept, token by token, in order
+        resumed = [s for _, groups, _ in seen for g in groups for s in g if s.metadata.get("resumed")]
+        assert resumed and all(len(set(s.weight_versions)) >= 2 and s.weight_versions == sorted(s.weight_versions)
+                               for s in resumed)
     worst = 0
     for step, groups, metrics in seen:
         assert len(groups) == 4
@@ -106,6 +112,7 @@ def test_async_never_trains_a_token_staler_than_max_staleness(max_staleness, sta
     assert accounts["generated"] == accounts["trained"] + accounts["dropped"] + accounts["held"]
     assert accounts["trained"] == 6 * 4 * 4
     assert set(manager.dropped) <= {"stale"}
+    assert all(m["dropped_fraction"] == m["samples_dropped"] / (m["samples_dropped"] + 16) for _, _, m in seen)
 
 
 @pytest.mark.timeout(60)

@@ -326,6 +326,7 @@ class RolloutManager:
             "staleness_max": max(tok, default=0),
             "samples_trained": len(trained),
             "samples_dropped": sum(self.step_dropped.values()),
+            "dropped_fraction": sum(self.step_dropped.values()) / max(len(trained) + sum(self.step_dropped.values()), 1),
             "samples_held": sum(len(g) for g in self.ready) + self._in_flight_samples(),
             "resumed_fraction": sum(1 for s in trained if s.metadata.get("resumed")) / max(len(trained), 1),
             "response_length_trained_mean": sum(s.response_length for s in trained) / max(len(trained), 1),
