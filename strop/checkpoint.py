@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 CHECKPOINTS = "checkpoints"
-APPEND_LOGS = ("metrics.jsonl", "samples.jsonl", "failed_samples.jsonl")
+APPEND_LOGS = ("metrics.jsonl", "samples.jsonl", "failed_samples.jsonl", "staleness.jsonl")
 _NAME = re.compile(r"^step_(\d{6,})$")
 
 
@@ -111,9 +111,7 @@ def load_trainer(folder: Path, trainer) -> None:
     folder = Path(folder)
     rank = dist.get_rank() if dist.is_initialized() else 0
     rank_file = folder / f"rank{rank}.pt"
-    if not rank_file.is_file():
-        raise CheckpointError(f"{folder}: no {rank_file.name}; the checkpoint was written by fewer processes "
-                              "than this run has (resume with the same --nproc)")
+    check_rank_file(folder, rank)
     ctx = _quiet()
     try:
         state = _trainer_state(trainer)
@@ -176,9 +174,16 @@ def finish(run_dir: Path, tmp: Path, step: int, *, controller_state: dict, weigh
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
     _fsync_tree(tmp)
     final = step_dir(run_dir, step)
-    if final.exists():  # the same step saved again (a resumed run that re-ran it): replace it
-        shutil.rmtree(final)
+    old = None
+    if final.exists():  # the same step saved again (a resumed run that re-ran it): move the old one aside
+        old = final.with_name(f".old-{final.name}")
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(final, old)
     os.replace(tmp, final)
+    _fsync_dir(final.parent)  # the rename itself reaches the disk
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
     for _, old in complete(run_dir)[:-keep] if keep > 0 else ():
         shutil.rmtree(old, ignore_errors=True)
     return final
@@ -193,6 +198,20 @@ def _fsync_tree(folder: Path) -> None:
                 os.fsync(fd)
             finally:
                 os.close(fd)
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def check_rank_file(folder: Path, rank: int) -> None:
+    if not (Path(folder) / f"rank{rank}.pt").is_file():
+        raise CheckpointError(f"{folder}: no rank{rank}.pt; the checkpoint was written by fewer processes "
+                              "than this run has (resume with the same --nproc)")
 
 
 def log_sizes(run_dir: Path) -> dict[str, int]:

@@ -412,7 +412,10 @@ def build_config(yaml_path: str | None = None, overrides: dict | None = None, pr
 
 
 def save_config(cfg: Config, path: Path) -> None:
-    path.write_text(yaml.safe_dump(json.loads(cfg.model_dump_json()), sort_keys=False))
+    """Write ``cfg`` as YAML, atomically (a resumed run reads it back)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(yaml.safe_dump(json.loads(cfg.model_dump_json()), sort_keys=False))
+    tmp.replace(path)
 
 
 # fields that may differ on resume without being allowed: where the run is and how it shows progress

@@ -37,6 +37,7 @@ def train(cfg: Config, resume: bool = False) -> dict | None:
         found = control.on_controller(lambda: run.start(resume))  # the checkpoint to resume from, or None
         first = 1
         if found is not None:  # every rank loads its state, then the engine gets the checkpoint's weights
+            control.on_every_rank(checkpoint.check_rank_file, found, control.rank)  # fail all ranks, not one
             checkpoint.load_trainer(found, c.trainer)
             weights = c.trainer.full_weights()
             first = control.on_controller(lambda: run.restore(found, weights)) + 1
@@ -139,7 +140,7 @@ class _Controller:
                 print(f"strop: resume: no complete checkpoint in {self.run_dir / checkpoint.CHECKPOINTS}; "
                       "starting again from step 0", flush=True)
                 checkpoint.cut_logs(self.run_dir, {})
-            resume_step = checkpoint.load_controller_state(found)["step"] if found else 0
+            resume_step = checkpoint.load_controller_state(found)["step"] if found else -1  # -1: from step 0
         r = self.cfg.run
         self.log.trackers = open_trackers(r.trackers, self.run_dir, self.cfg.model_dump(mode="json"),
                                           project=r.wandb_project, mode=r.wandb_mode, resume_step=resume_step)
@@ -226,11 +227,8 @@ class _Controller:
     def after_step(self, step: int, weights: dict, metrics: dict) -> None:
         t = time.perf_counter()
         if self.c.engine is not None:  # (train only has none)
-            self.run(self.manager.before_update())  # partial=resume: abort what is generating
-            try:
-                self.run(self.c.engine.update_weights(weights, version=step))
-            finally:
-                self.run(self.manager.after_update())
+            # (partial=resume: what is generating is aborted around the update and continues after it)
+            self.run(self.manager.update_weights(lambda: self.c.engine.update_weights(weights, version=step)))
         metrics["weight_sync_seconds"] = time.perf_counter() - t
         if getattr(self.c.engine, "bytes_full", 0):  # the delta form: what moved against a full sync
             metrics["weight_sync_bytes"] = self.c.engine.bytes_sent

@@ -19,14 +19,16 @@ class ScriptedEngine:
     next token, returning what it has with finish reason 'abort'. Every completion carries the
     weight version its request started on."""
 
-    def __init__(self, delay=0.001, seed=0):
+    def __init__(self, delay=0.001, seed=0, update_seconds=0.0):
         self.weight_version, self.delay, self.abort_gen = 0, delay, 0
         self.rng = random.Random(seed)
-        self.requests = []
+        self.requests, self.events = [], []
+        self.update_seconds = update_seconds
 
     async def generate(self, prompt_ids, sampling):
         version, gen = self.weight_version, self.abort_gen
         self.requests.append((len(prompt_ids), sampling.max_new_tokens, version))
+        self.events.append(("start", version))
         n = self.rng.randint(1, sampling.max_new_tokens)  # an early stop somewhere
         ids = []
         for _ in range(n):
@@ -38,9 +40,12 @@ class ScriptedEngine:
 
     async def abort_all(self):
         self.abort_gen += 1
+        self.events.append(("abort", self.weight_version))
 
     async def update_weights(self, state, version=None):
+        await asyncio.sleep(self.update_seconds)  # loading takes a while
         self.weight_version = version
+        self.events.append(("update", version))
         return version
 
 
@@ -78,10 +83,10 @@ async def _drive(manager, engine, steps, train_seconds=0.02):
         groups, metrics = await asyncio.wait_for(manager.batch(step), timeout=20)
         manager.check_accounts()
         seen.append((step, groups, metrics))
-        await asyncio.sleep(train_seconds)
-        await manager.before_update()
-        await engine.update_weights(None, version=step)
-        await manager.after_update()
+        for _ in range(int(train_seconds / 0.001)):  # while "training", the accounts hold at every moment
+            await asyncio.sleep(0.001)
+            manager.check_accounts()
+        await manager.update_weights(lambda: engine.update_weights(None, version=step))
     accounts = manager.check_accounts()
     await asyncio.wait_for(manager.close(), timeout=20)
     return seen, accounts
@@ -111,7 +116,7 @@ def test_async_never_trains_a_token_staler_than_max_staleness(max_staleness, sta
     # nothing disappears: generated = trained + dropped (with reasons) + still held
     assert accounts["generated"] == accounts["trained"] + accounts["dropped"] + accounts["held"]
     assert accounts["trained"] == 6 * 4 * 4
-    assert set(manager.dropped) <= {"stale"}
+    assert set(manager.dropped) <= {"stale", "cancelled"}  # cancelled: in flight when the run closed
     assert all(m["dropped_fraction"] == m["samples_dropped"] / (m["samples_dropped"] + 16) for _, _, m in seen)
 
 
@@ -303,3 +308,59 @@ def test_a_killed_run_resumes_with_what_the_rollout_manager_held(tiny_model_dir,
     done = _strop([f"--resume={run}"])
     assert done.returncode == 0, done.stderr[-3000:]
     assert [r["step"] for r in _rows(run) if "reward_mean" in r] == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.timeout(60)
+def test_async_dynamic_sampling_gives_up_after_filter_max_rounds_instead_of_hanging():
+    async def always_right(sample: Sample) -> float:  # a saturated task: every group has equal rewards
+        return 1.0
+
+    engine = ScriptedEngine()
+    manager, _ = _manager(engine, reward=always_right, mode="async", dynamic_sampling=True, filter_max_rounds=2)
+
+    async def go():
+        try:
+            await asyncio.wait_for(manager.batch(1), timeout=20)
+        finally:
+            await manager.close()
+
+    with pytest.raises(RuntimeError, match="no group passed the filters"):
+        asyncio.run(go())
+    assert manager.dropped["all_equal_reward"] >= 2 * 4 * 4
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["one_step_off", "async"])
+def test_partial_resume_sends_no_request_between_the_abort_and_the_new_weights(mode):
+    engine = ScriptedEngine(delay=0.003, update_seconds=0.05)  # a slow weight load: time for a stray request
+    manager, _ = _manager(engine, mode=mode, partial="resume", max_staleness=2)
+    asyncio.run(_drive(manager, engine, steps=4, train_seconds=0.01))
+    aborted_at = None
+    for kind, version in engine.events:
+        if kind == "abort":
+            aborted_at = version
+        elif kind == "update":
+            aborted_at = None
+        elif kind == "start":
+            assert aborted_at is None, f"a request started on version {version} after the abort, before the update"
+    assert any(kind == "abort" for kind, _ in engine.events)
+
+
+@pytest.mark.timeout(60)
+def test_accounts_hold_at_every_tick_while_the_next_step_generates():
+    """one_step_off generates step k+1 while step k trains: between a group finishing and its round
+    counting it, its samples must still count as held (checked at every event-loop tick)."""
+    engine = ScriptedEngine(delay=0.0)
+    manager, cfg = _manager(engine, mode="one_step_off", over_sample=1.5)
+    cfg.train.steps = 30
+
+    async def go():
+        for step in range(1, 31):
+            await asyncio.wait_for(manager.batch(step), timeout=20)
+            for _ in range(300):
+                manager.check_accounts()
+                await asyncio.sleep(0)
+            await manager.update_weights(lambda: engine.update_weights(None, version=step))
+        await manager.close()
+
+    asyncio.run(go())

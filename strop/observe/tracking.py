@@ -64,7 +64,10 @@ class WandB:
             ids.write_text(json.dumps(known | {"wandb_id": run_id}))
         self.run = wandb.init(project=project, dir=str(run_dir), id=run_id, name=Path(run_dir).name, mode=mode,
                               config=config, resume="allow" if resume_step is not None else None)
-        self.last_step = resume_step if resume_step is not None else -1
+        if resume_step is not None:  # wandb keeps one value per step and only moves forward
+            print("strop: wandb: a resumed run continues the same wandb run; the steps it runs again after its "
+                  "checkpoint keep their first values there (metrics.jsonl and TensorBoard have the new ones)",
+                  flush=True)
 
     def log(self, row: dict, step: int) -> None:
         clean = {k: v for k, v in row.items() if k != "step" and isinstance(v, (int, float))

@@ -60,6 +60,8 @@ class RolloutManager:
         self.step_dropped: Counter = Counter()
         self.step, self.step_drawn = 0, 0
         self.round_held = 0  # samples of groups a round (sync / one_step_off) kept, until batch() takes them
+        self.launched = 0  # launch order of groups (rounds count finished groups in this order)
+        self.step_filtered_groups = 0  # async: groups a filter dropped while this step waited
         self.finished_lengths: list[int] = []  # response lengths of every sample finished since the last step
         self.ready_event = asyncio.Event()
         self.paused = False  # async: no new groups while a checkpoint drains what is in flight
@@ -101,14 +103,20 @@ class RolloutManager:
         self.step_dropped, self.step_drawn = Counter(), 0
         return groups, metrics
 
-    async def before_update(self) -> None:
-        """``partial=resume``: abort what is generating; the samples wait for the new weights."""
-        if self.r.partial == "resume" and self.tasks and self.r.mode != "sync":
-            self.resume_gate.clear()
-            await self.c.engine.abort_all()
-
-    async def after_update(self) -> None:
-        self.resume_gate.set()
+    async def update_weights(self, update) -> None:
+        """Run ``update()`` (the engine's weight update). With ``partial=resume`` outside sync mode,
+        in one piece: no new request goes out, what is generating is aborted (its samples keep their
+        tokens), the weights load, then the aborted samples continue on them."""
+        if self.r.partial != "resume" or self.r.mode == "sync":
+            await update()
+            return
+        self.resume_gate.clear()
+        try:
+            if self.tasks:
+                await self.c.engine.abort_all()
+            await update()
+        finally:
+            self.resume_gate.set()
 
     async def accounts(self) -> dict[str, int]:
         """:meth:`check_accounts`, in the event loop that changes them."""
@@ -146,7 +154,8 @@ class RolloutManager:
         if self.error is not None:
             raise self.error
         return {"ready": list(self.ready), "prefetched": prefetched, "generated": self.generated,
-                "trained": self.trained, "dropped": dict(self.dropped)}
+                "trained": self.trained, "dropped": dict(self.dropped), "step_dropped": dict(self.step_dropped),
+                "step_drawn": self.step_drawn, "finished_lengths": list(self.finished_lengths)}
 
     async def resume(self) -> None:
         self.paused = False
@@ -162,6 +171,8 @@ class RolloutManager:
             self.prefetch.set_result(state["prefetched"])
             self.round_held = sum(len(g) for g in state["prefetched"])
         self.generated, self.trained, self.dropped = state["generated"], state["trained"], Counter(state["dropped"])
+        self.step_dropped, self.step_drawn = Counter(state["step_dropped"]), state["step_drawn"]
+        self.finished_lengths = list(state["finished_lengths"])
 
     # ---- generation of one group -------------------------------------------------------------
     def _in_flight_samples(self) -> int:
@@ -169,48 +180,51 @@ class RolloutManager:
         return sum(len(t.group) for t in self.tasks) + self.round_held  # type: ignore[attr-defined]
 
     def _launch(self, group: list[Sample]) -> asyncio.Task:
+        """Start generating ``group``. The task stays in ``self.tasks`` (its samples count as held)
+        until whoever waits for it has counted the outcome, in the same tick: nothing is ever
+        uncounted in between."""
         self.generated += len(group)
         for s in group:
             s.reset_response()
             s.metadata.pop("resumed", None)
         task = asyncio.ensure_future(self._run_group(group))
-        task.group = group  # type: ignore[attr-defined]
+        task.group, task.order = group, self.launched  # type: ignore[attr-defined]
+        self.launched += 1
         self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
         return task
 
     async def _sample(self, s: Sample) -> Sample:
         sampling = self.c.sampling
         while True:
+            await self.resume_gate.wait()  # no request goes out while an update with partial=resume runs
             s = await _generate_one(self.ctx, s, sampling)
             if s.status == Status.ABORTED and self.r.partial == "resume" and not self.closing \
                     and not s.metadata.get("leftover"):
-                await self.resume_gate.wait()  # the update that aborted it is under way
-                s.metadata["resumed"] = s.metadata.get("resumed", 0) + 1
+                if s.response_length:  # it had tokens: they are kept and the sample continues after them
+                    s.metadata["resumed"] = s.metadata.get("resumed", 0) + 1
                 s.status = Status.PENDING
                 continue
             return s
 
-    async def _run_group(self, group: list[Sample]) -> list[Sample] | None:
-        """Generate and score ``group``; None when a filter drops it (counted with its reason)."""
+    async def _run_group(self, group: list[Sample]) -> tuple[list[Sample], str | None]:
+        """Generate and score ``group``: (group, None), or (group, the reason a filter drops it)."""
         done = await asyncio.gather(*(self._sample(s) for s in group))
         group[:] = done
         self.finished_lengths += [s.response_length for s in group]
         if any(s.metadata.get("leftover") and s.status == Status.ABORTED for s in group):
-            self._drop(group, "aborted_leftover")  # stopped because the step was already full
-            return None
+            return group, "aborted_leftover"  # stopped because the step was already full
         await score_group(self.ctx, group)
         if self.r.dynamic_sampling and len({s.reward for s in group if s.status.trainable}) <= 1:
-            self._drop(group, "all_equal_reward")
-            return None
+            return group, "all_equal_reward"
         if self.ctx.filter is not None and not call_hook_sync("filter", self.ctx.filter, group=group):
-            self._drop(group, "filter")
-            return None
-        return group
+            return group, "filter"
+        return group, None
 
     def _drop(self, samples: list[Sample], reason: str) -> None:
         self.dropped[reason] += len(samples)
         self.step_dropped[reason] += len(samples)
+        if reason in ("all_equal_reward", "filter"):
+            self.step_filtered_groups += 1
 
     def _draw(self, k: int) -> list[list[Sample]]:
         n = self.r.n_samples_per_prompt
@@ -220,28 +234,31 @@ class RolloutManager:
     # ---- sync and one_step_off: rounds of over-sampled groups ---------------------------------
     async def _round_robin(self, step: int) -> list[list[Sample]]:
         """``prompts_per_step`` groups: draw ``over_sample`` times what is missing, keep groups that
-        pass the filters, top up for at most ``filter_max_rounds`` rounds; abort what is left over."""
+        pass the filters, top up for at most ``filter_max_rounds`` rounds. Once the step is full,
+        sync mode aborts the rest; one_step_off lets them finish (an abort would also stop the
+        evaluation that may be running beside them) and drops them as over_sampled."""
         if self.simple:
             return await self._simple_step(step)
         want, kept = self.r.prompts_per_step, []
         for _ in range(self.r.filter_max_rounds):
-            tasks = [self._launch(g) for g in self._draw(math.ceil((want - len(kept)) * self.r.over_sample))]
-            for fut in asyncio.as_completed(tasks):
-                group = await fut
-                if group is None:
-                    continue
-                if len(kept) < want:
-                    kept.append(group)
-                    self.round_held += len(group)
-                    if len(kept) == want and any(not t.done() for t in tasks):  # enough: stop the rest
-                        for t in tasks:
-                            for s in t.group:  # type: ignore[attr-defined]
-                                s.metadata["leftover"] = True
-                        for s in (s for g in kept for s in g):
-                            s.metadata.pop("leftover", None)
-                        await self.c.engine.abort_all()
-                else:
-                    self._drop(group, "over_sampled")
+            pending = {self._launch(g) for g in self._draw(math.ceil((want - len(kept)) * self.r.over_sample))}
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in sorted(done, key=lambda t: t.order):  # type: ignore[attr-defined]
+                    self.tasks.discard(task)
+                    group, reason = task.result()  # an engine error stops the step here
+                    if reason is not None:
+                        self._drop(group, reason)
+                    elif len(kept) < want:
+                        kept.append(group)
+                        self.round_held += len(group)
+                    else:
+                        self._drop(group, "over_sampled")
+                if len(kept) == want and pending and self.r.mode == "sync":  # enough: stop the rest
+                    for t in pending:
+                        for smp in t.group:  # type: ignore[attr-defined]
+                            smp.metadata["leftover"] = True
+                    await self.c.engine.abort_all()
             if len(kept) >= want:
                 break
         if not kept:
@@ -281,19 +298,28 @@ class RolloutManager:
             await self.wake.wait()
 
     def _finished(self, task: asyncio.Task) -> None:
+        """Async mode: count a finished group (ready, or dropped with its reason) as it leaves ``tasks``."""
+        self.tasks.discard(task)
         if task.cancelled():
+            self.dropped["cancelled"] += len(task.group)  # type: ignore[attr-defined]  (only at close)
             return
         if task.exception() is not None:
             self.error = self.error or task.exception()
-        elif task.result() is not None:
-            self.ready.append(task.result())
+            self.dropped["error"] += len(task.group)  # type: ignore[attr-defined]
+        else:
+            group, reason = task.result()
+            if reason is not None:
+                self._drop(group, reason)
+            else:
+                self.ready.append(group)
         self.wake.set()
         self.ready_event.set()
 
     async def _take_async(self, step: int) -> list[list[Sample]]:
         if self.producer is None:
             self.producer = asyncio.ensure_future(self._produce())
-        out = []
+        out, self.step_filtered_groups = [], 0
+        limit = math.ceil(self.r.prompts_per_step * self.r.over_sample * self.r.filter_max_rounds)
         while len(out) < self.r.prompts_per_step:
             if self.error is not None:
                 raise self.error
@@ -307,6 +333,12 @@ class RolloutManager:
                         self._launch(group).add_done_callback(self._finished)
                     continue
                 out.append(group)
+            if len(out) < self.r.prompts_per_step and self.step_filtered_groups >= limit:
+                if out:  # as the rounds of sync mode: a short step rather than no step
+                    break
+                raise RuntimeError(f"step {step}: no group passed the filters in {self.step_filtered_groups} "
+                                   f"groups (rollout.filter_max_rounds={self.r.filter_max_rounds}; "
+                                   f"{dict(self.step_dropped)} samples dropped)")
             self.wake.set()
             if len(out) < self.r.prompts_per_step:
                 self.ready_event.clear()
