@@ -10,7 +10,8 @@ A checkpoint is a folder ``<run dir>/checkpoints/step_NNNNNN/`` holding:
   the trainer's counters (scheduler steps are in the optimizer state; the non-finite streaks here);
 - ``controller.pt``: rank 0's state: the step and weight version, the prompt sampler, the embedded
   engine's sampling generator, the elapsed time, the byte length of every log the run appends to
-  (``metrics.jsonl``, ``samples.jsonl``, ``failed_samples.jsonl``), and what the rollout manager
+  (``metrics.jsonl``, ``samples.jsonl``, ``failed_samples.jsonl``,
+  ``staleness.jsonl``), and what the rollout manager
   holds in flight (nothing in sync mode);
 - ``meta.json``, written last.
 
