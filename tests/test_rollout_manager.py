@@ -76,6 +76,13 @@ def _manager(engine, reward=slow_or_fast_reward, **rollout):
     return RolloutManager(cfg, c, ctx), cfg
 
 
+async def _first_step(manager):
+    try:
+        return await asyncio.wait_for(manager.batch(1), timeout=20)
+    finally:
+        await manager.close()
+
+
 async def _drive(manager, engine, steps, train_seconds=0.02):
     """The driver's order: take a step's groups, train (here: sleep), update the weights."""
     seen = []
@@ -204,14 +211,8 @@ def test_an_engine_error_in_async_generation_reaches_the_step():
     engine = Broken()
     manager, _ = _manager(engine, mode="async")
 
-    async def go():
-        try:
-            await asyncio.wait_for(manager.batch(1), timeout=20)
-        finally:
-            await manager.close()
-
     with pytest.raises(Exception, match="engine gone"):
-        asyncio.run(go())
+        asyncio.run(_first_step(manager))
 
 
 def test_modes_refuse_what_they_cannot_do():
@@ -318,14 +319,8 @@ def test_async_dynamic_sampling_gives_up_after_filter_max_rounds_instead_of_hang
     engine = ScriptedEngine()
     manager, _ = _manager(engine, reward=always_right, mode="async", dynamic_sampling=True, filter_max_rounds=2)
 
-    async def go():
-        try:
-            await asyncio.wait_for(manager.batch(1), timeout=20)
-        finally:
-            await manager.close()
-
     with pytest.raises(RuntimeError, match="no group passed the filters"):
-        asyncio.run(go())
+        asyncio.run(_first_step(manager))
     assert manager.dropped["all_equal_reward"] >= 2 * 4 * 4
 
 
