@@ -19,7 +19,7 @@ def tiny_overrides(model_dir, run_dir, **extra):
                     "reward": "tests.plugins:even_token_reward"},
         "train": {"steps": 2, "lr": 1e-3, "warmup_steps": 0, "micro_batch_size": 3},
         "eval": {"every": 1},
-        "run": {"dir": str(run_dir), "progress": False},
+        "run": {"dir": str(run_dir), "progress": False, "save_every": 0},  # checkpoint tests set it
     }
     for section, values in extra.items():
         cfg[section] = {**cfg.get(section, {}), **values}

@@ -18,7 +18,8 @@ def test_preset_runs_the_quickstart(preset, tmp_path):
         "data": {"eval_size": 0, "size": 64},
         "rollout": {"prompts_per_step": 2, "n_samples_per_prompt": 4, "max_new_tokens": 24},
         "train": {"steps": 2, "micro_batch_size": 8},
-        "run": {"dir": str(tmp_path / "run"), "progress": False, "save_final": False, "plot": False},
+        "run": {"dir": str(tmp_path / "run"), "progress": False, "save_final": False, "plot": False,
+                "save_every": 0},
     }, preset=preset)
     summary = train(cfg)
     assert summary["steps"] == 2

@@ -74,7 +74,7 @@ def test_quickstart_with_example_reward_and_generate(tmp_path):
                     "reward": "examples.plugins.rewards:concise_math_reward"},
         "train": {"steps": 2},
         "eval": {"every": 0},
-        "run": {"dir": str(tmp_path / "run"), "progress": False, "save_final": False},
+        "run": {"dir": str(tmp_path / "run"), "progress": False, "save_final": False, "save_every": 0},
         "plugins": {"generate": "examples.plugins.generate:answer_prefix_generate"},
     })
     summary = train(cfg)
