@@ -167,16 +167,18 @@ def test_engine_generates_on_the_fixture_device(tiny_model, device):
 
 @pytest.mark.parametrize("wait,batches", [(0.0, 8), (0.02, 1)])
 def test_batch_wait_gathers_requests_that_arrive_one_by_one(tiny_model, wait, batches):
-    """Over a network requests arrive a little apart: with batch_wait_s they still form one batch."""
+    """Over a network requests arrive a little apart: with batch_wait_s they still form one batch
+    (one admission); without it each joins the running batch when it arrives."""
     engine = make_engine(tiny_model, batch_wait_s=wait)
     sizes = []
-    real = engine.generate_batch
+    real = engine._advance
 
-    def recording(prompts, samplings, request_ids=None):
-        sizes.append(len(prompts))
-        return real(prompts, samplings, request_ids)
+    def recording(batch, prompts, rows):
+        if rows:
+            sizes.append(len(rows))
+        return real(batch, prompts, rows)
 
-    engine.generate_batch = recording
+    engine._advance = recording
 
     async def main():
         sp = SamplingParams(max_new_tokens=2, stop_token_ids=[-1])

@@ -1,9 +1,12 @@
 """The embedded engine: in-process batched generation with a KV cache.
 
-Requests arriving concurrently through ``generate`` are gathered into one
-batch (up to ``max_batch_size``) and decoded together: prompts are left-padded,
-the prefill computes logits only at the last position, and rows that finish
-are dropped from the batch and the KV cache so the remaining rows decode faster.
+For Llama-family models (the embedded default included) it runs
+:mod:`strop.engines.kvdecode`: a preallocated KV cache, the prompt of a group
+prefilled once and shared by its samples, and continuous batching: requests
+that arrive while a batch decodes join it at the next step, rows that finish
+leave it, up to ``max_batch_size`` rows at once. Other models fall back to
+Hugging Face's forward with a ``DynamicCache`` and static batches (prompts
+left-padded, finished rows dropped); ``decode_path`` says which one runs.
 """
 
 from __future__ import annotations
@@ -14,7 +17,9 @@ import threading
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
+from strop.engines.kvdecode import Batch, LlamaDecoder, Row, unsupported_reason
 from strop.types import Completion, SamplingParams
 
 
@@ -41,9 +46,12 @@ class EmbeddedEngine:
         context_window: int | None = None,
         seed: int = 0,
         batch_wait_s: float = 0.0,
+        fast_decode: bool = True,
     ):
         """``batch_wait_s``: before a batch starts, wait while requests keep arriving (each wait this
-        long, at most 40) so requests sent together over a network form one batch."""
+        long, at most 40) so requests sent together over a network form one batch.
+        ``fast_decode=False`` forces the fallback path (Hugging Face forward, static batches), the
+        engine as it was before :mod:`strop.engines.kvdecode`; benchmarks compare the two."""
         self.model = model.eval()
         self.pad_token_id = pad_token_id
         self.default_stop_token_ids = list(default_stop_token_ids)
@@ -62,6 +70,11 @@ class EmbeddedEngine:
         # transformers renamed past_key_values to cache (5.x); pass whichever this model takes
         params = inspect.signature(model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self._draining = 0  # weight loads and abort_all waiting: admit nothing new until they ran
+        reason = unsupported_reason(model) if fast_decode else "fast_decode=False"
+        self._fast = LlamaDecoder(model) if reason is None else None
+        self.decode_path = ("kv-cache decoder (shared prefixes, continuous batching)" if reason is None
+                            else f"transformers forward with DynamicCache, static batches ({reason})")
 
     # ---- the async interface -------------------------------------------------------------
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams,
@@ -84,6 +97,8 @@ class EmbeddedEngine:
             await asyncio.sleep(self.batch_wait_s)
             if len(self._pending) == seen:
                 break
+        if self._fast is not None:
+            return await self._run_continuous()
         while self._pending:
             batch = self._pending[: self.max_batch_size]
             self._pending = self._pending[self.max_batch_size :]
@@ -108,31 +123,100 @@ class EmbeddedEngine:
                 if not r.future.done():
                     r.future.set_result(c)
 
+    async def _run_continuous(self) -> None:
+        """Decode until no row runs and nothing waits: each step first admits waiting requests
+        (up to ``max_batch_size`` running rows; none while a weight load or abort_all waits),
+        then decodes one token for every running row and answers the rows that finished."""
+        async with self._busy:
+            batch = Batch(self._fast, self._sample_rows, pad_token_id=self.pad_token_id,
+                          should_abort=self._should_abort)
+            admitted: list[Row] = []
+            try:
+                while True:
+                    admit = []
+                    if not self._draining:
+                        room = self.max_batch_size - batch.live
+                        admit, self._pending = self._pending[:room], self._pending[room:]
+                    if not admit and not batch.live:
+                        break
+                    admitted = [self._row(r.prompt_ids, r.sampling, r.request_id, owner=r) for r in admit]
+                    finished = await asyncio.to_thread(self._locked, self._advance, batch,
+                                                       [r.prompt_ids for r in admit], admitted)
+                    admitted = []
+                    for row in finished:
+                        self._answer(row)
+            except asyncio.CancelledError:  # cancelled: so are the requests it carried, then stop
+                self._abort_gen += 1
+                for r in [row.owner for row in batch.rows + admitted] + self._pending:
+                    r.future.cancel()
+                self._pending = []
+                raise
+            except Exception as exc:  # an engine error: every request this batch carried gets it
+                for row in batch.rows + admitted:
+                    if row.finish is None and not row.owner.future.done():
+                        row.owner.future.set_exception(exc)
+        self._kick()  # requests that arrived while the last rows finished
+
+    def _advance(self, batch: Batch, prompts: list[list[int]], rows: list[Row]) -> list[Row]:
+        return batch.admit(prompts, rows) + batch.step()
+
+    def _answer(self, row: Row) -> None:
+        req = row.owner
+        self._aborted_ids.discard(req.request_id)
+        if not req.future.done():
+            req.future.set_result(Completion(row.token_ids, row.logprobs, row.finish, self.weight_version))
+
+    def _kick(self) -> None:
+        if self._pending and (self._flush_task is None or self._flush_task.done()):
+            self._flush_task = asyncio.ensure_future(self._flush())
+
+    def _row(self, prompt_ids, sampling: SamplingParams, request_id=None, owner=None) -> Row:
+        return Row(owner=owner, sampling=sampling,
+                   budget=min(sampling.max_new_tokens, self.context_window - len(prompt_ids)),
+                   stops=set(sampling.stop_token_ids or self.default_stop_token_ids),
+                   generator=torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None,
+                   request_id=request_id, abort_gen=self._abort_gen)
+
+    def _should_abort(self, row: Row) -> bool:
+        return self._abort_gen != row.abort_gen or (row.request_id is not None and row.request_id in self._aborted_ids)
+
+    def _sample_rows(self, logits: torch.Tensor, rows: list[Row]):
+        dev = logits.device
+        t = torch.tensor([r.sampling.temperature for r in rows], dtype=torch.float32, device=dev)
+        p = torch.tensor([r.sampling.top_p for r in rows], dtype=torch.float32, device=dev)
+        k = torch.tensor([r.sampling.top_k for r in rows], dtype=torch.long, device=dev)
+        return self._sample(logits, t, p, k, [r.generator for r in rows])
+
+    async def _drained(self, fn, *args):
+        """Run ``fn(*args)`` off the event loop once no batch runs, admitting nothing meanwhile."""
+        self._draining += 1
+        try:
+            async with self._busy:
+                return await asyncio.to_thread(self._locked, fn, *args)
+        finally:
+            self._draining -= 1
+            self._kick()
+
     async def update_weights(self, state_dict, version: int | None = None, strict: bool = True) -> int:
         """Copy ``state_dict`` into the engine's model between batches (device to device when the
         trainer shares this process's device: nothing goes through host memory). ``strict=False``
-        loads a subset (the delta form)."""
-        async with self._busy:
-            await asyncio.to_thread(self._load, state_dict, strict)
-            self.weight_version = self.weight_version + 1 if version is None else version
+        loads a subset (the delta form). Running rows finish on the old weights first; requests
+        that arrive meanwhile wait and decode on the new ones."""
+        await self._drained(self.model.load_state_dict, state_dict, strict)
+        self.weight_version = self.weight_version + 1 if version is None else version
         return self.weight_version
 
     async def receive_weights(self, group, params: dict, plan, version: int | None = None) -> int:
         """Receive broadcast buckets into ``params`` (the model's own tensors) between batches."""
         from strop.engines.sync import receive_buckets
 
-        async with self._busy:
-            await asyncio.to_thread(self._locked, receive_buckets, group, params, plan, self.device)
-            self.weight_version = self.weight_version + 1 if version is None else version
+        await self._drained(receive_buckets, group, params, plan, self.device)
+        self.weight_version = self.weight_version + 1 if version is None else version
         return self.weight_version
 
     def _locked(self, fn, *args):
         with self._lock:
             return fn(*args)
-
-    def _load(self, state_dict, strict: bool = True) -> None:
-        with self._lock:
-            self.model.load_state_dict(state_dict, strict=strict)
 
     async def abort(self, request_id: str) -> bool:
         """End one request with finish_reason 'abort' (queued: at once; running: at its next decode
@@ -154,8 +238,7 @@ class EmbeddedEngine:
             if not r.future.done():
                 r.future.set_result(Completion([], [], "abort", self.weight_version))
         # wait for the running batch to notice; nothing is held or left set if this wait is cancelled
-        async with self._busy:
-            pass
+        await self._drained(lambda: None)
 
     async def health(self) -> bool:
         return True
@@ -179,7 +262,22 @@ class EmbeddedEngine:
         for p, s in zip(prompts, samplings):
             self._check_length(p, s)
         with self._lock:
-            return self._decode(prompts, samplings, request_ids or [None] * len(prompts))
+            if self._fast is None:
+                return self._decode(prompts, samplings, request_ids or [None] * len(prompts))
+            return self._decode_fast(prompts, samplings, request_ids or [None] * len(prompts))
+
+    def _decode_fast(self, prompts, samplings, request_ids) -> list[Completion]:
+        """All rows through one continuous batch: up to ``max_batch_size`` run at once and a
+        waiting row takes the place of one that finished at the next step."""
+        version = self.weight_version
+        rows = [self._row(p, s, rid) for p, s, rid in zip(prompts, samplings, request_ids)]
+        batch = Batch(self._fast, self._sample_rows, pad_token_id=self.pad_token_id, should_abort=self._should_abort)
+        waiting = list(range(len(rows)))
+        while waiting or batch.live:
+            room = self.max_batch_size - batch.live
+            take, waiting = waiting[:room], waiting[room:]
+            self._advance(batch, [prompts[i] for i in take], [rows[i] for i in take])
+        return [Completion(r.token_ids, r.logprobs, r.finish, version) for r in rows]
 
     def _decode(self, prompts: list[list[int]], samplings: list[SamplingParams],
                 request_ids: list[str | None]) -> list[Completion]:
@@ -253,7 +351,10 @@ class EmbeddedEngine:
     def _sample(self, logits, temperature, top_p, top_k, generators):
         """Pick one token per row; return it and its logprob under logits / temperature."""
         greedy = temperature <= 0
-        scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature).unsqueeze(-1)  # (B, V)
+        any_greedy = bool(greedy.any())
+        t = torch.where(greedy, torch.ones_like(temperature), temperature)
+        scaled = logits if bool((t == 1).all()) else logits / t.unsqueeze(-1)  # (B, V)
+        lse = torch.logsumexp(scaled, dim=-1, keepdim=True)
         filtered = scaled
         if bool((top_k > 0).any()):
             k = torch.where(top_k > 0, top_k, torch.full_like(top_k, logits.shape[-1]))
@@ -268,18 +369,34 @@ class EmbeddedEngine:
             filtered = filtered.masked_fill(drop, float("-inf"))
         # inverse-CDF sampling: one uniform number per row (drawing a Gumbel or exponential
         # per vocabulary entry costs more than a whole decoder layer on a CPU)
-        cdf = torch.softmax(filtered, dim=-1).cumsum(-1)  # (B, V)
-        uniform = torch.empty(len(cdf), 1)
+        probs = torch.exp(scaled - lse) if filtered is scaled else torch.softmax(filtered, dim=-1)
+        uniform = torch.empty(len(probs), 1)
         if all(g is None for g in generators):
             uniform.uniform_(generator=self.generator)
         else:
             for i, g in enumerate(generators):
                 uniform[i].uniform_(generator=g if g is not None else self.generator)
-        uniform = uniform.to(cdf.device)  # drawn on the host generator: the same numbers on every device
-        # u in (0, total]: the first index whose cdf reaches u always carries probability mass
-        targets = (1.0 - uniform) * cdf[:, -1:]
-        sampled = torch.searchsorted(cdf, targets).squeeze(-1).clamp(max=cdf.shape[-1] - 1)
-        tokens = torch.where(greedy, torch.argmax(logits, dim=-1), sampled)
+        uniform = uniform.to(probs.device)  # drawn on the host generator: the same numbers on every device
+        sampled = _invert_cdf(probs, uniform)
+        tokens = torch.where(greedy, torch.argmax(logits, dim=-1), sampled) if any_greedy else sampled
         # logprob under the full temperature-scaled distribution (what the trainer computes)
-        logprobs = scaled.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scaled, dim=-1)
+        logprobs = scaled.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - lse.squeeze(-1)
         return tokens, logprobs
+
+
+def _invert_cdf(probs: torch.Tensor, uniform: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+    """The first index whose cumulative probability reaches ``(1 - u) * total``, per row, in two
+    levels (which chunk, then where in it) so only one chunk per row is scanned in full. The
+    index found always carries probability mass."""
+    B, V = probs.shape
+    if V % chunk:
+        probs = F.pad(probs, (0, chunk - V % chunk))
+    blocks = probs.view(B, -1, chunk)
+    ccdf = blocks.sum(-1).cumsum(-1)  # (B, chunks)
+    target = (1.0 - uniform) * ccdf[:, -1:]  # in (0, total]
+    which = torch.searchsorted(ccdf, target).clamp(max=ccdf.shape[1] - 1)  # (B, 1)
+    before = torch.where(which > 0, ccdf.gather(-1, (which - 1).clamp(min=0)), torch.zeros_like(target))
+    local = blocks.gather(1, which.unsqueeze(-1).expand(B, 1, chunk)).squeeze(1).cumsum(-1)  # (B, chunk)
+    rest = torch.minimum(target - before, local[:, -1:])  # (0, chunk total]
+    where = torch.searchsorted(local, rest).clamp(max=chunk - 1)
+    return (which * chunk + where).squeeze(-1)

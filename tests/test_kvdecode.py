@@ -1,0 +1,164 @@
+"""The KV-cache decoder: the same tokens and logprobs as the Hugging Face path, a group's prompt
+prefilled once, continuous batching, and weight changes seen at once."""
+
+import asyncio
+
+import pytest
+import torch
+
+from strop.engines import kvdecode
+from strop.engines.embedded import EmbeddedEngine, _invert_cdf
+from strop.engines.kvdecode import Batch
+from strop.train.logprob import response_logprobs
+from strop.types import SamplingParams
+
+PROMPTS = [[5, 17, 230, 9], [44, 3], [8, 8, 8, 8, 8, 8, 1], [5, 17, 230, 9], [300, 301, 302, 303, 304, 305, 306, 307, 308]]
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12, stop_token_ids=[-1])
+
+
+def engine(model, **kw):
+    return EmbeddedEngine(model, pad_token_id=0, default_stop_token_ids=[2], **kw)
+
+
+def full_forward_logprobs(model, prompt, out, temperature):
+    ids = torch.tensor([prompt + out.token_ids])
+    positions = torch.arange(len(prompt), ids.shape[1]).unsqueeze(0)
+    with torch.no_grad():
+        lp, _ = response_logprobs(model, ids, torch.ones_like(ids), positions, temperature=temperature)
+    return lp[0]
+
+
+def test_the_tiny_model_runs_on_the_fast_path_and_other_models_fall_back(tiny_model):
+    assert engine(tiny_model)._fast is not None
+    assert "fast_decode=False" in engine(tiny_model, fast_decode=False).decode_path
+    assert kvdecode.unsupported_reason(torch.nn.Linear(2, 2)) is not None
+
+
+@pytest.mark.parametrize("max_batch_size", [64, 2])
+def test_fast_path_matches_the_transformers_path(tiny_model, max_batch_size):
+    """Greedy tokens identical, logprobs within 1e-4, also when rows join a running batch (2 at once)."""
+    fast = engine(tiny_model, max_batch_size=max_batch_size).generate_batch(PROMPTS, GREEDY)
+    slow = engine(tiny_model, fast_decode=False).generate_batch(PROMPTS, GREEDY)
+    for prompt, a, b in zip(PROMPTS, fast, slow):
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-4)
+
+
+def test_sampled_logprobs_equal_a_full_forward_with_joining_rows(tiny_model):
+    """Rows admitted mid-decode sit at other cache columns; their logprobs still match a full forward."""
+    prompts = PROMPTS * 3
+    outs = engine(tiny_model, max_batch_size=4, seed=3).generate_batch(prompts, [
+        SamplingParams(temperature=0.8, max_new_tokens=5 + 3 * i, stop_token_ids=[-1]) for i in range(len(prompts))])
+    for prompt, out in zip(prompts, outs):
+        torch.testing.assert_close(torch.tensor(out.logprobs), full_forward_logprobs(tiny_model, prompt, out, 0.8),
+                                   rtol=0, atol=1e-4)
+
+
+def test_a_groups_prompt_is_prefilled_once(tiny_model):
+    """8 samples of one prompt: one prefill of its tokens, and each sample is what it would be alone."""
+    e = engine(tiny_model)
+    prompt = [11, 12, 13, 14, 15, 16]
+    sps = [SamplingParams(temperature=1.0, max_new_tokens=8, seed=100 + i, stop_token_ids=[-1]) for i in range(8)]
+    batch = Batch(e._fast, e._sample_rows, pad_token_id=0)
+    rows = [e._row(prompt, sp) for sp in sps]
+    batch.admit([prompt] * 8, rows)
+    while batch.live:
+        batch.step()
+    assert batch.prefilled_tokens == len(prompt) and batch.prompt_tokens == 8 * len(prompt)
+    alone = [e.generate_batch([prompt], sp)[0] for sp in sps]
+    assert [r.token_ids for r in rows] == [a.token_ids for a in alone]
+    assert len({tuple(r.token_ids) for r in rows}) > 1  # independent samples, not copies
+
+
+def test_a_long_request_does_not_hold_up_short_ones(tiny_model):
+    """A short request sent while a long one decodes joins the running batch and finishes first."""
+    e = engine(tiny_model)
+    order = []
+
+    async def ask(name, prompt, n, delay):
+        await asyncio.sleep(delay)
+        out = await e.generate(prompt, SamplingParams(temperature=1.0, max_new_tokens=n, stop_token_ids=[-1]))
+        order.append((name, len(out.token_ids)))
+
+    joined = []
+    real = e._advance
+    e._advance = lambda batch, prompts, rows: (joined.append((len(rows), batch.live)) or real(batch, prompts, rows))
+
+    async def main():
+        await asyncio.gather(ask("long", [5, 6, 7], 200, 0.0), ask("short", [9, 10], 3, 0.05))
+
+    asyncio.run(main())
+    assert order == [("short", 3), ("long", 200)]
+    assert (1, 1) in joined  # the short request was admitted while the long one ran
+
+
+def test_weight_updates_wait_for_running_rows_and_apply_to_new_ones(tiny_model):
+    e = engine(tiny_model)
+    new = {k: v + 0.05 for k, v in tiny_model.state_dict().items()}
+
+    async def main():
+        first = asyncio.ensure_future(e.generate([5, 6, 7], SamplingParams(max_new_tokens=60, stop_token_ids=[-1])))
+        await asyncio.sleep(0.02)
+        version = await e.update_weights(new, version=7)
+        second = await e.generate([5, 6, 7], GREEDY)
+        return await first, version, second
+
+    first, version, second = asyncio.run(main())
+    assert first.weight_version == 0 and len(first.token_ids) == 60  # finished on the old weights
+    assert version == 7 and second.weight_version == 7
+    want = engine(tiny_model, fast_decode=False).generate_batch([[5, 6, 7]], GREEDY)[0]  # model now holds `new`
+    assert second.token_ids == want.token_ids
+
+
+def test_weights_changed_in_place_are_seen_by_the_next_step(tiny_model):
+    e = engine(tiny_model)
+    before = e.generate_batch(PROMPTS, GREEDY)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in tiny_model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.2)
+    after = e.generate_batch(PROMPTS, GREEDY)
+    want = engine(tiny_model, fast_decode=False).generate_batch(PROMPTS, GREEDY)
+    for a, w, b in zip(after, want, before):
+        assert a.token_ids == w.token_ids
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(w.logprobs), rtol=0, atol=1e-4)
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) > 1e-2  # the change is visible
+
+
+def test_two_level_inverse_cdf_follows_the_distribution_and_never_picks_a_zero():
+    g = torch.Generator().manual_seed(0)
+    V = 3000  # not a multiple of the 1024-token chunk: the padded tail has no mass
+    probs = torch.zeros(V)
+    support = torch.tensor([0, 1023, 1024, 2047, 2999])
+    probs[support] = torch.tensor([0.1, 0.2, 0.3, 0.15, 0.25])
+    n = 40000
+    u = torch.rand(n, 1, generator=g)
+    u[:3] = torch.tensor([[0.0], [1.0 - 1e-9], [0.5]])
+    picks = _invert_cdf(probs.expand(n, V).contiguous(), u)
+    assert set(picks.unique().tolist()) <= set(support.tolist())
+    freq = torch.bincount(picks, minlength=V)[support].float() / n
+    torch.testing.assert_close(freq, probs[support], rtol=0, atol=0.01)
+
+
+def test_an_engine_error_reaches_every_request_and_the_engine_recovers(tiny_model, monkeypatch):
+    e = engine(tiny_model)
+    calls = {"n": 0}
+    real = e._advance
+
+    def broken(batch, prompts, rows):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("boom in decode")
+        return real(batch, prompts, rows)
+
+    e._advance = broken
+    sp = SamplingParams(max_new_tokens=20, stop_token_ids=[-1])
+
+    async def main():
+        got = await asyncio.gather(*(e.generate(p, sp) for p in PROMPTS), return_exceptions=True)
+        again = await e.generate(PROMPTS[0], sp)
+        return got, again
+
+    got, again = asyncio.run(main())
+    assert all(isinstance(g, RuntimeError) and "boom in decode" in str(g) for g in got)
+    assert len(again.token_ids) == 20
