@@ -1,63 +1,195 @@
-"""Embedded engine vs Hugging Face ``generate``: same model, batch, prompts and lengths.
+"""Generation speed side by side: Hugging Face ``generate``, strop's engine before the KV-cache
+decoder (``fast_decode=False``), strop's engine now, and vLLM's CPU server (when
+``scripts/setup_vllm.sh`` installed it), on the same model, prompts and lengths, fp32.
 
-Both sample at temperature 1 with the same max_new_tokens and no early stop
-(stop tokens disabled), so both produce exactly batch x max_new_tokens tokens.
+Two workloads:
+- fixed batches (1, 32, 64 rows; distinct chat prompts; exactly ``--new-tokens`` tokens per row,
+  stop tokens disabled, temperature 1);
+- GRPO-shaped: 8 prompts x 8 samples (~45-token chat prompts), up to ``--new-tokens`` new tokens,
+  stopping at end-of-turn, temperature 1. Lengths differ by engine (sampling), so the table has
+  the tokens generated next to the seconds.
 
-    python bench/engine.py [--batch 8 32] [--new-tokens 128] [--repeats 2]
+vLLM runs last, alone (its CPU engine slows down 2-4x when anything else runs), with both cores
+bound, every request sent at once over HTTP.
+
+    python bench/engine.py [--batch 1 32 64] [--new-tokens 128] [--repeats 2] [--no-vllm]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
+import os
+import subprocess
 import time
+from pathlib import Path
 
 import torch
 
+ROOT = Path(__file__).resolve().parents[1]
+VLLM_PY = Path(os.environ.get("STROP_VLLM_VENV", ROOT / ".venv-vllm")) / "bin" / "python"
+
+
+def hf_generate(model, tok, prompts, new_tokens, *, eos, n=1):
+    tok.padding_side = "left"
+    enc = tok.pad({"input_ids": prompts}, return_tensors="pt")
+    kw = dict(min_new_tokens=new_tokens) if eos is None else dict(eos_token_id=eos)
+    t = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(**enc, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new_tokens,
+                             pad_token_id=tok.pad_token_id, num_return_sequences=n, **kw)
+    dt = time.perf_counter() - t
+    gen = out[:, enc["input_ids"].shape[1]:]
+    if eos is None:
+        tokens = gen.numel()
+    else:  # up to and including the first end-of-turn
+        ended = (gen == eos).int()
+        first = torch.where(ended.any(-1), ended.argmax(-1) + 1, torch.full((len(gen),), gen.shape[1]))
+        tokens = int(first.sum())
+    return tokens, dt
+
+
+def strop_generate(engine, prompts, new_tokens, *, eos, seed0=0):
+    from strop.types import SamplingParams
+
+    sps = [SamplingParams(temperature=1.0, max_new_tokens=new_tokens, seed=seed0 + i,
+                          stop_token_ids=[-1] if eos is None else [eos]) for i in range(len(prompts))]
+    t = time.perf_counter()
+    outs = engine.generate_batch(prompts, sps)
+    return sum(len(o.token_ids) for o in outs), time.perf_counter() - t
+
+
+class VLLMServer:
+    def __init__(self, model_dir: str, port: int):
+        self.url = f"http://127.0.0.1:{port}"
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_OMP_THREADS_BIND="0-1",
+                   VLLM_LOGGING_LEVEL="WARNING")
+        self.log = open(f"/tmp/bench-vllm-{port}.log", "wb")
+        self.proc = subprocess.Popen([str(VLLM_PY), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+                                      "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+                                      "--max-num-batched-tokens", "8192", "--max-model-len", "2048",
+                                      "--max-num-seqs", "128"], stdout=self.log, stderr=self.log, env=env)
+        import urllib.request
+
+        deadline = time.monotonic() + 300
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM exited with {self.proc.returncode}; see {self.log.name}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2):
+                    break
+            except OSError:
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise TimeoutError(f"vLLM not healthy in 300 s; see {self.log.name}") from None
+                time.sleep(1)
+
+    def generate(self, prompts, new_tokens, *, eos, n=1):
+        import httpx
+
+        async def main():
+            async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=256)) as client:
+                model = (await client.get(self.url + "/v1/models")).json()["data"][0]["id"]
+
+                async def one(p):
+                    body = {"model": model, "prompt": p, "max_tokens": new_tokens, "temperature": 1.0, "n": n}
+                    if eos is None:
+                        body |= {"ignore_eos": True, "min_tokens": new_tokens}
+                    r = await client.post(self.url + "/v1/completions", json=body)
+                    r.raise_for_status()
+                    return r.json()["usage"]["completion_tokens"]
+
+                t = time.perf_counter()
+                counts = await asyncio.gather(*(one(p) for p in prompts))
+                return sum(counts), time.perf_counter() - t
+
+        return asyncio.run(main())
+
+    def stop(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="embedded:smollm2-135m-instruct")
-    ap.add_argument("--batch", type=int, nargs="+", default=[8, 32])
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 32, 64])
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--no-vllm", action="store_true", help="skip the vLLM column even when it is installed")
     args = ap.parse_args()
     logging.disable(logging.WARNING)
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     from strop.engines.embedded import EmbeddedEngine
-    from strop.train.model import load_model, load_tokenizer
-    from strop.types import SamplingParams
+    from strop.train.model import load_model, load_tokenizer, resolve_model_path
 
     tok = load_tokenizer(args.model)
     model = load_model(args.model).eval()
-    engine = EmbeddedEngine(model, pad_token_id=tok.pad_token_id, max_batch_size=max(args.batch))
-    questions = [f"What is {3 + 7 * i} plus {11 + 13 * i}? Explain step by step." for i in range(max(args.batch))]
-    print("| batch | new tokens | HF generate tok/s | strop engine tok/s | ratio (strop / HF) |")
-    print("|---|---|---|---|---|")
-    for batch in args.batch:
-        prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                           tokenize=True, return_dict=False) for q in questions[:batch]]
-        hf_best, strop_best = 0.0, 0.0
-        for rep in range(args.repeats):
-            # Hugging Face generate, left-padded batch
-            tok.padding_side = "left"
-            enc = tok.pad({"input_ids": prompts}, return_tensors="pt")
-            torch.manual_seed(rep)
-            t = time.perf_counter()
-            with torch.no_grad():
-                out = model.generate(**enc, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                                     max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
-                                     pad_token_id=tok.pad_token_id)
-            hf = (out.shape[1] - enc["input_ids"].shape[1]) * out.shape[0] / (time.perf_counter() - t)
-            # strop's engine
-            sp = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens, stop_token_ids=[-1])
-            t = time.perf_counter()
-            outs = engine.generate_batch(prompts, sp)
-            st = sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t)
-            hf_best, strop_best = max(hf_best, hf), max(strop_best, st)
-        print(f"| {batch} | {args.new_tokens} | {hf_best:.1f} | {strop_best:.1f} | {strop_best / hf_best:.2f} |", flush=True)
+    width = max(max(args.batch), 64)
+    before = EmbeddedEngine(model, pad_token_id=tok.pad_token_id, max_batch_size=width, fast_decode=False)
+    now = EmbeddedEngine(model, pad_token_id=tok.pad_token_id, max_batch_size=width)
+    chat = lambda q: list(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,  # noqa: E731
+                                                  tokenize=True, return_dict=False))
+    fixed = [chat(f"What is {3 + 7 * i} plus {11 + 13 * i}? Explain step by step.") for i in range(max(args.batch))]
+    grpo = [chat(f"A shop sells {4 + i} apples for {12 + 3 * i} dollars. How much do {7 + 2 * i} apples cost?")
+            for i in range(8)]
+    eos = tok.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tok.get_vocab() else tok.eos_token_id
+    cases = [(f"batch {b}", fixed[:b], None, 1) for b in args.batch]
+    cases.append(("GRPO 8 prompts x 8", grpo, eos, 8))
+    print(f"prompt tokens: fixed {min(map(len, fixed))}-{max(map(len, fixed))}, GRPO {min(map(len, grpo))}-"
+          f"{max(map(len, grpo))}; new tokens up to {args.new_tokens}; best of {args.repeats}", flush=True)
+    results: dict[str, dict[str, tuple[int, float]]] = {}
+
+    def best(name, case, fn):
+        runs = [fn() for _ in range(args.repeats)]
+        tokens, secs = max(runs, key=lambda r: r[0] / r[1])
+        results.setdefault(case, {})[name] = (tokens, secs)
+
+    for case, prompts, stop, n in cases:
+        rows = [p for p in prompts for _ in range(n)]
+        best("HF generate", case, lambda: hf_generate(model, tok, prompts, args.new_tokens, eos=stop, n=n))
+        best("strop before", case, lambda: strop_generate(before, rows, args.new_tokens, eos=stop))
+        best("strop now", case, lambda: strop_generate(now, rows, args.new_tokens, eos=stop))
+        print(f"  {case}: " + ", ".join(f"{k} {v[0] / v[1]:.1f} tok/s" for k, v in results[case].items()), flush=True)
+    engines = ["HF generate", "strop before", "strop now"]
+    if not args.no_vllm and VLLM_PY.exists():
+        from strop.parallel.launch import free_port
+
+        del before, now
+        server = VLLMServer(resolve_model_path(args.model), free_port())
+        try:
+            server.generate(fixed[:2], 8, eos=None)  # warm-up
+            for case, prompts, stop, n in cases:
+                best("vllm-cpu", case, lambda: server.generate(prompts, args.new_tokens, eos=stop, n=n))
+                print(f"  {case}: vllm-cpu {results[case]['vllm-cpu'][0] / results[case]['vllm-cpu'][1]:.1f} tok/s",
+                      flush=True)
+        finally:
+            server.stop()
+        engines.append("vllm-cpu")
+    else:
+        print("(vllm-cpu column skipped: " + ("--no-vllm" if args.no_vllm else f"{VLLM_PY} missing; "
+              "run `bash scripts/setup_vllm.sh`") + ")")
+
+    print()
+    print("| case | " + " | ".join(f"{e} tok/s (tokens, s)" for e in engines)
+          + " | now / HF | now / before | " + ("now / vllm |" if "vllm-cpu" in engines else ""))
+    print("|---" * (len(engines) + 3 + ("vllm-cpu" in engines)) + "|")
+    for case, _, _, _ in cases:
+        r = results[case]
+        rate = {e: r[e][0] / r[e][1] for e in engines}
+        cells = [f"{rate[e]:.1f} ({r[e][0]}, {r[e][1]:.1f})" for e in engines]
+        ratios = [f"{rate['strop now'] / rate['HF generate']:.2f}", f"{rate['strop now'] / rate['strop before']:.2f}"]
+        if "vllm-cpu" in engines:
+            ratios.append(f"{rate['strop now'] / rate['vllm-cpu']:.2f}")
+        print(f"| {case} | " + " | ".join(cells + ratios) + " |")
 
 
 if __name__ == "__main__":

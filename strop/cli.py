@@ -65,6 +65,8 @@ def serve_main(argv: list[str]) -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--batch-wait-ms", type=float, default=5.0,
                         help="before a batch starts, wait while requests keep arriving (up to 40 such waits)")
+    parser.add_argument("--no-fast-decode", dest="fast_decode", action="store_false",
+                        help="decode with transformers' forward and static batches instead of strop's KV-cache decoder")
     args = parser.parse_args(argv)
     _quiet_libraries()
     if args.threads:
@@ -75,7 +77,8 @@ def serve_main(argv: list[str]) -> int:
 
     try:
         serve(args.model_path, host=args.host, port=args.port, token=args.token, max_batch_size=args.max_batch_size,
-              seed=args.seed, device=args.device, dtype=args.dtype, batch_wait_ms=args.batch_wait_ms)
+              seed=args.seed, device=args.device, dtype=args.dtype, batch_wait_ms=args.batch_wait_ms,
+              fast_decode=args.fast_decode)
     except (FileNotFoundError, ValueError) as exc:
         print(f"strop serve: error: {exc}", file=sys.stderr)
         return 1

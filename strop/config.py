@@ -116,6 +116,10 @@ class RolloutConfig(_Section):
     resumed_tokens: Literal["correct", "mask"] = Field(
         "correct", description="partial=resume: tokens sampled before the update are trained with the importance "
         "correction against their own logprobs (needs algo.use_rollout_logprobs, tis_cap or mis_*), or masked")
+    exact_logprobs: bool = Field(
+        False, description="report as the rollout's logprobs the trainer's own forward on the sampling weights "
+        "(bitwise what the trainer computes: train_rollout_logprob_abs_diff is 0); costs one no-grad forward "
+        "when no pre-pass runs anyway; sync mode only (docs/rollout.md)")
     over_sample: float = Field(1.0, ge=1.0, description="draw this many times the groups a step still needs; "
                                "once the step is full the rest are aborted")
     dynamic_sampling: bool = Field(False, description="drop groups whose rewards are all equal (no learning "
@@ -235,6 +239,9 @@ class EngineConfig(_Section):
                         "(and stop them at the end) instead of urls")
     launch_args: list[str] = Field(default_factory=list, description="extra arguments for launched servers, e.g. "
                                    "[\"--threads=1\"]")
+    fast_decode: bool = Field(True, description="embedded engine and strop serve: decode Llama-family models with "
+                              "strop's KV-cache decoder (shared prompt prefixes, continuous batching); false uses "
+                              "transformers' forward with static batches")
     token: str | None = Field(None, description="bearer token for weight and abort routes of remote servers")
     timeout_s: float = Field(600.0, gt=0, description="seconds one HTTP request may take")
     retries: int = Field(2, ge=0, description="retries of one request on the same server (with backoff) before "
@@ -330,6 +337,12 @@ class Config(_Section):
         if (r.over_sample > 1 or r.dynamic_sampling) and self.plugins.rollout:
             raise ValueError("rollout.over_sample / dynamic_sampling need the default rollout (plugins.rollout "
                              "generates whole steps its own way)")
+        if r.exact_logprobs and (r.mode != "sync" or self.data.samples):
+            raise ValueError("rollout.exact_logprobs scores samples with the trainer's current weights, which are the "
+                             "weights that sampled them only when this run generates each step in sync mode: "
+                             + (f"rollout.mode={r.mode!r}" if r.mode != "sync" else
+                                f"data.samples={self.data.samples!r} replays samples generated elsewhere")
+                             + "; use rollout.mode='sync' without data.samples, or turn exact_logprobs off")
         if r.partial == "resume" and self.plugins.generate:
             raise ValueError("rollout.partial='resume' continues a sample from the tokens it has, which the default "
                              f"generate function does; plugins.generate={self.plugins.generate!r} may not: use "

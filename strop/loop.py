@@ -131,6 +131,8 @@ class _Controller:
             urls = ", ".join(e.url for e in self.c.engine.engines)
             how = f"{len(self.c.servers)} launched strop serve processes" if self.c.servers else self.cfg.engine.kind
             print(f"strop: engine: router over {how}: {urls}", flush=True)
+        else:
+            print(f"strop: engine: embedded, {self.c.engine.decode_path}", flush=True)
         if self.c.replay is None:
             print(f"strop: {describe_rollout(self.cfg)}", flush=True)
         found = checkpoint.latest(self.run_dir) if resume else None

@@ -189,7 +189,7 @@ def make_trainer(cfg: Config, policy, tokenizer, hooks: dict, device: torch.devi
                    dp_group=dp_group, cp_group=cp_group,
                    bucket_bytes=resolve_bucket_bytes(cfg.parallel.grad_reduce_bucket_bytes),
                    dp_mode=cfg.parallel.dp_mode, fsdp_mixed_precision=cfg.parallel.fsdp_mixed_precision,
-                   device=device, bf16_autocast=cfg.train.bf16_autocast)
+                   device=device, bf16_autocast=cfg.train.bf16_autocast, exact_logprobs=r.exact_logprobs)
 
 
 def build(cfg: Config, device: torch.device | None = None, control: Control | None = None,
@@ -227,7 +227,8 @@ def _controller_parts(cfg: Config, p: _Prepared, trainer: Trainer, device: torch
     if cfg.engine.kind == "embedded":
         engine, servers = EmbeddedEngine(p.engine_model, pad_token_id=tokenizer.pad_token_id,
                                          default_stop_token_ids=stop_ids, max_batch_size=r.max_batch_size,
-                                         context_window=context_window, seed=r.seed), []
+                                         context_window=context_window, seed=r.seed,
+                                         fast_decode=cfg.engine.fast_decode), []
     else:
         engine, servers = remote_engine(cfg, p.model_path, run_dir, probe_ids=train_prompts.prompt_ids[0],
                                         device=device)

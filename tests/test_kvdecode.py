@@ -162,3 +162,18 @@ def test_an_engine_error_reaches_every_request_and_the_engine_recovers(tiny_mode
     got, again = asyncio.run(main())
     assert all(isinstance(g, RuntimeError) and "boom in decode" in str(g) for g in got)
     assert len(again.token_ids) == 20
+
+
+def test_slot_count_changes_only_at_bucket_boundaries(tiny_model):
+    """Rows finishing one by one free their slots; the cache (and the weights' packing) is laid out
+    again only when a whole bucket is free, not once per finished row."""
+    assert [kvdecode.slots_for(n) for n in (1, 2, 3, 5, 16, 17, 33, 64)] == [1, 2, 4, 8, 16, 32, 48, 64]
+    e = engine(tiny_model)
+    sizes = []
+    real = e._fast.step
+    e._fast.step = lambda tokens, *a: (sizes.append(len(tokens)) or real(tokens, *a))
+    prompts = [[5, 6, 7 + i] for i in range(40)]
+    outs = e.generate_batch(prompts, [SamplingParams(max_new_tokens=1 + i, stop_token_ids=[-1]) for i in range(40)])
+    assert [len(o.token_ids) for o in outs] == [1 + i for i in range(40)]
+    changes = [b for a, b in zip(sizes, sizes[1:]) if a != b]
+    assert sizes[0] == 48 and changes == [32, 16, 8, 4, 2, 1]

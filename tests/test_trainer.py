@@ -27,11 +27,12 @@ def make_samples(n=8, seed=0, group_size=4):
 
 
 def run_step(model, samples, *, micro_batch_size=8, mini_batches=1, max_tokens=None, device="cpu",
-             bf16_autocast=False, **algo):
+             bf16_autocast=False, exact_logprobs=False, **algo):
     # Adam divides by |grad|: near-zero gradients amplify rounding, so keep lr small for 1e-6 checks
     train = TrainConfig(lr=1e-3, warmup_steps=0, micro_batch_size=micro_batch_size, mini_batches=mini_batches,
                         max_tokens_per_micro_batch=max_tokens, bf16_autocast=bf16_autocast)
-    trainer = Trainer(model, pad_token_id=0, train=train, algo=AlgoConfig(**algo), max_new_tokens=8, device=device)
+    trainer = Trainer(model, pad_token_id=0, train=train, algo=AlgoConfig(**algo), max_new_tokens=8, device=device,
+                      exact_logprobs=exact_logprobs)
     metrics = trainer.step(samples)
     return trainer, metrics
 
@@ -187,6 +188,36 @@ def test_logprob_gap_metric_skips_loss_masked_tokens(tiny_model):
     assert m["train_rollout_logprob_abs_diff"] < 1e-5
     _, m2 = run_step(copy.deepcopy(tiny_model), samples, mini_batches=2)  # the pre-pass path too
     assert m2["train_rollout_logprob_abs_diff"] < 1e-5
+
+
+@pytest.mark.parametrize("mini_batches,micro_batch_size", [(1, 8), (2, 3)])
+def test_exact_logprobs_make_the_gap_exactly_zero(tiny_model, mini_batches, micro_batch_size):
+    """rollout.exact_logprobs: the trainer's own forward becomes the rollout's logprobs, bitwise, in
+    the batch and in each sample; the engine's gap it replaced is reported on its own."""
+    samples = make_samples()
+    exact = _exact_rollout_logprobs(tiny_model, samples)
+    g = torch.Generator().manual_seed(5)
+    for s, lp in zip(samples, exact):  # an engine a few 1e-6 off, as a real one is
+        s.rollout_logprobs = [x + float(torch.randn(1, generator=g)) * 3e-6 for x in lp]
+    _, plain = run_step(copy.deepcopy(tiny_model), copy.deepcopy(samples), mini_batches=mini_batches,
+                        micro_batch_size=micro_batch_size)
+    assert plain["train_rollout_logprob_abs_diff"] > 0 and "engine_logprob_abs_diff" not in plain
+    _, m = run_step(copy.deepcopy(tiny_model), samples, mini_batches=mini_batches,
+                    micro_batch_size=micro_batch_size, exact_logprobs=True)
+    assert m["train_rollout_logprob_abs_diff"] == 0.0
+    assert 1e-7 < m["engine_logprob_abs_diff"] < 1e-4
+    for s, lp in zip(samples, exact):  # the samples now carry the trainer's numbers
+        torch.testing.assert_close(torch.tensor(s.rollout_logprobs), torch.tensor(lp), rtol=0, atol=1e-5)
+
+
+def test_exact_logprobs_are_refused_where_the_trainer_did_not_sample():
+    from strop.config import Config
+
+    with pytest.raises(ValueError, match="exact_logprobs.*sync mode.*rollout.mode='async'"):
+        Config.model_validate({"rollout": {"exact_logprobs": True, "mode": "async"}})
+    with pytest.raises(ValueError, match="exact_logprobs.*data.samples"):
+        Config.model_validate({"rollout": {"exact_logprobs": True}, "data": {"samples": "s.jsonl"}})
+    assert Config.model_validate({"rollout": {"exact_logprobs": True}}).rollout.exact_logprobs
 
 
 def test_loss_metrics_are_means_over_mini_batches(tiny_model):

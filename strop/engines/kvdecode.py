@@ -221,16 +221,32 @@ class LlamaDecoder:
         return self.head(self._norm(self.backbone.norm, x))
 
 
+def slots_for(rows: int) -> int:
+    """Cache slots for ``rows`` running rows: powers of two up to 16, then multiples of 16. The
+    weights are pre-packed for one batch size, so the slot count changes rarely; the spare
+    slots decode padding."""
+    if rows <= 16:
+        return 1 << max(rows - 1, 0).bit_length()
+    return -(-rows // 16) * 16
+
+
+def _pad_row() -> Row:
+    return Row(owner=None, sampling=None, budget=0, stops=set(), generator=None, finish="pad")
+
+
 class Batch:
     """The running batch of a :class:`LlamaDecoder`: rows join (``admit``) and leave (finished)
     between steps. ``sample(logits, rows)`` picks tokens and logprobs; ``should_abort(row)`` is
-    asked once per step for each row still running."""
+    asked once per step for each row still running.
+
+    Every cache slot has a :class:`Row`; a finished row's slot (or a padding slot) is taken by the
+    next row that joins, and the cache is compacted when a whole bucket of slots is free."""
 
     def __init__(self, decoder: LlamaDecoder, sample: Callable, *, pad_token_id: int,
                  should_abort: Callable[[Row], bool] = lambda row: False):
         self.dec, self.sample, self.pad = decoder, sample, pad_token_id
         self.should_abort = should_abort
-        self.rows: list[Row] = []  # slot order; a finished row leaves at the next compaction
+        self.rows: list[Row] = []  # one per cache slot
         self.keys = self.values = None
         self.col = 0  # the column the next fed token is written to
         self.start = torch.zeros(0, dtype=torch.long)  # first valid column of each slot
@@ -238,33 +254,34 @@ class Batch:
         self.next_tokens = torch.zeros(0, dtype=torch.long)
         self.prefilled_tokens = 0  # prompt tokens actually prefilled (after sharing)
         self.prompt_tokens = 0  # prompt tokens of every admitted row
+        self.relayouts = 0
 
     @property
     def live(self) -> int:
         return sum(r.finish is None for r in self.rows)
 
     # ---- layout ---------------------------------------------------------------------------
-    def _relayout(self, keep: list[int], extra_rows: int, width: int, capacity: int) -> None:
-        """New cache tensors holding slots ``keep`` (in order) plus ``extra_rows`` empty slots, with
+    def _relayout(self, keep: list[int], slots: int, width: int, capacity: int) -> None:
+        """New cache tensors with ``slots`` slots: first the slots ``keep`` (in order), then padding;
         at least ``width`` columns before the write column and ``capacity`` columns in all."""
         d = self.dec
         lo = int(self.start[keep].min()) if keep else self.col
         used = self.col - lo  # columns in use left of the write column
         new_col = max(width, used)
-        shape = (d.n_layers, len(keep) + extra_rows, d.n_kv, max(capacity, new_col + 1), d.head_dim)
+        shape = (d.n_layers, slots, d.n_kv, max(capacity, new_col + 1), d.head_dim)
         keys = torch.zeros(shape, dtype=d.dtype, device=d.device)
         values = torch.zeros(shape, dtype=d.dtype, device=d.device)
         if keep and used:
             idx = torch.tensor(keep, device=d.device)
             keys[:, : len(keep), :, new_col - used: new_col] = self.keys.index_select(1, idx)[:, :, :, lo: self.col]
             values[:, : len(keep), :, new_col - used: new_col] = self.values.index_select(1, idx)[:, :, :, lo: self.col]
-        shift = new_col - self.col
-        k = torch.tensor(keep, dtype=torch.long)
-        self.start = torch.cat([self.start[k] + shift, torch.zeros(extra_rows, dtype=torch.long)])
-        self.positions = torch.cat([self.positions[k], torch.zeros(extra_rows, dtype=torch.long)])
-        self.next_tokens = torch.cat([self.next_tokens[k], torch.zeros(extra_rows, dtype=torch.long)])
-        self.rows = [self.rows[i] for i in keep]
+        shift, k, extra = new_col - self.col, torch.tensor(keep, dtype=torch.long), slots - len(keep)
+        self.start = torch.cat([self.start[k] + shift, torch.full((extra,), new_col, dtype=torch.long)])
+        self.positions = torch.cat([self.positions[k], torch.zeros(extra, dtype=torch.long)])
+        self.next_tokens = torch.cat([self.next_tokens[k], torch.zeros(extra, dtype=torch.long)])
+        self.rows = [self.rows[i] for i in keep] + [_pad_row() for _ in range(extra)]
         self.keys, self.values, self.col = keys, values, new_col
+        self.relayouts += 1
 
     def admit(self, prompts: list[list[int]], rows: list[Row]) -> list[Row]:
         """Prefill ``prompts`` (one per row; equal prompts are prefilled once), sample each row's
@@ -289,34 +306,28 @@ class Batch:
         joining = [i for i, r in enumerate(rows) if r.finish is None]
         if not joining:
             return finished
-        # lay out: the live rows, then the joining rows; each prompt ends just left of the write column
-        keep = [i for i, r in enumerate(self.rows) if r.finish is None]
-        need = max(self.col - (int(self.start[keep].min()) if keep else self.col), P)  # columns left of col
-        capacity = max([need + r.budget for r in rows] +
-                       [need + r.budget - len(r.token_ids) + 1 for r in self.rows if r.finish is None])
-        fits = (self.keys is not None and len(keep) == len(self.rows) and self.col >= P
-                and self.keys.shape[1] >= len(self.rows) + len(joining)
-                and self.keys.shape[3] >= self.col + 1 + max(rows[i].budget for i in joining))
-        if fits:
-            base = len(self.rows)
-            extra = len(joining)
-            self.start = torch.cat([self.start, torch.zeros(extra, dtype=torch.long)])
-            self.positions = torch.cat([self.positions, torch.zeros(extra, dtype=torch.long)])
-            self.next_tokens = torch.cat([self.next_tokens, torch.zeros(extra, dtype=torch.long)])
-        else:
-            self._relayout(keep, len(joining), need, capacity + 1)
-            base = len(keep)
-        slots = torch.arange(base, base + len(joining), device=d.device)
+        # each joining prompt ends just left of the write column, in a free slot if there is room
+        free = [i for i, r in enumerate(self.rows) if r.finish is not None]
+        longest = max(rows[i].budget for i in joining)
+        if not (self.keys is not None and len(free) >= len(joining) and self.col >= P
+                and self.keys.shape[3] >= self.col + 1 + longest):
+            keep = [i for i, r in enumerate(self.rows) if r.finish is None]
+            need = max(self.col - (int(self.start[keep].min()) if keep else self.col), P)  # columns left of col
+            capacity = max([need + longest + 1] +
+                           [need + self.rows[i].budget - len(self.rows[i].token_ids) + 2 for i in keep])
+            self._relayout(keep, slots_for(len(keep) + len(joining)), need, capacity)
+            free = list(range(len(keep), len(self.rows)))
+        slots = free[: len(joining)]
+        c, dst = self.col, torch.tensor(slots, device=d.device)
         src = w[torch.tensor(joining, device=d.device)]
-        c = self.col
-        self.keys[:, slots, :, c - P: c] = k.index_select(1, src)
-        self.values[:, slots, :, c - P: c] = v.index_select(1, src)
-        for j, i in enumerate(joining):
+        self.keys[:, dst, :, c - P: c] = k.index_select(1, src)
+        self.values[:, dst, :, c - P: c] = v.index_select(1, src)
+        for slot, i in zip(slots, joining):
             r = rows[i]
-            self.start[base + j] = c - len(prompts[i])
-            self.positions[base + j] = len(prompts[i])
-            self.next_tokens[base + j] = r.token_ids[-1]
-            self.rows.append(r)
+            self.start[slot] = c - len(prompts[i])
+            self.positions[slot] = len(prompts[i])
+            self.next_tokens[slot] = r.token_ids[-1]
+            self.rows[slot] = r
         return finished
 
     def _record(self, rows: list[Row], tokens: list[int], logprobs: list[float]) -> list[Row]:
@@ -340,17 +351,14 @@ class Batch:
         """Decode one token for every running row. Returns the rows that finished."""
         live = [i for i, r in enumerate(self.rows) if r.finish is None]
         if not live:
-            self.rows = []
             return []
-        dead = len(self.rows) - len(live)
-        if dead and dead * 8 >= len(self.rows):  # finished rows cost compute: compact now and then
-            cap = self.keys.shape[3]
-            self._relayout(live, 0, 0, cap)
-            live = list(range(len(self.rows)))
+        if len(self.rows) > slots_for(len(live)):  # a bucket of slots is free: compact
+            self._relayout(live, slots_for(len(live)), 0, self.keys.shape[3])
+            live = list(range(len(live)))
         B = len(self.rows)
         lo = int(self.start[live].min())
         cols = torch.arange(lo, self.col + 1)
-        valid = cols.unsqueeze(0) >= self.start.unsqueeze(1)  # (B, T)
+        valid = cols.unsqueeze(0) >= self.start.unsqueeze(1)  # (B, T); every slot sees at least its own column
         bias = torch.zeros(valid.shape, dtype=self.dec.dtype).masked_fill_(~valid, float("-inf"))
         dev = self.dec.device
         logits = self.dec.step(self.next_tokens.to(dev), self.positions.to(dev), self.keys, self.values,
@@ -363,6 +371,8 @@ class Batch:
                                        running)
         self.next_tokens[torch.tensor(live)] = tokens.cpu()
         finished = self._record(running, tokens.tolist(), logprobs.tolist())
-        for r in finished:  # a finished row attends only to itself from now on (no NaN)
-            self.start[self.rows.index(r)] = self.col
+        done = {id(r) for r in finished}
+        for i in live:  # a finished row's slot attends only to its own column from now on (no NaN)
+            if id(self.rows[i]) in done:
+                self.start[i] = self.col
         return finished

@@ -322,7 +322,7 @@ def _usage(ids, out: Completion) -> dict:
 
 def serve(model_path: str, *, host: str = "127.0.0.1", port: int = 30000, token: str | None = None,
           max_batch_size: int = 64, seed: int = 0, device: str = "auto", dtype: str = "float32",
-          batch_wait_ms: float = 5.0) -> None:
+          batch_wait_ms: float = 5.0, fast_decode: bool = True) -> None:
     """Load the model and serve until stopped (SIGINT / SIGTERM)."""
     import torch
     import uvicorn
@@ -340,7 +340,8 @@ def serve(model_path: str, *, host: str = "127.0.0.1", port: int = 30000, token:
     context = int(getattr(model.config, "max_position_embeddings", 2048))
     engine = EmbeddedEngine(model, pad_token_id=tokenizer.pad_token_id, default_stop_token_ids=stop,
                             max_batch_size=max_batch_size, context_window=context, seed=seed,
-                            batch_wait_s=batch_wait_ms / 1000)
+                            batch_wait_s=batch_wait_ms / 1000, fast_decode=fast_decode)
     app = create_app(engine, tokenizer=tokenizer, token=token, model_name=model_path)
-    print(f"strop serve: {model_path} on http://{host}:{port} (device {engine.device})", flush=True)
+    print(f"strop serve: {model_path} on http://{host}:{port} (device {engine.device}; "
+          f"{engine.decode_path})", flush=True)
     uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)

@@ -1,0 +1,187 @@
+"""The same GRPO step in strop and in TRL's GRPOTrainer, side by side in one run.
+
+Same model (the embedded SmolLM2-135M-Instruct, fp32), task (reasoning-gym basic_arithmetic,
+strop's training rows), prompts (TRL gets exactly the prompts strop's sampler draws, in that
+order), 8 prompts x 8 samples per step, response length limit, temperature, learning rate,
+micro-batch size, reward (strop's math reward), no KL term, one optimizer step per batch, no
+gradient checkpointing, both on this machine's CPU. Each side runs in its own process (TRL in
+``.venv-trl``, made by ``scripts/setup_trl.sh``); the table reports the mean over the steps
+after the first, generation seconds, generated tokens and the process's peak RSS.
+
+A third column runs strop with ``rollout.exact_logprobs=true`` (the trainer scores every sample:
+the cost of exact rollout logprobs).
+
+    bash scripts/setup_trl.sh && python bench/rl_step.py [--steps 3] [--new-tokens N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TRL_PY = Path(os.environ.get("STROP_TRL_VENV", ROOT / ".venv-trl")) / "bin" / "python"
+PROMPTS_PER_STEP, SAMPLES_PER_PROMPT = 8, 8
+
+
+def settings(new_tokens: int | None) -> dict:
+    from strop.config import Config
+
+    cfg = Config()
+    return {"max_new_tokens": new_tokens or cfg.rollout.max_new_tokens, "temperature": cfg.rollout.temperature,
+            "lr": cfg.train.lr, "micro_batch_size": cfg.train.micro_batch_size, "seed": cfg.train.seed}
+
+
+def strop_side(args, out: Path) -> None:
+    """`strop train` as a user runs it; per-step figures from its metrics.jsonl."""
+    s = settings(args.new_tokens)
+    with tempfile.TemporaryDirectory() as d:
+        cmd = [sys.executable, "-m", "strop.cli", "train", f"--train.steps={args.steps}", "--data.eval_size=0",
+               "--run.save_every=0", f"--run.dir={d}/run", "--run.progress=false",
+               f"--rollout.prompts_per_step={PROMPTS_PER_STEP}", f"--rollout.n_samples_per_prompt={SAMPLES_PER_PROMPT}",
+               f"--rollout.max_new_tokens={s['max_new_tokens']}", f"--rollout.exact_logprobs={str(args.exact).lower()}"]
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        rows = [json.loads(x) for x in (Path(d) / "run" / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    rows = [r for r in rows if "step_seconds" in r]
+    out.write_text(json.dumps({
+        "step_seconds": [r["step_seconds"] for r in rows],
+        "generation_seconds": [r["rollout_seconds"] for r in rows],
+        "generated_tokens": [r["response_length_mean"] * PROMPTS_PER_STEP * SAMPLES_PER_PROMPT for r in rows],
+        "peak_rss_gib": max(r.get("peak_rss_gib", 0.0) for r in rows),
+        "logprob_gap": [r.get("train_rollout_logprob_abs_diff") for r in rows],
+    }))
+
+
+def trl_side(args, out: Path) -> None:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from strop.config import Config
+    from strop.data.sources import PromptSampler, reasoning_gym_rows
+    from strop.rollout.rewards import math_equal
+    from strop.train.model import load_tokenizer, resolve_model_path
+
+    s, cfg = settings(args.new_tokens), Config()
+    d = cfg.data
+    rows = reasoning_gym_rows(d.task, d.seed, d.size, d.task_options)
+    sampler = PromptSampler(len(rows), d.seed, d.shuffle)  # strop's draw order, step by step
+    drawn = [rows[i] for i, _ in sampler.draw(PROMPTS_PER_STEP * args.steps)]
+
+    def messages(row):
+        text = d.prompt_template.format(prompt=row.prompt)
+        return ([{"role": "system", "content": d.system_prompt}] if d.system_prompt else []) + \
+            [{"role": "user", "content": text}]
+
+    data = Dataset.from_list([{"prompt": messages(r), "label": str(r.label)} for r in drawn])
+
+    def reward(completions, label, **_):
+        return [1.0 if math_equal(c[0]["content"] if isinstance(c, list) else c, g) else 0.0
+                for c, g in zip(completions, label)]
+
+    path = resolve_model_path(cfg.model.path)
+    tok = load_tokenizer(cfg.model.path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    batch = PROMPTS_PER_STEP * SAMPLES_PER_PROMPT
+    with tempfile.TemporaryDirectory() as tmp:
+        conf = GRPOConfig(
+            output_dir=tmp, max_steps=args.steps, learning_rate=s["lr"], lr_scheduler_type="constant_with_warmup",
+            warmup_steps=cfg.train.warmup_steps, weight_decay=cfg.train.weight_decay, max_grad_norm=cfg.train.grad_clip,
+            per_device_train_batch_size=s["micro_batch_size"],
+            gradient_accumulation_steps=batch // s["micro_batch_size"], num_generations=SAMPLES_PER_PROMPT,
+            max_completion_length=s["max_new_tokens"], temperature=s["temperature"], top_p=1.0, top_k=0,
+            beta=0.0, num_iterations=1, shuffle_dataset=False, use_cpu=True, bf16=False, fp16=False,
+            gradient_checkpointing=False, logging_steps=1, save_strategy="no", report_to=[], seed=s["seed"],
+            dataloader_num_workers=0, log_completions=False)
+        trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=conf, train_dataset=data,
+                              processing_class=tok)
+        gen_seconds, step_seconds, lengths = [], [], []
+        real_generate = trainer._generate
+
+        def timed_generate(*a, **k):
+            t = time.perf_counter()
+            try:
+                return real_generate(*a, **k)
+            finally:
+                gen_seconds.append(time.perf_counter() - t)
+
+        trainer._generate = timed_generate
+
+        class Clock(TrainerCallback):
+            def on_step_begin(self, *a, **k):
+                self.t = time.perf_counter()
+
+            def on_step_end(self, *a, **k):
+                step_seconds.append(time.perf_counter() - self.t)
+
+            def on_log(self, _args, _state, _control, logs=None, **k):
+                if logs and "completions/mean_length" in logs:
+                    lengths.append(logs["completions/mean_length"])
+
+        trainer.add_callback(Clock())
+        trainer.train()
+    out.write_text(json.dumps({
+        "step_seconds": step_seconds, "generation_seconds": gen_seconds,
+        "generated_tokens": [x * batch for x in lengths],
+        "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+    }))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--new-tokens", type=int, default=None, help="response length limit (default: strop's)")
+    ap.add_argument("--side", choices=["strop", "trl"], help=argparse.SUPPRESS)
+    ap.add_argument("--exact", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.side:
+        return (strop_side if args.side == "strop" else trl_side)(args, args.out)
+    if not TRL_PY.exists():
+        sys.exit(f"TRL is not installed ({TRL_PY} missing): run `bash scripts/setup_trl.sh` first")
+    s = settings(args.new_tokens)
+    print(f"GRPO step: {PROMPTS_PER_STEP} prompts x {SAMPLES_PER_PROMPT} samples, up to {s['max_new_tokens']} new "
+          f"tokens, temperature {s['temperature']}, lr {s['lr']}, micro-batch {s['micro_batch_size']}, fp32, "
+          f"{args.steps} steps (mean over steps 2..{args.steps})", flush=True)
+    sides = {"TRL GRPOTrainer": (str(TRL_PY), []), "strop": (sys.executable, []),
+             "strop exact_logprobs": (sys.executable, ["--exact"])}
+    results = {}
+    with tempfile.TemporaryDirectory() as d:
+        for name, (py, extra) in sides.items():
+            out = Path(d) / "out.json"
+            side = "trl" if name.startswith("TRL") else "strop"
+            cmd = [py, __file__, "--side", side, "--out", str(out), "--steps", str(args.steps), *extra]
+            if args.new_tokens:
+                cmd += ["--new-tokens", str(args.new_tokens)]
+            t = time.perf_counter()
+            subprocess.run(cmd, check=True, cwd=ROOT, env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
+            results[name] = json.loads(out.read_text())
+            print(f"  {name}: done in {time.perf_counter() - t:.0f} s", flush=True)
+
+    def mean_after_first(xs):
+        return statistics.fmean(xs[1:] if len(xs) > 1 else xs)
+
+    print()
+    print("| | s/step | generation s/step | generated tokens/step | peak RSS GiB | step speed-up vs TRL |")
+    print("|---|---|---|---|---|---|")
+    trl_step = mean_after_first(results["TRL GRPOTrainer"]["step_seconds"])
+    for name, r in results.items():
+        step = mean_after_first(r["step_seconds"])
+        print(f"| {name} | {step:.1f} | {mean_after_first(r['generation_seconds']):.1f} | "
+              f"{mean_after_first(r['generated_tokens']):.0f} | {r['peak_rss_gib']:.2f} | {trl_step / step:.2f}x |")
+    plain, exact = (mean_after_first(results[k]["step_seconds"]) for k in ("strop", "strop exact_logprobs"))
+    print(f"\nexact_logprobs costs {exact / plain:.2f}x strop's step; its train/rollout logprob gap per step: "
+          f"{results['strop exact_logprobs']['logprob_gap']} (default mode: {results['strop']['logprob_gap']})")
+
+
+if __name__ == "__main__":
+    main()
