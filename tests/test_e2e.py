@@ -132,6 +132,21 @@ def test_packed_micro_batches_run_end_to_end(tiny_model_dir, tmp_path):
     assert all(math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0 for r in steps)
 
 
+@pytest.mark.parametrize("fast_decode", [True, False])
+def test_exact_logprobs_end_to_end_on_both_decode_paths(tiny_model_dir, tmp_path, fast_decode):
+    """rollout.exact_logprobs through the real loop: the gap the trainer measures is exactly 0 and
+    the engine's own gap (either decode path) is reported, small but not zero."""
+    cfg = tiny_overrides(tiny_model_dir, tmp_path / "run", rollout={"exact_logprobs": True},
+                         engine={"fast_decode": fast_decode}, eval={"every": 0},
+                         run={"save_final": False, "plot": False})
+    assert train(build_config(overrides=cfg))["steps"] == 2
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "reward_mean" in r]
+    assert len(steps) == 2
+    assert all(r["train_rollout_logprob_abs_diff"] == 0.0 for r in steps)
+    assert all(0 < r["engine_logprob_abs_diff"] < 1e-4 for r in steps)
+
+
 def test_a_nan_reward_stops_the_run_naming_hook_and_sample(tiny_model_dir, tmp_path):
     from strop.plugins import PluginError
 

@@ -147,13 +147,13 @@ class EmbeddedEngine:
                         self._answer(row)
             except asyncio.CancelledError:  # cancelled: so are the requests it carried, then stop
                 self._abort_gen += 1
-                for r in [row.owner for row in batch.rows + admitted] + self._pending:
+                for r in [row.owner for row in batch.rows + admitted if row.owner is not None] + self._pending:
                     r.future.cancel()
                 self._pending = []
                 raise
             except Exception as exc:  # an engine error: every request this batch carried gets it
-                for row in batch.rows + admitted:
-                    if row.finish is None and not row.owner.future.done():
+                for row in batch.rows + admitted:  # finished in the failed step or not: none was answered
+                    if row.owner is not None and not row.owner.future.done():
                         row.owner.future.set_exception(exc)
         self._kick()  # requests that arrived while the last rows finished
 
