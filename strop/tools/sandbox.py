@@ -1,0 +1,306 @@
+"""Run model-written Python in a sandbox: a separate process that sees no network, no host files
+but the system's read-only ``/usr`` and a fresh temporary directory, under CPU-time, memory,
+process-count and file-size limits, with a wall-clock timeout that kills everything it started,
+a scrubbed environment, and its output capped while it is read.
+
+Isolation, best first (``isolation="auto"``):
+
+- ``bwrap``: bubblewrap (Debian package ``bubblewrap``): new user, mount, pid, network, ipc and
+  uts namespaces; ``/usr`` bound read-only; fresh ``/proc``, ``/dev`` and ``/tmp``; all
+  capabilities dropped; dies with its parent.
+- ``namespaces``: the same built from util-linux (``unshare``, ``mount``, ``chroot``,
+  ``setpriv``) where bubblewrap is missing: a root tmpfs made read-only, ``/usr`` bound
+  read-only, the work directory bound at ``/tmp``, the capability bounding set emptied.
+- ``none``: only resource limits, a scrubbed environment and a timeout. Model code then reads
+  and writes whatever the user running strop can; strop refuses it unless asked for by name.
+
+Both isolated modes run as an unprivileged uid of their own when strop runs as root (call slot
+``i`` as uid ``SANDBOX_UID + i``): host files owned by root are never the sandbox's, and the
+process limit counts that one call's processes (it counts per uid). Without root the sandbox
+runs as the user, and the process limit is set above the user's current process count.
+Every call runs in its own process group and pid namespace; when its first process ends (or is
+killed at the timeout) the kernel ends everything else it started.
+
+Calls never block the event loop (asyncio subprocesses) and at most ``max_concurrency`` run at
+once (one semaphore, taken once per call).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SANDBOX_UID = 200_000  # as root, concurrent call i runs as uid SANDBOX_UID + i (no passwd entry needed)
+ISOLATIONS = ("bwrap", "namespaces", "none")
+
+
+class SandboxUnavailable(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Limits:
+    timeout_s: float = 10.0  # wall clock, then the whole process tree is killed
+    cpu_s: int = 10  # RLIMIT_CPU
+    memory_mb: int = 1024  # RLIMIT_AS per process
+    processes: int = 64  # RLIMIT_NPROC (the sandbox user's processes)
+    file_mb: int = 16  # RLIMIT_FSIZE: the largest file it may write
+    open_files: int = 64  # RLIMIT_NOFILE
+    output_bytes: int = 16_384  # stdout + stderr kept; past this the run is stopped
+
+
+@dataclass
+class RunResult:
+    output: str  # stdout and stderr interleaved, at most limits.output_bytes (decoded, errors replaced)
+    exit_code: int | None  # None when it was killed
+    timed_out: bool = False
+    truncated: bool = False
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    def message(self) -> str:
+        """The text a model sees: the output, then a visible marker for anything cut or stopped."""
+        parts = [self.output.rstrip("\n")] if self.output else []
+        if self.truncated:
+            parts.append(f"[output truncated: more than {len(self.output.encode())} bytes; the run was stopped]")
+        if self.timed_out:
+            parts.append(f"[timed out after {self.seconds:.1f} s; the run was stopped]")
+        elif self.exit_code is not None and self.exit_code > 128:
+            sig = self.exit_code - 128
+            why = {int(signal.SIGXCPU): "the CPU time limit", int(signal.SIGKILL): "SIGKILL",
+                   int(signal.SIGXFSZ): "the file size limit", int(signal.SIGSEGV): "a segmentation fault"}
+            parts.append(f"[killed by {why.get(sig, f'signal {sig}')}]")
+        elif self.exit_code not in (0, None):
+            parts.append(f"[exit code {self.exit_code}]")
+        return "\n".join(parts + self.notes)
+
+
+def _system_python() -> str:
+    """A Python interpreter under /usr (visible inside the sandbox)."""
+    for cand in ("/usr/bin/python3", "/usr/local/bin/python3"):
+        if os.path.exists(cand):
+            return os.path.realpath(cand)
+    raise SandboxUnavailable("no Python interpreter under /usr/bin or /usr/local/bin for the sandbox; "
+                             "pass Sandbox(python=...) with one under /usr")
+
+
+def _host_env(cwd: Path) -> dict[str, str]:
+    """The environment of the sandbox's launcher (the sandboxed program gets its own, scrubbed)."""
+    return {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8", "HOME": str(cwd), "PYTHONUNBUFFERED": "1"}
+
+
+def _probe(cmd: list[str], cwd: Path) -> bool:
+    try:
+        out = subprocess.run(cmd, cwd=cwd, env=_host_env(cwd), stdin=subprocess.DEVNULL, capture_output=True,
+                             timeout=20)
+        return out.returncode == 0 and out.stdout.strip() == b"ok"
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+# run inside the new namespaces by /bin/sh: build a read-only root, then start Python in it
+_NS_SETUP = r'''
+set -e
+R="$1"; W="$2"; PY="$3"
+mount -t tmpfs -o size=1m,mode=755 strop-sandbox "$R"
+mkdir "$R/usr" "$R/tmp" "$R/proc" "$R/dev"
+mount --rbind /usr "$R/usr"
+mount -o remount,bind,ro "$R/usr"
+for d in bin lib lib64 sbin; do
+  if [ -L "/$d" ]; then ln -s "$(readlink "/$d")" "$R/$d"; elif [ -d "/$d" ]; then
+    mkdir "$R/$d"; mount --rbind "/$d" "$R/$d"; mount -o remount,bind,ro "$R/$d"; fi
+done
+for n in null zero random urandom; do touch "$R/dev/$n"; mount --bind "/dev/$n" "$R/dev/$n"; done
+mount --bind "$W" "$R/tmp"
+mount -t proc proc "$R/proc"
+mount -o remount,bind,ro "$R"
+exec chroot "$R" /usr/bin/setpriv --no-new-privs --bounding-set=-all --inh-caps=-all \
+  /usr/bin/env -i PATH=/usr/bin:/bin HOME=/tmp TMPDIR=/tmp LANG=C.UTF-8 PYTHONDONTWRITEBYTECODE=1 \
+  PYTHONUNBUFFERED=1 /bin/sh -c 'cd /tmp && "$0" -I main.py; exit $?' "$PY"
+'''
+
+
+class Sandbox:
+    def __init__(self, limits: Limits | None = None, *, isolation: str = "auto", python: str | None = None,
+                 max_concurrency: int = 8):
+        """``isolation``: "auto" (bwrap, else namespaces, else refuse), or one of ``ISOLATIONS``
+        by name ("none" is the explicit opt-out: no filesystem or network isolation)."""
+        self.limits = limits or Limits()
+        self.python = python or _system_python()
+        self.as_nobody = os.geteuid() == 0
+        self.isolation = self._choose(isolation)
+        self.max_concurrency = max_concurrency
+        self._slots: tuple | None = None  # (event loop, queue of the uids free for a call; None without root)
+
+    def describe(self) -> str:
+        how = {"bwrap": "bubblewrap (user, mount, pid, network, ipc, uts namespaces; /usr read-only)",
+               "namespaces": "unshare namespaces (user, mount, pid, network, ipc, uts; /usr read-only)",
+               "none": "NO isolation (resource limits and timeout only; explicitly allowed)"}[self.isolation]
+        who = (f" as uids {SANDBOX_UID}..{SANDBOX_UID + self.max_concurrency - 1}"
+               if self.as_nobody and self.isolation != "none" else "")
+        L = self.limits
+        return (f"sandbox: {how}{who}; timeout {L.timeout_s:g} s, cpu {L.cpu_s} s, memory {L.memory_mb} MB, "
+                f"{L.processes} processes, files {L.file_mb} MB, output {L.output_bytes} bytes, "
+                f"{self.max_concurrency} at once")
+
+    # ---- choosing the isolation -------------------------------------------------------------
+    def _prefix(self, uid: int | None) -> list[str]:
+        L = self.limits
+        who = (["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--"]
+               if uid is not None and self.isolation != "none" else [])
+        nproc = L.processes if uid is not None else L.processes + _processes_of(os.getuid())
+        # CPU: SIGXCPU at the soft limit (reported as such), SIGKILL a second later
+        return who + ["prlimit", f"--cpu={L.cpu_s}:{L.cpu_s + 1}", f"--as={L.memory_mb << 20}", f"--nproc={nproc}",
+                         f"--fsize={L.file_mb << 20}", f"--nofile={L.open_files}", "--core=0", "--"]
+
+    def _command(self, base: Path, uid: int | None) -> list[str]:
+        work, root = base / "work", base / "root"
+        if self.isolation == "bwrap":
+            cmd = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--ro-bind", "/usr", "/usr"]
+            for d in ("bin", "lib", "lib64", "sbin"):
+                p = Path("/") / d
+                if p.is_symlink():
+                    cmd += ["--symlink", os.readlink(p), f"/{d}"]
+                elif p.is_dir():
+                    cmd += ["--ro-bind", str(p), f"/{d}"]
+            cmd += ["--proc", "/proc", "--dev", "/dev", "--remount-ro", "/dev", "--bind", str(work), "/tmp",
+                    "--chdir", "/tmp", "--remount-ro", "/", "--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp",
+                    "--setenv", "TMPDIR", "/tmp", "--setenv", "LANG", "C.UTF-8", "--setenv", "PYTHONDONTWRITEBYTECODE", "1",
+                    "--setenv", "PYTHONUNBUFFERED", "1", "--cap-drop", "ALL", "--", self.python, "-I", "main.py"]
+            return self._prefix(uid) + cmd
+        if self.isolation == "namespaces":
+            return self._prefix(uid) + ["unshare", "--user", "--map-root-user", "--mount", "--pid", "--fork",
+                                     "--kill-child", "--net", "--ipc", "--uts", "--", "/bin/sh", "-c", _NS_SETUP,
+                                     "strop-sandbox", str(root), str(work), self.python]
+        return self._prefix(uid) + [self.python, "-I", "main.py"]
+
+    def _choose(self, isolation: str) -> str:
+        if isolation not in ("auto", *ISOLATIONS):
+            raise ValueError(f"sandbox isolation {isolation!r}: expected 'auto' or one of {ISOLATIONS}")
+        if isolation == "none":
+            return "none"
+        tried = []
+        for mode in (("bwrap", "namespaces") if isolation == "auto" else (isolation,)):
+            ok, why = self._works(mode)
+            if ok:
+                return mode
+            tried.append(f"{mode}: {why}")
+        raise SandboxUnavailable(
+            "no sandbox for model-written code (" + "; ".join(tried) + "). Install bubblewrap (Debian/Ubuntu: "
+            "apt-get install bubblewrap) or allow unprivileged user namespaces; or run model code WITHOUT isolation "
+            "by setting the sandbox isolation to 'none' explicitly")
+
+    def _works(self, mode: str) -> tuple[bool, str]:
+        need = {"bwrap": ["bwrap", "prlimit"], "namespaces": ["unshare", "prlimit", "setpriv", "mount", "chroot"]}[mode]
+        missing = [t for t in need + (["setpriv"] if self.as_nobody else []) if shutil.which(t) is None]
+        if missing:
+            return False, f"{', '.join(missing)} not found"
+        self.isolation = mode
+        base = Path(tempfile.mkdtemp(prefix="strop-sandbox-probe-"))
+        uid = SANDBOX_UID if self.as_nobody else None
+        try:
+            self._prepare(base, "print('ok')", uid)
+            ok = _probe(self._command(base, uid), base / "work")
+        finally:
+            shutil.rmtree(base, ignore_errors=True)
+        return ok, "" if ok else "it could not start a process here"
+
+    def _prepare(self, base: Path, code: str, uid: int | None) -> None:
+        (base / "work").mkdir()
+        (base / "root").mkdir()
+        (base / "work" / "main.py").write_text(code)
+        if uid is not None and self.isolation != "none":
+            for p in (base, base / "work", base / "root", base / "work" / "main.py"):
+                os.chown(p, uid, uid)
+            os.chmod(base, 0o700)
+
+    # ---- running ------------------------------------------------------------------------------
+    async def run_python(self, code: str) -> RunResult:
+        """Run ``code`` as ``main.py`` in a fresh working directory (the sandbox's ``/tmp``)."""
+        loop = asyncio.get_running_loop()
+        if self._slots is None or self._slots[0] is not loop:  # a queue belongs to one event loop
+            free: asyncio.Queue = asyncio.Queue()
+            for i in range(self.max_concurrency):
+                free.put_nowait(SANDBOX_UID + i if self.as_nobody else None)
+            self._slots = (loop, free)
+        free = self._slots[1]
+        uid = await free.get()  # taken once, given back once
+        try:
+            base = Path(await asyncio.to_thread(tempfile.mkdtemp, prefix="strop-sandbox-"))
+            try:
+                await asyncio.to_thread(self._prepare, base, code, uid)
+                return await self._run(self._command(base, uid), cwd=base / "work")
+            finally:
+                await asyncio.to_thread(shutil.rmtree, base, True)
+        finally:
+            free.put_nowait(uid)
+
+    async def _run(self, cmd: list[str], cwd: Path) -> RunResult:
+        L, t0 = self.limits, time.monotonic()
+        proc = await asyncio.create_subprocess_exec(*cmd, cwd=cwd, env=_host_env(cwd), stdin=asyncio.subprocess.DEVNULL,
+                                                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+                                                    start_new_session=True)
+        out, timed_out, truncated = bytearray(), False, False
+        deadline = t0 + L.timeout_s
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    timed_out = True
+                    break
+                try:
+                    chunk = await asyncio.wait_for(proc.stdout.read(65536), timeout=left)
+                except asyncio.TimeoutError:
+                    timed_out = True
+                    break
+                if not chunk:
+                    break
+                out += chunk[: L.output_bytes + 1 - len(out)]
+                if len(out) > L.output_bytes:
+                    truncated = True
+                    del out[L.output_bytes:]
+                    break
+        finally:
+            if proc.returncode is None and (timed_out or truncated):
+                _kill_group(proc.pid)
+            try:  # read to the end, discarding: asyncio's wait() also waits for the pipe to close
+                await asyncio.wait_for(_drain(proc.stdout), timeout=10)
+                code = await asyncio.wait_for(proc.wait(), timeout=10)
+            except asyncio.TimeoutError:
+                _kill_group(proc.pid)
+                proc.stdout.feed_eof()
+                code = await proc.wait()
+            _kill_group(proc.pid)  # anything left in its session (isolation "none")
+        killed = timed_out or truncated or code < 0
+        return RunResult(out.decode("utf-8", errors="replace"), None if killed else code, timed_out=timed_out,
+                         truncated=truncated, seconds=time.monotonic() - t0)
+
+
+def _processes_of(uid: int) -> int:
+    n = 0
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and d.stat().st_uid == uid:
+                n += 1
+        except OSError:
+            pass
+    return n
+
+
+async def _drain(stream: asyncio.StreamReader) -> None:
+    while await stream.read(65536):
+        pass
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
