@@ -303,6 +303,28 @@ class ParallelConfig(_Section):
         "the environment variable STROP_GRAD_REDUCE_BUCKET_BYTES overrides it)")
 
 
+class ToolsConfig(_Section):
+    enabled: list[Literal["python", "calculator"]] = Field(
+        default_factory=list, description="built-in tools the model may call; any tool makes generation multi-turn "
+        "(strop.rollout.multiturn)")
+    max_turns: int = Field(4, ge=1, description="model turns per sample, the final answer included")
+    max_turn_tokens: int = Field(256, gt=0, description="new tokens per turn (capped by what is left of "
+                                 "rollout.max_new_tokens)")
+    output_chars: int = Field(2000, gt=0, description="tool output kept, in characters (a marker says what was cut)")
+    output_tokens: int = Field(256, gt=0, description="tool output kept, in tokens (a marker says so)")
+    sandbox: Literal["auto", "bwrap", "namespaces", "none"] = Field(
+        "auto", description="isolation of the python tool: 'auto' (bubblewrap, else unshare namespaces, else "
+        "refuse), one by name, or 'none' to run model code WITHOUT isolation (explicit opt-out)")
+    timeout_s: float = Field(10.0, gt=0, description="python tool: wall-clock limit per call")
+    cpu_s: int = Field(10, gt=0, description="python tool: CPU seconds per call")
+    memory_mb: int = Field(1024, gt=0, description="python tool: address space per process, MB")
+    processes: int = Field(64, gt=0, description="python tool: processes per call")
+    concurrency: int = Field(8, gt=0, description="python tool: calls running at once")
+    call_reward: float = Field(0.0, description="tool reward shaping: added per successful tool call "
+                               "(negative to penalise calls), at most max_call_reward in all")
+    max_call_reward: float = Field(0.0, description="cap on the absolute total of call_reward per sample")
+
+
 class Config(_Section):
     model: ModelConfig = Field(default_factory=ModelConfig, description="the policy model")
     data: DataConfig = Field(default_factory=DataConfig, description="prompt sources")
@@ -316,6 +338,8 @@ class Config(_Section):
     parallel: ParallelConfig = Field(default_factory=ParallelConfig,
                                      description="multi-process training (strop train --nproc N)")
     plugins: PluginsConfig = Field(default_factory=PluginsConfig, description="hooks by import path (docs/plugins.md)")
+    tools: ToolsConfig = Field(default_factory=ToolsConfig, description="tools for multi-turn rollouts "
+                               "(docs/tools.md)")
 
     @model_validator(mode="after")
     def _check_groups(self):
@@ -337,6 +361,12 @@ class Config(_Section):
         if (r.over_sample > 1 or r.dynamic_sampling) and self.plugins.rollout:
             raise ValueError("rollout.over_sample / dynamic_sampling need the default rollout (plugins.rollout "
                              "generates whole steps its own way)")
+        if self.tools.enabled and self.plugins.generate:
+            raise ValueError(f"tools.enabled={self.tools.enabled} uses strop's multi-turn generate function; "
+                             f"plugins.generate={self.plugins.generate!r} would replace it: use one or the other")
+        if self.tools.enabled and r.partial == "resume":
+            raise ValueError("rollout.partial='resume' continues a sample from its tokens, but a multi-turn sample "
+                             "restarts clean (tools.enabled): use rollout.partial='finish'")
         if r.exact_logprobs and (r.mode != "sync" or self.data.samples):
             raise ValueError("rollout.exact_logprobs scores samples with the trainer's current weights, which are the "
                              "weights that sampled them only when this run generates each step in sync mode: "

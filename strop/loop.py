@@ -108,7 +108,8 @@ class _Controller:
         self.thread.start()
         self.log, self.clock = MetricsLog(self.run_dir), Timer()
         self.ctx = RolloutContext(engine=c.engine, tokenizer=c.tokenizer, config=cfg, generate=c.hooks.get("generate"),
-                                  reward=c.reward_fn, filter=c.hooks.get("filter"), run_dir=self.run_dir)
+                                  reward=c.reward_fn, filter=c.hooks.get("filter"), run_dir=self.run_dir,
+                                  extra=dict(c.rollout_extra))
         self.progress = Progress(cfg.train.steps, enabled=cfg.run.progress)
         self.manager = RolloutManager(cfg, c, self.ctx)
         self.samples_out: Path | None = None  # rollout only: where the scored samples go
@@ -292,7 +293,19 @@ def rollout_metrics(groups, seconds: float) -> dict:
         "zero_advantage_group_fraction": sum(len({s.reward for s in g}) == 1 for g in groups) / len(groups),
         "rollout_tokens_per_s": sum(lengths) / seconds,
         "rollout_seconds": seconds,
-    } | failure_counts(samples)
+    } | failure_counts(samples) | tool_metrics(samples)
+
+
+def tool_metrics(samples) -> dict:
+    """Multi-turn samples (they carry ``tool_calls``): calls, errors and turns per sample."""
+    multi = [s for s in samples if "tool_calls" in s.metadata]
+    if not multi:
+        return {}
+    calls = [s.metadata["tool_calls"] for s in multi]
+    return {"tool_calls_mean": statistics.fmean(calls), "tool_calls_max": max(calls),
+            "tool_call_fraction": sum(c > 0 for c in calls) / len(multi),
+            "tool_errors_per_call": sum(s.metadata["tool_errors"] for s in multi) / max(sum(calls), 1),
+            "turns_mean": statistics.fmean(s.metadata["turns"] for s in multi)}
 
 
 def failure_counts(samples) -> dict:

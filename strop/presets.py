@@ -3,7 +3,19 @@
 Each names the paper it follows; docs/algorithms.md has the formulas.
 """
 
+TOOL_SYSTEM_PROMPT = ("You can run Python: write a ```python code block and you will see what it prints. "
+                      "Use it for arithmetic. End with the final answer as \\boxed{ANSWER}.")
+
 PRESETS: dict[str, dict] = {
+    # ReTool-style tool use (Feng et al. 2025, "ReTool"): multi-turn rollouts where the model may run
+    # Python in strop's sandbox; arithmetic with bigger numbers, where a tool can help; DAPO-style loss
+    "tool_python": {"algo": {"estimator": "grpo", "policy_loss": "ppo_clip", "clip_low": 0.2, "clip_high": 0.28,
+                             "loss_agg": "token_mean", "kl_coef": 0.0},
+                    "data": {"task": "basic_arithmetic", "system_prompt": TOOL_SYSTEM_PROMPT,
+                             "task_options": {"min_terms": 2, "max_terms": 3, "min_digits": 2, "max_digits": 3}},
+                    "rollout": {"max_new_tokens": 192},
+                    "tools": {"enabled": ["python"], "max_turns": 3, "max_turn_tokens": 128, "output_chars": 500,
+                              "output_tokens": 64}},
     # DeepSeekMath (Shao et al. 2024): group-normalised advantages, clipped ratio, KL in the loss
     "grpo": {"algo": {"estimator": "grpo", "normalize_std": True, "policy_loss": "ppo_clip",
                       "loss_agg": "seq_mean_token_mean", "kl_coef": 0.001, "kl_kind": "k3"}},

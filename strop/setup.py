@@ -47,6 +47,7 @@ class Components:
     run_dir: Path | None = None
     servers: list = field(default_factory=list)  # strop serve processes this run started (engine.launch)
     replay: dict | None = None  # train only (data.samples): the file's samples by step
+    rollout_extra: dict = field(default_factory=dict)  # RolloutContext.extra: tools and turn limits (tools.enabled)
 
     def close(self, run=None) -> None:
         """Stop what the run started: the router's health checks and connections (``run(coroutine)``
@@ -144,6 +145,10 @@ def prepare(cfg: Config, device: torch.device, controller: bool = True, resume: 
         parallel_layout(dist.get_world_size() if dist.is_initialized() else 1, cfg.parallel.context_parallel_size)
         require_trackers(cfg.run.trackers)
         reward_fn = resolve_reward(cfg.rollout.reward)
+        if cfg.tools.enabled:
+            from strop.rollout.multiturn import generate as multiturn_generate
+
+            hooks["generate"] = multiturn_generate
         hooks.setdefault("rollout", default_rollout)
         train_rows = _rows(cfg, "train", hooks.get("data_source"))
         _check_labels(cfg, train_rows, "training")
@@ -234,6 +239,7 @@ def _controller_parts(cfg: Config, p: _Prepared, trainer: Trainer, device: torch
                                         device=device)
     sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                               max_new_tokens=r.max_new_tokens, stop_token_ids=stop_ids)
+    extra = make_tools(cfg) if cfg.tools.enabled else {}
     eval_sampling = SamplingParams(temperature=0.0, max_new_tokens=cfg.eval.max_new_tokens or r.max_new_tokens,
                                    stop_token_ids=stop_ids)
     try:
@@ -245,7 +251,28 @@ def _controller_parts(cfg: Config, p: _Prepared, trainer: Trainer, device: torch
     return Components(trainer=trainer, tokenizer=tokenizer, train_prompts=train_prompts, eval_prompts=eval_prompts,
                       sampler=PromptSampler(len(train_prompts), cfg.data.seed, cfg.data.shuffle),
                       reward_fn=p.reward_fn, hooks=p.hooks, engine=engine, sampling=sampling,
-                      eval_sampling=eval_sampling, run_dir=run_dir, servers=servers)
+                      eval_sampling=eval_sampling, run_dir=run_dir, servers=servers, rollout_extra=extra)
+
+
+def make_tools(cfg: Config) -> dict:
+    """The tools of ``tools.enabled`` (the python tool's sandbox chosen now: refused here when
+    there is no isolation and it was not turned off by name) and the turn limits."""
+    from strop.rollout.multiturn import TurnLimits
+    from strop.tools import CALCULATOR, ToolSet, python_tool
+    from strop.tools.sandbox import Limits, Sandbox
+
+    t = cfg.tools
+    tools = []
+    if "python" in t.enabled:
+        box = Sandbox(Limits(timeout_s=t.timeout_s, cpu_s=t.cpu_s, memory_mb=t.memory_mb, processes=t.processes),
+                      isolation=t.sandbox, max_concurrency=t.concurrency)
+        print(f"strop: tools: python in {box.describe()}", flush=True)
+        tools.append(python_tool(box))
+    if "calculator" in t.enabled:
+        tools.append(CALCULATOR)
+    return {"tools": ToolSet(tools), "call_reward": (t.call_reward, t.max_call_reward),
+            "turn_limits": TurnLimits(max_turns=t.max_turns, max_turn_tokens=t.max_turn_tokens,
+                                      output_chars=t.output_chars, output_tokens=t.output_tokens)}
 
 
 def remote_engine(cfg: Config, model_path: str, run_dir: Path, probe_ids: list[int], device=None):

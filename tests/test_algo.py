@@ -270,3 +270,41 @@ def test_tis_and_mis_by_hand():
     _, keep_seq, _ = rollout_correction(old, rollout, mask, mis_low=0.8, mis_high=1.25, mis_level="sequence")
     # sequence 0: geometric mean of (2, 1, 0.25) = 0.79 -> dropped; sequence 1: ~1.0 -> kept
     torch.testing.assert_close(keep_seq, torch.tensor([[0.0, 0.0, 0.0], [1.0, 1.0, 0.0]]))
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "ppo"])
+def test_tool_tokens_are_not_actions_for_any_estimator(estimator):
+    """Inserting tool-output tokens (loss mask 0, arbitrary values and KL there) into responses
+    leaves every action token's advantage (and critic target) exactly as without them, and gives
+    the tool tokens 0: returns, GAE, KL-in-reward and whitening all run over actions only."""
+    from strop.algo.advantages import compute_advantages
+    from strop.config import AlgoConfig
+
+    g = torch.Generator().manual_seed(0)
+    N, T = 4, 6
+    rewards, groups = torch.tensor([1.0, 0.0, 0.5, 0.2]), torch.tensor([0, 0, 1, 1])
+    lengths = [6, 4, 5, 3]
+    resp = torch.tensor([[1.0] * n + [0.0] * (T - n) for n in lengths])
+    pol, ref, val = (torch.randn(N, T, generator=g) for _ in range(3))
+    algo = AlgoConfig(estimator=estimator, kl_in_reward_coef=0.1 if estimator in ("reinforce_pp", "ppo") else 0.0,
+                      gamma=0.9, lam=0.8)
+    plain_adv, plain_ret = compute_advantages(algo, rewards=rewards, group_ids=groups, response_mask=resp,
+                                              loss_mask=resp, policy_logprobs=pol, ref_logprobs=ref, old_values=val)
+    # the same responses with 3 tool tokens inserted after each one's second token
+    tool = 3
+    T2 = T + tool
+    where = [list(range(2)) + list(range(2 + tool, n + tool)) for n in lengths]  # action positions in the long form
+    resp2, loss2 = torch.zeros(N, T2), torch.zeros(N, T2)
+    pol2, ref2, val2 = (torch.randn(N, T2, generator=g) * 50 for _ in range(3))  # garbage at tool tokens
+    for i, pos in enumerate(where):
+        resp2[i, : lengths[i] + tool] = 1.0
+        loss2[i, pos] = 1.0
+        pol2[i, pos], ref2[i, pos], val2[i, pos] = pol[i, : lengths[i]], ref[i, : lengths[i]], val[i, : lengths[i]]
+    adv, ret = compute_advantages(algo, rewards=rewards, group_ids=groups, response_mask=resp2, loss_mask=loss2,
+                                  policy_logprobs=pol2, ref_logprobs=ref2, old_values=val2)
+    for i, pos in enumerate(where):
+        torch.testing.assert_close(adv[i, pos], plain_adv[i, : lengths[i]], rtol=0, atol=1e-6)
+        assert bool((adv[i][loss2[i] == 0] == 0).all())
+        if ret is not None:
+            torch.testing.assert_close(ret[i, pos], plain_ret[i, : lengths[i]], rtol=0, atol=1e-6)
+            assert bool((ret[i][loss2[i] == 0] == 0).all())

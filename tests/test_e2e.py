@@ -147,6 +147,27 @@ def test_exact_logprobs_end_to_end_on_both_decode_paths(tiny_model_dir, tmp_path
     assert all(0 < r["engine_logprob_abs_diff"] < 1e-4 for r in steps)
 
 
+def test_tools_make_the_run_multi_turn_end_to_end(tiny_model_dir, tmp_path, capsys):
+    """tools.enabled through the real loop (a random model rarely calls a tool; the unit tests in
+    test_multiturn.py script the calls): the sandbox is chosen and announced, and every step
+    reports tool use and the aborted fraction."""
+    cfg = tiny_overrides(tiny_model_dir, tmp_path / "run", tools={"enabled": ["python", "calculator"]},
+                         eval={"every": 0}, run={"save_final": False, "plot": False})
+    assert train(build_config(overrides=cfg))["steps"] == 2
+    assert "strop: tools: python in sandbox:" in capsys.readouterr().out
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "reward_mean" in r]
+    assert len(steps) == 2 and all(r["turns_mean"] >= 1 and r["aborted_fraction"] == 0.0 for r in steps)
+    assert all(math.isfinite(r["tool_calls_mean"]) for r in steps)
+
+
+def test_tools_refuse_a_generate_hook_and_partial_resume():
+    with pytest.raises(ValueError, match="multi-turn generate function.*plugins.generate"):
+        build_config(overrides={"tools": {"enabled": ["calculator"]}, "plugins": {"generate": "tests.plugins:x"}})
+    with pytest.raises(ValueError, match="partial='resume'.*restarts clean"):
+        build_config(overrides={"tools": {"enabled": ["calculator"]}, "rollout": {"partial": "resume"}})
+
+
 def test_a_nan_reward_stops_the_run_naming_hook_and_sample(tiny_model_dir, tmp_path):
     from strop.plugins import PluginError
 

@@ -32,6 +32,9 @@ def test_preset_runs_the_quickstart(preset, tmp_path):
         assert all("value_loss" in r for r in rows)
     if PRESETS[preset]["algo"].get("kl_coef"):
         assert all("kl_ref" in r for r in rows)
+    if PRESETS[preset].get("tools", {}).get("enabled"):  # the multi-turn run reports its tool use
+        steps = [r for r in rows if "reward_mean" in r]
+        assert steps and all("tool_calls_mean" in r and "aborted_fraction" in r and "turns_mean" in r for r in steps)
 
 
 def test_presets_are_valid_configs():

@@ -164,6 +164,22 @@ SCALAR_ESTIMATORS = ("grpo", "dr_grpo", "rloo")  # one advantage per sample, bro
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")  # need groups of >= 2 samples
 
 
+def action_compaction(actions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each row's action tokens are: ``index`` (N, A) of their positions in order, and the
+    compact mask (N, A) of real entries (A = most actions in a row). Gather with
+    ``x.gather(1, index) * cmask``; put back with :func:`scatter_actions`."""
+    m = actions > 0
+    counts = m.sum(-1)
+    A = int(counts.max()) if counts.numel() else 0
+    order = torch.argsort((~m).to(torch.int8), dim=-1, stable=True)  # action positions first, in order
+    cmask = (torch.arange(A).unsqueeze(0) < counts.unsqueeze(1)).to(torch.float32)
+    return order[:, :A], cmask
+
+
+def scatter_actions(values: torch.Tensor, index: torch.Tensor, cmask: torch.Tensor, T: int) -> torch.Tensor:
+    return torch.zeros(values.shape[0], T, dtype=values.dtype).scatter(1, index, values * cmask.to(values.dtype))
+
+
 def compute_advantages(algo, *, rewards: torch.Tensor, group_ids: torch.Tensor, response_mask: torch.Tensor,
                        loss_mask: torch.Tensor, policy_logprobs: torch.Tensor | None = None,
                        ref_logprobs: torch.Tensor | None = None,
@@ -173,26 +189,40 @@ def compute_advantages(algo, *, rewards: torch.Tensor, group_ids: torch.Tensor, 
     ``algo`` is an AlgoConfig (estimator, normalize_std, gamma, lam, kl_in_reward_*).
     ``policy_logprobs`` is the policy side of a KL folded into the reward (the
     pre-update trainer's logprobs, or the engine's); ``old_values`` the critic's (PPO).
+
+    The rule for tokens the model did not choose (``loss_mask`` 0: tool output, a plugin's
+    masked prefix): they are not actions. Every estimator sees only the action tokens, in
+    order, as if the others were not there. So the outcome reward sits on the last action
+    token; the KL penalty, discounting and GAE's recursion (``V_{t+1}`` is the next *action*'s
+    value) run over actions only; every whitening mean and std is over actions only; and
+    advantages and critic targets are 0 at non-action tokens. With no masked token this is the
+    textbook estimator, unchanged.
     """
     a, est = algo, algo.estimator
+    actions = loss_mask * response_mask
     if est in SCALAR_ESTIMATORS:
         if est == "rloo":
             scalar = rloo_advantages(rewards, group_ids)
         else:
             scalar = grpo_advantages(rewards, group_ids, normalize_std=a.normalize_std and est == "grpo")
-        return scalar.unsqueeze(-1) * response_mask, None
+        return scalar.unsqueeze(-1) * actions, None
+    T = actions.shape[1]
+    index, cmask = action_compaction(actions)
+    pick = lambda x: x.gather(1, index) * cmask.to(x.dtype)  # noqa: E731  (N, T) -> (N, A)
     kl = None
     if a.kl_in_reward_coef:
-        kl = kl_estimate(policy_logprobs, ref_logprobs, a.kl_in_reward_kind) * response_mask
+        kl = pick(kl_estimate(policy_logprobs, ref_logprobs, a.kl_in_reward_kind))
     if est in ("reinforce_pp", "reinforce_pp_baseline"):
-        return reinforce_pp_advantages(rewards, group_ids, response_mask, kl=kl, kl_coef=a.kl_in_reward_coef,
-                                       gamma=a.gamma, baseline=est == "reinforce_pp_baseline"), None
+        adv = reinforce_pp_advantages(rewards, group_ids, cmask, kl=kl, kl_coef=a.kl_in_reward_coef,
+                                      gamma=a.gamma, baseline=est == "reinforce_pp_baseline")
+        return scatter_actions(adv, index, cmask, T), None
     if est == "ppo":
-        token_rewards = outcome_token_rewards(rewards, response_mask)
+        token_rewards = outcome_token_rewards(rewards, cmask)
         if kl is not None:
             token_rewards = token_rewards - a.kl_in_reward_coef * kl
-        advantages, returns = gae(token_rewards, old_values, response_mask, gamma=a.gamma, lam=a.lam)
-        return whiten(advantages, loss_mask), returns
+        advantages, returns = gae(token_rewards, pick(old_values), cmask, gamma=a.gamma, lam=a.lam)
+        return (scatter_actions(whiten(advantages, cmask), index, cmask, T),
+                scatter_actions(returns, index, cmask, T))
     raise ValueError(f"unknown advantage estimator {est!r}")
 
 

@@ -122,6 +122,7 @@ async def score_group(ctx: RolloutContext, group: list[Sample]) -> None:
         return
     if ctx.reward_form != "group":
         await asyncio.gather(*(_reward_one(ctx, s) for s in scorable))
+        _shape_tool_calls(ctx, scorable)
         return
     try:
         rewards = await call_hook("reward", ctx.reward, samples=scorable)
@@ -133,6 +134,18 @@ async def score_group(ctx: RolloutContext, group: list[Sample]) -> None:
         return
     for s, r in zip(scorable, rewards):
         s.reward = r
+    _shape_tool_calls(ctx, scorable)
+
+
+def _shape_tool_calls(ctx: RolloutContext, samples: list[Sample]) -> None:
+    """tools.call_reward: add it per successful tool call, at most max_call_reward in absolute value."""
+    per_call, cap = ctx.extra.get("call_reward", (0.0, 0.0))
+    if not per_call:
+        return
+    for s in samples:
+        if s.status.trainable and s.reward is not None and "tool_calls" in s.metadata:
+            ok = s.metadata["tool_calls"] - s.metadata.get("tool_errors", 0)
+            s.reward = float(s.reward) + max(-abs(cap), min(abs(cap), per_call * ok))
 
 
 async def rollout_groups(ctx: RolloutContext, groups: list[list[Sample]], sampling: SamplingParams,

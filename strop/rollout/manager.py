@@ -204,6 +204,12 @@ class RolloutManager:
                     s.metadata["resumed"] = s.metadata.get("resumed", 0) + 1
                 s.status = Status.PENDING
                 continue
+            # a multi-turn sample the engine aborted (or answered without logprobs) starts over, off-policy
+            # modes only (sync mode trains the step without it), at most 3 times
+            if s.status == Status.ABORTED and "tool_calls" in s.metadata and self.r.mode != "sync" \
+                    and not self.closing and not s.metadata.get("leftover") and s.metadata.get("requeued", 0) < 3:
+                s.metadata["requeued"] = s.metadata.get("requeued", 0) + 1
+                continue
             return s
 
     async def _run_group(self, group: list[Sample]) -> tuple[list[Sample], str | None]:

@@ -1,0 +1,153 @@
+"""Multi-turn tool rollout: token in / token out, and one test per hardening rule."""
+
+import asyncio
+
+import pytest
+
+from strop.rollout.generate import RolloutContext
+from strop.rollout.multiturn import TurnLimits, generate
+from strop.tools import CALCULATOR, Tool, ToolSet, calculate, parse_tool_call
+from strop.types import Completion, SamplingParams, Sample, Status
+
+
+class TextEngine:
+    """Answers turn k with texts[k] (tokenised by the real tokenizer), logprob -0.5 per token;
+    records every prompt it was given."""
+
+    def __init__(self, tokenizer, texts, *, finish=None, no_logprobs_at=None):
+        self.tok, self.texts, self.finish, self.no_logprobs_at = tokenizer, list(texts), finish or {}, no_logprobs_at
+        self.prompts, self.budgets = [], []
+
+    async def generate(self, prompt_ids, sampling):
+        k = len(self.prompts)
+        self.prompts.append(list(prompt_ids))
+        self.budgets.append(sampling.max_new_tokens)
+        ids = self.tok.encode(self.texts[k], add_special_tokens=False)
+        reason = self.finish.get(k, "stop")
+        if len(ids) > sampling.max_new_tokens:
+            ids, reason = ids[: sampling.max_new_tokens], "length"
+        lps = None if k == self.no_logprobs_at else [-0.5] * len(ids)
+        return Completion(ids, lps, reason, 3)
+
+
+def make(tokenizer, texts, tools=(CALCULATOR,), limits=None, **kw):
+    engine = TextEngine(tokenizer, texts, **kw)
+    ctx = RolloutContext(engine=engine, tokenizer=tokenizer,
+                         extra={"tools": ToolSet(list(tools)), "turn_limits": limits or TurnLimits()})
+    return engine, ctx
+
+
+def sample(tokenizer):
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is 17 * 23?"}], add_generation_prompt=True,
+                                        tokenize=True, return_dict=False)
+    return Sample(prompt="What is 17 * 23?", prompt_ids=list(ids), label="391")
+
+
+def run(ctx, s, max_new_tokens=400):
+    return asyncio.run(generate(ctx, s, SamplingParams(max_new_tokens=max_new_tokens)))
+
+
+CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "17 * 23"}}</tool_call>'
+
+
+def test_a_tool_call_then_an_answer_token_in_token_out(tokenizer):
+    engine, ctx = make(tokenizer, [f"Let me compute. {CALL} and then I ramble on", "The answer is 391.<|im_end|>"])
+    s = run(ctx, sample(tokenizer))
+    assert s.status == Status.COMPLETED and s.metadata["tool_calls"] == 1 and s.metadata["turns"] == 2
+    # the second turn's prompt is exactly the prompt + every response token so far
+    assert engine.prompts[1] == s.prompt_ids + s.response_ids[: len(engine.prompts[1]) - len(s.prompt_ids)]
+    text = tokenizer.decode(s.response_ids, skip_special_tokens=False)
+    assert "391" in text.split("<tool_response>")[1] and "ramble" not in text  # the turn's tail after the call is dropped
+    # model tokens trainable with their logprobs; the observation (one block) masked with logprob 0
+    m = s.loss_mask
+    first, last = m.index(0), len(m) - 1 - m[::-1].index(0)
+    assert set(m[:first]) == {1} and set(m[first: last + 1]) == {0} and set(m[last + 1:]) == {1}
+    assert tokenizer.decode(s.response_ids[first: last + 1]).count("391") == 1
+    assert all(lp == 0.0 for lp, m in zip(s.rollout_logprobs, s.loss_mask) if m == 0)
+    assert all(lp == -0.5 for lp, m in zip(s.rollout_logprobs, s.loss_mask) if m == 1)
+
+
+def test_a_dirty_retried_sample_starts_clean(tokenizer):
+    engine, ctx = make(tokenizer, ["391<|im_end|>"])
+    s = sample(tokenizer)
+    s.append([5, 6, 7], [-1.0, -1.0, -1.0])  # a previous attempt's tokens
+    s.status, s.reward = Status.ABORTED, 1.0
+    s.metadata["tool_calls"] = 9
+    s = run(ctx, s)
+    assert engine.prompts[0] == s.prompt_ids  # the first turn did not see the old tokens
+    assert s.response_ids[:3] != [5, 6, 7] and s.reward is None
+    assert s.status == Status.COMPLETED and s.metadata["tool_calls"] == 0
+
+
+def test_the_budget_running_out_mid_turn(tokenizer):
+    limits = TurnLimits(max_turn_tokens=100)
+    engine, ctx = make(tokenizer, [f"{CALL}", "The answer is " + "very " * 200], limits=limits)
+    s = run(ctx, sample(tokenizer), max_new_tokens=80)
+    first = len(engine.prompts[1]) - len(s.prompt_ids)
+    assert engine.budgets == [80, 80 - first]  # min(per-turn cap, what is left)
+    assert s.response_length == 80 and s.status == Status.TRUNCATED
+
+
+def test_missing_logprobs_abort_the_sample(tokenizer):
+    engine, ctx = make(tokenizer, [CALL, "391<|im_end|>"], no_logprobs_at=1)  # the second turn has none
+    s = run(ctx, sample(tokenizer))
+    assert s.status == Status.ABORTED and "no logprobs" in s.metadata["abort_reason"]
+    assert not s.status.trainable and len(engine.prompts) == 2
+    assert all(m == 1 for m in s.loss_mask[: 5])  # the first turn's tokens stay; the bad turn's never enter
+    assert s.metadata["turns"] == 2
+
+
+def test_an_engine_abort_aborts_the_sample(tokenizer):
+    engine, ctx = make(tokenizer, ["The answer is"], finish={0: "abort"})
+    s = run(ctx, sample(tokenizer))
+    assert s.status == Status.ABORTED and "aborted" in s.metadata["abort_reason"] and s.response_length == 0
+
+
+def test_a_huge_tool_output_is_capped_with_a_marker_then_cut_to_the_budget(tokenizer):
+    huge = Tool("dump", "prints a lot", {"type": "object", "properties": {}}, lambda: "x" * 1_000_000)
+    call = '<tool_call>{"name": "dump", "arguments": {}}</tool_call>'
+    limits = TurnLimits(output_chars=5000, output_tokens=120)
+    engine, ctx = make(tokenizer, [call, "done<|im_end|>"], tools=[huge], limits=limits)
+    s = run(ctx, sample(tokenizer), max_new_tokens=400)
+    text = tokenizer.decode(s.response_ids, skip_special_tokens=False)
+    assert "[tool output truncated at 120 tokens]" in text and "</tool_response>" in text
+    assert s.loss_mask.count(0) == 120 and s.status == Status.COMPLETED
+    # with less budget left than the capped output, the observation is cut and the sample TRUNCATED
+    engine, ctx = make(tokenizer, [call, "done<|im_end|>"], tools=[huge], limits=limits)
+    s = run(ctx, sample(tokenizer), max_new_tokens=60)
+    assert s.response_length == 60 and s.status == Status.TRUNCATED and len(engine.prompts) == 1
+    assert s.metadata["stopped"] == "budget in tool output"
+
+
+def test_tool_errors_go_back_to_the_model(tokenizer):
+    bad = '<tool_call>{"name": "calculator", "arguments": {"expression": "import os"}}</tool_call>'
+    engine, ctx = make(tokenizer, [bad, '<tool_call>{"name": "nope"}</tool_call>', "<tool_call>{not json</tool_call>",
+                                   "I give up<|im_end|>"], limits=TurnLimits(max_turns=4))
+    s = run(ctx, sample(tokenizer))
+    text = tokenizer.decode(s.response_ids, skip_special_tokens=False)
+    assert "Error: SyntaxError" in text and "unknown tool 'nope'" in text and "could not parse the tool call" in text
+    assert s.metadata["tool_calls"] == 3 and s.metadata["tool_errors"] == 3 and s.status == Status.COMPLETED
+
+
+def test_max_turns_with_a_pending_call_truncates(tokenizer):
+    engine, ctx = make(tokenizer, [CALL, CALL], limits=TurnLimits(max_turns=2))
+    s = run(ctx, sample(tokenizer))
+    assert s.status == Status.TRUNCATED and s.metadata["stopped"] == "max_turns" and s.metadata["tool_calls"] == 1
+
+
+def test_parse_tool_call_forms():
+    assert parse_tool_call("no call here") is None
+    text = 'x <tool_call>{"name": "calculator", "arguments": "{\\"expression\\": \\"1+1\\"}"}</tool_call> y'
+    c = parse_tool_call(text)
+    assert c.name == "calculator" and c.arguments == {"expression": "1+1"} and text[c.end:] == " y"
+    f = parse_tool_call("Let me run:\n```python\nprint(2**10)\n```\nresult")
+    assert f.name == "python" and f.arguments == {"code": "print(2**10)\n"}
+    assert parse_tool_call("<tool_call>[1, 2]</tool_call>").name == "invalid"
+    assert parse_tool_call("```python\nprint(1)\n") is None  # an unfinished block is not a call yet
+
+
+def test_calculator_is_arithmetic_only():
+    assert calculate("(17 + 5) * 3 / 2") == "33" and calculate("sqrt(16) + 2**3") == "12"
+    for bad in ("__import__('os')", "x + 1", "2 ** 100000", "open('f')"):
+        with pytest.raises(ValueError):
+            calculate(bad)
