@@ -155,6 +155,12 @@ class EmbeddedEngine:
                 for row in batch.rows + admitted:  # finished in the failed step or not: none was answered
                     if row.owner is not None and not row.owner.future.done():
                         row.owner.future.set_exception(exc)
+            finally:
+                if not self._pending and self._lock.acquire(blocking=False):  # idle: free the fused and
+                    try:  # packed weights until the next batch (never under a running generate_batch)
+                        self._fast.release()
+                    finally:
+                        self._lock.release()
         self._kick()  # requests that arrived while the last rows finished
 
     def _advance(self, batch: Batch, prompts: list[list[int]], rows: list[Row]) -> list[Row]:
@@ -277,6 +283,7 @@ class EmbeddedEngine:
             room = self.max_batch_size - batch.live
             take, waiting = waiting[:room], waiting[room:]
             self._advance(batch, [prompts[i] for i in take], [rows[i] for i in take])
+        self._fast.release()
         return [Completion(r.token_ids, r.logprobs, r.finish, version) for r in rows]
 
     def _decode(self, prompts: list[list[int]], samplings: list[SamplingParams],

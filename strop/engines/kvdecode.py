@@ -138,6 +138,15 @@ class LlamaDecoder:
     def _signature(self):
         return [(p.data_ptr(), p._version) for p in self.lm.parameters()]
 
+    def release(self) -> None:
+        """Drop the fused and packed weights (rebuilt at the next forward). The engine calls it
+        when a busy period ends: in RL the weights change before the next rollout anyway, and
+        the memory is free while the trainer works."""
+        for lin in self.linears:
+            lin.weight = lin.bias = lin.packed = None
+            lin.packed_rows = 0
+        self._seen = None
+
     def invalidate(self) -> None:
         """Rebuild the fused weights before the next forward (a broadcast into the parameters
         does not bump their version counters, so weight loaders call this)."""
