@@ -193,6 +193,13 @@ class EmbeddedEngine:
         k = torch.tensor([r.sampling.top_k for r in rows], dtype=torch.long, device=dev)
         return self._sample(logits, t, p, k, [r.generator for r in rows])
 
+    def _load(self, fn, *args):
+        """A weight load; the fast decoder's fused copies are rebuilt after it (a broadcast into the
+        parameters does not bump their version counters)."""
+        fn(*args)
+        if self._fast is not None:
+            self._fast.invalidate()
+
     async def _drained(self, fn, *args):
         """Run ``fn(*args)`` off the event loop once no batch runs, admitting nothing meanwhile."""
         self._draining += 1
@@ -208,7 +215,7 @@ class EmbeddedEngine:
         trainer shares this process's device: nothing goes through host memory). ``strict=False``
         loads a subset (the delta form). Running rows finish on the old weights first; requests
         that arrive meanwhile wait and decode on the new ones."""
-        await self._drained(self.model.load_state_dict, state_dict, strict)
+        await self._drained(self._load, self.model.load_state_dict, state_dict, strict)
         self.weight_version = self.weight_version + 1 if version is None else version
         return self.weight_version
 
@@ -216,7 +223,7 @@ class EmbeddedEngine:
         """Receive broadcast buckets into ``params`` (the model's own tensors) between batches."""
         from strop.engines.sync import receive_buckets
 
-        await self._drained(receive_buckets, group, params, plan, self.device)
+        await self._drained(self._load, receive_buckets, group, params, plan, self.device)
         self.weight_version = self.weight_version + 1 if version is None else version
         return self.weight_version
 
