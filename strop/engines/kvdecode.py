@@ -99,6 +99,18 @@ class _Linear:
         return F.linear(x, self.weight, self.bias)
 
 
+def _return_freed_memory() -> None:
+    """Packed buffers are tens of MB each, below glibc's mmap threshold once it has adapted, so
+    freeing them leaves the memory in the heap; ``malloc_trim`` gives it back to the system
+    (measured: 0.34 GB retained per rollout otherwise, which the trainer's peak then carries)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
+
+
 def _can_pack(weight: torch.Tensor) -> bool:
     return (weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkl.is_available()
             and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight"))
@@ -146,6 +158,7 @@ class LlamaDecoder:
             lin.weight = lin.bias = lin.packed = None
             lin.packed_rows = 0
         self._seen = None
+        _return_freed_memory()
 
     def invalidate(self) -> None:
         """Rebuild the fused weights before the next forward (a broadcast into the parameters
