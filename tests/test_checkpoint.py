@@ -55,7 +55,10 @@ def _assert_same_run(ref_dir, run_dir):
 
 
 def _assert_no_incomplete_checkpoint_is_visible(run_dir):
-    for p in (Path(run_dir) / "checkpoints").iterdir():
+    folder = Path(run_dir) / "checkpoints"
+    if not folder.exists():  # killed before the first save: nothing there, nothing half-written
+        return
+    for p in folder.iterdir():
         assert p.name.startswith(".tmp-") or (p / "meta.json").is_file(), p
 
 

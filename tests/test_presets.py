@@ -14,6 +14,10 @@ from strop.presets import PRESETS
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_preset_runs_the_quickstart(preset, tmp_path):
+    if "python" in PRESETS[preset].get("tools", {}).get("enabled", []):
+        from tests.test_e2e import _need_sandbox
+
+        _need_sandbox()
     cfg = build_config(overrides={
         "data": {"eval_size": 0, "size": 64},
         "rollout": {"prompts_per_step": 2, "n_samples_per_prompt": 4, "max_new_tokens": 24},

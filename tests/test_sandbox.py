@@ -44,7 +44,11 @@ def run(box, code):
 
 
 def test_at_least_one_isolation_is_available_here():
-    """CI's machine has namespaces (and bubblewrap where .ci/run could install it): never zero."""
+    """CI's machine has namespaces (and bubblewrap where .ci/run could install it): never zero
+    there. Elsewhere (a container that forbids namespaces) the security tests skip, saying why."""
+    if not AVAILABLE and not os.environ.get("CI"):
+        pytest.skip("neither bubblewrap nor unshare namespaces work here: install bubblewrap "
+                    "(bash scripts/setup_sandbox.sh) or allow user namespaces to run the sandbox tests")
     assert AVAILABLE, "neither bubblewrap nor unshare namespaces work here"
 
 

@@ -89,6 +89,17 @@ class StepBatch:
     def shape(self) -> tuple[int, int]:
         return tuple(self.loss_mask.shape)
 
+    def take_trainer_logprobs(self) -> float:
+        """rollout.exact_logprobs: the trainer's pre-pass logprobs become the rollout's, in this
+        batch and in each sample (float32 exactly). Returns the mean |engine - trainer| gap they
+        replace, over loss tokens."""
+        mask = self.loss_mask
+        gap = float(((self.trainer_old_logprobs - self.rollout_logprobs).abs() * mask).sum() / mask.sum().clamp(min=1))
+        self.rollout_logprobs = self.trainer_old_logprobs.clone()
+        for i, s in enumerate(self.samples):
+            s.rollout_logprobs = self.rollout_logprobs[i, : s.response_length].tolist()
+        return gap
+
 
 def split_micro_batches(indices: list[int], samples: list[Sample], micro_batch_size: int,
                         max_tokens: int | None) -> list[list[int]]:

@@ -43,17 +43,14 @@ class Trainer:
         """``train`` and ``algo`` are the config sections (TrainConfig, AlgoConfig); the two
         optional hooks replace the advantage estimator and the policy loss (strop.plugins).
         ``dp_group`` / ``cp_group`` (this rank's data- and context-parallel groups) and ``dp_mode``
-        choose the strategy, unless one is given. ``exact_logprobs``: each step first scores its
-        samples with this trainer's forward (the weights that sampled them, in sync mode) and
-        trains with those as the rollout's logprobs; the engine's own go to a metric."""
+        choose the strategy, unless one is given (``exact_logprobs``: StepBatch.take_trainer_logprobs)."""
         self.dp = strategy or make_strategy(dp_group=dp_group, cp_group=cp_group, mode=dp_mode, device=device,
                                             bucket_bytes=bucket_bytes, mixed_precision=fsdp_mixed_precision)
         self.device = self.dp.device
         self.advantage_fn, self.policy_loss_fn = advantage_fn, policy_loss_fn
         self.pad_token_id, self.cfg, self.algo, self.max_new_tokens = pad_token_id, train, algo, max_new_tokens
         self.temperature = temperature if temperature > 0 else 1.0
-        self.autocast = bf16_autocast
-        self.exact_logprobs = exact_logprobs
+        self.autocast, self.exact_logprobs = bf16_autocast, exact_logprobs
         if self.dp.mode == "fsdp" and algo.kl_coef + algo.kl_in_reward_coef > 0 and algo.ref_mode == "swap":
             raise ValueError("algo.ref_mode='swap' cannot swap into FSDP-sharded weights; use ref_mode='copy'")
         if self.cp_size > 1:
@@ -156,17 +153,15 @@ class Trainer:
         if not samples or not any(any(s.loss_mask) for s in samples):
             raise ValueError("no trainable tokens in this step (every sample aborted, failed or fully masked)")
         b, a = StepBatch.of(samples), self.algo
-        # the old policy is the pre-update trainer, unless the engine's logprobs stand in for it;
-        # with one optimizer step and no KL-in-reward it equals the current weights: no extra pass
-        need_old = self.exact_logprobs or (
-            not a.use_rollout_logprobs and (self.cfg.mini_batches > 1 or bool(a.kl_in_reward_coef)))
-        pre = self._pre_pass(b, need_old) if need_old or self.ref is not None or self.ref_state is not None \
-            or self.critic is not None else {}
+        # pi_old: the pre-update trainer (with one optimizer step and no KL-in-reward, the current weights)
+        need_old = self.exact_logprobs or not a.use_rollout_logprobs and (
+            self.cfg.mini_batches > 1 or bool(a.kl_in_reward_coef))
+        wanted = need_old or self.ref is not None or self.ref_state is not None or self.critic is not None
+        pre = self._pre_pass(b, need_old) if wanted else {}
         b.old_logprobs = b.trainer_old_logprobs = pre.get("old")
-        engine_gap = self._take_exact_logprobs(b) if self.exact_logprobs else None
+        gap = {"engine_logprob_abs_diff": b.take_trainer_logprobs()} if self.exact_logprobs else {}
         b.ref_logprobs, b.old_values = pre.get("ref"), pre.get("values")
-        if a.use_rollout_logprobs:
-            b.old_logprobs = b.rollout_logprobs
+        b.old_logprobs = b.rollout_logprobs if a.use_rollout_logprobs else b.old_logprobs  # the engine's stand in
         b.advantages, b.returns = self._advantages(b)
         stats, n = StepStats(), len(samples)
         n_mini = min(self.cfg.mini_batches, n)
@@ -186,19 +181,7 @@ class Trainer:
         out["clip_fraction"] = out["clip_fraction_low"] + out["clip_fraction_high"]
         if b.returns is not None and b.old_values is not None:
             out["value_explained_variance"] = explained_variance(b.returns, b.old_values, b.loss_mask)
-        if engine_gap is not None:
-            out["engine_logprob_abs_diff"] = engine_gap
-        return out
-
-    def _take_exact_logprobs(self, b: StepBatch) -> float:
-        """The pre-pass's logprobs become the rollout's (in the batch and in each sample, float32
-        exactly); returns the mean |engine - trainer| gap they replace, over loss tokens."""
-        mask = b.loss_mask
-        gap = float(((b.trainer_old_logprobs - b.rollout_logprobs).abs() * mask).sum() / mask.sum().clamp(min=1))
-        b.rollout_logprobs = b.trainer_old_logprobs.clone()
-        for i, s in enumerate(b.samples):
-            s.rollout_logprobs = b.rollout_logprobs[i, : s.response_length].tolist()
-        return gap
+        return out | gap
 
     def _plugin_loss(self, logprobs, old, advantages, mask):
         return call_hook_sync("policy_loss", self.policy_loss_fn, logprobs=logprobs, old_logprobs=old,
