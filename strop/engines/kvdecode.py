@@ -276,7 +276,6 @@ class Batch:
         self.next_tokens = torch.zeros(0, dtype=torch.long)
         self.prefilled_tokens = 0  # prompt tokens actually prefilled (after sharing)
         self.prompt_tokens = 0  # prompt tokens of every admitted row
-        self.relayouts = 0
 
     @property
     def live(self) -> int:
@@ -303,7 +302,6 @@ class Batch:
         self.next_tokens = torch.cat([self.next_tokens[k], torch.zeros(extra, dtype=torch.long)])
         self.rows = [self.rows[i] for i in keep] + [_pad_row() for _ in range(extra)]
         self.keys, self.values, self.col = keys, values, new_col
-        self.relayouts += 1
 
     def admit(self, prompts: list[list[int]], rows: list[Row]) -> list[Row]:
         """Prefill ``prompts`` (one per row; equal prompts are prefilled once), sample each row's

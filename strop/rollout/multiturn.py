@@ -112,8 +112,6 @@ async def generate(ctx, sample: Sample, sampling: SamplingParams) -> Sample:
             sample.status = Status.TRUNCATED
             sample.metadata["stopped"] = "budget in tool output"
             break
-    else:
-        sample.status = Status.TRUNCATED
     # rewards score the model's last turn (a number in a tool's output is not the model's answer);
     # the whole exchange is kept for the logs
     sample.response_text = tok.decode(sample.response_ids[last_turn[0]: last_turn[1]], skip_special_tokens=True)
