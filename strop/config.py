@@ -284,6 +284,8 @@ class PluginsConfig(_Section):
     advantage: str | None = Field(None, description="advantage estimator hook (replaces algo.estimator)")
     policy_loss: str | None = Field(None, description="policy loss hook (replaces algo.policy_loss)")
     data_source: str | None = Field(None, description="data source hook (replaces data.source)")
+    tools: str | None = Field(None, description="tools hook: your own tools for multi-turn rollouts, next to "
+                              "tools.enabled (docs/tools.md)")
 
 
 class ParallelConfig(_Section):
@@ -361,12 +363,14 @@ class Config(_Section):
         if (r.over_sample > 1 or r.dynamic_sampling) and self.plugins.rollout:
             raise ValueError("rollout.over_sample / dynamic_sampling need the default rollout (plugins.rollout "
                              "generates whole steps its own way)")
-        if self.tools.enabled and self.plugins.generate:
-            raise ValueError(f"tools.enabled={self.tools.enabled} uses strop's multi-turn generate function; "
+        tools = (f"tools.enabled={self.tools.enabled}" if self.tools.enabled else
+                 f"plugins.tools={self.plugins.tools!r}" if self.plugins.tools else "")
+        if tools and self.plugins.generate:
+            raise ValueError(f"{tools} uses strop's multi-turn generate function; "
                              f"plugins.generate={self.plugins.generate!r} would replace it: use one or the other")
-        if self.tools.enabled and r.partial == "resume":
+        if tools and r.partial == "resume":
             raise ValueError("rollout.partial='resume' continues a sample from its tokens, but a multi-turn sample "
-                             "restarts clean (tools.enabled): use rollout.partial='finish'")
+                             f"restarts clean ({tools}): use rollout.partial='finish'")
         if r.exact_logprobs and (r.mode != "sync" or self.data.samples):
             raise ValueError("rollout.exact_logprobs scores samples with the trainer's current weights, which are the "
                              "weights that sampled them only when this run generates each step in sync mode: "

@@ -129,7 +129,72 @@ def run_contract(hook: str, fn) -> str:
         for i, r in enumerate(rows[:100]):
             _row_from_record(r, f"data_source hook row {i}", "prompt", "label", [])
         return f"{len(rows)} training rows"
+    if hook == "tools":
+        return _run_tools(fn)
     raise ValueError(f"unknown hook {hook!r}")
+
+
+def synthetic_arguments(schema: dict) -> dict:
+    """Arguments a model might write for ``schema``: each property's default, first enum value or
+    example, else a plain value of its type (the string '12')."""
+    plain = {"string": "12", "integer": 12, "number": 12.0, "boolean": True, "array": [], "object": {}}
+    args = {}
+    for name, prop in schema.get("properties", {}).items():
+        if "default" in prop:
+            args[name] = prop["default"]
+        elif prop.get("enum"):
+            args[name] = prop["enum"][0]
+        elif prop.get("examples"):
+            args[name] = prop["examples"][0]
+        else:
+            kind = prop.get("type", "string")
+            args[name] = plain.get(kind if isinstance(kind, str) else kind[0], "12")
+    return args
+
+
+class ScriptedEngine(FakeEngine):
+    """Answers turn k with texts[k]."""
+
+    def __init__(self, texts: list[str]):
+        super().__init__()
+        self.texts = texts
+
+    async def generate(self, prompt_ids, sampling):
+        text = self.texts[min(len(self.calls), len(self.texts) - 1)]
+        self.calls.append(list(prompt_ids))
+        ids = [ord(c) for c in text][: sampling.max_new_tokens]
+        return Completion(ids, [-0.5] * len(ids), "stop", 0)
+
+
+def _run_tools(fn) -> str:
+    """Call the hook as setup does, then each tool once through the multi-turn rollout: the model
+    (a scripted engine) calls it with synthetic arguments and then answers."""
+    import json
+
+    from strop.config import ToolsConfig
+    from strop.rollout.generate import RolloutContext
+    from strop.rollout.multiturn import TurnLimits, generate
+    from strop.tools import ToolSet
+
+    tools = call_hook_sync("tools", fn, config=ToolsConfig())
+    from strop.plugins import _name
+
+    toolset, seen = ToolSet(tools, {t.name: f"tools hook {_name(fn)}" for t in tools}), []
+    for tool in tools:
+        args = synthetic_arguments(tool.parameters)
+        call = json.dumps({"name": tool.name, "arguments": args})
+        engine = ScriptedEngine([f"Let me check. <tool_call>{call}</tool_call>", "The answer is 4."])
+        ctx = RolloutContext(engine=engine, tokenizer=CharTokenizer(),
+                             extra={"tools": toolset, "turn_limits": TurnLimits(observation_template="\n{output}\n")})
+        sample = synthetic_group(1, scored=False)[0]
+        out = asyncio.run(generate(ctx, sample, SamplingParams(max_new_tokens=4096)))
+        if out.metadata["tool_calls"] != 1 or out.status != Status.COMPLETED:
+            raise ValueError(f"tools hook: tool {tool.name!r} was not called once in a two-turn rollout "
+                             f"(status {out.status.value}, {out.metadata['tool_calls']} calls)")
+        shown = out.metadata["transcript"].split("</tool_call>", 1)[1].strip().split("\n")[0]
+        note = " (an error, shown to the model: check the arguments)" if out.metadata["tool_errors"] else ""
+        seen.append(f"{tool.name}({json.dumps(args)}) -> {shown[:60]!r}{note}")
+    return f"{len(tools)} tool(s): " + "; ".join(seen)
 
 
 @dataclass

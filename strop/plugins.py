@@ -107,6 +107,19 @@ class DataSourceFn(Protocol):
         """
 
 
+class ToolsFn(Protocol):
+    def __call__(self, config: Any) -> list:
+        """The tools a multi-turn rollout may call, next to the built-ins of ``tools.enabled``. Sync.
+
+        ``config`` is the ``tools`` config section (limits, sandbox). Returns a list of
+        :class:`strop.tools.Tool`: a name, a description, a JSON schema of the arguments (an object
+        whose ``properties`` the function takes as keywords) and the function, sync or async,
+        returning text. A sync function runs in a worker thread, so it never blocks the event
+        loop. An exception inside a tool is shown to the model as ``Error: ...``; a result that
+        is not text stops the run (a plugin bug). Called once, when the run starts.
+        """
+
+
 @dataclass(frozen=True)
 class HookSpec:
     name: str
@@ -135,6 +148,7 @@ HOOKS: dict[str, HookSpec] = {spec.name: spec for spec in (
     HookSpec("advantage", AdvantageFn, "plugins.advantage", "sync"),
     HookSpec("policy_loss", PolicyLossFn, "plugins.policy_loss", "sync"),
     HookSpec("data_source", DataSourceFn, "plugins.data_source", "sync"),
+    HookSpec("tools", ToolsFn, "plugins.tools", "sync"),
 )}
 
 
@@ -329,6 +343,14 @@ def check_result(hook: str, fn: Callable, kwargs: dict, result: Any) -> Any:
         if not isinstance(result, list):
             bad(f"returned {type(result).__name__}; expected a list of row dicts")
         return result
+    if hook == "tools":
+        from strop.tools import check_tools
+
+        try:
+            check_tools(result)
+        except (TypeError, ValueError) as exc:
+            bad(str(exc))
+        return list(result)
     raise AssertionError(hook)
 
 

@@ -19,7 +19,7 @@ from strop.engines.embedded import EmbeddedEngine
 from strop.parallel.collectives import resolve_bucket_bytes
 from strop.parallel.runtime import Control, device_mesh_groups, parallel_layout
 from strop.observe.tracking import require_trackers
-from strop.plugins import call_hook_sync, load_hook
+from strop.plugins import PluginError, call_hook_sync, load_hook
 from strop.rollout.generate import resolve_reward, rollout as default_rollout
 from strop.train.model import load_model, load_tokenizer, resolve_model_path
 from strop.train.trainer import Trainer
@@ -145,7 +145,7 @@ def prepare(cfg: Config, device: torch.device, controller: bool = True, resume: 
         parallel_layout(dist.get_world_size() if dist.is_initialized() else 1, cfg.parallel.context_parallel_size)
         require_trackers(cfg.run.trackers)
         reward_fn = resolve_reward(cfg.rollout.reward)
-        if cfg.tools.enabled:
+        if cfg.tools.enabled or "tools" in hooks:
             from strop.rollout.multiturn import generate as multiturn_generate
 
             hooks["generate"] = multiturn_generate
@@ -239,7 +239,7 @@ def _controller_parts(cfg: Config, p: _Prepared, trainer: Trainer, device: torch
                                         device=device)
     sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                               max_new_tokens=r.max_new_tokens, stop_token_ids=stop_ids)
-    extra = make_tools(cfg) if cfg.tools.enabled else {}
+    extra = make_tools(cfg, p.hooks.get("tools")) if cfg.tools.enabled or "tools" in p.hooks else {}
     eval_sampling = SamplingParams(temperature=0.0, max_new_tokens=cfg.eval.max_new_tokens or r.max_new_tokens,
                                    stop_token_ids=stop_ids)
     try:
@@ -254,9 +254,10 @@ def _controller_parts(cfg: Config, p: _Prepared, trainer: Trainer, device: torch
                       eval_sampling=eval_sampling, run_dir=run_dir, servers=servers, rollout_extra=extra)
 
 
-def make_tools(cfg: Config) -> dict:
+def make_tools(cfg: Config, hook: Callable | None = None) -> dict:
     """The tools of ``tools.enabled`` (the python tool's sandbox chosen now: refused here when
-    there is no isolation and it was not turned off by name) and the turn limits."""
+    there is no isolation and it was not turned off by name), the ``plugins.tools`` hook's
+    tools, and the turn limits."""
     from strop.rollout.multiturn import TurnLimits
     from strop.tools import CALCULATOR, ToolSet, python_tool
     from strop.tools.sandbox import Limits, Sandbox
@@ -270,7 +271,17 @@ def make_tools(cfg: Config) -> dict:
         tools.append(python_tool(box))
     if "calculator" in t.enabled:
         tools.append(CALCULATOR)
-    return {"tools": ToolSet(tools), "call_reward": (t.call_reward, t.max_call_reward),
+    origin = {}  # tool name -> where it came from, for errors
+    if hook is not None:
+        own = call_hook_sync("tools", hook, config=t)
+        origin = {x.name: f"tools hook {cfg.plugins.tools}" for x in own}
+        clash = sorted({x.name for x in own} & {x.name for x in tools})
+        if clash:
+            raise PluginError(f"tools hook {cfg.plugins.tools!r} gives tool(s) {clash}, which tools.enabled "
+                              f"({t.enabled}) already has: rename yours or drop the built-in")
+        tools += own
+        print(f"strop: tools: {', '.join(x.name for x in own)} from {cfg.plugins.tools}", flush=True)
+    return {"tools": ToolSet(tools, origin), "call_reward": (t.call_reward, t.max_call_reward),
             "turn_limits": TurnLimits(max_turns=t.max_turns, max_turn_tokens=t.max_turn_tokens,
                                       output_chars=t.output_chars, output_tokens=t.output_tokens)}
 

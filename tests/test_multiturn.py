@@ -1,12 +1,13 @@
 """Multi-turn tool rollout: token in / token out, and one test per hardening rule."""
 
 import asyncio
+import re
 
 import pytest
 
 from strop.rollout.generate import RolloutContext
 from strop.rollout.multiturn import TurnLimits, generate
-from strop.tools import CALCULATOR, Tool, ToolSet, calculate, parse_tool_call
+from strop.tools import CALCULATOR, Tool, ToolCall, ToolSet, calculate, parse_tool_call
 from strop.types import Completion, SamplingParams, Sample, Status
 
 
@@ -151,3 +152,62 @@ def test_calculator_is_arithmetic_only():
     for bad in ("__import__('os')", "x + 1", "2 ** 100000", "open('f')"):
         with pytest.raises(ValueError):
             calculate(bad)
+
+
+def _tool(name, fn):
+    return Tool(name, f"the {name} tool", {"type": "object", "properties": {"x": {"type": "string"}}}, fn)
+
+
+def test_a_slow_sync_tool_runs_off_the_event_loop():
+    import time
+
+    def slow(x):
+        time.sleep(0.3)
+        return x.upper()
+
+    async def main():
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        task = asyncio.create_task(ticker())
+        out = await ToolSet([_tool("slow", slow)]).call(ToolCall("slow", {"x": "ok"}, 0))
+        task.cancel()
+        return out, ticks
+
+    out, ticks = asyncio.run(main())
+    assert out == ("OK", True)
+    assert ticks >= 10  # the loop kept serving while the tool slept (a blocking call would give 0)
+
+
+def test_a_tool_returning_non_text_stops_the_run_naming_its_origin():
+    from strop.plugins import PluginError
+
+    tools = ToolSet([_tool("quiet", lambda x: None)], {"quiet": "tools hook my_pkg:tools"})
+    with pytest.raises(PluginError, match=r"tools hook my_pkg:tools: tool 'quiet' returned NoneType"):
+        asyncio.run(tools.call(ToolCall("quiet", {"x": "1"}, 0)))
+
+
+def test_check_tools_names_the_broken_tool():
+    from strop.tools import check_tools
+
+    ok = _tool("fine", lambda x: x)
+    check_tools([ok, CALCULATOR])
+    for bad, message in [
+        ([], "returned no tools"),
+        ([ok, "calculator"], "item 1 is a str"),
+        ([_tool("has space", lambda x: x)], "tool 0 ('has space'): a name must be"),
+        ([_tool("invalid", lambda x: x)], "not 'invalid'"),
+        ([Tool("t", "", {"type": "object", "properties": {}}, lambda: "")], "the description is empty"),
+        ([Tool("t", "d", {"type": "string"}, lambda: "")], "parameters must be a JSON schema of an object"),
+        ([Tool("t", "d", {"type": "object", "properties": {}, "required": ["y"]}, lambda: "")], "required ['y']"),
+        ([_tool("t", lambda y: y)], "does not take the schema's properties ['x']"),
+        ([_tool("t", lambda x, y: y)], "requires ['y'], which the schema does not give"),
+        ([ok, ok], "['fine'] occur twice"),
+    ]:
+        with pytest.raises((TypeError, ValueError), match=re.escape(message)):
+            check_tools(bad)

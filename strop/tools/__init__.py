@@ -1,8 +1,9 @@
 """Tools a model may call during a multi-turn rollout: plain functions with a JSON schema.
 
 Built in: ``python`` (runs model-written code in :mod:`strop.tools.sandbox`) and ``calculator``
-(arithmetic on numbers, evaluated from the syntax tree; no code runs). Users add their own as a
-``plugins.tools`` hook: a module-level list of :class:`Tool`.
+(arithmetic on numbers, evaluated from the syntax tree; no code runs). Users add their own with the
+``plugins.tools`` hook: a function of the ``tools`` config section returning a list of
+:class:`Tool` (checked by :func:`check_tools`; docs/plugins.md).
 
 A call is text the model wrote, parsed by :func:`parse_tool_call`: a Hermes/Qwen-style
 ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` or a fenced ```python block (the
@@ -13,6 +14,8 @@ a tool's failure is an observation, not a failed sample.
 from __future__ import annotations
 
 import ast
+import asyncio
+import inspect
 import json
 import math
 import operator
@@ -123,7 +126,8 @@ def python_tool(sandbox) -> Tool:
 class ToolSet:
     """The tools of a run by name; :meth:`call` turns every failure into a message for the model."""
 
-    def __init__(self, tools: list[Tool]):
+    def __init__(self, tools: list[Tool], origin: dict[str, str] | None = None):
+        self.origin = origin or {}  # tool name -> where it came from ("tools hook pkg:fn"), for errors
         names = [t.name for t in tools]
         dup = {n for n in names if names.count(n) > 1}
         if dup:
@@ -147,20 +151,65 @@ class ToolSet:
             return (f"Error: tool {call.name!r} takes {sorted(tool.parameters.get('properties', {}))}"
                     + (f"; missing {missing}" if missing else "") + (f"; unknown {unknown}" if unknown else "")), False
         try:
-            out = tool.fn(**call.arguments)
-            if hasattr(out, "__await__"):
-                out = await out
-            return str(out), True
+            if inspect.iscoroutinefunction(tool.fn) or inspect.iscoroutinefunction(getattr(tool.fn, "__call__", None)):
+                out = await tool.fn(**call.arguments)
+            else:  # a sync tool runs in a worker thread: a slow one never stalls the other samples
+                out = await asyncio.to_thread(tool.fn, **call.arguments)
+                if inspect.isawaitable(out):
+                    out = await out
         except Exception as exc:  # the tool's own failure is an observation for the model
             return f"Error: {type(exc).__name__}: {exc}", False
+        if not isinstance(out, str):  # a bug in the tool, not the model's doing: stop loudly
+            from strop.plugins import PluginError
+
+            where = f"{self.origin[call.name]}: " if call.name in self.origin else ""
+            raise PluginError(f"{where}tool {call.name!r} returned {type(out).__name__} ({out!r:.60}); a tool returns text")
+        return out, True
 
 
-def as_tools(value: Any) -> list[Tool]:
-    """A ``plugins.tools`` hook's value: a Tool, a list of Tools, or a function returning either."""
-    if callable(value) and not isinstance(value, Tool):
-        value = value()
-    items = [value] if isinstance(value, Tool) else list(value)
-    bad = [type(x).__name__ for x in items if not isinstance(x, Tool)]
-    if bad:
-        raise TypeError(f"a tools hook must give strop.tools.Tool objects, got {bad}")
-    return items
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_-]{0,63}")
+
+
+def check_tools(tools: Any) -> None:
+    """Raise TypeError / ValueError, naming the tool, unless ``tools`` is a non-empty list of
+    :class:`Tool` with unique names, object schemas, and functions that take their arguments."""
+    if not isinstance(tools, (list, tuple)):
+        raise TypeError(f"returned {type(tools).__name__}; expected a list of strop.tools.Tool")
+    if not tools:
+        raise ValueError("returned no tools")
+    names = []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, Tool):
+            raise TypeError(f"item {i} is a {type(tool).__name__}, not a strop.tools.Tool")
+        where = f"tool {i} ({tool.name!r})"
+        if not isinstance(tool.name, str) or not _NAME.fullmatch(tool.name) or tool.name == "invalid":
+            raise ValueError(f"{where}: a name must be 1-64 letters, digits, '_' or '-', starting with a letter "
+                             "or '_' (and not 'invalid', which strop uses for unparsable calls)")
+        if not isinstance(tool.description, str) or not tool.description.strip():
+            raise ValueError(f"{where}: the description is empty; the model reads it to know what the tool does")
+        p = tool.parameters
+        props = p.get("properties", {}) if isinstance(p, dict) else None
+        if not isinstance(p, dict) or p.get("type") != "object" or not isinstance(props, dict):
+            raise ValueError(f"{where}: parameters must be a JSON schema of an object "
+                             "({'type': 'object', 'properties': {...}, 'required': [...]}), got " + repr(p)[:120])
+        extra = [k for k in p.get("required", []) if k not in props]
+        if extra:
+            raise ValueError(f"{where}: required {extra} not among its properties {sorted(props)}")
+        if not callable(tool.fn):
+            raise TypeError(f"{where}: fn is a {type(tool.fn).__name__}, not a function")
+        try:
+            params = inspect.signature(tool.fn).parameters
+        except (TypeError, ValueError):
+            continue  # a builtin without a readable signature: it is called and its errors shown
+        any_kw = any(q.kind == q.VAR_KEYWORD for q in params.values())
+        missing = [k for k in props if k not in params and not any_kw]
+        needs = [n for n, q in params.items() if q.default is q.empty and n not in props
+                 and q.kind not in (q.VAR_POSITIONAL, q.VAR_KEYWORD)]
+        if missing or needs:
+            raise ValueError(f"{where}: its function {getattr(tool.fn, '__name__', tool.fn)}{inspect.signature(tool.fn)} "
+                             + (f"does not take the schema's properties {missing} by keyword" if missing else
+                                f"requires {needs}, which the schema does not give"))
+        names.append(tool.name)
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ValueError(f"tool names must be unique: {dup} occur twice")

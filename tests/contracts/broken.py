@@ -49,3 +49,33 @@ def postprocess_positional_only(samples, step, /):
 
 
 NOT_CALLABLE = 42
+
+
+def tools_not_tools(config):
+    return [{"name": "search", "fn": print}]
+
+
+def tools_duplicate_names(config):
+    from strop.tools import CALCULATOR
+
+    return [CALCULATOR, CALCULATOR]
+
+
+def tools_schema_mismatch(config):
+    from strop.tools import Tool
+
+    def lookup(key):
+        return key
+
+    return [Tool("lookup", "Look a key up.", {"type": "object", "properties": {"query": {"type": "string"}},
+                                             "required": ["query"]}, lookup)]
+
+
+def tools_returns_none(config):
+    from strop.tools import Tool
+
+    def shout(text):
+        print(text.upper())  # prints instead of returning: the model would read "None"
+
+    return [Tool("shout", "Upper-case the text.", {"type": "object", "properties": {"text": {"type": "string"}}},
+                 shout)]

@@ -53,3 +53,10 @@ def data_source(config, split):
     _record("data_source", config=config, split=split)
     numbers = range(12) if split == "train" else range(100, 103)  # held out: disjoint from training
     return [{"prompt": f"What is {i} + {i}?", "label": str(2 * i)} for i in numbers]
+
+
+def tools(config):
+    from strop.tools import CALCULATOR
+
+    _record("tools", config=config)
+    return [CALCULATOR]

@@ -28,6 +28,7 @@ CONTRACTS = {
     "advantage": ("sync", ("rewards", "group_ids", "mask")),
     "policy_loss": ("sync", ("logprobs", "old_logprobs", "advantages", "mask")),
     "data_source": ("sync", ("config", "split")),
+    "tools": ("sync", ("config",)),
 }
 
 EXAMPLES = [
@@ -40,6 +41,7 @@ EXAMPLES = [
     ("advantage", "examples.plugins.advantages:median_baseline"),
     ("policy_loss", "examples.plugins.losses:reinforce_loss"),
     ("data_source", "examples.plugins.data_sources:two_digit_sums"),
+    ("tools", "examples.plugins.tools:number_theory_tools"),
 ]
 
 
@@ -59,11 +61,13 @@ def test_every_hook_has_an_example_and_docs():
 
 
 def test_call_sites_pass_exactly_the_contract(tiny_model_dir, tmp_path):
-    """One real run with every hook replaced by a recorder: strop's call sites, pinned."""
+    """One real run with every hook replaced by a recorder: strop's call sites, pinned. (The
+    tools hook makes generation multi-turn, which a generate hook would replace: it has its
+    own run below.)"""
     from tests.contracts import recorders
 
     recorders.CALLS.clear()
-    plugins = {hook: f"tests.contracts.recorders:{hook}" for hook in HOOKS if hook != "reward"}
+    plugins = {hook: f"tests.contracts.recorders:{hook}" for hook in HOOKS if hook not in ("reward", "tools")}
     cfg = build_config(overrides={
         "model": {"path": str(tiny_model_dir)},
         "rollout": {"prompts_per_step": 2, "n_samples_per_prompt": 3, "max_new_tokens": 6,
@@ -85,6 +89,8 @@ def test_call_sites_pass_exactly_the_contract(tiny_model_dir, tmp_path):
         "data_source": {"split": str},
     }
     for hook, (_, params) in CONTRACTS.items():
+        if hook == "tools":
+            continue
         calls = recorders.CALLS.get(hook)
         assert calls, f"strop never called the {hook} hook"
         for call in calls:
@@ -98,6 +104,45 @@ def test_call_sites_pass_exactly_the_contract(tiny_model_dir, tmp_path):
     assert loss["logprobs"].shape == loss["old_logprobs"].shape == loss["mask"].shape
     assert {c["_values"]["split"] for c in recorders.CALLS["data_source"]} == {"train", "eval"}
     assert all(isinstance(g[0], Sample) for c in recorders.CALLS["filter"] for g in [c["_values"]["group"]])
+
+
+def test_tools_call_site_makes_the_rollout_multi_turn(tiny_model_dir, tmp_path, capsys):
+    import json
+
+    from strop.config import ToolsConfig
+    from tests.contracts import recorders
+
+    recorders.CALLS.clear()
+    cfg = build_config(overrides={
+        "model": {"path": str(tiny_model_dir)},
+        "rollout": {"prompts_per_step": 2, "n_samples_per_prompt": 2, "max_new_tokens": 6,
+                    "reward": "tests.contracts.recorders:reward"},
+        "train": {"steps": 1, "micro_batch_size": 4},
+        "data": {"eval_size": 0},
+        "tools": {"max_turns": 3},
+        "run": {"dir": str(tmp_path / "run"), "progress": False, "save_final": False, "plot": False},
+        "plugins": {"tools": "tests.contracts.recorders:tools"},
+    })
+    train(cfg)
+    calls = recorders.CALLS["tools"]
+    assert len(calls) == 1 and tuple(k for k in calls[0] if k != "_values") == CONTRACTS["tools"][1]
+    assert calls[0]["config"] is ToolsConfig and calls[0]["_values"]["config"].max_turns == 3
+    assert "strop: tools: calculator from tests.contracts.recorders:tools" in capsys.readouterr().out
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert any("turns_mean" in m for m in metrics), "the tools hook did not make the rollout multi-turn"
+
+
+def test_tools_hook_refusals(tmp_path):
+    from strop.setup import make_tools
+
+    with pytest.raises(ValueError, match=r"plugins.tools='x:y' uses strop's multi-turn generate function"):
+        build_config(overrides={"plugins": {"tools": "x:y", "generate": "a:b"}})
+    cfg = build_config(overrides={"tools": {"enabled": ["calculator"]},
+                                  "plugins": {"tools": "tests.contracts.recorders:tools"}})
+    from tests.contracts import recorders
+
+    with pytest.raises(PluginError, match=r"gives tool\(s\) \['calculator'\], which tools.enabled"):
+        make_tools(cfg, recorders.tools)
 
 
 @pytest.mark.parametrize("hook,path", EXAMPLES)
@@ -122,6 +167,10 @@ BROKEN = [
     ("reward", "tests.contracts.no_such_module:reward", "cannot import module 'tests.contracts.no_such_module'"),
     ("reward", "tests.contracts.broken:missing", "has no attribute 'missing'"),
     ("reward", "tests.contracts.raises_on_import:reward", "RuntimeError: this plugin module is broken at import"),
+    ("tools", "tests.contracts.broken:tools_not_tools", "item 0 is a dict, not a strop.tools.Tool"),
+    ("tools", "tests.contracts.broken:tools_duplicate_names", "tool names must be unique: ['calculator']"),
+    ("tools", "tests.contracts.broken:tools_schema_mismatch", "does not take the schema's properties ['query']"),
+    ("tools", "tests.contracts.broken:tools_returns_none", "tool 'shout' returned NoneType (None); a tool returns text"),
 ]
 
 
