@@ -251,7 +251,10 @@ class _Controller:
         groups = [c.eval_prompts.make_group(i, 1, group_id=-1 - i) for i in range(len(c.eval_prompts))]
         groups = self.run(rollout_groups(self.ctx, groups, c.eval_sampling, apply_filter=False))
         accuracy = sum(1.0 for g in groups if g[0].reward is not None and g[0].reward >= 1.0) / len(groups)
-        self.log.log({"step": step, "eval_accuracy": accuracy, "eval_seconds": time.perf_counter() - t})
+        row = {"step": step, "eval_accuracy": accuracy, "eval_seconds": time.perf_counter() - t}
+        if any("tool_calls" in g[0].metadata for g in groups):  # multi-turn: how often the answer used a tool
+            row["eval_tool_call_fraction"] = sum(g[0].metadata.get("tool_calls", 0) > 0 for g in groups) / len(groups)
+        self.log.log(row)
         self.progress.update(eval_acc=accuracy)
 
     def finish(self, weights: dict | None) -> dict:

@@ -174,6 +174,8 @@ def test_tools_make_the_run_multi_turn_end_to_end(tiny_model_dir, tmp_path, caps
     steps = [r for r in rows if "reward_mean" in r]
     assert len(steps) == 2 and all(r["turns_mean"] >= 1 and r["aborted_fraction"] == 0.0 for r in steps)
     assert all(math.isfinite(r["tool_calls_mean"]) for r in steps)
+    evals = [r for r in rows if "eval_accuracy" in r]
+    assert evals and all(0.0 <= r["eval_tool_call_fraction"] <= 1.0 for r in evals)  # eval is multi-turn too
 
 
 def test_tools_refuse_a_generate_hook_and_partial_resume():

@@ -359,3 +359,106 @@ def test_accounts_hold_at_every_tick_while_the_next_step_generates():
         await manager.close()
 
     asyncio.run(go())
+
+
+CALL = [ord(c) for c in '<tool_call>{"name": "calculator", "arguments": {"expression": "6 * 7"}}</tool_call>']
+
+
+class FlakyEngine(ScriptedEngine):
+    """The first sample of each prompt calls the calculator, and the engine then aborts its second
+    turn (one token, no logprobs, as a dying server might): the sample holds a turn and a tool
+    output when it is aborted. With ``hopeless``, every request for a prompt whose last id is a
+    multiple of 5 is aborted."""
+
+    def __init__(self, hopeless=False, **kw):
+        super().__init__(**kw)
+        self.hopeless, self.called, self.aborted = hopeless, set(), set()
+
+    async def generate(self, prompt_ids, sampling):
+        base = tuple(prompt_ids[:3])
+        await asyncio.sleep(self.delay)
+        if self.hopeless and prompt_ids[2] % 5 == 0:
+            return Completion([5], None, "abort", self.weight_version)
+        if base not in self.called:
+            self.called.add(base)
+            return Completion(CALL, [-1.0] * len(CALL), "stop", self.weight_version)
+        if len(prompt_ids) > 3 and base not in self.aborted:
+            self.aborted.add(base)
+            return Completion([5], None, "abort", self.weight_version)
+        return await super().generate(prompt_ids, sampling)
+
+
+class UniquePrompts:
+    def make_group(self, i, n, group_id):
+        return [Sample(prompt=f"p{i}", prompt_ids=[1, 2, 100 + i], group_id=group_id, index=j) for j in range(n)]
+
+
+class TextTok(Tok):
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(map(chr, ids))
+
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) for c in text]
+
+
+def _multi_turn_manager(engine, **rollout):
+    from strop.rollout.multiturn import TurnLimits
+    from strop.rollout.multiturn import generate as multiturn_generate
+    from strop.tools import CALCULATOR, ToolSet
+
+    from strop.rollout.generate import rollout as default_rollout
+
+    manager, cfg = _manager(engine, **rollout)
+    manager.c.hooks["rollout"] = default_rollout
+    manager.c.train_prompts = UniquePrompts()
+    manager.c.sampling = SamplingParams(temperature=1.0, max_new_tokens=300)  # room for the call and its output
+    limits = TurnLimits(max_turn_tokens=12, observation_template="{output}")  # the scripted turns: up to 12 tokens
+    manager.ctx = RolloutContext(engine=engine, tokenizer=TextTok(), config=cfg, reward=slow_or_fast_reward,
+                                 generate=multiturn_generate,
+                                 extra={"tools": ToolSet([CALCULATOR]), "turn_limits": limits})
+    return manager
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["one_step_off", "async"])
+def test_aborted_multi_turn_samples_are_requeued_in_off_policy_modes(mode):
+    """A multi-turn sample the engine aborted starts over (clean) in the off-policy modes, at most 3 times;
+    one that aborts every time comes back ABORTED and is never trained."""
+    from strop.types import Status
+
+    from strop.loop import rollout_metrics
+
+    engine = FlakyEngine(hopeless=True, delay=0.001)  # prompts 0, 5, 10, ... abort every time
+    manager = _multi_turn_manager(engine, mode=mode, max_staleness=1)
+    seen, accounts = asyncio.run(_drive(manager, engine, steps=3))
+    samples = [s for _, groups, _ in seen for g in groups for s in g]
+    requeued = [s for s in samples if s.metadata.get("requeued") and s.status != Status.ABORTED]
+    fine = {s.prompt for s in samples if s.prompt_ids[-1] % 5}
+    assert sorted(s.prompt for s in requeued if s.metadata["requeued"] == 1) == sorted(fine)  # one per group
+    assert all(s.metadata["tool_calls"] == 0 and s.metadata["turns"] == 1 and s.response_length >= 1
+               and max(s.response_ids) < 10 for s in requeued)  # it starts clean: the call and the tool's
+    # output of the aborted attempt are gone (the scripted engine's own tokens are 3..9)
+    hopeless = [s for s in samples if s.prompt_ids[-1] % 5 == 0]
+    assert all(s.status == Status.ABORTED and s.metadata["requeued"] == 3 for s in hopeless)
+    assert all(s.status.trainable for s in samples if s.prompt_ids[-1] % 5)
+    assert accounts["generated"] == accounts["trained"] + accounts["dropped"] + accounts["held"]
+    assert hopeless, "no group of an always-aborting prompt was drawn"
+    assert [rollout_metrics(groups, 1.0)["aborted_fraction"] for _, groups, _ in seen] == [
+        sum(s.status == Status.ABORTED for g in groups for s in g) / 16 for _, groups, _ in seen]
+
+
+@pytest.mark.timeout(60)
+def test_sync_mode_trains_the_step_without_its_aborted_multi_turn_samples():
+    from strop.types import Status
+
+    from strop.loop import rollout_metrics
+
+    engine = FlakyEngine(delay=0.001)
+    manager = _multi_turn_manager(engine, mode="sync")
+    seen, _ = asyncio.run(_drive(manager, engine, steps=2))
+    samples = [s for _, groups, _ in seen for g in groups for s in g]
+    aborted = [s for s in samples if s.status == Status.ABORTED]
+    assert len(aborted) == 8 and not any(s.metadata.get("requeued") for s in samples)  # one per group
+    assert all(s.response_ids[:len(CALL)] == CALL and s.metadata["tool_calls"] == 1 and s.metadata["turns"] == 2
+               for s in aborted)  # aborted in its second turn, after the tool ran
+    assert [rollout_metrics(groups, 1.0)["aborted_fraction"] for _, groups, _ in seen] == [4 / 16, 4 / 16]
