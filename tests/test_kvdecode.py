@@ -182,3 +182,17 @@ def test_slot_count_changes_only_at_bucket_boundaries(tiny_model):
     assert [len(o.token_ids) for o in outs] == [1 + i for i in range(40)]
     changes = [b for a, b in zip(sizes, sizes[1:]) if a != b]
     assert sizes[0] == 48 and changes == [32, 16, 8, 4, 2, 1]
+
+
+def test_the_fused_norm_is_bitwise_the_models_own(tiny_model):
+    """The decoder's fp32 RMSNorm is one fused kernel; it must equal the transformers module exactly
+    (the fast path is checked against a full forward only to 1e-4, so a drift would hide there)."""
+    import copy
+
+    norm = copy.deepcopy(tiny_model.model.layers[0].input_layernorm)
+    with torch.no_grad():
+        norm.weight.normal_()
+        x = torch.randn(5, 3, norm.weight.shape[0]) * 3
+        assert torch.equal(kvdecode.LlamaDecoder._norm(norm, x), norm(x))
+        assert torch.equal(kvdecode.LlamaDecoder._norm(norm, x.double()).float(),
+                           norm.double()(x.double()).float())  # other dtypes: the module's formula
