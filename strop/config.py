@@ -317,11 +317,17 @@ class ToolsConfig(_Section):
     sandbox: Literal["auto", "bwrap", "namespaces", "none"] = Field(
         "auto", description="isolation of the python tool: 'auto' (bubblewrap, else unshare namespaces, else "
         "refuse), one by name, or 'none' to run model code WITHOUT isolation (explicit opt-out)")
-    timeout_s: float = Field(10.0, gt=0, description="python tool: wall-clock limit per call")
+    timeout_s: float = Field(10.0, gt=0, description="wall-clock limit per tool call (the python tool's sandbox "
+                             "kills the code; any other tool's result is no longer awaited and the model reads a "
+                             "timeout error)")
     cpu_s: int = Field(10, gt=0, description="python tool: CPU seconds per call")
     memory_mb: int = Field(1024, gt=0, description="python tool: address space per process, MB")
     processes: int = Field(64, gt=0, description="python tool: processes per call")
     concurrency: int = Field(8, gt=0, description="python tool: calls running at once")
+    describe: bool = Field(True, description="append the tools' JSON schemas and the <tool_call> format to the "
+                           "system prompt (turn off when your own system prompt describes the tools)")
+    tool_threads: int = Field(8, gt=0, description="worker threads for tools written as plain (sync) functions; "
+                              "their own pool, so slow tools never queue the engine's work")
     call_reward: float = Field(0.0, description="tool reward shaping: added per successful tool call "
                                "(negative to penalise calls), at most max_call_reward in all")
     max_call_reward: float = Field(0.0, description="cap on the absolute total of call_reward per sample")

@@ -262,10 +262,12 @@ async def call_hook(hook: str, fn: Callable, **kwargs) -> Any:
 
 def check_result(hook: str, fn: Callable, kwargs: dict, result: Any) -> Any:
     where = f"{hook} hook {_name(fn)}"
-    subject = _describe(next((kwargs[k] for k in ("sample", "samples", "group", "groups") if k in kwargs), None))
+    subject = next((kwargs[k] for k in ("sample", "samples", "group", "groups", "logprobs", "rewards") if k in kwargs),
+                   None)
+    where += f" on {_describe(subject)}" if subject is not None else ""  # tools and data_source get no samples
 
     def bad(why: str):
-        raise PluginError(f"{where} on {subject}: {why}")
+        raise PluginError(f"{where}: {why}")
 
     def number(x) -> bool:
         return isinstance(x, (int, float)) and not isinstance(x, bool)

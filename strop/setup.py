@@ -75,6 +75,7 @@ class _Prepared:
     eval_rows: list | None = None
     engine_model: Any = None
     replay: dict | None = None
+    tools: dict | None = None  # RolloutContext.extra for multi-turn rollouts (make_tools)
 
 
 def _rows(cfg: Config, which: str, data_source: Callable | None = None):
@@ -133,7 +134,7 @@ def prepare(cfg: Config, device: torch.device, controller: bool = True, resume: 
     """Every check and load that needs no other rank. Cheap checks first: run dir, layout, data,
     reward, plugins; the model path (converting the embedded model on a cold cache) after them."""
     hooks = {name: load_hook(name, path) for name, path in cfg.plugins.model_dump().items() if path}
-    reward_fn = train_rows = eval_rows = engine_model = replay = None
+    reward_fn = train_rows = eval_rows = engine_model = replay = tools = None
     if controller and cfg.data.samples:  # train only: samples from a file, no prompts or engine
         if not resume:
             check_run_dir(cfg)
@@ -145,10 +146,11 @@ def prepare(cfg: Config, device: torch.device, controller: bool = True, resume: 
         parallel_layout(dist.get_world_size() if dist.is_initialized() else 1, cfg.parallel.context_parallel_size)
         require_trackers(cfg.run.trackers)
         reward_fn = resolve_reward(cfg.rollout.reward)
-        if cfg.tools.enabled or "tools" in hooks:
+        if cfg.tools.enabled or "tools" in hooks:  # the sandbox and the tools hook: checked before the model loads
             from strop.rollout.multiturn import generate as multiturn_generate
 
             hooks["generate"] = multiturn_generate
+            tools = make_tools(cfg, hooks.get("tools"))
         hooks.setdefault("rollout", default_rollout)
         train_rows = _rows(cfg, "train", hooks.get("data_source"))
         _check_labels(cfg, train_rows, "training")
@@ -163,7 +165,7 @@ def prepare(cfg: Config, device: torch.device, controller: bool = True, resume: 
     if controller and cfg.engine.kind == "embedded" and not replay:  # the engine's copy, before the trainer shards
         engine_model = copy.deepcopy(policy).to(device).requires_grad_(False)
     return _Prepared(policy, model_path, tokenizer, hooks, reward_fn, train_rows, eval_rows or None, engine_model,
-                     replay)
+                     replay, tools)
 
 
 def _read_replay(cfg: Config) -> dict:
@@ -221,7 +223,12 @@ def _controller_parts(cfg: Config, p: _Prepared, trainer: Trainer, device: torch
     max_prompt = context_window - max_new
     if max_prompt <= 0:
         raise ValueError(f"rollout.max_new_tokens={max_new} leaves no room in the {context_window}-token context window")
-    prompt_kw = dict(template=cfg.data.prompt_template, system_prompt=cfg.data.system_prompt,
+    system_prompt = cfg.data.system_prompt
+    if p.tools and cfg.tools.describe:  # the model is told which tools exist and how to call them
+        from strop.tools import describe_tools
+
+        system_prompt = describe_tools(system_prompt, p.tools["tools"])
+    prompt_kw = dict(template=cfg.data.prompt_template, system_prompt=system_prompt,
                      apply_chat_template=cfg.data.apply_chat_template, max_prompt_tokens=max_prompt)
     train_rows, eval_rows = p.train_rows, p.eval_rows
     train_prompts = PromptSet(train_rows, tokenizer, name=cfg.data.path or f"{cfg.data.task} (train)", **prompt_kw)
@@ -239,7 +246,7 @@ def _controller_parts(cfg: Config, p: _Prepared, trainer: Trainer, device: torch
                                         device=device)
     sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                               max_new_tokens=r.max_new_tokens, stop_token_ids=stop_ids)
-    extra = make_tools(cfg, p.hooks.get("tools")) if cfg.tools.enabled or "tools" in p.hooks else {}
+    extra = p.tools or {}
     eval_sampling = SamplingParams(temperature=0.0, max_new_tokens=cfg.eval.max_new_tokens or r.max_new_tokens,
                                    stop_token_ids=stop_ids)
     try:
@@ -281,7 +288,7 @@ def make_tools(cfg: Config, hook: Callable | None = None) -> dict:
                               f"({t.enabled}) already has: rename yours or drop the built-in")
         tools += own
         print(f"strop: tools: {', '.join(x.name for x in own)} from {cfg.plugins.tools}", flush=True)
-    return {"tools": ToolSet(tools, origin), "call_reward": (t.call_reward, t.max_call_reward),
+    return {"tools": ToolSet(tools, origin, threads=t.tool_threads, timeout_s=t.timeout_s), "call_reward": (t.call_reward, t.max_call_reward),
             "turn_limits": TurnLimits(max_turns=t.max_turns, max_turn_tokens=t.max_turn_tokens,
                                       output_chars=t.output_chars, output_tokens=t.output_tokens)}
 

@@ -184,6 +184,37 @@ def test_a_slow_sync_tool_runs_off_the_event_loop():
     assert ticks >= 10  # the loop kept serving while the tool slept (a blocking call would give 0)
 
 
+def test_hung_tools_time_out_and_never_queue_the_engines_work():
+    """More hung sync tools than tool threads: every call ends with a timeout message for the model,
+    and work on the default executor (where the engine's decode steps run) is not held up."""
+    import threading
+    import time
+
+    release = threading.Event()
+
+    def hang(x):
+        release.wait(30)
+        return "late"
+
+    async def main():
+        tools = ToolSet([_tool("hang", hang)], threads=2, timeout_s=0.5)
+        t = time.perf_counter()
+        calls = [asyncio.ensure_future(tools.call(ToolCall("hang", {"x": "1"}, 0))) for _ in range(6)]
+        await asyncio.sleep(0.05)
+        engine_step = await asyncio.wait_for(asyncio.to_thread(lambda: "decoded"), 2)  # not queued behind tools
+        engine_seconds = time.perf_counter() - t
+        results = await asyncio.gather(*calls)
+        return engine_step, engine_seconds, results, time.perf_counter() - t
+
+    try:
+        engine_step, engine_seconds, results, seconds = asyncio.run(main())
+    finally:
+        release.set()
+    assert engine_step == "decoded" and engine_seconds < 0.4
+    assert results == [("Error: tool 'hang' gave no result within 0.5 s", False)] * 6
+    assert seconds < 2.0  # the calls waiting for a thread time out too
+
+
 def test_a_tool_returning_non_text_stops_the_run_naming_its_origin():
     from strop.plugins import PluginError
 
@@ -208,6 +239,25 @@ def test_check_tools_names_the_broken_tool():
         ([_tool("t", lambda y: y)], "does not take the schema's properties ['x']"),
         ([_tool("t", lambda x, y: y)], "requires ['y'], which the schema does not give"),
         ([ok, ok], "['fine'] occur twice"),
+        ([Tool("abs", "d", {"type": "object", "properties": {"x": {"type": "number"}}}, abs)],
+         "does not take the schema's properties ['x'] by keyword"),  # abs(x, /) is positional-only
+        ([Tool("t", "d", {"type": "object", "properties": {"x": "string"}}, lambda x: x)],
+         "properties ['x'] must each be a schema object"),
+        ([Tool("t", "d", {"type": "object", "properties": {"x": {}}, "required": "x"}, lambda x: x)],
+         "'required' must be a list of property names"),
     ]:
         with pytest.raises((TypeError, ValueError), match=re.escape(message)):
             check_tools(bad)
+
+
+def test_describe_tools_puts_every_schema_and_the_call_format_in_the_system_prompt():
+    import json
+
+    from strop.tools import describe_tools
+
+    tools = ToolSet([CALCULATOR, _tool("echo", lambda x: x)])
+    text = describe_tools("Answer in \\boxed{}.", tools)
+    assert text.startswith("Answer in \\boxed{}.\n\n") and "<tool_call>" in text
+    listed = text.split("<tools>\n")[1].split("\n</tools>")[0].splitlines()
+    assert [json.loads(line) for line in listed] == tools.schemas()
+    assert describe_tools(None, tools).startswith("You may call tools.")

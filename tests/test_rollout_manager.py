@@ -448,7 +448,7 @@ def test_aborted_multi_turn_samples_are_requeued_in_off_policy_modes(mode):
 
 
 @pytest.mark.timeout(60)
-def test_sync_mode_trains_the_step_without_its_aborted_multi_turn_samples():
+def test_sync_mode_does_not_requeue_aborted_multi_turn_samples_and_counts_them():
     from strop.types import Status
 
     from strop.loop import rollout_metrics

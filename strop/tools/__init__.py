@@ -20,6 +20,7 @@ import json
 import math
 import operator
 import re
+import threading
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
@@ -30,6 +31,7 @@ class Tool:
     description: str
     parameters: dict  # JSON schema of the arguments object
     fn: Callable[..., Awaitable[str] | str]  # called with the arguments as keywords; returns text
+    timeout_s: float | None = None  # this tool's own wall-clock limit (default: the ToolSet's)
 
     def schema(self) -> dict:
         """The OpenAI / Hermes function description a chat template takes (``tools=[...]``)."""
@@ -120,22 +122,58 @@ def python_tool(sandbox) -> Tool:
         return result.message() or "(no output)"
 
     return Tool("python", "Run Python code in a sandbox and return what it prints (stdout and stderr).",
-                {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}, run)
+                {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}, run,
+                timeout_s=sandbox.limits.timeout_s + 30)  # the sandbox's own limit kills the code first
 
 
 class ToolSet:
-    """The tools of a run by name; :meth:`call` turns every failure into a message for the model."""
+    """The tools of a run by name; :meth:`call` turns every failure into a message for the model.
 
-    def __init__(self, tools: list[Tool], origin: dict[str, str] | None = None):
+    Sync tool functions run in threads of their own (at most ``threads`` at once), never in the
+    event loop and never in the default executor that the engine's work goes through, so slow
+    or hung tools cannot queue generation. Every call has a wall-clock limit (``timeout_s``, or
+    the tool's own); past it the model reads a timeout error. A hung sync function cannot be
+    killed: its thread (a daemon) keeps its slot until it returns."""
+
+    def __init__(self, tools: list[Tool], origin: dict[str, str] | None = None, *, threads: int = 8,
+                 timeout_s: float = 10.0):
         self.origin = origin or {}  # tool name -> where it came from ("tools hook pkg:fn"), for errors
         names = [t.name for t in tools]
         dup = {n for n in names if names.count(n) > 1}
         if dup:
             raise ValueError(f"tool names must be unique: {sorted(dup)} occur twice")
         self.tools = {t.name: t for t in tools}
+        self.threads, self.timeout_s = threads, timeout_s
+        self._slots: asyncio.Semaphore | None = None  # made in the running loop
 
     def schemas(self) -> list[dict]:
         return [t.schema() for t in self.tools.values()]
+
+    async def _in_thread(self, fn: Callable, kwargs: dict) -> Any:
+        """``fn(**kwargs)`` in a daemon thread; the slot is given back when the thread ends."""
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.threads)
+        loop = asyncio.get_running_loop()
+        await self._slots.acquire()
+        done: asyncio.Future = loop.create_future()
+
+        def settle(result, error):
+            self._slots.release()
+            if not done.done():  # the caller may have stopped waiting (timeout)
+                done.set_exception(error) if error is not None else done.set_result(result)
+
+        def work():
+            try:
+                result, error = fn(**kwargs), None
+            except BaseException as exc:  # handed to the awaiting coroutine, which decides
+                result, error = None, exc
+            try:
+                loop.call_soon_threadsafe(settle, result, error)
+            except RuntimeError:  # the loop is closed: the run ended while this tool hung
+                pass
+
+        threading.Thread(target=work, name=f"strop-tool-{getattr(fn, '__name__', 'fn')}", daemon=True).start()
+        return await done
 
     async def call(self, call: ToolCall) -> tuple[str, bool]:
         """Run ``call``: (text for the model, whether the tool succeeded)."""
@@ -150,13 +188,16 @@ class ToolSet:
         if missing or unknown:
             return (f"Error: tool {call.name!r} takes {sorted(tool.parameters.get('properties', {}))}"
                     + (f"; missing {missing}" if missing else "") + (f"; unknown {unknown}" if unknown else "")), False
+        limit = tool.timeout_s or self.timeout_s
         try:
             if inspect.iscoroutinefunction(tool.fn) or inspect.iscoroutinefunction(getattr(tool.fn, "__call__", None)):
-                out = await tool.fn(**call.arguments)
-            else:  # a sync tool runs in a worker thread: a slow one never stalls the other samples
-                out = await asyncio.to_thread(tool.fn, **call.arguments)
+                out = await asyncio.wait_for(tool.fn(**call.arguments), limit)
+            else:
+                out = await asyncio.wait_for(self._in_thread(tool.fn, call.arguments), limit)
                 if inspect.isawaitable(out):
-                    out = await out
+                    out = await asyncio.wait_for(out, limit)
+        except asyncio.TimeoutError:
+            return f"Error: tool {call.name!r} gave no result within {limit:g} s", False
         except Exception as exc:  # the tool's own failure is an observation for the model
             return f"Error: {type(exc).__name__}: {exc}", False
         if not isinstance(out, str):  # a bug in the tool, not the model's doing: stop loudly
@@ -165,6 +206,16 @@ class ToolSet:
             where = f"{self.origin[call.name]}: " if call.name in self.origin else ""
             raise PluginError(f"{where}tool {call.name!r} returned {type(out).__name__} ({out!r:.60}); a tool returns text")
         return out, True
+
+
+def describe_tools(system_prompt: str | None, tools: ToolSet) -> str:
+    """``system_prompt`` followed by the tools' schemas and how to call them (the Hermes / Qwen
+    convention: one JSON schema per line inside ``<tools>``, calls in ``<tool_call>``)."""
+    lines = "\n".join(json.dumps(schema) for schema in tools.schemas())
+    block = ("You may call tools. The available tools, as JSON schemas:\n<tools>\n" + lines + "\n</tools>\n"
+             'To call one, write <tool_call>{"name": <tool name>, "arguments": <arguments object>}</tool_call> and '
+             "stop; its output comes back inside <tool_response></tool_response>.")
+    return f"{system_prompt}\n\n{block}" if system_prompt else block
 
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_-]{0,63}")
@@ -187,29 +238,38 @@ def check_tools(tools: Any) -> None:
                              "or '_' (and not 'invalid', which strop uses for unparsable calls)")
         if not isinstance(tool.description, str) or not tool.description.strip():
             raise ValueError(f"{where}: the description is empty; the model reads it to know what the tool does")
+        names.append(tool.name)
         p = tool.parameters
         props = p.get("properties", {}) if isinstance(p, dict) else None
+        schema_shape = "({'type': 'object', 'properties': {name: {'type': ...}}, 'required': [names]})"
         if not isinstance(p, dict) or p.get("type") != "object" or not isinstance(props, dict):
-            raise ValueError(f"{where}: parameters must be a JSON schema of an object "
-                             "({'type': 'object', 'properties': {...}, 'required': [...]}), got " + repr(p)[:120])
-        extra = [k for k in p.get("required", []) if k not in props]
+            raise ValueError(f"{where}: parameters must be a JSON schema of an object {schema_shape}, got "
+                             + repr(p)[:120])
+        bad = [k for k, v in props.items() if not isinstance(v, dict)]
+        if bad:
+            raise ValueError(f"{where}: properties {bad} must each be a schema object like {{'type': 'string'}}")
+        required = p.get("required", [])
+        if not isinstance(required, list) or not all(isinstance(k, str) for k in required):
+            raise ValueError(f"{where}: 'required' must be a list of property names, got {required!r:.80}")
+        extra = [k for k in required if k not in props]
         if extra:
             raise ValueError(f"{where}: required {extra} not among its properties {sorted(props)}")
         if not callable(tool.fn):
             raise TypeError(f"{where}: fn is a {type(tool.fn).__name__}, not a function")
         try:
-            params = inspect.signature(tool.fn).parameters
+            sig = inspect.signature(tool.fn)
         except (TypeError, ValueError):
             continue  # a builtin without a readable signature: it is called and its errors shown
+        params = sig.parameters
         any_kw = any(q.kind == q.VAR_KEYWORD for q in params.values())
-        missing = [k for k in props if k not in params and not any_kw]
+        by_name = {n for n, q in params.items() if q.kind in (q.POSITIONAL_OR_KEYWORD, q.KEYWORD_ONLY)}
+        missing = [k for k in props if k not in by_name and not any_kw]
         needs = [n for n, q in params.items() if q.default is q.empty and n not in props
                  and q.kind not in (q.VAR_POSITIONAL, q.VAR_KEYWORD)]
         if missing or needs:
-            raise ValueError(f"{where}: its function {getattr(tool.fn, '__name__', tool.fn)}{inspect.signature(tool.fn)} "
+            raise ValueError(f"{where}: its function {getattr(tool.fn, '__name__', tool.fn)}{sig} "
                              + (f"does not take the schema's properties {missing} by keyword" if missing else
                                 f"requires {needs}, which the schema does not give"))
-        names.append(tool.name)
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
         raise ValueError(f"tool names must be unique: {dup} occur twice")

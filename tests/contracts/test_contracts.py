@@ -118,7 +118,8 @@ def test_tools_call_site_makes_the_rollout_multi_turn(tiny_model_dir, tmp_path, 
         "rollout": {"prompts_per_step": 2, "n_samples_per_prompt": 2, "max_new_tokens": 6,
                     "reward": "tests.contracts.recorders:reward"},
         "train": {"steps": 1, "micro_batch_size": 4},
-        "data": {"eval_size": 0},
+        "data": {"eval_size": 4},
+        "eval": {"every": 0},
         "tools": {"max_turns": 3},
         "run": {"dir": str(tmp_path / "run"), "progress": False, "save_final": False, "plot": False},
         "plugins": {"tools": "tests.contracts.recorders:tools"},
@@ -130,6 +131,13 @@ def test_tools_call_site_makes_the_rollout_multi_turn(tiny_model_dir, tmp_path, 
     assert "strop: tools: calculator from tests.contracts.recorders:tools" in capsys.readouterr().out
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert any("turns_mean" in m for m in metrics), "the tools hook did not make the rollout multi-turn"
+    evals = [m for m in metrics if "eval_accuracy" in m]
+    assert evals and all(0.0 <= m["eval_tool_call_fraction"] <= 1.0 for m in evals)  # evaluation is multi-turn too
+    # the model is told about the hook's tools: their schemas are in every prompt's system message
+    from strop.train.model import load_tokenizer
+
+    prompt = load_tokenizer(str(tiny_model_dir)).decode(recorders.CALLS["reward"][0]["_values"]["sample"].prompt_ids)
+    assert "<tools>" in prompt and '"name": "calculator"' in prompt and "<tool_call>" in prompt
 
 
 def test_tools_hook_refusals(tmp_path):
