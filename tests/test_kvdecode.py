@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from strop.engines import kvdecode
-from strop.engines.embedded import EmbeddedEngine, _invert_cdf
+from strop.engines.embedded import EmbeddedEngine, _blocks, _invert_cdf, _sample_blocks
 from strop.engines.kvdecode import Batch
 from strop.train.logprob import response_logprobs
 from strop.types import SamplingParams
@@ -138,6 +138,30 @@ def test_two_level_inverse_cdf_follows_the_distribution_and_never_picks_a_zero()
     assert set(picks.unique().tolist()) <= set(support.tolist())
     freq = torch.bincount(picks, minlength=V)[support].float() / n
     torch.testing.assert_close(freq, probs[support], rtol=0, atol=0.01)
+
+
+def test_sampling_from_block_logsumexps_follows_the_distribution_and_never_picks_a_zero():
+    """The default sampler never builds the (B, V) probabilities: block masses from per-block
+    logsumexps, then one block exponentiated. Same checks as the two-level CDF above, on logits."""
+    g = torch.Generator().manual_seed(1)
+    V = 3000
+    logits = torch.full((V,), float("-inf"))
+    support = torch.tensor([0, 1023, 1024, 2047, 2999])
+    probs = torch.tensor([0.1, 0.2, 0.3, 0.15, 0.25])
+    logits[support] = probs.log() + 7.0  # an arbitrary shift: only differences matter
+    n = 40000
+    u = torch.rand(n, 1, generator=g)
+    u[:3] = torch.tensor([[0.0], [1.0 - 1e-9], [0.5]])
+    blocks = _blocks(logits.expand(n, V).contiguous())
+    block_lse = torch.logsumexp(blocks, dim=-1)
+    lse = torch.logsumexp(block_lse, dim=-1, keepdim=True)
+    torch.testing.assert_close(lse, torch.logsumexp(logits, -1).expand(n, 1))
+    picks = _sample_blocks(blocks, block_lse, lse, u)
+    assert set(picks.unique().tolist()) <= set(support.tolist())
+    freq = torch.bincount(picks, minlength=V)[support].float() / n
+    torch.testing.assert_close(freq, probs, rtol=0, atol=0.01)
+    # the same uniform numbers pick the same tokens as the two-level CDF over the probabilities
+    assert torch.equal(picks[:2000], _invert_cdf(torch.softmax(logits, -1).expand(2000, V).contiguous(), u[:2000]))
 
 
 def test_an_engine_error_reaches_every_request_and_the_engine_recovers(tiny_model, monkeypatch):
