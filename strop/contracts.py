@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from strop.config import DataConfig
-from strop.plugins import HOOKS, call_hook, call_hook_sync, load_hook
+from strop.plugins import HOOKS, _name, call_hook, call_hook_sync, load_hook
 from strop.types import Completion, SamplingParams, Sample, Status
 
 
@@ -177,8 +177,6 @@ def _run_tools(fn) -> str:
     from strop.tools import ToolSet
 
     tools = call_hook_sync("tools", fn, config=ToolsConfig())
-    from strop.plugins import _name
-
     toolset, seen = ToolSet(tools, {t.name: f"tools hook {_name(fn)}" for t in tools}), []
     for tool in tools:
         args = synthetic_arguments(tool.parameters)

@@ -114,9 +114,10 @@ class ToolsFn(Protocol):
         ``config`` is the ``tools`` config section (limits, sandbox). Returns a list of
         :class:`strop.tools.Tool`: a name, a description, a JSON schema of the arguments (an object
         whose ``properties`` the function takes as keywords) and the function, sync or async,
-        returning text. A sync function runs in a worker thread, so it never blocks the event
-        loop. An exception inside a tool is shown to the model as ``Error: ...``; a result that
-        is not text stops the run (a plugin bug). Called once, when the run starts.
+        returning text. A sync function runs in a thread of its own, so it must be
+        thread-safe (write ``async def`` for a resource bound to one thread). An exception
+        inside a tool is shown to the model as ``Error: ...``; a result that is not text stops
+        the run (a plugin bug). Called once, when the run starts.
         """
 
 

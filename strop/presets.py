@@ -14,8 +14,8 @@ PRESETS: dict[str, dict] = {
                     "data": {"task": "basic_arithmetic", "system_prompt": TOOL_SYSTEM_PROMPT,
                              "task_options": {"min_terms": 2, "max_terms": 3, "min_digits": 2, "max_digits": 3}},
                     "rollout": {"max_new_tokens": 192},
-                    "tools": {"enabled": ["python"], "describe": False, "max_turns": 3, "max_turn_tokens": 128, "output_chars": 500,
-                              "output_tokens": 64}},
+                    "tools": {"enabled": ["python"], "describe": False, "max_turns": 3, "max_turn_tokens": 128,
+                              "output_chars": 500, "output_tokens": 64}},
     # DeepSeekMath (Shao et al. 2024): group-normalised advantages, clipped ratio, KL in the loss
     "grpo": {"algo": {"estimator": "grpo", "normalize_std": True, "policy_loss": "ppo_clip",
                       "loss_agg": "seq_mean_token_mean", "kl_coef": 0.001, "kl_kind": "k3"}},

@@ -288,7 +288,8 @@ def make_tools(cfg: Config, hook: Callable | None = None) -> dict:
                               f"({t.enabled}) already has: rename yours or drop the built-in")
         tools += own
         print(f"strop: tools: {', '.join(x.name for x in own)} from {cfg.plugins.tools}", flush=True)
-    return {"tools": ToolSet(tools, origin, threads=t.tool_threads, timeout_s=t.timeout_s), "call_reward": (t.call_reward, t.max_call_reward),
+    return {"tools": ToolSet(tools, origin, threads=t.tool_threads, timeout_s=t.timeout_s),
+            "call_reward": (t.call_reward, t.max_call_reward),
             "turn_limits": TurnLimits(max_turns=t.max_turns, max_turn_tokens=t.max_turn_tokens,
                                       output_chars=t.output_chars, output_tokens=t.output_tokens)}
 

@@ -24,6 +24,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
+from strop.plugins import PluginError, _is_async
+
 
 @dataclass(frozen=True)
 class Tool:
@@ -190,7 +192,7 @@ class ToolSet:
                     + (f"; missing {missing}" if missing else "") + (f"; unknown {unknown}" if unknown else "")), False
         limit = tool.timeout_s or self.timeout_s
         try:
-            if inspect.iscoroutinefunction(tool.fn) or inspect.iscoroutinefunction(getattr(tool.fn, "__call__", None)):
+            if _is_async(tool.fn):
                 out = await asyncio.wait_for(tool.fn(**call.arguments), limit)
             else:
                 out = await asyncio.wait_for(self._in_thread(tool.fn, call.arguments), limit)
@@ -201,10 +203,9 @@ class ToolSet:
         except Exception as exc:  # the tool's own failure is an observation for the model
             return f"Error: {type(exc).__name__}: {exc}", False
         if not isinstance(out, str):  # a bug in the tool, not the model's doing: stop loudly
-            from strop.plugins import PluginError
-
             where = f"{self.origin[call.name]}: " if call.name in self.origin else ""
-            raise PluginError(f"{where}tool {call.name!r} returned {type(out).__name__} ({out!r:.60}); a tool returns text")
+            raise PluginError(f"{where}tool {call.name!r} returned {type(out).__name__} ({out!r:.60}); "
+                              "a tool returns text")
         return out, True
 
 
