@@ -18,12 +18,13 @@ import time
 from pathlib import Path
 
 
-def run(device: str, bf16: bool, steps: int, eval_size: int, root: Path) -> list[dict]:
+def run(device: str, bf16: bool, steps: int, eval_size: int, root: Path, model: str) -> list[dict]:
     from strop.config import build_config
     from strop.loop import train
 
     run_dir = root / f"{device}-{'bf16' if bf16 else 'fp32'}"
     cfg = build_config(overrides={
+        **({"model": {"path": model}} if model else {}),
         "run": {"device": device, "dir": str(run_dir), "progress": False, "plot": False, "save_final": False},
         "train": {"steps": steps, "bf16_autocast": bf16},
         "data": {"eval_size": eval_size},
@@ -41,6 +42,9 @@ def main() -> int:
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--eval-size", type=int, default=64)
+    parser.add_argument("--model", default=None,
+                        help="model.path (a folder: e.g. random weights in SmolLM2's shape where the embedded "
+                             "package is not installed)")
     args = parser.parse_args()
     import torch
 
@@ -55,7 +59,7 @@ def main() -> int:
     mem_key = "cuda_peak_allocated_gib" if args.device == "cuda" else "peak_rss_gib"
     with tempfile.TemporaryDirectory(prefix="strop-gpu-check-") as tmp:
         for bf16 in (False, True):
-            rows = run(args.device, bf16, args.steps, args.eval_size, Path(tmp))
+            rows = run(args.device, bf16, args.steps, args.eval_size, Path(tmp), args.model)
             steps = [r for r in rows if "reward_mean" in r]
             evals = [r["eval_accuracy"] for r in rows if "eval_accuracy" in r]
             print(f"\n{'bf16 autocast' if bf16 else 'fp32'} on {args.device}:")
