@@ -31,6 +31,32 @@ class EngineRequestError(ValueError):
     """The engine refused the request (4xx): retrying would not help."""
 
 
+class EngineVersionError(EngineRequestError):
+    """The engine reported a weight version strop cannot read, or none where one is needed."""
+
+
+# the label SGLang and vLLM report before any update (server flag --weight-version): the weights they started with
+INITIAL_VERSION_LABELS = ("default",)
+
+
+def parse_weight_version(value, where: str) -> int:
+    """The one place an engine's weight version is read: an integer (or its decimal string), or an
+    initial label (``"default"``: the weights the server started with, version 0). Anything else
+    (missing, another string, a float, a negative number) is an :class:`EngineVersionError` naming
+    the engine: a version strop cannot compare is never guessed."""
+    if isinstance(value, bool):
+        raise EngineVersionError(f"{where}: weight version {value!r} is not an integer")
+    if isinstance(value, int) and value >= 0:
+        return value
+    if isinstance(value, str):
+        if value in INITIAL_VERSION_LABELS:
+            return 0
+        if value.isascii() and value.isdigit():
+            return int(value)
+    raise EngineVersionError(f"{where}: weight version {value!r} is not an integer strop set (strop labels every "
+                             f"update with its integer version; {INITIAL_VERSION_LABELS[0]!r} means initial weights)")
+
+
 def tensor_bytes(t: torch.Tensor) -> bytes:
     """A tensor's raw bytes, on the host."""
     return t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
@@ -88,12 +114,15 @@ class SGLangEngine:
     """An SGLang (or ``strop serve``) server at ``url`` as an Engine."""
 
     def __init__(self, url: str, *, timeout_s: float = 600.0, retries: int = 3, backoff_s: float = 0.25,
-                 token: str | None = None, writer: WeightWriter | None = None):
+                 token: str | None = None, writer: WeightWriter | None = None, require_checksum: bool = False):
+        """``require_checksum``: a weight load must come back with the checksum of what the engine loaded
+        (strop serve reports it; SGLang does not, and proves receipt by the version it reports)."""
         self.url = url.rstrip("/")
         self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.writer = writer
-        self.weight_version = 0
+        self.require_checksum = require_checksum
+        self.weight_version = 0  # the version the engine last reported holding (never a count kept here)
         self._client = None
 
     def __repr__(self) -> str:
@@ -157,43 +186,64 @@ class SGLangEngine:
             return False
 
     async def get_weight_version(self) -> int:
-        out = await self._call("GET", "/get_weight_version", timeout=10, retries=0)
-        return int(out["weight_version"])
+        """The version the engine reports holding: ``GET /model_info`` (SGLang 0.5.23 has no other route),
+        or ``GET /get_weight_version`` on servers without it (older SGLang and strop serve)."""
+        try:
+            out = await self._call("GET", "/model_info", timeout=10, retries=0)
+        except EngineRequestError as exc:
+            if "HTTP 404" not in str(exc):
+                raise
+            out = await self._call("GET", "/get_weight_version", timeout=10, retries=0)
+        if not isinstance(out, dict) or "weight_version" not in out:
+            raise EngineVersionError(f"{self.url}: reports no weight version: {str(out)[:200]}")
+        self.weight_version = parse_weight_version(out["weight_version"], self.url)
+        return self.weight_version
 
     async def load_weights(self, path: str | Path, version: int, checksum: str | None = None,
                            digests: dict[str, str] | None = None) -> int:
-        """Tell the engine to load ``path`` as ``version``; check the checksum it reports. With
+        """Tell the engine to load ``path`` as ``version``; return the version it then reports holding.
+        Receipt: the checksum it reports must be the trainer's (required with ``require_checksum``),
+        and the version it reports (in the answer, else read back) must be ``version``. With
         ``digests`` (the delta form) the file holds only those tensors and the engine checks each."""
-        body = {"model_path": str(path), "weight_version": version}
+        body = {"model_path": str(path), "weight_version": str(version)}
         if digests is not None:
             body["digests"] = digests
         out = await self._call("POST", "/update_weights_from_disk", json=body, retries=1)
         if not out.get("success", False):
             raise EngineRequestError(f"{self.url}: update_weights_from_disk failed: {out.get('message')}")
-        if checksum is not None and out.get("checksum") not in (None, checksum):
+        reported = out.get("checksum")
+        if checksum is not None and (reported is not None or self.require_checksum) and reported != checksum:
             raise EngineRequestError(f"{self.url}: weights of version {version} arrived with checksum "
-                                     f"{out.get('checksum')}, the trainer's is {checksum}")
-        self.weight_version = version
-        return version
+                                     f"{reported}, the trainer's is {checksum}")
+        held = (parse_weight_version(out["weight_version"], self.url) if "weight_version" in out
+                else await self.get_weight_version())
+        self.weight_version = held
+        if held != version:
+            raise EngineVersionError(f"{self.url}: asked to load weight version {version}, reports {held}")
+        return held
 
     async def join_group(self, host: str, port: int, rank: int, world: int, backend: str, name: str) -> None:
         await self._call("POST", "/init_weights_update_group",
                          json={"master_address": host, "master_port": port, "rank_offset": rank, "world_size": world,
                                "group_name": name, "backend": backend}, retries=0)
 
+    async def leave_group(self, name: str) -> None:
+        """Destroy this engine's side of the weight-update group ``name`` (SGLang's route)."""
+        await self._call("POST", "/destroy_weights_update_group", json={"group_name": name}, timeout=30, retries=0)
+
     async def receive_broadcast(self, manifest, version: int, bucket_bytes: int, name: str) -> int:
         out = await self._call("POST", "/update_weights_from_distributed", retries=0, json={
             "names": [m[0] for m in manifest], "dtypes": [m[1] for m in manifest],
             "shapes": [list(m[2]) for m in manifest], "weight_version": version, "bucket_bytes": bucket_bytes,
             "group_name": name})
-        self.weight_version = int(out["weight_version"])
+        self.weight_version = parse_weight_version(out.get("weight_version"), self.url)
         return self.weight_version
 
     async def update_weights(self, state_dict, version: int | None = None) -> int:
         if self.writer is None:
             raise ValueError(f"{self}: weights go through disk; give the engine a WeightWriter")
         version = self.weight_version + 1 if version is None else version
-        path, checksum = self.writer.write(state_dict, version)
+        path, checksum = await asyncio.to_thread(self.writer.write, state_dict, version)  # off the event loop
         return await self.load_weights(path, version, checksum)
 
     async def close(self) -> None:
@@ -212,8 +262,13 @@ def parse_generate(out: dict, where: str) -> Completion:
         reason = meta.get("finish_reason") or {}
         kind = reason.get("type") if isinstance(reason, dict) else str(reason)
         finish = {"stop": "stop", "length": "length", "abort": "abort"}.get(kind, "abort")
-        version = meta.get("weight_version", 0)
-        return Completion(ids, logprobs, finish, int(version) if str(version).isdigit() else 0)
+        # the version that sampled the tokens, as the engine reports it; a request that spanned an update
+        # has per-span versions (SGLang's weight_versions): its oldest counts
+        spans = meta.get("weight_versions") or [{"version": meta.get("weight_version")}]
+        version = min(parse_weight_version(span["version"], where) for span in spans)
+        return Completion(ids, logprobs, finish, version)
+    except EngineVersionError:
+        raise
     except (KeyError, TypeError, ValueError, IndexError) as exc:
         raise EngineRequestError(f"{where}: unexpected /generate answer ({type(exc).__name__}: {exc}): "
                                  f"{str(out)[:300]}") from None

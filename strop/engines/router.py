@@ -6,9 +6,18 @@
   timed out, 5xx after the client's retries) is marked down and the request is re-issued to
   another healthy engine, up to ``max_attempts`` engines; when every attempt failed the request
   ends with finish_reason "abort" (an ABORTED sample: never trained on, never lost, never hanging).
+- **Weight versions**: an engine is healthy only at a version it was shown to hold, the
+  router's own: the version it reports (after a load, a broadcast, or a probe), never a count
+  the router keeps for it. Every change of an engine's state goes through :meth:`Router._move`
+  (down → rejoining → healthy), and weight updates and re-admissions hold one lock, so a
+  returning engine is never admitted against an update it missed.
 - **Health checks** every ``health_interval_s``: a down engine that answers ``/health`` again
   is re-admitted once it holds the current weight version (the router loads the newest
-  weights into it first when it lags).
+  weights into it first when it lags; under broadcast or delta sync it rejoins at the next
+  update). A healthy engine whose reported version changed behind the router's back (it
+  restarted) is taken out and re-admitted the same way.
+- **Events** (down, rejoining, re-admitted, failover) are printed as they happen and counted;
+  :meth:`Router.take_counts` hands the counts since the last call to the step's metrics.
 - **Affinity** (optional): requests with the same ``affinity`` key (the turns of one
   multi-turn sample) stay on one engine while it is healthy.
 """
@@ -17,15 +26,20 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections import Counter, OrderedDict, deque
 from pathlib import Path
 
 from strop.engines.http import EngineRequestError, EngineUnavailable, WeightWriter
 from strop.types import Completion, SamplingParams
 
+DOWN, REJOINING, HEALTHY = "down", "rejoining", "healthy"
+MAX_STICKY_KEYS = 4096  # affinity keys remembered (least recently used forgotten first: a hint, not a contract)
+
 
 class Router:
     def __init__(self, engines: list, *, writer: WeightWriter | None = None, max_attempts: int | None = None,
-                 health_interval_s: float = 2.0, affinity: bool = False, broadcast=None, delta: bool = False):
+                 health_interval_s: float = 2.0, affinity: bool = False, broadcast=None, delta: bool = False,
+                 print_events: bool = True):
         """``writer``: weights go through disk; ``delta``: only the tensors an engine does not hold yet,
         each checked by its digest; ``broadcast`` (a :class:`strop.engines.sync.BroadcastSync`): they
         are broadcast over a process group with the engines instead."""
@@ -35,38 +49,97 @@ class Router:
         self.writer = writer
         self.max_attempts = max_attempts or len(self.engines)
         self.health_interval_s, self.affinity = health_interval_s, affinity
-        self.healthy = [True] * len(self.engines)
+        self.state = [HEALTHY] * len(self.engines)  # changed only by _move
+        self.held_version = [0] * len(self.engines)  # the version each engine last reported holding
         self.outstanding = [0] * len(self.engines)
         self.weight_version = 0
-        self.latest: tuple[Path, str] | None = None  # where the current weights are on disk, and their checksum
-        self.events: list[str] = []  # down / re-admitted, for logs and tests
-        self.failovers = 0
-        self._sticky: dict[str, int] = {}
+        self.latest: tuple[Path, str, int] | None = None  # the current weights on disk: folder, checksum, version
+        self.events: deque[str] = deque(maxlen=1000)  # down / rejoining / re-admitted, newest last
+        self.counts: Counter = Counter()  # every event and failover since the start
+        self._taken: Counter = Counter()  # what take_counts() last handed out
+        self.print_events = print_events
+        self._sticky: OrderedDict[str, int] = OrderedDict()
         self._health_task: asyncio.Task | None = None
+        self._locks: dict = {}  # event loop -> the lock of weight updates and re-admissions
+        self._updates = 0  # weight updates begun (a version probe that spanned one is not believed)
         self.broadcast = broadcast
-        self.rejoining: set[int] = set()  # broadcast / delta sync: back up, gets the weights at the next update
         self.bytes_sent = 0  # the last update: bytes that reached engines (all of them together)
         self.bytes_full = 0  # what a full sync to the same engines would have moved
         self.delta = delta
         self.held: list[dict[str, str]] = [{} for _ in self.engines]  # delta: digest of each tensor an engine holds
+        self._digests: dict[str, str] = {}  # delta: the digests of the current version
 
+    # ---- engine states: the one place they change -------------------------------------------------
+    @property
+    def healthy(self) -> list[bool]:
+        return [s == HEALTHY for s in self.state]
+
+    @property
+    def rejoining(self) -> set[int]:
+        return {i for i, s in enumerate(self.state) if s == REJOINING}
+
+    @property
+    def failovers(self) -> int:
+        return self.counts["failover"]
+
+    def _move(self, i: int, to: str, why: str, version: int | None = None) -> bool:
+        """Move engine ``i`` to ``to``. Healthy only with ``version``, the version it reported holding,
+        equal to the router's; otherwise it goes down instead. Returns whether it is now ``to``."""
+        wanted = to
+        if to == HEALTHY:
+            if version != self.weight_version:
+                to, why = DOWN, f"reports weight version {version}, the router's is {self.weight_version}"
+            else:
+                self.held_version[i] = version
+        if self.state[i] != to:
+            before, self.state[i] = self.state[i], to
+            if to == HEALTHY:
+                self._event("re-admitted", f"re-admitted {self.engines[i]!r} at weight version {version} ({why}; "
+                            f"was {before})")
+            else:
+                self._event("down" if to == DOWN else "rejoining", f"{to} {self.engines[i]!r}: {why}")
+        return to == wanted
+
+    def _mark_down(self, i: int, why: str) -> None:
+        self._move(i, DOWN, why)
+
+    def _event(self, kind: str, text: str) -> None:
+        self.events.append(text)
+        self.counts[kind] += 1
+        if self.print_events:
+            print(f"strop: router: {text}", flush=True)
+
+    def take_counts(self) -> dict[str, int]:
+        """Failovers and engine events since the last call, and how many engines are healthy now."""
+        new = self.counts - self._taken
+        self._taken = Counter(self.counts)
+        return {"engine_failovers": new["failover"], "engine_down": new["down"],
+                "engine_readmitted": new["re-admitted"], "engines_healthy": sum(self.healthy)}
+
+    def _lock(self) -> asyncio.Lock:
+        """Weight updates and re-admissions run one at a time (a lock per event loop)."""
+        loop = asyncio.get_running_loop()
+        if loop not in self._locks:
+            self._locks = {loop: asyncio.Lock()}
+        return self._locks[loop]
+
+    # ---- requests ------------------------------------------------------------------------------------
     def _pick(self, exclude: set[int], key: str | None) -> int | None:
         if key is not None and key in self._sticky:
             i = self._sticky[key]
-            if self.healthy[i] and i not in exclude:
+            self._sticky.move_to_end(key)
+            if self.state[i] == HEALTHY and i not in exclude:
                 return i
-        candidates = [i for i in range(len(self.engines)) if self.healthy[i] and i not in exclude]
+        candidates = [i for i in range(len(self.engines)) if self.state[i] == HEALTHY and i not in exclude]
         if not candidates:
             return None
-        i = min(candidates, key=lambda j: self.outstanding[j])
+        i = min(candidates, key=lambda j: self.outstanding[j])  # least outstanding; ties: the first
         if key is not None:
             self._sticky[key] = i
+            self._sticky.move_to_end(key)
+            while len(self._sticky) > MAX_STICKY_KEYS:
+                self._sticky.popitem(last=False)
         return i
-
-    def _mark_down(self, i: int, why: str) -> None:
-        if self.healthy[i]:
-            self.healthy[i] = False
-            self.events.append(f"down {self.engines[i]!r}: {why}")
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams, request_id: str | None = None,
                        affinity: str | None = None) -> Completion:
@@ -83,97 +156,101 @@ class Router:
                 return await self.engines[i].generate(prompt_ids, sampling, request_id=f"{rid}-{len(tried)}")
             except EngineUnavailable as exc:
                 self._mark_down(i, str(exc))
-                self.failovers += 1
+                self.counts["failover"] += 1
             finally:
                 self.outstanding[i] -= 1
         return Completion([], [], "abort", self.weight_version)  # every engine tried failed: ABORTED, not lost
 
+    # ---- weight updates ------------------------------------------------------------------------------
     async def update_weights(self, state_dict, version: int | None = None) -> int:
         """Write the weights once, load them into every healthy engine (a failure marks it down);
-        or broadcast them to every healthy engine and every engine waiting to rejoin."""
-        version = self.weight_version + 1 if version is None else version
-        if self.broadcast is not None:
-            return await self._update_by_broadcast(state_dict, version)
-        if self.writer is None:
+        or broadcast them to every healthy engine and every engine waiting to rejoin. Each engine
+        stays healthy only if it then reports ``version``."""
+        if self.broadcast is None and self.writer is None:
             raise ValueError("the router syncs weights through disk: give it a WeightWriter")
-        if self.delta:
-            return await self._update_by_delta(state_dict, version)
-        self.latest = self.writer.write(state_dict, version)
-        await asyncio.gather(*(self._load(i, version) for i in range(len(self.engines)) if self.healthy[i]))
-        self.weight_version = version
+        async with self._lock():  # no engine is re-admitted while an update runs
+            self._updates += 1
+            version = self.weight_version + 1 if version is None else version
+            if self.broadcast is not None:
+                await self._update_by_broadcast(state_dict, version)
+            elif self.delta:
+                await self._update_by_delta(state_dict, version)
+            else:
+                await self._update_by_disk(state_dict, version)
         if not any(self.healthy):
             raise EngineUnavailable("no engine is healthy after the weight update")
         return version
 
-    async def _update_by_broadcast(self, state_dict, version: int) -> int:
+    async def _update_by_disk(self, state_dict, version: int) -> None:
+        path, checksum = await asyncio.to_thread(self.writer.write, state_dict, version)  # off the event loop
+        self.latest, self.weight_version = (path, checksum, version), version  # together: no await between
+        await asyncio.gather(*(self._load(i) for i in range(len(self.engines)) if self.state[i] == HEALTHY))
+
+    async def _load(self, i: int) -> bool:
+        """Load the current weights into engine ``i``; healthy afterwards only at the version it reports."""
+        path, checksum, version = self.latest
+        try:
+            held = await self.engines[i].load_weights(path, version, checksum)
+        except (EngineUnavailable, EngineRequestError) as exc:
+            self._mark_down(i, f"weight load of version {version} failed: {exc}")
+            return False
+        return self._move(i, HEALTHY, "loaded the current weights", held)
+
+    async def _update_by_broadcast(self, state_dict, version: int) -> None:
         for attempt in range(2):
-            members = [i for i in range(len(self.engines)) if self.healthy[i] or i in self.rejoining]
+            members = [i for i in range(len(self.engines)) if self.state[i] in (HEALTHY, REJOINING)]
             if not members:
                 raise EngineUnavailable("no engine is healthy to receive the weights")
             try:
-                self.bytes_sent = await self.broadcast.update([self.engines[i] for i in members], state_dict, version)
+                self.bytes_sent, reported = await self.broadcast.update(
+                    [self.engines[i] for i in members], state_dict, version)
             except (EngineUnavailable, EngineRequestError, RuntimeError) as exc:
                 for i in members:  # whoever does not answer now leaves the group; the rest try again
                     if not await self.engines[i].health():
                         self._mark_down(i, f"weight broadcast failed: {exc}")
-                        self.rejoining.discard(i)
                 if attempt:
                     raise
                 continue
-            for i in self.rejoining:
-                self.healthy[i] = True
-                self.events.append(f"re-admitted {self.engines[i]!r} at weight version {version}")
-            self.rejoining.clear()
             self.weight_version = version
-            return version
+            for i, held in zip(members, reported):  # healthy only at the version each engine reports
+                self._move(i, HEALTHY, "received the broadcast", held)
+            return
         raise AssertionError("unreachable")
 
-    async def _update_by_delta(self, state_dict, version: int) -> int:
+    async def _update_by_delta(self, state_dict, version: int) -> None:
         from strop.engines.http import tensor_digest
         from strop.engines.sync import manifest_of
 
         unique = {name: state_dict[name] for name, _, _ in manifest_of(state_dict)}
-        digests = {name: tensor_digest(t) for name, t in unique.items()}
+        digests = await asyncio.to_thread(lambda: {name: tensor_digest(t) for name, t in unique.items()})
         sizes = {name: t.numel() * t.element_size() for name, t in unique.items()}
-        members = [i for i in range(len(self.engines)) if self.healthy[i] or i in self.rejoining]
+        members = [i for i in range(len(self.engines)) if self.state[i] in (HEALTHY, REJOINING)]
         by_change: dict[frozenset, list[int]] = {}
         for i in members:  # engines holding the same tensors get the same file
             changed = frozenset(n for n, d in digests.items() if self.held[i].get(n) != d)
             by_change.setdefault(changed, []).append(i)
         self.bytes_sent, self.bytes_full = 0, len(members) * sum(sizes.values())
+        self.weight_version, self._digests = version, digests
         for k, (changed, engines) in enumerate(by_change.items()):
-            path, _ = self.writer.write({n: unique[n] for n in sorted(changed)}, version, tag=f"-delta{k}")
+            path, _ = await asyncio.to_thread(self.writer.write, {n: unique[n] for n in sorted(changed)}, version,
+                                              f"-delta{k}")
             sent = {n: digests[n] for n in changed}
 
             async def load(i):
                 try:
-                    await self.engines[i].load_weights(path, version, digests=sent)
+                    held = await self.engines[i].load_weights(path, version, digests=sent)
                 except (EngineUnavailable, EngineRequestError) as exc:
-                    self._mark_down(i, f"delta weight load failed: {exc}")
-                    self.rejoining.discard(i)
+                    self._mark_down(i, f"delta weight load of version {version} failed: {exc}")
                     self.held[i] = {}
                     return
                 self.held[i] = dict(digests)
                 self.bytes_sent += sum(sizes[n] for n in changed)
-                if i in self.rejoining:
-                    self.rejoining.discard(i)
-                    self.healthy[i] = True
-                    self.events.append(f"re-admitted {self.engines[i]!r} at weight version {version}")
+                self._move(i, HEALTHY, "loaded the changed tensors", held)
             await asyncio.gather(*(load(i) for i in engines))
-        self.weight_version = version
-        if not any(self.healthy):
-            raise EngineUnavailable("no engine is healthy after the weight update")
-        return version
 
-    async def _load(self, i: int, version: int) -> None:
-        path, checksum = self.latest
-        try:
-            await self.engines[i].load_weights(path, version, checksum)
-        except (EngineUnavailable, EngineRequestError) as exc:
-            self._mark_down(i, f"weight load failed: {exc}")
-
+    # ---- health and re-admission ---------------------------------------------------------------------
     async def abort_all(self) -> None:
-        await asyncio.gather(*(e.abort_all() for i, e in enumerate(self.engines) if self.healthy[i]),
+        await asyncio.gather(*(e.abort_all() for i, e in enumerate(self.engines) if self.state[i] == HEALTHY),
                              return_exceptions=True)
 
     async def health(self) -> bool:
@@ -181,27 +258,50 @@ class Router:
         return any(self.healthy)
 
     async def check_health(self) -> None:
-        """Probe every down engine; re-admit one that answers and holds (or now loads) the current weights."""
+        """Probe every engine that is down; re-admit one that answers and holds (or now loads) the
+        current weights. Probe the healthy ones' versions: one that changed (a restart) goes down."""
         for i, engine in enumerate(self.engines):
-            if self.healthy[i] or i in self.rejoining or not await engine.health():
-                continue
-            if self.broadcast is not None or self.delta:  # it gets the weights (and is re-admitted) at the next update
-                self.held[i] = {}  # a restarted engine holds its initial weights: everything is sent
-                if self.weight_version:
-                    self.rejoining.add(i)
-                else:
-                    self.healthy[i] = True
-                continue
-            try:
-                if self.weight_version and await engine.get_weight_version() != self.weight_version:
-                    if self.latest is None:
-                        continue
-                    # raises unless the engine loaded them and reports the trainer's checksum
-                    await engine.load_weights(self.latest[0], self.weight_version, self.latest[1])
-                self.healthy[i] = True
-                self.events.append(f"re-admitted {engine!r} at weight version {self.weight_version}")
-            except (EngineUnavailable, EngineRequestError):
-                continue
+            if self.state[i] == DOWN and await engine.health():
+                async with self._lock():  # never while an update runs: it would miss that update
+                    if self.state[i] == DOWN:
+                        await self._readmit(i)
+            elif self.state[i] == HEALTHY and not self._lock().locked():
+                updates = self._updates
+                try:
+                    held = await engine.get_weight_version()
+                except EngineUnavailable:
+                    continue  # its requests will tell
+                except EngineRequestError as exc:  # an answer strop cannot read: not an engine to route to
+                    if updates == self._updates and self.state[i] == HEALTHY:
+                        self._mark_down(i, f"weight version probe: {exc}")
+                    continue
+                if held != self.held_version[i] and updates == self._updates and not self._lock().locked():
+                    self._mark_down(i, f"now reports weight version {held}, held {self.held_version[i]} (restarted?)")
+
+    async def _readmit(self, i: int) -> None:
+        engine = self.engines[i]
+        try:
+            held = await engine.get_weight_version()
+        except (EngineUnavailable, EngineRequestError) as exc:
+            self._note(i, f"answers /health but its weight version cannot be read: {exc}")
+            return
+        if held == self.weight_version and (not self.delta or self.held[i] == self._digests):
+            self._move(i, HEALTHY, "reports the current weights", held)
+        elif self.broadcast is not None or self.delta:  # it gets the weights (and is re-admitted) at the next update
+            self.held[i] = {}  # a restarted engine holds its initial weights: everything is sent
+            self._move(i, REJOINING, f"holds weight version {held}; gets version {self.weight_version} at the "
+                       "next update")
+        elif self.latest is None:
+            self._note(i, f"holds weight version {held}, the router's is {self.weight_version}, and no weights "
+                       "were written to load")
+        else:
+            await self._load(i)
+
+    def _note(self, i: int, why: str) -> None:
+        """Why a down engine stays down (recorded once per reason, not at every probe)."""
+        text = f"still down {self.engines[i]!r}: {why}"
+        if not self.events or self.events[-1] != text:
+            self._event("still-down", text)
 
     def _ensure_health_loop(self) -> None:
         if self._health_task is None or self._health_task.done():
@@ -210,8 +310,10 @@ class Router:
     async def _health_loop(self) -> None:
         while True:
             await asyncio.sleep(self.health_interval_s)
-            if not all(self.healthy):
+            try:
                 await self.check_health()
+            except Exception as exc:  # never let one bad probe end re-admission for the rest of the run
+                self._event("health-error", f"health check failed: {type(exc).__name__}: {exc}")
 
     async def close(self) -> None:
         if self._health_task is not None:

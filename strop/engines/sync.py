@@ -84,6 +84,14 @@ def make_group(host: str, port: int, rank: int, world: int, backend: str = "gloo
     raise ValueError(f"weight sync backend must be 'gloo' or 'nccl', got {backend!r}")
 
 
+def close_group(group) -> None:
+    """Tear down a group made by :func:`make_group` (its connections and, on rank 0, the store's socket)."""
+    try:
+        group.shutdown()
+    except RuntimeError:  # already broken (a member died): nothing left to close cleanly
+        pass
+
+
 def _broadcast(group, buf: torch.Tensor) -> None:
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
@@ -125,27 +133,46 @@ class BroadcastSync:
     def __init__(self, bucket_bytes: int = DEFAULT_SYNC_BUCKET_BYTES, backend: str = "gloo", host: str = "127.0.0.1",
                  timeout_s: float = 600.0):
         self.bucket_bytes, self.backend, self.host, self.timeout_s = bucket_bytes, backend, host, timeout_s
-        self.group, self.members, self.generation = None, (), 0
+        self.group, self.members, self.generation, self.name = None, (), 0, ""
 
     async def connect(self, engines: list) -> None:
-        """A new group of this process (rank 0) and ``engines`` (ranks 1..n)."""
+        """A new group of this process (rank 0) and ``engines`` (ranks 1..n); the previous group, if
+        any, is torn down on both sides first (an engine that is gone is skipped)."""
         import asyncio
 
         from strop.parallel.launch import free_port
 
+        await self.disconnect()
         port, world = free_port(), len(engines) + 1
         self.generation += 1
         name = f"strop-sync-{self.generation}"
         own = asyncio.to_thread(make_group, self.host, port, 0, world, self.backend, self.timeout_s)
         joined = await asyncio.gather(own, *(e.join_group(self.host, port, i + 1, world, self.backend, name)
-                                             for i, e in enumerate(engines)))
-        self.group, self.members, self.name = joined[0], tuple(engines), name
+                                             for i, e in enumerate(engines)), return_exceptions=True)
+        failed = [r for r in joined if isinstance(r, BaseException)]
+        if not isinstance(joined[0], BaseException):
+            self.group, self.members, self.name = joined[0], tuple(engines), name
+        if failed:
+            await self.disconnect()
+            raise failed[0]
 
-    async def update(self, engines: list, named: dict[str, torch.Tensor], version: int) -> int:
-        """Broadcast ``named`` to ``engines`` (reconnecting when the set changed); returns bytes sent."""
+    async def disconnect(self) -> None:
+        """Leave the current group: every member still answering destroys its side, then this side closes."""
         import asyncio
 
-        if tuple(engines) != self.members:
+        if self.group is None:
+            return
+        group, members, name = self.group, self.members, self.name
+        self.group, self.members = None, ()
+        await asyncio.gather(*(e.leave_group(name) for e in members), return_exceptions=True)  # the dead are skipped
+        await asyncio.to_thread(close_group, group)
+
+    async def update(self, engines: list, named: dict[str, torch.Tensor], version: int) -> tuple[int, list[int]]:
+        """Broadcast ``named`` to ``engines`` (reconnecting when the set changed). Returns the bytes sent
+        and the weight version each engine reports holding afterwards."""
+        import asyncio
+
+        if self.group is None or tuple(engines) != self.members:
             await self.connect(engines)
         manifest = manifest_of(named)
         plan = bucket_plan(manifest, self.bucket_bytes)
@@ -155,6 +182,6 @@ class BroadcastSync:
                                          for e in engines), return_exceptions=True)
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed:
-            self.members = ()  # the group is broken: the next update builds a new one
+            await self.disconnect()  # the group is broken: the next update builds a new one
             raise failed[0]
-        return results[0]
+        return results[0], list(results[1:])

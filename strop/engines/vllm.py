@@ -9,7 +9,10 @@ temperature other than 1 with raw logprobs).
 
 Weights: vLLM reloads from disk without a restart only in dev mode
 (``VLLM_SERVER_DEV_MODE=1``: ``POST /collective_rpc`` with ``reload_weights``); the
-prefix cache is reset after every load, or cached prefixes keep old weights.
+prefix cache is reset after every load, or cached prefixes keep old weights. Each load is
+labelled with its version (``/update_weight_version``) and the label read back
+(``/weight_info``), so the version strop trusts is the one the server reports holding: a
+restarted server says ``"default"`` (its initial weights), whatever strop loaded before.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from strop.engines.http import EngineRequestError, SGLangEngine
+from strop.engines.http import EngineRequestError, EngineVersionError, SGLangEngine, parse_weight_version
 from strop.types import Completion, SamplingParams
 
 
@@ -48,8 +51,12 @@ class VLLMEngine(SGLangEngine):
             body["stop_token_ids"] = [t for t in sampling.stop_token_ids if t >= 0]
         if sampling.seed is not None:  # (a per-request seed needs --max-num-batched-tokens large enough on CPU)
             body["seed"] = sampling.seed
+        # vLLM's completions carry no weight version: the tokens are stamped with the version the server last
+        # reported holding when the request left (read back after every load, and by the router's probes),
+        # never with a version that arrived while the request ran
+        version = self.weight_version
         out = await self._call("POST", "/v1/completions", json=body)
-        return parse_completion(out, self.url, self.weight_version)
+        return parse_completion(out, self.url, version)
 
     async def top_logprobs(self, prompt_ids: list[int], temperature: float, k: int = 8) -> dict[int, float]:
         """The top-k logprobs the server reports for the first generated position."""
@@ -76,13 +83,24 @@ class VLLMEngine(SGLangEngine):
                 f"{temperature}: start the server with --logprobs-mode processed_logprobs")
 
     async def load_weights(self, path: str | Path, version: int, checksum: str | None = None) -> int:
+        """Reload from ``path``, reset the prefix cache, label the weights ``version`` and read the label
+        back (``/update_weight_version``, ``/weight_info``: vLLM 0.32+, dev mode). vLLM reports no
+        checksum strop can compare: receipt is the version the server reports holding."""
         await self._call("POST", "/collective_rpc", json={"method": "reload_weights",
                                                           "kwargs": {"weights_path": str(path)}}, retries=1)
         await self._call("POST", "/reset_prefix_cache", retries=1)
-        self.weight_version = version  # vLLM reports no version or checksum: strop keeps the count
-        return version
+        await self._call("POST", "/update_weight_version", json={"new_version": str(version)}, retries=1)
+        held = await self.get_weight_version()
+        if held != version:
+            raise EngineVersionError(f"{self.url}: asked to load weight version {version}, reports {held}")
+        return held
 
     async def get_weight_version(self) -> int:
+        """The label the server holds (``GET /weight_info``; ``"default"`` until strop sets one: version 0)."""
+        out = await self._call("GET", "/weight_info", timeout=10, retries=0)
+        if not isinstance(out, dict) or "weight_version" not in out:
+            raise EngineVersionError(f"{self.url}: /weight_info reports no weight version: {str(out)[:200]}")
+        self.weight_version = parse_weight_version(out["weight_version"], self.url)
         return self.weight_version
 
     async def abort(self, request_id: str) -> bool:

@@ -62,6 +62,8 @@ class RolloutManager:
         self.round_held = 0  # samples of groups a round (sync / one_step_off) kept, until batch() takes them
         self.launched = 0  # launch order of groups (rounds count finished groups in this order)
         self.step_filtered_groups = 0  # async: groups a filter dropped while this step waited
+        self.step_stale_groups = 0  # async: groups dropped as stale while this step waited
+        self.stale_versions: Counter = Counter()  # async: the weight versions of stale tokens, for the error
         self.finished_lengths: list[int] = []  # response lengths of every sample finished since the last step
         self.ready_event = asyncio.Event()
         self.paused = False  # async: no new groups while a checkpoint drains what is in flight
@@ -88,6 +90,8 @@ class RolloutManager:
             groups = await self._take_async(step)
         if self.r.mode != "async" and not self.simple:
             self.round_held -= sum(len(g) for g in groups)
+        if self.r.mode == "sync":
+            self._check_current(step, groups)
         trained = [s for g in groups for s in g if s.status.trainable]
         for g in groups:
             for s in g:
@@ -100,8 +104,24 @@ class RolloutManager:
                     last = s.weight_versions[-1]
                     s.loss_mask = [m if v == last else 0 for m, v in zip(s.loss_mask, s.weight_versions)]
         metrics = self._metrics(step, groups, trained)
+        take_counts = getattr(self.c.engine, "take_counts", None)  # the router: failovers and engine events
+        if take_counts is not None:
+            metrics |= take_counts()
         self.step_dropped, self.step_drawn = Counter(), 0
         return groups, metrics
+
+    def _check_current(self, step: int, groups: list[list[Sample]]) -> None:
+        """Sync mode: every trained token comes from the weights the engine was last updated to. A token
+        of another version means an engine served weights it was never given: stop, never train on it."""
+        current = getattr(self.c.engine, "weight_version", None)
+        if current is None:
+            return
+        seen = Counter(v for g in groups for s in g if s.status.trainable
+                       for v, m in zip(s.weight_versions, s.loss_mask) if m and v != current)
+        if seen:
+            raise RuntimeError(f"step {step}: {sum(seen.values())} trained tokens were sampled by weight versions "
+                               f"{sorted(seen)}, but the engine's current version is {current}: an engine served "
+                               "weights it was not updated to (rollout.mode=sync trains only on current weights)")
 
     async def update_weights(self, update) -> None:
         """Run ``update()`` (the engine's weight update). With ``partial=resume`` outside sync mode,
@@ -324,7 +344,8 @@ class RolloutManager:
     async def _take_async(self, step: int) -> list[list[Sample]]:
         if self.producer is None:
             self.producer = asyncio.ensure_future(self._produce())
-        out, self.step_filtered_groups = [], 0
+        out, self.step_filtered_groups, self.step_stale_groups = [], 0, 0
+        self.stale_versions.clear()
         limit = math.ceil(self.r.prompts_per_step * self.r.over_sample * self.r.filter_max_rounds)
         while len(out) < self.r.prompts_per_step:
             if self.error is not None:
@@ -335,10 +356,20 @@ class RolloutManager:
                 group = self.ready.pop(0)
                 if max(max(staleness(s, step), default=0) for s in group) > self.r.max_staleness:
                     self._drop(group, "stale")
+                    self.step_stale_groups += 1
+                    self.stale_versions.update(v for s in group for v in s.weight_versions
+                                               if step - 1 - v > self.r.max_staleness)
                     if self.r.stale_groups == "regenerate":  # the same prompts, on the current weights
                         self._launch(group).add_done_callback(self._finished)
                     continue
                 out.append(group)
+            if self.step_stale_groups > self._capacity() + limit:
+                # more than every group held before this step could be: new groups come back stale too
+                raise RuntimeError(
+                    f"step {step}: {self.step_stale_groups} groups dropped as stale (tokens of weight versions "
+                    f"{sorted(self.stale_versions)[:8]}, the trainer is at version {step - 1}, "
+                    f"rollout.max_staleness={self.r.max_staleness}): the engines do not serve the new weights, "
+                    f"so the step cannot fill ({dict(self.step_dropped)} samples dropped)")
             if len(out) < self.r.prompts_per_step and self.step_filtered_groups >= limit:
                 if out:  # as the rounds of sync mode: a short step rather than no step
                     break

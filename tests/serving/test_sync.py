@@ -91,13 +91,13 @@ def test_a_server_receives_broadcast_weights(start_server):
     state = make_tiny_model(seed=11).state_dict()
 
     async def main():
-        sent = await sync.update([engine], state, version=4)
+        sent, reported = await sync.update([engine], state, version=4)
         version = await engine.get_weight_version()
         await engine.close()
-        return sent, version
+        return sent, reported, version
 
-    sent, version = asyncio.run(main())
-    assert version == 4
+    sent, reported, version = asyncio.run(main())
+    assert version == 4 and reported == [4]
     unique = {n: t for n, t in state.items() if n != "lm_head.weight"}  # tied to the embedding
     assert sent == sum(t.numel() * 4 for t in unique.values())
     # the server now generates with exactly these weights: same greedy logprobs as a local model
@@ -147,3 +147,51 @@ def test_delta_sync_sends_only_changed_tensors_and_checks_them(start_server, tmp
     want = EmbeddedEngine(model, pad_token_id=0).generate_batch([[5, 6, 7]], greedy)[0]
     assert got.token_ids == want.token_ids and got.weight_version == 2
     assert max(abs(a - b) for a, b in zip(got.logprobs, want.logprobs)) < 1e-5
+
+
+class _GroupEngine:
+    """An engine's side of the weight-sync group, in this process (a thread joins, as strop serve's does)."""
+
+    def __init__(self):
+        self.groups, self.left, self.params = {}, [], {}
+
+    async def join_group(self, host, port, rank, world, backend, name):
+        from strop.engines.sync import make_group
+
+        self.groups[name] = await asyncio.to_thread(make_group, host, port, rank, world, backend, 30.0)
+
+    async def leave_group(self, name):
+        self.groups.pop(name).shutdown()
+        self.left.append(name)
+
+    async def receive_broadcast(self, manifest, version, bucket_bytes, name):
+        from strop.engines.sync import receive_buckets
+
+        self.params = {n: torch.empty(shape, dtype=getattr(torch, dtype)) for n, dtype, shape in manifest}
+        await asyncio.to_thread(receive_buckets, self.groups[name], self.params, bucket_plan(manifest, bucket_bytes),
+                                "cpu")
+        return version
+
+
+@pytest.mark.timeout(60)
+def test_a_reconnect_tears_down_the_previous_group_on_both_sides(monkeypatch):
+    import strop.engines.sync as sync_module
+
+    closed = []
+    monkeypatch.setattr(sync_module, "close_group", lambda g: (closed.append(g), g.shutdown()), raising=False)
+    a, b = _GroupEngine(), _GroupEngine()
+    sync = BroadcastSync(bucket_bytes=1 << 12, timeout_s=30)
+    state = {"w": torch.arange(12.0).reshape(3, 4), "v": torch.ones(5)}
+
+    async def main():
+        first = await sync.update([a, b], state, version=1)
+        group_one = sync.group
+        second = await sync.update([a], state | {"v": torch.zeros(5)}, version=2)  # b left: a new group
+        return first, second, group_one
+
+    first, second, group_one = asyncio.run(main())
+    assert a.left == ["strop-sync-1"] and b.left == ["strop-sync-1"]  # both engines destroyed their side
+    assert first[1] == [1, 1] and second[1] == [2]
+    assert torch.equal(a.params["v"], torch.zeros(5)) and torch.equal(a.params["w"], state["w"])
+    assert list(a.groups) == ["strop-sync-2"] and not b.groups
+    assert len(closed) == 1 and closed[0] is group_one  # and so did the trainer

@@ -1,0 +1,336 @@
+"""The router's weight-version bookkeeping against controllable fake engines: each fake holds real
+tensors and a version, can be stopped and restarted, and can pause inside any await where a race
+lives. The invariant every test ends on: a healthy engine holds the router's weights and version."""
+
+import asyncio
+
+import pytest
+import torch
+
+from strop.engines.http import EngineRequestError, EngineUnavailable, EngineVersionError, WeightWriter, parse_weight_version
+from strop.engines.router import Router
+from strop.types import Completion, SamplingParams
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def _weights(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"a.weight": torch.randn(4, 3, generator=g), "b.weight": torch.randn(5, generator=g)}
+
+
+INITIAL = _weights(0)
+
+
+class FakeEngine:
+    """An engine that holds ``weights`` at ``version`` (what it would report), serves while ``up``,
+    and pauses at ``gate[name]`` (an Event) inside the call ``name`` when one is set."""
+
+    def __init__(self, name: str):
+        self.name, self.up = name, True
+        self.weights, self.version = {k: v.clone() for k, v in INITIAL.items()}, 0
+        self.gate: dict[str, asyncio.Event] = {}
+        self.entered: dict[str, asyncio.Event] = {}
+        self.report = None  # a version to report instead of the real one (a misbehaving server)
+        self.requests = 0
+
+    def __repr__(self):
+        return f"Fake({self.name})"
+
+    def restart(self):
+        """Killed and started again: initial weights, version 0."""
+        self.up, self.weights, self.version = True, {k: v.clone() for k, v in INITIAL.items()}, 0
+
+    async def _maybe_pause(self, name):
+        if name in self.gate:
+            self.entered.setdefault(name, asyncio.Event()).set()
+            await self.gate[name].wait()
+        if not self.up:
+            raise EngineUnavailable(f"{self.name} is down")
+
+    async def generate(self, prompt_ids, sampling, request_id=None):
+        await self._maybe_pause("generate")
+        self.requests += 1
+        return Completion([7], [-0.5], "stop", self.version)
+
+    async def health(self):
+        return self.up
+
+    async def get_weight_version(self):
+        await self._maybe_pause("get_weight_version")
+        return parse_weight_version(self.report if self.report is not None else self.version, self.name)
+
+    async def load_weights(self, path, version, checksum=None, digests=None):
+        await self._maybe_pause("load_weights")
+        from safetensors.torch import load_file
+
+        state = load_file(str(path / "model.safetensors"))
+        if digests is None and set(state) != set(self.weights):
+            raise EngineRequestError(f"{self.name}: a full load needs every tensor")
+        self.weights.update(state)
+        self.version = version
+        return version
+
+    async def join_group(self, *args):
+        pass
+
+    async def leave_group(self, name):
+        pass
+
+    async def abort_all(self):
+        pass
+
+    async def close(self):
+        pass
+
+
+class FakeBroadcast:
+    """BroadcastSync's interface; copies the weights into the members, pausing at ``gate`` first."""
+
+    def __init__(self):
+        self.gate, self.entered, self.members = None, asyncio.Event(), []
+
+    async def update(self, engines, named, version):
+        self.members.append([e.name for e in engines])
+        self.entered.set()
+        if self.gate is not None:
+            await self.gate.wait()
+        for e in engines:
+            if not e.up:
+                raise EngineUnavailable(f"{e.name} is down")
+            e.weights = {k: v.clone() for k, v in named.items()}
+            e.version = version
+        return sum(t.numel() * t.element_size() for t in named.values()), [e.version for e in engines]
+
+
+def assert_healthy_engines_hold_the_routers_weights(router, weights):
+    for i, engine in enumerate(router.engines):
+        if router.healthy[i]:
+            assert engine.version == router.weight_version, (engine, engine.version, router.weight_version)
+            for name, t in weights.items():
+                assert torch.equal(engine.weights[name], t), (engine, name)
+
+
+async def _until(predicate, timeout=10.0):
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+# ---- item 1: broadcast sync, an engine returning during the broadcast ---------------------------------
+def test_an_engine_returning_during_a_broadcast_is_not_admitted_with_weights_it_never_received():
+    a, b = FakeEngine("a"), FakeEngine("b")
+    broadcast = FakeBroadcast()
+    router = Router([a, b], broadcast=broadcast)
+
+    async def main():
+        for v in range(1, 4):
+            await router.update_weights(_weights(v), version=v)
+        b.up = False
+        router._mark_down(1, "killed")
+        b.restart()  # back at version 0, before the router noticed
+        broadcast.gate, broadcast.entered = asyncio.Event(), asyncio.Event()
+        update = asyncio.ensure_future(router.update_weights(_weights(4), version=4))
+        await broadcast.entered.wait()  # the broadcast to [a] is in flight
+        probe = asyncio.ensure_future(router.check_health())  # the health loop sees b answer again
+        await asyncio.sleep(0.05)
+        broadcast.gate.set()
+        await asyncio.gather(update, probe)
+
+    asyncio.run(main())
+    assert router.weight_version == 4
+    assert_healthy_engines_hold_the_routers_weights(router, _weights(4))
+    assert not router.healthy[1] and 1 in router.rejoining  # it gets the weights at the next update
+
+    async def next_update():
+        broadcast.gate = None
+        await router.update_weights(_weights(5), version=5)
+
+    asyncio.run(next_update())
+    assert router.healthy == [True, True] and broadcast.members[-1] == ["a", "b"]
+    assert_healthy_engines_hold_the_routers_weights(router, _weights(5))
+
+
+# ---- item 2: disk sync, the health loop loading the new file under the old version -------------------
+@pytest.mark.parametrize("old_version", [0, 4])
+def test_an_engine_readmitted_during_a_disk_update_holds_the_new_version(tmp_path, old_version):
+    a, b = FakeEngine("a"), FakeEngine("b")
+    router = Router([a, b], writer=WeightWriter(tmp_path))
+
+    async def main():
+        if old_version:
+            await router.update_weights(_weights(old_version), version=old_version)
+        b.up = False
+        router._mark_down(1, "killed")
+        b.restart()
+        a.gate["load_weights"] = asyncio.Event()
+        update = asyncio.ensure_future(router.update_weights(_weights(old_version + 1), version=old_version + 1))
+        await _until(lambda: "load_weights" in a.entered)  # the file is written, a is loading it
+        probe = asyncio.ensure_future(router.check_health())
+        await asyncio.sleep(0.05)
+        a.gate.pop("load_weights").set()
+        await asyncio.gather(update, probe)
+        await router.check_health()  # the next probe after the update re-admits b with the new weights
+
+    asyncio.run(main())
+    assert router.weight_version == old_version + 1
+    assert router.healthy == [True, True]
+    assert_healthy_engines_hold_the_routers_weights(router, _weights(old_version + 1))
+
+
+# ---- item 4: versions strop cannot read -----------------------------------------------------------------
+@pytest.mark.parametrize("value,expected", [(3, 3), ("12", 12), ("default", 0)])
+def test_weight_versions_are_read_in_one_place(value, expected):
+    assert parse_weight_version(value, "http://e") == expected
+
+
+@pytest.mark.parametrize("value", ["step-42", None, 1.5, -1, True, "", "٣"])
+def test_an_unreadable_weight_version_is_an_engine_error_naming_the_engine(value):
+    with pytest.raises(EngineVersionError, match="http://e"):
+        parse_weight_version(value, "http://e")
+
+
+def test_an_unreadable_version_does_not_kill_the_health_loop(tmp_path):
+    a, b = FakeEngine("a"), FakeEngine("b")
+    router = Router([a, b], writer=WeightWriter(tmp_path), health_interval_s=0.02)
+
+    async def main():
+        await router.update_weights(_weights(1), version=1)
+        router._mark_down(1, "killed")
+        b.restart()
+        b.report = "step-42"  # SGLang's labels are strings
+        await router.generate([1, 2], SamplingParams(max_new_tokens=1))  # starts the health loop
+        await asyncio.sleep(0.2)  # several probes read the bad version
+        assert not router.healthy[1] and not router._health_task.done()
+        b.report = None
+        await _until(lambda: router.healthy[1])
+        await router.close()
+
+    asyncio.run(main())
+    assert_healthy_engines_hold_the_routers_weights(router, _weights(1))
+    assert any("step-42" in e for e in router.events)
+
+
+# ---- item 7: an engine restarted behind the router's back ------------------------------------------------
+@pytest.mark.parametrize("sync", ["disk", "delta", "broadcast"])
+def test_an_engine_restarted_between_updates_is_reloaded_before_it_serves_again(tmp_path, sync):
+    """Under delta and broadcast sync the restarted engine must get every tensor, not only the changed ones."""
+    a, b = FakeEngine("a"), FakeEngine("b")
+    kw = {"broadcast": FakeBroadcast()} if sync == "broadcast" else {"delta": sync == "delta"}
+    router = Router([a, b], writer=WeightWriter(tmp_path), **kw)
+    later = dict(_weights(2), **{"b.weight": _weights(1)["b.weight"]})  # only a.weight changes in version 2
+
+    async def main():
+        await router.update_weights(_weights(1), version=1)
+        b.restart()  # no request failed: only the version probe can tell
+        await router.check_health()
+        assert not router.healthy[1]
+        await router.check_health()  # alive again: reloaded now (disk) or rejoining (delta, broadcast)
+        await router.update_weights(later, version=2)
+        await router.check_health()
+
+    asyncio.run(main())
+    assert router.healthy == [True, True]
+    assert_healthy_engines_hold_the_routers_weights(router, later)
+
+
+def test_an_engine_that_reports_another_version_after_a_load_is_not_healthy(tmp_path):
+    a, b = FakeEngine("a"), FakeEngine("b")
+
+    async def lying_load(path, version, checksum=None, digests=None):
+        return 0  # claims success but holds its initial weights
+
+    b.load_weights = lying_load
+    router = Router([a, b], writer=WeightWriter(tmp_path))
+    asyncio.run(router.update_weights(_weights(1), version=1))
+    assert router.healthy == [True, False]
+    assert any("reports weight version 0" in e for e in router.events)
+
+
+def test_no_probe_readmits_an_engine_while_an_update_is_in_flight(tmp_path):
+    """The lock: a re-admission waits for the running update, then sees its version."""
+    a, b = FakeEngine("a"), FakeEngine("b")
+    router = Router([a, b], writer=WeightWriter(tmp_path))
+
+    async def main():
+        await router.update_weights(_weights(1), version=1)
+        router._mark_down(1, "killed")
+        a.gate["load_weights"] = asyncio.Event()
+        update = asyncio.ensure_future(router.update_weights(_weights(2), version=2))
+        await _until(lambda: "load_weights" in a.entered)
+        probe = asyncio.ensure_future(router.check_health())
+        await asyncio.sleep(0.05)
+        waiting = not probe.done() and not router.healthy[1]
+        a.gate.pop("load_weights").set()
+        await asyncio.gather(update, probe)
+        return waiting
+
+    assert asyncio.run(main())
+    assert router.healthy == [True, True] and b.version == 2
+    assert_healthy_engines_hold_the_routers_weights(router, _weights(2))
+
+
+# ---- item 17: least outstanding requests -----------------------------------------------------------------
+def test_requests_go_to_the_engine_with_the_fewest_in_flight():
+    engines = [FakeEngine(n) for n in "abc"]
+    for e in engines:
+        e.gate["generate"] = asyncio.Event()
+    router = Router(engines)
+
+    async def main():
+        sp = SamplingParams(max_new_tokens=1)
+        tasks = [asyncio.ensure_future(router.generate([1], sp)) for _ in range(5)]
+        await asyncio.sleep(0.05)
+        spread = list(router.outstanding)
+        engines[0].gate["generate"].set()  # a finishes its two: it has the fewest again
+        await asyncio.sleep(0.05)
+        nxt = asyncio.ensure_future(router.generate([1], sp))
+        await asyncio.sleep(0.05)
+        for e in engines:
+            e.gate["generate"].set()
+        await asyncio.gather(*tasks, nxt)
+        await router.close()
+        return spread
+
+    spread = asyncio.run(main())
+    assert spread == [2, 2, 1]  # 5 requests over 3 engines, ties to the first
+    assert [e.requests for e in engines] == [3, 2, 1]
+
+
+# ---- item 23: failovers and engine events reach the step's metrics ----------------------------------------
+def test_failovers_and_engine_events_are_counted_per_step(tmp_path, capsys):
+    a, b = FakeEngine("a"), FakeEngine("b")
+    router = Router([b, a], writer=WeightWriter(tmp_path))
+
+    async def main():
+        sp = SamplingParams(max_new_tokens=1)
+        b.up = False
+        outs = [await router.generate([1], sp) for _ in range(3)]  # the first goes to b and fails over to a
+        first = router.take_counts()
+        b.up = True
+        await router.check_health()
+        second = router.take_counts()
+        await router.close()
+        return outs, first, second
+
+    outs, first, second = asyncio.run(main())
+    assert all(o.finish_reason == "stop" for o in outs)
+    assert first == {"engine_failovers": 1, "engine_down": 1, "engine_readmitted": 0, "engines_healthy": 1}
+    assert second == {"engine_failovers": 0, "engine_down": 0, "engine_readmitted": 1, "engines_healthy": 2}
+    printed = capsys.readouterr().out
+    assert "down Fake(b)" in printed and "re-admitted Fake(b)" in printed
+
+
+def test_affinity_keys_are_bounded():
+    from strop.engines.router import MAX_STICKY_KEYS
+
+    router = Router([FakeEngine("a"), FakeEngine("b")], affinity=True)
+
+    async def main():
+        for k in range(MAX_STICKY_KEYS + 50):
+            await router.generate([1], SamplingParams(max_new_tokens=1), affinity=f"sample-{k}")
+        await router.close()
+
+    asyncio.run(main())
+    assert len(router._sticky) == MAX_STICKY_KEYS and "sample-0" not in router._sticky
