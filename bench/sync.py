@@ -7,6 +7,10 @@ sync: seconds, bytes that reached the engine (and the fraction of a full sync), 
 rise of peak RSS on both sides during it (VmHWM after, against VmRSS before, the peak reset
 just before the sync with ``5 > /proc/PID/clear_refs``). The trainer side's figure does not
 count the weights copy it syncs from (``Trainer.full_weights``, made before the sync).
+Also reported: the longest the trainer side's event loop (the rollout loop in a run) went
+without running a 5 ms heartbeat during the sync: what an in-flight request waits.
+The code measured is whichever ``strop`` is imported: ``PYTHONPATH=<old checkout>`` measures
+an earlier revision with this same script.
 
     python bench/sync.py [--model embedded:smollm2-135m-instruct] [--bucket-mib 64]
 """
@@ -33,6 +37,29 @@ def _reset_peak(pid) -> int:
     """Reset a process's peak RSS (VmHWM) to its current RSS (Linux: 5 > clear_refs); returns that RSS."""
     Path(f"/proc/{pid}/clear_refs").write_text("5")
     return _status_kib(pid, "VmRSS")
+
+
+async def _longest_stall(coroutine) -> float:
+    """Await ``coroutine`` beside a 5 ms heartbeat; return the longest gap between beats, in seconds."""
+    import asyncio
+
+    gaps, done = [0.0], asyncio.Event()
+
+    async def beat():
+        last = time.perf_counter()
+        while not done.is_set():
+            await asyncio.sleep(0.005)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    heartbeat = asyncio.ensure_future(beat())
+    try:
+        await coroutine
+    finally:
+        done.set()
+        await heartbeat
+    return max(gaps)
 
 
 def child(form: str, model: str, url: str, pid: int, bucket: int, work: str) -> dict:
@@ -62,12 +89,12 @@ def child(form: str, model: str, url: str, pid: int, bucket: int, work: str) -> 
         t.add_(0)
     server_before, own_before = _reset_peak(pid), _reset_peak("self")
     t0 = time.perf_counter()
-    loop.run_until_complete(router.update_weights(weights, version=2))
+    stall = loop.run_until_complete(_longest_stall(router.update_weights(weights, version=2)))
     seconds = time.perf_counter() - t0
     full = sum(t.numel() * t.element_size() for n, t in weights.items() if n != "lm_head.weight")
     sent = router.bytes_sent if form != "disk" else full
     loop.run_until_complete(router.close())
-    return {"form": form, "seconds": seconds, "bytes": sent, "full": full,
+    return {"form": form, "seconds": seconds, "bytes": sent, "full": full, "stall_ms": stall * 1000,
             "server_extra_mib": (_status_kib(pid, "VmHWM") - server_before) / 1024,
             "trainer_extra_mib": (_status_kib("self", "VmHWM") - own_before) / 1024}
 
@@ -86,8 +113,9 @@ def main() -> None:
     from strop.engines.launch import launch_servers
 
     print(f"model {args.model}, broadcast bucket {args.bucket_mib} MiB; second sync (after one GRPO step)")
-    print("| form | seconds | bytes to the engine | of a full sync | server peak extra MiB | trainer peak extra MiB |")
-    print("|---|---|---|---|---|---|")
+    print("| form | seconds | bytes to the engine | of a full sync | server peak extra MiB | trainer peak extra MiB | "
+          "trainer loop stall ms |")
+    print("|---|---|---|---|---|---|---|")
     for form in args.forms:
         server = launch_servers(1, args.model, args=["--threads=1"])[0]
         try:
@@ -99,7 +127,7 @@ def main() -> None:
         finally:
             server.stop()
         print(f"| {form} | {r['seconds']:.2f} | {r['bytes'] / 2**20:.1f} MiB | {r['bytes'] / r['full']:.2f} | "
-              f"{r['server_extra_mib']:.0f} | {r['trainer_extra_mib']:.0f} |", flush=True)
+              f"{r['server_extra_mib']:.0f} | {r['trainer_extra_mib']:.0f} | {r['stall_ms']:.0f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -462,3 +462,60 @@ def test_sync_mode_does_not_requeue_aborted_multi_turn_samples_and_counts_them()
     assert all(s.response_ids[:len(CALL)] == CALL and s.metadata["tool_calls"] == 1 and s.metadata["turns"] == 2
                for s in aborted)  # aborted in its second turn, after the tool ran
     assert [rollout_metrics(groups, 1.0)["aborted_fraction"] for _, groups, _ in seen] == [4 / 16, 4 / 16]
+
+
+class StaleEngine(ScriptedEngine):
+    """Takes every weight update (its ``weight_version`` moves, as a router's does) but keeps serving
+    its initial weights, and says so in every completion: an engine that never really synced."""
+
+    async def generate(self, prompt_ids, sampling):
+        out = await super().generate(prompt_ids, sampling)
+        return Completion(out.token_ids, out.logprobs, out.finish_reason, 0)
+
+
+@pytest.mark.timeout(60)
+def test_async_stale_drops_count_toward_giving_up_and_the_error_names_the_reason():
+    engine = StaleEngine()
+    manager, _ = _manager(engine, mode="async", max_staleness=1, stale_groups="regenerate")
+
+    async def main():
+        for step in range(1, 7):  # step 3 onwards: every token is 2+ versions old, regenerated ones too
+            await asyncio.wait_for(manager.batch(step), timeout=30)
+            await manager.update_weights(lambda: engine.update_weights(None, version=step))
+
+    try:
+        with pytest.raises(RuntimeError, match=r"dropped as stale \(tokens of weight versions \[0\], the trainer is "
+                                               r"at version 2"):
+            asyncio.run(main())
+    finally:
+        asyncio.run(asyncio.wait_for(manager.close(), 20)) if manager.tasks else None
+    assert manager.dropped["stale"] > 0
+
+
+@pytest.mark.timeout(60)
+def test_sync_mode_refuses_to_train_tokens_of_weights_the_engine_was_not_updated_to():
+    engine = StaleEngine()
+    manager, _ = _manager(engine, mode="sync", over_sample=1.25)  # (rounds: the path without a rollout hook)
+
+    async def main():
+        groups, _ = await asyncio.wait_for(manager.batch(1), timeout=20)  # version 0 is current: fine
+        await manager.update_weights(lambda: engine.update_weights(None, version=1))
+        await asyncio.wait_for(manager.batch(2), timeout=20)
+
+    with pytest.raises(RuntimeError, match=r"sampled by weight versions \[0\], but the engine's current version is 1"):
+        asyncio.run(main())
+
+
+@pytest.mark.timeout(60)
+def test_the_routers_failovers_and_engine_events_reach_the_steps_metrics():
+    class Routed(ScriptedEngine):
+        def __init__(self):
+            super().__init__()
+            self.counts = [{"engine_failovers": 3, "engine_down": 1, "engine_readmitted": 0, "engines_healthy": 1}]
+
+        def take_counts(self):
+            return self.counts.pop()
+
+    manager, _ = _manager(Routed(), mode="sync", over_sample=1.25)
+    _, metrics = asyncio.run(_first_step(manager))
+    assert (metrics["engine_failovers"], metrics["engine_down"], metrics["engines_healthy"]) == (3, 1, 1)

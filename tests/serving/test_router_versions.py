@@ -334,3 +334,64 @@ def test_affinity_keys_are_bounded():
 
     asyncio.run(main())
     assert len(router._sticky) == MAX_STICKY_KEYS and "sample-0" not in router._sticky
+
+
+# ---- items 4-6 at the client: SGLang 0.5.23's routes and answers -------------------------------------------
+class _SGLangServer:
+    """SGLang 0.5.23's answers: the label on /model_info ("default" at start), no /get_weight_version, an
+    update answer without version or checksum, generate answers carrying meta_info.weight_version."""
+
+    def __init__(self):
+        self.label, self.meta = "default", {}
+
+    def __call__(self, request):
+        import json
+
+        import httpx
+
+        path = request.url.path
+        if path == "/model_info":
+            return httpx.Response(200, json={"model_path": "m", "weight_version": self.label})
+        if path == "/update_weights_from_disk":
+            self.label = json.loads(request.content)["weight_version"]
+            return httpx.Response(200, json={"success": True, "message": "ok", "num_paused_requests": 0})
+        if path == "/generate":
+            meta = {"finish_reason": {"type": "stop"}, "output_token_logprobs": [[-0.5, 7, None]], **self.meta}
+            return httpx.Response(200, json={"text": "", "output_ids": [7], "meta_info": meta})
+        return httpx.Response(404, json={"detail": "Not Found"})
+
+
+def _sglang(require_checksum=False):
+    import httpx
+
+    from strop.engines.http import SGLangEngine
+
+    server = _SGLangServer()
+    engine = SGLangEngine("http://sglang.test", retries=0, **({"require_checksum": True} if require_checksum else {}))
+    engine._client = httpx.AsyncClient(transport=httpx.MockTransport(server))
+    return server, engine
+
+
+def test_the_sglang_client_reads_versions_where_sglang_reports_them(tmp_path):
+    server, engine = _sglang()
+
+    async def main():
+        first = await engine.get_weight_version()
+        loaded = await engine.load_weights(tmp_path, 2, checksum="abc")  # SGLang answers no checksum: not required
+        server.meta = {"weight_version": "2", "weight_versions": [{"version": "1", "start": 0, "end": 3},
+                                                                  {"version": "2", "start": 3, "end": 5}]}
+        spanned = await engine.generate([1], SamplingParams(max_new_tokens=1))
+        server.meta = {}
+        with pytest.raises(EngineRequestError, match="sglang.test.*weight version None"):
+            await engine.generate([1], SamplingParams(max_new_tokens=1))
+        return first, loaded, spanned
+
+    first, loaded, spanned = asyncio.run(main())
+    assert (first, loaded) == (0, 2)
+    assert spanned.weight_version == 1  # a request that spanned an update counts as its oldest tokens
+
+
+def test_a_strop_server_must_prove_receipt_with_the_checksum(tmp_path):
+    server, engine = _sglang(require_checksum=True)  # kind strop: strop serve reports the checksum
+    with pytest.raises(EngineRequestError, match="arrived with checksum None, the trainer's is abc"):
+        asyncio.run(engine.load_weights(tmp_path, 2, checksum="abc"))
