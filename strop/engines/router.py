@@ -189,10 +189,13 @@ class Router:
     async def _load(self, i: int) -> bool:
         """Load the current weights into engine ``i``; healthy afterwards only at the version it reports."""
         path, checksum, version = self.latest
+        before = self.state[i]
         try:
             held = await self.engines[i].load_weights(path, version, checksum)
         except (EngineUnavailable, EngineRequestError) as exc:
             self._mark_down(i, f"weight load of version {version} failed: {exc}")
+            return False
+        if self.state[i] != before:  # a request failed on it meanwhile: the health loop decides, not this load
             return False
         return self._move(i, HEALTHY, "loaded the current weights", held)
 
@@ -245,7 +248,8 @@ class Router:
                     return
                 self.held[i] = dict(digests)
                 self.bytes_sent += sum(sizes[n] for n in changed)
-                self._move(i, HEALTHY, "loaded the changed tensors", held)
+                if self.state[i] != DOWN:  # (a request that failed on it meanwhile leaves it to the health loop)
+                    self._move(i, HEALTHY, "loaded the changed tensors", held)
             await asyncio.gather(*(load(i) for i in engines))
 
     # ---- health and re-admission ---------------------------------------------------------------------

@@ -395,3 +395,25 @@ def test_a_strop_server_must_prove_receipt_with_the_checksum(tmp_path):
     server, engine = _sglang(require_checksum=True)  # kind strop: strop serve reports the checksum
     with pytest.raises(EngineRequestError, match="arrived with checksum None, the trainer's is abc"):
         asyncio.run(engine.load_weights(tmp_path, 2, checksum="abc"))
+
+
+def test_an_engine_that_fails_a_request_during_its_load_stays_down_until_probed(tmp_path):
+    a, b = FakeEngine("a"), FakeEngine("b")
+    router = Router([a, b], writer=WeightWriter(tmp_path))
+
+    async def main():
+        a.gate["load_weights"] = asyncio.Event()
+        update = asyncio.ensure_future(router.update_weights(_weights(1), version=1))
+        await _until(lambda: "load_weights" in a.entered)
+        a.up = False  # a request fails on it while it loads
+        await router.generate([1], SamplingParams(max_new_tokens=1))
+        a.up = True
+        a.gate.pop("load_weights").set()
+        await update
+        after_update = router.healthy[0]
+        await router.check_health()  # the probe sees it answer at the current version
+        return after_update
+
+    assert asyncio.run(main()) is False
+    assert router.healthy == [True, True] and router.counts["failover"] == 1
+    assert_healthy_engines_hold_the_routers_weights(router, _weights(1))
