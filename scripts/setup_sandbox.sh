@@ -12,4 +12,8 @@ elif [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
 else
     echo "sandbox: bubblewrap is not installed (Debian/Ubuntu: sudo apt-get install bubblewrap); unshare namespaces will be used"
 fi
+# strop runs bwrap with --disable-userns and --size (bubblewrap 0.8.0, Debian 12 / Ubuntu 23.04 and later)
+if command -v bwrap >/dev/null 2>&1 && ! bwrap --help 2>&1 | grep -q -- --disable-userns; then
+    echo "sandbox: bubblewrap $(bwrap --version 2>/dev/null | awk '{print $2}') is older than 0.8.0 (no --disable-userns); unshare namespaces will be used"
+fi
 exit 0

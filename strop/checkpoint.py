@@ -15,8 +15,10 @@ A checkpoint is a folder ``<run dir>/checkpoints/step_NNNNNN/`` holding:
   holds in flight (nothing in sync mode);
 - ``meta.json``, written last.
 
-It is written into ``.tmp-step_NNNNNN`` and renamed into place, so a process killed while saving
-leaves a folder that :func:`latest` never picks. On resume the logs are cut back to their length at
+The ``.pt`` files are read back with torch's safe loader (tensors, plain containers, samples):
+unpickling anything else could run code. A checkpoint is written into ``.tmp-step_NNNNNN`` and
+renamed into place, so a process killed while saving leaves a folder that :func:`latest` never
+picks. On resume the logs are cut back to their length at
 the checkpoint, so no step row is duplicated or missing.
 """
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -111,7 +114,6 @@ def load_trainer(folder: Path, trainer) -> None:
 
     folder = Path(folder)
     rank = dist.get_rank() if dist.is_initialized() else 0
-    rank_file = folder / f"rank{rank}.pt"
     check_rank_file(folder, rank)
     ctx = _quiet()
     try:
@@ -121,7 +123,7 @@ def load_trainer(folder: Path, trainer) -> None:
             set_state_dict(module, optimizer, model_state_dict=state[name], optim_state_dict=state[f"{name}_optimizer"])
     finally:
         ctx.__exit__(None, None, None)
-    _restore_process_state(torch.load(rank_file, weights_only=False), trainer)
+    _restore_process_state(load_process_state(folder, rank), trainer)
 
 
 def _process_state(trainer) -> dict:
@@ -230,4 +232,22 @@ def cut_logs(run_dir: Path, sizes: dict[str, int]) -> None:
 
 
 def load_controller_state(folder: Path) -> dict:
-    return torch.load(Path(folder) / "controller.pt", weights_only=False)
+    return _safe_load(Path(folder) / "controller.pt")
+
+
+def load_process_state(folder: Path, rank: int) -> dict:
+    return _safe_load(Path(folder) / f"rank{rank}.pt")
+
+
+def _safe_load(path: Path) -> dict:
+    """What strop wrote, through torch's safe loader: tensors, plain containers and numbers, and the
+    samples the rollout manager holds. Unpickling anything else could run code, so it is refused."""
+    from strop.types import Sample, Status
+
+    try:
+        with torch.serialization.safe_globals([Sample, Status]):
+            return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        why = next((line.strip() for line in str(exc).splitlines() if "WeightsUnpickler error" in line), str(exc))
+        raise CheckpointError(f"{path}: holds objects strop does not write (loading them could run code), so "
+                              f"it is not loaded: {why.split('. Please use')[0]}") from exc

@@ -7,12 +7,14 @@ model loads, naming the full key (``train.lr``) and what was expected.
 
 from __future__ import annotations
 
+import copy
 import json
+import os
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
 from strop.train.model import EMBEDDED_MODEL
 
@@ -21,8 +23,37 @@ class ConfigError(ValueError):
     """A config problem, already phrased for the user."""
 
 
+REDACTED = "**********"  # a secret as written anywhere (pydantic's SecretStr mask)
+
+
+def secret(env: str, description: str):
+    """A secret field (a SecretStr): redacted wherever the config is written, printed or sent;
+    unset, it comes from the environment variable ``env``."""
+    return Field(None, validate_default=True, json_schema_extra={"env": env},
+                 description=f"{description} (a secret: never written or logged; default: the environment "
+                 f"variable {env})")
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _secret_value(cls, value, info):
+        """A secret field: unset, from its environment variable; the mask of a saved config is never
+        the secret itself, so it must come from there too (a resumed run), or the config is refused."""
+        env = (cls.model_fields[info.field_name].json_schema_extra or {}).get("env")
+        if env is None:
+            return value
+        raw = value.get_secret_value() if isinstance(value, SecretStr) else value
+        if raw is None or raw == "":
+            return os.environ.get(env) or None
+        if raw == REDACTED:
+            if os.environ.get(env):
+                return os.environ[env]
+            raise ValueError(f"holds the redacted mask {REDACTED!r} (a saved config never holds the secret): "
+                             f"set the environment variable {env}")
+        return value
 
 
 class ModelConfig(_Section):
@@ -242,17 +273,20 @@ class EngineConfig(_Section):
     fast_decode: bool = Field(True, description="embedded engine and strop serve: decode Llama-family models with "
                               "strop's KV-cache decoder (shared prompt prefixes, continuous batching); false uses "
                               "transformers' forward with static batches")
-    token: str | None = Field(None, description="bearer token for weight and abort routes of remote servers")
+    token: SecretStr | None = secret("STROP_ENGINE_TOKEN", "bearer token sent to the remote servers (strop serve "
+                                     "--token); launched servers require it, or a fresh one per run when unset")
     timeout_s: float = Field(600.0, gt=0, description="seconds one HTTP request may take")
     retries: int = Field(2, ge=0, description="retries of one request on the same server (with backoff) before "
                          "the router re-issues it to another")
-    health_interval_s: float = Field(2.0, gt=0, description="how often the router probes engines it marked down")
+    health_interval_s: float = Field(2.0, gt=0, description="how often the router probes its engines: down ones "
+                                     "for re-admission, healthy ones for the weight version they report (a restart)")
     affinity: bool = Field(False, description="keep the requests of one sample on one engine (multi-turn)")
     sync_dir: str | None = Field(None, description="where weights are written for remote engines to load "
                                  "(default: <run dir>/weights; must be readable by the servers)")
     sync: Literal["disk", "delta", "broadcast"] = Field(
         "disk", description="how new weights reach remote engines: 'disk' (safetensors written atomically, reloaded, "
-        "checksum compared), 'delta' (through disk, only the tensors that changed since the version each engine "
+        "checksum compared for strop serve; SGLang and vLLM report no checksum, so their receipt is the weight "
+        "version read back after each load, as the run prints at start), 'delta' (through disk, only the tensors that changed since the version each engine "
         "holds, each checked by its digest; kind strop) or 'broadcast' (a process group of the trainer's rank 0 and "
         "the servers; kind strop)")
     sync_bucket_bytes: int = Field(64 << 20, ge=1 << 20, description="broadcast: largest flat bucket, in bytes "
@@ -322,8 +356,16 @@ class ToolsConfig(_Section):
                              "timeout error)")
     cpu_s: int = Field(10, gt=0, description="python tool: CPU seconds per call")
     memory_mb: int = Field(1024, gt=0, description="python tool: address space per process, MB")
+    memory_total_mb: int = Field(512, gt=0, description="python tool: memory of all of a call's processes "
+                                 "together, MB (a cgroup where strop may make one, else a watchdog); past it the "
+                                 "call is stopped")
+    tmp_mb: int = Field(64, gt=0, description="python tool: bytes a call may write to its /tmp (a tmpfs), MB")
+    tmp_files: int = Field(4096, gt=0, description="python tool: files and directories a call may make in its /tmp")
     processes: int = Field(64, gt=0, description="python tool: processes per call")
-    concurrency: int = Field(8, gt=0, description="python tool: calls running at once")
+    concurrency: int = Field(8, gt=0, description="python tool: calls running at once; concurrency x "
+                             "(memory_total_mb + tmp_mb) must fit in half of the host's memory")
+    nested_userns: bool = Field(False, description="python tool: let sandboxed code create user namespaces "
+                                "(bubblewrap; off by default)")
     describe: bool = Field(True, description="append the tools' JSON schemas and the <tool_call> format to the "
                            "system prompt (turn off when your own system prompt describes the tools)")
     tool_threads: int = Field(8, gt=0, description="worker threads for tools written as plain (sync) functions; "
@@ -331,6 +373,19 @@ class ToolsConfig(_Section):
     call_reward: float = Field(0.0, description="tool reward shaping: added per successful tool call "
                                "(negative to penalise calls), at most max_call_reward in all")
     max_call_reward: float = Field(0.0, description="cap on the absolute total of call_reward per sample")
+
+    @model_validator(mode="after")
+    def _sandbox_totals_fit(self):
+        """The python tool's calls together must not be able to exhaust the host's memory (the
+        OOM killer may pick the trainer); tmpfs bytes are memory too."""
+        if "python" in self.enabled:
+            host_mb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") >> 20
+            worst = self.concurrency * (self.memory_total_mb + self.tmp_mb)
+            if worst > host_mb // 2:
+                raise ValueError(f"tools.concurrency ({self.concurrency}) x (tools.memory_total_mb "
+                                 f"({self.memory_total_mb}) + tools.tmp_mb ({self.tmp_mb})) = {worst} MB is more than "
+                                 f"half of this host's memory ({host_mb} MB): lower one of them")
+        return self
 
 
 class Config(_Section):
@@ -410,7 +465,7 @@ def _format_validation_error(err: ValidationError, origin: str) -> str:
             lines.append(f"  {key}: unknown key")
         else:
             got = e.get("input")
-            got_text = "" if isinstance(got, dict) else f" (got {got!r})"
+            got_text = "" if isinstance(got, dict) or key in secret_fields() else f" (got {got!r})"
             lines.append(f"  {key}: {e['msg']}{got_text}")
     return "\n".join(lines)
 
@@ -464,8 +519,19 @@ def build_config(yaml_path: str | None = None, overrides: dict | None = None, pr
         raise ConfigError(_format_validation_error(err, origin)) from None
 
 
+def secret_fields(model: type[BaseModel] = Config, prefix: str = "") -> dict[str, str]:
+    """Every secret field of the config tree: dotted name -> its environment variable."""
+    out = {}
+    for name, field in model.model_fields.items():
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            out |= secret_fields(field.annotation, f"{prefix}{name}.")
+        elif "env" in (field.json_schema_extra or {}):
+            out[f"{prefix}{name}"] = field.json_schema_extra["env"]
+    return out
+
+
 def save_config(cfg: Config, path: Path) -> None:
-    """Write ``cfg`` as YAML, atomically (a resumed run reads it back)."""
+    """Write ``cfg`` as YAML, atomically (a resumed run reads it back); secrets are written redacted."""
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(yaml.safe_dump(json.loads(cfg.model_dump_json()), sort_keys=False))
     tmp.replace(path)
@@ -482,6 +548,19 @@ def _flat(d: dict, prefix: str = "") -> dict:
             out |= _flat(v, f"{prefix}{k}.")
         else:
             out[f"{prefix}{k}"] = v
+    return out
+
+
+def _without(d: dict, keys) -> dict:
+    """A copy of ``d`` without the dotted ``keys``."""
+    out = copy.deepcopy(d)
+    for key in keys:
+        *path, name = key.split(".")
+        node = out
+        for part in path:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(name, None)
     return out
 
 
@@ -520,13 +599,14 @@ def resume_config(run_dir: Path, yaml_path: str | None = None, overrides: dict |
     unknown = [k for k in allow if k not in known]
     if unknown:
         raise ConfigError(f"--allow-change {','.join(unknown)}: no such config field")
+    secrets = secret_fields()  # never compared: the saved config holds them redacted
     try:  # the saved config as this version reads it (fields added since take their defaults)
-        before = _flat(json.loads(Config.model_validate(saved).model_dump_json()))
+        before = _flat(json.loads(Config.model_validate(_without(saved, secrets)).model_dump_json()))
     except ValidationError as err:
         raise ConfigError(_format_validation_error(err, str(run_dir / "config.yaml"))) from None
     after = _flat(json.loads(cfg.model_dump_json()))
     changed = [k for k in sorted(set(before) | set(after))
-               if before.get(k) != after.get(k) and k not in RESUME_FREE and k not in allow]
+               if before.get(k) != after.get(k) and k not in RESUME_FREE and k not in allow and k not in secrets]
     if changed:
         lines = "\n".join(f"  {k}: {before.get(k)!r} -> {after.get(k)!r}" for k in changed)
         raise ConfigError(f"--resume {run_dir}: the config differs from the saved one:\n{lines}\n"

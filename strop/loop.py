@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import signal
 import statistics
+import sys
 import threading
 import time
 from pathlib import Path
@@ -23,17 +26,62 @@ from strop.parallel.runtime import Control, init_from_env, resolve_device
 from strop.setup import Components, build
 
 
+class Terminated(SystemExit):
+    """SIGTERM or SIGHUP, turned into an orderly end of the run (exit status 128 + the signal)."""
+
+    def __init__(self, signum: int):
+        super().__init__(128 + signum)
+        self.signum = signum
+
+    def __str__(self) -> str:
+        return f"stopped by {signal.Signals(self.signum).name}"
+
+
+@contextlib.contextmanager
+def stop_on_signals():
+    """SIGTERM and SIGHUP raise :class:`Terminated` in the driver, so the run ends as after an error:
+    summary written, launched servers stopped. Yields ``closing()``: from then on a signal waits until
+    the context exits (shutting down is never cut short). Only the main thread can take signals; a
+    driver in another thread leaves them alone."""
+    if threading.current_thread() is not threading.main_thread():
+        yield lambda: None
+        return
+    pending: list[int] = []
+    closing = threading.Event()
+
+    def handler(signum, frame):
+        if closing.is_set():
+            pending.append(signum)
+        else:
+            raise Terminated(signum)
+
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield closing.set
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+    if pending:
+        raise Terminated(pending[0])
+
+
 def train(cfg: Config, resume: bool = False) -> dict | None:
     """Run RL on every rank of this job (one program: rank 0 also rolls out, evaluates and writes).
     ``resume``: continue the run in ``cfg.run.dir`` from its newest checkpoint (strop.checkpoint)."""
-    if cfg.run.threads:
-        torch.set_num_threads(cfg.run.threads)
-    device = resolve_device(cfg.run.device)
-    init_from_env(device)
-    control = Control(cfg.parallel.controller_timeout_s)
-    c = build(cfg, device, control, resume=resume)  # every input is checked before the run directory exists
-    run = control.on_controller(lambda: _Controller(cfg, c), share=False)  # None on the other ranks
+    with stop_on_signals() as closing:
+        if cfg.run.threads:
+            torch.set_num_threads(cfg.run.threads)
+        device = resolve_device(cfg.run.device)
+        init_from_env(device)
+        control = Control(cfg.parallel.controller_timeout_s)
+        c = build(cfg, device, control, resume=resume)  # every input is checked before the run directory exists
+        return _train(cfg, resume, control, c, closing)
+
+
+def _train(cfg: Config, resume: bool, control: Control, c: Components, closing) -> dict | None:
+    run, error = None, None
     try:
+        run = control.on_controller(lambda: _Controller(cfg, c), share=False)  # None on the other ranks
         found = control.on_controller(lambda: run.start(resume))  # the checkpoint to resume from, or None
         first = 1
         if found is not None:  # every rank loads its state, then the engine gets the checkpoint's weights
@@ -53,12 +101,31 @@ def train(cfg: Config, resume: bool = False) -> dict | None:
         weights = c.trainer.full_weights() if cfg.run.save_final else None
         return control.on_controller(lambda: run.finish(weights), share=False)
     except BaseException as exc:  # leave a summary that says the run did not finish, then re-raise
+        error = exc
         if run is not None:
-            run.failed(exc)
+            after(error, run.failed, exc)
         raise
     finally:
-        if run is not None:
-            run.close()
+        closing()
+        shut_down(run, c, error)
+
+
+def after(error: BaseException | None, fn, *args) -> None:
+    """``fn(*args)``. After ``error`` (the run's own), a failure of ``fn`` is printed, never raised
+    in the place of ``error``."""
+    try:
+        fn(*args)
+    except Exception as exc:
+        if error is None:
+            raise
+        print(f"strop: after {type(error).__name__}: {error}: {getattr(fn, '__qualname__', fn)} failed too: "
+              f"{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+
+
+def shut_down(run, c: Components, error: BaseException | None = None) -> None:
+    """Stop everything the run started: the controller's loop, the engine, launched servers (what
+    build started, when the controller was never made)."""
+    after(error, run.close if run is not None else c.close)
 
 
 def rollout_only(cfg: Config, out: Path | None = None) -> Path:
@@ -68,12 +135,18 @@ def rollout_only(cfg: Config, out: Path | None = None) -> Path:
     if cfg.rollout.mode != "sync":
         raise ValueError(f"strop rollout generates without training: rollout.mode={cfg.rollout.mode!r} has "
                          "no weight updates to be ahead of; use rollout.mode=sync")
-    if cfg.run.threads:
-        torch.set_num_threads(cfg.run.threads)
-    device = resolve_device(cfg.run.device)
-    c = build(cfg, device, Control())
-    run = _Controller(cfg, c)
+    with stop_on_signals() as closing:
+        if cfg.run.threads:
+            torch.set_num_threads(cfg.run.threads)
+        device = resolve_device(cfg.run.device)
+        c = build(cfg, device, Control())
+        return _rollout_only(cfg, c, out, closing)
+
+
+def _rollout_only(cfg: Config, c: Components, out: Path | None, closing) -> Path:
+    run, error = None, None
     try:
+        run = _Controller(cfg, c)
         run.samples_out = Path(out) if out else run.run_dir / "rollout_samples.jsonl"
         write_header(run.samples_out, {"temperature": cfg.rollout.temperature, "top_p": cfg.rollout.top_p,
                                        "top_k": cfg.rollout.top_k, "max_new_tokens": cfg.rollout.max_new_tokens,
@@ -85,8 +158,12 @@ def rollout_only(cfg: Config, out: Path | None = None) -> Path:
             run.progress.update(1, reward=metrics["reward_mean"])
         print(f"strop: {cfg.train.steps} steps of scored samples -> {run.samples_out}", flush=True)
         return run.samples_out
+    except BaseException as exc:
+        error = exc
+        raise
     finally:
-        run.close()
+        closing()
+        shut_down(run, c, error)
 
 
 def save_checkpoint(control: Control, run, c: Components, step: int, weights: dict) -> None:
@@ -102,10 +179,6 @@ class _Controller:
 
     def __init__(self, cfg: Config, c: Components):
         self.cfg, self.c, self.run_dir = cfg, c, c.run_dir
-        # one event loop for the whole run, in its own thread: rollout goes on while the trainer works
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="strop-rollout", daemon=True)
-        self.thread.start()
         self.log, self.clock = MetricsLog(self.run_dir), Timer()
         self.ctx = RolloutContext(engine=c.engine, tokenizer=c.tokenizer, config=cfg, generate=c.hooks.get("generate"),
                                   reward=c.reward_fn, filter=c.hooks.get("filter"), run_dir=self.run_dir,
@@ -113,10 +186,29 @@ class _Controller:
         self.progress = Progress(cfg.train.steps, enabled=cfg.run.progress)
         self.manager = RolloutManager(cfg, c, self.ctx)
         self.samples_out: Path | None = None  # rollout only: where the scored samples go
+        # one event loop for the whole run, in its own thread: rollout goes on while the trainer works
+        # (started last: a failure above leaves nothing running)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="strop-rollout", daemon=True)
+        self.thread.start()
 
-    def run(self, coroutine):
-        """Run ``coroutine`` in the run's event loop and wait for its result."""
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
+    def run(self, coroutine, timeout_s: float | None = None):
+        """Run ``coroutine`` in the run's event loop and wait for its result, at most ``timeout_s``
+        (default parallel.controller_timeout_s: the other ranks wait no longer for rank 0 either).
+        A wait that ends without the result (time out, a signal) cancels the coroutine."""
+        timeout_s = timeout_s or self.cfg.parallel.controller_timeout_s
+        future = asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+        try:
+            return future.result(timeout=timeout_s)
+        except TimeoutError:
+            if future.done():  # the coroutine's own TimeoutError (or it finished just now)
+                return future.result()
+            future.cancel()
+            raise TimeoutError(f"{coroutine.__qualname__} did not finish within {timeout_s:g}s in the run's "
+                               "event loop") from None
+        except BaseException:
+            future.cancel()  # a signal while waiting: the coroutine stops too
+            raise
 
     def start(self, resume: bool = False) -> str | None:
         """Print where the run is, open the trackers, evaluate step 0; resuming, return the newest
@@ -266,18 +358,21 @@ class _Controller:
                                      "steps": sum("reward_mean" in r for r in self.log.rows),
                                      "wall_seconds": round(self.clock(), 1)})
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Stop generating, close the logs, the engine and launched servers, then the event loop;
+        each wait on the loop at most ``timeout_s``."""
         self.progress.close()
         try:
             self.log.close()
-            self.run(self.manager.close())
+            self.run(self.manager.close(), timeout_s)
         finally:
             try:
-                self.c.close(self.run)
+                self.c.close(lambda coroutine: self.run(coroutine, timeout_s))
             finally:
                 self.loop.call_soon_threadsafe(self.loop.stop)
-                self.thread.join(timeout=60)
-                self.loop.close()
+                self.thread.join(timeout=timeout_s)
+                if not self.thread.is_alive():
+                    self.loop.close()
 
 
 def rollout_metrics(groups, seconds: float) -> dict:

@@ -272,8 +272,9 @@ def make_tools(cfg: Config, hook: Callable | None = None) -> dict:
     t = cfg.tools
     tools = []
     if "python" in t.enabled:
-        box = Sandbox(Limits(timeout_s=t.timeout_s, cpu_s=t.cpu_s, memory_mb=t.memory_mb, processes=t.processes),
-                      isolation=t.sandbox, max_concurrency=t.concurrency)
+        box = Sandbox(Limits(timeout_s=t.timeout_s, cpu_s=t.cpu_s, memory_mb=t.memory_mb, processes=t.processes,
+                             memory_total_mb=t.memory_total_mb, tmp_mb=t.tmp_mb, tmp_files=t.tmp_files),
+                      isolation=t.sandbox, max_concurrency=t.concurrency, nested_userns=t.nested_userns)
         print(f"strop: tools: python in {box.describe()}", flush=True)
         tools.append(python_tool(box))
     if "calculator" in t.enabled:
@@ -295,22 +296,40 @@ def make_tools(cfg: Config, hook: Callable | None = None) -> dict:
 
 
 def remote_engine(cfg: Config, model_path: str, run_dir: Path, probe_ids: list[int], device=None):
-    """A router over HTTP engines (launched here, or at engine.urls); weights reach them through disk.
+    """A router over HTTP engines (launched here, or at engine.urls) and the servers it launched.
+    Launched servers require engine.token, or a token made for this run when none is set; they are
+    stopped again if anything after their start fails."""
+    import secrets
+
+    from strop.engines.launch import launch_servers
+
+    e = cfg.engine
+    token = e.token.get_secret_value() if e.token else secrets.token_urlsafe(32) if e.launch else None
+    servers = launch_servers(e.launch, model_path, args=e.launch_args, token=token) if e.launch else []
+    try:
+        return _router(cfg, [s.url for s in servers] or e.urls, token, run_dir, probe_ids, device), servers
+    except BaseException:
+        for server in servers:
+            server.stop()
+        raise
+
+
+def _router(cfg: Config, urls: list[str], token: str | None, run_dir: Path, probe_ids: list[int], device=None):
+    """The router over the servers at ``urls``; weights reach them through disk (or a broadcast).
     vLLM servers are probed first: one whose logprobs ignore the temperature is refused."""
     import asyncio
 
     from strop.engines.http import SGLangEngine, WeightWriter
-    from strop.engines.launch import launch_servers
     from strop.engines.router import Router
     from strop.engines.sync import BroadcastSync
     from strop.engines.vllm import VLLMEngine
 
     e = cfg.engine
-    servers = launch_servers(e.launch, model_path, args=e.launch_args) if e.launch else []
-    urls = [s.url for s in servers] or e.urls
     writer = WeightWriter(e.sync_dir or run_dir / "weights")
     kind = VLLMEngine if e.kind == "vllm" else SGLangEngine
-    clients = [kind(u, timeout_s=e.timeout_s, retries=e.retries, token=e.token, writer=writer) for u in urls]
+    clients = [kind(u, timeout_s=e.timeout_s, retries=e.retries, token=token, writer=writer,
+                    require_checksum=e.kind == "strop") for u in urls]
+    print(f"strop: weight receipt: {weight_receipt(e.kind, e.sync)}", flush=True)
     if e.kind == "vllm":
         async def probe():
             try:
@@ -326,7 +345,18 @@ def remote_engine(cfg: Config, model_path: str, run_dir: Path, probe_ids: list[i
             "nccl" if device is not None and device.type == "cuda" else "gloo")
         broadcast = BroadcastSync(bucket_bytes=e.sync_bucket_bytes, backend=backend, timeout_s=e.timeout_s)
     return Router(clients, writer=writer, health_interval_s=e.health_interval_s, affinity=e.affinity,
-                  broadcast=broadcast, delta=e.sync == "delta"), servers
+                  broadcast=broadcast, delta=e.sync == "delta")
+
+
+def weight_receipt(kind: str, sync: str) -> str:
+    """How each engine kind proves it holds the weights it was sent (printed at start)."""
+    if kind == "strop":
+        return {"disk": "the checksum of the file each server loaded, and the version it reports",
+                "delta": "each changed tensor's digest, checked by the server, and the version it reports",
+                "broadcast": "the version each server reports after the broadcast (buckets carry no checksum)"}[sync]
+    route = "/model_info" if kind == "sglang" else "/weight_info"
+    return (f"the version each server reports ({route}), read back after every load; {kind} reports no checksum "
+            "strop can compare, so a load is not checked byte for byte")
 
 
 def check_run_dir(cfg: Config) -> None:

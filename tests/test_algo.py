@@ -308,3 +308,38 @@ def test_tool_tokens_are_not_actions_for_any_estimator(estimator):
         if ret is not None:
             torch.testing.assert_close(ret[i, pos], plain_ret[i, : lengths[i]], rtol=0, atol=1e-6)
             assert bool((ret[i][loss2[i] == 0] == 0).all())
+
+
+def test_mis_keeps_a_ratio_exactly_at_either_bound():
+    """MIS keeps ``mis_low <= w <= mis_high``: a ratio exactly at a bound is inside (``>``/``<``
+    would drop it). old == rollout gives w = exp(0) = 1.0 exactly; the other tokens are 2 and 1/2."""
+    old = torch.tensor([[0.0, 0.0, 0.0]])
+    rollout = torch.tensor([[0.0, -math.log(2.0), math.log(2.0)]])  # w = 1, 2, 1/2
+    mask = torch.ones(1, 3)
+    _, keep, _ = rollout_correction(old, rollout, mask, mis_low=1.0, mis_high=1.5)  # w = 1 at the lower bound
+    torch.testing.assert_close(keep, torch.tensor([[1.0, 0.0, 0.0]]))
+    _, keep, _ = rollout_correction(old, rollout, mask, mis_low=0.75, mis_high=1.0)  # w = 1 at the upper bound
+    torch.testing.assert_close(keep, torch.tensor([[1.0, 0.0, 0.0]]))
+    # sequence level: the geometric mean of (1, 1, 1) is exactly 1, at either bound: the sequence is kept
+    _, keep, _ = rollout_correction(old, old, mask, mis_low=1.0, mis_high=2.0, mis_level="sequence")
+    torch.testing.assert_close(keep, mask)
+    _, keep, _ = rollout_correction(old, old, mask, mis_low=0.5, mis_high=1.0, mis_level="sequence")
+    torch.testing.assert_close(keep, mask)
+
+
+def test_dr_grpo_is_dispatched_without_the_std_division():
+    """compute_advantages with estimator='dr_grpo' only centres the rewards, even though
+    algo.normalize_std defaults to true (that flag is GRPO's); 'grpo' divides by the group std."""
+    from strop.algo.advantages import compute_advantages
+    from strop.config import AlgoConfig
+
+    rewards, groups = torch.tensor([1.0, 0.0, 0.0, 0.0]), torch.tensor([0, 0, 0, 0])
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0], [1.0, 1.0], [1.0, 1.0]])
+    # mean 0.25; sample std sqrt((0.75^2 + 3 * 0.25^2) / 3) = 0.5
+    centred = torch.tensor([0.75, -0.25, -0.25, -0.25])
+    for estimator, expected in (("dr_grpo", centred), ("grpo", centred / (0.5 + 1e-6))):
+        algo = AlgoConfig(estimator=estimator)
+        assert algo.normalize_std
+        adv, returns = compute_advantages(algo, rewards=rewards, group_ids=groups, response_mask=mask, loss_mask=mask)
+        torch.testing.assert_close(adv, expected.unsqueeze(-1) * mask, rtol=0, atol=1e-6, msg=estimator)
+        assert returns is None

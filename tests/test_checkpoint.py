@@ -213,3 +213,48 @@ def test_trainer_state_round_trip_is_bitwise(tmp_path, algo):
                     [*b.model.parameters(), *(b.critic.parameters() if b.critic else ())]):
         assert torch.equal(x, y)
     assert later_a[0]["lr"] < later_a[1]["lr"]  # still warming up: the scheduler's position came back
+
+
+class _RunsCode:
+    """A pickle that runs code when loaded (here: creates a file): what a tampered checkpoint can hold."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return Path.touch, (Path(self.marker),)
+
+
+def test_checkpoint_files_are_loaded_without_running_their_code(tmp_path):
+    """rank<R>.pt and controller.pt go through torch.load(weights_only=True): a file that would run
+    code when unpickled is refused with a CheckpointError naming it, and the code never runs."""
+    marker = tmp_path / "code-ran"
+    torch.save({"step": 1, "payload": _RunsCode(marker)}, tmp_path / "controller.pt")
+    with pytest.raises(checkpoint.CheckpointError, match="controller.pt"):
+        checkpoint.load_controller_state(tmp_path)
+    assert not marker.exists()
+    torch.save({"torch_rng": torch.get_rng_state(), "payload": _RunsCode(marker)}, tmp_path / "rank0.pt")
+    with pytest.raises(checkpoint.CheckpointError, match="rank0.pt"):
+        checkpoint.load_process_state(tmp_path, 0)
+    assert not marker.exists()
+
+
+def test_controller_state_with_samples_and_rng_round_trips_through_the_safe_loader(tmp_path):
+    """What strop itself writes (samples held by the rollout manager, the engine's generator state,
+    the prompt sampler) loads back equal under the safe loader."""
+    from strop.types import Sample, Status
+
+    s = Sample(prompt=[{"role": "user", "content": "1+1?"}], prompt_ids=[1, 2], label="2", group_id=3, index=1,
+               metadata={"row_index": 4, "tool_calls": 1})
+    s.append([5, 6], [-0.5, -0.25], weight_version=2)
+    s.status, s.reward = Status.COMPLETED, 1.0
+    state = {"step": 2, "weight_version": 2, "world": 1, "sampler": {"epoch": 0, "offset": 4, "next_group_id": 4},
+             "engine_rng": torch.Generator().manual_seed(5).get_state(), "elapsed_seconds": 1.5,
+             "logs": {"metrics.jsonl": 10}, "rollout": {"ready": [[s]], "prefetched": None, "dropped": {"stale": 1}}}
+    tmp = checkpoint.begin(tmp_path, 2)
+    path = checkpoint.finish(tmp_path, tmp, 2, controller_state=state, weights=None, model=None, tokenizer=None,
+                             keep=1)
+    back = checkpoint.load_controller_state(path)
+    got = back["rollout"]["ready"][0][0]
+    assert got == s and got.status is Status.COMPLETED
+    assert torch.equal(back["engine_rng"], state["engine_rng"]) and back["sampler"] == state["sampler"]

@@ -147,6 +147,13 @@ def test_parse_tool_call_forms():
     assert parse_tool_call("```python\nprint(1)\n") is None  # an unfinished block is not a call yet
 
 
+def test_a_deeply_nested_tool_call_is_an_invalid_call_not_a_crash():
+    """json.loads recurses per bracket: a turn of brackets must reach the model as an error."""
+    text = "<tool_call>" + "[" * 5000 + "</tool_call> rest"
+    call = parse_tool_call(text)
+    assert call.name == "invalid" and "RecursionError" in call.arguments["error"] and text[call.end:] == " rest"
+
+
 def test_calculator_is_arithmetic_only():
     assert calculate("(17 + 5) * 3 / 2") == "33" and calculate("sqrt(16) + 2**3") == "12"
     for bad in ("__import__('os')", "x + 1", "2 ** 100000", "open('f')"):
@@ -261,3 +268,78 @@ def test_describe_tools_puts_every_schema_and_the_call_format_in_the_system_prom
     listed = text.split("<tools>\n")[1].split("\n</tools>")[0].splitlines()
     assert [json.loads(line) for line in listed] == tools.schemas()
     assert describe_tools(None, tools).startswith("You may call tools.")
+
+
+def test_a_turn_bookkeeping_bug_stops_the_run_and_never_fails_the_sample(tokenizer, tmp_path, monkeypatch):
+    """TurnError is strop's bug, never the sample's: it leaves the rollout instead of becoming a
+    FAILED sample (which would hide it among the failed_samples counts)."""
+    from strop.rollout.generate import rollout_groups
+    from strop.rollout.multiturn import TurnError
+
+    append = Sample.append
+
+    def buggy_append(self, *args, **kw):  # a bookkeeping bug: the prompt changes under the turn
+        append(self, *args, **kw)
+        self.prompt_ids = self.prompt_ids[:-1] + [self.prompt_ids[-1] + 1]
+
+    monkeypatch.setattr(Sample, "append", buggy_append)
+    ctx = RolloutContext(engine=TextEngine(tokenizer, ["391<|im_end|>"]), tokenizer=tokenizer, generate=generate,
+                         reward=lambda sample: 1.0, run_dir=tmp_path,
+                         extra={"tools": ToolSet([CALCULATOR]), "turn_limits": TurnLimits()})
+    with pytest.raises(TurnError, match="no longer a prefix"):
+        asyncio.run(rollout_groups(ctx, [[sample(tokenizer)]], SamplingParams(max_new_tokens=40)))
+    assert not (tmp_path / "failed_samples.jsonl").exists()
+
+
+class TwoTurnEngine:
+    """Turn 1 (a bare prompt) answers with a calculator call, later turns with the answer, after
+    ``delay_s``; records the prompt of every sample it served a turn of."""
+
+    def __init__(self, tokenizer, prompt_length, delay_s):
+        self.tok, self.prompt_length, self.delay_s, self.served = tokenizer, prompt_length, delay_s, []
+        self.weight_version = 0
+
+    async def generate(self, prompt_ids, sampling, request_id=None):
+        self.served.append(tuple(prompt_ids[: self.prompt_length]))
+        await asyncio.sleep(self.delay_s)
+        text = CALL if len(prompt_ids) == self.prompt_length else "391<|im_end|>"
+        ids = self.tok.encode(text, add_special_tokens=False)
+        return Completion(ids, [-0.5] * len(ids), "stop", 0)
+
+    async def health(self):
+        return True
+
+    async def get_weight_version(self):
+        return 0
+
+    async def close(self):
+        pass
+
+
+@pytest.mark.timeout(60)
+def test_engine_affinity_keeps_every_turn_of_a_sample_on_one_engine(tokenizer):
+    """engine.affinity reaches the router: every turn of a multi-turn sample goes to one engine.
+    Without it, least-outstanding routing sends the second turns of the slow engine's samples to
+    the idle fast one."""
+    from strop.engines.router import Router
+
+    samples = [sample(tokenizer) for _ in range(4)]
+    for i, s in enumerate(samples):  # four distinct prompts of one length
+        s.prompt_ids, s.index = s.prompt_ids[:-1] + [s.prompt_ids[-1], 100 + i], i
+    n = len(samples[0].prompt_ids)
+    slow, fast = TwoTurnEngine(tokenizer, n, 0.3), TwoTurnEngine(tokenizer, n, 0.01)
+    router = Router([slow, fast], affinity=True, print_events=False)
+    ctx = RolloutContext(engine=router, tokenizer=tokenizer,
+                         extra={"tools": ToolSet([CALCULATOR]), "turn_limits": TurnLimits()})
+
+    async def main():
+        try:
+            return await asyncio.gather(*(generate(ctx, s, SamplingParams(max_new_tokens=400)) for s in samples))
+        finally:
+            await router.close()
+
+    done = asyncio.run(main())
+    assert all(s.status == Status.COMPLETED and s.metadata["turns"] == 2 for s in done)
+    assert slow.served and fast.served  # both engines had work
+    for engine in (slow, fast):  # each sample's two turns on one engine
+        assert all(engine.served.count(p) == 2 for p in engine.served), (len(slow.served), len(fast.served))

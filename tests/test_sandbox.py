@@ -3,9 +3,12 @@ and the host is unaffected. Runs under every isolation this machine has (bubblew
 installed, unshare namespaces); docs/sandbox.md lists the attacks and what stops each."""
 
 import asyncio
+import dataclasses
+import json
 import os
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -275,3 +278,139 @@ socket.create_connection(('127.0.0.1', {server.getsockname()[1]}), timeout=2); p
 def test_describe_names_the_mechanism(box):
     text = box.describe()
     assert box.isolation in ("bwrap", "namespaces") and "namespaces" in text and "timeout 5 s" in text
+
+
+# ---- totals per call (memory across its processes, bytes and files in /tmp) -------------------
+FORK_AND_ALLOCATE = """
+import os, time
+for i in range(6):
+    if os.fork() == 0:
+        block = b'\\1' * (64 << 20)  # written, so resident: 6 x 64 MB across the call's processes
+        time.sleep(30)
+        os._exit(0)
+print('forked 6')
+time.sleep(30)
+"""
+
+
+@pytest.mark.parametrize("enforcer", ["cgroup", "watchdog"])
+def test_memory_across_the_calls_processes_is_bounded(box, enforcer, monkeypatch):
+    """Six processes of 64 MB each stay under the per-process limit (512 MB) but not under the
+    call's total (128 MB): the call is stopped, and says why, long before its timeout."""
+    if enforcer == "watchdog":
+        monkeypatch.setattr(sb, "_memory_cgroup", lambda: None)
+    elif sb._memory_cgroup() is None:
+        pytest.skip("no cgroup with a memory controller that this user may create children in here")
+    limited = Sandbox(dataclasses.replace(LIMITS, memory_total_mb=128), isolation=box.isolation)
+    assert (limited._cgroup is not None) == (enforcer == "cgroup")
+    t = time.monotonic()
+    r = run(limited, FORK_AND_ALLOCATE)
+    assert "[memory total exceeded" in r.message() and not r.timed_out, r.message()
+    assert time.monotonic() - t < LIMITS.timeout_s, "stopped by the timeout, not by the memory total"
+    assert run(limited, "print('next call')").output.strip() == "next call"
+    # the invariance pair: under a total of 1024 MB the same program runs to its own end
+    roomy = Sandbox(dataclasses.replace(LIMITS, memory_total_mb=1024, timeout_s=3), isolation=box.isolation)
+    r = run(roomy, FORK_AND_ALLOCATE.replace("30", "1"))
+    assert r.exit_code == 0 and r.output.strip() == "forked 6", r.message()
+
+
+def test_bytes_written_to_tmp_are_bounded(box):
+    """Forty files of 1 MB (each under the 4 MB file limit) against a /tmp of 8 MB."""
+    r = run(Sandbox(dataclasses.replace(LIMITS, tmp_mb=8), isolation=box.isolation), """
+n = 0
+try:
+    for i in range(40):
+        with open(f'/tmp/f{i}', 'wb') as f:
+            f.write(b'x' * (1 << 20))
+        n += 1
+finally:
+    print('wrote', n, 'MB')
+""")
+    assert "wrote 40 MB" not in r.output, r.message()
+    assert "No space left on device" in r.output or "[/tmp limit reached" in r.message(), r.message()
+
+
+def test_files_written_to_tmp_are_bounded(box):
+    r = run(Sandbox(dataclasses.replace(LIMITS, tmp_files=500), isolation=box.isolation), """
+n = 0
+try:
+    while n < 100_000:
+        open(f'f{n}', 'w').close()
+        n += 1
+finally:
+    print('made', n, 'files')
+""")
+    assert "made 100000 files" not in r.output, r.message()
+    assert "No space left on device" in r.output or "[/tmp limit reached" in r.message(), r.message()
+    made = [int(w) for w in r.output.split() if w.isdigit()]
+    assert not made or made[0] <= 500, r.output
+
+
+def test_an_unbounded_sandbox_configuration_is_refused():
+    from strop.config import ConfigError, build_config
+
+    host_mb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") >> 20
+    for key, value in [("memory_total_mb", host_mb), ("concurrency", host_mb), ("tmp_mb", host_mb)]:
+        with pytest.raises(ConfigError, match=rf"tools.{key}.*half of this host's memory"):
+            build_config(overrides={"tools": {"enabled": ["python"], key: value}})
+    for key in ("memory_total_mb", "tmp_mb", "tmp_files"):
+        with pytest.raises(ConfigError, match=rf"tools.{key}: Input should be greater than 0"):
+            build_config(overrides={"tools": {"enabled": ["python"], key: 0}})
+        with pytest.raises(ConfigError, match=rf"tools.{key}: Input should be a valid integer"):
+            build_config(overrides={"tools": {"enabled": ["python"], key: None}})
+    build_config(overrides={"tools": {"enabled": ["calculator"], "memory_total_mb": host_mb}})  # no python tool
+    cfg = build_config(overrides={"tools": {"enabled": ["python"]}})  # the defaults fit a machine like CI's
+    assert (cfg.tools.memory_total_mb + cfg.tools.tmp_mb) * cfg.tools.concurrency <= host_mb // 2
+
+
+# ---- the host's keyring and nested user namespaces -------------------------------------------
+KEYRING_PROBE = r"""
+import asyncio, ctypes, json, os, sys
+from strop.tools.sandbox import Limits, Sandbox
+ADD_KEY, KEYCTL = {'x86_64': (248, 250), 'aarch64': (217, 219)}[os.uname().machine]
+KEYCTL_JOIN_SESSION_KEYRING, KEYCTL_SEARCH, KEYCTL_READ, SESSION = 1, 10, 11, -3
+libc = ctypes.CDLL(None, use_errno=True)
+L = ctypes.c_long
+assert libc.syscall(KEYCTL, L(KEYCTL_JOIN_SESSION_KEYRING), None) > 0, os.strerror(ctypes.get_errno())
+serial = libc.syscall(ADD_KEY, b'user', b'strop-host-key', b'KEYRING-SECRET', ctypes.c_size_t(14), L(SESSION))
+assert serial > 0, os.strerror(ctypes.get_errno())
+code = f'''
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+buf = ctypes.create_string_buffer(64)
+n = libc.syscall({KEYCTL}, ctypes.c_long({KEYCTL_READ}), ctypes.c_long({serial}), buf, ctypes.c_size_t(64))
+print('read', buf.raw[:n] if n > 0 else os.strerror(ctypes.get_errno()))
+n = libc.syscall({KEYCTL}, ctypes.c_long({KEYCTL_READ}), ctypes.c_long({SESSION}), buf, ctypes.c_size_t(64))
+print('list', n if n >= 0 else os.strerror(ctypes.get_errno()))
+n = libc.syscall({ADD_KEY}, b'user', b'strop-sandbox-key', b'x', ctypes.c_size_t(1), ctypes.c_long({SESSION}))
+print('add', n if n > 0 else os.strerror(ctypes.get_errno()))
+'''
+limits = Limits(timeout_s=10, cpu_s=5, memory_mb=512, processes=16)
+result = asyncio.run(Sandbox(limits, isolation=sys.argv[1]).run_python(code))
+found = libc.syscall(KEYCTL, L(KEYCTL_SEARCH), L(SESSION), b'user', b'strop-sandbox-key', L(0))
+print(json.dumps({'sandbox': result.message(), 'host_sees_sandbox_key': found > 0}))
+"""
+
+
+def test_the_host_keyring_is_out_of_reach(box):
+    """A key in the session keyring of the process that starts the sandbox (every process
+    inherits it) can be neither read nor added to from inside. Run in a child process, whose
+    session keyring is its own, so the test's key never reaches the user's keyring."""
+    out = subprocess.run([sys.executable, "-c", KEYRING_PROBE, box.isolation], capture_output=True, text=True,
+                         timeout=60, cwd=Path(__file__).parents[1])
+    if any(f"AssertionError: {why}" in out.stderr for why in ("Function not implemented", "Operation not permitted")):
+        pytest.skip(f"this machine has no keyrings to protect: {out.stderr.strip().splitlines()[-1]}")
+    assert out.returncode == 0, out.stderr
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert "KEYRING-SECRET" not in seen["sandbox"] and not seen["host_sees_sandbox_key"], seen
+    assert seen["sandbox"].count("Operation not permitted") == 3, seen  # refused, not merely not found
+
+
+def test_nested_user_namespaces_are_refused(box):
+    r = run(box, """
+import ctypes, os, subprocess
+print('tool', subprocess.run(['unshare', '-U', 'true'], capture_output=True).returncode)
+libc = ctypes.CDLL(None, use_errno=True)
+print('call', libc.unshare(0x10000000), os.strerror(ctypes.get_errno()))  # CLONE_NEWUSER
+""")
+    assert "tool 0" not in r.output and "call -1 " in r.output, r.message()

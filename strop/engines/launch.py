@@ -1,8 +1,17 @@
-"""Start and stop local ``strop serve`` processes (``engine.launch: N``)."""
+"""Start and stop local ``strop serve`` processes (``engine.launch: N``).
+
+No server outlives the run that started it. Each runs in a session of its own, so stopping it
+ends its whole process group; and it is started through this module's ``__main__``, which asks
+the kernel to SIGKILL it when its parent dies (``PR_SET_PDEATHSIG``), so a trainer killed with
+SIGKILL takes its servers with it. The bearer token travels in the environment, never in argv
+(which ``ps`` shows every user).
+"""
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -19,7 +28,7 @@ class LocalServer:
     model_path: str
     port: int
     args: list[str] = field(default_factory=list)
-    env: dict[str, str] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict, repr=False)  # may hold the token
     proc: subprocess.Popen | None = None
     log_path: Path | None = None
 
@@ -28,11 +37,13 @@ class LocalServer:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> "LocalServer":
+        """Start the server. The kernel's parent-death signal follows the thread that starts it
+        (Linux's rule): start servers from a thread that lives as long as they should."""
         fd, log = tempfile.mkstemp(prefix=f"strop-serve-{self.port}-", suffix=".log")
         self.log_path = Path(log)
-        cmd = [sys.executable, "-m", "strop.cli", "serve", f"--model-path={self.model_path}", f"--port={self.port}",
-               *self.args]
-        self.proc = subprocess.Popen(cmd, stdout=fd, stderr=fd, env={**os.environ, **self.env})
+        cmd = [sys.executable, "-m", "strop.engines.launch", str(os.getpid()), "serve",
+               f"--model-path={self.model_path}", f"--port={self.port}", *self.args]
+        self.proc = subprocess.Popen(cmd, stdout=fd, stderr=fd, env={**os.environ, **self.env}, start_new_session=True)
         os.close(fd)
         return self
 
@@ -55,27 +66,43 @@ class LocalServer:
         return self.log_path.read_text(errors="replace")[-n:] if self.log_path and self.log_path.exists() else ""
 
     def stop(self, grace_s: float = 10.0) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
+        """SIGTERM to the server's process group, SIGKILL after ``grace_s``; then whatever of the
+        group is left (a child the server started) is killed too."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self._signal_group(signal.SIGTERM)
             try:
                 self.proc.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
+                self._signal_group(signal.SIGKILL)
                 self.proc.wait()
+        self._signal_group(signal.SIGKILL)
 
     def kill(self) -> None:
         """SIGKILL: the engine dies mid-request (failure tests)."""
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
+            self._signal_group(signal.SIGKILL)
             self.proc.wait()
 
+    def _signal_group(self, sig: int) -> None:
+        try:  # the group is the server's pid (its own session); it may be gone already
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
 
-def launch_servers(n: int, model_path: str, *, args: list[str] = (), timeout_s: float = 180.0) -> list[LocalServer]:
-    """Start ``n`` local servers on free ports and wait until every one answers /health."""
+
+def launch_servers(n: int, model_path: str, *, args: list[str] = (), token: str | None = None,
+                   timeout_s: float = 180.0) -> list[LocalServer]:
+    """Start ``n`` local servers on free ports and wait until every one answers /health.
+    ``token``: required by their weight, group and abort routes (passed as STROP_SERVE_TOKEN)."""
     from strop.parallel.launch import free_port
 
-    servers = [LocalServer(model_path, free_port(), list(args)).start() for _ in range(n)]
+    env = {"STROP_SERVE_TOKEN": token} if token else {}
+    servers = []
     try:
+        for _ in range(n):
+            servers.append(LocalServer(model_path, free_port(), list(args), dict(env)).start())
         for s in servers:
             s.wait_healthy(timeout_s)
     except BaseException:
@@ -83,3 +110,22 @@ def launch_servers(n: int, model_path: str, *, args: list[str] = (), timeout_s: 
             s.stop()
         raise
     return servers
+
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def die_with_parent(parent: int) -> None:
+    """Have the kernel SIGKILL this process when its parent dies; exit now if it already has."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent:  # the parent died before the signal was armed
+        os._exit(1)
+
+
+if __name__ == "__main__":  # python -m strop.engines.launch PARENT_PID serve ...: a server tied to its parent
+    die_with_parent(int(sys.argv[1]))
+    from strop.cli import main
+
+    sys.exit(main(sys.argv[2:]))

@@ -8,9 +8,11 @@ wandb run (its id is kept in ``<run dir>/tracking.json``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import sys
 import uuid
 from pathlib import Path
 
@@ -62,8 +64,9 @@ class WandB:
         run_id = known.get("wandb_id") or uuid.uuid4().hex[:12]
         if "wandb_id" not in known:
             ids.write_text(json.dumps(known | {"wandb_id": run_id}))
-        self.run = wandb.init(project=project, dir=str(run_dir), id=run_id, name=Path(run_dir).name, mode=mode,
-                              config=config, resume="allow" if resume_step is not None else None)
+        with redacted_argv():  # wandb records the command line
+            self.run = wandb.init(project=project, dir=str(run_dir), id=run_id, name=Path(run_dir).name, mode=mode,
+                                  config=config, resume="allow" if resume_step is not None else None)
         if resume_step is not None:  # wandb keeps one value per step and only moves forward
             print("strop: wandb: a resumed run continues the same wandb run; the steps it runs again after its "
                   "checkpoint keep their first values there (metrics.jsonl and TensorBoard have the new ones)",
@@ -82,6 +85,28 @@ class WandB:
     def close(self) -> None:
         self.run.finish()
         self.wandb.teardown()  # stop the wandb-core service this process started
+
+
+@contextlib.contextmanager
+def redacted_argv():
+    """``sys.argv`` with the value of every secret option (``--engine.token=...``) masked, while a
+    tracker reads it."""
+    from strop.config import REDACTED, secret_fields
+
+    options = {f"--{name}" for name in secret_fields()}
+    argv, masked = sys.argv, []
+    for i, arg in enumerate(sys.argv):
+        name = arg.split("=", 1)[0]
+        if name in options and "=" in arg:
+            arg = f"{name}={REDACTED}"
+        elif i and argv[i - 1] in options:  # --engine.token VALUE
+            arg = REDACTED
+        masked.append(arg)
+    sys.argv = masked
+    try:
+        yield
+    finally:
+        sys.argv = argv
 
 
 EXTRAS = {"tensorboard": "tensorboard", "wandb": "wandb"}  # tracker -> the module it needs

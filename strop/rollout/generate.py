@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import inspect
 import json
 import traceback
 from dataclasses import dataclass, field
@@ -25,17 +26,22 @@ class EngineError(RuntimeError):
 
 class _GuardedEngine:
     """The engine as hooks see it: any error it raises becomes an :class:`EngineError`, so the
-    rollout can tell an engine failure (stop) from a failure of the sample's own work (fail the sample)."""
+    rollout can tell an engine failure (stop) from a failure of the sample's own work (fail the sample).
+    ``affinity`` (a key per sample: every turn of it goes to one engine) reaches engines that take
+    it (the router, with engine.affinity) and is dropped for the others."""
 
     def __init__(self, engine: Engine):
         self._engine = engine
+        params = inspect.signature(engine.generate).parameters if engine is not None else {}  # train only: none
+        self._takes_affinity = "affinity" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
     def __getattr__(self, name):
         return getattr(self._engine, name)
 
-    async def generate(self, prompt_ids, sampling):
+    async def generate(self, prompt_ids, sampling, affinity: str | None = None):
+        kw = {"affinity": affinity} if affinity is not None and self._takes_affinity else {}
         try:
-            return await self._engine.generate(prompt_ids, sampling)
+            return await self._engine.generate(prompt_ids, sampling, **kw)
         except Exception as exc:
             raise EngineError(f"{type(self._engine).__name__}.generate failed: {type(exc).__name__}: {exc}") from exc
 
@@ -69,10 +75,16 @@ async def generate(ctx: RolloutContext, sample: Sample, sampling: SamplingParams
     if done:
         sampling = dataclasses.replace(sampling, max_new_tokens=sampling.max_new_tokens - done)
     completion = await ctx.engine.generate(sample.prompt_ids + sample.response_ids if done else sample.prompt_ids,
-                                           sampling)
+                                           sampling, affinity=affinity_key(sample))
     sample.apply_completion(completion)
     sample.response_text = ctx.tokenizer.decode(sample.response_ids, skip_special_tokens=True)
     return sample
+
+
+def affinity_key(sample: Sample) -> str:
+    """The router's affinity key of ``sample``: its requests (turns, a resumed continuation) go to
+    the engine that holds its prefix. Group ids are unique in a run (eval groups are negative)."""
+    return f"{sample.group_id}/{sample.index}"
 
 
 def resolve_reward(name: str) -> Callable:

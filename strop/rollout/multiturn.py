@@ -27,8 +27,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from strop.rollout.generate import affinity_key
 from strop.tools import ToolSet, parse_tool_call
-from strop.types import SamplingParams, Sample, Status
+from strop.types import SampleInvariantError, SamplingParams, Sample, Status
 
 
 @dataclass(frozen=True)
@@ -42,8 +43,9 @@ class TurnLimits:
     observation_template: str = "<|im_end|>\n<|im_start|>user\n<tool_response>\n{output}\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
 
 
-class TurnError(RuntimeError):
-    """The token bookkeeping of a multi-turn sample broke an invariant (a bug, never the sample's)."""
+class TurnError(SampleInvariantError):
+    """The token bookkeeping of a multi-turn sample broke an invariant (a bug, never the sample's:
+    as a SampleInvariantError it stops the run instead of failing the sample)."""
 
 
 def cap_text(text: str, limit: int) -> str:
@@ -69,7 +71,7 @@ async def generate(ctx, sample: Sample, sampling: SamplingParams) -> Sample:
             break
         prompt = sample.prompt_ids + sample.response_ids
         turn_sampling = dataclasses.replace(sampling, max_new_tokens=min(limits.max_turn_tokens, left))
-        completion = await ctx.engine.generate(prompt, turn_sampling)
+        completion = await ctx.engine.generate(prompt, turn_sampling, affinity=affinity_key(sample))
         sample.metadata["turns"] = turn + 1
         ids, lps = list(completion.token_ids), completion.logprobs
         if completion.finish_reason == "abort" or lps is None or len(lps) != len(ids):

@@ -68,42 +68,74 @@ def parse_tool_call(text: str) -> ToolCall | None:
             args = json.loads(args)
         if not isinstance(name, str) or not isinstance(args, dict):
             raise TypeError("name must be a string and arguments an object")
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, RecursionError) as exc:  # RecursionError: JSON nested too deep
         return ToolCall("invalid", {"error": f"could not parse the tool call: {type(exc).__name__}: {exc}"},
                         hermes.end())
     return ToolCall(name, args, hermes.end())
 
 
 # ---- calculator --------------------------------------------------------------------------------
+_MAX_BITS = 10_000  # the largest integer (about 3,000 digits) any step may produce, so every step is fast
+
+
+def _too_large(what: str) -> ValueError:
+    return ValueError(f"result too large: {what} would exceed {_MAX_BITS} bits (about {int(_MAX_BITS * math.log10(2))} "
+                      "digits)")
+
+
+def _check_size(value: Any) -> Any:
+    if isinstance(value, int) and value.bit_length() > _MAX_BITS:
+        raise _too_large("a step")
+    return value
+
+
+def _power(base: Any, exponent: Any) -> Any:
+    """``base ** exponent``, refused before computing when the integer result would be too large
+    (``bits ≈ exponent × log2|base|``); float and complex powers take constant time."""
+    if isinstance(base, int) and isinstance(exponent, int) and exponent > 0 and abs(base) > 1:
+        if exponent * math.log2(abs(base)) > _MAX_BITS:
+            raise _too_large(f"a power ({abs(base).bit_length()}-bit base, exponent {exponent})")
+    return base ** exponent
+
+
+def _round(x: Any, ndigits: Any = None) -> Any:
+    """``round`` with ``ndigits`` bounded: rounding an integer to -n digits computes 10**n."""
+    if isinstance(ndigits, int) and abs(ndigits) * math.log2(10) > _MAX_BITS:
+        raise _too_large(f"rounding to {ndigits} digits")
+    return round(x) if ndigits is None else round(x, ndigits)
+
+
 _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
+           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: _power}
 _UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
-_FUNCS = {"sqrt": math.sqrt, "abs": abs, "round": round, "floor": math.floor, "ceil": math.ceil, "log": math.log,
+_FUNCS = {"sqrt": math.sqrt, "abs": abs, "round": _round, "floor": math.floor, "ceil": math.ceil, "log": math.log,
           "exp": math.exp, "sin": math.sin, "cos": math.cos, "tan": math.tan}
 _CONSTS = {"pi": math.pi, "e": math.e}
 
 
 def _eval(node: ast.AST) -> float | int:
+    """Every step's operands are at most ``_MAX_BITS`` bits, so + - * / // % take microseconds
+    and only ``**`` and ``round`` need a check before they run; every result is checked after."""
     if isinstance(node, ast.Expression):
         return _eval(node.body)
     if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
-        return node.value
+        return _check_size(node.value)
     if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
-        left, right = _eval(node.left), _eval(node.right)
-        if isinstance(node.op, ast.Pow) and abs(right) > 1000:
-            raise ValueError("exponent too large")
-        return _BINARY[type(node.op)](left, right)
+        return _check_size(_BINARY[type(node.op)](_eval(node.left), _eval(node.right)))
     if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
         return _UNARY[type(node.op)](_eval(node.operand))
     if isinstance(node, ast.Name) and node.id in _CONSTS:
         return _CONSTS[node.id]
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _FUNCS and not node.keywords:
-        return _FUNCS[node.func.id](*[_eval(a) for a in node.args])
+        return _check_size(_FUNCS[node.func.id](*[_eval(a) for a in node.args]))
     raise ValueError(f"unsupported expression: {ast.dump(node)[:80]}")
 
 
 def calculate(expression: str) -> str:
-    """Evaluate an arithmetic expression (numbers, + - * / // % **, sqrt, log, ...; no names)."""
+    """Evaluate an arithmetic expression (numbers, + - * / // % **, sqrt, log, ...; no names).
+    Integers are exact up to ``_MAX_BITS`` bits; a step past it is refused (a power or a rounding,
+    the only steps that can take long, before it runs), so no input holds the interpreter (and the
+    event loop, which waits for the GIL) for long."""
     if len(expression) > 500:
         raise ValueError("expression longer than 500 characters")
     value = _eval(ast.parse(expression, mode="eval"))

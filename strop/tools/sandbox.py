@@ -1,18 +1,28 @@
 """Run model-written Python in a sandbox: a separate process that sees no network, no host files
-but the system's read-only ``/usr`` and a fresh temporary directory, under CPU-time, memory,
+but the system's read-only ``/usr`` and a fresh, size-limited ``/tmp``, under CPU-time, memory,
 process-count and file-size limits, with a wall-clock timeout that kills everything it started,
 a scrubbed environment, and its output capped while it is read.
 
 Isolation, best first (``isolation="auto"``):
 
 - ``bwrap``: bubblewrap (Debian package ``bubblewrap``): new user, mount, pid, network, ipc and
-  uts namespaces; ``/usr`` bound read-only; fresh ``/proc``, ``/dev`` and ``/tmp``; all
-  capabilities dropped; dies with its parent.
+  uts namespaces; ``/usr`` bound read-only; fresh ``/proc``, ``/dev`` and ``/tmp`` (a tmpfs);
+  all capabilities dropped; dies with its parent.
 - ``namespaces``: the same built from util-linux (``unshare``, ``mount``, ``chroot``,
   ``setpriv``) where bubblewrap is missing: a root tmpfs made read-only, ``/usr`` bound
-  read-only, the work directory bound at ``/tmp``, the capability bounding set emptied.
+  read-only, a tmpfs at ``/tmp``, the capability bounding set emptied.
 - ``none``: only resource limits, a scrubbed environment and a timeout. Model code then reads
   and writes whatever the user running strop can; strop refuses it unless asked for by name.
+
+Totals per call, on top of the per-process limits: the memory of all the call's processes
+together (a cgroup of its own where this process may make one, else a watchdog that sums their
+resident memory), and the bytes and files of its ``/tmp`` (a size-limited tmpfs, watched too).
+A call past a total is stopped and the model reads why. Every call also runs under a seccomp
+filter that refuses the keyring system calls (``add_key``, ``request_key``, ``keyctl``): every
+process inherits the session keyring of the one that started it, so without it model code could
+read and add the host's keys. Under bubblewrap it cannot create user namespaces either
+(``--disable-userns``) unless ``nested_userns`` is set; under ``namespaces`` the chroot always
+refuses them.
 
 Both isolated modes run as an unprivileged uid of their own when strop runs as root (call slot
 ``i`` as uid ``SANDBOX_UID + i``): host files owned by root are never the sandbox's, and the
@@ -28,9 +38,11 @@ once (one semaphore, taken once per call).
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import shutil
 import signal
+import struct
 import subprocess
 import tempfile
 import time
@@ -39,6 +51,7 @@ from pathlib import Path
 
 SANDBOX_UID = 200_000  # as root, concurrent call i runs as uid SANDBOX_UID + i (no passwd entry needed)
 ISOLATIONS = ("bwrap", "namespaces", "none")
+WATCH_S = 0.2  # how often a running call's memory and /tmp are measured
 
 
 class SandboxUnavailable(RuntimeError):
@@ -54,6 +67,9 @@ class Limits:
     file_mb: int = 16  # RLIMIT_FSIZE: the largest file it may write
     open_files: int = 64  # RLIMIT_NOFILE
     output_bytes: int = 16_384  # stdout + stderr kept; past this the run is stopped
+    memory_total_mb: int = 512  # all the call's processes together (a cgroup, else a watchdog)
+    tmp_mb: int = 64  # bytes in its /tmp (a tmpfs of this size)
+    tmp_files: int = 4096  # files and directories in its /tmp
 
 
 @dataclass
@@ -105,10 +121,53 @@ def _probe(cmd: list[str], cwd: Path) -> bool:
         return False
 
 
-# run inside the new namespaces by /bin/sh: build a read-only root, then start Python in it
+# ---- the keyring filter ---------------------------------------------------------------------------
+# machine -> (AUDIT_ARCH_* of its native system calls, numbers of add_key, request_key, keyctl)
+_KEYRING_CALLS = {"x86_64": (0xC000003E, (248, 249, 250)), "aarch64": (0xC00000B7, (217, 218, 219))}
+
+
+def keyring_filter(machine: str | None = None) -> bytes:
+    """A seccomp program (classic BPF, ``struct sock_filter`` records) that fails ``add_key``,
+    ``request_key`` and ``keyctl`` with EPERM, fails x32 calls (numbers from 2**30: the same
+    calls under other numbers) likewise, and kills a process making calls of another
+    architecture (a 32-bit ABI numbers them differently)."""
+    machine = machine or os.uname().machine
+    if machine not in _KEYRING_CALLS:
+        raise SandboxUnavailable(f"no keyring filter for {machine!r}: strop.tools.sandbox._KEYRING_CALLS knows the "
+                                 f"system call numbers of {sorted(_KEYRING_CALLS)} only")
+    arch, numbers = _KEYRING_CALLS[machine]
+    n = len(numbers)
+
+    def op(code: int, k: int, jump_true: int = 0, jump_false: int = 0) -> bytes:
+        return struct.pack("=HBBI", code, jump_true, jump_false, k)
+
+    LOAD, JEQ, JGE, RET = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_JMP|JGE|K, BPF_RET|K
+    KILL, ALLOW, ERRNO = 0x80000000, 0x7FFF0000, 0x00050000  # SECCOMP_RET_KILL_PROCESS, _ALLOW, _ERRNO
+    program = [op(LOAD, 4), op(JEQ, arch, 1, 0), op(RET, KILL),  # seccomp_data.arch
+               op(LOAD, 0), op(JGE, 0x40000000, n + 1, 0)]  # seccomp_data.nr; x32 -> EPERM
+    program += [op(JEQ, nr, n - i, 0) for i, nr in enumerate(numbers)]  # -> EPERM, past the rest and ALLOW
+    program += [op(RET, ALLOW), op(RET, ERRNO | errno.EPERM)]
+    return b"".join(program)
+
+
+# the sandbox's first Python: installs the filter (argv[1], hex), then becomes the model's program
+_BOOT = r'''
+import ctypes, os, sys
+program = bytes.fromhex(sys.argv[1])
+class Prog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_char_p)]
+prog, libc, u = Prog(len(program) // 8, program), ctypes.CDLL(None, use_errno=True), ctypes.c_ulong
+if libc.prctl(38, u(1), u(0), u(0), u(0)) or libc.prctl(22, u(2), ctypes.byref(prog), u(0), u(0)):
+    sys.exit("strop sandbox: could not install the seccomp filter: " + os.strerror(ctypes.get_errno()))
+os.execv(sys.executable, [sys.executable, "-I", "main.py"])
+'''  # prctl 38: PR_SET_NO_NEW_PRIVS; 22, 2: PR_SET_SECCOMP, SECCOMP_MODE_FILTER
+
+
+# run inside the new namespaces by /bin/sh: build a read-only root with a size-limited /tmp, then
+# start Python in it
 _NS_SETUP = r'''
 set -e
-R="$1"; W="$2"; PY="$3"
+R="$1"; W="$2"; PY="$3"; TMP_BYTES="$4"; TMP_INODES="$5"; FILTER="$6"; BOOT="$7"
 mount -t tmpfs -o size=1m,mode=755 strop-sandbox "$R"
 mkdir "$R/usr" "$R/tmp" "$R/proc" "$R/dev"
 mount --rbind /usr "$R/usr"
@@ -118,23 +177,28 @@ for d in bin lib lib64 sbin; do
     mkdir "$R/$d"; mount --rbind "/$d" "$R/$d"; mount -o remount,bind,ro "$R/$d"; fi
 done
 for n in null zero random urandom; do touch "$R/dev/$n"; mount --bind "/dev/$n" "$R/dev/$n"; done
-mount --bind "$W" "$R/tmp"
+mount -t tmpfs -o "size=$TMP_BYTES,nr_inodes=$TMP_INODES,mode=1777" strop-tmp "$R/tmp"
+touch "$R/tmp/main.py"; mount --bind "$W/main.py" "$R/tmp/main.py"; mount -o remount,bind,ro "$R/tmp/main.py"
 mount -t proc proc "$R/proc"
 mount -o remount,bind,ro "$R"
 exec chroot "$R" /usr/bin/setpriv --no-new-privs --bounding-set=-all --inh-caps=-all \
   /usr/bin/env -i PATH=/usr/bin:/bin HOME=/tmp TMPDIR=/tmp LANG=C.UTF-8 PYTHONDONTWRITEBYTECODE=1 \
-  PYTHONUNBUFFERED=1 /bin/sh -c 'cd /tmp && "$0" -I main.py; exit $?' "$PY"
+  PYTHONUNBUFFERED=1 /bin/sh -c 'cd /tmp && "$0" -I -c "$2" "$1"; exit $?' "$PY" "$FILTER" "$BOOT"
 '''
 
 
 class Sandbox:
     def __init__(self, limits: Limits | None = None, *, isolation: str = "auto", python: str | None = None,
-                 max_concurrency: int = 8):
+                 max_concurrency: int = 8, nested_userns: bool = False):
         """``isolation``: "auto" (bwrap, else namespaces, else refuse), or one of ``ISOLATIONS``
-        by name ("none" is the explicit opt-out: no filesystem or network isolation)."""
+        by name ("none" is the explicit opt-out: no filesystem or network isolation).
+        ``nested_userns``: let the code create user namespaces (bubblewrap only)."""
         self.limits = limits or Limits()
         self.python = python or _system_python()
         self.as_nobody = os.geteuid() == 0
+        self.nested_userns = nested_userns
+        self._filter = keyring_filter().hex()
+        self._cgroup = _memory_cgroup()  # (directory, version) that calls' cgroups are made in, or None
         self.isolation = self._choose(isolation)
         self.max_concurrency = max_concurrency
         self._slots: tuple | None = None  # (event loop, queue of the uids free for a call; None without root)
@@ -146,8 +210,11 @@ class Sandbox:
         who = (f" as uids {SANDBOX_UID}..{SANDBOX_UID + self.max_concurrency - 1}"
                if self.as_nobody and self.isolation != "none" else "")
         L = self.limits
-        return (f"sandbox: {how}{who}; timeout {L.timeout_s:g} s, cpu {L.cpu_s} s, memory {L.memory_mb} MB, "
-                f"{L.processes} processes, files {L.file_mb} MB, output {L.output_bytes} bytes, "
+        total = f"cgroup v{self._cgroup[1]}" if self._cgroup else f"watchdog every {WATCH_S:g} s"
+        return (f"sandbox: {how}{who}; timeout {L.timeout_s:g} s, cpu {L.cpu_s} s, memory {L.memory_mb} MB per "
+                f"process and {L.memory_total_mb} MB per call ({total}), {L.processes} processes, files "
+                f"{L.file_mb} MB, /tmp {L.tmp_mb} MB and {L.tmp_files} files, output {L.output_bytes} bytes, "
+                f"keyring calls refused{'' if self.nested_userns else ', no user namespaces'}, "
                 f"{self.max_concurrency} at once")
 
     # ---- choosing the isolation -------------------------------------------------------------
@@ -161,25 +228,30 @@ class Sandbox:
                          f"--fsize={L.file_mb << 20}", f"--nofile={L.open_files}", "--core=0", "--"]
 
     def _command(self, base: Path, uid: int | None) -> list[str]:
-        work, root = base / "work", base / "root"
+        L, work, root = self.limits, base / "work", base / "root"
+        boot = ["-I", "-c", _BOOT, self._filter]
         if self.isolation == "bwrap":
-            cmd = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--ro-bind", "/usr", "/usr"]
+            cmd = ["bwrap", "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session",
+                   *([] if self.nested_userns else ["--disable-userns"]), "--ro-bind", "/usr", "/usr"]
             for d in ("bin", "lib", "lib64", "sbin"):
                 p = Path("/") / d
                 if p.is_symlink():
                     cmd += ["--symlink", os.readlink(p), f"/{d}"]
                 elif p.is_dir():
                     cmd += ["--ro-bind", str(p), f"/{d}"]
-            cmd += ["--proc", "/proc", "--dev", "/dev", "--remount-ro", "/dev", "--bind", str(work), "/tmp",
+            # /tmp: a tmpfs of tmp_mb (bwrap cannot cap its inodes: the watchdog counts them)
+            cmd += ["--proc", "/proc", "--dev", "/dev", "--remount-ro", "/dev", "--size", str(L.tmp_mb << 20),
+                    "--tmpfs", "/tmp", "--ro-bind", str(work / "main.py"), "/tmp/main.py",
                     "--chdir", "/tmp", "--remount-ro", "/", "--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp",
                     "--setenv", "TMPDIR", "/tmp", "--setenv", "LANG", "C.UTF-8", "--setenv", "PYTHONDONTWRITEBYTECODE", "1",
-                    "--setenv", "PYTHONUNBUFFERED", "1", "--cap-drop", "ALL", "--", self.python, "-I", "main.py"]
+                    "--setenv", "PYTHONUNBUFFERED", "1", "--cap-drop", "ALL", "--", self.python, *boot]
             return self._prefix(uid) + cmd
         if self.isolation == "namespaces":
             return self._prefix(uid) + ["unshare", "--user", "--map-root-user", "--mount", "--pid", "--fork",
                                      "--kill-child", "--net", "--ipc", "--uts", "--", "/bin/sh", "-c", _NS_SETUP,
-                                     "strop-sandbox", str(root), str(work), self.python]
-        return self._prefix(uid) + [self.python, "-I", "main.py"]
+                                     "strop-sandbox", str(root), str(work), self.python, str(L.tmp_mb << 20),
+                                     str(L.tmp_files + 2), self._filter, _BOOT]  # + 2: the root and main.py
+        return self._prefix(uid) + [self.python, *boot]
 
     def _choose(self, isolation: str) -> str:
         if isolation not in ("auto", *ISOLATIONS):
@@ -234,21 +306,54 @@ class Sandbox:
         uid = await free.get()  # taken once, given back once
         try:
             base = Path(await asyncio.to_thread(tempfile.mkdtemp, prefix="strop-sandbox-"))
+            cgroup = None
             try:
                 await asyncio.to_thread(self._prepare, base, code, uid)
-                return await self._run(self._command(base, uid), cwd=base / "work")
+                cmd = self._command(base, uid)
+                if self._cgroup:
+                    cgroup = await asyncio.to_thread(_CallCgroup, *self._cgroup, base.name,
+                                                     self.limits.memory_total_mb << 20)
+                    cmd = cgroup.enter() + cmd
+                return await self._run(cmd, cwd=base / "work", cgroup=cgroup)
             finally:
+                if cgroup is not None:
+                    await asyncio.to_thread(cgroup.remove)
                 await asyncio.to_thread(shutil.rmtree, base, True)
         finally:
             free.put_nowait(uid)
 
-    async def _run(self, cmd: list[str], cwd: Path) -> RunResult:
+    def _over_a_total(self, pid: int, cgroup: _CallCgroup | None, main_py: tuple[int, int]) -> str | None:
+        """Why the call started as ``pid`` must stop (a total reached), or None. Reads /proc and
+        the cgroup: run it in a thread."""
+        L = self.limits
+        pids = cgroup.pids() if cgroup else _process_tree(pid)
+        if cgroup.oom_kills() if cgroup else _resident_bytes(pids) > L.memory_total_mb << 20:
+            return (f"[memory total exceeded: the call's processes used more than {L.memory_total_mb} MB together; "
+                    "the run was stopped]")
+        tmp = _tmp_usage(pids, main_py)
+        if tmp is not None and (tmp[0] >= L.tmp_files or tmp[1] >= L.tmp_mb << 20):
+            return (f"[/tmp limit reached: {tmp[0]} files and directories (limit {L.tmp_files}), {tmp[1] >> 20} MB "
+                    f"(limit {L.tmp_mb} MB); the run was stopped]")
+        return None
+
+    async def _watch(self, pid: int, cgroup: _CallCgroup | None, main_py: tuple[int, int]) -> str:
+        """Poll the call's totals until one is reached; then stop the call and say why."""
+        while True:
+            await asyncio.sleep(WATCH_S)
+            why = await asyncio.to_thread(self._over_a_total, pid, cgroup, main_py)
+            if why:
+                _kill_group(pid)
+                return why
+
+    async def _run(self, cmd: list[str], cwd: Path, cgroup: _CallCgroup | None = None) -> RunResult:
         L, t0 = self.limits, time.monotonic()
+        main = (cwd / "main.py").stat()
         proc = await asyncio.create_subprocess_exec(*cmd, cwd=cwd, env=_host_env(cwd), stdin=asyncio.subprocess.DEVNULL,
                                                     stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
                                                     start_new_session=True)
         out, timed_out, truncated = bytearray(), False, False
         deadline = t0 + L.timeout_s
+        watch = asyncio.ensure_future(self._watch(proc.pid, cgroup, (main.st_dev, main.st_ino)))
         try:
             while True:
                 left = deadline - time.monotonic()
@@ -278,9 +383,127 @@ class Sandbox:
                 proc.stdout.feed_eof()
                 code = await proc.wait()
             _kill_group(proc.pid)  # anything left in its session (isolation "none")
-        killed = timed_out or truncated or code < 0
+            watch.cancel()
+        notes = [watch.result()] if watch.done() and not watch.cancelled() else []
+        if not notes and cgroup is not None and await asyncio.to_thread(cgroup.oom_kills):  # killed between polls
+            notes = [f"[memory total exceeded: the call's processes used more than {L.memory_total_mb} MB together]"]
+        killed = timed_out or truncated or code < 0 or bool(notes)
         return RunResult(out.decode("utf-8", errors="replace"), None if killed else code, timed_out=timed_out,
-                         truncated=truncated, seconds=time.monotonic() - t0)
+                         truncated=truncated, seconds=time.monotonic() - t0, notes=notes)
+
+
+def _memory_cgroup() -> tuple[Path, int] | None:
+    """A cgroup directory in which this process may make a child with a memory limit, and its
+    version (2, else 1), or None (then a watchdog sums the call's memory). v2: this process's
+    cgroup, else its parent, wherever the memory controller is enabled for children and the
+    directory is writable (root, or a delegated subtree); v1: its memory cgroup, if writable."""
+    try:
+        own = Path("/proc/self/cgroup").read_text().splitlines()
+        mounts = [line.split(" - ") for line in Path("/proc/self/mountinfo").read_text().splitlines()]
+    except OSError:
+        return None
+    for line in own:
+        _, controllers, path = line.split(":", 2)
+        version = 2 if controllers == "" else 1 if "memory" in controllers.split(",") else None
+        for head, tail in mounts if version else []:
+            root, mountpoint = head.split()[3:5]
+            fstype, _, options = (tail.split() + ["", ""])[:3]
+            wanted = fstype == "cgroup2" if version == 2 else fstype == "cgroup" and "memory" in options.split(",")
+            if not wanted or not (path + "/").startswith(root.rstrip("/") + "/"):
+                continue
+            here = Path(mountpoint, path[len(root.rstrip("/")):].lstrip("/"))
+            for d in (here, here.parent) if version == 2 else (here,):
+                try:
+                    usable = version == 1 or "memory" in (d / "cgroup.subtree_control").read_text().split()
+                except OSError:
+                    continue
+                if usable and os.access(d, os.W_OK):
+                    return d, version
+    return None
+
+
+class _CallCgroup:
+    """One call's cgroup: its memory limit (no swap beyond it) holds all its processes together."""
+
+    def __init__(self, parent: Path, version: int, name: str, limit_bytes: int):
+        self.dir, self.version = parent / name, version
+        self.dir.mkdir()
+        files = ({"memory.max": limit_bytes, "memory.swap.max": 0, "memory.oom.group": 1} if version == 2 else
+                 {"memory.limit_in_bytes": limit_bytes, "memory.memsw.limit_in_bytes": limit_bytes})
+        for file, value in files.items():  # the swap and group files exist only with swap / newer kernels
+            if (self.dir / file).exists():
+                (self.dir / file).write_text(str(value))
+
+    def enter(self) -> list[str]:
+        """A prefix that moves the command into this cgroup before it starts anything."""
+        return ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', str(self.dir / "cgroup.procs")]
+
+    def pids(self) -> list[int]:
+        try:
+            return [int(x) for x in (self.dir / "cgroup.procs").read_text().split()]
+        except OSError:
+            return []
+
+    def oom_kills(self) -> int:
+        """Processes the kernel killed for reaching the limit."""
+        try:
+            text = (self.dir / ("memory.events" if self.version == 2 else "memory.oom_control")).read_text()
+        except OSError:
+            return 0
+        return sum(int(line.split()[1]) for line in text.splitlines() if line.startswith("oom_kill "))
+
+    def remove(self) -> None:
+        """Remove the (emptied) cgroup; its last processes may take a moment to exit."""
+        for _ in range(50):
+            try:
+                self.dir.rmdir()
+                return
+            except FileNotFoundError:
+                return
+            except OSError:
+                time.sleep(0.1)
+
+
+def _process_tree(pid: int) -> list[int]:
+    """``pid`` and its descendants (a pid namespace keeps orphans below its first process)."""
+    children: dict[int, list[int]] = {}
+    for d in os.scandir("/proc"):
+        if d.name.isdigit():
+            try:
+                ppid = int(Path(d.path, "stat").read_text().rpartition(")")[2].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(d.name))
+    tree, todo = [], [pid]
+    while todo:
+        tree.append(todo.pop())
+        todo += children.get(tree[-1], [])
+    return tree
+
+
+def _resident_bytes(pids: list[int]) -> int:
+    total = 0
+    for pid in pids:
+        try:
+            total += int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError, IndexError):
+            pass
+    return total
+
+
+def _tmp_usage(pids: list[int], main_py: tuple[int, int]) -> tuple[int, int] | None:
+    """(files and directories, bytes) in the call's /tmp, seen through a process inside it (the
+    one whose /tmp/main.py is the call's), or None (isolation "none": /tmp is the host's)."""
+    for pid in reversed(pids):
+        tmp = f"/proc/{pid}/root/tmp"
+        try:
+            st = os.stat(f"{tmp}/main.py")
+            if (st.st_dev, st.st_ino) == main_py:
+                v = os.statvfs(tmp)
+                return v.f_files - v.f_ffree - 2, (v.f_blocks - v.f_bfree) * v.f_frsize  # - the root and main.py
+        except OSError:
+            continue
+    return None
 
 
 def _processes_of(uid: int) -> int:

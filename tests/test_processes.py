@@ -1,0 +1,290 @@
+"""What a run leaves behind: after every ending (normal, error, SIGTERM, SIGKILL of the trainer) no
+process it started remains; launched servers get the run's token; shutting down never hides the
+run's own error and never waits forever."""
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from strop.config import build_config
+from tests.test_e2e import tiny_overrides
+
+ROOT = Path(__file__).resolve().parents[1]
+SECRET = "s3cret-launch-9c1e"
+
+
+# ---- process trees from /proc ---------------------------------------------------------------------
+def _start_time(pid: int) -> str | None:
+    """The process's start time (field 22 of /proc/<pid>/stat), None once it is gone or a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()
+    return None if fields[0] in ("Z", "X") else fields[19]
+
+
+def _children(pid: int) -> set[int]:
+    out = set()
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out |= {int(x) for x in (task / "children").read_text().split()}
+        except OSError:
+            pass
+    return out
+
+
+def _descendants(pid: int) -> dict[int, str]:
+    """Every live descendant of ``pid``: pid -> start time (a reused pid has another)."""
+    found, todo = {}, [pid]
+    while todo:
+        for child in _children(todo.pop()):
+            start = _start_time(child)
+            if start is not None and child not in found:
+                found[child] = start
+                todo.append(child)
+    return found
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _alive(seen: dict[int, str]) -> list[str]:
+    return [f"{pid}: {_cmdline(pid)}" for pid, start in seen.items() if _start_time(pid) == start]
+
+
+class Run:
+    """``strop train`` in a subprocess, watched: its output, and every descendant it ever had."""
+
+    def __init__(self, args: list[str]):
+        self.proc = subprocess.Popen([sys.executable, "-m", "strop.cli", "train", *args], cwd=ROOT, text=True,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        self.lines, self.seen = [], {}
+        self.reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)
+        self.reader.start()
+
+    def watch(self, until, timeout_s: float) -> None:
+        """Record descendants until ``until()`` holds or the trainer exits."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and self.proc.poll() is None and not until():
+            self.seen |= _descendants(self.proc.pid)
+            time.sleep(0.05)
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def servers(self) -> list[int]:
+        return [pid for pid in self.seen if " serve " in _cmdline(pid)]
+
+    def cleanup(self) -> None:
+        """Whatever the test found, end what this test started (by pid)."""
+        for pid, start in self.seen.items():
+            if _start_time(pid) == start:
+                os.kill(pid, signal.SIGKILL)
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+def _run_args(model_dir, run_dir, steps, *extra):
+    return [f"--model.path={model_dir}", "--data.size=16", "--data.eval_size=0", "--rollout.prompts_per_step=2",
+            "--rollout.n_samples_per_prompt=2", "--rollout.max_new_tokens=4",
+            "--rollout.reward=tests.plugins:even_token_reward", f"--train.steps={steps}", "--train.micro_batch_size=4",
+            "--run.progress=false", "--run.save_every=0", "--run.save_final=false", "--run.plot=false",
+            "--run.threads=1", f"--run.dir={run_dir}", "--engine.kind=strop", "--engine.launch=1",
+            '--engine.launch_args=["--threads=1"]', *extra]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("ending", ["normal", "error", "sigterm", "sigkill"])
+def test_no_process_of_the_run_remains_after_any_ending(tiny_model_dir, tmp_path, ending):
+    """A real ``strop train`` with a launched strop serve: every descendant recorded while it ran
+    is gone after it ends, however it ends (SIGKILL: the servers die with their parent)."""
+    steps = 1 if ending in ("normal", "error") else 1000
+    extra = ["--rollout.reward=tests.plugins:not_a_number_reward"] if ending == "error" else []
+    run = Run(_run_args(tiny_model_dir, tmp_path / "run", steps, *extra))
+    try:
+        # servers up and the loop running: rollout has started (the router line is printed after launch)
+        run.watch(lambda: "router over" in run.output and run.servers(), timeout_s=150)
+        assert run.servers(), f"no strop serve child was seen:\n{run.output[-3000:]}"
+        if ending == "sigterm":
+            run.proc.send_signal(signal.SIGTERM)
+        elif ending == "sigkill":
+            run.proc.kill()
+        run.watch(lambda: False, timeout_s=90)  # until the trainer exits
+        code = run.proc.wait(timeout=30)
+        run.reader.join(timeout=10)
+        expected = {"normal": 0, "error": 1, "sigterm": 128 + signal.SIGTERM, "sigkill": -signal.SIGKILL}[ending]
+        assert code == expected, f"exit code {code}:\n{run.output[-3000:]}"
+        if ending == "sigterm":  # an orderly end: the summary says why
+            assert '"status": "failed"' in (tmp_path / "run" / "summary.json").read_text()
+            assert "SIGTERM" in (tmp_path / "run" / "summary.json").read_text()
+        deadline = time.monotonic() + 15  # SIGKILL: the kernel's parent-death signal; the others: stop()
+        while _alive(run.seen) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(run.seen), f"left behind after {ending}: {_alive(run.seen)}"
+    finally:
+        run.cleanup()
+
+
+# ---- the launched servers' token ------------------------------------------------------------------
+@pytest.mark.timeout(180)
+def test_a_launched_server_requires_the_runs_token_which_never_shows_in_ps(tiny_model_dir, tmp_path, monkeypatch):
+    """engine.token reaches servers started by engine.launch (through the environment, never argv):
+    their weight, group and abort routes refuse a request without it (401) and accept it with it."""
+    from strop.setup import remote_engine
+
+    monkeypatch.delenv("STROP_ENGINE_TOKEN", raising=False)
+    cfg = build_config(overrides=tiny_overrides(tiny_model_dir, tmp_path / "run", engine={
+        "kind": "strop", "launch": 1, "launch_args": ["--threads=1"], "token": SECRET}))
+    router, servers = remote_engine(cfg, str(tiny_model_dir), tmp_path / "run", probe_ids=[1, 2])
+    try:
+        (server,) = servers
+        assert SECRET not in _cmdline(server.proc.pid) and SECRET not in repr(servers)  # `ps` shows argv to all
+        url = server.url
+        for route, body in [("/update_weights_from_disk", {"model_path": str(tiny_model_dir)}),
+                            ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1,
+                                                            "rank_offset": 1, "world_size": 2,
+                                                            "group_name": "g", "backend": "gloo"}),
+                            ("/update_weights_from_distributed", {"names": [], "dtypes": [], "shapes": [],
+                                                                  "group_name": "g"}),
+                            ("/abort_request", {"abort_all": True}), ("/flush_cache", {})]:
+            for auth in ({}, {"Authorization": "Bearer wrong"}):
+                r = httpx.post(url + route, json=body, headers=auth, timeout=30)
+                assert r.status_code == 401, (route, auth, r.status_code, r.text)
+        yes = {"Authorization": f"Bearer {SECRET}"}
+        assert httpx.post(url + "/flush_cache", headers=yes, timeout=30).status_code == 200
+        assert httpx.post(url + "/abort_request", json={"abort_all": True}, headers=yes, timeout=30).status_code == 200
+        assert {c.headers.get("Authorization") for c in router.engines} == {f"Bearer {SECRET}"}
+    finally:
+        for s in servers:
+            s.stop()
+
+
+def test_launched_servers_get_a_fresh_token_when_none_is_set(tmp_path, monkeypatch):
+    """No engine.token: servers this run starts still protect their weight routes, with a token
+    made for the run and given to the router's clients."""
+    import strop.engines.launch as launch
+    from strop.setup import remote_engine
+
+    monkeypatch.delenv("STROP_ENGINE_TOKEN", raising=False)
+    given = []
+
+    def fake_launch(n, model_path, *, args=(), token=None, timeout_s=180.0):
+        given.append(token)
+        return [launch.LocalServer(model_path, 40000 + i, list(args)) for i in range(n)]
+
+    monkeypatch.setattr(launch, "launch_servers", fake_launch)
+    cfg = build_config(overrides={"engine": {"kind": "strop", "launch": 2}, "run": {"dir": str(tmp_path / "r")}})
+    router, _ = remote_engine(cfg, "unused", tmp_path / "r", probe_ids=[1])
+    (token,) = given
+    assert token and len(token) >= 32
+    assert {c.headers.get("Authorization") for c in router.engines} == {f"Bearer {token}"}
+    remote_engine(cfg, "unused", tmp_path / "r", probe_ids=[1])
+    assert given[1] != token  # one per run
+
+
+# ---- shutting down in process ---------------------------------------------------------------------
+@pytest.mark.timeout(120)
+def test_a_failure_building_the_controller_still_stops_what_build_started(tiny_model_dir, tmp_path, monkeypatch):
+    import strop.loop
+    from strop.setup import Components
+
+    closed = []
+    monkeypatch.setattr(Components, "close", lambda self, run=None: closed.append(self))
+
+    class Broken:
+        def __init__(self, *args):
+            raise RuntimeError("manager could not start")
+
+    monkeypatch.setattr(strop.loop, "RolloutManager", Broken)
+    with pytest.raises(RuntimeError, match="manager could not start"):
+        strop.loop.train(build_config(overrides=tiny_overrides(tiny_model_dir, tmp_path / "run")))
+    assert len(closed) == 1  # the launched servers (here: none) and the engine are stopped
+
+
+@pytest.mark.timeout(120)
+def test_a_failing_shutdown_never_hides_the_runs_own_error(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    import strop.loop
+    from strop.setup import Components
+
+    def rollout(self, step):
+        raise RuntimeError("the run's own error")
+
+    def close(self, run=None):
+        raise OSError("close failed too")
+
+    monkeypatch.setattr(strop.loop._Controller, "rollout", rollout)
+    monkeypatch.setattr(Components, "close", close)
+    with pytest.raises(RuntimeError, match="the run's own error"):
+        strop.loop.train(build_config(overrides=tiny_overrides(tiny_model_dir, tmp_path / "run")))
+    assert "close failed too" in capsys.readouterr().err  # said, not lost
+
+
+@pytest.mark.timeout(60)
+def test_waiting_on_the_event_loop_has_a_limit_and_cancels_what_it_waited_for(tiny_model_dir, tmp_path):
+    from strop.loop import _Controller
+    from strop.setup import build
+
+    cfg = build_config(overrides=tiny_overrides(tiny_model_dir, tmp_path / "run"))
+    run = _Controller(cfg, build(cfg))
+    try:
+        cancelled = []
+
+        async def hangs():
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                cancelled.append(True)
+                raise
+
+        t = time.monotonic()
+        with pytest.raises(TimeoutError, match="hangs.*0.3s"):
+            run.run(hangs(), timeout_s=0.3)
+        assert time.monotonic() - t < 5
+        deadline = time.monotonic() + 5
+        while not cancelled and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert cancelled
+
+        async def own_timeout():  # the coroutine's own TimeoutError is not the wait's
+            raise TimeoutError("the engine timed out")
+
+        with pytest.raises(TimeoutError, match="the engine timed out"):
+            run.run(own_timeout(), timeout_s=30)
+    finally:
+        run.close()
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
+def test_the_ranks_of_nproc_end_with_their_launcher(tiny_model_dir, tmp_path, sig):
+    """``strop train --nproc 2``: SIGTERM to the launcher stops both ranks before it exits; after a
+    SIGKILL the kernel ends them (their parent-death signal)."""
+    args = [a for a in _run_args(tiny_model_dir, tmp_path / "run", 1000) if not a.startswith("--engine.")]
+    run = Run(["--nproc=2", *args])
+    try:
+        run.watch(lambda: "strop: device" in run.output and len(run.seen) >= 2, timeout_s=150)
+        assert len(run.seen) >= 2, run.output[-3000:]
+        run.proc.send_signal(sig)
+        run.watch(lambda: False, timeout_s=60)
+        assert run.proc.wait(timeout=30) == (128 + sig if sig == signal.SIGTERM else -sig), run.output[-3000:]
+        deadline = time.monotonic() + 15
+        while _alive(run.seen) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(run.seen), f"left behind: {_alive(run.seen)}"
+    finally:
+        run.cleanup()
