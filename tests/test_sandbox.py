@@ -414,3 +414,30 @@ libc = ctypes.CDLL(None, use_errno=True)
 print('call', libc.unshare(0x10000000), os.strerror(ctypes.get_errno()))  # CLONE_NEWUSER
 """)
     assert "tool 0" not in r.output and "call -1 " in r.output, r.message()
+
+
+@pytest.mark.timeout(60)
+def test_a_call_in_flight_dies_with_its_trainer(box):
+    """SIGKILL of the process that started a call leaves none of the call's processes behind."""
+    from tests.test_processes import _alive, _cmdline, _descendants
+
+    script = (f"import asyncio, dataclasses\n"
+              f"from strop.tools.sandbox import Sandbox\n"
+              f"from tests.test_sandbox import LIMITS\n"
+              f"box = Sandbox(dataclasses.replace(LIMITS, timeout_s=60.0, cpu_s=60), isolation={box.isolation!r})\n"
+              f"asyncio.run(box.run_python('import time; print(\"started\", flush=True); time.sleep(50)'))\n")
+    trainer = subprocess.Popen([sys.executable, "-c", script], cwd=Path(__file__).resolve().parents[1])
+    seen: dict = {}
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not any("sleep" in _cmdline(p) or "python" in _cmdline(p)
+                                                    for p in _descendants(trainer.pid)):
+        time.sleep(0.1)
+    time.sleep(1.0)  # the call's python is up and sleeping
+    seen = _descendants(trainer.pid)
+    assert seen, "the sandbox call never started"
+    trainer.kill()
+    trainer.wait()
+    deadline = time.monotonic() + 10
+    while _alive(seen) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(seen), _alive(seen)

@@ -9,7 +9,6 @@ SIGKILL takes its servers with it. The bearer token travels in the environment, 
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import subprocess
@@ -112,19 +111,9 @@ def launch_servers(n: int, model_path: str, *, args: list[str] = (), token: str 
     return servers
 
 
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-
-
-def die_with_parent(parent: int) -> None:
-    """Have the kernel SIGKILL this process when its parent dies; exit now if it already has."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-    if os.getppid() != parent:  # the parent died before the signal was armed
-        os._exit(1)
-
-
 if __name__ == "__main__":  # python -m strop.engines.launch PARENT_PID serve ...: a server tied to its parent
+    from strop.processes import die_with_parent
+
     die_with_parent(int(sys.argv[1]))
     from strop.cli import main
 

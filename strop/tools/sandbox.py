@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 import os
 import shutil
 import signal
@@ -48,6 +49,8 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from strop.processes import die_with_parent
 
 SANDBOX_UID = 200_000  # as root, concurrent call i runs as uid SANDBOX_UID + i (no passwd entry needed)
 ISOLATIONS = ("bwrap", "namespaces", "none")
@@ -220,7 +223,8 @@ class Sandbox:
     # ---- choosing the isolation -------------------------------------------------------------
     def _prefix(self, uid: int | None) -> list[str]:
         L = self.limits
-        who = (["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--"]
+        # (changing the uid clears the parent-death signal the call was started with: setpriv sets it again)
+        who = (["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--pdeathsig=KILL", "--"]
                if uid is not None and self.isolation != "none" else [])
         nproc = L.processes if uid is not None else L.processes + _processes_of(os.getuid())
         # CPU: SIGXCPU at the soft limit (reported as such), SIGKILL a second later
@@ -350,7 +354,8 @@ class Sandbox:
         main = (cwd / "main.py").stat()
         proc = await asyncio.create_subprocess_exec(*cmd, cwd=cwd, env=_host_env(cwd), stdin=asyncio.subprocess.DEVNULL,
                                                     stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-                                                    start_new_session=True)
+                                                    start_new_session=True,
+                                                    preexec_fn=functools.partial(die_with_parent, os.getpid()))
         out, timed_out, truncated = bytearray(), False, False
         deadline = t0 + L.timeout_s
         watch = asyncio.ensure_future(self._watch(proc.pid, cgroup, (main.st_dev, main.st_ino)))
