@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import functools
 import os
 import shutil
 import signal
@@ -49,8 +48,6 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-
-from strop.processes import die_with_parent
 
 SANDBOX_UID = 200_000  # as root, concurrent call i runs as uid SANDBOX_UID + i (no passwd entry needed)
 ISOLATIONS = ("bwrap", "namespaces", "none")
@@ -223,9 +220,10 @@ class Sandbox:
     # ---- choosing the isolation -------------------------------------------------------------
     def _prefix(self, uid: int | None) -> list[str]:
         L = self.limits
-        # (changing the uid clears the parent-death signal the call was started with: setpriv sets it again)
-        who = (["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--pdeathsig=KILL", "--"]
-               if uid is not None and self.isolation != "none" else [])
+        # the call dies with the trainer: setpriv sets the parent-death signal (after the uid change, which
+        # would clear one set before it); bwrap sets its own as well (--die-with-parent)
+        ids = [f"--reuid={uid}", f"--regid={uid}", "--clear-groups"] if uid is not None and self.isolation != "none" else []
+        who = ["setpriv", *ids, "--pdeathsig=KILL", "--"] if ids or shutil.which("setpriv") else []
         nproc = L.processes if uid is not None else L.processes + _processes_of(os.getuid())
         # CPU: SIGXCPU at the soft limit (reported as such), SIGKILL a second later
         return who + ["prlimit", f"--cpu={L.cpu_s}:{L.cpu_s + 1}", f"--as={L.memory_mb << 20}", f"--nproc={nproc}",
@@ -354,8 +352,7 @@ class Sandbox:
         main = (cwd / "main.py").stat()
         proc = await asyncio.create_subprocess_exec(*cmd, cwd=cwd, env=_host_env(cwd), stdin=asyncio.subprocess.DEVNULL,
                                                     stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-                                                    start_new_session=True,
-                                                    preexec_fn=functools.partial(die_with_parent, os.getpid()))
+                                                    start_new_session=True)
         out, timed_out, truncated = bytearray(), False, False
         deadline = t0 + L.timeout_s
         watch = asyncio.ensure_future(self._watch(proc.pid, cgroup, (main.st_dev, main.st_ino)))
