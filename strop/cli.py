@@ -13,7 +13,7 @@ commands:
   strop train [CONFIG.yaml] [--preset NAME] [--section.key=value ...]
                                                         run RL (no arguments: GRPO on the embedded default)
   strop train --help                                    list every option
-  strop serve [--model-path PATH] [--port N] [--host H] [--token T]
+  strop serve [--model-path PATH] [--port N] [--host H] [--token T] [--weights-dir DIR]
                                                         the embedded engine behind HTTP (SGLang-native + OpenAI routes)
   strop train --resume RUN_DIR|latest                   continue a run from its newest checkpoint
   strop rollout [CONFIG.yaml] [--out FILE] [--section.key=value ...]
@@ -57,7 +57,12 @@ def serve_main(argv: list[str]) -> int:
     parser.add_argument("--host", default="127.0.0.1", help="bind address (anything but loopback needs --token)")
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--token", default=os.environ.get("STROP_SERVE_TOKEN"),
-                        help="bearer token required on weight and abort routes (env STROP_SERVE_TOKEN)")
+                        help="bearer token required on every route but /health (env STROP_SERVE_TOKEN)")
+    parser.add_argument("--public-generate", action="store_true",
+                        help="with --token: leave the generation routes (/generate, /v1/*) open to all")
+    parser.add_argument("--weights-dir", default=os.environ.get("STROP_SERVE_WEIGHTS_DIR"),
+                        help="the only folder /update_weights_from_disk loads from (unset: that route is refused; "
+                        "env STROP_SERVE_WEIGHTS_DIR)")
     parser.add_argument("--max-batch-size", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0, help="sampling seed of the engine")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
@@ -76,7 +81,8 @@ def serve_main(argv: list[str]) -> int:
     from strop.engines.server import serve
 
     try:
-        serve(args.model_path, host=args.host, port=args.port, token=args.token, max_batch_size=args.max_batch_size,
+        serve(args.model_path, host=args.host, port=args.port, token=args.token, public_generate=args.public_generate,
+              weights_dir=args.weights_dir, max_batch_size=args.max_batch_size,
               seed=args.seed, device=args.device, dtype=args.dtype, batch_wait_ms=args.batch_wait_ms,
               fast_decode=args.fast_decode)
     except (FileNotFoundError, ValueError) as exc:
@@ -215,10 +221,18 @@ def train_main(argv: list[str]) -> int:
         print(f"strop train: {exc}", file=sys.stderr)
         return 2
     if nproc > 1:
+        from strop.loop import stop_on_signals
         from strop.parallel.runtime import launch
 
         extra = ([f"--resume={resume}"] if resume is not None else []) + ([f"--allow-change={allow}"] if allow else [])
-        return launch(nproc, ([yaml_path] if yaml_path else []) + (["--preset", preset] if preset else []) + extra + argv)
+        os.environ["STROP_LAUNCHER_PID"] = str(os.getpid())  # the ranks die with this process, SIGKILL included
+        with stop_on_signals():  # SIGTERM: the ranks are stopped (each closes what it started) before this exits
+            return launch(nproc, ([yaml_path] if yaml_path else []) + (["--preset", preset] if preset else []) + extra
+                          + argv)
+    if "STROP_LAUNCHER_PID" in os.environ:  # a rank started by --nproc
+        from strop.processes import die_with_parent
+
+        die_with_parent(int(os.environ.pop("STROP_LAUNCHER_PID")))
     _quiet_libraries()
     if os.environ.get("RANK", "0") != "0":
         cfg.run.progress = False

@@ -305,7 +305,9 @@ def remote_engine(cfg: Config, model_path: str, run_dir: Path, probe_ids: list[i
 
     e = cfg.engine
     token = e.token.get_secret_value() if e.token else secrets.token_urlsafe(32) if e.launch else None
-    servers = launch_servers(e.launch, model_path, args=e.launch_args, token=token) if e.launch else []
+    weights_dir = Path(e.sync_dir or run_dir / "weights").resolve()  # the only folder the servers may load from
+    servers = launch_servers(e.launch, model_path, args=[*e.launch_args, f"--weights-dir={weights_dir}"],
+                             token=token) if e.launch else []
     try:
         return _router(cfg, [s.url for s in servers] or e.urls, token, run_dir, probe_ids, device), servers
     except BaseException:

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import math
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -23,8 +25,19 @@ from strop.engines.kvdecode import Batch, LlamaDecoder, Row, unsupported_reason
 from strop.types import Completion, SamplingParams
 
 
-class PromptTooLongError(ValueError):
+class RequestError(ValueError):
+    """The request itself is invalid (an empty prompt, a token id outside the vocabulary, a seed
+    or sampling value out of range): it fails alone, before it reaches a batch."""
+
+
+class PromptTooLongError(RequestError):
     pass
+
+
+EARLY_ABORT_S = 30.0  # an abort for a request not (yet) queued or running is remembered this long
+EARLY_ABORT_MAX = 4096  # and at most this many such aborts
+SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes
+GREEDY_BELOW = 1e-5  # a temperature below this samples greedily (dividing by it overflows the logits)
 
 
 @dataclass
@@ -63,8 +76,11 @@ class EmbeddedEngine:
         self._pending: list[_Request] = []
         self._flush_task: asyncio.Task | None = None
         self.device = next(model.parameters()).device
+        self.vocab_size = model.get_input_embeddings().num_embeddings
         self._abort_gen = 0  # abort_all bumps it; a decode started before the bump stops at its next step
-        self._aborted_ids: set[str] = set()  # requests aborted one by one (abort(request_id))
+        # requests aborted one by one (abort(request_id)) -> when: dropped when the request ends or
+        # arrives, and after EARLY_ABORT_S when it never does
+        self._aborted_ids: dict[str, float] = {}
         self._lock = threading.Lock()  # one batch at a time touches the model (taken off the event loop only)
         self._busy = asyncio.Lock()  # the event loop's side: one batch or weight load at a time
         # transformers renamed past_key_values to cache (5.x); pass whichever this model takes
@@ -80,8 +96,12 @@ class EmbeddedEngine:
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams,
                        request_id: str | None = None) -> Completion:
         """Generate for one prompt; concurrent calls are decoded together. ``request_id`` lets
-        :meth:`abort` end this request alone."""
+        :meth:`abort` end this request alone. A bad request raises :class:`RequestError` here,
+        before it can reach (and fail) a batch."""
         self._check_length(prompt_ids, sampling)
+        self._check_request(prompt_ids, sampling)
+        if request_id is not None and self._aborted_ids.pop(request_id, None) is not None:
+            return Completion([], [], "abort", self.weight_version)  # aborted before it arrived
         future = asyncio.get_running_loop().create_future()
         self._pending.append(_Request(list(prompt_ids), sampling, future, request_id))
         if self._flush_task is None or self._flush_task.done():
@@ -103,25 +123,37 @@ class EmbeddedEngine:
             batch = self._pending[: self.max_batch_size]
             self._pending = self._pending[self.max_batch_size :]
             try:
-                async with self._busy:
-                    results = await asyncio.to_thread(
-                        self.generate_batch, [r.prompt_ids for r in batch], [r.sampling for r in batch],
-                        [r.request_id for r in batch])
+                results = await self._decode_static(batch)
+                if isinstance(results, Exception) and len(batch) > 1:  # find whom it concerns: each alone
+                    results = [await self._decode_static([r]) for r in batch]
+                    results = [r if isinstance(r, Exception) else r[0] for r in results]
             except asyncio.CancelledError:  # cancelled: so are the requests it carried, then stop
                 self._abort_gen += 1  # the decode thread stops at its next step
                 for r in batch + self._pending:
                     r.future.cancel()
                 self._pending = []
                 raise
-            except Exception as exc:  # an engine error: every waiter of this batch gets it
-                for r in batch:
-                    if not r.future.done():
-                        r.future.set_exception(exc)
-                continue
-            for r, c in zip(batch, results):
-                self._aborted_ids.discard(r.request_id)
-                if not r.future.done():
-                    r.future.set_result(c)
+            for r, c in zip(batch, results if isinstance(results, list) else [results] * len(batch)):
+                self._settle(r, c)
+
+    async def _decode_static(self, batch: list[_Request]) -> list[Completion] | Exception:
+        """One static batch through :meth:`generate_batch`; an engine error is returned, not raised."""
+        try:
+            async with self._busy:
+                return await asyncio.to_thread(self.generate_batch, [r.prompt_ids for r in batch],
+                                               [r.sampling for r in batch], [r.request_id for r in batch])
+        except Exception as exc:
+            return exc
+
+    def _settle(self, req: _Request, outcome: Completion | BaseException) -> None:
+        """Answer one request (a Completion, or the error that concerns it alone)."""
+        self._aborted_ids.pop(req.request_id, None)
+        if req.future.done():
+            return
+        if isinstance(outcome, BaseException):
+            req.future.set_exception(outcome)
+        else:
+            req.future.set_result(outcome)
 
     async def _run_continuous(self) -> None:
         """Decode until no row runs and nothing waits: each step first admits waiting requests
@@ -139,22 +171,24 @@ class EmbeddedEngine:
                         admit, self._pending = self._pending[:room], self._pending[room:]
                     if not admit and not batch.live:
                         break
-                    admitted = [self._row(r.prompt_ids, r.sampling, r.request_id, owner=r) for r in admit]
-                    finished = await asyncio.to_thread(self._locked, self._advance, batch,
-                                                       [r.prompt_ids for r in admit], admitted)
+                    admitted = self._rows(admit)
+                    finished, failed = await asyncio.to_thread(self._locked, self._advance, batch,
+                                                               [r.owner.prompt_ids for r in admitted], admitted)
                     admitted = []
                     for row in finished:
                         self._answer(row)
+                    for row, exc in failed:
+                        self._settle(row.owner, exc)
             except asyncio.CancelledError:  # cancelled: so are the requests it carried, then stop
                 self._abort_gen += 1
                 for r in [row.owner for row in batch.rows + admitted if row.owner is not None] + self._pending:
                     r.future.cancel()
                 self._pending = []
                 raise
-            except Exception as exc:  # an engine error: every request this batch carried gets it
+            except Exception as exc:  # a decode step failed: it concerned every row it carried
                 for row in batch.rows + admitted:  # finished in the failed step or not: none was answered
-                    if row.owner is not None and not row.owner.future.done():
-                        row.owner.future.set_exception(exc)
+                    if row.owner is not None:
+                        self._settle(row.owner, exc)
             finally:
                 if not self._pending and self._lock.acquire(blocking=False):  # idle: free the fused and
                     try:  # packed weights until the next batch (never under a running generate_batch)
@@ -163,14 +197,43 @@ class EmbeddedEngine:
                         self._lock.release()
         self._kick()  # requests that arrived while the last rows finished
 
-    def _advance(self, batch: Batch, prompts: list[list[int]], rows: list[Row]) -> list[Row]:
-        return batch.admit(prompts, rows) + batch.step()
+    def _rows(self, requests: list[_Request]) -> list[Row]:
+        """A row per request; a request whose row cannot be built fails alone (never lost)."""
+        rows = []
+        for r in requests:
+            try:
+                rows.append(self._row(r.prompt_ids, r.sampling, r.request_id, owner=r))
+            except Exception as exc:
+                self._settle(r, exc)
+        return rows
+
+    def _advance(self, batch: Batch, prompts: list[list[int]], rows: list[Row]):
+        """Admit ``rows``, then decode one step. Returns (rows that finished, [(row, error)] of rows
+        that could not be admitted)."""
+        finished, failed = self._admit(batch, prompts, rows)
+        return finished + batch.step(), failed
+
+    def _admit(self, batch: Batch, prompts: list[list[int]], rows: list[Row]):
+        """``batch.admit``; when it fails for several rows, each is admitted alone so the error
+        fails only the request it concerns (admission changes the batch only after prefill and
+        sampling succeeded)."""
+        try:
+            return batch.admit(prompts, rows), []
+        except Exception as exc:
+            if len(rows) == 1:
+                return [], [(rows[0], exc)]
+        finished, failed = [], []
+        for prompt, row in zip(prompts, rows):
+            row.token_ids.clear()  # a failed admission may have recorded a first token
+            row.logprobs.clear()
+            row.finish = None
+            done, bad = self._admit(batch, [prompt], [row])
+            finished += done
+            failed += bad
+        return finished, failed
 
     def _answer(self, row: Row) -> None:
-        req = row.owner
-        self._aborted_ids.discard(req.request_id)
-        if not req.future.done():
-            req.future.set_result(Completion(row.token_ids, row.logprobs, row.finish, self.weight_version))
+        self._settle(row.owner, Completion(row.token_ids, row.logprobs, row.finish, self.weight_version))
 
     def _kick(self) -> None:
         if self._pending and (self._flush_task is None or self._flush_task.done()):
@@ -190,7 +253,7 @@ class EmbeddedEngine:
         dev = logits.device
         t = torch.tensor([r.sampling.temperature for r in rows], dtype=torch.float32, device=dev)
         p = torch.tensor([r.sampling.top_p for r in rows], dtype=torch.float32, device=dev)
-        k = torch.tensor([r.sampling.top_k for r in rows], dtype=torch.long, device=dev)
+        k = torch.tensor([min(r.sampling.top_k, logits.shape[-1]) for r in rows], dtype=torch.long, device=dev)
         return self._sample(logits, t, p, k, [r.generator for r in rows])
 
     def _load(self, fn, *args):
@@ -233,14 +296,21 @@ class EmbeddedEngine:
 
     async def abort(self, request_id: str) -> bool:
         """End one request with finish_reason 'abort' (queued: at once; running: at its next decode
-        step, keeping the tokens it has). False when no such request is queued or running."""
+        step, keeping the tokens it has; not arrived yet: when it arrives, within EARLY_ABORT_S)."""
         for r in self._pending:
             if r.request_id == request_id:
                 self._pending.remove(r)
                 if not r.future.done():
                     r.future.set_result(Completion([], [], "abort", self.weight_version))
                 return True
-        self._aborted_ids.add(request_id)
+        now = time.monotonic()
+        self._aborted_ids.pop(request_id, None)
+        self._aborted_ids[request_id] = now  # insertion order is time order: the oldest come first
+        while self._aborted_ids:
+            oldest, when = next(iter(self._aborted_ids.items()))
+            if now - when <= EARLY_ABORT_S and len(self._aborted_ids) <= EARLY_ABORT_MAX:
+                break
+            del self._aborted_ids[oldest]  # (a request still running after that long finishes as it would)
         return True
 
     async def abort_all(self) -> None:
@@ -259,11 +329,27 @@ class EmbeddedEngine:
     # ---- the batched decode loop ---------------------------------------------------------
     def _check_length(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
         if not prompt_ids:
-            raise ValueError("empty prompt")
+            raise RequestError("empty prompt: a request needs at least one token")
         if len(prompt_ids) >= self.context_window:
             raise PromptTooLongError(
                 f"prompt has {len(prompt_ids)} tokens; the context window is {self.context_window}"
             )
+
+    def _check_request(self, prompt_ids: list[int], s: SamplingParams) -> None:
+        """Every id in the vocabulary and every sampling value in range (what would otherwise fail
+        inside a batch: an id indexes the embedding, a seed seeds a torch.Generator)."""
+        bad = next((i for i, t in enumerate(prompt_ids) if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise RequestError(f"input_ids[{bad}] = {prompt_ids[bad]!r} is outside the vocabulary "
+                               f"[0, {self.vocab_size})")
+        if s.seed is not None and not SEED_RANGE[0] <= s.seed < SEED_RANGE[1]:
+            raise RequestError(f"seed {s.seed} is outside [{SEED_RANGE[0]}, {SEED_RANGE[1]})")
+        if not (math.isfinite(s.temperature) and s.temperature >= 0):
+            raise RequestError(f"temperature {s.temperature} must be finite and >= 0")
+        if not 0 < s.top_p <= 1:
+            raise RequestError(f"top_p {s.top_p} must be in (0, 1]")
+        if s.top_k < 0 or s.max_new_tokens < 1:
+            raise RequestError(f"top_k {s.top_k} must be >= 0 (0: off) and max_new_tokens {s.max_new_tokens} >= 1")
 
     @torch.no_grad()
     def generate_batch(
@@ -313,7 +399,7 @@ class EmbeddedEngine:
 
         temperature = torch.tensor([s.temperature for s in samplings], dtype=torch.float32, device=dev)
         top_p = torch.tensor([s.top_p for s in samplings], dtype=torch.float32, device=dev)
-        top_k = torch.tensor([s.top_k for s in samplings], dtype=torch.long, device=dev)
+        top_k = torch.tensor([min(s.top_k, self.vocab_size) for s in samplings], dtype=torch.long, device=dev)
         stop_sets = [set(s.stop_token_ids or self.default_stop_token_ids) for s in samplings]
         generators = [
             torch.Generator().manual_seed(s.seed) if s.seed is not None else None for s in samplings
@@ -364,7 +450,7 @@ class EmbeddedEngine:
 
     def _sample(self, logits, temperature, top_p, top_k, generators):
         """Pick one token per row; return it and its logprob under logits / temperature."""
-        greedy = temperature <= 0
+        greedy = temperature < GREEDY_BELOW
         any_greedy = bool(greedy.any())
         t = torch.where(greedy, torch.ones_like(temperature), temperature)
         scaled = logits if bool((t == 1).all()) else logits / t.unsqueeze(-1)  # (B, V)

@@ -2,59 +2,107 @@
 strop uses, plus OpenAI-compatible completions for agent code.
 
 Routes (SGLang names and payloads, so one client serves both):
-  POST /generate                {input_ids, sampling_params, return_logprob, rid}
-  GET  /health, /health_generate, /get_weight_version
+  POST /generate                {text | input_ids, sampling_params, return_logprob, rid}
+  GET  /health, /health_generate, /get_weight_version, /model_info, /v1/models
   POST /abort_request {rid}, /flush_cache, /update_weights_from_disk {model_path, weight_version}
-  POST /v1/completions, /v1/chat/completions  (token ids and logprobs included)
+  POST /init_weights_update_group, /update_weights_from_distributed, /destroy_weights_update_group
+  POST /v1/completions, /v1/chat/completions  (token ids and logprobs included; stream, stop, n)
 
-Concurrent requests are batched by the engine (requests that arrive while a batch decodes
-form the next batch). It binds 127.0.0.1 by default; bound elsewhere it refuses to start
-without a token, and the weight and abort routes then require ``Authorization: Bearer``.
-A bad request gets a 4xx with a message; the server keeps serving.
+Concurrent requests are batched by the engine. Access: open on 127.0.0.1 without a token;
+with a token every route but /health needs ``Authorization: Bearer <token>`` (generation
+routes stay open with ``public_generate``); bound elsewhere it refuses to start without one.
+Weights load from disk only from inside ``weights_dir``. A bad request gets a 4xx with a
+message and fails alone (requests batched with it are answered); the server keeps serving.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
+import json
+import logging
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from strop.engines.embedded import EmbeddedEngine, PromptTooLongError
+from strop.engines.embedded import EmbeddedEngine, RequestError
 from strop.engines.http import state_checksum, tensor_digest
 from strop.types import Completion, SamplingParams
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+GENERATION_ROUTES = ("/generate", "/health_generate", "/get_weight_version", "/model_info", "/v1/completions",
+                     "/v1/chat/completions", "/v1/models")  # opened to all by public_generate
+MAX_N = 128  # choices per request
+log = logging.getLogger("strop.serve")
+
+Seed = Annotated[int, Field(ge=0, lt=2**64)]  # what a torch.Generator takes (negative seeds refused)
+StopString = Annotated[str, Field(min_length=1)]
+Version = Annotated[int, Field(ge=0, lt=2**63)]  # "7" is read as 7; "default" is refused
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
-class SamplingBody(_Body):
+# SGLang sampling fields strop does not implement: accepted at the value that changes nothing
+_NEUTRAL = {"min_new_tokens": 0, "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
+            "repetition_penalty": 1.0, "json_schema": None, "regex": None, "ebnf": None, "structural_tag": None,
+            "logit_bias": None}
+
+
+class SamplingBody(BaseModel):
+    """SGLang's ``sampling_params``; fields SGLang has that strop does not know are ignored (logged)."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(-1, ge=-1)  # SGLang's "off" is -1; 0 is accepted as off too
-    max_new_tokens: int = Field(128, gt=0)
+    top_k: int = Field(-1, ge=-1, le=2**31 - 1)  # SGLang's "off" is -1; 0 is accepted as off too
+    max_new_tokens: int = Field(128, gt=0, le=2**31 - 1)
+    stop: StopString | list[StopString] | None = None
     stop_token_ids: list[int] | None = None
-    sampling_seed: int | None = None
-    no_stop_trim: bool = True  # strop never trims; accepted for SGLang clients
+    sampling_seed: Seed | None = None
+    ignore_eos: bool = False
+    n: int = Field(1, ge=1, le=MAX_N)
+    no_stop_trim: bool = False  # the text keeps a matched stop string (the token ids always do)
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    min_new_tokens: int = 0
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    json_schema: Any = None
+    regex: Any = None
+    ebnf: Any = None
+    structural_tag: Any = None
+    logit_bias: dict | None = None
+
+    @model_validator(mode="after")
+    def _only_neutral(self):
+        for name, neutral in _NEUTRAL.items():
+            if getattr(self, name) not in (neutral, None, {}):
+                raise ValueError(f"{name}={getattr(self, name)!r} is not supported by strop serve (only {neutral!r})")
+        return self
 
 
 class GenerateBody(_Body):
-    input_ids: list[int] = Field(min_length=1)
-    sampling_params: SamplingBody = Field(default_factory=SamplingBody)
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: SamplingBody | list[SamplingBody] = Field(default_factory=SamplingBody)
     return_logprob: bool = False
-    rid: str | None = None
+    return_text_in_logprobs: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = Field(0, ge=0, le=0)
+    rid: str | list[str] | None = None
     stream: bool = False
+    log_metrics: bool = True
 
 
 class AbortBody(_Body):
@@ -63,8 +111,8 @@ class AbortBody(_Body):
 
 
 class DiskUpdateBody(_Body):
-    model_path: str
-    weight_version: int | str | None = None
+    model_path: str = Field(min_length=1)
+    weight_version: Version | None = None
     digests: dict[str, str] | None = None  # delta form: the file holds only these tensors, each checked
     load_format: str | None = None
     flush_cache: bool = True
@@ -72,12 +120,22 @@ class DiskUpdateBody(_Body):
 
 
 class GroupBody(_Body):
-    master_address: str
+    master_address: str = Field(min_length=1)
     master_port: int = Field(gt=0, lt=65536)
     rank_offset: int = Field(ge=1)
-    world_size: int = Field(ge=2)
-    group_name: str = "weight_update_group"
-    backend: str = "gloo"
+    world_size: int = Field(ge=2, le=4096)
+    group_name: str = Field("weight_update_group", min_length=1, max_length=256)
+    backend: Literal["gloo", "nccl"] = "gloo"
+
+    @model_validator(mode="after")
+    def _rank_in_world(self):
+        if self.rank_offset >= self.world_size:
+            raise ValueError(f"rank_offset {self.rank_offset} must be below world_size {self.world_size}")
+        return self
+
+
+class GroupNameBody(_Body):
+    group_name: str = Field("weight_update_group", min_length=1, max_length=256)
 
 
 class DistributedUpdateBody(_Body):
@@ -85,80 +143,185 @@ class DistributedUpdateBody(_Body):
     dtypes: list[str]
     shapes: list[list[int]]
     group_name: str = "weight_update_group"
-    weight_version: int | str | None = None
-    bucket_bytes: int = Field(64 << 20, ge=1 << 10)
+    weight_version: Version | None = None
+    bucket_bytes: int = Field(64 << 20, ge=1 << 10, le=1 << 40)
     flush_cache: bool = True
     return_checksum: bool = False
 
 
-class CompletionBody(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # OpenAI clients send many optional fields
-    prompt: str | list[int]
-    max_tokens: int = Field(16, gt=0)
-    temperature: float = Field(1.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(-1, ge=-1)
-    seed: int | None = None
-    logprobs: int | None = None
+class _OpenAIBody(BaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)  # OpenAI clients send many optional fields
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1, le=2**31 - 1)  # vLLM's extension
+    seed: Seed | None = None
+    n: int | None = Field(None, ge=1, le=MAX_N)
+    stop: StopString | list[StopString] | None = None
+    stream: bool | None = False
+    stream_options: dict | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict | None = None
     model: str | None = None
 
+    @model_validator(mode="after")
+    def _only_neutral(self):
+        for name in ("frequency_penalty", "presence_penalty", "logit_bias"):
+            if getattr(self, name) not in (None, 0, 0.0, {}):
+                raise ValueError(f"{name}={getattr(self, name)!r} is not supported by strop serve")
+        return self
 
-class ChatBody(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+
+class CompletionBody(_OpenAIBody):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(None, gt=0, le=2**31 - 1)
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool | None = Field(False, description="refused: strop does not score the prompt")
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _supported(self):
+        if self.echo or self.suffix or self.best_of not in (None, self.n or 1):
+            raise ValueError("echo, suffix and best_of (other than n) are not supported by strop serve")
+        return self
+
+
+class ChatBody(_OpenAIBody):
     messages: list[dict[str, Any]] = Field(min_length=1)
-    max_tokens: int | None = Field(None, gt=0)
-    max_completion_tokens: int | None = Field(None, gt=0)
-    temperature: float = Field(1.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    seed: int | None = None
-    logprobs: bool = False
-    model: str | None = None
+    max_tokens: int | None = Field(None, gt=0, le=2**31 - 1)
+    max_completion_tokens: int | None = Field(None, gt=0, le=2**31 - 1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=0, description="only the sampled token's logprob is known")
+    response_format: dict | None = None
+
+    @model_validator(mode="after")
+    def _supported(self):
+        if self.response_format not in (None, {"type": "text"}):
+            raise ValueError("response_format other than {'type': 'text'} is not supported by strop serve")
+        return self
 
 
-def _sampling(temperature, top_p, top_k, max_new_tokens, stop, seed) -> SamplingParams:
-    return SamplingParams(temperature=temperature, top_p=top_p, top_k=max(top_k, 0), max_new_tokens=max_new_tokens,
-                          stop_token_ids=list(stop or []), seed=seed)
+def _error(status: int, message: str) -> JSONResponse:
+    """OpenAI's error shape (the openai SDK reads ``error.message``); SGLang clients read the text."""
+    kind = "invalid_request_error" if status < 500 else "internal_error"
+    return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind, "code": status}})
 
 
-def load_weights_dir(path: str, device) -> dict:
-    """Every ``*.safetensors`` file of a folder (or one file) as one state dict, on ``device``."""
+def _token_matches(header: str, token: str) -> bool:
+    """``Bearer <token>``, compared in constant time on bytes (a header may hold any byte)."""
+    scheme, _, sent = header.partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(sent.strip().encode("latin-1"), token.encode())
+
+
+def load_weights_dir(path: str, device, root: str | None = None) -> dict:
+    """Every ``*.safetensors`` file of a folder (or one file) as one state dict, on ``device``.
+    With ``root``, every file must resolve (symlinks and ``..`` followed) inside it."""
     from safetensors.torch import load_file
 
-    p = Path(path)
-    files = sorted(p.glob("*.safetensors")) if p.is_dir() else [p]
-    if not files or not all(f.exists() for f in files):
+    def inside(f: Path) -> bool:
+        return root is None or f.resolve().is_relative_to(Path(root).resolve())
+
+    p = Path(root or ".", path).resolve()
+    files = sorted(p.glob("*.safetensors")) if inside(p) and p.is_dir() else [p]
+    if not all(inside(f) for f in files):
+        raise PermissionError(f"{path!r} is outside the weights folder {root} (strop serve --weights-dir)")
+    if not files or not all(f.is_file() for f in files):
         raise FileNotFoundError(f"no safetensors weights at {path!r}")
     state = {}
     for f in files:
-        state.update(load_file(str(f), device=str(device)))
+        try:
+            state.update(load_file(str(f), device=str(device)))
+        except Exception as exc:  # safetensors' own error for a file that is not one
+            raise ValueError(f"{f} is not a safetensors file: {exc}") from exc
     return state
 
 
-def create_app(engine: EmbeddedEngine, *, tokenizer=None, token: str | None = None, model_name: str = "strop"):
-    """The FastAPI application around ``engine`` (``token``: required on weight and abort routes)."""
-    app = FastAPI(title="strop serve", docs_url=None, redoc_url=None)
+def _check_state(state: dict, own: dict, digests: dict | None) -> None:
+    """Names, shapes (and, delta form, digests) before anything is copied: a rejected load leaves
+    the model as it was. Without ``digests`` every tensor of the model must be there."""
+    unknown = [n for n in state if n not in own]
+    shapes = [n for n in state if n in own and tuple(state[n].shape) != tuple(own[n].shape)]
+    missing = sorted(set(digests) ^ set(state)) if digests is not None else sorted(set(own) - set(state))
+    changed = [n for n in state if digests and n in digests and tensor_digest(state[n]) != digests[n]]
+    for what, names in (("unknown tensors", unknown), ("wrong shapes", shapes), ("missing tensors", missing),
+                        ("tensors not matching their checksum", changed)):
+        if names:
+            raise ValueError(f"{what}: {names[:5]}")
+
+
+def create_app(engine: EmbeddedEngine, *, tokenizer=None, token: str | None = None, model_name: str = "strop",
+               public_generate: bool = False, weights_dir: str | None = None):
+    """The FastAPI application around ``engine``. ``token``: needed on every route but /health
+    (generation routes stay open with ``public_generate``). ``weights_dir``: the only folder
+    /update_weights_from_disk reads (None: that route is refused)."""
+    app = FastAPI(title="strop serve", docs_url=None, redoc_url=None, openapi_url=None)
+    warned: set[str] = set()
 
     @app.exception_handler(RequestValidationError)
     async def _bad_request(request: Request, exc: RequestValidationError):
         where = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
-        return JSONResponse(status_code=400 if "json_invalid" in str(exc.errors()) else 422,
-                            content={"error": {"message": where, "type": "invalid_request"}})
+        return _error(400 if "json_invalid" in str(exc.errors()) else 422, where)
 
-    def authorise(request: Request) -> None:
-        if token is None:
-            return
-        sent = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-        if not hmac.compare_digest(sent, token):
-            raise HTTPException(status_code=401, detail="this route needs 'Authorization: Bearer <token>'")
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        return _error(exc.status_code, str(exc.detail))
 
-    async def run(prompt_ids: list[int], sampling: SamplingParams, rid: str) -> Completion:
+    @app.exception_handler(Exception)
+    async def _engine_error(request: Request, exc: Exception):  # a bug or an engine fault, never the caller's
+        log.exception("strop serve: %s failed", request.url.path)
+        return _error(500, f"{type(exc).__name__}: {exc}")
+
+    @app.middleware("http")
+    async def _authorise(request: Request, call_next):
+        path = request.url.path
+        if token is None or path == "/health" or (public_generate and path in GENERATION_ROUTES):
+            return await call_next(request)
+        if not _token_matches(request.headers.get("authorization", ""), token):
+            return _error(401, f"{path} needs the server's token: 'Authorization: Bearer <token>'")
+        return await call_next(request)
+
+    def decode(ids: list[int], skip_special_tokens: bool = True) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens) if tokenizer is not None else ""
+
+    def encode(text: str) -> list[int]:
+        if tokenizer is None:
+            raise HTTPException(status_code=400, detail="a text prompt needs a tokenizer; send token ids")
+        return tokenizer(text, add_special_tokens=True)["input_ids"]
+
+    async def complete(ids: list[int], sampling: SamplingParams, rid: str | None, stops: list[str],
+                       skip_special_tokens: bool = True) -> tuple[Completion, str, str | None]:
+        """One generation, cut after the first stop string: (completion, its text up to and
+        without the stop string, the stop string matched)."""
+        if sampling.max_new_tokens >= engine.context_window:  # no prompt leaves room for it (a shorter
+            # limit that runs past the window with this prompt ends there, finish reason "length")
+            raise HTTPException(status_code=400, detail=f"max_new_tokens {sampling.max_new_tokens} is not below "
+                                f"the context window ({engine.context_window} tokens)")
+        if stops and tokenizer is None:
+            raise HTTPException(status_code=400, detail="stop strings need a tokenizer; send stop_token_ids")
         try:
-            return await engine.generate(prompt_ids, sampling, request_id=rid)
-        except PromptTooLongError as exc:
-            raise HTTPException(status_code=400, detail=str(exc)) from None
+            out = await engine.generate(ids, sampling, request_id=rid)
+        except RequestError as exc:
+            raise HTTPException(status_code=400, detail=str(exc)) from exc
+        text = decode(out.token_ids, skip_special_tokens)
+        hits = [(text.find(s), s) for s in stops if s in text]
+        if not hits:
+            return out, text, None
+        _, matched = min(hits)
+        keep = _tokens_through(lambda k: any(s in decode(out.token_ids[:k], skip_special_tokens) for s in stops),
+                               len(out.token_ids))
+        cut = Completion(out.token_ids[:keep], (out.logprobs or [])[:keep], "stop", out.weight_version)
+        text = decode(cut.token_ids, skip_special_tokens)
+        return cut, text[: min(text.find(s) for s in stops if s in text)], matched
 
-    def decode(ids: list[int]) -> str:
-        return tokenizer.decode(ids, skip_special_tokens=True) if tokenizer is not None else ""
+    def sampling_of(temperature, top_p, top_k, max_new_tokens, stop_ids, seed) -> SamplingParams:
+        return SamplingParams(temperature=1.0 if temperature is None else temperature,
+                              top_p=1.0 if top_p is None else top_p, top_k=max(top_k or 0, 0),
+                              max_new_tokens=max_new_tokens, stop_token_ids=list(stop_ids or []), seed=seed)
+
+    def seeds(seed: int | None, n: int) -> list[int | None]:
+        """One seed per choice: n choices of one seeded request differ, and repeat when asked again."""
+        return [None if seed is None else (seed + i) % 2**64 for i in range(n)]
 
     @app.get("/health")
     async def health():
@@ -173,23 +336,65 @@ def create_app(engine: EmbeddedEngine, *, tokenizer=None, token: str | None = No
     async def weight_version():
         return {"weight_version": engine.weight_version}
 
+    @app.get("/model_info")
+    async def model_info():  # SGLang 0.5.23 reports the weight version here only
+        return {"model_path": model_name, "weight_version": engine.weight_version}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "strop",
+                                            "max_model_len": engine.context_window}]}
+
     @app.post("/generate")
     async def generate(body: GenerateBody):
+        """SGLang's /generate: one prompt (text or ids) answers an object, a list of prompts (or
+        ``n`` > 1) a list, in order (prompt-major)."""
         if body.stream:
-            raise HTTPException(status_code=400, detail="stream=true is not supported by strop serve")
-        sp = body.sampling_params
-        rid = body.rid or uuid.uuid4().hex
-        out = await run(body.input_ids, _sampling(sp.temperature, sp.top_p, sp.top_k, sp.max_new_tokens,
-                                                  sp.stop_token_ids, sp.sampling_seed), rid)
-        meta = {"id": rid, "finish_reason": {"type": out.finish_reason}, "prompt_tokens": len(body.input_ids),
-                "completion_tokens": len(out.token_ids), "weight_version": out.weight_version}
-        if body.return_logprob:
-            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(out.logprobs or [], out.token_ids)]
-        return {"text": decode(out.token_ids), "output_ids": out.token_ids, "meta_info": meta}
+            raise HTTPException(status_code=400, detail="stream=true is not supported by /generate; use "
+                                "/v1/completions with stream=true")
+        if (body.text is None) == (body.input_ids is None):
+            raise HTTPException(status_code=400, detail="give exactly one of text and input_ids")
+        batched = isinstance(body.text, list) or bool(body.input_ids and isinstance(body.input_ids[0], list))
+        if body.text is not None:
+            prompts = [encode(t) for t in (body.text if batched else [body.text])]
+        else:
+            prompts = body.input_ids if batched else [body.input_ids]
+        sps = body.sampling_params if isinstance(body.sampling_params, list) else [body.sampling_params] * len(prompts)
+        rids = body.rid if isinstance(body.rid, list) else [body.rid] * len(prompts)
+        if len(sps) != len(prompts) or len(rids) != len(prompts):
+            raise HTTPException(status_code=400, detail=f"{len(prompts)} prompts, {len(sps)} sampling_params and "
+                                f"{len(rids)} rids: give one each (or one for all)")
+        for name in {f for sp in sps for f in (sp.model_extra or {})} - warned:
+            warned.add(name)
+            log.warning("strop serve: /generate ignores sampling_params.%s (not a field strop knows)", name)
+        jobs = []
+        for ids, sp, rid in zip(prompts, sps, rids):
+            stop_ids = [-1] if sp.ignore_eos and not sp.stop_token_ids else sp.stop_token_ids  # -1: no default stops
+            stops = [sp.stop] if isinstance(sp.stop, str) else list(sp.stop or [])
+            for i, seed in enumerate(seeds(sp.sampling_seed, sp.n)):
+                sampling = sampling_of(sp.temperature, sp.top_p, sp.top_k, sp.max_new_tokens, stop_ids, seed)
+                one_rid = rid if sp.n == 1 or rid is None else f"{rid}-{i}"
+                jobs.append((ids, sp, one_rid or uuid.uuid4().hex, sampling, stops))
+        outs = await asyncio.gather(*(complete(ids, s, rid, stops, sp.skip_special_tokens)
+                                      for ids, sp, rid, s, stops in jobs))
+        answers = []
+        for (ids, sp, rid, _, _), (out, text, matched) in zip(jobs, outs):
+            reason = {"type": out.finish_reason}
+            if matched is not None:
+                reason["matched"] = matched
+            meta = {"id": rid, "finish_reason": reason, "prompt_tokens": len(ids),
+                    "completion_tokens": len(out.token_ids), "weight_version": out.weight_version}
+            if body.return_logprob:
+                texts = [decode([t], False) for t in out.token_ids] if body.return_text_in_logprobs else None
+                meta["output_token_logprobs"] = [[lp, t, texts[i] if texts else None]
+                                                 for i, (lp, t) in enumerate(zip(out.logprobs or [], out.token_ids))]
+            if matched is not None and sp.no_stop_trim:
+                text = decode(out.token_ids, sp.skip_special_tokens)
+            answers.append({"text": text, "output_ids": out.token_ids, "meta_info": meta})
+        return answers if batched or len(answers) > 1 else answers[0]
 
     @app.post("/abort_request")
-    async def abort_request(body: AbortBody, request: Request):
-        authorise(request)
+    async def abort_request(body: AbortBody):
         if body.abort_all:
             await engine.abort_all()
         elif body.rid:
@@ -197,53 +402,73 @@ def create_app(engine: EmbeddedEngine, *, tokenizer=None, token: str | None = No
         return {"success": True}
 
     @app.post("/flush_cache")
-    async def flush_cache(request: Request):
-        authorise(request)
+    async def flush_cache():
         return {"success": True}  # the embedded engine keeps no KV cache between batches
 
     @app.post("/update_weights_from_disk")
-    async def update_weights_from_disk(body: DiskUpdateBody, request: Request):
-        authorise(request)
+    async def update_weights_from_disk(body: DiskUpdateBody):
+        """Read, check and (after loading) checksum the weights in threads: requests in flight keep
+        decoding while a large file loads."""
+        if weights_dir is None:
+            raise HTTPException(status_code=403, detail="update_weights_from_disk is off: start strop serve with "
+                                "--weights-dir DIR (the folder the trainer writes weights to)")
+        own = engine.model.state_dict()
         try:
-            state = load_weights_dir(body.model_path, engine.device)
-        except (FileNotFoundError, OSError, ValueError) as exc:
-            raise HTTPException(status_code=400, detail=f"update_weights_from_disk: {exc}") from None
+            state = await asyncio.to_thread(load_weights_dir, body.model_path, engine.device, weights_dir)
+            await asyncio.to_thread(_check_state, state, own, body.digests)
+        except PermissionError as exc:
+            raise HTTPException(status_code=403, detail=f"update_weights_from_disk: {exc}") from exc
+        except (OSError, ValueError) as exc:
+            raise HTTPException(status_code=400, detail=f"update_weights_from_disk: {exc}") from exc
         if body.abort_all_requests:
             await engine.abort_all()
-        strict = body.digests is None
-        if body.digests is not None:  # the delta form: exactly the announced tensors, each as sent
-            own = engine.model.state_dict()
-            bad = sorted(set(body.digests) ^ set(state)) + [n for n in state if n not in own]
-            bad += [n for n in state if n in body.digests and tensor_digest(state[n]) != body.digests[n]]
-            if bad:
-                raise HTTPException(status_code=400, detail=f"update_weights_from_disk: delta tensors missing, unknown "
-                                    f"or not matching their checksum: {bad[:5]}")
-        try:
-            version = await engine.update_weights(state, version=_int_version(body.weight_version), strict=strict)
-        except RuntimeError as exc:  # load_state_dict: missing / unexpected keys, wrong shapes
-            raise HTTPException(status_code=400, detail=f"update_weights_from_disk: {exc}") from None
+        version = await engine.update_weights(state, version=body.weight_version, strict=body.digests is None)
         return {"success": True, "message": "weights loaded", "weight_version": version,
-                "checksum": state_checksum(state)}
+                "checksum": await asyncio.to_thread(state_checksum, state)}
 
     groups: dict[str, Any] = {}
 
+    async def destroy(name: str) -> bool:
+        """Forget a weight-sync group and tear it down (NCCL: abort; gloo frees its sockets when the
+        last reference goes). A receive still blocked on it ends at the group's timeout."""
+        group = groups.pop(name, None)
+        if group is None:
+            return False
+        teardown = getattr(group, "abort", None) or getattr(group, "shutdown", None)
+        if teardown is not None:
+            try:
+                await asyncio.to_thread(teardown)
+            except Exception as exc:  # it is dropped anyway
+                log.warning("strop serve: tearing down weight update group %r: %s", name, exc)
+        return True
+
     @app.post("/init_weights_update_group")
-    async def init_group(body: GroupBody, request: Request):
-        """Join the trainer's weight-sync group as rank ``rank_offset`` (returns once every rank joined)."""
-        authorise(request)
+    async def init_group(body: GroupBody):
+        """Join the trainer's weight-sync group as rank ``rank_offset`` (returns once every rank
+        joined). Groups joined before are torn down: one trainer, one live group (a reconnect)."""
         from strop.engines.sync import make_group
 
+        for name in list(groups):
+            await destroy(name)
         try:
-            groups[body.group_name] = await asyncio.to_thread(
+            group = await asyncio.to_thread(
                 make_group, body.master_address, body.master_port, body.rank_offset, body.world_size, body.backend)
-        except (RuntimeError, ValueError) as exc:
-            raise HTTPException(status_code=400, detail=f"init_weights_update_group: {exc}") from None
+        except (RuntimeError, ValueError, OSError) as exc:
+            raise HTTPException(status_code=400, detail=f"init_weights_update_group: {exc}") from exc
+        groups[body.group_name] = group
         return {"success": True, "message": f"joined {body.group_name} as rank {body.rank_offset}"}
 
+    @app.post("/destroy_weights_update_group")
+    async def destroy_group(body: GroupNameBody):
+        """Tear down a weight-sync group (the trainer's reconnect); no such group is no error."""
+        found = await destroy(body.group_name)
+        return {"success": True, "message": f"{'destroyed' if found else 'no'} group {body.group_name}"}
+
     @app.post("/update_weights_from_distributed")
-    async def update_from_distributed(body: DistributedUpdateBody, request: Request):
+    async def update_from_distributed(body: DistributedUpdateBody):
         """Receive the weights broadcast by the trainer, one bucket at a time, into the model in place."""
-        authorise(request)
+        import torch
+
         from strop.engines.sync import bucket_plan
 
         group = groups.get(body.group_name)
@@ -256,73 +481,139 @@ def create_app(engine: EmbeddedEngine, *, tokenizer=None, token: str | None = No
             raise HTTPException(status_code=400, detail=f"update_weights_from_distributed: unknown names {unknown[:5]} "
                                 "or names / dtypes / shapes of different lengths")
         wrong = [n for n, s in zip(body.names, body.shapes) if tuple(params[n].shape) != tuple(s)]
-        if wrong:
-            raise HTTPException(status_code=400, detail=f"update_weights_from_distributed: shape mismatch for {wrong[:5]}")
+        dtypes = [d for d in body.dtypes if not isinstance(getattr(torch, d, None), torch.dtype)]
+        if wrong or dtypes:
+            raise HTTPException(status_code=400, detail=f"update_weights_from_distributed: shape mismatch for "
+                                f"{wrong[:5]}, unknown dtypes {dtypes[:5]}")
         plan = bucket_plan(list(zip(body.names, body.dtypes, [tuple(s) for s in body.shapes])), body.bucket_bytes)
-        version = await engine.receive_weights(group, params, plan, version=_int_version(body.weight_version))
+        version = await engine.receive_weights(group, params, plan, version=body.weight_version)
         out = {"success": True, "weight_version": version}
         if body.return_checksum:
-            out["checksum"] = state_checksum({n: params[n] for n in body.names})
+            out["checksum"] = await asyncio.to_thread(state_checksum, {n: params[n] for n in body.names})
         return out
+
+    async def openai_choices(prompts: list[list[int]], body: _OpenAIBody, max_tokens: int):
+        """n choices per prompt (prompt-major, as OpenAI numbers them): [(prompt index, completion, text)]."""
+        n = body.n or 1
+        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        jobs = [(p, sampling_of(body.temperature, body.top_p, body.top_k, max_tokens, None, seed))
+                for p in range(len(prompts)) for seed in seeds(body.seed, n)]
+        outs = await asyncio.gather(*(complete(prompts[p], s, None, stops) for p, s in jobs))
+        return [(p, out, text) for (p, _), (out, text, _) in zip(jobs, outs)]
+
+    def finish(out: Completion) -> str:
+        return "length" if out.finish_reason == "abort" else out.finish_reason  # OpenAI has no "abort"
+
+    def usage(prompts, choices) -> dict:
+        prompt = sum(len(p) for p in prompts)
+        done = sum(len(out.token_ids) for _, out, _ in choices)
+        return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+
+    def sse(chunks: list[dict]) -> StreamingResponse:
+        """The whole answer as server-sent events (generated before the first byte is sent)."""
+        async def events():
+            for chunk in chunks:
+                yield f"data: {json.dumps(chunk)}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    def include_usage(body: _OpenAIBody) -> bool:
+        return bool((body.stream_options or {}).get("include_usage"))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody):
-        ids = body.prompt if isinstance(body.prompt, list) else _encode(tokenizer, body.prompt)
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        out = await run(ids, _sampling(body.temperature, body.top_p, body.top_k, body.max_tokens, None, body.seed), rid)
-        choice = {"index": 0, "text": decode(out.token_ids), "finish_reason": out.finish_reason,
-                  "token_ids": out.token_ids, "prompt_token_ids": ids}
-        if body.logprobs is not None:
-            choice["logprobs"] = {"token_logprobs": out.logprobs, "tokens": [str(t) for t in out.token_ids]}
-        return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name,
-                "choices": [choice], "usage": _usage(ids, out)}
+        p = body.prompt
+        prompts = ([encode(p)] if isinstance(p, str) else [p] if not p or isinstance(p[0], int)
+                   else [encode(x) if isinstance(x, str) else x for x in p])
+        choices = await openai_choices(prompts, body, body.max_tokens or 16)
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        out_choices = []
+        for i, (prompt, out, text) in enumerate(choices):
+            choice = {"index": i, "text": text, "finish_reason": finish(out), "logprobs": None,
+                      "token_ids": out.token_ids, "prompt_token_ids": prompts[prompt]}
+            if body.logprobs is not None:
+                choice["logprobs"] = {"token_logprobs": out.logprobs, "top_logprobs": None,
+                                      "tokens": [decode([t], False) if tokenizer else str(t) for t in out.token_ids]}
+            out_choices.append(choice)
+        head = {"id": rid, "object": "text_completion", "created": created, "model": model_name}
+        if not body.stream:
+            return {**head, "choices": out_choices, "usage": usage(prompts, choices)}
+        chunks = [{**head, "choices": [c]} for c in out_choices]
+        if include_usage(body):
+            chunks.append({**head, "choices": [], "usage": usage(prompts, choices)})
+        return sse(chunks)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatBody):
         if tokenizer is None:
             raise HTTPException(status_code=400, detail="chat completions need a tokenizer (start with a model folder)")
+        messages = [_text_message(i, m) for i, m in enumerate(body.messages)]
         try:
-            ids = list(tokenizer.apply_chat_template(body.messages, add_generation_prompt=True, tokenize=True,
+            ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                      return_dict=False))
         except Exception as exc:  # the template rejected the messages: the caller's input
-            raise HTTPException(status_code=400, detail=f"messages: {exc}") from None
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
+            raise HTTPException(status_code=400, detail=f"messages: {exc}") from exc
         limit = body.max_completion_tokens or body.max_tokens or 128
-        out = await run(ids, _sampling(body.temperature, body.top_p, -1, limit, None, body.seed), rid)
-        choice = {"index": 0, "message": {"role": "assistant", "content": decode(out.token_ids)},
-                  "finish_reason": out.finish_reason, "token_ids": out.token_ids, "prompt_token_ids": ids}
-        if body.logprobs:
-            choice["logprobs"] = {"content": [{"token": str(t), "token_id": t, "logprob": lp}
-                                              for t, lp in zip(out.token_ids, out.logprobs or [])]}
-        return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model_name,
-                "choices": [choice], "usage": _usage(ids, out)}
+        choices = await openai_choices([ids], body, limit)
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        head = {"id": rid, "created": created, "model": model_name}
+
+        def logprobs(out: Completion):
+            if not body.logprobs:
+                return None
+            tokens = [decode([t], False) for t in out.token_ids]
+            return {"content": [{"token": s, "bytes": list(s.encode()), "logprob": lp, "top_logprobs": [],
+                                 "token_id": t} for s, t, lp in zip(tokens, out.token_ids, out.logprobs or [])]}
+
+        if not body.stream:
+            return {**head, "object": "chat.completion", "usage": usage([ids], choices), "choices": [
+                {"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": finish(out),
+                 "logprobs": logprobs(out), "token_ids": out.token_ids, "prompt_token_ids": ids}
+                for i, (_, out, text) in enumerate(choices)]}
+        head["object"] = "chat.completion.chunk"
+        chunks = []
+        for i, (_, out, text) in enumerate(choices):
+            chunks += [{**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                             "finish_reason": None}]},
+                       {**head, "choices": [{"index": i, "delta": {"content": text}, "logprobs": logprobs(out),
+                                             "finish_reason": None, "token_ids": out.token_ids}]},
+                       {**head, "choices": [{"index": i, "delta": {}, "finish_reason": finish(out)}]}]
+        if include_usage(body):
+            chunks.append({**head, "choices": [], "usage": usage([ids], choices)})
+        return sse(chunks)
 
     return app
 
 
-def _int_version(v) -> int | None:
-    if v is None:
-        return None
-    try:
-        return int(v)
-    except (TypeError, ValueError):
-        raise ValueError(f"weight_version must be an integer, got {v!r}") from None
+def _tokens_through(contains, n: int) -> int:
+    """The fewest leading tokens whose text ``contains`` a stop string (``contains(n)`` holds):
+    a binary search, as the decoded prefix only grows."""
+    lo, hi = 1, n
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if contains(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
-def _encode(tokenizer, text: str) -> list[int]:
-    if tokenizer is None:
-        raise HTTPException(status_code=400, detail="a text prompt needs a tokenizer; send token ids")
-    return tokenizer(text, add_special_tokens=True)["input_ids"]
-
-
-def _usage(ids, out: Completion) -> dict:
-    return {"prompt_tokens": len(ids), "completion_tokens": len(out.token_ids),
-            "total_tokens": len(ids) + len(out.token_ids)}
+def _text_message(i: int, message: dict) -> dict:
+    """A chat message with its content as one string (OpenAI's list of text parts joined)."""
+    content = message.get("content")
+    if isinstance(content, list):
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            raise HTTPException(status_code=400, detail=f"messages[{i}].content: only text parts are supported")
+        message = {**message, "content": "".join(p["text"] for p in content)}
+    elif content is not None and not isinstance(content, str):
+        raise HTTPException(status_code=400, detail=f"messages[{i}].content must be a string or a list of text parts")
+    return message
 
 
 def serve(model_path: str, *, host: str = "127.0.0.1", port: int = 30000, token: str | None = None,
-          max_batch_size: int = 64, seed: int = 0, device: str = "auto", dtype: str = "float32",
-          batch_wait_ms: float = 5.0, fast_decode: bool = True) -> None:
+          public_generate: bool = False, weights_dir: str | None = None, max_batch_size: int = 64, seed: int = 0,
+          device: str = "auto", dtype: str = "float32", batch_wait_ms: float = 5.0, fast_decode: bool = True) -> None:
     """Load the model and serve until stopped (SIGINT / SIGTERM)."""
     import torch
     import uvicorn
@@ -332,7 +623,9 @@ def serve(model_path: str, *, host: str = "127.0.0.1", port: int = 30000, token:
 
     if host not in LOOPBACK and not token:
         raise ValueError(f"--host {host} is reachable from other machines: pass --token (or STROP_SERVE_TOKEN) so "
-                         "weight and abort routes need it")
+                         "every route but /health needs it")
+    if public_generate and not token:
+        raise ValueError("--public-generate needs --token (without one every route is open already)")
     path = resolve_model_path(model_path)
     tokenizer = load_tokenizer(path)
     model = load_model(path, dtype=getattr(torch, dtype)).to(resolve_device(device)).requires_grad_(False)
@@ -341,7 +634,8 @@ def serve(model_path: str, *, host: str = "127.0.0.1", port: int = 30000, token:
     engine = EmbeddedEngine(model, pad_token_id=tokenizer.pad_token_id, default_stop_token_ids=stop,
                             max_batch_size=max_batch_size, context_window=context, seed=seed,
                             batch_wait_s=batch_wait_ms / 1000, fast_decode=fast_decode)
-    app = create_app(engine, tokenizer=tokenizer, token=token, model_name=model_path)
+    app = create_app(engine, tokenizer=tokenizer, token=token, model_name=model_path, public_generate=public_generate,
+                     weights_dir=weights_dir)
     print(f"strop serve: {model_path} on http://{host}:{port} (device {engine.device}; "
           f"{engine.decode_path})", flush=True)
     uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)

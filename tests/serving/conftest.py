@@ -5,12 +5,14 @@ from strop.parallel.launch import free_port
 
 
 @pytest.fixture
-def start_server(tiny_model_dir):
-    """Start ``strop serve`` processes on the tiny model (one thread each); all are stopped after the test."""
+def start_server(tiny_model_dir, tmp_path):
+    """Start ``strop serve`` processes on the tiny model (one thread each, weights loaded from the
+    test's tmp_path); all are stopped after the test."""
     started = []
 
     def start(port=None, *extra):
-        server = LocalServer(str(tiny_model_dir), port or free_port(), ["--threads=1", *extra]).start()
+        args = ["--threads=1", f"--weights-dir={tmp_path}", *extra]
+        server = LocalServer(str(tiny_model_dir), port or free_port(), args).start()
         started.append(server)
         return server.wait_healthy(120)
 

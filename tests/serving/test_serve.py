@@ -54,8 +54,8 @@ def test_64_concurrent_clients_are_all_answered(start_server):
     assert all(o.finish_reason in ("stop", "length") and len(o.logprobs) == len(o.token_ids) > 0 for o in outs)
 
 
-def test_bad_requests_get_4xx_and_the_server_keeps_serving(start_server):
-    server = start_server()
+def test_bad_requests_get_4xx_and_the_server_keeps_serving(start_server, tmp_path):
+    server = start_server()  # loads weights from tmp_path only
     url = server.url
     r = httpx.post(url + "/generate", content=b'{"input_ids": [1, 2', headers={"content-type": "application/json"})
     assert r.status_code == 400 and "json" in r.text.lower()
@@ -68,9 +68,11 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(start_server):
     r = _post(url, "/generate", {"input_ids": [1] * 300})  # the tiny model's window is 256
     assert r.status_code == 400 and "context window" in r.text
     r = _post(url, "/generate", {"input_ids": []})
-    assert r.status_code == 422
-    r = _post(url, "/update_weights_from_disk", {"model_path": "/no/such/dir"})
+    assert r.status_code == 400 and "empty prompt" in r.text
+    r = _post(url, "/update_weights_from_disk", {"model_path": str(tmp_path / "no-such-dir")})
     assert r.status_code == 400 and "no safetensors" in r.text
+    r = _post(url, "/update_weights_from_disk", {"model_path": "/no/such/dir"})
+    assert r.status_code == 403 and "outside the weights folder" in r.text
     assert httpx.get(url + "/health").status_code == 200
     ok = _post(url, "/generate", {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}})
     assert ok.status_code == 200 and len(ok.json()["output_ids"]) >= 1
@@ -79,7 +81,7 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(start_server):
 def test_weights_from_disk_change_generation_and_report_version_and_checksum(start_server, tmp_path):
     from tests.tiny import make_tiny_model
 
-    server = start_server()
+    server = start_server()  # loads weights from tmp_path only
     engine = SGLangEngine(server.url, writer=WeightWriter(tmp_path / "weights"))
     greedy = SamplingParams(temperature=0.0, max_new_tokens=6, stop_token_ids=[-1])
     other = make_tiny_model(seed=7).state_dict()
@@ -133,17 +135,9 @@ def test_openai_routes_return_token_ids_and_logprobs(start_server):
     assert choice["message"]["role"] == "assistant" and len(choice["logprobs"]["content"]) == len(choice["token_ids"])
 
 
-def test_token_guards_weight_and_abort_routes(tiny_model):
-    from fastapi.testclient import TestClient
-
-    from strop.engines.embedded import EmbeddedEngine
-    from strop.engines.server import create_app, serve
-
-    app = create_app(EmbeddedEngine(tiny_model, pad_token_id=0), token="s3cret")
-    with TestClient(app) as client:
-        assert client.post("/abort_request", json={"rid": "x"}).status_code == 401
-        assert client.post("/flush_cache", headers={"Authorization": "Bearer wrong"}).status_code == 401
-        assert client.post("/flush_cache", headers={"Authorization": "Bearer s3cret"}).status_code == 200
-        assert client.get("/health").status_code == 200  # generation and health stay open
-    with pytest.raises(ValueError, match="pass --token"):
-        serve("unused", host="0.0.0.0", token=None)
+def test_a_launched_server_with_a_token_guards_its_routes(start_server):
+    """The token policy end to end (every route in tests/serving/test_serve_hostile.py)."""
+    server = start_server(None, "--token=s3cret")
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert _post(server.url, "/generate", {"input_ids": [1, 2]}).status_code == 401
+    assert _post(server.url, "/flush_cache", None, headers={"Authorization": "Bearer s3cret"}).status_code == 200
