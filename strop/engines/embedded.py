@@ -467,6 +467,7 @@ class EmbeddedEngine:
             probs_sorted = torch.softmax(sorted_logits, dim=-1)
             # drop a token when the mass before it already reaches top_p (the first always stays)
             drop_sorted = (probs_sorted.cumsum(-1) - probs_sorted) >= top_p.unsqueeze(-1)
+            drop_sorted[..., 0] = False  # (a top_p that rounds to 0 in float32 would drop it too)
             drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
             filtered = filtered.masked_fill(drop, float("-inf"))
         # inverse-CDF sampling: one uniform number per row (drawing a Gumbel or exponential

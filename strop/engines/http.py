@@ -85,7 +85,8 @@ class WeightWriter:
     """
 
     def __init__(self, directory: str | Path, keep: int = 2):
-        self.dir, self.keep = Path(directory), keep  # created at the first write
+        # absolute: servers resolve a relative path against their own folders (strop serve: its --weights-dir)
+        self.dir, self.keep = Path(directory).resolve(), keep  # created at the first write
 
     def write(self, state: dict[str, torch.Tensor], version: int, tag: str = "") -> tuple[Path, str]:
         """Write ``state`` as version ``version`` (``tag`` tells apart several files of one version:
@@ -149,7 +150,13 @@ class SGLangEngine:
                 last = f"{type(exc).__name__}: {exc}"
             else:
                 if r.status_code < 400:
-                    return r.json()
+                    if not r.content.strip():  # SGLang's /health and /abort_request answer 200 with no body
+                        return {}
+                    try:
+                        return r.json()
+                    except ValueError:
+                        raise EngineRequestError(f"{self.url}{path}: HTTP {r.status_code} with a body that is not "
+                                                 f"JSON: {r.text[:200]!r}") from None
                 if r.status_code < 500:
                     raise EngineRequestError(f"{self.url}{path}: HTTP {r.status_code}: {r.text[:500]}")
                 last = f"HTTP {r.status_code}: {r.text[:200]}"

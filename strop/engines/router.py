@@ -62,6 +62,7 @@ class Router:
         self._health_task: asyncio.Task | None = None
         self._locks: dict = {}  # event loop -> the lock of weight updates and re-admissions
         self._updates = 0  # weight updates begun (a version probe that spanned one is not believed)
+        self._started = False  # engines' versions checked (before the first request, or by an update)
         self.broadcast = broadcast
         self.bytes_sent = 0  # the last update: bytes that reached engines (all of them together)
         self.bytes_full = 0  # what a full sync to the same engines would have moved
@@ -141,8 +142,30 @@ class Router:
                 self._sticky.popitem(last=False)
         return i
 
+    async def _start(self) -> None:
+        """Before the first request: each engine must report the router's version (servers reused from
+        an earlier run hold its weights). One that does not, or cannot say, starts down; the health
+        loop loads the current weights into it once there are some."""
+        async with self._lock():
+            if self._started:
+                return
+            for i, engine in enumerate(self.engines):
+                try:
+                    held = await engine.get_weight_version()
+                except (EngineUnavailable, EngineRequestError) as exc:
+                    self._mark_down(i, f"its weight version could not be read at start: {exc}")
+                    continue
+                if held != self.weight_version:
+                    self._mark_down(i, f"holds weight version {held} at start (an earlier run's weights?), the "
+                                    f"router's is {self.weight_version}")
+                else:
+                    self.held_version[i] = held
+            self._started = True
+
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams, request_id: str | None = None,
                        affinity: str | None = None) -> Completion:
+        if not self._started:
+            await self._start()
         self._ensure_health_loop()
         tried: set[int] = set()
         rid = request_id or uuid.uuid4().hex
@@ -177,6 +200,7 @@ class Router:
                 await self._update_by_delta(state_dict, version)
             else:
                 await self._update_by_disk(state_dict, version)
+            self._started = True  # every engine that took the update reported its version
         if not any(self.healthy):
             raise EngineUnavailable("no engine is healthy after the weight update")
         return version
@@ -211,6 +235,8 @@ class Router:
                 for i in members:  # whoever does not answer now leaves the group; the rest try again
                     if not await self.engines[i].health():
                         self._mark_down(i, f"weight broadcast failed: {exc}")
+                    else:  # it may hold part of the new weights: it serves again only after a whole broadcast
+                        self._move(i, REJOINING, f"weight broadcast of version {version} failed: {exc}")
                 if attempt:
                     raise
                 continue
@@ -228,6 +254,12 @@ class Router:
         digests = await asyncio.to_thread(lambda: {name: tensor_digest(t) for name, t in unique.items()})
         sizes = {name: t.numel() * t.element_size() for name, t in unique.items()}
         members = [i for i in range(len(self.engines)) if self.state[i] in (HEALTHY, REJOINING)]
+        for i in members:  # an engine restarted since its last load holds its initial tensors: it gets them all
+            try:
+                if await self.engines[i].get_weight_version() != self.held_version[i]:
+                    self.held[i] = {}
+            except (EngineUnavailable, EngineRequestError):
+                self.held[i] = {}
         by_change: dict[frozenset, list[int]] = {}
         for i in members:  # engines holding the same tensors get the same file
             changed = frozenset(n for n, d in digests.items() if self.held[i].get(n) != d)
@@ -263,24 +295,33 @@ class Router:
 
     async def check_health(self) -> None:
         """Probe every engine that is down; re-admit one that answers and holds (or now loads) the
-        current weights. Probe the healthy ones' versions: one that changed (a restart) goes down."""
-        for i, engine in enumerate(self.engines):
-            if self.state[i] == DOWN and await engine.health():
+        current weights. Probe the healthy ones' versions: one that changed (a restart) or cannot be
+        read goes down, and comes back only through re-admission."""
+        for i in range(len(self.engines)):
+            try:
+                await self._check_one(i)
+            except Exception as exc:  # one engine's broken answer never stops the others' checks
+                self._note(i, f"health check failed: {type(exc).__name__}: {exc}")
+
+    async def _check_one(self, i: int) -> None:
+        engine = self.engines[i]
+        if self.state[i] == DOWN:
+            if await engine.health():
                 async with self._lock():  # never while an update runs: it would miss that update
                     if self.state[i] == DOWN:
                         await self._readmit(i)
-            elif self.state[i] == HEALTHY and not self._lock().locked():
-                updates = self._updates
-                try:
-                    held = await engine.get_weight_version()
-                except EngineUnavailable:
-                    continue  # its requests will tell
-                except EngineRequestError as exc:  # an answer strop cannot read: not an engine to route to
-                    if updates == self._updates and self.state[i] == HEALTHY:
-                        self._mark_down(i, f"weight version probe: {exc}")
-                    continue
-                if held != self.held_version[i] and updates == self._updates and not self._lock().locked():
-                    self._mark_down(i, f"now reports weight version {held}, held {self.held_version[i]} (restarted?)")
+            return
+        if self.state[i] != HEALTHY or self._lock().locked():
+            return
+        updates = self._updates
+        try:
+            held = await engine.get_weight_version()
+        except (EngineUnavailable, EngineRequestError) as exc:  # gone, or an answer strop cannot read
+            if updates == self._updates and self.state[i] == HEALTHY:
+                self._mark_down(i, f"weight version probe: {exc}")
+            return
+        if held != self.held_version[i] and updates == self._updates and not self._lock().locked():
+            self._mark_down(i, f"now reports weight version {held}, held {self.held_version[i]} (restarted?)")
 
     async def _readmit(self, i: int) -> None:
         engine = self.engines[i]

@@ -33,6 +33,7 @@ class FakeEngine:
         self.entered: dict[str, asyncio.Event] = {}
         self.report = None  # a version to report instead of the real one (a misbehaving server)
         self.requests = 0
+        self.fail_generate = False
 
     def __repr__(self):
         return f"Fake({self.name})"
@@ -50,6 +51,8 @@ class FakeEngine:
 
     async def generate(self, prompt_ids, sampling, request_id=None):
         await self._maybe_pause("generate")
+        if self.fail_generate:
+            raise EngineUnavailable(f"{self.name}: connection reset")
         self.requests += 1
         return Completion([7], [-0.5], "stop", self.version)
 
@@ -305,10 +308,10 @@ def test_failovers_and_engine_events_are_counted_per_step(tmp_path, capsys):
 
     async def main():
         sp = SamplingParams(max_new_tokens=1)
-        b.up = False
+        b.fail_generate = True
         outs = [await router.generate([1], sp) for _ in range(3)]  # the first goes to b and fails over to a
         first = router.take_counts()
-        b.up = True
+        b.fail_generate = False
         await router.check_health()
         second = router.take_counts()
         await router.close()
@@ -402,6 +405,7 @@ def test_an_engine_that_fails_a_request_during_its_load_stays_down_until_probed(
     router = Router([a, b], writer=WeightWriter(tmp_path))
 
     async def main():
+        await router.generate([1], SamplingParams(max_new_tokens=1))  # the router has started
         a.gate["load_weights"] = asyncio.Event()
         update = asyncio.ensure_future(router.update_weights(_weights(1), version=1))
         await _until(lambda: "load_weights" in a.entered)
@@ -417,3 +421,81 @@ def test_an_engine_that_fails_a_request_during_its_load_stays_down_until_probed(
     assert asyncio.run(main()) is False
     assert router.healthy == [True, True] and router.counts["failover"] == 1
     assert_healthy_engines_hold_the_routers_weights(router, _weights(1))
+
+
+def test_an_engine_holding_another_runs_weights_starts_down_and_is_loaded_at_the_first_update(tmp_path):
+    a, b = FakeEngine("a"), FakeEngine("b")
+    b.version, b.weights = 7, _weights(7)  # a server reused from an earlier run
+    router = Router([a, b], writer=WeightWriter(tmp_path))
+
+    async def main():
+        out = await router.generate([1], SamplingParams(max_new_tokens=1))
+        started = list(router.healthy)
+        await router.update_weights(_weights(1), version=1)
+        await router.check_health()
+        return out, started
+
+    out, started = asyncio.run(main())
+    assert started == [True, False] and out.weight_version == 0 and b.requests == 0
+    assert router.healthy == [True, True]
+    assert_healthy_engines_hold_the_routers_weights(router, _weights(1))
+
+
+def test_a_restart_between_delta_updates_without_a_probe_still_sends_every_tensor(tmp_path):
+    a, b = FakeEngine("a"), FakeEngine("b")
+    router = Router([a, b], writer=WeightWriter(tmp_path), delta=True)
+    later = dict(_weights(2), **{"b.weight": _weights(1)["b.weight"]})  # b.weight unchanged in version 2
+
+    async def main():
+        await router.update_weights(_weights(1), version=1)
+        b.restart()  # no probe runs before the next update
+        await router.update_weights(later, version=2)
+
+    asyncio.run(main())
+    assert router.healthy == [True, True]
+    assert_healthy_engines_hold_the_routers_weights(router, later)
+
+
+def test_a_failed_broadcast_leaves_no_member_serving_half_new_weights():
+    a, b = FakeEngine("a"), FakeEngine("b")
+
+    class Failing(FakeBroadcast):
+        async def update(self, engines, named, version):
+            engines[0].weights["a.weight"] = named["a.weight"].clone()  # the first bucket landed, then it broke
+            raise RuntimeError("gloo: connection reset")
+
+    router = Router([a, b], broadcast=Failing())
+
+    async def main():
+        with pytest.raises(RuntimeError, match="connection reset"):
+            await router.update_weights(_weights(1), version=1)
+
+    asyncio.run(main())
+    assert router.healthy == [False, False] and router.rejoining == {0, 1}
+
+
+def test_sglangs_empty_answers_are_not_errors_and_garbage_is_an_engine_error():
+    import httpx
+
+    from strop.engines.http import SGLangEngine
+
+    def answer(request):
+        if request.url.path == "/health":
+            return httpx.Response(200)  # SGLang: 200, no body
+        return httpx.Response(200, text="<html>proxy</html>")
+
+    engine = SGLangEngine("http://sglang.test", retries=0)
+    engine._client = httpx.AsyncClient(transport=httpx.MockTransport(answer))
+
+    async def main():
+        with pytest.raises(EngineRequestError, match="not JSON"):
+            await engine.get_weight_version()
+        return await engine.health()
+
+    assert asyncio.run(main()) is True
+
+
+def test_the_weight_writer_hands_out_absolute_paths(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    path, _ = WeightWriter("runs/x/weights").write(_weights(1), 1)
+    assert path.is_absolute() and path == tmp_path / "runs/x/weights/v1"

@@ -520,3 +520,16 @@ def test_a_mixed_load_over_every_route_answers_the_good_and_refuses_the_bad(tmp_
         assert 400 <= r.status_code < 500, f"bad {method} {path} {body!r:.80}: HTTP {r.status_code} {r.text[:300]}"
         assert r.json()["error"]["message"], f"bad {method} {path}: no message"
     assert after.status_code == 200 and engine.weight_version == 1
+
+
+def test_a_top_p_that_rounds_to_zero_samples_the_most_likely_token():
+    from strop.engines.embedded import EmbeddedEngine
+    from strop.types import SamplingParams
+    from tests.tiny import make_tiny_model
+
+    engine = EmbeddedEngine(make_tiny_model(seed=1), pad_token_id=0)
+    tiny = engine.generate_batch([[5, 6, 7]], SamplingParams(temperature=1.0, top_p=1e-50, max_new_tokens=3,
+                                                             stop_token_ids=[-1]))[0]
+    greedy = engine.generate_batch([[5, 6, 7]], SamplingParams(temperature=0.0, max_new_tokens=3,
+                                                               stop_token_ids=[-1]))[0]
+    assert tiny.token_ids == greedy.token_ids  # only the top token survives the nucleus
