@@ -225,6 +225,7 @@ def train_main(argv: list[str]) -> int:
         from strop.parallel.runtime import launch
 
         extra = ([f"--resume={resume}"] if resume is not None else []) + ([f"--allow-change={allow}"] if allow else [])
+        argv = _secrets_to_environment(cfg, argv)  # a rank's command line is visible to every user (ps)
         os.environ["STROP_LAUNCHER_PID"] = str(os.getpid())  # the ranks die with this process, SIGKILL included
         with stop_on_signals():  # SIGTERM: the ranks are stopped (each closes what it started) before this exits
             return launch(nproc, ([yaml_path] if yaml_path else []) + (["--preset", preset] if preset else []) + extra
@@ -251,6 +252,30 @@ def train_main(argv: list[str]) -> int:
         print(f"strop train: error: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _secrets_to_environment(cfg, argv: list[str]) -> list[str]:
+    """``argv`` without secret options (``--engine.token=...`` / ``--engine.token ...``); their values
+    go to the environment variables the ranks read them from (strop.config.secret_fields)."""
+    from strop.config import secret_fields
+
+    fields = secret_fields()
+    out, skip = [], False
+    for arg in argv:
+        name = arg.split("=", 1)[0].removeprefix("--")
+        if skip:
+            skip = False
+        elif name in fields:
+            skip = "=" not in arg  # the value is the next argument
+        else:
+            out.append(arg)
+    for name, env in fields.items():
+        value = cfg
+        for part in name.split("."):
+            value = getattr(value, part)
+        if value is not None:
+            os.environ[env] = value.get_secret_value()
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

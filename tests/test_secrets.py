@@ -1,6 +1,7 @@
 """Secrets in the config (engine.token): never written, logged, printed or sent to a tracker; taken
 from the environment; a resumed run takes them from the environment again or refuses."""
 
+import os
 import sys
 import typing
 from pathlib import Path
@@ -94,3 +95,14 @@ def test_a_run_writes_sends_and_prints_no_secret(tiny_model_dir, tmp_path, capfd
     assert any("wandb" in p.parts for p in files)
     leaked = [str(p) for p in files if SECRET.encode() in p.read_bytes()]
     assert not leaked, leaked
+
+
+def test_nproc_ranks_get_secrets_by_environment_never_on_their_command_line(monkeypatch):
+    from strop.cli import _secrets_to_environment
+
+    monkeypatch.delenv("STROP_ENGINE_TOKEN", raising=False)
+    cfg = build_config(overrides={"engine": {"kind": "strop", "urls": ["http://127.0.0.1:1"], "token": "t0p-s3cret"}})
+    for argv in (["--engine.token=t0p-s3cret", "--train.steps=2"], ["--engine.token", "t0p-s3cret", "--train.steps=2"]):
+        monkeypatch.delenv("STROP_ENGINE_TOKEN", raising=False)
+        assert _secrets_to_environment(cfg, argv) == ["--train.steps=2"]
+        assert os.environ["STROP_ENGINE_TOKEN"] == "t0p-s3cret"
