@@ -175,7 +175,8 @@ class _OpenAIBody(BaseModel):
 class CompletionBody(_OpenAIBody):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(None, gt=0, le=2**31 - 1)
-    logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: int | None = Field(None, ge=0, le=0, description="0: the sampled tokens' logprobs (strop serve knows no "
+                                 "top alternatives, so more is refused)")
     echo: bool | None = Field(False, description="refused: strop does not score the prompt")
     best_of: int | None = None
     suffix: str | None = None
