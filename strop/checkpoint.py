@@ -173,6 +173,11 @@ def finish(run_dir: Path, tmp: Path, step: int, *, controller_state: dict, weigh
         model.save_pretrained(tmp / "policy", state_dict=weights, safe_serialization=True)
         tokenizer.save_pretrained(tmp / "policy")
     torch.save(controller_state, tmp / "controller.pt")
+    try:  # what a hook put into the samples held (a numpy number in metadata, say) may not load safely
+        _safe_load(tmp / "controller.pt")
+    except CheckpointError as exc:
+        print(f"strop: warning: checkpoint of step {step} cannot be resumed: {exc} (keep sample labels and "
+              "metadata to Python numbers, strings, lists and dicts)", flush=True)
     meta = {"step": step, "files": sorted(p.name for p in tmp.iterdir())}
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
     _fsync_tree(tmp)

@@ -258,3 +258,21 @@ def test_controller_state_with_samples_and_rng_round_trips_through_the_safe_load
     got = back["rollout"]["ready"][0][0]
     assert got == s and got.status is Status.COMPLETED
     assert torch.equal(back["engine_rng"], state["engine_rng"]) and back["sampler"] == state["sampler"]
+
+
+def test_a_checkpoint_the_safe_loader_would_refuse_is_reported_when_it_is_written(tmp_path, capsys):
+    import numpy as np
+
+    from strop import checkpoint as ck
+    from strop.types import Sample
+
+    held = Sample(prompt="p", prompt_ids=[1, 2], metadata={"score": np.float64(0.5)})  # from a user's reward hook
+    tmp = ck.begin(tmp_path, 3)
+
+    class Nothing:
+        def save_pretrained(self, *a, **k):
+            pass
+
+    ck.finish(tmp_path, tmp, 3, controller_state={"rollout": {"ready": [[held]]}}, weights=None, model=Nothing(),
+              tokenizer=Nothing(), keep=1)
+    assert "checkpoint of step 3 cannot be resumed" in capsys.readouterr().out
