@@ -56,8 +56,14 @@ def assert_same_update(results, single, grad_tol=1e-5):
         assert metrics["trained_samples"] == single_metrics["trained_samples"]
         for g, ref in zip(grads, single_grads):
             assert (g - ref).abs().max().item() <= grad_tol * ref.abs().max().item() + 1e-12
-        for p, ref in zip(params, single_params):
-            assert (p - ref).abs().max().item() <= 1e-5
+        for p, ref, g_ref in zip(params, single_params, single_grads):
+            # AdamW moves each parameter by ~lr * g / (|g| + 1e-8), whatever |g| is: an entry whose gradient
+            # is at the kernels' noise level (~1e-9 on some CPUs; its sign can flip between layouts that sum
+            # in another order) moves by up to lr either way. Entries whose gradient the check above pins
+            # down (well above the tolerance) must agree to 1e-5; the rest only within one step's size.
+            firm = g_ref.abs() > 10 * grad_tol * g_ref.abs().max() + 1e-7
+            assert (p - ref)[firm].abs().max().item() <= 1e-5 if firm.any() else True
+            assert (p - ref).abs().max().item() <= 5e-3
     for other in results[1:]:
         for a, b in zip(results[0][2], other[2]):
             assert torch.equal(a, b)
