@@ -54,6 +54,7 @@ async def _longest_stall(coroutine) -> float:
             last = now
 
     heartbeat = asyncio.ensure_future(beat())
+    await asyncio.sleep(0)  # the heartbeat runs first: work the coroutine does before its first await counts too
     try:
         await coroutine
     finally:
@@ -116,16 +117,22 @@ def main() -> None:
     print("| form | seconds | bytes to the engine | of a full sync | server peak extra MiB | trainer peak extra MiB | "
           "trainer loop stall ms |")
     print("|---|---|---|---|---|---|---|")
+    import inspect
+
+    from strop.engines.server import serve
+
     for form in args.forms:
-        server = launch_servers(1, args.model, args=["--threads=1"])[0]
-        try:
-            with tempfile.TemporaryDirectory(prefix="strop-sync-") as work:
+        with tempfile.TemporaryDirectory(prefix="strop-sync-") as work:
+            # strop serve loads weights only from its --weights-dir (earlier revisions have no such flag)
+            extra = [f"--weights-dir={work}"] if "weights_dir" in inspect.signature(serve).parameters else []
+            server = launch_servers(1, args.model, args=["--threads=1", *extra])[0]
+            try:
                 out = subprocess.run([sys.executable, __file__, "--model", args.model, "--bucket-mib",
                                       str(args.bucket_mib), "--child", form, server.url, str(server.proc.pid), work],
                                      capture_output=True, text=True, check=True)
-            r = json.loads(out.stdout.strip().splitlines()[-1])
-        finally:
-            server.stop()
+            finally:
+                server.stop()
+        r = json.loads(out.stdout.strip().splitlines()[-1])
         print(f"| {form} | {r['seconds']:.2f} | {r['bytes'] / 2**20:.1f} MiB | {r['bytes'] / r['full']:.2f} | "
               f"{r['server_extra_mib']:.0f} | {r['trainer_extra_mib']:.0f} | {r['stall_ms']:.0f} |", flush=True)
 

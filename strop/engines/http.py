@@ -57,9 +57,10 @@ def parse_weight_version(value, where: str) -> int:
                              f"update with its integer version; {INITIAL_VERSION_LABELS[0]!r} means initial weights)")
 
 
-def tensor_bytes(t: torch.Tensor) -> bytes:
-    """A tensor's raw bytes, on the host."""
-    return t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+def tensor_bytes(t: torch.Tensor):
+    """A tensor's raw bytes, on the host, as a buffer (no copy when it is already contiguous on the CPU:
+    hashlib reads it without holding the GIL, so hashing in a thread leaves the event loop running)."""
+    return t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
 
 
 def tensor_digest(t: torch.Tensor) -> str:
