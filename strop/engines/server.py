@@ -114,8 +114,9 @@ class DiskUpdateBody(_Body):
     model_path: str = Field(min_length=1)
     weight_version: Version | None = None
     digests: dict[str, str] | None = None  # delta form: the file holds only these tensors, each checked
-    load_format: str | None = None
-    flush_cache: bool = True
+    load_format: Literal["auto", "safetensors"] | None = Field(
+        None, description="strop serve reads safetensors only; other formats are refused, not ignored")
+    flush_cache: bool = True  # strop serve keeps no KV cache between batches: there is nothing to flush
     abort_all_requests: bool = False
 
 

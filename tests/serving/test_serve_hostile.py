@@ -533,3 +533,11 @@ def test_a_top_p_that_rounds_to_zero_samples_the_most_likely_token():
     greedy = engine.generate_batch([[5, 6, 7]], SamplingParams(temperature=0.0, max_new_tokens=3,
                                                                stop_token_ids=[-1]))[0]
     assert tiny.token_ids == greedy.token_ids  # only the top token survives the nucleus
+
+
+def test_a_load_format_strop_serve_cannot_read_is_refused_not_ignored(tmp_path):
+    from fastapi.testclient import TestClient
+
+    with TestClient(create_app(tiny_engine(), weights_dir=str(tmp_path))) as client:
+        r = client.post("/update_weights_from_disk", json={"model_path": str(tmp_path), "load_format": "gguf"})
+    assert r.status_code == 422 and "load_format" in r.text
