@@ -83,10 +83,9 @@ class Router:
     def failovers(self) -> int:
         return self.counts["failover"]
 
-    def _move(self, i: int, to: str, why: str, version: int | None = None) -> bool:
+    def _move(self, i: int, to: str, why: str, version: int | None = None) -> None:
         """Move engine ``i`` to ``to``. Healthy only with ``version``, the version it reported holding,
-        equal to the router's; otherwise it goes down instead. Returns whether it is now ``to``."""
-        wanted = to
+        equal to the router's; otherwise it goes down instead."""
         if to == HEALTHY:
             if version != self.weight_version:
                 to, why = DOWN, f"reports weight version {version}, the router's is {self.weight_version}"
@@ -99,7 +98,6 @@ class Router:
                             f"was {before})")
             else:
                 self._event("down" if to == DOWN else "rejoining", f"{to} {self.engines[i]!r}: {why}")
-        return to == wanted
 
     def _mark_down(self, i: int, why: str) -> None:
         self._move(i, DOWN, why)
@@ -210,7 +208,7 @@ class Router:
         self.latest, self.weight_version = (path, checksum, version), version  # together: no await between
         await asyncio.gather(*(self._load(i) for i in range(len(self.engines)) if self.state[i] == HEALTHY))
 
-    async def _load(self, i: int) -> bool:
+    async def _load(self, i: int) -> None:
         """Load the current weights into engine ``i``; healthy afterwards only at the version it reports."""
         path, checksum, version = self.latest
         before = self.state[i]
@@ -218,10 +216,9 @@ class Router:
             held = await self.engines[i].load_weights(path, version, checksum)
         except (EngineUnavailable, EngineRequestError) as exc:
             self._mark_down(i, f"weight load of version {version} failed: {exc}")
-            return False
-        if self.state[i] != before:  # a request failed on it meanwhile: the health loop decides, not this load
-            return False
-        return self._move(i, HEALTHY, "loaded the current weights", held)
+            return
+        if self.state[i] == before:  # (a request that failed on it meanwhile leaves it to the health loop)
+            self._move(i, HEALTHY, "loaded the current weights", held)
 
     async def _update_by_broadcast(self, state_dict, version: int) -> None:
         for attempt in range(2):
@@ -355,10 +352,7 @@ class Router:
     async def _health_loop(self) -> None:
         while True:
             await asyncio.sleep(self.health_interval_s)
-            try:
-                await self.check_health()
-            except Exception as exc:  # never let one bad probe end re-admission for the rest of the run
-                self._event("health-error", f"health check failed: {type(exc).__name__}: {exc}")
+            await self.check_health()  # (never raises: each engine's failure is caught and noted)
 
     async def close(self) -> None:
         if self._health_task is not None:

@@ -433,15 +433,12 @@ def create_app(engine: EmbeddedEngine, *, tokenizer=None, token: str | None = No
     async def destroy(name: str) -> bool:
         """Forget a weight-sync group and tear it down (NCCL: abort; gloo frees its sockets when the
         last reference goes). A receive still blocked on it ends at the group's timeout."""
+        from strop.engines.sync import close_group
+
         group = groups.pop(name, None)
         if group is None:
             return False
-        teardown = getattr(group, "abort", None) or getattr(group, "shutdown", None)
-        if teardown is not None:
-            try:
-                await asyncio.to_thread(teardown)
-            except Exception as exc:  # it is dropped anyway
-                log.warning("strop serve: tearing down weight update group %r: %s", name, exc)
+        await asyncio.to_thread(close_group, group)
         return True
 
     @app.post("/init_weights_update_group")

@@ -85,10 +85,13 @@ def make_group(host: str, port: int, rank: int, world: int, backend: str = "gloo
 
 
 def close_group(group) -> None:
-    """Tear down a group made by :func:`make_group` (its connections and, on rank 0, the store's socket)."""
+    """Tear down a group made by :func:`make_group` (NCCL: abort; gloo frees its sockets when the last
+    reference goes, so the caller drops it too). A group already broken has nothing left to close."""
+    teardown = getattr(group, "abort", None) or getattr(group, "shutdown", None)
     try:
-        group.shutdown()
-    except RuntimeError:  # already broken (a member died): nothing left to close cleanly
+        if teardown is not None:
+            teardown()
+    except RuntimeError:
         pass
 
 
