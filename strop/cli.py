@@ -221,7 +221,7 @@ def train_main(argv: list[str]) -> int:
         print(f"strop train: {exc}", file=sys.stderr)
         return 2
     if nproc > 1:
-        from strop.loop import stop_on_signals
+        from strop.processes import stop_on_signals
         from strop.parallel.runtime import launch
 
         extra = ([f"--resume={resume}"] if resume is not None else []) + ([f"--allow-change={allow}"] if allow else [])

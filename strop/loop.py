@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import signal
 import statistics
 import sys
 import threading
@@ -23,46 +21,8 @@ from strop.rollout.generate import RolloutContext, rollout_groups
 from strop.rollout.manager import RolloutManager, describe as describe_rollout
 from strop.rollout.samples_file import write_header, write_samples
 from strop.parallel.runtime import Control, init_from_env, resolve_device
+from strop.processes import stop_on_signals
 from strop.setup import Components, build
-
-
-class Terminated(SystemExit):
-    """SIGTERM or SIGHUP, turned into an orderly end of the run (exit status 128 + the signal)."""
-
-    def __init__(self, signum: int):
-        super().__init__(128 + signum)
-        self.signum = signum
-
-    def __str__(self) -> str:
-        return f"stopped by {signal.Signals(self.signum).name}"
-
-
-@contextlib.contextmanager
-def stop_on_signals():
-    """SIGTERM and SIGHUP raise :class:`Terminated` in the driver, so the run ends as after an error:
-    summary written, launched servers stopped. Yields ``closing()``: from then on a signal waits until
-    the context exits (shutting down is never cut short). Only the main thread can take signals; a
-    driver in another thread leaves them alone."""
-    if threading.current_thread() is not threading.main_thread():
-        yield lambda: None
-        return
-    pending: list[int] = []
-    closing = threading.Event()
-
-    def handler(signum, frame):
-        if closing.is_set():
-            pending.append(signum)
-        else:
-            raise Terminated(signum)
-
-    previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        yield closing.set
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
-    if pending:
-        raise Terminated(pending[0])
 
 
 def train(cfg: Config, resume: bool = False) -> dict | None:

@@ -1,10 +1,13 @@
-"""Child processes that cannot outlive the process that started them (Linux)."""
+"""Process lifetime: children that cannot outlive the process that started them (Linux), and
+SIGTERM / SIGHUP turned into an orderly end of a run."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
+import threading
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
@@ -17,3 +20,42 @@ def die_with_parent(parent: int) -> None:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
     if os.getppid() != parent:  # the parent died before the signal was armed
         os._exit(1)
+
+
+class Terminated(SystemExit):
+    """SIGTERM or SIGHUP, turned into an orderly end of the run (exit status 128 + the signal)."""
+
+    def __init__(self, signum: int):
+        super().__init__(128 + signum)
+        self.signum = signum
+
+    def __str__(self) -> str:
+        return f"stopped by {signal.Signals(self.signum).name}"
+
+
+@contextlib.contextmanager
+def stop_on_signals():
+    """SIGTERM and SIGHUP raise :class:`Terminated` in the driver, so the run ends as after an error:
+    summary written, launched servers stopped. Yields ``closing()``: from then on a signal waits until
+    the context exits (shutting down is never cut short). Only the main thread can take signals; a
+    driver in another thread leaves them alone."""
+    if threading.current_thread() is not threading.main_thread():
+        yield lambda: None
+        return
+    pending: list[int] = []
+    closing = threading.Event()
+
+    def handler(signum, frame):
+        if closing.is_set():
+            pending.append(signum)
+        else:
+            raise Terminated(signum)
+
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield closing.set
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+    if pending:
+        raise Terminated(pending[0])
