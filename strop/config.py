@@ -283,16 +283,23 @@ class EngineConfig(_Section):
     affinity: bool = Field(False, description="keep the requests of one sample on one engine (multi-turn)")
     sync_dir: str | None = Field(None, description="where weights are written for remote engines to load "
                                  "(default: <run dir>/weights; must be readable by the servers)")
-    sync: Literal["disk", "delta", "broadcast"] = Field(
-        "disk", description="how new weights reach remote engines: 'disk' (safetensors written atomically, reloaded, "
-        "checksum compared for strop serve; SGLang and vLLM report no checksum, so their receipt is the weight "
-        "version read back after each load, as the run prints at start), 'delta' (through disk, only the tensors that changed since the version each engine "
-        "holds, each checked by its digest; kind strop) or 'broadcast' (a process group of the trainer's rank 0 and "
-        "the servers; kind strop)")
+    sync: Literal["auto", "disk", "delta", "broadcast"] = Field(
+        "auto", description="how new weights reach remote engines: 'broadcast' (a process group of the trainer's "
+        "rank 0 and the servers, through SGLang's update_weights_from_distributed; vLLM through strop's worker "
+        "extension), 'disk' (safetensors written atomically and reloaded), 'delta' (through disk, only the tensors "
+        "that changed, each checked by its digest; kind strop). 'auto': broadcast where the engine takes it, disk "
+        "otherwise; the run prints which and why")
     sync_bucket_bytes: int = Field(64 << 20, ge=1 << 20, description="broadcast: largest flat bucket, in bytes "
-                                   "(the extra memory on either side)")
+                                   "(the extra memory on either side; a single larger tensor travels alone)")
     sync_backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="broadcast: process-group backend (auto: nccl when the trainer is on cuda, else gloo)")
+    sync_pause: Literal["abort", "retract", "in_place", "wait", "keep"] = Field(
+        "abort", description="broadcast: how each server pauses generation during an update (SGLang and strop "
+        "serve: abort, retract, in_place; vLLM: abort, wait, keep). strop's own requests are drained first "
+        "(rollout.partial), so this concerns other clients' requests")
+    sync_dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        None, description="broadcast: cast the weights to this dtype on the trainer's side (the engine's dtype "
+        "when it differs from the trainer's, e.g. bfloat16 servers of an fp32 trainer)")
 
     @model_validator(mode="after")
     def _check_engine(self):
@@ -304,9 +311,14 @@ class EngineConfig(_Section):
             raise ValueError("engine.launch starts strop serve processes: use engine.kind='strop'")
         if self.launch and self.urls:
             raise ValueError("give engine.urls or engine.launch, not both")
-        if self.sync != "disk" and self.kind != "strop":
-            raise ValueError(f"engine.sync={self.sync!r} needs strop serve servers (engine.kind='strop'): SGLang's and "
-                             "vLLM's routes for it differ; use engine.sync='disk'")
+        if self.sync == "delta" and self.kind != "strop":
+            raise ValueError(f"engine.sync='delta' needs strop serve servers (engine.kind='strop'): it loads a file of "
+                             f"only the changed tensors, which {self.kind} cannot check tensor by tensor; use "
+                             "engine.sync='broadcast' or 'disk'")
+        pauses = {"vllm": ("abort", "wait", "keep")}.get(self.kind, ("abort", "retract", "in_place"))
+        if self.sync_pause not in pauses:
+            raise ValueError(f"engine.sync_pause={self.sync_pause!r} is not a pause mode of {self.kind} servers: "
+                             f"use one of {', '.join(pauses)}")
         return self
 
 

@@ -317,11 +317,12 @@ def remote_engine(cfg: Config, model_path: str, run_dir: Path, probe_ids: list[i
 
 
 def _router(cfg: Config, urls: list[str], token: str | None, run_dir: Path, probe_ids: list[int], device=None):
-    """The router over the servers at ``urls``; weights reach them through disk (or a broadcast).
-    vLLM servers are probed first: one whose logprobs ignore the temperature is refused."""
+    """The router over the servers at ``urls``; weights reach them by broadcast or through disk (engine.sync,
+    'auto' resolved here and printed with its reason). vLLM servers are probed first: one whose logprobs
+    ignore the temperature is refused, and one without strop's worker extension cannot take a broadcast."""
     import asyncio
 
-    from strop.engines.http import SGLangEngine, WeightWriter
+    from strop.engines.http import EngineRequestError, SGLangEngine, WeightWriter
     from strop.engines.router import Router
     from strop.engines.sync import BroadcastSync
     from strop.engines.vllm import VLLMEngine
@@ -331,31 +332,51 @@ def _router(cfg: Config, urls: list[str], token: str | None, run_dir: Path, prob
     kind = VLLMEngine if e.kind == "vllm" else SGLangEngine
     clients = [kind(u, timeout_s=e.timeout_s, retries=e.retries, token=token, writer=writer,
                     require_checksum=e.kind == "strop") for u in urls]
-    print(f"strop: weight receipt: {weight_receipt(e.kind, e.sync)}", flush=True)
-    if e.kind == "vllm":
-        async def probe():
-            try:
+    sync, why = e.sync, "engine.sync"
+
+    async def probe():
+        nonlocal sync, why
+        try:
+            if e.kind == "vllm":
                 for c in clients:
                     await c.check_logprobs(cfg.rollout.temperature, probe_ids)
-            finally:
-                for c in clients:
-                    await c.close()  # connections belong to the run's event loop, made later
-        asyncio.run(probe())
+            if sync in ("auto", "broadcast"):
+                try:
+                    for c in clients:
+                        await c.check_broadcast()
+                except EngineRequestError as exc:
+                    if sync == "broadcast":
+                        raise
+                    sync, why = "disk", f"auto: {exc}"
+                else:
+                    if sync == "auto":
+                        sync, why = "broadcast", f"auto: every {e.kind} server takes a broadcast"
+        finally:
+            for c in clients:
+                await c.close()  # connections belong to the run's event loop, made later
+    asyncio.run(probe())
+    print(f"strop: weight sync: {sync} ({why}); receipt: {weight_receipt(e.kind, sync)}", flush=True)
     broadcast = None
-    if e.sync == "broadcast":
+    if sync == "broadcast":
         backend = e.sync_backend if e.sync_backend != "auto" else (
             "nccl" if device is not None and device.type == "cuda" else "gloo")
-        broadcast = BroadcastSync(bucket_bytes=e.sync_bucket_bytes, backend=backend, timeout_s=e.timeout_s)
+        broadcast = BroadcastSync(bucket_bytes=e.sync_bucket_bytes, backend=backend, timeout_s=e.timeout_s,
+                                  pause_mode=e.sync_pause, dtype=e.sync_dtype)
     return Router(clients, writer=writer, health_interval_s=e.health_interval_s, affinity=e.affinity,
-                  broadcast=broadcast, delta=e.sync == "delta")
+                  broadcast=broadcast, delta=sync == "delta", drain_timeout_s=e.timeout_s)
 
 
 def weight_receipt(kind: str, sync: str) -> str:
     """How each engine kind proves it holds the weights it was sent (printed at start)."""
+    if sync == "broadcast":
+        return {"strop": "the checksum of the tensors each server holds (/weights_checker), and the version it reports",
+                "vllm": "the checksum of every byte strop's worker extension received, that every parameter was "
+                        "written, and the version each server reports (/weight_info)",
+                "sglang": "the version each server reports (/model_info) after the update; SGLang's own checksums "
+                          "cover its fused tensors, which the trainer cannot reproduce, so no byte-for-byte check"}[kind]
     if kind == "strop":
         return {"disk": "the checksum of the file each server loaded, and the version it reports",
-                "delta": "each changed tensor's digest, checked by the server, and the version it reports",
-                "broadcast": "the version each server reports after the broadcast (buckets carry no checksum)"}[sync]
+                "delta": "each changed tensor's digest, checked by the server, and the version it reports"}[sync]
     route = "/model_info" if kind == "sglang" else "/weight_info"
     return (f"the version each server reports ({route}), read back after every load; {kind} reports no checksum "
             "strop can compare, so a load is not checked byte for byte")

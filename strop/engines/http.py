@@ -35,6 +35,10 @@ class EngineVersionError(EngineRequestError):
     """The engine reported a weight version strop cannot read, or none where one is needed."""
 
 
+class EngineManifestError(EngineRequestError):
+    """The engine's tensors (names, shapes, dtypes) differ from the trainer's: refused before any byte moves."""
+
+
 # the label SGLang and vLLM report before any update (server flag --weight-version): the weights they started with
 INITIAL_VERSION_LABELS = ("default",)
 
@@ -230,7 +234,9 @@ class SGLangEngine:
             raise EngineVersionError(f"{self.url}: asked to load weight version {version}, reports {held}")
         return held
 
+    # ---- broadcast sync, through SGLang's routes (strop serve answers the same ones) -------------------
     async def join_group(self, host: str, port: int, rank: int, world: int, backend: str, name: str) -> None:
+        """Join the trainer's weight-update group as rank ``rank`` (returns once every rank joined)."""
         await self._call("POST", "/init_weights_update_group",
                          json={"master_address": host, "master_port": port, "rank_offset": rank, "world_size": world,
                                "group_name": name, "backend": backend}, retries=0)
@@ -239,13 +245,64 @@ class SGLangEngine:
         """Destroy this engine's side of the weight-update group ``name`` (SGLang's route)."""
         await self._call("POST", "/destroy_weights_update_group", json={"group_name": name}, timeout=30, retries=0)
 
-    async def receive_broadcast(self, manifest, version: int, bucket_bytes: int, name: str) -> int:
-        out = await self._call("POST", "/update_weights_from_distributed", retries=0, json={
-            "names": [m[0] for m in manifest], "dtypes": [m[1] for m in manifest],
-            "shapes": [list(m[2]) for m in manifest], "weight_version": version, "bucket_bytes": bucket_bytes,
-            "group_name": name})
-        self.weight_version = parse_weight_version(out.get("weight_version"), self.url)
-        return self.weight_version
+    async def check_broadcast(self) -> None:
+        """SGLang and strop serve take broadcasts through their own routes: nothing to check before."""
+
+    async def weights_manifest(self) -> list[tuple[str, str, tuple[int, ...]]] | None:
+        """The (name, dtype, shape) of every tensor the engine expects (strop serve's ``/weights_manifest``);
+        None where the engine cannot say (SGLang has no such route: it checks each bucket as it arrives)."""
+        try:
+            out = await self._call("GET", "/weights_manifest", timeout=30, retries=0)
+        except EngineRequestError as exc:
+            if "HTTP 404" in str(exc):
+                return None
+            raise
+        try:
+            return [(n, d, tuple(s)) for n, d, s in zip(out["names"], out["dtypes"], out["shapes"], strict=True)]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise EngineRequestError(f"{self.url}/weights_manifest: unreadable answer ({exc}): {str(out)[:200]}") from None
+
+    async def pause(self, mode: str) -> None:
+        """Stop generating for an update (SGLang's modes: abort, retract, in_place)."""
+        await self._call("POST", "/pause_generation", json={"mode": mode}, timeout=60, retries=0)
+
+    async def resume(self) -> None:
+        await self._call("POST", "/continue_generation", json={}, timeout=60, retries=1)
+
+    async def begin_update(self) -> None:
+        """Open the weight-update session SGLang 0.5.23 requires around tensor and distributed updates."""
+        self._check(await self._call("POST", "/begin_weight_update", json={}, timeout=60, retries=0),
+                    "begin_weight_update")
+
+    async def receive_bucket(self, bucket, group_name: str, version: int | None, last: bool) -> None:
+        """Post one bucket's names, dtypes and shapes; the engine then joins the trainer's broadcast of it.
+        The version labels the weights with the last bucket only (a failed update keeps the old label), and
+        the cache is flushed with it."""
+        body = bucket.payload() | {"group_name": group_name, "flush_cache": last,
+                                   "weight_version": str(version) if last and version is not None else None}
+        self._check(await self._call("POST", "/update_weights_from_distributed", json=body, retries=0),
+                    "update_weights_from_distributed")
+
+    async def end_update(self, version: int) -> None:
+        self._check(await self._call("POST", "/end_weight_update", json={}, timeout=300, retries=0),
+                    "end_weight_update")
+
+    async def receipt(self) -> tuple[int, str | None, str | None]:
+        """The version the engine reports, and the checksum of what it holds where it computes one strop can
+        compare: strop serve's ``/weights_checker`` hashes its tensors by the trainer's names (``state``).
+        SGLang's checksums are of its own fused tensors, so the version is its receipt."""
+        held = await self.get_weight_version()
+        if not self.require_checksum:
+            return held, None, None
+        out = await self._call("POST", "/weights_checker", json={"action": "checksum"}, timeout=300, retries=0)
+        if not isinstance(out.get("checksum"), str):
+            raise EngineRequestError(f"{self.url}/weights_checker: no checksum in {str(out)[:200]}")
+        return held, "state", out["checksum"]
+
+    def _check(self, out: dict, what: str) -> None:
+        """SGLang answers update routes with ``{"success": bool, "message"}`` (a 200 may still say false)."""
+        if not out.get("success", False):
+            raise EngineRequestError(f"{self.url}: {what} failed: {out.get('message', out)}")
 
     async def update_weights(self, state_dict, version: int | None = None) -> int:
         if self.writer is None:

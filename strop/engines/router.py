@@ -29,7 +29,7 @@ import uuid
 from collections import Counter, OrderedDict, deque
 from pathlib import Path
 
-from strop.engines.http import EngineRequestError, EngineUnavailable, WeightWriter
+from strop.engines.http import EngineManifestError, EngineRequestError, EngineUnavailable, WeightWriter
 from strop.types import Completion, SamplingParams
 
 DOWN, REJOINING, HEALTHY = "down", "rejoining", "healthy"
@@ -39,7 +39,7 @@ MAX_STICKY_KEYS = 4096  # affinity keys remembered (least recently used forgotte
 class Router:
     def __init__(self, engines: list, *, writer: WeightWriter | None = None, max_attempts: int | None = None,
                  health_interval_s: float = 2.0, affinity: bool = False, broadcast=None, delta: bool = False,
-                 print_events: bool = True):
+                 print_events: bool = True, drain_timeout_s: float = 600.0):
         """``writer``: weights go through disk; ``delta``: only the tensors an engine does not hold yet,
         each checked by its digest; ``broadcast`` (a :class:`strop.engines.sync.BroadcastSync`): they
         are broadcast over a process group with the engines instead."""
@@ -58,6 +58,7 @@ class Router:
         self.counts: Counter = Counter()  # every event and failover since the start
         self._taken: Counter = Counter()  # what take_counts() last handed out
         self.print_events = print_events
+        self.drain_timeout_s = drain_timeout_s
         self._sticky: OrderedDict[str, int] = OrderedDict()
         self._health_task: asyncio.Task | None = None
         self._locks: dict = {}  # event loop -> the lock of weight updates and re-admissions
@@ -117,10 +118,27 @@ class Router:
 
     def _lock(self) -> asyncio.Lock:
         """Weight updates and re-admissions run one at a time (a lock per event loop)."""
+        return self._loop_state()[0]
+
+    def _open(self) -> asyncio.Event:
+        """Set while requests may go out; cleared while a weight update drains and runs."""
+        return self._loop_state()[1]
+
+    def _loop_state(self) -> tuple[asyncio.Lock, asyncio.Event]:
         loop = asyncio.get_running_loop()
         if loop not in self._locks:
-            self._locks = {loop: asyncio.Lock()}
+            self._locks = {loop: (asyncio.Lock(), asyncio.Event())}
+            self._locks[loop][1].set()
         return self._locks[loop]
+
+    async def _drain(self) -> None:
+        """Hold new requests and wait for those in flight to finish on the weights that sampled their start
+        (rollout.partial=finish; with partial=resume they were aborted already). Bounded by the engines'
+        request timeout: a request still running then is aborted by the pause that follows."""
+        self._open().clear()
+        deadline = asyncio.get_running_loop().time() + self.drain_timeout_s
+        while sum(self.outstanding) and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.01)
 
     # ---- requests ------------------------------------------------------------------------------------
     def _pick(self, exclude: set[int], key: str | None) -> int | None:
@@ -168,6 +186,7 @@ class Router:
         tried: set[int] = set()
         rid = request_id or uuid.uuid4().hex
         while len(tried) < self.max_attempts:
+            await self._open().wait()  # (no request goes out while weights change)
             i = self._pick(tried, affinity if self.affinity else None)
             if i is None:
                 break
@@ -192,12 +211,16 @@ class Router:
         async with self._lock():  # no engine is re-admitted while an update runs
             self._updates += 1
             version = self.weight_version + 1 if version is None else version
-            if self.broadcast is not None:
-                await self._update_by_broadcast(state_dict, version)
-            elif self.delta:
-                await self._update_by_delta(state_dict, version)
-            else:
-                await self._update_by_disk(state_dict, version)
+            try:
+                await self._drain()
+                if self.broadcast is not None:
+                    await self._update_by_broadcast(state_dict, version)
+                elif self.delta:
+                    await self._update_by_delta(state_dict, version)
+                else:
+                    await self._update_by_disk(state_dict, version)
+            finally:
+                self._open().set()
             self._started = True  # every engine that took the update reported its version
         if not any(self.healthy):
             raise EngineUnavailable("no engine is healthy after the weight update")
@@ -228,6 +251,8 @@ class Router:
             try:
                 self.bytes_sent, reported = await self.broadcast.update(
                     [self.engines[i] for i in members], state_dict, version)
+            except EngineManifestError:  # refused before any byte moved: a retry would be refused alike
+                raise
             except (EngineUnavailable, EngineRequestError, RuntimeError) as exc:
                 for i in members:  # whoever does not answer now leaves the group; the rest try again
                     if not await self.engines[i].health():

@@ -6,32 +6,72 @@ import random
 import pytest
 import torch
 
-from strop.engines.sync import BroadcastSync, bucket_plan, manifest_of
+from strop.engines.sync import Bucket, BroadcastSync, first_mismatch, manifest_of, plan_buckets
 from strop.parallel.launch import run_on_ranks
 
 MiB = 1 << 20
 
 
-@pytest.mark.parametrize("seed", range(5))
-def test_bucket_plan_covers_every_element_once_within_the_budget(seed):
+@pytest.mark.parametrize("seed", range(6))
+def test_buckets_carry_every_tensor_once_in_order_within_the_budget(seed):
     rng = random.Random(seed)
-    manifest = [(f"t{i}", rng.choice(["float32", "bfloat16"]), tuple(rng.randint(1, 40) for _ in range(rng.randint(1, 3))))
-                for i in range(rng.randint(1, 12))]
+    manifest = [(f"t{i}", rng.choice(["float32", "bfloat16", "int64"]),
+                 tuple(rng.randint(1, 40) for _ in range(rng.randint(1, 3)))) for i in range(rng.randint(1, 14))]
     budget = rng.choice([64, 256, 4096])
-    plan = bucket_plan(manifest, budget)
-    seen = {name: [] for name, _, _ in manifest}
-    for dtype, pieces in plan:
-        size = torch.empty((), dtype=getattr(torch, dtype)).element_size()
-        used = 0
-        for p in pieces:
-            assert p.offset == used and dict((n, d) for n, d, _ in manifest)[p.name] == dtype
-            used += p.stop - p.start
-            seen[p.name].append((p.start, p.stop))
-        assert 0 < used * size <= max(budget, size)
-    for name, _, shape in manifest:
-        spans = sorted(seen[name])
-        assert spans[0][0] == 0 and spans[-1][1] == torch.Size(shape).numel()
-        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))  # contiguous, no overlap, no gap
+    buckets = plan_buckets(manifest, budget)
+    carried = [(n, d, s) for b in buckets for n, d, s in zip(b.names, b.dtypes, b.shapes)]
+    assert carried == manifest  # every tensor once, whole, in the trainer's order
+    for b in buckets:
+        size = sum(torch.Size(s).numel() * torch.empty((), dtype=getattr(torch, d)).element_size()
+                   for d, s in zip(b.dtypes, b.shapes))
+        assert b.nbytes == size
+        if b.flattened:
+            assert size <= budget
+            at = 0
+            for d, s in zip(b.dtypes, b.shapes):  # each tensor aligned to its element size (SGLang's view(dtype))
+                item = torch.empty((), dtype=getattr(torch, d)).element_size()
+                assert at % item == 0
+                at += torch.Size(s).numel() * item
+        else:  # only a tensor larger than the budget travels alone, as itself
+            assert len(b.names) == 1 and size > budget
+    for a, b in zip(buckets, buckets[1:]):  # a bucket closes only when the next tensor would overflow or misalign
+        if a.flattened and b.flattened:
+            first = b.nbytes if len(b.names) == 1 else Bucket(b.names[:1], b.dtypes[:1], b.shapes[:1], True).nbytes
+            item = torch.empty((), dtype=getattr(torch, b.dtypes[0])).element_size()
+            assert a.nbytes + first > budget or a.nbytes % item
+
+
+def test_a_tensor_is_never_placed_at_an_offset_its_dtype_cannot_view():
+    # 3 bf16 elements end at byte 6: an fp32 tensor after them would start unaligned (SGLang refuses it)
+    buckets = plan_buckets([("a", "bfloat16", (3,)), ("b", "float32", (2,)), ("c", "float32", (1,))], 1000)
+    assert [b.names for b in buckets] == [("a",), ("b", "c")]
+
+
+@pytest.mark.parametrize("fields, why", [
+    ((["a", "b"], ["float32"], [[2], [2]], "flattened_bucket"), "one length"),
+    ((["a"], ["float33"], [[2]], "flattened_bucket"), "unknown dtype 'float33'"),
+    ((["a"], ["float32"], [[-2]], None), "non-negative"),
+    ((["a", "b"], ["float32"] * 2, [[2], [2]], None), "carries one tensor"),
+    ((["a"], ["float32"], [[2]], "direct"), "load_format 'direct'"),
+    (([], [], [], None), "non-empty"),
+])
+def test_a_malformed_update_request_is_refused_naming_the_field(fields, why):
+    with pytest.raises(ValueError, match=why):
+        Bucket.from_payload(*fields)
+
+
+def test_the_first_manifest_difference_is_named():
+    ours = [("embed", "float32", (10, 4)), ("norm", "float32", (4,))]
+    assert first_mismatch(ours, list(ours), "E") is None
+    assert "E has no tensor 'norm'" in first_mismatch(ours, ours[:1], "E")
+    assert "'embed': the trainer's shape is [10, 4], E's is [10, 5]" in first_mismatch(
+        ours, [("embed", "float32", (10, 5)), ours[1]], "E")
+    assert "the trainer sends float32, E holds bfloat16 (set engine.sync_dtype='bfloat16'" in first_mismatch(
+        ours, [ours[0], ("norm", "bfloat16", (4,))], "E")
+    assert "E holds 'extra', which the trainer does not send" in first_mismatch(
+        ours, ours + [("extra", "float32", (1,))], "E")
+    # the first difference in the trainer's order is the one named
+    assert "'embed'" in first_mismatch(ours, [("embed", "float32", (1,)), ("norm", "float32", (5,))], "E")
 
 
 def test_manifest_skips_tied_weights():
@@ -39,7 +79,7 @@ def test_manifest_skips_tied_weights():
     assert [m[0] for m in manifest_of({"embed": w, "head": w, "norm": torch.ones(2)})] == ["embed", "norm"]
 
 
-SHAPES = [(8 * MiB // 4,), (3 * MiB // 4,), (1000,), (4 * MiB // 4, 2)]  # a tensor of 8 MiB > the 2 MiB bucket
+SHAPES = [(3 * MiB // 4,), (1000,), (8 * MiB // 4,), (1 * MiB // 4, 2), (5 * MiB // 4,)]  # 8 MiB > the 2 MiB bucket
 
 
 def _transfer(rank, world, port, bucket):
@@ -50,21 +90,27 @@ def _transfer(rank, world, port, bucket):
     # is read by glibc at start-up, before the launcher could set it in this process)
     ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD
 
-    from strop.engines.sync import make_group, receive_buckets, send_buckets
+    from strop.engines.sync import StreamDigest, make_group, receive_bucket, send_bucket
 
-    group = make_group("127.0.0.1", port, rank, 2, "gloo", 60)
+    group = make_group("127.0.0.1", port, rank, 2, "gloo", 60, name="strop-test")
     torch.manual_seed(0)
     named = {f"t{i}": (torch.randn(s) if rank == 0 else torch.zeros(s)) for i, s in enumerate(SHAPES)}
     for t in named.values():
         t.add_(0)  # touch every page before the baseline
-    plan = bucket_plan(manifest_of(named), bucket)
     warm = {"w": torch.zeros(bucket // 4)}  # warm the gloo path (its one-time buffers) with one bucket
-    warm_plan = bucket_plan(manifest_of(warm), bucket)
-    (send_buckets if rank == 0 else receive_buckets)(group, warm, warm_plan, "cpu")
+    for b in plan_buckets(manifest_of(warm), bucket):
+        send_bucket(group, b, warm, "cpu") if rank == 0 else receive_bucket(group, b, "cpu")
+    digest = StreamDigest()
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    (send_buckets if rank == 0 else receive_buckets)(group, named, plan, "cpu")
+    for b in plan_buckets(manifest_of(named), bucket):
+        if rank == 0:
+            send_bucket(group, b, named, "cpu", digest)
+        else:  # the engine's copy out of the bucket (a lone tensor lands in place)
+            for name, t in receive_bucket(group, b, "cpu", into=named, digest=digest):
+                if t.data_ptr() != named[name].data_ptr():
+                    named[name].copy_(t)
     after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return after - before, {k: float(v.double().sum()) for k, v in named.items()}
+    return after - before, {k: float(v.double().sum()) for k, v in named.items()}, digest.hexdigest()
 
 
 @pytest.mark.timeout(120)
@@ -72,12 +118,12 @@ def test_broadcast_moves_every_weight_with_one_bucket_of_extra_memory():
     from strop.parallel.launch import free_port
 
     bucket = 2 * MiB
-    (extra0, sums0), (extra1, sums1) = run_on_ranks(_transfer, 2, free_port(), bucket, timeout=100)
-    assert sums0 == sums1  # the receiver holds exactly the sender's weights
+    (extra0, sums0, digest0), (extra1, sums1, digest1) = run_on_ranks(_transfer, 2, free_port(), bucket, timeout=100)
+    assert sums0 == sums1 and digest0 == digest1  # the receiver holds exactly the sender's weights
     largest = max(torch.Size(s).numel() * 4 for s in SHAPES)
-    for extra in (extra0, extra1):
+    for extra in (extra0, extra1):  # the 8 MiB tensor went without a copy on either side
         assert extra <= bucket + 1.5 * MiB, (extra / MiB, "MiB")  # + 1.5 MiB for allocator and gloo bookkeeping
-    assert bucket + 1.5 * MiB < largest  # the bound is below the largest tensor: pieces, not whole tensors
+    assert bucket + 1.5 * MiB < largest  # the bound is below the largest tensor
 
 
 @pytest.mark.timeout(240)
