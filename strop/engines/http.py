@@ -39,6 +39,17 @@ class EngineManifestError(EngineRequestError):
     """The engine's tensors (names, shapes, dtypes) differ from the trainer's: refused before any byte moves."""
 
 
+MIN_SGLANG = "0.5.23"  # the first release with the weight-update session (begin/end_weight_update)
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """"0.5.23.post1" -> (0, 5, 23): the numeric release, for comparing server versions."""
+    import re
+
+    return tuple(int(p) for p in re.match(r"\d+(?:\.\d+)*", version.strip()).group(0).split(".")) \
+        if re.match(r"\d", version.strip()) else ()
+
+
 # the label SGLang and vLLM report before any update (server flag --weight-version): the weights they started with
 INITIAL_VERSION_LABELS = ("default",)
 
@@ -129,6 +140,7 @@ class SGLangEngine:
         self.writer = writer
         self.require_checksum = require_checksum
         self.weight_version = 0  # the version the engine last reported holding (never a count kept here)
+        self.group_ranks = 1  # ranks the server joins a weight-update group with (SGLang: one per TP worker)
         self._client = None
 
     def __repr__(self) -> str:
@@ -246,7 +258,29 @@ class SGLangEngine:
         await self._call("POST", "/destroy_weights_update_group", json={"group_name": name}, timeout=30, retries=0)
 
     async def check_broadcast(self) -> None:
-        """SGLang and strop serve take broadcasts through their own routes: nothing to check before."""
+        """Refuse, before a run starts, an SGLang server that cannot take strop's broadcast: one older than
+        the weight-update session (``begin_weight_update``, SGLang 0.5.23), or data parallel inside one
+        server (SGLang refuses its groups). A tensor-parallel server joins with one rank per TP worker.
+        strop serve has no ``/server_info``: it takes the broadcast as one rank."""
+        info = None
+        for route in ("/server_info", "/get_server_info"):
+            try:
+                info = await self._call("GET", route, timeout=10, retries=0)
+                break
+            except EngineRequestError as exc:
+                if "HTTP 404" not in str(exc):
+                    raise
+        if not isinstance(info, dict) or "version" not in info:
+            return
+        version = str(info["version"])
+        if () < _release(version) < _release(MIN_SGLANG):
+            raise EngineRequestError(f"{self.url}: SGLang {version} has no weight-update session (begin_weight_update, "
+                                     f"SGLang >= {MIN_SGLANG}), which strop's broadcast needs: upgrade the server, or "
+                                     "use engine.sync=disk")
+        if int(info.get("dp_size") or 1) > 1:
+            raise EngineRequestError(f"{self.url}: SGLang {version} runs dp_size={info['dp_size']}, and refuses "
+                                     "weight-update groups then: run one server per replica, or use engine.sync=disk")
+        self.group_ranks = int(info.get("tp_size") or 1)
 
     async def weights_manifest(self) -> list[tuple[str, str, tuple[int, ...]]] | None:
         """The (name, dtype, shape) of every tensor the engine expects (strop serve's ``/weights_manifest``);
@@ -271,8 +305,14 @@ class SGLangEngine:
 
     async def begin_update(self) -> None:
         """Open the weight-update session SGLang 0.5.23 requires around tensor and distributed updates."""
-        self._check(await self._call("POST", "/begin_weight_update", json={}, timeout=60, retries=0),
-                    "begin_weight_update")
+        try:
+            out = await self._call("POST", "/begin_weight_update", json={}, timeout=60, retries=0)
+        except EngineRequestError as exc:
+            if "HTTP 404" in str(exc):
+                raise EngineRequestError(f"{self.url} has no /begin_weight_update (SGLang before {MIN_SGLANG}?): "
+                                         "strop's broadcast needs it; upgrade the server, or use engine.sync=disk") from exc
+            raise
+        self._check(out, "begin_weight_update")
 
     async def receive_bucket(self, bucket, group_name: str, version: int | None, last: bool) -> None:
         """Post one bucket's names, dtypes and shapes; the engine then joins the trainer's broadcast of it.

@@ -262,7 +262,7 @@ class BroadcastSync:
         self._inflight = None  # a send left in its collective when an engine refused a bucket
 
     async def connect(self, engines: list) -> None:
-        """A new group of this process (rank 0) and ``engines`` (ranks 1..n); the previous group, if
+        """A new group of this process (rank 0) and ``engines`` (ranks 1.., each as many as it has workers); the previous group, if
         any, is torn down on both sides first (an engine that is gone is skipped). An engine that
         refuses to join ends the wait at once (this side's rendezvous is left to time out alone)."""
         import asyncio
@@ -271,13 +271,17 @@ class BroadcastSync:
         from strop.parallel.launch import free_port
 
         await self.disconnect()
-        port, world = free_port(), len(engines) + 1
+        offsets, world = [], 1  # an engine of several workers (SGLang TP) joins as ranks offset .. offset + n - 1
+        for e in engines:
+            offsets.append(world)
+            world += getattr(e, "group_ranks", 1)
+        port = free_port()
         self.generation += 1
         name = f"strop-sync-{self.generation}-{secrets.token_hex(4)}"  # unique: torch refuses a name twice
         own = asyncio.ensure_future(asyncio.to_thread(make_group, self.host, port, 0, world, self.backend,
                                                       self.timeout_s, name))
-        joins = [asyncio.ensure_future(e.join_group(self.host, port, i + 1, world, self.backend, name))
-                 for i, e in enumerate(engines)]
+        joins = [asyncio.ensure_future(e.join_group(self.host, port, offset, world, self.backend, name))
+                 for e, offset in zip(engines, offsets)]
         done, pending = await asyncio.wait([own, *joins], return_when=asyncio.FIRST_EXCEPTION)
         failed = next((t.exception() for t in done if t.exception() is not None), None)
         if failed is not None:

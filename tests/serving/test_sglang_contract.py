@@ -158,3 +158,44 @@ def test_the_contract_is_sglang_0_5_23_read_from_its_wheel():
     name, spec = BY_ROUTE["/update_weights_from_distributed"]
     assert spec["source"].endswith("io_struct.py") and name == "UpdateWeightsFromDistributedReqInput"
     assert spec["fields"]["flush_cache"]["default"] == "True" and spec["fields"]["names"]["required"]
+
+
+def serving(routes: dict) -> SGLangEngine:
+    """An SGLang client whose server answers ``routes`` ({path: (status, json)}) and 404 elsewhere."""
+    def handle(request: httpx.Request) -> httpx.Response:
+        status, body = routes.get(request.url.path, (404, {"detail": "Not Found"}))
+        return httpx.Response(status, json=body)
+
+    engine = SGLangEngine("http://sglang.test")
+    engine._client = httpx.AsyncClient(transport=httpx.MockTransport(handle))
+    return engine
+
+
+@pytest.mark.parametrize("info, why", [
+    ({"version": "0.5.12", "tp_size": 1}, r"http://sglang.test: SGLang 0.5.12 has no weight-update session .*"
+                                          r"SGLang >= 0.5.23.* or use engine.sync=disk"),
+    ({"version": "0.5.23", "dp_size": 2}, r"SGLang 0.5.23 runs dp_size=2.*one server per replica.*engine.sync=disk"),
+])
+def test_a_server_that_cannot_take_the_broadcast_is_refused_naming_it_its_version_and_the_fallback(info, why):
+    from strop.engines.http import EngineRequestError
+
+    with pytest.raises(EngineRequestError, match=why):
+        asyncio.run(serving({"/server_info": (200, info)}).check_broadcast())
+
+
+def test_a_tensor_parallel_server_joins_with_one_rank_per_worker_and_strop_serve_with_one():
+    sglang = serving({"/server_info": (200, {"version": "0.5.23.post2", "tp_size": 4, "dp_size": 1})})
+    asyncio.run(sglang.check_broadcast())
+    strop_serve = serving({})  # no /server_info
+    asyncio.run(strop_serve.check_broadcast())
+    assert (sglang.group_ranks, strop_serve.group_ranks) == (4, 1)
+
+
+def test_a_server_without_the_update_session_is_named_with_the_fallback():
+    from strop.engines.http import EngineRequestError
+
+    with pytest.raises(EngineRequestError, match=r"http://sglang.test has no /begin_weight_update .*engine.sync=disk"):
+        asyncio.run(serving({}).begin_update())
+    with pytest.raises(EngineRequestError, match="begin_weight_update failed: a weight-update session is already open"):
+        asyncio.run(serving({"/begin_weight_update": (200, {"success": False, "message": "a weight-update session is "
+                                                                                         "already open"})}).begin_update())
