@@ -297,6 +297,13 @@ class EngineConfig(_Section):
         "abort", description="broadcast: how each server pauses generation during an update (SGLang and strop "
         "serve: abort, retract, in_place; vLLM: abort, wait, keep). strop's own requests are drained first "
         "(rollout.partial), so this concerns other clients' requests")
+    sync_probe: bool = Field(True, description="after every weight update, score a fixed short token sequence on "
+                             "each engine and with the trainer's weights: a difference over sync_probe_tolerance "
+                             "fails the step naming the engine (every engine kind; off under dp_mode=fsdp)")
+    sync_probe_tolerance: float = Field(1e-3, gt=0, description="largest logprob difference the probe accepts "
+                                        "(fp32 engines agree within ~1e-5; bfloat16 engines need ~0.05)")
+    colocate: bool = Field(False, description="run the engines on the trainer's GPU and update them in place "
+                           "(CUDA IPC, memory released while training); refused for now, see docs/serving.md")
     sync_dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
         None, description="broadcast: cast the weights to this dtype on the trainer's side (the engine's dtype "
         "when it differs from the trainer's, e.g. bfloat16 servers of an fp32 trainer)")
@@ -315,6 +322,12 @@ class EngineConfig(_Section):
             raise ValueError(f"engine.sync='delta' needs strop serve servers (engine.kind='strop'): it loads a file of "
                              f"only the changed tensors, which {self.kind} cannot check tensor by tensor; use "
                              "engine.sync='broadcast' or 'disk'")
+        if self.colocate:
+            raise ValueError("engine.colocate: the in-place update of an engine sharing the trainer's GPU (SGLang's "
+                             "update_weights_from_tensor over CUDA IPC with release/resume_memory_occupation, vLLM's "
+                             "IPC transfer with sleep/wake_up) needs a GPU, and strop has not run it on one yet: it is "
+                             "refused rather than shipped untested. On CPU it cannot exist (no CUDA IPC; vLLM refuses "
+                             "sleep mode). Use engine.sync='broadcast' with the engines on their own devices")
         pauses = {"vllm": ("abort", "wait", "keep")}.get(self.kind, ("abort", "retract", "in_place"))
         if self.sync_pause not in pauses:
             raise ValueError(f"engine.sync_pause={self.sync_pause!r} is not a pause mode of {self.kind} servers: "

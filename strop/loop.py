@@ -14,6 +14,7 @@ import torch
 
 from strop import checkpoint
 from strop.config import Config, save_config
+from strop.engines.probe import reference_logprobs
 from strop.observe.tracking import open_trackers, sample_rows
 from strop.observe.metrics import MetricsLog, Progress, Timer, memory_metrics, plot_curves, write_summary
 from strop.plugins import call_hook, call_hook_sync
@@ -284,6 +285,11 @@ class _Controller:
         if self.c.engine is not None:  # (train only has none)
             # (partial=resume: what is generating is aborted around the update and continues after it)
             self.run(self.manager.update_weights(lambda: self.c.engine.update_weights(weights, version=step)))
+            if getattr(self.c.engine, "probe_ids", None):  # every engine computes with the trainer's weights
+                ids = self.c.engine.probe_ids
+                reference = reference_logprobs(self.c.trainer.model, ids)
+                metrics["weight_probe_max_diff"] = self.run(self.c.engine.probe(ids, reference,
+                                                                                self.c.engine.probe_tolerance))
         metrics["weight_sync_seconds"] = time.perf_counter() - t
         if getattr(self.c.engine, "bytes_full", 0):  # the delta form: what moved against a full sync
             metrics["weight_sync_bytes"] = self.c.engine.bytes_sent

@@ -362,8 +362,19 @@ def _router(cfg: Config, urls: list[str], token: str | None, run_dir: Path, prob
             "nccl" if device is not None and device.type == "cuda" else "gloo")
         broadcast = BroadcastSync(bucket_bytes=e.sync_bucket_bytes, backend=backend, timeout_s=e.timeout_s,
                                   pause_mode=e.sync_pause, dtype=e.sync_dtype)
-    return Router(clients, writer=writer, health_interval_s=e.health_interval_s, affinity=e.affinity,
-                  broadcast=broadcast, delta=sync == "delta", drain_timeout_s=e.timeout_s)
+    router = Router(clients, writer=writer, health_interval_s=e.health_interval_s, affinity=e.affinity,
+                    broadcast=broadcast, delta=sync == "delta", drain_timeout_s=e.timeout_s)
+    import torch.distributed as dist
+
+    sharded = dist.is_initialized() and dist.get_world_size() > 1 and cfg.parallel.dp_mode == "fsdp"
+    if e.sync_probe and sharded:  # the trainer's forward is a collective of every rank there, the probe rank 0's
+        print("strop: weight probe: off under parallel.dp_mode=fsdp (receipt: versions and checksums)", flush=True)
+    router.probe_ids = list(probe_ids[:PROBE_TOKENS]) if e.sync_probe and not sharded else None
+    router.probe_tolerance = e.sync_probe_tolerance
+    return router
+
+
+PROBE_TOKENS = 16  # tokens of the first training prompt scored by the weight probe
 
 
 def weight_receipt(kind: str, sync: str) -> str:

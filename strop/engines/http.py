@@ -195,6 +195,22 @@ class SGLangEngine:
         out = await self._call("POST", "/generate", json=body)
         return parse_generate(out, self.url)
 
+    async def score(self, ids: list[int]) -> list[float]:
+        """The engine's logprob of each token of ``ids`` after the first, given the ones before it (SGLang's
+        ``input_token_logprobs`` from ``logprob_start_len: 0``, temperature 1)."""
+        body = {"input_ids": list(ids), "return_logprob": True, "logprob_start_len": 0, "rid": uuid.uuid4().hex,
+                "sampling_params": {"max_new_tokens": 1, "temperature": 1.0}}
+        out = await self._call("POST", "/generate", json=body)
+        try:
+            entries = out["meta_info"]["input_token_logprobs"]
+            scored = [float(e[0]) for e in entries if e[0] is not None]
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
+            raise EngineRequestError(f"{self.url}: no input_token_logprobs in the /generate answer ({exc}): "
+                                     f"{str(out)[:300]}") from None
+        if len(scored) != len(ids) - 1:
+            raise EngineRequestError(f"{self.url}: scored {len(scored)} of the probe's {len(ids) - 1} tokens")
+        return scored
+
     async def abort(self, request_id: str) -> bool:
         await self._call("POST", "/abort_request", json={"rid": request_id}, timeout=10, retries=0)
         return True

@@ -306,6 +306,14 @@ class Router:
                     self._move(i, HEALTHY, "loaded the changed tensors", held)
             await asyncio.gather(*(load(i) for i in engines))
 
+    async def probe(self, ids: list[int], reference: list[float], tolerance: float) -> float:
+        """Score ``ids`` on every healthy engine against the trainer's ``reference`` logprobs (see
+        :mod:`strop.engines.probe`); raises naming the first engine that differs."""
+        from strop.engines.probe import check_probe
+
+        healthy = [e for i, e in enumerate(self.engines) if self.state[i] == HEALTHY]
+        return await check_probe(healthy, ids, reference, tolerance, self.weight_version)
+
     # ---- health and re-admission ---------------------------------------------------------------------
     async def abort_all(self) -> None:
         await asyncio.gather(*(e.abort_all() for i, e in enumerate(self.engines) if self.state[i] == HEALTHY),

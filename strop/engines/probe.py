@@ -1,0 +1,49 @@
+"""The receipt every engine kind can give: a fixed short token sequence scored by each engine and by the
+trainer after a weight update. Checksums prove bytes arrived where an engine computes one strop can
+reproduce (strop serve, strop's vLLM extension); the probe proves the engine *computes* with the
+trainer's weights, whatever it is (SGLang, whose checksums cover its own fused tensors, has no other).
+
+It sees what moves a short sequence's logprobs by more than the tolerance: an engine that kept old
+weights while the trainer moved on (verl #7495, an adapter that never reached vLLM), one serving another
+model, one whose load went wrong. A single small optimizer step may move them by less: there the
+version read back and the checksums are the receipt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from strop.engines.sync import EngineReceiptError
+
+
+def reference_logprobs(model, ids: list[int]) -> list[float]:
+    """The trainer's logprob of each token of ``ids`` after the first (temperature 1, fp32)."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            device = next(model.parameters()).device
+            x = torch.tensor([ids], device=device)
+            logits = model(input_ids=x).logits[0, :-1].float()
+            return torch.log_softmax(logits, dim=-1).gather(-1, x[0, 1:, None]).squeeze(-1).tolist()
+    finally:
+        model.train(was_training)
+
+
+async def check_probe(engines: list, ids: list[int], reference: list[float], tolerance: float,
+                      version: int) -> float:
+    """Score ``ids`` on every engine; raise naming the first whose logprobs differ from ``reference`` by
+    more than ``tolerance``. Returns the largest difference seen."""
+    scored = await asyncio.gather(*(e.score(ids) for e in engines))
+    worst = 0.0
+    for engine, got in zip(engines, scored):
+        diff = max((abs(a - b) for a, b in zip(got, reference)), default=0.0)
+        if diff > tolerance:
+            raise EngineReceiptError(
+                f"{engine!r} at weight version {version}: its logprobs of the probe differ from the trainer's by "
+                f"{diff:.2e} > engine.sync_probe_tolerance={tolerance} (a stale or partly updated engine? a "
+                "bfloat16 engine of an fp32 trainer needs a larger tolerance, e.g. 0.05)")
+        worst = max(worst, diff)
+    return worst
