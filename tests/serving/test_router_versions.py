@@ -400,7 +400,9 @@ def test_a_strop_server_must_prove_receipt_with_the_checksum(tmp_path):
         asyncio.run(engine.load_weights(tmp_path, 2, checksum="abc"))
 
 
-def test_an_engine_that_fails_a_request_during_its_load_stays_down_until_probed(tmp_path):
+def test_a_request_issued_during_a_load_waits_and_is_served_by_the_new_weights(tmp_path):
+    # (before issue 22 such a request went out during the load; one failing on the loading engine then
+    # marked it down mid-load. Now no request goes out while weights change: the case cannot arise)
     a, b = FakeEngine("a"), FakeEngine("b")
     router = Router([a, b], writer=WeightWriter(tmp_path))
 
@@ -409,17 +411,16 @@ def test_an_engine_that_fails_a_request_during_its_load_stays_down_until_probed(
         a.gate["load_weights"] = asyncio.Event()
         update = asyncio.ensure_future(router.update_weights(_weights(1), version=1))
         await _until(lambda: "load_weights" in a.entered)
-        a.up = False  # a request fails on it while it loads
-        await router.generate([1], SamplingParams(max_new_tokens=1))
-        a.up = True
+        request = asyncio.ensure_future(router.generate([1], SamplingParams(max_new_tokens=1)))
+        await asyncio.sleep(0.05)
+        served_during = a.requests + b.requests
         a.gate.pop("load_weights").set()
         await update
-        after_update = router.healthy[0]
-        await router.check_health()  # the probe sees it answer at the current version
-        return after_update
+        return served_during, await request
 
-    assert asyncio.run(main()) is False
-    assert router.healthy == [True, True] and router.counts["failover"] == 1
+    served_during, out = asyncio.run(main())
+    assert served_during == 1 and out.weight_version == 1  # (the one before the update)
+    assert router.healthy == [True, True] and router.counts["failover"] == 0
     assert_healthy_engines_hold_the_routers_weights(router, _weights(1))
 
 
@@ -499,3 +500,68 @@ def test_the_weight_writer_hands_out_absolute_paths(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     path, _ = WeightWriter("runs/x/weights").write(_weights(1), 1)
     assert path.is_absolute() and path == tmp_path / "runs/x/weights/v1"
+
+
+# ---- issue 22: requests drain before an update; the probe ----------------------------------------------
+@pytest.mark.parametrize("form", ["disk", "broadcast"])
+def test_requests_in_flight_finish_on_the_old_weights_and_new_ones_wait_for_the_new(tmp_path, form):
+    a = FakeEngine("a")
+    writer = WeightWriter(tmp_path / "w")
+    router = Router([a], writer=writer, broadcast=FakeBroadcast() if form == "broadcast" else None)
+    a.gate["generate"] = asyncio.Event()
+    weights = _weights(1)
+
+    async def main():
+        first = asyncio.ensure_future(router.generate([1], SamplingParams()))
+        await _until(lambda: "generate" in a.entered)  # a request is in flight at version 0
+        update = asyncio.ensure_future(router.update_weights(weights, version=1))
+        await asyncio.sleep(0.05)
+        assert not update.done() and a.version == 0  # the update waits for it
+        second = asyncio.ensure_future(router.generate([2], SamplingParams()))
+        await asyncio.sleep(0.05)
+        assert a.requests == 0  # and a new request waits for the update
+        a.gate["generate"].set()
+        done_first = await first
+        await update
+        return done_first, await second
+
+    first, second = asyncio.run(main())
+    assert (first.weight_version, second.weight_version) == (0, 1)
+    assert_healthy_engines_hold_the_routers_weights(router, weights)
+
+
+class ScoringEngine(FakeEngine):
+    """A fake that scores with a real model holding its own weights."""
+
+    def __init__(self, name, model):
+        super().__init__(name)
+        self.model = model
+
+    async def score(self, ids):
+        from strop.engines.probe import reference_logprobs
+
+        return reference_logprobs(self.model, ids)
+
+
+def test_the_probe_names_an_engine_that_computes_with_other_weights():
+    from strop.engines.probe import reference_logprobs
+    from strop.engines.sync import EngineReceiptError
+    from tests.tiny import make_tiny_model
+
+    trainer = make_tiny_model(seed=1)
+    same, stale = ScoringEngine("same", make_tiny_model(seed=1)), ScoringEngine("stale", make_tiny_model(seed=1))
+    with torch.no_grad():  # the stale engine missed one update: its norm still has the old values
+        trainer.model.norm.weight.mul_(1.5)
+        same.model.model.norm.weight.mul_(1.5)
+    ids = [3, 5, 7, 11, 2, 9]
+    reference = reference_logprobs(trainer, ids)
+    router = Router([same, stale], writer=WeightWriter("/tmp/unused"))
+
+    async def main():
+        ok = await Router([same], writer=router.writer).probe(ids, reference, 1e-3)
+        with pytest.raises(EngineReceiptError, match=r"Fake\(stale\) at weight version 0: its logprobs of the probe "
+                                                     r"differ from the trainer's by .* > engine.sync_probe_tolerance"):
+            await router.probe(ids, reference, 1e-3)
+        return ok
+
+    assert asyncio.run(main()) < 1e-6  # same weights: the same logprobs
