@@ -13,24 +13,43 @@ prefix cache is reset after every load, or cached prefixes keep old weights. Eac
 labelled with its version (``/update_weight_version``) and the label read back
 (``/weight_info``), so the version strop trusts is the one the server reports holding: a
 restarted server says ``"default"`` (its initial weights), whatever strop loaded before.
+
+Broadcast (``engine.sync=broadcast``): strop's worker extension (:mod:`strop.engines.vllm_worker`,
+loaded with ``--worker-extension-cls``) joins a torch.distributed group with the trainer and receives
+its buckets, driven through ``/collective_rpc``; generation is paused around the update (``/pause``,
+``/resume``), the prefix cache reset after it (retried while blocks are still held) and the version
+labelled and read back. The receipt is the extension's digest of every byte it received, which the
+trainer compares with the digest of what it sent.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import math
 from pathlib import Path
 
-from strop.engines.http import EngineRequestError, EngineVersionError, SGLangEngine, parse_weight_version
+from strop.engines.http import (EngineRequestError, EngineUnavailable, EngineVersionError, SGLangEngine,
+                                parse_weight_version)
 from strop.types import Completion, SamplingParams
+
+
+EXTENSION = "strop.engines.vllm_worker.StropWorkerExtension"
+NO_EXTENSION_FALLBACK = f"start vLLM with --worker-extension-cls {EXTENSION}, or use engine.sync=disk"
+PAUSE_MODES = ("abort", "wait", "keep")
 
 
 class VLLMEngine(SGLangEngine):
     """A vLLM OpenAI-compatible server at ``url`` (pooled connections, retries and timeouts as
     :class:`SGLangEngine`)."""
 
+    # /reset_prefix_cache answers success=false while blocks are held: tries before giving up (backoff doubles)
+    reset_cache_attempts = 8
+
     def __init__(self, url: str, *, model: str | None = None, **kw):
         super().__init__(url, **kw)
         self.model = model
+        self._pause_mode = None
 
     def __repr__(self) -> str:
         return f"VLLMEngine({self.url})"
@@ -66,6 +85,22 @@ class VLLMEngine(SGLangEngine):
         top = out["choices"][0]["logprobs"]["top_logprobs"][0]
         return {str(t): float(v) for t, v in top.items()}
 
+    async def score(self, ids: list[int]) -> list[float]:
+        """The engine's logprob of each token of ``ids`` after the first, given the ones before it (vLLM's
+        ``prompt_logprobs``: each position lists the prompt's own token; temperature 1)."""
+        body = {"model": await self._model_name(), "prompt": list(ids), "max_tokens": 1, "temperature": 1.0,
+                "prompt_logprobs": 0}
+        out = await self._call("POST", "/v1/completions", json=body)
+        try:
+            positions = out["choices"][0]["prompt_logprobs"][1:]  # (the first token has none)
+            scored = [float(at[str(t)]["logprob"]) for t, at in zip(ids[1:], positions)]
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
+            raise EngineRequestError(f"{self.url}: no prompt_logprobs in the /v1/completions answer ({exc!r}): "
+                                     f"{str(out)[:300]}") from None
+        if len(scored) != len(ids) - 1:
+            raise EngineRequestError(f"{self.url}: scored {len(scored)} of the probe's {len(ids) - 1} tokens")
+        return scored
+
     async def check_logprobs(self, temperature: float, probe_ids: list[int]) -> None:
         """Refuse a server whose logprobs ignore temperature when the run samples at ``temperature != 1``.
 
@@ -88,12 +123,148 @@ class VLLMEngine(SGLangEngine):
         checksum strop can compare: receipt is the version the server reports holding."""
         await self._call("POST", "/collective_rpc", json={"method": "reload_weights",
                                                           "kwargs": {"weights_path": str(path)}}, retries=1)
-        await self._call("POST", "/reset_prefix_cache", retries=1)
+        await self._reset_prefix_cache()
+        return await self._label(version)
+
+    async def _label(self, version: int) -> int:
+        """Label the weights ``version`` and read the label back (refused if it did not take)."""
         await self._call("POST", "/update_weight_version", json={"new_version": str(version)}, retries=1)
         held = await self.get_weight_version()
         if held != version:
             raise EngineVersionError(f"{self.url}: asked to load weight version {version}, reports {held}")
         return held
+
+    async def _reset_prefix_cache(self) -> None:
+        """Drop the KV cached under the old weights. vLLM refuses (success=false) while blocks are still
+        held, e.g. by a request that is finishing: retried with backoff, then an error naming the engine.
+        Paused with ``keep``, the kept requests hold their blocks until resume: they are preempted
+        (recomputed on the new weights), as vLLM's ``reset_running_requests`` does."""
+        query = "?reset_running_requests=true" if self._pause_mode == "keep" else ""
+        for attempt in range(self.reset_cache_attempts):
+            out = await self._call("POST", "/reset_prefix_cache" + query, timeout=30, retries=1)
+            if out.get("success", True):  # (vLLM before 0.32 answered 200 with no body)
+                return
+            if attempt + 1 < self.reset_cache_attempts:
+                await asyncio.sleep(self.backoff_s * 2**attempt)
+        raise EngineRequestError(f"{self.url}: /reset_prefix_cache still answers success=false after "
+                                 f"{self.reset_cache_attempts} attempts (blocks still held by running requests): "
+                                 "the old weights' KV cache would serve the new weights")
+
+    # --- broadcast through strop's worker extension (strop.engines.vllm_worker) ---
+
+    async def _rpc(self, method: str, timeout: float | None = None, **kwargs) -> list:
+        """Call the extension's ``method`` on every worker (``/collective_rpc``: its arguments are strings)
+        and return each worker's answer. Never retried: a bucket is one collective with the trainer."""
+        import httpx
+
+        body = {"method": method, "kwargs": {k: str(v) for k, v in kwargs.items()}}
+        try:
+            # a connection of its own: vLLM 0.32 closes the connection after an RPC that raised (uvicorn
+            # sees the exception after the 500 went out), and the next request on it would fail
+            r = await self._http().post(self.url + "/collective_rpc", json=body, headers={"Connection": "close"},
+                                        timeout=timeout if timeout is not None else self.timeout_s)
+        except (httpx.TransportError, OSError) as exc:
+            raise EngineUnavailable(f"{self.url}/collective_rpc {method}: {type(exc).__name__}: {exc}") from exc
+        if r.status_code == 404:
+            raise EngineRequestError(f"{self.url}: no /collective_rpc route: start vLLM with VLLM_SERVER_DEV_MODE=1 "
+                                     f"(and --worker-extension-cls {EXTENSION}), or use engine.sync=disk")
+        if r.status_code >= 400:
+            text = r.text
+            # vLLM 0.32's worker answers AttributeError "... has no attribute 'strop_x'" (an in-process
+            # engine: NotImplementedError "Method 'strop_x' is not implemented"), as HTTP 500 / 501
+            if f"'{method}'" in text and ("no attribute" in text or "not implemented" in text):
+                raise EngineRequestError(await self._no_extension(method))
+            raise EngineRequestError(f"{self.url}: collective_rpc {method} failed: HTTP {r.status_code}: {text[:500]}")
+        try:
+            results = r.json()["results"]
+        except (ValueError, KeyError, TypeError):
+            results = None
+        if not isinstance(results, list) or not results:
+            raise EngineRequestError(f"{self.url}: collective_rpc {method}: unexpected answer {r.text[:300]!r}")
+        return results
+
+    async def _no_extension(self, method: str) -> str:
+        try:
+            version = (await self._call("GET", "/version", timeout=10, retries=1)).get("version", "unknown")
+        except (EngineRequestError, EngineUnavailable):
+            version = "unknown"
+        return (f"{self.url}: vLLM {version} has no strop worker extension ({method!r} is not a worker method), "
+                f"so it cannot receive weights by broadcast: {NO_EXTENSION_FALLBACK}")
+
+    async def check_broadcast(self) -> list[dict]:
+        """Refuse, naming the engine, its vLLM version and the fallback, an engine without the extension.
+        Every worker (TP and PP ranks) joins the group, as rank offset + its vLLM rank. Returns what each
+        worker reports (pid, rank, device, dtype)."""
+        workers = await self._rpc("strop_info", timeout=30)
+        self.group_ranks = len(workers)
+        return workers
+
+    async def join_group(self, host: str, port: int, rank: int, world: int, backend: str, name: str) -> None:
+        # the worker waits for the group as long as this client waits for any answer; the HTTP wait is a
+        # little longer, so a group that never forms comes back as the worker's error, not a client timeout
+        await self._rpc("strop_join_group", timeout=self.timeout_s + 30, host=host, port=port, rank_offset=rank,
+                        world=world, backend=backend, name=name, timeout_s=self.timeout_s)
+
+    async def leave_group(self, name: str) -> None:
+        await self._rpc("strop_leave_group", timeout=30, name=name)
+
+    async def weights_manifest(self) -> list[tuple[str, str, tuple[int, ...]]]:
+        """(name, dtype, shape) of every tensor the engine expects, from its checkpoint's headers."""
+        out = (await self._rpc("strop_manifest", timeout=60))[0]
+        return [(n, d, tuple(s)) for n, d, s in zip(out["names"], out["dtypes"], out["shapes"])]
+
+    async def pause(self, mode: str = "abort") -> None:
+        """Stop generation for an update (vLLM ``/pause``): ``abort`` ends running requests, ``wait`` lets
+        them finish, ``keep`` freezes them until :meth:`resume`."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"vLLM pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+        out = await self._call("POST", f"/pause?mode={mode}", retries=1)
+        if out.get("status") != "paused":
+            raise EngineRequestError(f"{self.url}: /pause?mode={mode} answered {str(out)[:200]}")
+        self._pause_mode = mode
+
+    async def resume(self) -> None:
+        await self._call("POST", "/resume", timeout=30, retries=1)
+        self._pause_mode = None
+
+    async def begin_update(self) -> None:
+        await self._rpc("strop_begin", timeout=60)
+
+    async def receive_bucket(self, bucket, group_name: str, version: int | None, last: bool) -> None:
+        """Receive one bucket, concurrently with the trainer's broadcast of it (SGLang's fields; the
+        version travels with the last bucket only)."""
+        meta = {**bucket.payload(), "group_name": group_name, "flush_cache": last,
+                "weight_version": str(version) if last and version is not None else None}
+        await self._rpc("strop_receive_bucket", timeout=self.timeout_s + 30, meta=json.dumps(meta))
+
+    async def end_update(self, version: int) -> None:
+        """Close the session (the layers are processed as vLLM's own reload does), reset the prefix cache,
+        label the weights ``version`` and read the label back."""
+        await self._rpc("strop_finish", timeout=self.timeout_s)
+        await self._reset_prefix_cache()
+        await self._label(version)
+
+    async def receipt(self) -> tuple[int, str, str]:
+        """(version, "stream", checksum) of the last update as every worker received it: the version that
+        came with its last bucket and the digest of its bytes, in order. An update that did not write
+        every parameter is refused here: the engine would serve some of its old weights."""
+        answers = await self._rpc("strop_receipt", timeout=30)
+        for r in answers:
+            if not r.get("loaded"):
+                raise EngineRequestError(
+                    f"{self.url}: the last update did not write every parameter of the model "
+                    f"({r.get('n_missing')} not written, e.g. {r.get('missing')}; {r.get('buckets')} buckets received"
+                    f"{', still open' if r.get('open') else ''}): it would serve stale weights")
+        checksums = {r["checksum"] for r in answers}
+        if len(checksums) != 1 or len({r["version"] for r in answers}) != 1:
+            raise EngineRequestError(f"{self.url}: its workers received different updates: {answers}")
+        if answers[0]["version"] is None:
+            raise EngineVersionError(f"{self.url}: no weight version came with the last update's buckets")
+        return parse_weight_version(answers[0]["version"], self.url), "stream", checksums.pop()
+
+    async def worker_memory(self, reset: bool = False) -> list[dict]:
+        """Each worker process's resident and peak memory in MiB (``reset``: restart the peak after reading)."""
+        return await self._rpc("strop_memory", timeout=30, reset=int(reset))
 
     async def get_weight_version(self) -> int:
         """The label the server holds (``GET /weight_info``; ``"default"`` until strop sets one: version 0)."""

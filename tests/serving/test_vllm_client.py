@@ -123,3 +123,145 @@ def test_a_vllm_load_that_does_not_take_is_refused():
     engine._client = httpx.AsyncClient(transport=httpx.MockTransport(ignore_label))
     with pytest.raises(EngineRequestError, match="asked to load weight version 4, reports 0"):
         asyncio.run(engine.load_weights("/w/v4", 4))
+
+
+# vLLM 0.32's answer when a worker lacks the called method (multiprocessing executor: the worker's
+# AttributeError, relayed by the engine core as "Call to collective_rpc method failed", HTTP 500)
+NO_METHOD = ("Call to collective_rpc method failed: Worker failed with error ''CPUWorker' object has no attribute "
+             "'{method}'', please check the stack trace above for the root cause")
+
+
+class _SyncServer:
+    """A scripted vLLM 0.32 dev-mode server's update routes, with or without strop's worker extension;
+    ``reset_fails``: how many times /reset_prefix_cache answers success=false first (None: always)."""
+
+    def __init__(self, extension=True, reset_fails=0):
+        self.extension, self.reset_fails = extension, reset_fails
+        self.calls, self.label = [], "default"
+        self.receipt = {"checksum": "ab" * 16, "version": "5", "loaded": True, "missing": [], "n_missing": 0,
+                        "buckets": 3, "open": False}
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        body = json.loads(request.content) if request.content else {}
+        self.calls.append(path + (f"?{request.url.query.decode()}" if request.url.query else "")
+                          + (f" {body['method']}" if path == "/collective_rpc" else ""))
+        if path == "/version":
+            return httpx.Response(200, json={"version": "0.32.0"})
+        if path == "/collective_rpc":
+            method = body["method"]
+            if not self.extension:
+                return httpx.Response(500, json={"error": {"message": NO_METHOD.format(method=method),
+                                                           "type": "InternalServerError", "param": None, "code": 500}})
+            if method == "strop_receive_bucket":
+                return httpx.Response(500, json={"error": {"message": "Call to collective_rpc method failed: Worker "
+                                                           "failed with error 'Connection closed by peer'",
+                                                           "type": "InternalServerError", "param": None, "code": 500}})
+            if method == "strop_info":  # a server of two tensor-parallel workers
+                return httpx.Response(200, json={"results": [{"rank": 0}, {"rank": 1}]})
+            return httpx.Response(200, json={"results": [self.receipt if method == "strop_receipt" else {}]})
+        if path == "/reset_prefix_cache":
+            failing = self.reset_fails is None or self.reset_fails > 0
+            if self.reset_fails:
+                self.reset_fails -= 1
+            return httpx.Response(200, json={"success": not failing})
+        if path == "/pause":
+            return httpx.Response(200, json={"status": "paused"})
+        if path == "/resume":
+            return httpx.Response(200, json={"status": "resumed"})
+        if path == "/update_weight_version":
+            self.label = body["new_version"]
+            return httpx.Response(200, json={"success": True, "new_version": self.label})
+        if path == "/weight_info":
+            return httpx.Response(200, json={"weight_version": self.label})
+        return httpx.Response(404, json={"detail": "Not Found"})
+
+
+def _sync_engine(**kw):
+    server = _SyncServer(**kw)
+    engine = VLLMEngine("http://vllm.test", backoff_s=0.001)
+    engine._client = httpx.AsyncClient(transport=httpx.MockTransport(server))
+    return server, engine
+
+
+@pytest.mark.timeout(30)
+def test_a_vllm_engine_without_the_extension_is_refused_naming_it_its_version_and_the_fallback():
+    _, engine = _sync_engine(extension=False)
+    for call in (engine.check_broadcast(), engine.join_group("127.0.0.1", 1234, 1, 2, "gloo", "g")):
+        with pytest.raises(EngineRequestError) as err:
+            asyncio.run(call)
+        assert str(err.value).startswith("http://vllm.test: vLLM 0.32.0 has no strop worker extension")
+        assert ("start vLLM with --worker-extension-cls strop.engines.vllm_worker.StropWorkerExtension, "
+                "or use engine.sync=disk") in str(err.value)
+    # with the extension every worker joins the group: the engine takes one rank per worker
+    server, engine = _sync_engine()
+    asyncio.run(engine.check_broadcast())
+    assert engine.group_ranks == 2
+    # a worker that has the extension but fails is reported as that failure, not as a missing extension
+    with pytest.raises(EngineRequestError, match="collective_rpc strop_receive_bucket failed: HTTP 500.*Connection "
+                                                 "closed by peer") as err:
+        asyncio.run(engine.receive_bucket(_bucket(), "g", 1, True))
+    assert "no strop worker extension" not in str(err.value)
+
+
+def _bucket():
+    from strop.engines.sync import plan_buckets
+
+    return plan_buckets([("w", "float32", (2, 2))], 1 << 20)[0]
+
+
+@pytest.mark.timeout(30)
+def test_reset_prefix_cache_is_retried_while_vllm_reports_blocks_held():
+    server, engine = _sync_engine(reset_fails=2)
+
+    async def main():
+        await engine.pause("abort")
+        await engine.end_update(5)
+        await engine.resume()
+        return await engine.receipt()
+
+    assert asyncio.run(main()) == (5, "stream", "ab" * 16)
+    assert server.calls == ["/pause?mode=abort", "/collective_rpc strop_finish", *["/reset_prefix_cache"] * 3,
+                            "/update_weight_version", "/weight_info", "/resume", "/collective_rpc strop_receipt"]
+    # paused with keep, the kept requests hold their blocks until resume: they are preempted by the reset
+    server, engine = _sync_engine()
+    asyncio.run(engine.pause("keep"))
+    asyncio.run(engine.end_update(6))
+    assert "/reset_prefix_cache?reset_running_requests=true" in server.calls
+
+
+@pytest.mark.timeout(30)
+def test_a_prefix_cache_that_never_resets_fails_the_update_before_the_version_is_labelled():
+    server, engine = _sync_engine(reset_fails=None)
+    with pytest.raises(EngineRequestError, match=r"^http://vllm.test: /reset_prefix_cache still answers "
+                                                 r"success=false after 8 attempts"):
+        asyncio.run(engine.end_update(5))
+    assert server.calls.count("/reset_prefix_cache") == 8 and "/update_weight_version" not in server.calls
+    assert server.label == "default"
+
+
+@pytest.mark.timeout(30)
+def test_a_vllm_receipt_of_an_incomplete_update_is_refused():
+    server, engine = _sync_engine()
+    server.receipt = {**server.receipt, "loaded": False, "missing": ["model.norm.weight"], "n_missing": 1}
+    with pytest.raises(EngineRequestError, match=r"did not write every parameter.*1 not written.*model\.norm\.weight"):
+        asyncio.run(engine.receipt())
+    with pytest.raises(ValueError, match="vLLM pause mode must be one of"):
+        asyncio.run(engine.pause("retract"))  # SGLang's mode: vLLM has no such one
+
+
+def test_vllm_scores_a_probe_from_its_prompt_logprobs():
+    def handler(request):
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "m"}]})
+        body = json.loads(request.content)
+        assert body["prompt"] == [7, 8, 9] and body["prompt_logprobs"] == 0 and body["temperature"] == 1.0
+        # vLLM 0.32: one entry per prompt position (None for the first), keyed by token id, the prompt's own
+        # token always listed (with prompt_logprobs=0 a sampled-better token may be listed too)
+        return httpx.Response(200, json={"choices": [{"token_ids": [1], "prompt_logprobs": [
+            None, {"8": {"logprob": -1.5, "rank": 2}, "3": {"logprob": -0.5, "rank": 1}},
+            {"9": {"logprob": -0.25, "rank": 1}}]}]})
+
+    engine = VLLMEngine("http://vllm.test")
+    engine._client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    assert asyncio.run(engine.score([7, 8, 9])) == [-1.5, -0.25]
