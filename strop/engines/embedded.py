@@ -7,6 +7,12 @@ that arrive while a batch decodes join it at the next step, rows that finish
 leave it, up to ``max_batch_size`` rows at once. Other models fall back to
 Hugging Face's forward with a ``DynamicCache`` and static batches (prompts
 left-padded, finished rows dropped); ``decode_path`` says which one runs.
+
+Weight updates from outside (``strop serve``'s SGLang routes) use two states. A pause
+(:meth:`pause`, SGLang's three modes) decides what happens to requests: none decodes until
+:meth:`resume`, new ones wait. A weight-update session (:meth:`begin_update` ...
+:meth:`end_update`) holds the model across several bucket receives, so no row ever decodes on
+half-updated weights.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import inspect
 import math
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -34,10 +40,18 @@ class PromptTooLongError(RequestError):
     pass
 
 
+class SessionError(RequestError):
+    """A weight-update call out of order: no session open, one already open, or a bucket sent
+    while another is being received."""
+
+
 EARLY_ABORT_S = 30.0  # an abort for a request not (yet) queued or running is remembered this long
 EARLY_ABORT_MAX = 4096  # and at most this many such aborts
 SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes
 GREEDY_BELOW = 1e-5  # a temperature below this samples greedily (dividing by it overflows the logits)
+
+
+PAUSE_MODES = ("abort", "retract", "in_place")
 
 
 @dataclass
@@ -46,6 +60,13 @@ class _Request:
     sampling: SamplingParams
     future: asyncio.Future
     request_id: str | None = None
+    # a retracted row: the tokens it had (now part of prompt_ids) and its seeded generator
+    done_ids: list[int] = field(default_factory=list)
+    done_logprobs: list[float] = field(default_factory=list)
+    generator: torch.Generator | None = None
+
+    def completion(self, token_ids: list[int], logprobs: list[float], finish: str, version: int) -> Completion:
+        return Completion(self.done_ids + token_ids, self.done_logprobs + logprobs, finish, version)
 
 
 class EmbeddedEngine:
@@ -87,6 +108,10 @@ class EmbeddedEngine:
         params = inspect.signature(model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self._draining = 0  # weight loads and abort_all waiting: admit nothing new until they ran
+        self._paused: str | None = None  # a PAUSE_MODES entry while paused: no row decodes
+        self._held: Batch | None = None  # the batch an in_place pause stopped, rows and KV cache kept
+        self._session: str | None = None  # "opening" / "open": a weight-update session (holds _busy)
+        self._receiving = False  # a bucket of the session is being received
         reason = unsupported_reason(model) if fast_decode else "fast_decode=False"
         self._fast = LlamaDecoder(model) if reason is None else None
         self.decode_path = ("kv-cache decoder (shared prefixes, continuous batching)" if reason is None
@@ -104,8 +129,7 @@ class EmbeddedEngine:
             return Completion([], [], "abort", self.weight_version)  # aborted before it arrived
         future = asyncio.get_running_loop().create_future()
         self._pending.append(_Request(list(prompt_ids), sampling, future, request_id))
-        if self._flush_task is None or self._flush_task.done():
-            self._flush_task = asyncio.ensure_future(self._flush())
+        self._kick()
         return await future
 
     async def _flush(self) -> None:
@@ -119,7 +143,7 @@ class EmbeddedEngine:
                 break
         if self._fast is not None:
             return await self._run_continuous()
-        while self._pending:
+        while self._pending and self._paused is None:  # (a static batch runs to its end before a pause holds)
             batch = self._pending[: self.max_batch_size]
             self._pending = self._pending[self.max_batch_size :]
             try:
@@ -160,11 +184,15 @@ class EmbeddedEngine:
         (up to ``max_batch_size`` running rows; none while a weight load or abort_all waits),
         then decodes one token for every running row and answers the rows that finished."""
         async with self._busy:
-            batch = Batch(self._fast, self._sample_rows, pad_token_id=self.pad_token_id,
-                          should_abort=self._should_abort)
+            batch = self._held or Batch(self._fast, self._sample_rows, pad_token_id=self.pad_token_id,
+                                        should_abort=self._should_abort)
+            self._held = None
             admitted: list[Row] = []
             try:
                 while True:
+                    if self._paused is not None:  # stop after the step that ran, rows kept (see _hold)
+                        self._hold(batch)
+                        break
                     admit = []
                     if not self._draining:
                         room = self.max_batch_size - batch.live
@@ -190,8 +218,10 @@ class EmbeddedEngine:
                     if row.owner is not None:
                         self._settle(row.owner, exc)
             finally:
-                if not self._pending and self._lock.acquire(blocking=False):  # idle: free the fused and
-                    try:  # packed weights until the next batch (never under a running generate_batch)
+                # idle or paused: free the fused and packed weights until the next batch (never under
+                # a running generate_batch)
+                if (not self._pending or self._paused) and self._lock.acquire(blocking=False):
+                    try:
                         self._fast.release()
                     finally:
                         self._lock.release()
@@ -233,18 +263,45 @@ class EmbeddedEngine:
         return finished, failed
 
     def _answer(self, row: Row) -> None:
-        self._settle(row.owner, Completion(row.token_ids, row.logprobs, row.finish, self.weight_version))
+        self._settle(row.owner, row.owner.completion(row.token_ids, row.logprobs, row.finish, self.weight_version))
 
     def _kick(self) -> None:
-        if self._pending and (self._flush_task is None or self._flush_task.done()):
+        if ((self._pending or self._held is not None) and self._paused is None
+                and (self._flush_task is None or self._flush_task.done())):
             self._flush_task = asyncio.ensure_future(self._flush())
 
+    def _hold(self, batch: Batch) -> None:
+        """Park the running batch for a pause. Rows to abort end now (keeping their tokens); the
+        others wait for :meth:`resume`: ``retract`` puts them back at the head of the queue as
+        their prompt plus the tokens so far (prefilled again, on the weights current then: SGLang
+        retracts the same way), ``in_place`` keeps the batch with its KV cache (computed on the
+        weights before the pause, as SGLang's in_place reuses it)."""
+        live = [r for r in batch.rows if r.finish is None]
+        for r in live:
+            if self._should_abort(r):
+                r.finish = "abort"
+                self._answer(r)
+        live = [r for r in live if r.finish is None]
+        if not live:
+            return
+        if self._paused == "retract":
+            self._pending[:0] = [self._retracted(r) for r in live]
+        else:
+            self._held = batch
+
+    def _retracted(self, row: Row) -> _Request:
+        req = row.owner
+        return _Request(req.prompt_ids + row.token_ids, replace(req.sampling, max_new_tokens=(
+                        req.sampling.max_new_tokens - len(row.token_ids))), req.future, req.request_id,
+                        req.done_ids + row.token_ids, req.done_logprobs + row.logprobs, row.generator)
+
     def _row(self, prompt_ids, sampling: SamplingParams, request_id=None, owner=None) -> Row:
+        generator = owner.generator if owner is not None and owner.generator is not None else (
+            torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None)
         return Row(owner=owner, sampling=sampling,
                    budget=min(sampling.max_new_tokens, self.context_window - len(prompt_ids)),
                    stops=set(sampling.stop_token_ids or self.default_stop_token_ids),
-                   generator=torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None,
-                   request_id=request_id, abort_gen=self._abort_gen)
+                   generator=generator, request_id=request_id, abort_gen=self._abort_gen)
 
     def _should_abort(self, row: Row) -> bool:
         return self._abort_gen != row.abort_gen or (row.request_id is not None and row.request_id in self._aborted_ids)
@@ -282,13 +339,107 @@ class EmbeddedEngine:
         self.weight_version = self.weight_version + 1 if version is None else version
         return self.weight_version
 
-    async def receive_weights(self, group, params: dict, plan, version: int | None = None) -> int:
-        """Receive broadcast buckets into ``params`` (the model's own tensors) between batches."""
-        from strop.engines.sync import receive_buckets
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The model's tensors by name, each once (an alias such as a tied lm_head dropped, as
+        :func:`strop.engines.sync.manifest_of` drops it): what a trainer sends."""
+        from strop.engines.sync import manifest_of
 
-        await self._drained(self._load, receive_buckets, group, params, plan, self.device)
-        self.weight_version = self.weight_version + 1 if version is None else version
-        return self.weight_version
+        named = self.model.state_dict()
+        return {name: named[name] for name, _, _ in manifest_of(named)}
+
+    # ---- weight updates from outside: pause and session (strop serve's SGLang routes) -----
+    async def pause(self, mode: str = "abort") -> None:
+        """SGLang's ``pause_generation``: no row decodes until :meth:`resume`; requests that arrive
+        meanwhile wait (they are not refused). ``abort`` ends every running and queued request now
+        (finish_reason abort, tokens kept); ``retract`` and ``in_place`` stop the running batch
+        after its current step (see :meth:`_hold`). Returns once no batch runs.
+
+        Only :meth:`resume` ends a pause; there is no deadline, because resuming on its own could
+        serve weights a dead trainer left half-updated. A trainer that dies paused leaves the
+        engine paused (``/health`` says so) until the next trainer's update resumes it or an
+        operator calls ``/continue_generation``; waiting clients meet their own timeouts."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode {mode!r}: one of {', '.join(PAUSE_MODES)}")
+        self._paused = mode
+        if mode == "abort":
+            await self.abort_all()
+        elif self._session is None:  # (a session holds the model: no batch runs)
+            async with self._busy:  # the running batch stops at its next step
+                pass
+
+    def resume(self) -> None:
+        """End a pause: held and waiting requests decode on the weights current now."""
+        self._paused = None
+        self._kick()
+
+    @property
+    def paused(self) -> str | None:
+        return self._paused
+
+    @property
+    def updating(self) -> bool:
+        return self._session is not None
+
+    async def begin_update(self) -> None:
+        """Open a weight-update session: wait for the running batch to end (none runs while
+        paused), then hold the model, admitting and decoding nothing, until :meth:`end_update`,
+        across any number of :meth:`receive_bucket` calls. One session at a time."""
+        if self._session is not None:
+            raise SessionError("a weight update is already open (end_weight_update first)")
+        self._session = "opening"
+        self._draining += 1
+        try:
+            await self._busy.acquire()
+        except BaseException:  # cancelled while waiting: nothing is held
+            self._session = None
+            self._draining -= 1
+            self._kick()
+            raise
+        self._session = "open"
+
+    async def receive_bucket(self, group, bucket) -> None:
+        """Receive one broadcast bucket (:class:`strop.engines.sync.Bucket`, checked against the
+        model by the caller) into the model's tensors inside the open session; a lone tensor goes
+        straight into its parameter. Buckets are received one at a time, in the trainer's order."""
+        if self._session != "open":
+            raise SessionError("must run between begin_weight_update() and end_weight_update()")
+        if self._receiving:
+            raise SessionError("another bucket is being received: buckets pair with the trainer's broadcasts "
+                               "in order, send them one at a time")
+        self._receiving = True
+        try:
+            await asyncio.to_thread(self._locked, self._load, self._receive, group, bucket, self.weights())
+        finally:
+            self._receiving = False
+
+    async def score(self, ids: list[int]) -> list[float]:
+        """The logprob of each token of ``ids`` after the first, given the ones before it, under the current
+        weights (temperature 1), between batches: the weight probe's engine side."""
+        from strop.engines.probe import reference_logprobs
+
+        return await self._drained(reference_logprobs, self.model, list(ids)) if len(ids) > 1 else []
+
+    async def weights_checksum(self) -> str:
+        """:func:`strop.engines.http.state_checksum` of :meth:`weights`, in a thread, between decode steps."""
+        from strop.engines.http import state_checksum
+
+        return await asyncio.to_thread(self._locked, state_checksum, self.weights())
+
+    def _receive(self, group, bucket, into: dict[str, torch.Tensor]) -> None:
+        from strop.engines.sync import receive_bucket
+
+        for name, t in receive_bucket(group, bucket, self.device, into=into):
+            if t.data_ptr() != into[name].data_ptr():  # a view of the flat buffer (not received in place)
+                into[name].copy_(t)
+
+    def end_update(self) -> None:
+        """Close the session: batches run again (on held and waiting requests once not paused)."""
+        if self._session != "open":
+            raise SessionError("no weight update is open (begin_weight_update first)")
+        self._session = None
+        self._draining -= 1
+        self._busy.release()
+        self._kick()
 
     def _locked(self, fn, *args):
         with self._lock:
@@ -300,9 +451,10 @@ class EmbeddedEngine:
         for r in self._pending:
             if r.request_id == request_id:
                 self._pending.remove(r)
-                if not r.future.done():
-                    r.future.set_result(Completion([], [], "abort", self.weight_version))
+                self._settle(r, r.completion([], [], "abort", self.weight_version))
                 return True
+        if self._abort_held(request_id):
+            return True
         now = time.monotonic()
         self._aborted_ids.pop(request_id, None)
         self._aborted_ids[request_id] = now  # insertion order is time order: the oldest come first
@@ -314,14 +466,28 @@ class EmbeddedEngine:
         return True
 
     async def abort_all(self) -> None:
-        """Finish every running and queued request with finish_reason 'abort'."""
+        """Finish every running, held and queued request with finish_reason 'abort'."""
         self._abort_gen += 1
         pending, self._pending = self._pending, []
         for r in pending:
-            if not r.future.done():
-                r.future.set_result(Completion([], [], "abort", self.weight_version))
-        # wait for the running batch to notice; nothing is held or left set if this wait is cancelled
-        await self._drained(lambda: None)
+            self._settle(r, r.completion([], [], "abort", self.weight_version))
+        # wait for the running batch to notice (a session holds the model: none runs); nothing is
+        # held or left set if this wait is cancelled
+        if self._session is None:
+            await self._drained(lambda: None)
+        self._abort_held()
+
+    def _abort_held(self, request_id: str | None = None) -> bool:
+        """End the held batch's rows (all, or the one of ``request_id``) as aborted, keeping their tokens."""
+        batch, found = self._held, False
+        for i, row in enumerate(batch.rows if batch is not None else []):
+            if row.finish is None and (request_id is None or row.request_id == request_id):
+                row.finish, batch.start[i] = "abort", batch.col  # as Batch.step ends a row
+                self._answer(row)
+                found = True
+        if batch is not None and not batch.live:
+            self._held = None
+        return found
 
     async def health(self) -> bool:
         return True

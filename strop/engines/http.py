@@ -35,6 +35,11 @@ class EngineVersionError(EngineRequestError):
     """The engine reported a weight version strop cannot read, or none where one is needed."""
 
 
+class EngineReceiptError(EngineRequestError):
+    """An engine's receipt of an update (its version, checksum or probe) disagrees with what the trainer
+    sent: it must not serve, and the step fails naming it."""
+
+
 class EngineManifestError(EngineRequestError):
     """The engine's tensors (names, shapes, dtypes) differ from the trainer's: refused before any byte moves."""
 

@@ -15,7 +15,7 @@ import asyncio
 
 import torch
 
-from strop.engines.sync import EngineReceiptError
+from strop.engines.http import EngineReceiptError
 
 
 def reference_logprobs(model, ids: list[int]) -> list[float]:

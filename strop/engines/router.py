@@ -29,7 +29,7 @@ import uuid
 from collections import Counter, OrderedDict, deque
 from pathlib import Path
 
-from strop.engines.http import EngineManifestError, EngineRequestError, EngineUnavailable, WeightWriter
+from strop.engines.http import EngineReceiptError, EngineRequestError, EngineUnavailable, WeightWriter
 from strop.types import Completion, SamplingParams
 
 DOWN, REJOINING, HEALTHY = "down", "rejoining", "healthy"
@@ -244,29 +244,26 @@ class Router:
             self._move(i, HEALTHY, "loaded the current weights", held)
 
     async def _update_by_broadcast(self, state_dict, version: int) -> None:
-        for attempt in range(2):
-            members = [i for i in range(len(self.engines)) if self.state[i] in (HEALTHY, REJOINING)]
-            if not members:
-                raise EngineUnavailable("no engine is healthy to receive the weights")
-            try:
-                self.bytes_sent, reported = await self.broadcast.update(
-                    [self.engines[i] for i in members], state_dict, version)
-            except EngineManifestError:  # refused before any byte moved: a retry would be refused alike
-                raise
-            except (EngineUnavailable, EngineRequestError, RuntimeError) as exc:
-                for i in members:  # whoever does not answer now leaves the group; the rest try again
-                    if not await self.engines[i].health():
-                        self._mark_down(i, f"weight broadcast failed: {exc}")
-                    else:  # it may hold part of the new weights: it serves again only after a whole broadcast
-                        self._move(i, REJOINING, f"weight broadcast of version {version} failed: {exc}")
-                if attempt:
-                    raise
-                continue
-            self.weight_version = version
-            for i, held in zip(members, reported):  # healthy only at the version each engine reports
-                self._move(i, HEALTHY, "received the broadcast", held)
-            return
-        raise AssertionError("unreachable")
+        """Broadcast to every healthy engine and every engine waiting to rejoin, in one pass: one that fails
+        leaves the update (down if it no longer answers, else rejoining: it serves again only after a whole
+        update), the others complete it. A receipt that disagrees with what was sent fails the step."""
+        members = [i for i in range(len(self.engines)) if self.state[i] in (HEALTHY, REJOINING)]
+        if not members:
+            raise EngineUnavailable("no engine is healthy to receive the weights")
+        self.bytes_sent, results = await self.broadcast.update([self.engines[i] for i in members], state_dict, version)
+        self.weight_version = version
+        wrong = None
+        for i, result in zip(members, results):
+            if not isinstance(result, BaseException):  # healthy only at the version its receipt shows
+                self._move(i, HEALTHY, "received the broadcast", result)
+            elif not await self.engines[i].health():
+                self._mark_down(i, f"weight broadcast of version {version} failed: {result}")
+            else:
+                self._move(i, REJOINING, f"weight broadcast of version {version} failed: {result}")
+                if isinstance(result, EngineReceiptError):
+                    wrong = wrong or result
+        if wrong is not None:  # an engine that took the bytes but holds something else: never silently served
+            raise wrong
 
     async def _update_by_delta(self, state_dict, version: int) -> None:
         from strop.engines.http import tensor_digest

@@ -5,8 +5,15 @@ Routes (SGLang names and payloads, so one client serves both):
   POST /generate                {text | input_ids, sampling_params, return_logprob, rid}
   GET  /health, /health_generate, /get_weight_version, /model_info, /v1/models
   POST /abort_request {rid}, /flush_cache, /update_weights_from_disk {model_path, weight_version}
+  POST /pause_generation {mode}, /continue_generation, /begin_weight_update, /end_weight_update
   POST /init_weights_update_group, /update_weights_from_distributed, /destroy_weights_update_group
+  POST /update_weight_version {new_version};  GET|POST /weights_checker {action: "checksum"}
+  GET  /weights_manifest  (strop's own: the names, dtypes and shapes an update must carry)
   POST /v1/completions, /v1/chat/completions  (token ids and logprobs included; stream, stop, n)
+
+A broadcast update, as SGLang 0.5.23 takes it: pause, begin, one update call per bucket (each
+joins the trainer's broadcast on the group), end, continue. From begin to end no batch runs,
+so no row decodes on half-updated weights.
 
 Concurrent requests are batched by the engine. Access: open on 127.0.0.1 without a token;
 with a token every route but /health needs ``Authorization: Bearer <token>`` (generation
@@ -29,11 +36,11 @@ from typing import Annotated, Any, Literal
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from strop.engines.embedded import EmbeddedEngine, RequestError
-from strop.engines.http import state_checksum, tensor_digest
+from strop.engines.embedded import PAUSE_MODES, EmbeddedEngine, RequestError
+from strop.engines.http import EngineVersionError, parse_weight_version, state_checksum, tensor_digest
 from strop.types import Completion, SamplingParams
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -98,7 +105,8 @@ class GenerateBody(_Body):
     sampling_params: SamplingBody | list[SamplingBody] = Field(default_factory=SamplingBody)
     return_logprob: bool = False
     return_text_in_logprobs: bool = False
-    logprob_start_len: int = -1
+    logprob_start_len: int = Field(-1, ge=-1, description="with return_logprob: also the logprobs of the "
+                                   "prompt's tokens from this index on (input_token_logprobs; -1: none)")
     top_logprobs_num: int = Field(0, ge=0, le=0)
     rid: str | list[str] | None = None
     stream: bool = False
@@ -139,15 +147,43 @@ class GroupNameBody(_Body):
     group_name: str = Field("weight_update_group", min_length=1, max_length=256)
 
 
+Selector = Literal["target", "draft", "all"]  # SGLang's: the main model, its speculative draft model, or both
+
+
 class DistributedUpdateBody(_Body):
+    """SGLang 0.5.23's ``UpdateWeightsFromDistributedReqInput``: one bucket of whole tensors."""
+
     names: list[str] = Field(min_length=1)
     dtypes: list[str]
     shapes: list[list[int]]
     group_name: str = "weight_update_group"
-    weight_version: Version | None = None
-    bucket_bytes: int = Field(64 << 20, ge=1 << 10, le=1 << 40)
-    flush_cache: bool = True
-    return_checksum: bool = False
+    flush_cache: bool = True  # strop serve keeps no prefix cache: there is nothing to flush
+    abort_all_requests: bool = False
+    weight_version: StrictStr | StrictInt | None = None  # the client sends it with the last bucket only
+    load_format: Literal["flattened_bucket"] | None = None
+    selector: Selector = "all"
+    torch_empty_cache: bool = False
+
+
+class PauseBody(_Body):
+    mode: Literal[PAUSE_MODES] = "abort"
+
+
+class ContinueBody(_Body):
+    torch_empty_cache: bool = True
+
+
+class SessionBody(_Body):
+    selector: Selector = "all"
+
+
+class VersionBody(_Body):
+    new_version: StrictStr | StrictInt
+    abort_all_requests: bool = True  # SGLang's default
+
+
+class CheckerBody(_Body):
+    action: str = "checksum"
 
 
 class _OpenAIBody(BaseModel):
@@ -326,8 +362,9 @@ def create_app(engine: EmbeddedEngine, *, tokenizer=None, token: str | None = No
         return [None if seed is None else (seed + i) % 2**64 for i in range(n)]
 
     @app.get("/health")
-    async def health():
-        return {"status": "ok", "weight_version": engine.weight_version}
+    async def health():  # answers while paused or updating (it never touches the model)
+        return {"status": "ok", "weight_version": engine.weight_version, "paused": engine.paused,
+                "updating": engine.updating}
 
     @app.get("/health_generate")
     async def health_generate():
@@ -390,6 +427,10 @@ def create_app(engine: EmbeddedEngine, *, tokenizer=None, token: str | None = No
                 texts = [decode([t], False) for t in out.token_ids] if body.return_text_in_logprobs else None
                 meta["output_token_logprobs"] = [[lp, t, texts[i] if texts else None]
                                                  for i, (lp, t) in enumerate(zip(out.logprobs or [], out.token_ids))]
+                if body.logprob_start_len >= 0:  # SGLang's: the first token has no logprob (nothing before it)
+                    scored = [None] + await engine.score(list(ids))
+                    meta["input_token_logprobs"] = [[lp, t, None] for lp, t in
+                                                    list(zip(scored, ids))[body.logprob_start_len:]]
             if matched is not None and sp.no_stop_trim:
                 text = decode(out.token_ids, sp.skip_special_tokens)
             answers.append({"text": text, "output_ids": out.token_ids, "meta_info": meta})
@@ -444,14 +485,22 @@ def create_app(engine: EmbeddedEngine, *, tokenizer=None, token: str | None = No
     @app.post("/init_weights_update_group")
     async def init_group(body: GroupBody):
         """Join the trainer's weight-sync group as rank ``rank_offset`` (returns once every rank
-        joined). Groups joined before are torn down: one trainer, one live group (a reconnect)."""
+        joined), built as SGLang builds it. Groups joined before are torn down: one trainer, one
+        live group (a reconnect); a weight-update session the previous trainer left open ends
+        too (its buckets came through the old group), while a pause stays until /continue_generation."""
         from strop.engines.sync import make_group
 
         for name in list(groups):
             await destroy(name)
+        if engine.updating:
+            log.warning("strop serve: a new weight update group ends the session the previous trainer left open")
+            try:
+                engine.end_update()
+            except RequestError:  # still opening (a batch is finishing): the new trainer's begin is refused
+                pass
         try:
-            group = await asyncio.to_thread(
-                make_group, body.master_address, body.master_port, body.rank_offset, body.world_size, body.backend)
+            group = await asyncio.to_thread(make_group, body.master_address, body.master_port, body.rank_offset,
+                                            body.world_size, body.backend, name=body.group_name)
         except (RuntimeError, ValueError, OSError) as exc:
             raise HTTPException(status_code=400, detail=f"init_weights_update_group: {exc}") from exc
         groups[body.group_name] = group
@@ -463,33 +512,129 @@ def create_app(engine: EmbeddedEngine, *, tokenizer=None, token: str | None = No
         found = await destroy(body.group_name)
         return {"success": True, "message": f"{'destroyed' if found else 'no'} group {body.group_name}"}
 
-    @app.post("/update_weights_from_distributed")
-    async def update_from_distributed(body: DistributedUpdateBody):
-        """Receive the weights broadcast by the trainer, one bucket at a time, into the model in place."""
+    def version_of(value, where: str) -> int:
+        try:
+            return parse_weight_version(value, where)
+        except EngineVersionError as exc:
+            raise HTTPException(status_code=400, detail=str(exc)) from exc
+
+    def only_target(selector: str, where: str) -> None:
+        if selector == "draft":
+            raise HTTPException(status_code=400, detail=f"{where}: selector 'draft': strop serve has no draft model")
+
+    def empty_cache(asked: bool) -> None:
         import torch
 
-        from strop.engines.sync import bucket_plan
+        if asked and engine.device.type == "cuda":
+            torch.cuda.empty_cache()
 
+    @app.post("/pause_generation")
+    async def pause_generation(body: PauseBody | None = None):
+        """SGLang's pause: no batch runs until /continue_generation, new requests wait. Only
+        /continue_generation ends it (no deadline: see :meth:`EmbeddedEngine.pause`)."""
+        mode = (body or PauseBody()).mode
+        await engine.pause(mode)
+        return {"message": f"generation paused ({mode})", "status": "ok"}
+
+    @app.post("/continue_generation")
+    async def continue_generation(body: ContinueBody | None = None):
+        engine.resume()
+        empty_cache((body or ContinueBody()).torch_empty_cache)
+        return {"message": "generation continued", "status": "ok"}
+
+    @app.post("/begin_weight_update")
+    async def begin_weight_update(body: SessionBody | None = None):
+        """Open a weight-update session: from now to /end_weight_update no batch runs (a batch
+        running unpaused finishes first). One session at a time: a second begin is refused."""
+        only_target((body or SessionBody()).selector, "begin_weight_update")
+        try:
+            await engine.begin_update()
+        except RequestError as exc:
+            raise HTTPException(status_code=400, detail=f"begin_weight_update: {exc}") from exc
+        return {"success": True, "message": "weight update begun"}
+
+    @app.post("/end_weight_update")
+    async def end_weight_update(body: SessionBody | None = None):
+        try:
+            engine.end_update()
+        except RequestError as exc:
+            raise HTTPException(status_code=400, detail=f"end_weight_update: {exc}") from exc
+        return {"success": True, "message": "weight update ended"}
+
+    @app.post("/update_weights_from_distributed")
+    async def update_from_distributed(body: DistributedUpdateBody):
+        """Receive one bucket the trainer broadcasts, inside a session. Everything is checked
+        (session, names, dtypes, shapes, version, group) before the broadcast is joined: a refused
+        bucket moves no byte. A broadcast that fails (the trainer died, the group timed out)
+        answers 500 with the cause; the bucket's tensors may then be partly written, the version
+        is unchanged and the session stays open until /end_weight_update (or a new group)."""
+        from strop.engines.sync import Bucket, first_mismatch, manifest_of
+
+        where = "update_weights_from_distributed"
+        if not engine.updating:
+            raise HTTPException(status_code=400, detail=f"{where} must run between begin_weight_update() and "
+                                "end_weight_update()")
+        only_target(body.selector, where)
+        try:
+            bucket = Bucket.from_payload(body.names, body.dtypes, body.shapes, body.load_format)
+        except ValueError as exc:
+            raise HTTPException(status_code=400, detail=f"{where}: {exc}") from exc
+        sent = list(zip(bucket.names, bucket.dtypes, bucket.shapes))
+        held = [m for m in manifest_of(engine.model.state_dict()) if m[0] in bucket.names]
+        wrong = first_mismatch(sent, held, "strop serve")
+        if wrong is not None:
+            raise HTTPException(status_code=400, detail=f"{where}: {wrong}; nothing was received")
+        version = None if body.weight_version is None else version_of(body.weight_version, where)
         group = groups.get(body.group_name)
         if group is None:
-            raise HTTPException(status_code=400, detail=f"no weight update group {body.group_name!r}: call "
-                                "/init_weights_update_group first")
-        params = engine.model.state_dict(keep_vars=False)
-        unknown = [n for n in body.names if n not in params]
-        if unknown or len(body.dtypes) != len(body.names) or len(body.shapes) != len(body.names):
-            raise HTTPException(status_code=400, detail=f"update_weights_from_distributed: unknown names {unknown[:5]} "
-                                "or names / dtypes / shapes of different lengths")
-        wrong = [n for n, s in zip(body.names, body.shapes) if tuple(params[n].shape) != tuple(s)]
-        dtypes = [d for d in body.dtypes if not isinstance(getattr(torch, d, None), torch.dtype)]
-        if wrong or dtypes:
-            raise HTTPException(status_code=400, detail=f"update_weights_from_distributed: shape mismatch for "
-                                f"{wrong[:5]}, unknown dtypes {dtypes[:5]}")
-        plan = bucket_plan(list(zip(body.names, body.dtypes, [tuple(s) for s in body.shapes])), body.bucket_bytes)
-        version = await engine.receive_weights(group, params, plan, version=body.weight_version)
-        out = {"success": True, "weight_version": version}
-        if body.return_checksum:
-            out["checksum"] = await asyncio.to_thread(state_checksum, {n: params[n] for n in body.names})
+            raise HTTPException(status_code=400, detail=f"{where}: no weight update group {body.group_name!r}: "
+                                "call /init_weights_update_group first")
+        if body.abort_all_requests:
+            await engine.abort_all()
+        try:
+            await engine.receive_bucket(group, bucket)
+        except RequestError as exc:
+            raise HTTPException(status_code=400, detail=f"{where}: {exc}") from exc
+        except Exception as exc:  # the collective failed: a peer is gone or the group timed out
+            log.warning("strop serve: broadcast on %s failed: %s", body.group_name, exc)
+            raise HTTPException(status_code=500, detail=f"{where}: the broadcast on group {body.group_name!r} "
+                                f"failed ({type(exc).__name__}: {exc}); the weights may be partly updated, the "
+                                f"version is still {engine.weight_version}") from exc
+        out = {"success": True, "message": f"received {len(bucket.names)} tensors"}
+        if version is not None:
+            engine.weight_version = out["weight_version"] = version
+        empty_cache(body.torch_empty_cache)
         return out
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(body: VersionBody):
+        """SGLang's relabel: the version changes, the weights do not (by default every request is
+        aborted first, as SGLang does)."""
+        version = version_of(body.new_version, "update_weight_version")
+        if body.abort_all_requests:
+            await engine.abort_all()
+        engine.weight_version = version
+        return {"success": True, "message": f"weight version set to {version}", "weight_version": version}
+
+    @app.get("/weights_manifest")
+    async def weights_manifest():
+        """The model's tensors, each once (aliases dropped): a trainer compares its own before it
+        sends anything."""
+        from strop.engines.sync import manifest_of
+
+        manifest = manifest_of(engine.model.state_dict())
+        return {"names": [n for n, _, _ in manifest], "dtypes": [d for _, d, _ in manifest],
+                "shapes": [list(s) for _, _, s in manifest]}
+
+    @app.api_route("/weights_checker", methods=["GET", "POST"])
+    async def weights_checker(body: CheckerBody | None = None):
+        """The checksum of the weights held (state_checksum over the manifest's tensors), to
+        compare with the trainer's of what it sent."""
+        action = (body or CheckerBody()).action
+        if action != "checksum":
+            raise HTTPException(status_code=400, detail=f"weights_checker: action {action!r} is not supported by "
+                                "strop serve (only 'checksum')")
+        return {"success": True, "checksum": await engine.weights_checksum(), "weight_version": engine.weight_version}
 
     async def openai_choices(prompts: list[list[int]], body: _OpenAIBody, max_tokens: int):
         """n choices per prompt (prompt-major, as OpenAI numbers them): [(prompt index, completion, text)]."""

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from strop.engines.http import EngineManifestError, EngineReceiptError
+
 DEFAULT_SYNC_BUCKET_BYTES = 64 << 20
 
 
@@ -183,18 +185,13 @@ def _broadcast(group, buf: torch.Tensor) -> None:
     group.broadcast([buf], opts).wait()
 
 
-def send_bucket(group, bucket: Bucket, named: dict[str, torch.Tensor], device, digest: StreamDigest | None = None,
-                dtype: str | None = None) -> int:
-    """Trainer side: broadcast one bucket (its buffer filled from ``named``, cast to ``dtype`` when set).
-    The extra memory is the bucket's buffer; a lone tensor already contiguous goes without a copy."""
+def fill_bucket(bucket: Bucket, named: dict[str, torch.Tensor], device, dtype: str | None = None) -> torch.Tensor:
+    """Trainer side: the tensor one bucket travels as. Flattened: a new uint8 buffer holding the tensors'
+    bytes in order (cast to their bucket dtype); a lone tensor: itself (cast to ``dtype`` when set), with
+    no copy when it is already contiguous. The extra memory is the bucket's buffer."""
     if not bucket.flattened:
         t = named[bucket.names[0]].detach()
-        t = t.to(getattr(torch, dtype)) if dtype else t
-        t = t.contiguous()
-        _broadcast(group, t)
-        if digest is not None:
-            digest.update(t)
-        return t.numel() * t.element_size()
+        return (t.to(getattr(torch, dtype)) if dtype else t).contiguous()
     buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
     at = 0
     for name, d in zip(bucket.names, bucket.dtypes):
@@ -203,10 +200,17 @@ def send_bucket(group, bucket: Bucket, named: dict[str, torch.Tensor], device, d
         n = t.numel() * t.element_size()
         buf[at:at + n].view(t.dtype).copy_(t.reshape(-1))
         at += n
+    return buf
+
+
+def send_bucket(group, bucket: Bucket, named: dict[str, torch.Tensor], device, digest: StreamDigest | None = None,
+                dtype: str | None = None) -> int:
+    """Trainer side: broadcast one bucket to one group (:func:`fill_bucket`, then the collective)."""
+    buf = fill_bucket(bucket, named, device, dtype)
     _broadcast(group, buf)
     if digest is not None:
         digest.update(buf)
-    return bucket.nbytes
+    return buf.numel() * buf.element_size()
 
 
 def receive_bucket(group, bucket: Bucket, device, into: dict[str, torch.Tensor] | None = None,
@@ -238,8 +242,13 @@ def receive_bucket(group, bucket: Bucket, device, into: dict[str, torch.Tensor] 
     return out
 
 
-class EngineReceiptError(RuntimeError):
-    """An engine's receipt disagrees with what the trainer sent (version or checksum): it must not serve."""
+@dataclass
+class _Link:
+    """The trainer's group with one engine, and a send left in its collective when the engine failed."""
+
+    group: object
+    name: str
+    inflight: object = None
 
 
 class BroadcastSync:
@@ -249,146 +258,171 @@ class BroadcastSync:
     check manifests → pause → begin session → per bucket, the engines' update calls and this
     side's broadcast together → end session (version set, cache flushed) → resume → receipt.
 
-    Nothing moves before every engine's manifest matches the trainer's; generation resumes even
-    when the update fails; each engine's receipt (its version, and a checksum where it computes
-    one strop can compare) must match what was sent, or the update fails naming the engine.
+    Each engine has a group of its own with the trainer (rank 0; the engine's workers ranks 1..n),
+    so an engine that dies or fails mid-update breaks only its own link: the others complete the
+    update in the same pass (in one shared group a dead member stalls the rest in their receives
+    until the group's timeout). Each bucket is filled once and sent to every engine from it.
+
+    Nothing moves before every engine's manifest matches the trainer's; every engine that paused is
+    resumed, whatever failed; each engine's receipt (its version, and a checksum where it computes
+    one strop can compare) must match what was sent.
     """
 
     def __init__(self, bucket_bytes: int = DEFAULT_SYNC_BUCKET_BYTES, backend: str = "gloo", host: str = "127.0.0.1",
                  timeout_s: float = 600.0, pause_mode: str = "abort", dtype: str | None = None):
         self.bucket_bytes, self.backend, self.host, self.timeout_s = bucket_bytes, backend, host, timeout_s
         self.pause_mode, self.dtype = pause_mode, dtype
-        self.group, self.members, self.generation, self.name = None, (), 0, ""
-        self._inflight = None  # a send left in its collective when an engine refused a bucket
+        self.links: dict = {}  # engine -> _Link
+        self.generation = 0
+        self._state_checksums: dict = {}  # (weights, version) -> the trainer's state checksum, computed once
 
-    async def connect(self, engines: list) -> None:
-        """A new group of this process (rank 0) and ``engines`` (ranks 1.., each as many as it has workers); the previous group, if
-        any, is torn down on both sides first (an engine that is gone is skipped). An engine that
-        refuses to join ends the wait at once (this side's rendezvous is left to time out alone)."""
+    async def _connect(self, engine) -> _Link:
+        """A new group of this process (rank 0) and ``engine`` (ranks 1 .. its workers). An engine that refuses
+        to join ends the wait at once (this side's rendezvous is left to time out alone, then closed)."""
         import asyncio
         import secrets
 
         from strop.parallel.launch import free_port
 
-        await self.disconnect()
-        offsets, world = [], 1  # an engine of several workers (SGLang TP) joins as ranks offset .. offset + n - 1
-        for e in engines:
-            offsets.append(world)
-            world += getattr(e, "group_ranks", 1)
-        port = free_port()
+        port, world = free_port(), 1 + getattr(engine, "group_ranks", 1)
         self.generation += 1
         name = f"strop-sync-{self.generation}-{secrets.token_hex(4)}"  # unique: torch refuses a name twice
         own = asyncio.ensure_future(asyncio.to_thread(make_group, self.host, port, 0, world, self.backend,
                                                       self.timeout_s, name))
-        joins = [asyncio.ensure_future(e.join_group(self.host, port, offset, world, self.backend, name))
-                 for e, offset in zip(engines, offsets)]
-        done, pending = await asyncio.wait([own, *joins], return_when=asyncio.FIRST_EXCEPTION)
+        join = asyncio.ensure_future(engine.join_group(self.host, port, 1, world, self.backend, name))
+        done, _ = await asyncio.wait([own, join], return_when=asyncio.FIRST_EXCEPTION)
         failed = next((t.exception() for t in done if t.exception() is not None), None)
         if failed is not None:
             own.add_done_callback(lambda t: t.exception() is None and close_group(t.result()))
-            for t in pending:
-                if t is not own:
-                    t.cancel()
-            await asyncio.gather(*(e.leave_group(name) for e in engines), return_exceptions=True)
+            join.cancel()
+            await asyncio.gather(engine.leave_group(name), return_exceptions=True)
             raise failed
-        self.group, self.members, self.name = own.result(), tuple(engines), name
+        self.links[engine] = _Link(own.result(), name)
+        return self.links[engine]
 
-    async def disconnect(self) -> None:
-        """Leave the current group: every member still answering destroys its side, then this side closes."""
+    async def drop(self, engine, grace_s: float = 10.0) -> None:
+        """Close the link to ``engine``: this side first (an engine blocked in a receive from it fails at once),
+        then the engine's side, if it still answers. A send still in its collective gets ``grace_s`` to fail (as
+        it does once a dead peer's connection is gone); a group is never torn down under a running collective:
+        then it closes when that send ends, at the group's timeout."""
         import asyncio
 
-        if self.group is None:
+        link = self.links.pop(engine, None)
+        if link is None:
             return
-        group, members, name = self.group, self.members, self.name
-        self.group, self.members = None, ()
-        await asyncio.gather(*(e.leave_group(name) for e in members), return_exceptions=True)  # the dead are skipped
-        inflight, self._inflight = self._inflight, None
-        if inflight is not None and not inflight.done():  # never torn down under a collective still running on it
-            inflight.add_done_callback(lambda _: close_group(group))
+        if link.inflight is not None and not link.inflight.done():
+            await asyncio.wait([link.inflight], timeout=grace_s)
+        if link.inflight is not None and not link.inflight.done():
+            link.inflight.add_done_callback(lambda _: close_group(link.group))
         else:
-            await asyncio.to_thread(close_group, group)
+            await asyncio.to_thread(close_group, link.group)
+        await asyncio.gather(engine.leave_group(link.name), return_exceptions=True)
+
+    async def disconnect(self) -> None:
+        import asyncio
+
+        await asyncio.gather(*(self.drop(e) for e in list(self.links)))
 
     async def check(self, engines: list, manifest) -> None:
         """Refuse, before any bytes move, an engine whose tensors differ from the trainer's (naming the first
         difference). An engine that cannot list its tensors (SGLang) checks each bucket as it arrives."""
         import asyncio
 
-        from strop.engines.http import EngineManifestError
-
         held = await asyncio.gather(*(e.weights_manifest() for e in engines))
         for engine, theirs in zip(engines, held):
             if theirs is not None and (why := first_mismatch(manifest, theirs, repr(engine))) is not None:
                 raise EngineManifestError(f"weight broadcast refused before sending: {why}")
 
-    async def update(self, engines: list, named: dict[str, torch.Tensor], version: int) -> tuple[int, list[int]]:
-        """Broadcast ``named`` to ``engines`` as ``version`` (reconnecting when the set changed). Returns the
-        bytes sent and the version each engine reports holding afterwards (its receipt checked)."""
+    async def update(self, engines: list, named: dict[str, torch.Tensor],
+                     version: int) -> tuple[int, list[int | BaseException]]:
+        """Broadcast ``named`` to ``engines`` as ``version``. Returns the bytes that reached engines and, per
+        engine, the version its receipt shows, or the error that took it out of this update."""
         import asyncio
 
         manifest = [(n, self.dtype or d, s) for n, d, s in manifest_of(named)]
-        await self.check(engines, manifest)
-        if self.group is None or tuple(engines) != self.members:
-            await self.connect(engines)
+        await self.check(engines, manifest)  # (raises: nothing was sent to anyone)
+        for engine in list(self.links):  # engines no longer in the set leave their groups
+            if engine not in engines:
+                await self.drop(engine)
+        outcome: dict = {}  # engine -> the error that ended its update
+        live = list(engines)
+
+        async def each(call, who):
+            """``call(engine)`` on every live engine; one that fails leaves the update."""
+            results = await asyncio.gather(*(call(e) for e in who), return_exceptions=True)
+            for e, r in zip(who, results):
+                if isinstance(r, BaseException) and e not in outcome:
+                    outcome[e] = r
+            live[:] = [e for e in live if e not in outcome]
+
+        await each(lambda e: self._connect(e) if e not in self.links else asyncio.sleep(0), list(live))
+        paused = list(live)
+        await each(lambda e: e.pause(self.pause_mode), paused)
+        await each(lambda e: e.begin_update(), list(live))
         buckets = plan_buckets(manifest, self.bucket_bytes)
         device = next(iter(named.values())).device
         digest, sent = StreamDigest(), 0
         try:
-            await self._all(engines, lambda e: e.pause(self.pause_mode))
-            await self._all(engines, lambda e: e.begin_update())
             for k, bucket in enumerate(buckets):
+                if not live:
+                    break
                 last = k == len(buckets) - 1
-                send = asyncio.ensure_future(asyncio.to_thread(send_bucket, self.group, bucket, named, device, digest,
-                                                               self.dtype))
-                calls = [asyncio.ensure_future(e.receive_bucket(bucket, self.name, version, last)) for e in engines]
-                # an engine that refuses a bucket never joins its broadcast: stop waiting for it at once (the send,
-                # stuck in the collective, ends at the group's timeout; the group is rebuilt for the next update)
-                done, _ = await asyncio.wait([send, *calls], return_when=asyncio.FIRST_EXCEPTION)
-                failed = next((t.exception() for t in done if t.exception() is not None), None)
-                if failed is not None:
-                    for t in calls:
-                        t.cancel()
-                    self._inflight = send
-                    raise failed
-                sent += send.result()
-            await self._all(engines, lambda e: e.end_update(version))
-        except BaseException:
-            await asyncio.gather(*(e.end_update(version) for e in engines), return_exceptions=True)
-            await asyncio.gather(*(e.resume() for e in engines), return_exceptions=True)
-            await self.disconnect()  # the group may be broken: the next update builds a new one
-            raise
-        await self._all(engines, lambda e: e.resume())
-        return sent * len(engines), await self._receipts(engines, named, version, digest)
+                buf = await asyncio.to_thread(fill_bucket, bucket, named, device, self.dtype)
+                await each(lambda e: self._send(e, buf, bucket, version, last), list(live))
+                await asyncio.to_thread(digest.update, buf)
+                sent += buf.numel() * buf.element_size() * len(live)
+                buf = None  # (freed before the next bucket is filled)
+            await each(lambda e: e.end_update(version), list(live))
+        finally:  # every engine that paused resumes, whatever failed
+            await asyncio.gather(*(e.end_update(version) for e in paused if e in outcome), return_exceptions=True)
+            await asyncio.gather(*(e.resume() for e in paused), return_exceptions=True)
+        receipts = await asyncio.gather(*(self._receipt(e, named, version, digest) for e in live),
+                                        return_exceptions=True)
+        outcome |= {e: r for e, r in zip(live, receipts)}
+        for engine, result in outcome.items():
+            if isinstance(result, BaseException):
+                await self.drop(engine)  # the link may be broken: the next update builds a new one
+        return sent, [outcome[e] for e in engines]
 
-    async def _all(self, engines: list, call) -> None:
+    async def _send(self, engine, buf: torch.Tensor, bucket: Bucket, version: int, last: bool) -> None:
+        """One bucket to one engine: its update call and this side's broadcast of ``buf`` together. If the call
+        fails first (refused, or the engine died), the send may stay in its collective: it is not waited for."""
         import asyncio
 
-        results = await asyncio.gather(*(call(e) for e in engines), return_exceptions=True)
-        failed = [r for r in results if isinstance(r, BaseException)]
-        if failed:
-            raise failed[0]
+        link = self.links[engine]
+        send = asyncio.ensure_future(asyncio.to_thread(_broadcast, link.group, buf))
+        call = asyncio.ensure_future(engine.receive_bucket(bucket, link.name, version, last))
+        done, _ = await asyncio.wait([send, call], return_when=asyncio.FIRST_EXCEPTION)
+        failed = next((t.exception() for t in done if t.exception() is not None), None)
+        if failed is not None:
+            call.cancel()
+            link.inflight = send
+            raise failed
+        await asyncio.gather(send, call)
 
-    async def _receipts(self, engines: list, named, version: int, digest: StreamDigest) -> list[int]:
-        """Each engine's version, checked against ``version``, and its checksum against the trainer's."""
+    async def _receipt(self, engine, named, version: int, digest: StreamDigest) -> int:
+        """The version ``engine`` reports, checked against ``version``, and its checksum against the trainer's."""
         import asyncio
 
         from strop.engines.http import state_checksum
 
-        receipts = await asyncio.gather(*(e.receipt() for e in engines))
-        state = None
-        for engine, (held, kind, checksum) in zip(engines, receipts):
-            if held != version:
-                raise EngineReceiptError(f"{engine!r} reports weight version {held} after the broadcast of {version}")
-            if kind == "stream":
-                ours = digest.hexdigest()
-            elif kind == "state":
-                if state is None:
-                    unique = {n: named[n] for n, _, _ in manifest_of(named)}
-                    cast = (lambda t: t.to(getattr(torch, self.dtype))) if self.dtype else (lambda t: t)
-                    state = await asyncio.to_thread(lambda: state_checksum({n: cast(t) for n, t in unique.items()}))
-                ours = state
-            else:
-                continue
-            if checksum != ours:
-                raise EngineReceiptError(f"{engine!r}: the weights of version {version} arrived with checksum "
-                                         f"{checksum}, the trainer sent {ours}")
-        return [held for held, _, _ in receipts]
+        held, kind, checksum = await engine.receipt()
+        if held != version:
+            raise EngineReceiptError(f"{engine!r} reports weight version {held} after the broadcast of {version}")
+        if kind == "stream":
+            ours = digest.hexdigest()
+        elif kind == "state":
+            key = (id(named), version)
+            if key not in self._state_checksums:
+                unique = {n: named[n] for n, _, _ in manifest_of(named)}
+                cast = (lambda t: t.to(getattr(torch, self.dtype))) if self.dtype else (lambda t: t)
+                self._state_checksums.clear()
+                self._state_checksums[key] = asyncio.ensure_future(asyncio.to_thread(
+                    lambda: state_checksum({n: cast(t) for n, t in unique.items()})))
+            ours = await self._state_checksums[key]
+        else:
+            return held
+        if checksum != ours:
+            raise EngineReceiptError(f"{engine!r}: the weights of version {version} arrived with checksum "
+                                     f"{checksum}, the trainer sent {ours}")
+        return held

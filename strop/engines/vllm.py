@@ -29,8 +29,8 @@ import json
 import math
 from pathlib import Path
 
-from strop.engines.http import (EngineRequestError, EngineUnavailable, EngineVersionError, SGLangEngine,
-                                parse_weight_version)
+from strop.engines.http import (EngineReceiptError, EngineRequestError, EngineUnavailable, EngineVersionError,
+                                SGLangEngine, parse_weight_version)
 from strop.types import Completion, SamplingParams
 
 
@@ -251,13 +251,13 @@ class VLLMEngine(SGLangEngine):
         answers = await self._rpc("strop_receipt", timeout=30)
         for r in answers:
             if not r.get("loaded"):
-                raise EngineRequestError(
+                raise EngineReceiptError(
                     f"{self.url}: the last update did not write every parameter of the model "
                     f"({r.get('n_missing')} not written, e.g. {r.get('missing')}; {r.get('buckets')} buckets received"
                     f"{', still open' if r.get('open') else ''}): it would serve stale weights")
         checksums = {r["checksum"] for r in answers}
         if len(checksums) != 1 or len({r["version"] for r in answers}) != 1:
-            raise EngineRequestError(f"{self.url}: its workers received different updates: {answers}")
+            raise EngineReceiptError(f"{self.url}: its workers received different updates: {answers}")
         if answers[0]["version"] is None:
             raise EngineVersionError(f"{self.url}: no weight version came with the last update's buckets")
         return parse_weight_version(answers[0]["version"], self.url), "stream", checksums.pop()

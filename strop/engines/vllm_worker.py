@@ -28,7 +28,6 @@ import os
 import struct
 from pathlib import Path
 
-import torch
 
 from strop.engines.sync import Bucket, StreamDigest, close_group, make_group, receive_bucket
 

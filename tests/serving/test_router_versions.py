@@ -94,16 +94,22 @@ class FakeBroadcast:
         self.gate, self.entered, self.members = None, asyncio.Event(), []
 
     async def update(self, engines, named, version):
+        """Per engine, the version it then holds, or the error that took it out of the update (an engine
+        that is down fails alone: the others complete the update)."""
         self.members.append([e.name for e in engines])
         self.entered.set()
         if self.gate is not None:
             await self.gate.wait()
+        results = []
         for e in engines:
             if not e.up:
-                raise EngineUnavailable(f"{e.name} is down")
+                results.append(EngineUnavailable(f"{e.name} is down"))
+                continue
             e.weights = {k: v.clone() for k, v in named.items()}
             e.version = version
-        return sum(t.numel() * t.element_size() for t in named.values()), [e.version for e in engines]
+            results.append(e.version)
+        size = sum(t.numel() * t.element_size() for t in named.values())
+        return size * sum(not isinstance(r, BaseException) for r in results), results
 
 
 def assert_healthy_engines_hold_the_routers_weights(router, weights):
@@ -457,22 +463,28 @@ def test_a_restart_between_delta_updates_without_a_probe_still_sends_every_tenso
     assert_healthy_engines_hold_the_routers_weights(router, later)
 
 
-def test_a_failed_broadcast_leaves_no_member_serving_half_new_weights():
-    a, b = FakeEngine("a"), FakeEngine("b")
+def test_a_member_whose_broadcast_failed_does_not_serve_half_new_weights_and_the_others_do():
+    from strop.engines.http import EngineReceiptError
+
+    a, b, c = FakeEngine("a"), FakeEngine("b"), FakeEngine("c")
 
     class Failing(FakeBroadcast):
         async def update(self, engines, named, version):
-            engines[0].weights["a.weight"] = named["a.weight"].clone()  # the first bucket landed, then it broke
-            raise RuntimeError("gloo: connection reset")
+            sent, results = await super().update(engines, named, version)
+            engines[0].weights["a.weight"] = _weights(9)["a.weight"]  # a: the first bucket landed, then it broke
+            results[0] = EngineUnavailable("gloo: connection reset")
+            results[2] = EngineReceiptError("c: checksum differs")  # c took the bytes but holds something else
+            return sent, results
 
-    router = Router([a, b], broadcast=Failing())
+    router = Router([a, b, c], broadcast=Failing())
 
     async def main():
-        with pytest.raises(RuntimeError, match="connection reset"):
+        with pytest.raises(EngineReceiptError, match="c: checksum differs"):  # the step fails naming c
             await router.update_weights(_weights(1), version=1)
 
     asyncio.run(main())
-    assert router.healthy == [False, False] and router.rejoining == {0, 1}
+    assert router.healthy == [False, True, False] and router.rejoining == {0, 2}
+    assert router.weight_version == 1 and b.version == 1  # b completed the update
 
 
 def test_sglangs_empty_answers_are_not_errors_and_garbage_is_an_engine_error():

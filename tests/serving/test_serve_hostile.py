@@ -223,7 +223,15 @@ GENERATION = [("POST", "/generate", {"input_ids": [5, 6], "sampling_params": {"m
               ("GET", "/health_generate", None), ("GET", "/get_weight_version", None), ("GET", "/v1/models", None)]
 WEIGHTS = [("POST", "/abort_request", {"rid": "x"}), ("POST", "/flush_cache", None),
            ("POST", "/update_weights_from_disk", {"model_path": "/nowhere"}),
-           ("POST", "/destroy_weights_update_group", {"group_name": "g"})]
+           ("POST", "/destroy_weights_update_group", {"group_name": "g"}),
+           ("POST", "/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1,
+                                                   "world_size": 2}),
+           ("POST", "/pause_generation", {"mode": "abort"}), ("POST", "/continue_generation", {}),
+           ("POST", "/begin_weight_update", {}), ("POST", "/end_weight_update", {}),
+           ("POST", "/update_weights_from_distributed", {"names": ["x"], "dtypes": ["float32"], "shapes": [[1]],
+                                                         "group_name": "g"}),
+           ("POST", "/update_weight_version", {"new_version": "3"}), ("GET", "/weights_manifest", None),
+           ("POST", "/weights_checker", {"action": "checksum"}), ("GET", "/weights_checker", None)]
 
 
 def _status(client, method, path, body, headers=None):
@@ -323,13 +331,16 @@ def test_a_new_group_tears_down_the_old_one_and_destroy_removes_it(monkeypatch, 
     import strop.engines.sync as sync
 
     made = []
-    monkeypatch.setattr(sync, "make_group", lambda *a: made.append(_FakeGroup(*a)) or made[-1])
+    monkeypatch.setattr(sync, "make_group", lambda *a, **kw: made.append(_FakeGroup(*a, kw)) or made[-1])
+    monkeypatch.setattr(sync, "close_group", lambda group: group.shutdown())
     body = {"master_address": "127.0.0.1", "master_port": 29555, "rank_offset": 1, "world_size": 2}
-    update = {"names": ["lm_head.weight"], "dtypes": ["float32"], "shapes": [[49152, 32]]}
+    update = {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[32]]}
     with TestClient(create_app(tiny_engine())) as client:
         assert client.post("/init_weights_update_group", json={**body, "group_name": "g1"}).status_code == 200
         assert client.post("/init_weights_update_group", json={**body, "group_name": "g2"}).status_code == 200
         assert [g.shut for g in made] == [True, False]  # a reconnect: the old group is gone
+        assert made[1].args[-1] == {"name": "g2"}  # the group is built under the name the trainer gave
+        assert client.post("/begin_weight_update", json={}).status_code == 200
         r = client.post("/update_weights_from_distributed", json={**update, "group_name": "g1"})
         assert r.status_code == 400 and "g1" in r.json()["error"]["message"]
         r = client.post("/destroy_weights_update_group", json={"group_name": "g2"})
@@ -337,31 +348,50 @@ def test_a_new_group_tears_down_the_old_one_and_destroy_removes_it(monkeypatch, 
         r = client.post("/destroy_weights_update_group", json={"group_name": "g2"})  # idempotent
         assert r.status_code == 200 and r.json()["success"]
         r = client.post("/update_weights_from_distributed", json={**update, "group_name": "g2"})
-        assert r.status_code == 400
+        assert r.status_code == 400 and "g2" in r.json()["error"]["message"]
+        assert client.post("/end_weight_update", json={}).status_code == 200
+
+
+_RANK_0 = """
+import sys
+from strop.engines.sync import make_group
+group = make_group("127.0.0.1", int(sys.argv[1]), 0, 2, "gloo", 30, name=sys.argv[2])
+print("joined", flush=True)
+sys.stdin.read()  # held until the test closes stdin
+"""
 
 
 @pytest.mark.timeout(60)
 def test_a_real_gloo_group_is_shut_down_by_destroy():
-    """The server side of a real gloo group: destroy shuts it down (its sockets closed) without hanging."""
+    """The server side of a real gloo group: destroy shuts it down (its sockets closed) without
+    hanging. The trainer's rank 0 runs in a process of its own: torch registers a group's name
+    once per process, as it is across a real trainer and server."""
+    import subprocess
+    import sys
+
     from fastapi.testclient import TestClient
 
-    from strop.engines.sync import make_group
     from strop.parallel.launch import free_port
 
     port = free_port()
-    with TestClient(create_app(tiny_engine())) as client:
-        result = {}
-        t = threading.Thread(target=lambda: result.update(g=make_group("127.0.0.1", port, 0, 2, "gloo", 30)))
-        t.start()
-        r = client.post("/init_weights_update_group", json={"master_address": "127.0.0.1", "master_port": port,
-                                                            "rank_offset": 1, "world_size": 2, "group_name": "g"})
-        t.join(30)
-        assert r.status_code == 200, r.text
-        joined = _open_files()
-        r = client.post("/destroy_weights_update_group", json={"group_name": "g"})
-        assert r.status_code == 200 and r.json()["success"], r.text
-        assert _open_files() < joined  # the server's side closed its connections
-        result["g"].shutdown()
+    rank_0 = subprocess.Popen([sys.executable, "-c", _RANK_0, str(port), "g"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        with TestClient(create_app(tiny_engine())) as client:
+            r = client.post("/init_weights_update_group", json={"master_address": "127.0.0.1", "master_port": port,
+                                                                "rank_offset": 1, "world_size": 2, "group_name": "g"})
+            assert r.status_code == 200, r.text
+            assert rank_0.stdout.readline().strip() == "joined"
+            joined = _open_files()
+            r = client.post("/destroy_weights_update_group", json={"group_name": "g"})
+            assert r.status_code == 200 and r.json()["success"], r.text
+            deadline = time.monotonic() + 5  # gloo closes its sockets from its own I/O thread
+            while _open_files() >= joined and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert _open_files() < joined  # the server's side closed its connections
+    finally:
+        rank_0.stdin.close()
+        rank_0.wait(30)
 
 
 def _open_files() -> int:
@@ -476,6 +506,10 @@ def test_a_mixed_load_over_every_route_answers_the_good_and_refuses_the_bad(tmp_
         ("POST", "/update_weights_from_distributed", {"names": [], "dtypes": [], "shapes": []}, auth),
         ("POST", "/destroy_weights_update_group", {"group_name": ""}, auth),
         ("POST", "/destroy_weights_update_group", {"group_name": 5}, auth),
+        ("POST", "/pause_generation", {"mode": "later"}, auth), ("POST", "/end_weight_update", {}, auth),
+        ("POST", "/begin_weight_update", {"selector": "draft"}, auth),
+        ("POST", "/update_weight_version", {"new_version": "v2"}, auth),
+        ("POST", "/weights_checker", {"action": "snapshot"}, auth), ("GET", "/weights_manifest", None, {}),
         ("GET", "/get_weight_version", None, {}), ("GET", "/health_generate", None, {}),
         ("GET", "/v1/models", None, {}),
         ("GET", "/no/such/route", None, auth)]
@@ -496,7 +530,9 @@ def test_a_mixed_load_over_every_route_answers_the_good_and_refuses_the_bad(tmp_
         ("GET", "/v1/models", None, lambda out: out["data"]),
         ("POST", "/abort_request", {"rid": "nobody"}, lambda out: out["success"]),
         ("POST", "/flush_cache", None, lambda out: out["success"]),
-        ("POST", "/destroy_weights_update_group", {"group_name": "none"}, lambda out: out["success"])]
+        ("POST", "/destroy_weights_update_group", {"group_name": "none"}, lambda out: out["success"]),
+        ("GET", "/weights_manifest", None, lambda out: len(out["names"]) == len(out["shapes"]) > 0),
+        ("POST", "/weights_checker", {"action": "checksum"}, lambda out: len(out["checksum"]) == 32)]
 
     async def send(client, method, path, body, headers):
         kw = {"content": body, "headers": {**headers, "content-type": "application/json"}} \

@@ -8,6 +8,7 @@ import torch
 
 from strop.engines.sync import Bucket, BroadcastSync, first_mismatch, manifest_of, plan_buckets
 from strop.parallel.launch import run_on_ranks
+from tests.tiny import make_tiny_model
 
 MiB = 1 << 20
 
@@ -195,49 +196,74 @@ def test_delta_sync_sends_only_changed_tensors_and_checks_them(start_server, tmp
     assert max(abs(a - b) for a, b in zip(got.logprobs, want.logprobs)) < 1e-5
 
 
-class _GroupEngine:
-    """An engine's side of the weight-sync group, in this process (a thread joins, as strop serve's does)."""
-
-    def __init__(self):
-        self.groups, self.left, self.params = {}, [], {}
-
-    async def join_group(self, host, port, rank, world, backend, name):
-        from strop.engines.sync import make_group
-
-        self.groups[name] = await asyncio.to_thread(make_group, host, port, rank, world, backend, 30.0)
-
-    async def leave_group(self, name):
-        self.groups.pop(name).shutdown()
-        self.left.append(name)
-
-    async def receive_broadcast(self, manifest, version, bucket_bytes, name):
-        from strop.engines.sync import receive_buckets
-
-        self.params = {n: torch.empty(shape, dtype=getattr(torch, dtype)) for n, dtype, shape in manifest}
-        await asyncio.to_thread(receive_buckets, self.groups[name], self.params, bucket_plan(manifest, bucket_bytes),
-                                "cpu")
-        return version
-
-
-@pytest.mark.timeout(60)
-def test_a_reconnect_tears_down_the_previous_group_on_both_sides(monkeypatch):
+@pytest.mark.timeout(120)
+def test_an_engine_that_leaves_the_set_has_its_group_torn_down_on_both_sides(start_server, monkeypatch):
     import strop.engines.sync as sync_module
+    from strop.engines.http import SGLangEngine, state_checksum
 
-    closed = []
-    monkeypatch.setattr(sync_module, "close_group", lambda g: (closed.append(g), g.shutdown()), raising=False)
-    a, b = _GroupEngine(), _GroupEngine()
-    sync = BroadcastSync(bucket_bytes=1 << 12, timeout_s=30)
-    state = {"w": torch.arange(12.0).reshape(3, 4), "v": torch.ones(5)}
+    closed, left = [], []
+    close = sync_module.close_group
+    monkeypatch.setattr(sync_module, "close_group", lambda g: (closed.append(g), close(g)))
+    a, b = (SGLangEngine(start_server().url, require_checksum=True) for _ in range(2))
+    for e in (a, b):
+        leave = e.leave_group
+        e.leave_group = lambda name, e=e, leave=leave: (left.append((e, name)), leave(name))[1]
+    sync = BroadcastSync(bucket_bytes=1 << 16, timeout_s=30)
+    state = make_tiny_model(seed=3).state_dict()
 
     async def main():
         first = await sync.update([a, b], state, version=1)
-        group_one = sync.group
-        second = await sync.update([a], state | {"v": torch.zeros(5)}, version=2)  # b left: a new group
-        return first, second, group_one
+        links = dict(sync.links)
+        second = await sync.update([a], state, version=2)  # b left the set
+        return first, second, links, await a.receipt()
 
-    first, second, group_one = asyncio.run(main())
-    assert a.left == ["strop-sync-1"] and b.left == ["strop-sync-1"]  # both engines destroyed their side
+    first, second, links, receipt = asyncio.run(main())
+    assert left == [(b, links[b].name)] and closed == [links[b].group]  # b's group, on both sides
+    assert sync.links == {a: links[a]}  # a keeps its own
     assert first[1] == [1, 1] and second[1] == [2]
-    assert torch.equal(a.params["v"], torch.zeros(5)) and torch.equal(a.params["w"], state["w"])
-    assert list(a.groups) == ["strop-sync-2"] and not b.groups
-    assert len(closed) == 1 and closed[0] is group_one  # and so did the trainer
+    assert receipt == (2, "state", state_checksum({n: t for n, t in state.items() if n != "lm_head.weight"}))
+
+
+@pytest.mark.timeout(300)
+def test_an_engine_killed_mid_broadcast_is_dropped_the_others_complete_and_it_rejoins_after_a_full_update(
+        start_server):
+    import time
+
+    from strop.engines.http import SGLangEngine, state_checksum
+    from strop.engines.router import DOWN, HEALTHY, REJOINING, Router
+    from tests.tiny import make_tiny_model
+
+    servers = [start_server() for _ in range(3)]
+    engines = [SGLangEngine(s.url, require_checksum=True, timeout_s=60) for s in servers]
+    router = Router(engines, broadcast=BroadcastSync(bucket_bytes=64 * 1024, timeout_s=20), print_events=False)
+    victim, calls = engines[1], []
+    receive = victim.receive_bucket
+
+    async def dying(bucket, group_name, version, last):
+        calls.append(version)
+        if calls.count(1) == 3:  # version 1's third bucket: its server dies before taking it
+            servers[1].kill()
+        return await receive(bucket, group_name, version, last)
+
+    victim.receive_bucket = dying
+    w1, w2 = make_tiny_model(seed=21).state_dict(), make_tiny_model(seed=22).state_dict()
+    want = {v: state_checksum({n: t for n, t in w.items() if n != "lm_head.weight"}) for v, w in ((1, w1), (2, w2))}
+
+    async def receipts():
+        return [await e.receipt() if router.state[i] == HEALTHY else None for i, e in enumerate(engines)]
+
+    async def main():
+        t0 = time.monotonic()
+        await router.update_weights(w1, version=1)
+        first = (time.monotonic() - t0, list(router.state), await receipts())
+        start_server(servers[1].port)  # the dead engine comes back (initial weights, version 0)
+        await router.check_health()
+        back = list(router.state)
+        await router.update_weights(w2, version=2)
+        return first, back, list(router.state), await receipts()
+
+    (seconds, after_first, first_receipts), back, after_second, second_receipts = asyncio.run(main())
+    assert after_first == [HEALTHY, DOWN, HEALTHY] and seconds < 20  # no wait outlived the group's timeout
+    assert [r for r in first_receipts if r] == [(1, "state", want[1])] * 2  # the others completed version 1
+    assert back == [HEALTHY, REJOINING, HEALTHY]  # it answers again, but gets the weights before serving
+    assert after_second == [HEALTHY] * 3 and second_receipts == [(2, "state", want[2])] * 3

@@ -25,6 +25,9 @@ def test_train_with_two_launched_servers(tiny_model_dir, tmp_path, capsys, sync)
     assert summary["status"] == "completed" and len(steps) == 2
     # the servers sample with the weights the trainer has: engine and trainer logprobs agree
     assert all(r["train_rollout_logprob_abs_diff"] < 1e-4 for r in steps)
+    # after every update each server scored the probe as the trainer did (SGLang's input_token_logprobs)
+    assert all(r["weight_probe_max_diff"] < 1e-4 for r in steps), [r["weight_probe_max_diff"] for r in steps]
+    assert f"weight sync: {sync} (engine.sync)" in out
     written = sorted(p.name for p in (run_dir / "weights").glob("v*")) if sync != "broadcast" else []
     assert written == {"disk": ["v1", "v2"], "delta": ["v1-delta0", "v2-delta0"], "broadcast": []}[sync]
     for url in urls:  # launched by the run, stopped by the run
