@@ -25,6 +25,7 @@ import torch.distributed as dist
 from strop.engines.http import EngineManifestError, EngineReceiptError
 
 DEFAULT_SYNC_BUCKET_BYTES = 64 << 20
+SEND_GRACE_S = 5.0  # how long a send may trail its receiver's answer (it cannot: the receiver has every byte)
 
 
 @dataclass(frozen=True)
@@ -392,13 +393,23 @@ class BroadcastSync:
         link = self.links[engine]
         send = asyncio.ensure_future(asyncio.to_thread(_broadcast, link.group, buf))
         call = asyncio.ensure_future(engine.receive_bucket(bucket, link.name, version, last))
-        done, _ = await asyncio.wait([send, call], return_when=asyncio.FIRST_EXCEPTION)
-        failed = next((t.exception() for t in done if t.exception() is not None), None)
-        if failed is not None:
+        try:
+            await asyncio.wait([send, call], return_when=asyncio.FIRST_COMPLETED)
+            if send.done():
+                send.result()  # (this side's collective failed: the engine's link is broken)
+                await call
+            else:
+                await call  # the engine answered: it has every byte, so this side's send is all but done
+                await asyncio.wait([send], timeout=SEND_GRACE_S)
+                if not send.done():
+                    raise EngineReceiptError(
+                        f"{engine!r} answered the update of {list(bucket.names)[:3]} without taking its broadcast "
+                        "(a group other than the trainer's?): nothing it holds is trusted")
+                send.result()
+        except BaseException:
             call.cancel()
             link.inflight = send
-            raise failed
-        await asyncio.gather(send, call)
+            raise
 
     async def _receipt(self, engine, named, version: int, digest: StreamDigest) -> int:
         """The version ``engine`` reports, checked against ``version``, and its checksum against the trainer's."""

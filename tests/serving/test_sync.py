@@ -267,3 +267,30 @@ def test_an_engine_killed_mid_broadcast_is_dropped_the_others_complete_and_it_re
     assert [r for r in first_receipts if r] == [(1, "state", want[1])] * 2  # the others completed version 1
     assert back == [HEALTHY, REJOINING, HEALTHY]  # it answers again, but gets the weights before serving
     assert after_second == [HEALTHY] * 3 and second_receipts == [(2, "state", want[2])] * 3
+
+
+@pytest.mark.timeout(120)
+def test_an_engine_that_answers_a_bucket_without_taking_its_broadcast_is_refused_at_once(start_server):
+    # tokenspeed#1373's trap: a server whose group is not the trainer's answers the update call and loads
+    # whatever its buffer held. Here the client answers without the server ever joining the broadcast.
+    import time
+
+    from strop.engines.http import EngineReceiptError, SGLangEngine
+
+    engine = SGLangEngine(start_server().url, require_checksum=True)
+
+    async def answered(bucket, group_name, version, last):
+        return None
+
+    engine.receive_bucket = answered
+    sync = BroadcastSync(bucket_bytes=1 << 20, timeout_s=100)
+    state = make_tiny_model(seed=4).state_dict()  # (its 6 MiB embedding travels alone: more than a socket holds)
+
+    async def main():
+        t0 = time.monotonic()
+        sent, results = await sync.update([engine], state, version=1)
+        return time.monotonic() - t0, results
+
+    seconds, results = asyncio.run(main())
+    assert isinstance(results[0], EngineReceiptError) and "SGLangEngine" in str(results[0])
+    assert seconds < 30  # not the group's 100 s timeout

@@ -363,7 +363,7 @@ def test_a_run_whose_update_is_skipped_on_one_step_fails_the_receipt_naming_the_
     from strop.loop import train
 
     skipping = {"on": False}
-    update, send, receive = sync_module.BroadcastSync.update, sync_module.send_bucket, VLLMEngine.receive_bucket
+    update, send, receive = sync_module.BroadcastSync.update, sync_module._broadcast, VLLMEngine.receive_bucket
 
     async def update_skipping_step_2(self, engines, named, version):
         skipping["on"] = version == 2  # step 2's update: the trainer believes it sent it; nothing moves
@@ -374,8 +374,7 @@ def test_a_run_whose_update_is_skipped_on_one_step_fails_the_receipt_naming_the_
             await receive(self, bucket, group_name, version, last)
 
     monkeypatch.setattr(sync_module.BroadcastSync, "update", update_skipping_step_2)
-    monkeypatch.setattr(sync_module, "send_bucket", lambda group, bucket, *a, **k: bucket.nbytes if skipping["on"]
-                        else send(group, bucket, *a, **k))
+    monkeypatch.setattr(sync_module, "_broadcast", lambda group, buf: None if skipping["on"] else send(group, buf))
     monkeypatch.setattr(VLLMEngine, "receive_bucket", receive_unless_skipping)
     try:
         with pytest.raises(Exception, match=rf"{vllm_server}.*did not write every parameter") as failed:
