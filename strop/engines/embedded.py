@@ -112,6 +112,7 @@ class EmbeddedEngine:
         self._held: Batch | None = None  # the batch an in_place pause stopped, rows and KV cache kept
         self._session: str | None = None  # "opening" / "open": a weight-update session (holds _busy)
         self._receiving = False  # a bucket of the session is being received
+        self._digest = None  # the open session's StreamDigest
         reason = unsupported_reason(model) if fast_decode else "fast_decode=False"
         self._fast = LlamaDecoder(model) if reason is None else None
         self.decode_path = ("kv-cache decoder (shared prefixes, continuous batching)" if reason is None
@@ -395,7 +396,10 @@ class EmbeddedEngine:
             self._draining -= 1
             self._kick()
             raise
+        from strop.engines.sync import StreamDigest
+
         self._session = "open"
+        self._digest = StreamDigest()  # every byte the session receives, in order: the update's receipt
 
     async def receive_bucket(self, group, bucket) -> None:
         """Receive one broadcast bucket (:class:`strop.engines.sync.Bucket`, checked against the
@@ -428,18 +432,20 @@ class EmbeddedEngine:
     def _receive(self, group, bucket, into: dict[str, torch.Tensor]) -> None:
         from strop.engines.sync import receive_bucket
 
-        for name, t in receive_bucket(group, bucket, self.device, into=into):
+        for name, t in receive_bucket(group, bucket, self.device, into=into, digest=self._digest):
             if t.data_ptr() != into[name].data_ptr():  # a view of the flat buffer (not received in place)
                 into[name].copy_(t)
 
-    def end_update(self) -> None:
-        """Close the session: batches run again (on held and waiting requests once not paused)."""
+    def end_update(self) -> str:
+        """Close the session: batches run again (on held and waiting requests once not paused). Returns the
+        digest of every byte the session received (:class:`strop.engines.sync.StreamDigest`)."""
         if self._session != "open":
             raise SessionError("no weight update is open (begin_weight_update first)")
         self._session = None
         self._draining -= 1
         self._busy.release()
         self._kick()
+        return self._digest.hexdigest()
 
     def _locked(self, fn, *args):
         with self._lock:

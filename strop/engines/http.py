@@ -146,6 +146,7 @@ class SGLangEngine:
         self.require_checksum = require_checksum
         self.weight_version = 0  # the version the engine last reported holding (never a count kept here)
         self.group_ranks = 1  # ranks the server joins a weight-update group with (SGLang: one per TP worker)
+        self._session_checksum = None  # strop serve's receipt of the last update session
         self._client = None
 
     def __repr__(self) -> str:
@@ -345,20 +346,22 @@ class SGLangEngine:
                     "update_weights_from_distributed")
 
     async def end_update(self, version: int) -> None:
-        self._check(await self._call("POST", "/end_weight_update", json={}, timeout=300, retries=0),
-                    "end_weight_update")
+        out = await self._call("POST", "/end_weight_update", json={}, timeout=300, retries=0)
+        self._check(out, "end_weight_update")
+        self._session_checksum = out.get("checksum")  # (strop serve: the digest of what the session received)
 
     async def receipt(self) -> tuple[int, str | None, str | None]:
-        """The version the engine reports, and the checksum of what it holds where it computes one strop can
-        compare: strop serve's ``/weights_checker`` hashes its tensors by the trainer's names (``state``).
-        SGLang's checksums are of its own fused tensors, so the version is its receipt."""
+        """The version the engine reports, and the checksum of the update where it computes one strop can
+        compare: strop serve's digest of every byte its session received (``stream``, the answer to
+        ``/end_weight_update``; required of strop serve). SGLang's checksums are of its own fused tensors,
+        so the version (and the probe) is its receipt."""
         held = await self.get_weight_version()
         if not self.require_checksum:
             return held, None, None
-        out = await self._call("POST", "/weights_checker", json={"action": "checksum"}, timeout=300, retries=0)
-        if not isinstance(out.get("checksum"), str):
-            raise EngineRequestError(f"{self.url}/weights_checker: no checksum in {str(out)[:200]}")
-        return held, "state", out["checksum"]
+        checksum, self._session_checksum = self._session_checksum, None
+        if not isinstance(checksum, str):
+            raise EngineReceiptError(f"{self.url}: no checksum of the update from /end_weight_update")
+        return held, "stream", checksum
 
     def _check(self, out: dict, what: str) -> None:
         """SGLang answers update routes with ``{"success": bool, "message"}`` (a 200 may still say false)."""

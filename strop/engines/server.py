@@ -556,10 +556,11 @@ def create_app(engine: EmbeddedEngine, *, tokenizer=None, token: str | None = No
     @app.post("/end_weight_update")
     async def end_weight_update(body: SessionBody | None = None):
         try:
-            engine.end_update()
+            digest = engine.end_update()
         except RequestError as exc:
             raise HTTPException(status_code=400, detail=f"end_weight_update: {exc}") from exc
-        return {"success": True, "message": "weight update ended"}
+        # (strop's own field, the session's receipt: a digest of every byte received, in order)
+        return {"success": True, "message": "weight update ended", "checksum": digest}
 
     @app.post("/update_weights_from_distributed")
     async def update_from_distributed(body: DistributedUpdateBody):

@@ -16,7 +16,7 @@ lives in the router, :meth:`strop.engines.router.Router._update_by_delta`.
 from __future__ import annotations
 
 import datetime
-import hashlib
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -140,17 +140,21 @@ def first_mismatch(sent: list[tuple[str, str, tuple[int, ...]]], held: list[tupl
 
 
 class StreamDigest:
-    """blake2b over every byte of an update, bucket by bucket in order: what the sender sent and what a
-    receiver received hash alike only if every bucket arrived whole and in order."""
+    """A CRC-32 over every byte of an update, bucket by bucket in order, and the count of bytes: what the
+    sender sent and what a receiver received agree only if every bucket arrived whole and in order. It
+    catches a skipped, truncated, reordered or corrupted transfer (a wrong one passes with odds of 2^-32);
+    it is no proof against a server that lies, and costs ~0.25 s per GB (blake2b: ~1.2 s)."""
 
     def __init__(self):
-        self._h = hashlib.blake2b(digest_size=16)
+        self._crc, self._bytes = 0, 0
 
     def update(self, buf: torch.Tensor) -> None:
-        self._h.update(buf.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+        data = buf.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+        self._crc = zlib.crc32(data, self._crc)  # (releases the GIL: hashing in a thread leaves others running)
+        self._bytes += data.nbytes
 
     def hexdigest(self) -> str:
-        return self._h.hexdigest()
+        return f"crc32:{self._crc:08x}:{self._bytes}"
 
 
 def make_group(host: str, port: int, rank: int, world: int, backend: str = "gloo", timeout_s: float = 600.0,
@@ -275,7 +279,6 @@ class BroadcastSync:
         self.pause_mode, self.dtype = pause_mode, dtype
         self.links: dict = {}  # engine -> _Link
         self.generation = 0
-        self._state_checksums: dict = {}  # (weights, version) -> the trainer's state checksum, computed once
 
     async def _connect(self, engine) -> _Link:
         """A new group of this process (rank 0) and ``engine`` (ranks 1 .. its workers). An engine that refuses
@@ -369,15 +372,16 @@ class BroadcastSync:
                     break
                 last = k == len(buckets) - 1
                 buf = await asyncio.to_thread(fill_bucket, bucket, named, device, self.dtype)
+                hashing = asyncio.ensure_future(asyncio.to_thread(digest.update, buf))  # beside the sends
                 await each(lambda e: self._send(e, buf, bucket, version, last), list(live))
-                await asyncio.to_thread(digest.update, buf)
+                await hashing
                 sent += buf.numel() * buf.element_size() * len(live)
                 buf = None  # (freed before the next bucket is filled)
             await each(lambda e: e.end_update(version), list(live))
         finally:  # every engine that paused resumes, whatever failed
             await asyncio.gather(*(e.end_update(version) for e in paused if e in outcome), return_exceptions=True)
             await asyncio.gather(*(e.resume() for e in paused), return_exceptions=True)
-        receipts = await asyncio.gather(*(self._receipt(e, named, version, digest) for e in live),
+        receipts = await asyncio.gather(*(self._receipt(e, version, digest) for e in live),
                                         return_exceptions=True)
         outcome |= {e: r for e, r in zip(live, receipts)}
         for engine, result in outcome.items():
@@ -411,29 +415,13 @@ class BroadcastSync:
             link.inflight = send
             raise
 
-    async def _receipt(self, engine, named, version: int, digest: StreamDigest) -> int:
-        """The version ``engine`` reports, checked against ``version``, and its checksum against the trainer's."""
-        import asyncio
-
-        from strop.engines.http import state_checksum
-
+    async def _receipt(self, engine, version: int, digest: StreamDigest) -> int:
+        """The version ``engine`` reports, checked against ``version``, and its digest of the update against
+        this side's (where it computes one)."""
         held, kind, checksum = await engine.receipt()
         if held != version:
             raise EngineReceiptError(f"{engine!r} reports weight version {held} after the broadcast of {version}")
-        if kind == "stream":
-            ours = digest.hexdigest()
-        elif kind == "state":
-            key = (id(named), version)
-            if key not in self._state_checksums:
-                unique = {n: named[n] for n, _, _ in manifest_of(named)}
-                cast = (lambda t: t.to(getattr(torch, self.dtype))) if self.dtype else (lambda t: t)
-                self._state_checksums.clear()
-                self._state_checksums[key] = asyncio.ensure_future(asyncio.to_thread(
-                    lambda: state_checksum({n: cast(t) for n, t in unique.items()})))
-            ours = await self._state_checksums[key]
-        else:
-            return held
-        if checksum != ours:
-            raise EngineReceiptError(f"{engine!r}: the weights of version {version} arrived with checksum "
-                                     f"{checksum}, the trainer sent {ours}")
+        if kind == "stream" and checksum != digest.hexdigest():
+            raise EngineReceiptError(f"{engine!r}: the update to version {version} arrived as {checksum}, the "
+                                     f"trainer sent {digest.hexdigest()}")
         return held

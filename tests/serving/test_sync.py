@@ -196,6 +196,12 @@ def test_delta_sync_sends_only_changed_tensors_and_checks_them(start_server, tmp
     assert max(abs(a - b) for a, b in zip(got.logprobs, want.logprobs)) < 1e-5
 
 
+async def holds(engine) -> tuple[int, str]:
+    """The version a strop serve reports and the checksum of the tensors it holds (its /weights_checker)."""
+    out = await engine._call("POST", "/weights_checker", json={"action": "checksum"})
+    return await engine.get_weight_version(), out["checksum"]
+
+
 @pytest.mark.timeout(120)
 def test_an_engine_that_leaves_the_set_has_its_group_torn_down_on_both_sides(start_server, monkeypatch):
     import strop.engines.sync as sync_module
@@ -215,13 +221,13 @@ def test_an_engine_that_leaves_the_set_has_its_group_torn_down_on_both_sides(sta
         first = await sync.update([a, b], state, version=1)
         links = dict(sync.links)
         second = await sync.update([a], state, version=2)  # b left the set
-        return first, second, links, await a.receipt()
+        return first, second, links, await holds(a)
 
     first, second, links, receipt = asyncio.run(main())
     assert left == [(b, links[b].name)] and closed == [links[b].group]  # b's group, on both sides
     assert sync.links == {a: links[a]}  # a keeps its own
     assert first[1] == [1, 1] and second[1] == [2]
-    assert receipt == (2, "state", state_checksum({n: t for n, t in state.items() if n != "lm_head.weight"}))
+    assert receipt == (2, state_checksum({n: t for n, t in state.items() if n != "lm_head.weight"}))
 
 
 @pytest.mark.timeout(300)
@@ -250,7 +256,7 @@ def test_an_engine_killed_mid_broadcast_is_dropped_the_others_complete_and_it_re
     want = {v: state_checksum({n: t for n, t in w.items() if n != "lm_head.weight"}) for v, w in ((1, w1), (2, w2))}
 
     async def receipts():
-        return [await e.receipt() if router.state[i] == HEALTHY else None for i, e in enumerate(engines)]
+        return [await holds(e) if router.state[i] == HEALTHY else None for i, e in enumerate(engines)]
 
     async def main():
         t0 = time.monotonic()
@@ -264,9 +270,9 @@ def test_an_engine_killed_mid_broadcast_is_dropped_the_others_complete_and_it_re
 
     (seconds, after_first, first_receipts), back, after_second, second_receipts = asyncio.run(main())
     assert after_first == [HEALTHY, DOWN, HEALTHY] and seconds < 20  # no wait outlived the group's timeout
-    assert [r for r in first_receipts if r] == [(1, "state", want[1])] * 2  # the others completed version 1
+    assert [r for r in first_receipts if r] == [(1, want[1])] * 2  # the others completed version 1
     assert back == [HEALTHY, REJOINING, HEALTHY]  # it answers again, but gets the weights before serving
-    assert after_second == [HEALTHY] * 3 and second_receipts == [(2, "state", want[2])] * 3
+    assert after_second == [HEALTHY] * 3 and second_receipts == [(2, want[2])] * 3
 
 
 @pytest.mark.timeout(120)
@@ -294,3 +300,32 @@ def test_an_engine_that_answers_a_bucket_without_taking_its_broadcast_is_refused
     seconds, results = asyncio.run(main())
     assert isinstance(results[0], EngineReceiptError) and "SGLangEngine" in str(results[0])
     assert seconds < 30  # not the group's 100 s timeout
+
+
+@pytest.mark.timeout(120)
+def test_bytes_changed_on_the_way_fail_the_receipt_naming_the_engine(start_server, monkeypatch):
+    import strop.engines.sync as sync_module
+    from strop.engines.http import EngineReceiptError, SGLangEngine
+
+    engine = SGLangEngine(start_server().url, require_checksum=True)
+    send, corrupt = sync_module._broadcast, {"on": False}
+
+    def broadcast(group, buf):  # one byte of what travels differs from what the trainer hashed
+        if corrupt["on"] and buf.dtype == torch.uint8:
+            buf = buf.clone()
+            buf[0] ^= 1
+        send(group, buf)
+
+    monkeypatch.setattr(sync_module, "_broadcast", broadcast)
+    sync = BroadcastSync(bucket_bytes=1 << 16, timeout_s=30)
+    state = make_tiny_model(seed=5).state_dict()
+
+    async def main():
+        clean = await sync.update([engine], state, version=1)
+        corrupt["on"] = True
+        return clean, await sync.update([engine], state, version=2)
+
+    (_, clean), (_, corrupted) = asyncio.run(main())
+    assert clean == [1]
+    assert isinstance(corrupted[0], EngineReceiptError)
+    assert f"SGLangEngine({engine.url}): the update to version 2 arrived as crc32:" in str(corrupted[0])
