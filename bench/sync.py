@@ -131,7 +131,8 @@ def child(form: str, kind: str, model: str, url: str, pid: int, bucket: int, wor
                    else _status_kib(pid, "VmHWM") / 1024)
     full = sum(t.numel() * t.element_size() for n, t in weights.items() if n != "lm_head.weight")
     loop.run_until_complete(router.close())
-    return {"seconds": seconds, "full_mib": full / 2**20, "stall_ms": stall * 1000,
+    phases = " / ".join(f"{v:.1f}" for v in router.broadcast.timings.values()) if form == "broadcast" else ""
+    return {"seconds": seconds, "full_mib": full / 2**20, "stall_ms": stall * 1000, "phases": phases,
             "server_extra_mib": server_peak - server_before,
             "trainer_extra_mib": (_status_kib("self", "VmHWM") - own_before) / 1024}
 
@@ -200,9 +201,9 @@ def main() -> None:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     print(f"broadcast bucket {args.bucket_mib} MiB; one full update after a warm-up, per row")
-    print("| model | engine | form | round | seconds | server peak extra MiB | trainer peak extra MiB | "
-          "trainer loop stall ms |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| model | engine | form | round | seconds | broadcast phases: prepare / buckets / finish / receipt s | "
+          "server peak extra MiB | trainer peak extra MiB | trainer loop stall ms |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name in args.models:
         model = random_1b(work) if name == "random-1b" else resolve_model_path(name)
         for kind in args.engines:
@@ -228,12 +229,12 @@ def main() -> None:
                             r = json.loads(out.stdout.strip().splitlines()[-1])
                             seconds.setdefault(form, []).append(r["seconds"])
                             print(f"| {Path(name).name} ({r['full_mib']:.0f} MiB) | {kind} | {form} | {k + 1} | "
-                                  f"{r['seconds']:.2f} | {r['server_extra_mib']:.0f} | {r['trainer_extra_mib']:.0f} | "
+                                  f"{r['seconds']:.2f} | {r['phases']} | {r['server_extra_mib']:.0f} | {r['trainer_extra_mib']:.0f} | "
                                   f"{r['stall_ms']:.0f} |", flush=True)
                     if "disk" in seconds and "broadcast" in seconds:
                         ratios = [d / b for d, b in zip(seconds["disk"], seconds["broadcast"])]
                         print(f"| {Path(name).name} | {kind} | disk / broadcast | | "
-                              f"{' and '.join(f'{x:.2f}x' for x in ratios)} | | | |", flush=True)
+                              f"{' and '.join(f'{x:.2f}x' for x in ratios)} | | | | |", flush=True)
                 finally:
                     server.stop()
 

@@ -279,6 +279,7 @@ class BroadcastSync:
         self.pause_mode, self.dtype = pause_mode, dtype
         self.links: dict = {}  # engine -> _Link
         self.generation = 0
+        self.timings: dict[str, float] = {}  # the last update's phases: prepare, buckets, finish, receipt
 
     async def _connect(self, engine) -> _Link:
         """A new group of this process (rank 0) and ``engine`` (ranks 1 .. its workers). An engine that refuses
@@ -343,6 +344,14 @@ class BroadcastSync:
         engine, the version its receipt shows, or the error that took it out of this update."""
         import asyncio
 
+        import time
+
+        clock = [time.perf_counter()]
+
+        def lap(phase):  # seconds per phase of the last update (bench/sync.py prints them)
+            clock.append(time.perf_counter())
+            self.timings[phase] = clock[-1] - clock[-2]
+
         manifest = [(n, self.dtype or d, s) for n, d, s in manifest_of(named)]
         await self.check(engines, manifest)  # (raises: nothing was sent to anyone)
         for engine in list(self.links):  # engines no longer in the set leave their groups
@@ -363,6 +372,7 @@ class BroadcastSync:
         paused = list(live)
         await each(lambda e: e.pause(self.pause_mode), paused)
         await each(lambda e: e.begin_update(), list(live))
+        lap("prepare")
         buckets = plan_buckets(manifest, self.bucket_bytes)
         device = next(iter(named.values())).device
         digest, sent = StreamDigest(), 0
@@ -377,12 +387,15 @@ class BroadcastSync:
                 await hashing
                 sent += buf.numel() * buf.element_size() * len(live)
                 buf = None  # (freed before the next bucket is filled)
+            lap("buckets")
             await each(lambda e: e.end_update(version), list(live))
         finally:  # every engine that paused resumes, whatever failed
             await asyncio.gather(*(e.end_update(version) for e in paused if e in outcome), return_exceptions=True)
             await asyncio.gather(*(e.resume() for e in paused), return_exceptions=True)
+        lap("finish")
         receipts = await asyncio.gather(*(self._receipt(e, version, digest) for e in live),
                                         return_exceptions=True)
+        lap("receipt")
         outcome |= {e: r for e, r in zip(live, receipts)}
         for engine, result in outcome.items():
             if isinstance(result, BaseException):
