@@ -14,7 +14,7 @@ Models: SmolLM2-135M (the packaged default) and ``random-1b``, a random-weight m
 family at ~1B parameters (hidden 2048, 16 layers; written once to ``--work``, with SmolLM2's tokenizer).
 
     python bench/sync.py [--models embedded:smollm2-135m-instruct random-1b] [--engines strop vllm]
-                         [--forms disk broadcast] [--rounds 2] [--bucket-mib 64]
+                         [--forms disk broadcast delta] [--rounds 2] [--bucket-mib 64]
 """
 
 from __future__ import annotations
@@ -183,7 +183,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", default=["embedded:smollm2-135m-instruct", "random-1b"])
     ap.add_argument("--engines", nargs="+", default=["strop", "vllm"])
-    ap.add_argument("--forms", nargs="+", default=["disk", "broadcast"])
+    ap.add_argument("--forms", nargs="+", default=["disk", "broadcast", "delta"])
     ap.add_argument("--rounds", type=int, default=2, help="times each form runs, alternating with the others")
     ap.add_argument("--bucket-mib", type=int, default=64)
     ap.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "strop-bench-sync"))
