@@ -322,7 +322,7 @@ def _router(cfg: Config, urls: list[str], token: str | None, run_dir: Path, prob
     ignore the temperature is refused, and one without strop's worker extension cannot take a broadcast."""
     import asyncio
 
-    from strop.engines.http import EngineRequestError, SGLangEngine, WeightWriter
+    from strop.engines.http import EngineRequestError, EngineUnavailable, SGLangEngine, WeightWriter
     from strop.engines.router import Router
     from strop.engines.sync import BroadcastSync
     from strop.engines.vllm import VLLMEngine
@@ -340,7 +340,7 @@ def _router(cfg: Config, urls: list[str], token: str | None, run_dir: Path, prob
             if e.kind == "vllm":
                 for c in clients:
                     await c.check_logprobs(cfg.rollout.temperature, probe_ids)
-            if sync in ("auto", "broadcast"):
+            if sync in ("auto", "broadcast") and e.kind != "strop":  # (strop serve always takes one)
                 try:
                     for c in clients:
                         await c.check_broadcast()
@@ -348,9 +348,11 @@ def _router(cfg: Config, urls: list[str], token: str | None, run_dir: Path, prob
                     if sync == "broadcast":
                         raise
                     sync, why = "disk", f"auto: {exc}"
-                else:
-                    if sync == "auto":
-                        sync, why = "broadcast", f"auto: every {e.kind} server takes a broadcast"
+                except EngineUnavailable:  # down at start: the router takes it in when it answers; an SGLang
+                    if e.kind == "vllm":  # server too old for the broadcast is named at its first update
+                        raise
+            if sync == "auto":
+                sync, why = "broadcast", f"auto: every {e.kind} server takes a broadcast"
         finally:
             for c in clients:
                 await c.close()  # connections belong to the run's event loop, made later

@@ -9,7 +9,6 @@ import time
 
 import httpx
 import pytest
-import torch
 
 from strop.engines.embedded import EmbeddedEngine
 from strop.engines.server import create_app
