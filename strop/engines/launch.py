@@ -95,7 +95,7 @@ def launch_servers(n: int, model_path: str, *, args: list[str] = (), token: str 
                    timeout_s: float = 180.0) -> list[LocalServer]:
     """Start ``n`` local servers on free ports and wait until every one answers /health.
     ``token``: required by their weight, group and abort routes (passed as STROP_SERVE_TOKEN)."""
-    from strop.parallel.launch import free_port
+    from strop.cluster.process import free_port
 
     env = {"STROP_SERVE_TOKEN": token} if token else {}
     servers = []
@@ -112,7 +112,7 @@ def launch_servers(n: int, model_path: str, *, args: list[str] = (), token: str 
 
 
 if __name__ == "__main__":  # python -m strop.engines.launch PARENT_PID serve ...: a server tied to its parent
-    from strop.processes import die_with_parent
+    from strop.cluster.process import die_with_parent
 
     die_with_parent(int(sys.argv[1]))
     from strop.cli import main

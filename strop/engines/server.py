@@ -763,7 +763,7 @@ def serve(model_path: str, *, host: str = "127.0.0.1", port: int = 30000, token:
     import torch
     import uvicorn
 
-    from strop.parallel.runtime import resolve_device
+    from strop.cluster.process import resolve_device
     from strop.train.model import load_model, load_tokenizer, resolve_model_path
 
     if host not in LOOPBACK and not token:

@@ -287,7 +287,7 @@ class BroadcastSync:
         import asyncio
         import secrets
 
-        from strop.parallel.launch import free_port
+        from strop.cluster.process import free_port
 
         port, world = free_port(), 1 + getattr(engine, "group_ranks", 1)
         self.generation += 1

@@ -11,15 +11,11 @@ import os
 import pickle
 import queue as queue_module
 import time
-import socket
 import traceback
 from typing import Any, Callable
 
+from strop.cluster.process import free_port
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(fn, rank, world_size, port, backend, env, args, queue):

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from strop.parallel.runtime import launch
+from strop.cluster.local import launch
 
 WORKER = textwrap.dedent("""
     import os, sys, time

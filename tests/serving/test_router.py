@@ -6,7 +6,7 @@ import pytest
 
 from strop.engines.http import SGLangEngine, WeightWriter
 from strop.engines.router import Router
-from strop.parallel.launch import free_port
+from strop.cluster.process import free_port
 from strop.types import SamplingParams
 
 pytestmark = pytest.mark.timeout(300)

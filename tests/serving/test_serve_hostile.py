@@ -24,7 +24,7 @@ def serving(app):
     """``app`` under a real uvicorn server on 127.0.0.1 (a thread of this process); stopped on exit."""
     import uvicorn
 
-    from strop.parallel.launch import free_port
+    from strop.cluster.process import free_port
 
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
@@ -370,7 +370,7 @@ def test_a_real_gloo_group_is_shut_down_by_destroy():
 
     from fastapi.testclient import TestClient
 
-    from strop.parallel.launch import free_port
+    from strop.cluster.process import free_port
 
     port = free_port()
     rank_0 = subprocess.Popen([sys.executable, "-c", _RANK_0, str(port), "g"], stdin=subprocess.PIPE,

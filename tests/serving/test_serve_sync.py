@@ -16,7 +16,7 @@ from strop.engines.embedded import EmbeddedEngine
 from strop.engines.http import state_checksum
 from strop.engines.server import create_app
 from strop.engines.sync import close_group, make_group, manifest_of, plan_buckets, send_bucket
-from strop.parallel.launch import free_port
+from strop.cluster.process import free_port
 from tests.tiny import make_tiny_model
 
 SMALL_BUCKET = 16 << 10  # the tiny model's embedding (6 MiB) travels alone, the other tensors flattened

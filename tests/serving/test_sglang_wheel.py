@@ -75,7 +75,7 @@ dist.destroy_process_group(pg)
 @pytest.mark.timeout(90)
 def test_strops_trainer_side_meets_sglangs_own_group_and_bucket_code(sglang_src, tmp_path):
     from strop.engines.sync import Bucket, close_group, make_group, plan_buckets, send_bucket
-    from strop.parallel.launch import free_port
+    from strop.cluster.process import free_port
 
     port, name = free_port(), "strop-sync-1-test"
     script = tmp_path / "engine_side.py"

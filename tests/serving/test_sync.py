@@ -116,7 +116,7 @@ def _transfer(rank, world, port, bucket):
 
 @pytest.mark.timeout(120)
 def test_broadcast_moves_every_weight_with_one_bucket_of_extra_memory():
-    from strop.parallel.launch import free_port
+    from strop.cluster.process import free_port
 
     bucket = 2 * MiB
     (extra0, sums0, digest0), (extra1, sums1, digest1) = run_on_ranks(_transfer, 2, free_port(), bucket, timeout=100)

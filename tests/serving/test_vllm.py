@@ -28,7 +28,7 @@ pytestmark = [
 def vllm_server(tokenizer_dir, tmp_path_factory):
     """One server for the module (start-up takes about a minute), with strop's worker extension. It runs
     outside the checkout, so the extension is imported as scripts/setup_vllm.sh installed it."""
-    from strop.parallel.launch import free_port
+    from strop.cluster.process import free_port
 
     port = free_port()
     where = tmp_path_factory.mktemp("vllm")
@@ -142,7 +142,7 @@ def _trainer_logprobs(model, prompt, completion, temperature):
 async def _join(engine, name):
     """This process as the trainer (rank 0) and the engine (rank 1) in a new gloo group ``name``."""
     from strop.engines.sync import make_group
-    from strop.parallel.launch import free_port
+    from strop.cluster.process import free_port
 
     port = free_port()
     group, _ = await asyncio.gather(asyncio.to_thread(make_group, "127.0.0.1", port, 0, 2, "gloo", 120, name=name),

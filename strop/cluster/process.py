@@ -1,5 +1,6 @@
-"""Process lifetime: children that cannot outlive the process that started them (Linux), and
-SIGTERM / SIGHUP turned into an orderly end of a run."""
+"""Process utilities the launchers share: free ports, the device a process is bound to, children that
+cannot outlive the process that started them (Linux), and SIGTERM / SIGHUP turned into an orderly end of
+a run."""
 
 from __future__ import annotations
 
@@ -7,7 +8,12 @@ import contextlib
 import ctypes
 import os
 import signal
+import socket
 import threading
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
@@ -59,3 +65,31 @@ def stop_on_signals():
             signal.signal(s, h)
     if pending:
         raise Terminated(pending[0])
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def resolve_device(name: str = "auto") -> "torch.device":
+    """``run.device`` as a torch device bound to this process: cuda:<LOCAL_RANK> on a GPU, else cpu.
+
+    Binds the CUDA device (``torch.cuda.set_device``) before any process group exists,
+    so NCCL's collectives and every ``.to(device)`` use this rank's own GPU.
+    """
+    import torch
+
+    if name not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"run.device must be 'auto', 'cpu' or 'cuda', got {name!r}")
+    if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError(f"run.device='cuda' but this torch ({torch.__version__}) sees no CUDA device; "
+                         "use run.device=cpu or install a CUDA build of torch")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if local_rank >= torch.cuda.device_count():
+        raise ValueError(f"local rank {local_rank} has no GPU: this host has {torch.cuda.device_count()}")
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
