@@ -16,7 +16,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
-from strop.train.model import EMBEDDED_MODEL
+from strop.models import EMBEDDED_MODEL
 
 
 class ConfigError(ValueError):
@@ -364,6 +364,43 @@ class ParallelConfig(_Section):
         "the environment variable STROP_GRAD_REDUCE_BUCKET_BYTES overrides it)")
 
 
+class ClusterConfig(_Section):
+    launcher: Literal["local", "ray"] = Field(
+        "local", description="where the processes run: 'local' (this machine: one process, or --nproc N ranks; "
+        "torchrun's ranks are taken as they come) or 'ray' (trainer ranks and engines as Ray actors placed across "
+        "the cluster's nodes; pip install 'strop[ray]'; docs/scale-out.md)")
+    address: str | None = Field(
+        None, description="ray: the cluster to join: 'auto' (the one started on this host with `ray start`), "
+        "'host:port' (its head's GCS address), or unset: a local cluster started for this run and stopped with it")
+    placement: Literal["colocated", "disaggregated"] = Field(
+        "disaggregated", description="ray: 'disaggregated' gives every engine bundles of its own (on nodes without "
+        "trainer ranks where there is room); 'colocated' puts engine i in trainer rank i's bundle")
+    trainer_ranks: int = Field(1, ge=1, description="ray: trainer actors (the data x context parallel world size)")
+    trainer_resources: dict[str, float] = Field(
+        default_factory=lambda: {"CPU": 1.0}, description="ray: what one trainer rank reserves, e.g. "
+        "{CPU: 4, GPU: 1}, or fractions when colocated ({GPU: 0.4}); other keys are custom Ray resources")
+    engine_resources: dict[str, float] = Field(
+        default_factory=lambda: {"CPU": 1.0}, description="ray: what one engine (engine.launch=N of them) reserves, "
+        "e.g. {GPU: 1} or {GPU: 0.2} colocated")
+    placement_timeout_s: float = Field(60.0, gt=0, description="ray: how long the plan may wait for its resources "
+                                       "before the run fails naming the one that is missing")
+    connect_timeout_s: float = Field(10.0, gt=0, description="ray: how long reaching cluster.address may take")
+    stop_timeout_s: float = Field(30.0, gt=0, description="ray: after a trainer rank dies, how long the others "
+                                  "get to stop on their own before they are killed")
+    engine_restarts: int = Field(3, ge=0, description="ray: how often Ray restarts an engine actor that died (the "
+                                 "router re-admits it once it holds the current weights)")
+
+    @field_validator("trainer_resources", "engine_resources")
+    @classmethod
+    def _check_resources(cls, value: dict[str, float]):
+        bad = {k: v for k, v in value.items() if not v >= 0}
+        if bad:
+            raise ValueError(f"resource amounts must be >= 0, got {bad}")
+        if value.get("GPU", 0) > 1 and value["GPU"] != int(value["GPU"]):
+            raise ValueError(f"GPU={value['GPU']}: more than one GPU must be a whole number")
+        return value
+
+
 class ToolsConfig(_Section):
     enabled: list[Literal["python", "calculator"]] = Field(
         default_factory=list, description="built-in tools the model may call; any tool makes generation multi-turn "
@@ -426,8 +463,23 @@ class Config(_Section):
     parallel: ParallelConfig = Field(default_factory=ParallelConfig,
                                      description="multi-process training (strop train --nproc N)")
     plugins: PluginsConfig = Field(default_factory=PluginsConfig, description="hooks by import path (docs/plugins.md)")
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig, description="where processes run: the local "
+                                   "machine or a Ray cluster (docs/scale-out.md)")
     tools: ToolsConfig = Field(default_factory=ToolsConfig, description="tools for multi-turn rollouts "
                                "(docs/tools.md)")
+
+    @model_validator(mode="after")
+    def _check_cluster(self):
+        c, e = self.cluster, self.engine
+        if c.launcher == "local":
+            return self
+        if c.placement == "colocated" and e.launch > c.trainer_ranks:
+            raise ValueError(f"cluster.placement='colocated' puts engine i in trainer rank i's bundle: engine.launch="
+                             f"{e.launch} engines need as many trainer ranks (cluster.trainer_ranks={c.trainer_ranks})")
+        if c.placement == "colocated" and not e.launch:
+            raise ValueError("cluster.placement='colocated' shares the trainer ranks' bundles with engine actors: "
+                             "set engine.launch=N (engine.kind='strop'), or use placement='disaggregated'")
+        return self
 
     @model_validator(mode="after")
     def _check_groups(self):
