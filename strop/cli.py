@@ -49,7 +49,7 @@ def check_plugin_main(argv: list[str]) -> int:
 
 
 def serve_main(argv: list[str]) -> int:
-    from strop.train.model import EMBEDDED_MODEL
+    from strop.models import EMBEDDED_MODEL
 
     parser = argparse.ArgumentParser(prog="strop serve", description="Serve a model with strop's engine over HTTP "
                                      "(SGLang's native /generate and OpenAI-compatible completions).")
@@ -215,11 +215,21 @@ def train_main(argv: list[str]) -> int:
         return 2
     from strop.parallel.runtime import parallel_layout
 
+    on_ray = cfg.cluster.launcher == "ray" and "RANK" not in os.environ  # (its actors have one)
+    if on_ray and nproc > 1:
+        print("strop train: --nproc starts local ranks; with cluster.launcher=ray set cluster.trainer_ranks",
+              file=sys.stderr)
+        return 2
     try:
-        parallel_layout(int(os.environ.get("WORLD_SIZE", nproc)), cfg.parallel.context_parallel_size)
+        world = cfg.cluster.trainer_ranks if on_ray else int(os.environ.get("WORLD_SIZE", nproc))
+        parallel_layout(world, cfg.parallel.context_parallel_size)
     except ValueError as exc:
         print(f"strop train: {exc}", file=sys.stderr)
         return 2
+    if on_ray:
+        return _train_on_ray(cfg, ([yaml_path] if yaml_path else []) + (["--preset", preset] if preset else [])
+                             + ([f"--resume={resume}"] if resume is not None else [])
+                             + ([f"--allow-change={allow}"] if allow else []) + argv)
     if nproc > 1:
         from strop.cluster.process import stop_on_signals
         from strop.cluster.local import launch
@@ -252,6 +262,22 @@ def train_main(argv: list[str]) -> int:
         print(f"strop train: error: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _train_on_ray(cfg, argv: list[str]) -> int:
+    """The run's ranks and engines as Ray actors (strop.cluster.ray_cluster); this process places,
+    watches and stops them."""
+    from strop.cluster.placement import PlacementError
+    from strop.cluster.process import stop_on_signals
+    from strop.cluster.ray_cluster import ClusterError, launch
+
+    argv = _secrets_to_environment(cfg, argv)  # the actors get them in their environment
+    try:
+        with stop_on_signals():
+            return launch(cfg, argv)
+    except (ClusterError, PlacementError) as exc:
+        print(f"strop train: error: {exc}", file=sys.stderr)
+        return 1
 
 
 def _secrets_to_environment(cfg, argv: list[str]) -> list[str]:

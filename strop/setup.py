@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import datetime as _dt
+import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -21,7 +23,7 @@ from strop.parallel.runtime import Control, device_mesh_groups, parallel_layout
 from strop.observe.tracking import require_trackers
 from strop.plugins import PluginError, call_hook_sync, load_hook
 from strop.rollout.generate import resolve_reward, rollout as default_rollout
-from strop.train.model import load_model, load_tokenizer, resolve_model_path
+from strop.models import load_model, load_tokenizer, resolve_model_path
 from strop.train.trainer import Trainer
 from strop.types import SamplingParams
 
@@ -304,6 +306,9 @@ def remote_engine(cfg: Config, model_path: str, run_dir: Path, probe_ids: list[i
     from strop.engines.launch import launch_servers
 
     e = cfg.engine
+    if e.launch and "STROP_ENGINE_URLS" in os.environ:  # the Ray launcher's engine actors (strop.cluster), not ours
+        return _router(cfg, json.loads(os.environ["STROP_ENGINE_URLS"]), e.token.get_secret_value(), run_dir,
+                       probe_ids, device), []
     token = e.token.get_secret_value() if e.token else secrets.token_urlsafe(32) if e.launch else None
     weights_dir = Path(e.sync_dir or run_dir / "weights").resolve()  # the only folder the servers may load from
     servers = launch_servers(e.launch, model_path, args=[*e.launch_args, f"--weights-dir={weights_dir}"],
@@ -363,7 +368,8 @@ def _router(cfg: Config, urls: list[str], token: str | None, run_dir: Path, prob
         backend = e.sync_backend if e.sync_backend != "auto" else (
             "nccl" if device is not None and device.type == "cuda" else "gloo")
         broadcast = BroadcastSync(bucket_bytes=e.sync_bucket_bytes, backend=backend, timeout_s=e.timeout_s,
-                                  pause_mode=e.sync_pause, dtype=e.sync_dtype)
+                                  pause_mode=e.sync_pause, dtype=e.sync_dtype,
+                                  host=os.environ.get("STROP_NODE_IP", "127.0.0.1"))  # where engines reach rank 0
     router = Router(clients, writer=writer, health_interval_s=e.health_interval_s, affinity=e.affinity,
                     broadcast=broadcast, delta=sync == "delta", drain_timeout_s=e.timeout_s)
     import torch.distributed as dist

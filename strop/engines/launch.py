@@ -22,7 +22,7 @@ from pathlib import Path
 
 @dataclass
 class LocalServer:
-    """One ``strop serve`` child process on 127.0.0.1."""
+    """One ``strop serve`` child process, on 127.0.0.1 unless ``host`` (another address needs a token)."""
 
     model_path: str
     port: int
@@ -30,10 +30,11 @@ class LocalServer:
     env: dict[str, str] = field(default_factory=dict, repr=False)  # may hold the token
     proc: subprocess.Popen | None = None
     log_path: Path | None = None
+    host: str = "127.0.0.1"
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def start(self) -> "LocalServer":
         """Start the server. The kernel's parent-death signal follows the thread that starts it
@@ -41,7 +42,7 @@ class LocalServer:
         fd, log = tempfile.mkstemp(prefix=f"strop-serve-{self.port}-", suffix=".log")
         self.log_path = Path(log)
         cmd = [sys.executable, "-m", "strop.engines.launch", str(os.getpid()), "serve",
-               f"--model-path={self.model_path}", f"--port={self.port}", *self.args]
+               f"--model-path={self.model_path}", f"--host={self.host}", f"--port={self.port}", *self.args]
         self.proc = subprocess.Popen(cmd, stdout=fd, stderr=fd, env={**os.environ, **self.env}, start_new_session=True)
         os.close(fd)
         return self

@@ -1,0 +1,336 @@
+"""The Ray launcher: trainer ranks and engines as Ray actors, placed by the plan across the cluster's nodes.
+
+Ray decides where processes run, not what they do: each trainer actor runs the same ``strop train``
+as a rank of ``--nproc`` (RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR from the plan, the master on
+rank 0's node), so data parallel, FSDP2 and context parallel work unchanged, and rank 0 stays the
+controller. Engine actors each own a ``strop serve`` process on their node; their URLs reach rank 0's
+router, which fails over when one dies and re-admits it, restarted by Ray, once it holds the current
+weights. This process (the driver) only places, watches and stops: when a trainer rank dies, every
+other rank gets ``cluster.stop_timeout_s`` to end on its own, then is killed; whatever happens,
+the run's actors, their servers, the placement group and a local cluster it started end with it.
+
+Several nodes need shared storage: the run directory (metrics, checkpoints, the weights engines load
+from disk) and the working directory must be the same path on every node. Each actor checks that it
+sees a file the driver wrote there before it starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+import sys
+import time
+import uuid
+from pathlib import Path
+
+from strop.cluster.placement import Node, Plan, PlacementError, plan_placement
+
+PIN = 0.001  # of a node's own resource, in each bundle: it holds the bundle to the node the plan chose
+
+
+class ClusterError(RuntimeError):
+    """The Ray cluster cannot be reached or used as configured."""
+
+
+def import_ray():
+    try:
+        import ray
+    except ImportError:
+        raise ClusterError("cluster.launcher='ray' needs Ray: pip install 'strop[ray]'") from None
+    return ray
+
+
+class TrainerRank:
+    """A trainer rank: ``strop train`` with this rank's environment, in a Ray actor."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+
+    def __repr__(self) -> str:  # Ray prefixes the actor's output lines with it
+        return f"rank{self.rank}"
+
+    def where(self) -> dict:
+        return _where()
+
+    def free_port(self) -> int:
+        with socket.socket() as s:
+            s.bind((_node_ip(), 0))
+            return s.getsockname()[1]
+
+    def run(self, argv: list[str], env: dict[str, str], cwd: str, marker: str) -> int:
+        _check_shared(cwd, marker, f"rank {self.rank}")
+        os.chdir(cwd)
+        os.environ.update(env)
+        from strop.cli import main
+
+        return main(["train", *argv])
+
+
+class EngineServer:
+    """An engine: a ``strop serve`` process on this actor's node, started when the actor starts (again
+    on the same port when Ray restarts it) and killed with the actor (parent-death signal)."""
+
+    def __init__(self, index: int, model_path: str, port: int, args: list[str], token: str, cwd: str, marker: str):
+        from strop.engines.launch import LocalServer
+
+        _check_shared(cwd, marker, f"engine {index}")
+        os.chdir(cwd)
+        self.index = index
+        self.server = LocalServer(model_path, port, list(args), {"STROP_SERVE_TOKEN": token}, host=_node_ip())
+        self.server.start().wait_healthy()
+
+    def __repr__(self) -> str:
+        return f"engine{self.index}"
+
+    def where(self) -> dict:
+        return _where() | {"url": self.server.url, "server_pid": self.server.proc.pid}
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+def _where() -> dict:
+    import ray
+
+    return {"node": ray.get_runtime_context().get_node_id(), "ip": _node_ip(), "pid": os.getpid(),
+            "host": socket.gethostname()}
+
+
+def _node_ip() -> str:
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
+def _check_shared(cwd: str, marker: str, who: str) -> None:
+    if not Path(marker).is_file():
+        raise ClusterError(f"{who} on {socket.gethostname()} cannot see {marker}, written by the driver: a run across "
+                           f"nodes needs the run directory's parent and the working directory {cwd} on shared "
+                           "storage, at the same path on every node")
+
+
+def connect(ray, address: str | None, timeout_s: float) -> bool:
+    """Join the cluster at ``address`` ('auto', 'host:port') or start a local one (None), on loopback
+    only; a bad address fails within ``timeout_s``. Returns whether a local cluster was started."""
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")  # every rank's lines, each with its prefix
+    if address is None:
+        ray.init(include_dashboard=False, configure_logging=False, log_to_driver=True)
+        return True
+    if address != "auto":
+        host, _, port = address.removeprefix("ray://").rpartition(":")
+        if not host or not port.isdigit():
+            raise ClusterError(f"cluster.address={address!r}: expected 'auto' or 'host:port' of the head's GCS")
+        try:
+            socket.create_connection((host, int(port)), timeout=timeout_s).close()
+        except OSError as exc:
+            raise ClusterError(f"cluster.address={address!r}: cannot reach a Ray head there within {timeout_s:g}s "
+                               f"({exc}); start one with `ray start --head` or fix the address") from exc
+    try:
+        ray.init(address=address, configure_logging=False, log_to_driver=True)
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        raise ClusterError(f"cluster.address={address!r}: {exc}") from exc
+    return False
+
+
+def cluster_nodes(ray) -> list[Node]:
+    return [Node(n["NodeID"], n["NodeManagerAddress"], dict(n["Resources"])) for n in ray.nodes() if n["Alive"]]
+
+
+def node_pins(nodes: list[Node]) -> dict[str, str]:
+    """For each node, a resource only it has (``node:<ip>`` on a real cluster, a custom one when nodes
+    share an address); a bundle asks for a sliver of it to land there."""
+    pins = {}
+    for n in nodes:
+        own = [k for k in n.resources if k.startswith("node:") and not k.startswith("node:__")] + sorted(n.resources)
+        unique = [k for k in own if "memory" not in k and k not in ("CPU", "GPU")
+                  and not any(k in m.resources for m in nodes if m.id != n.id)]
+        if not unique and len(nodes) > 1:
+            raise ClusterError(f"node {n.id[:12]} ({n.address}) has no resource of its own to tell it apart from the "
+                               "other nodes at the same address: start each node with one, e.g. ray start "
+                               "--resources='{\"node_a\": 1}'")
+        pins[n.id] = unique[0] if unique else ""
+    return pins
+
+
+def reserve(ray, plan: Plan, timeout_s: float):
+    """A placement group of the plan's bundles, each held to its node; a PlacementError naming what is
+    not free if Ray cannot place it within ``timeout_s`` (never a hang)."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    pins = node_pins(plan.nodes)
+    bundles = [dict(b.resources) | ({pins[b.node]: PIN} if pins[b.node] else {}) for b in plan.bundles]
+    pg = placement_group(bundles, strategy="PACK", name=f"strop-{uuid.uuid4().hex[:8]}")
+    ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+    if not ready:
+        remove_placement_group(pg)
+        raise PlacementError(f"the plan's resources were not free within cluster.placement_timeout_s={timeout_s:g}s "
+                             f"(held by other work?): {_shortfall(ray, plan)}")
+    return pg
+
+
+def _shortfall(ray, plan: Plan) -> str:
+    """What each node of the plan lacks right now, e.g. "node 1a2b: CPU 2 needed, 0 free"."""
+    try:
+        from ray._private.state import available_resources_per_node
+
+        free = available_resources_per_node()
+    except Exception:  # (a private API: fall back to the cluster's totals)
+        return f"the cluster has {ray.available_resources()} free"
+    lines = []
+    for n in plan.nodes:
+        need: dict[str, float] = {}
+        for b in plan.bundles:
+            if b.node == n.id:
+                for k, v in b.resources.items():
+                    need[k] = need.get(k, 0.0) + v
+        short = [f"{k} {v:g} needed, {free.get(n.id, {}).get(k, 0.0):g} free" for k, v in sorted(need.items())
+                 if free.get(n.id, {}).get(k, 0.0) < v - 1e-9]
+        if short:
+            lines.append(f"missing on node {n.id[:12]} ({n.address}): " + ", ".join(short))
+    return "; ".join(lines) or f"the cluster has {ray.available_resources()} free"
+
+
+def _options(resources: dict[str, float], pg, index: int, **extra) -> dict:
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    rest = dict(resources)
+    return {"num_cpus": rest.pop("CPU", 0.0), "num_gpus": rest.pop("GPU", 0.0), "resources": rest,
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
+            **extra}
+
+
+def run_dir_of(cfg) -> Path:
+    """The run directory, named here (``runs/<timestamp>`` unless run.dir) so that every actor writes
+    into the same one."""
+    if cfg.run.dir:
+        return Path(cfg.run.dir).resolve()
+    stamp, n = time.strftime("%Y%m%d-%H%M%S"), 1
+    path = Path("runs") / stamp
+    while path.exists():
+        path, n = Path("runs") / f"{stamp}-{n}", n + 1
+    return path.resolve()
+
+
+def launch(cfg, argv: list[str]) -> int:
+    """``strop train`` with ``cluster.launcher=ray``: place, start, watch and stop the run's actors.
+    ``argv``: the command line every trainer rank runs (the run directory is added here)."""
+    c = cfg.cluster
+    if c.address is None:  # a local cluster binds 127.0.0.1 only: nothing joins it (read when ray is imported)
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    ray = import_ray()
+    local = connect(ray, c.address, c.connect_timeout_s)
+    pg, actors, marker = None, [], None
+    try:
+        nodes = cluster_nodes(ray)
+        engine_resources = c.engine_resources if cfg.engine.launch else {}
+        plan = plan_placement(nodes, c.trainer_ranks, c.trainer_resources, cfg.engine.launch, engine_resources,
+                              c.placement)
+        print(f"strop: ray: {'a local cluster' if local else c.address}, {len(nodes)} node(s); "
+              f"{c.placement} placement:\n{plan.table()}", flush=True)
+        run_dir = run_dir_of(cfg)
+        run_dir.parent.mkdir(parents=True, exist_ok=True)
+        marker = run_dir.parent / f".strop-ray-{uuid.uuid4().hex[:12]}"
+        marker.write_text("a file every actor must see: the run directory is on shared storage\n")
+        pg = reserve(ray, plan, c.placement_timeout_s)
+        cwd = os.getcwd()
+        from strop.config import secret_fields
+
+        env = {name: os.environ[name] for name in secret_fields().values() if name in os.environ}
+        if cfg.engine.launch:
+            token = cfg.engine.token.get_secret_value() if cfg.engine.token else secrets.token_urlsafe(32)
+            engines = start_engines(ray, cfg, plan, pg, token, str(run_dir), cwd, str(marker))
+            actors += engines
+            urls = [w["url"] for w in ray.get([e.where.remote() for e in engines])]
+            env |= {"STROP_ENGINE_URLS": json.dumps(urls), "STROP_ENGINE_TOKEN": token}
+        ranks = [ray.remote(TrainerRank).options(**_options(c.trainer_resources, pg, plan.rank_bundle(r), max_restarts=0,
+                                                           max_concurrency=2)).remote(r)
+                 for r in range(c.trainer_ranks)]
+        actors += ranks
+        where = ray.get([a.where.remote() for a in ranks])
+        _check_plan(plan, where)
+        master_port = ray.get(ranks[0].free_port.remote())
+        gpu = c.trainer_resources.get("GPU", 0) > 0
+        common = {"WORLD_SIZE": str(c.trainer_ranks), "MASTER_ADDR": where[0]["ip"], "MASTER_PORT": str(master_port),
+                  "STROP_NODE_IP": where[0]["ip"]} | env
+        runs = {ranks[r].run.remote([*argv, f"--run.dir={run_dir}"],
+                                    # Ray shows each actor only its own GPU (CUDA_VISIBLE_DEVICES): cuda:0 there
+                                    common | {"RANK": str(r), "LOCAL_RANK": "0" if gpu else str(plan.local_rank(r))},
+                                    cwd, str(marker)): r for r in range(c.trainer_ranks)}
+        return supervise(ray, runs, where, c.stop_timeout_s)
+    finally:
+        stop(ray, actors, pg, local, marker)
+
+
+def start_engines(ray, cfg, plan: Plan, pg, token: str, run_dir: str, cwd: str, marker: str) -> list:
+    """One actor per engine, each serving ``strop serve`` on its node; Ray restarts one that dies
+    (``cluster.engine_restarts`` times) on the same port, where the router finds it again."""
+    from strop.cluster.process import free_port
+
+    weights = f"--weights-dir={Path(cfg.engine.sync_dir or Path(run_dir) / 'weights').resolve()}"
+    engines = []
+    for i in range(cfg.engine.launch):
+        engines.append(ray.remote(EngineServer).options(**_options(
+            cfg.cluster.engine_resources, pg, plan.engine_bundle(i), max_restarts=cfg.cluster.engine_restarts,
+            max_concurrency=2)).remote(i, cfg.model.path, free_port(), [*cfg.engine.launch_args, weights], token, cwd,
+                                       marker))
+    ray.get([e.where.remote() for e in engines])  # every one healthy (or its failure, raised here)
+    return engines
+
+
+def _check_plan(plan: Plan, where: list[dict]) -> None:
+    for rank, w in enumerate(where):
+        if w["node"] != plan.node_of_rank(rank):
+            raise ClusterError(f"rank {rank} runs on node {w['node'][:12]}, the plan put it on "
+                               f"{plan.node_of_rank(rank)[:12]}")
+
+
+def supervise(ray, runs: dict, where: list[dict], stop_timeout_s: float) -> int:
+    """Wait for every rank; the first that fails or dies stops the run: the others get
+    ``stop_timeout_s`` to end on their own, then are killed. Returns the run's exit code."""
+    pending = list(runs)
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1)
+        rank = runs[done[0]]
+        code, why = _outcome(ray, done[0])
+        if code == 0:
+            continue
+        w = where[rank]
+        print(f"strop: rank {rank} on node {w['node'][:12]} ({w['host']}, {w['ip']}, pid {w['pid']}) {why}",
+              file=sys.stderr, flush=True)
+        if pending:
+            _, left = ray.wait(pending, num_returns=len(pending), timeout=stop_timeout_s)
+            if left:
+                print(f"strop: stopping rank(s) {sorted(runs[r] for r in left)}: still running "
+                      f"{stop_timeout_s:g}s after rank {rank} failed", file=sys.stderr, flush=True)
+        return code
+    return 0
+
+
+def _outcome(ray, ref) -> tuple[int, str]:
+    from ray.exceptions import RayActorError, RayTaskError
+
+    try:
+        code = ray.get(ref)
+    except RayActorError as exc:
+        return 1, f"died: {str(exc).splitlines()[0]}"
+    except RayTaskError as exc:
+        return 1, f"failed: {exc}"
+    return code, f"exited with code {code}"
+
+
+def stop(ray, actors: list, pg, local: bool, marker: Path | None) -> None:
+    """End the run's actors (their servers die with them), the placement group, and a local cluster."""
+    for a in actors:
+        try:
+            ray.kill(a, no_restart=True)
+        except Exception as exc:  # already gone
+            print(f"strop: ray: could not kill {a}: {exc}", file=sys.stderr)
+    if pg is not None:
+        from ray.util.placement_group import remove_placement_group
+
+        remove_placement_group(pg)
+    if marker is not None:
+        marker.unlink(missing_ok=True)
+    ray.shutdown()  # a local cluster stops with it
