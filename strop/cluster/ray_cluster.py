@@ -27,6 +27,7 @@ from pathlib import Path
 
 from strop.cluster.placement import Node, Plan, PlacementError, plan_placement
 
+LOG_GRACE_S = 1.0
 PIN = 0.001  # of a node's own resource, in each bundle: it holds the bundle to the node the plan chose
 
 
@@ -63,6 +64,10 @@ class TrainerRank:
         _check_shared(cwd, marker, f"rank {self.rank}")
         os.chdir(cwd)
         os.environ.update(env)
+        # imports resolve as in the driver: its PYTHONPATH, then its working directory (as `python -m` does)
+        for entry in [*env.get("PYTHONPATH", "").split(os.pathsep), cwd][::-1]:
+            if entry and entry not in sys.path:
+                sys.path.insert(0, entry)
         from strop.cli import main
 
         return main(["train", *argv])
@@ -111,12 +116,14 @@ def _check_shared(cwd: str, marker: str, who: str) -> None:
                            "storage, at the same path on every node")
 
 
-def connect(ray, address: str | None, timeout_s: float) -> bool:
+def connect(ray, address: str | None, timeout_s: float, namespace: str) -> bool:
     """Join the cluster at ``address`` ('auto', 'host:port') or start a local one (None), on loopback
-    only; a bad address fails within ``timeout_s``. Returns whether a local cluster was started."""
+    only; a bad address fails within ``timeout_s``. The run's actors are named in ``namespace`` (rank0,
+    engine0, ...). Returns whether a local cluster was started."""
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")  # every rank's lines, each with its prefix
     if address is None:
-        ray.init(include_dashboard=False, configure_logging=False, log_to_driver=True)
+        ray.init(address="local", namespace=namespace, include_dashboard=False, configure_logging=False,
+                 log_to_driver=True)
         return True
     if address != "auto":
         host, _, port = address.removeprefix("ray://").rpartition(":")
@@ -128,7 +135,7 @@ def connect(ray, address: str | None, timeout_s: float) -> bool:
             raise ClusterError(f"cluster.address={address!r}: cannot reach a Ray head there within {timeout_s:g}s "
                                f"({exc}); start one with `ray start --head` or fix the address") from exc
     try:
-        ray.init(address=address, configure_logging=False, log_to_driver=True)
+        ray.init(address=address, namespace=namespace, configure_logging=False, log_to_driver=True)
     except (ConnectionError, RuntimeError, ValueError) as exc:
         raise ClusterError(f"cluster.address={address!r}: {exc}") from exc
     return False
@@ -220,7 +227,7 @@ def launch(cfg, argv: list[str]) -> int:
     if c.address is None:  # a local cluster binds 127.0.0.1 only: nothing joins it (read when ray is imported)
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     ray = import_ray()
-    local = connect(ray, c.address, c.connect_timeout_s)
+    local = connect(ray, c.address, c.connect_timeout_s, f"strop-{uuid.uuid4().hex[:12]}")
     pg, actors, marker = None, [], None
     try:
         nodes = cluster_nodes(ray)
@@ -237,7 +244,7 @@ def launch(cfg, argv: list[str]) -> int:
         cwd = os.getcwd()
         from strop.config import secret_fields
 
-        env = {name: os.environ[name] for name in secret_fields().values() if name in os.environ}
+        env = {name: os.environ[name] for name in [*secret_fields().values(), "PYTHONPATH"] if name in os.environ}
         if cfg.engine.launch:
             token = cfg.engine.token.get_secret_value() if cfg.engine.token else secrets.token_urlsafe(32)
             engines = start_engines(ray, cfg, plan, pg, token, str(run_dir), cwd, str(marker))
@@ -245,11 +252,12 @@ def launch(cfg, argv: list[str]) -> int:
             urls = [w["url"] for w in ray.get([e.where.remote() for e in engines])]
             env |= {"STROP_ENGINE_URLS": json.dumps(urls), "STROP_ENGINE_TOKEN": token}
         ranks = [ray.remote(TrainerRank).options(**_options(c.trainer_resources, pg, plan.rank_bundle(r), max_restarts=0,
-                                                           max_concurrency=2)).remote(r)
+                                                           max_concurrency=2, name=f"rank{r}")).remote(r)
                  for r in range(c.trainer_ranks)]
         actors += ranks
         where = ray.get([a.where.remote() for a in ranks])
         _check_plan(plan, where)
+        report(where, ray.get([e.where.remote() for e in actors if e not in ranks]))
         master_port = ray.get(ranks[0].free_port.remote())
         gpu = c.trainer_resources.get("GPU", 0) > 0
         common = {"WORLD_SIZE": str(c.trainer_ranks), "MASTER_ADDR": where[0]["ip"], "MASTER_PORT": str(master_port),
@@ -258,7 +266,9 @@ def launch(cfg, argv: list[str]) -> int:
                                     # Ray shows each actor only its own GPU (CUDA_VISIBLE_DEVICES): cuda:0 there
                                     common | {"RANK": str(r), "LOCAL_RANK": "0" if gpu else str(plan.local_rank(r))},
                                     cwd, str(marker)): r for r in range(c.trainer_ranks)}
-        return supervise(ray, runs, where, c.stop_timeout_s)
+        code = supervise(ray, runs, where, c.stop_timeout_s)
+        time.sleep(LOG_GRACE_S)  # Ray's log monitor delivers the actors' last lines before they are killed
+        return code
     finally:
         stop(ray, actors, pg, local, marker)
 
@@ -271,12 +281,20 @@ def start_engines(ray, cfg, plan: Plan, pg, token: str, run_dir: str, cwd: str, 
     weights = f"--weights-dir={Path(cfg.engine.sync_dir or Path(run_dir) / 'weights').resolve()}"
     engines = []
     for i in range(cfg.engine.launch):
-        engines.append(ray.remote(EngineServer).options(**_options(
-            cfg.cluster.engine_resources, pg, plan.engine_bundle(i), max_restarts=cfg.cluster.engine_restarts,
-            max_concurrency=2)).remote(i, cfg.model.path, free_port(), [*cfg.engine.launch_args, weights], token, cwd,
-                                       marker))
+        options = _options(cfg.cluster.engine_resources, pg, plan.engine_bundle(i), name=f"engine{i}",
+                           max_restarts=cfg.cluster.engine_restarts, max_concurrency=2)
+        engines.append(ray.remote(EngineServer).options(**options).remote(
+            i, cfg.model.path, free_port(), [*cfg.engine.launch_args, weights], token, cwd, marker))
     ray.get([e.where.remote() for e in engines])  # every one healthy (or its failure, raised here)
     return engines
+
+
+def report(ranks: list[dict], engines: list[dict]) -> None:
+    """Print where each actor runs (as each reported it, beside the plan's table)."""
+    for kind, found in (("rank", ranks), ("engine", engines)):
+        for i, w in enumerate(found):
+            extra = f", {w['url']}, server pid {w['server_pid']}" if "url" in w else ""
+            print(f"strop: ray: {kind} {i} on node {w['node'][:12]} ({w['ip']}), pid {w['pid']}{extra}", flush=True)
 
 
 def _check_plan(plan: Plan, where: list[dict]) -> None:

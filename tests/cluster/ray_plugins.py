@@ -1,0 +1,51 @@
+"""Reward plugins that kill one of a Ray run's actors from inside the run (rank 0 computes rewards), at a
+known point: the actors are named in the run's namespace (strop.cluster.ray_cluster)."""
+
+import json
+import os
+import signal
+import time
+
+from tests.plugins import even_token_reward
+
+_state = {"killed": False}
+
+
+def _kill(name: str) -> dict:
+    import ray
+
+    before = ray.get(ray.get_actor(name).where.remote())
+    os.kill(before["pid"], signal.SIGKILL)
+    return before
+
+
+def kill_engine_0_at_step_2(sample) -> float:
+    """At step 2's first reward: SIGKILL engine 0's actor, then wait until Ray has restarted it (another pid,
+    serving again); old and new pids to ./engine_kill.json."""
+    if sample.weight_versions and sample.weight_versions[0] == 1 and not _state["killed"]:
+        import ray
+
+        _state["killed"] = True
+        before, deadline = _kill("engine0"), time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                after = ray.get(ray.get_actor("engine0").where.remote(), timeout=10)
+                if after["pid"] != before["pid"]:
+                    break
+            except Exception:  # restarting
+                time.sleep(0.5)
+        else:
+            raise TimeoutError("engine 0 was not restarted within 120 s")
+        with open("engine_kill.json", "w") as f:
+            json.dump({"before": before, "after": after}, f)
+    return even_token_reward(sample)
+
+
+def kill_rank_1_at_step_3(sample) -> float:
+    """At step 3's first reward (trained weights of step 2 sampled it): SIGKILL rank 1's actor once
+    (./rank_kill.json marks it done, so a resumed run is not killed again)."""
+    if sample.weight_versions and sample.weight_versions[0] == 2 and not os.path.exists("rank_kill.json"):
+        with open("rank_kill.json", "w") as f:
+            json.dump(_kill("rank1"), f)
+        time.sleep(2)  # rank 0 then meets the dead rank in its next collective
+    return even_token_reward(sample)

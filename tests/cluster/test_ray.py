@@ -1,0 +1,221 @@
+"""``strop train`` on Ray: real Ray nodes on loopback (a head and a worker, each with a resource of its own,
+started once for the module), trainer ranks and engines as actors, against ``--nproc`` and under faults."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # every Ray process on 127.0.0.1 (read at import)
+
+ROOT = Path(__file__).resolve().parents[2]
+ENV = dict(os.environ, PYTHONPATH=str(ROOT), RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
+TIMED = ("seconds", "_per_s", "peak_", "memory", "rss")  # measured, not computed
+
+
+@pytest.fixture(scope="module")
+def nodes():
+    """Two Ray nodes: the head (2 CPUs, resource node_a) and a worker (3 CPUs, resource node_b)."""
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"node_a": 1},
+                                                             "include_dashboard": False})
+    worker = cluster.add_node(num_cpus=3, resources={"node_b": 1})
+    cluster.wait_for_nodes()
+    yield {"address": cluster.address, "head": cluster.head_node.node_id, "worker": worker.node_id}
+    cluster.shutdown()
+
+
+def tiny(model_dir, run_dir, *extra, steps=2):
+    return [f"--model.path={model_dir}", "--data.size=16", "--data.eval_size=4", "--rollout.prompts_per_step=2",
+            "--rollout.n_samples_per_prompt=4", "--rollout.max_new_tokens=8",
+            "--rollout.reward=tests.plugins:even_token_reward", "--rollout.temperature=1.5", f"--train.steps={steps}",
+            "--train.lr=1e-3", "--train.micro_batch_size=2", "--eval.every=2", "--run.progress=false",
+            "--parallel.grad_reduce_bucket_bytes=1048576", f"--run.dir={run_dir}", *extra]
+
+
+def strop(args, cwd, timeout=300):
+    return subprocess.run([sys.executable, "-m", "strop.cli", "train", *args], cwd=cwd, env=ENV, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def on_ray(address, ranks=2, *extra):
+    return ["--cluster.launcher=ray", f"--cluster.address={address}", f"--cluster.trainer_ranks={ranks}", *extra]
+
+
+def rows(run_dir):
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_same_metrics(a, b, tol):
+    """Every computed field equal within ``tol`` (0: bitwise), step by step; measured fields excluded."""
+    assert len(a) == len(b) and a
+    for x, y in zip(a, b):
+        keys = {k for k in {*x, *y} if not any(t in k for t in TIMED)}
+        assert {k for k in keys if k in x} == {k for k in keys if k in y}
+        for k in keys:
+            if isinstance(x[k], float):
+                assert abs(x[k] - y[k]) <= tol, (k, x[k], y[k])
+            else:
+                assert x[k] == y[k], (k, x[k], y[k])
+
+
+def placed(out: str) -> dict:
+    """{('rank'|'engine', i): (node id prefix, pid[, server pid])} from the driver's report lines."""
+    found = {}
+    for kind, i, node, pid, server in re.findall(r"strop: ray: (rank|engine) (\d+) on node (\w+) \([^)]*\), pid (\d+)"
+                                                 r"(?:, \S+, server pid (\d+))?", out):
+        found[kind, int(i)] = (node, int(pid), int(server) if server else None)
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+
+
+def raylets() -> set[int]:
+    out = set()
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                if b"raylet" in (p / "cmdline").read_bytes().split(b"\0")[0]:
+                    out.add(int(p.name))
+            except OSError:
+                pass
+    return out
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("mode", ["sync", "one_step_off"])
+def test_two_ray_actors_train_as_nproc_2_does(mode, nodes, tiny_model_dir, tmp_path):
+    """Same seeds, same metrics: 2 trainer actors against 2 local ranks. The sync run also starts and stops
+    a local Ray cluster of its own (no address): none of its processes is left."""
+    extra = [f"--rollout.mode={mode}"]
+    before = raylets()
+    address = ["--cluster.launcher=ray", "--cluster.trainer_ranks=2"] if mode == "sync" else on_ray(nodes["address"])
+    ray_run = strop([*tiny(tiny_model_dir, tmp_path / "ray", *extra), *address], tmp_path)
+    assert ray_run.returncode == 0, ray_run.stderr[-3000:]
+    assert raylets() == before  # the run's own cluster (sync) stopped; the module's untouched
+    local = strop([*tiny(tiny_model_dir, tmp_path / "local", *extra), "--nproc=2"], tmp_path)
+    assert local.returncode == 0, local.stderr[-3000:]
+    assert_same_metrics(rows(tmp_path / "ray"), rows(tmp_path / "local"), tol=1e-6)
+    where = placed(ray_run.stdout)
+    assert set(where) == {("rank", 0), ("rank", 1)} and not any(alive(pid) for _, pid, _ in where.values())
+
+
+@pytest.mark.timeout(600)
+def test_two_nodes_disaggregated_survive_an_engine_killed_mid_rollout(nodes, tiny_model_dir, tmp_path):
+    """Trainer ranks on the worker node (it holds both), two strop serve engine actors on the head; at step 2
+    engine 0's actor is SIGKILLed: the router fails over, no sample is lost, Ray restarts the actor on its
+    node and the router re-admits it only at the current weight version. Nothing is left running after."""
+    args = [*tiny(tiny_model_dir, tmp_path / "run", "--engine.kind=strop", "--engine.launch=2",
+                  "--engine.launch_args=[\"--threads=1\"]", "--engine.health_interval_s=0.5",
+                  "--rollout.reward=tests.cluster.ray_plugins:kill_engine_0_at_step_2", steps=3),
+            *on_ray(nodes["address"], 2, '--cluster.engine_resources={"CPU": 1}')]
+    run = strop(args, tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = run.stdout
+    table = out[out.index("placement:"):].splitlines()[1:4]
+    head, worker = nodes["head"][:12], nodes["worker"][:12]
+    assert any(line.split()[0] == worker and line.split()[2] == "0-1" and line.split()[3] == "-" for line in table)
+    assert any(line.split()[0] == head and line.split()[2] == "-" and line.split()[3] == "0-1" for line in table)
+    where = placed(out)
+    assert {where["rank", r][0] for r in (0, 1)} == {worker} and {where["engine", e][0] for e in (0, 1)} == {head}
+    kill = json.loads((tmp_path / "engine_kill.json").read_text())
+    assert kill["before"]["pid"] != kill["after"]["pid"] and kill["before"]["node"] == kill["after"]["node"]
+    metrics = [r for r in rows(tmp_path / "run") if "reward_mean" in r]
+    assert len(metrics) == 3 and sum(r["engine_down"] for r in metrics) >= 1
+    assert all(r["aborted_fraction"] == 0 and r["failed_fraction"] == 0 for r in metrics)  # no sample lost
+    readmitted = re.findall(r"re-admitted .* at weight version (\d+)", out)
+    assert readmitted and all(int(v) >= 2 for v in readmitted), out[-3000:]  # at the current version, not 0
+    assert sum(r["engine_readmitted"] for r in metrics) >= 1 and metrics[-1]["engines_healthy"] == 2
+    pids = [pid for _, pid, _ in where.values()] + [s for _, _, s in where.values() if s]
+    pids += [kill["after"]["pid"], kill["after"]["server_pid"]]
+    assert not [p for p in pids if alive(p)]
+
+
+@pytest.mark.timeout(600)
+def test_a_killed_trainer_rank_stops_the_run_and_resume_on_ray_is_bit_exact(nodes, tiny_model_dir, tmp_path):
+    ray_args = on_ray(nodes["address"], 2, "--cluster.stop_timeout_s=20")
+    whole = strop([*tiny(tiny_model_dir, tmp_path / "whole", "--run.save_every=1", steps=3), *ray_args], tmp_path)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    t0 = time.monotonic()
+    cut = strop([*tiny(tiny_model_dir, tmp_path / "cut", "--run.save_every=1", steps=3,
+                       ) + ["--rollout.reward=tests.cluster.ray_plugins:kill_rank_1_at_step_3"], *ray_args], tmp_path)
+    elapsed = time.monotonic() - t0
+    killed = json.loads((tmp_path / "rank_kill.json").read_text())
+    assert cut.returncode != 0 and elapsed < 120
+    assert re.search(rf"strop: rank 1 on node {killed['node'][:12]} \(.*pid {killed['pid']}\) died", cut.stderr), \
+        cut.stderr[-3000:]
+    where = placed(cut.stdout)
+    assert not [pid for _, pid, _ in where.values() if alive(pid)]
+    from strop.checkpoint import latest
+
+    assert latest(tmp_path / "cut").name == "step_000002"  # the last complete checkpoint, intact
+    resumed = strop([f"--resume={tmp_path / 'cut'}"], tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "on node" in resumed.stdout  # resumed on Ray, as saved
+    assert_same_metrics(rows(tmp_path / "cut"), rows(tmp_path / "whole"), tol=0.0)
+
+
+@pytest.mark.timeout(120)
+def test_an_unsatisfiable_plan_fails_naming_the_missing_resource(nodes, tiny_model_dir, tmp_path):
+    t0 = time.monotonic()
+    run = strop([*tiny(tiny_model_dir, tmp_path / "gpu"), *on_ray(nodes["address"], 1,
+                                                                  '--cluster.trainer_resources={"GPU": 1}')], tmp_path)
+    assert run.returncode == 1 and "missing resource 'GPU'" in run.stderr and "no node has GPU" in run.stderr
+    assert time.monotonic() - t0 < 60 and not (tmp_path / "gpu").exists()
+
+
+@pytest.mark.timeout(120)
+def test_resources_held_by_other_work_fail_within_the_placement_timeout(nodes, tiny_model_dir, tmp_path):
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    ray.init(address=nodes["address"], configure_logging=False, log_to_driver=False)
+    try:
+        held = placement_group([{"CPU": 3, "node_b": 0.5}, {"CPU": 2, "node_a": 0.5}], strategy="SPREAD")
+        ray.get(held.ready(), timeout=30)
+        t0 = time.monotonic()
+        run = strop([*tiny(tiny_model_dir, tmp_path / "held"),
+                     *on_ray(nodes["address"], 2, "--cluster.placement_timeout_s=3")], tmp_path)
+        elapsed = time.monotonic() - t0
+        remove_placement_group(held)
+    finally:
+        ray.shutdown()
+    assert run.returncode == 1 and "were not free within cluster.placement_timeout_s=3s" in run.stderr, run.stderr
+    assert re.search(r"missing on node \w+ \(127.0.0.1\): CPU 2 needed, 0 free", run.stderr)
+    assert elapsed < 45
+
+
+@pytest.mark.timeout(60)
+def test_a_bad_address_fails_within_seconds(tiny_model_dir, tmp_path):
+    from strop.cluster.process import free_port
+
+    t0 = time.monotonic()
+    run = strop([*tiny(tiny_model_dir, tmp_path / "r"), *on_ray(f"127.0.0.1:{free_port()}", 1,
+                                                                "--cluster.connect_timeout_s=2")], tmp_path)
+    assert run.returncode == 1 and "cannot reach a Ray head there within 2s" in run.stderr, run.stderr
+    assert time.monotonic() - t0 < 20
+
+
+@pytest.mark.timeout(60)
+def test_without_ray_the_launcher_says_how_to_install_it(tmp_path):
+    code = ("import sys; sys.modules['ray'] = None; from strop.cli import main; "
+            "sys.exit(main(['train', '--cluster.launcher=ray', f'--run.dir={sys.argv[1]}']))")
+    run = subprocess.run([sys.executable, "-c", code, str(tmp_path / "r")], capture_output=True, text=True,
+                         env=ENV, timeout=50)
+    assert run.returncode == 1 and run.stderr.strip().splitlines()[-1] == (
+        "strop train: error: cluster.launcher='ray' needs Ray: pip install 'strop[ray]'")
+    run = subprocess.run([sys.executable, "-m", "strop.cli", "train", "--cluster.launcher=ray", "--nproc=2"],
+                         capture_output=True, text=True, env=ENV, timeout=50)
+    assert run.returncode == 2 and "with cluster.launcher=ray set cluster.trainer_ranks" in run.stderr
