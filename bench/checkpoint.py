@@ -37,7 +37,7 @@ def _reset_peak() -> int:
 
 def _trainer(model_path):
     from strop.config import AlgoConfig, TrainConfig
-    from strop.train.model import load_model
+    from strop.models import load_model
     from strop.train.trainer import Trainer
 
     torch.manual_seed(0)
@@ -53,7 +53,7 @@ def main() -> None:
     from common import synthetic_samples
 
     from strop import checkpoint
-    from strop.train.model import load_tokenizer, resolve_model_path
+    from strop.models import load_tokenizer, resolve_model_path
 
     path = resolve_model_path(args.model)
     tokenizer = load_tokenizer(path)

@@ -188,7 +188,7 @@ def main() -> None:
 
     hf_logging.set_verbosity_error()
     from strop.engines.embedded import EmbeddedEngine
-    from strop.train.model import load_model, load_tokenizer, resolve_model_path
+    from strop.models import load_model, load_tokenizer, resolve_model_path
 
     tok = load_tokenizer(args.model)
     model = load_model(args.model).eval()

@@ -69,7 +69,7 @@ def trl_side(args, out: Path) -> None:
     from strop.config import Config
     from strop.data.sources import PromptSampler, reasoning_gym_rows
     from strop.rollout.rewards import math_equal
-    from strop.train.model import load_tokenizer, resolve_model_path
+    from strop.models import load_tokenizer, resolve_model_path
 
     s, cfg = settings(args.new_tokens), Config()
     d = cfg.data

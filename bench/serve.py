@@ -50,7 +50,7 @@ def stall_main(model: str, repeats: int) -> None:
 
     from strop.engines.http import WeightWriter
     from strop.engines.launch import launch_servers
-    from strop.train.model import load_model
+    from strop.models import load_model
 
     with tempfile.TemporaryDirectory() as folder:
         state = load_model(model).state_dict()
@@ -93,7 +93,7 @@ def main() -> None:
     from strop.engines.embedded import EmbeddedEngine
     from strop.engines.http import SGLangEngine
     from strop.engines.launch import launch_servers
-    from strop.train.model import load_model, load_tokenizer
+    from strop.models import load_model, load_tokenizer
     from strop.types import SamplingParams
 
     tok = load_tokenizer(args.model)

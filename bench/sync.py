@@ -78,7 +78,7 @@ def random_1b(work: Path) -> str:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from strop.train.model import embedded_model_path
+    from strop.models import embedded_model_path
 
     small = embedded_model_path()
     cfg = LlamaConfig.from_pretrained(small)
@@ -102,7 +102,7 @@ def child(form: str, kind: str, model: str, url: str, pid: int, bucket: int, wor
     from strop.engines.router import Router
     from strop.engines.sync import BroadcastSync
     from strop.engines.vllm import VLLMEngine
-    from strop.train.model import load_model
+    from strop.models import load_model
 
     writer = WeightWriter(Path(work) / "weights")
     engine = (VLLMEngine if kind == "vllm" else SGLangEngine)(url, writer=writer, timeout_s=1800,
@@ -196,7 +196,7 @@ def main() -> None:
         print(json.dumps(child(form, kind, args.model, url, int(pid), args.bucket_mib << 20, work, int(version))))
         return
     from strop.engines.launch import launch_servers
-    from strop.train.model import resolve_model_path
+    from strop.models import resolve_model_path
 
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)

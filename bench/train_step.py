@@ -27,7 +27,7 @@ def child(args) -> None:
 
     logging.disable(logging.WARNING)
     from strop.config import AlgoConfig, TrainConfig
-    from strop.train.model import EMBEDDED_MODEL, load_model, load_tokenizer
+    from strop.models import EMBEDDED_MODEL, load_model, load_tokenizer
     from strop.train.trainer import Trainer
     from strop.types import Sample, Status
 

@@ -21,11 +21,8 @@ from typing import Any, Callable, Protocol
 
 import torch
 
+from strop.callables import PluginError, is_async
 from strop.types import SamplingParams, Sample, SampleInvariantError
-
-
-class PluginError(ValueError):
-    """A plugin does not match its hook's contract (raised at load time or on a bad result)."""
 
 
 # ---- the contracts ---------------------------------------------------------------------------
@@ -176,10 +173,6 @@ def import_path(path: str, hook: str = "plugin") -> Callable:
     return fn
 
 
-def _is_async(fn: Callable) -> bool:
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
-
-
 def check_signature(hook: str, fn: Callable, path: str = "") -> str:
     """Raise PluginError unless ``fn`` fits ``hook``'s contract; return the accepted form's name."""
     spec = HOOKS[hook]
@@ -188,7 +181,7 @@ def check_signature(hook: str, fn: Callable, path: str = "") -> str:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):
         raise PluginError(f"{where}: cannot read its signature") from None
-    found = f"{'async ' if _is_async(fn) else ''}def {getattr(fn, '__name__', 'fn')}{sig}"
+    found = f"{'async ' if is_async(fn) else ''}def {getattr(fn, '__name__', 'fn')}{sig}"
     expected = spec.signature_text()
     if spec.alt_params:
         expected += f"  (or with parameters {spec.alt_params})"
@@ -213,9 +206,9 @@ def check_signature(hook: str, fn: Callable, path: str = "") -> str:
             fail(f"requires {len(required)} parameter(s) {required}; the contract passes "
                  f"{len(spec.params)}: {spec.params}")
         fail(f"parameter names {required} differ from the contract's {spec.params} (strop passes them by name)")
-    if spec.mode == "async" and not _is_async(fn):
+    if spec.mode == "async" and not is_async(fn):
         fail("must be an async function (async def); strop awaits it")
-    if spec.mode == "sync" and _is_async(fn):
+    if spec.mode == "sync" and is_async(fn):
         fail("must be a plain (sync) function; strop calls it without awaiting")
     return "group" if form == spec.alt_params else "sample"
 

@@ -10,14 +10,14 @@ logging.getLogger("math_verify").setLevel(logging.ERROR)
 @pytest.fixture(scope="session")
 def tokenizer_dir():
     """The embedded model's folder (converted once from the packaged GGUF); we use its tokenizer."""
-    from strop.train.model import embedded_model_path
+    from strop.models import embedded_model_path
 
     return embedded_model_path()
 
 
 @pytest.fixture(scope="session")
 def tokenizer(tokenizer_dir):
-    from strop.train.model import load_tokenizer
+    from strop.models import load_tokenizer
 
     return load_tokenizer(str(tokenizer_dir))
 

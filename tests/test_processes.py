@@ -200,6 +200,7 @@ def test_launched_servers_get_a_fresh_token_when_none_is_set(tmp_path, monkeypat
 # ---- shutting down in process ---------------------------------------------------------------------
 @pytest.mark.timeout(120)
 def test_a_failure_building_the_controller_still_stops_what_build_started(tiny_model_dir, tmp_path, monkeypatch):
+    import strop.controller
     import strop.loop
     from strop.setup import Components
 
@@ -210,7 +211,7 @@ def test_a_failure_building_the_controller_still_stops_what_build_started(tiny_m
         def __init__(self, *args):
             raise RuntimeError("manager could not start")
 
-    monkeypatch.setattr(strop.loop, "RolloutManager", Broken)
+    monkeypatch.setattr(strop.controller, "RolloutManager", Broken)
     with pytest.raises(RuntimeError, match="manager could not start"):
         strop.loop.train(build_config(overrides=tiny_overrides(tiny_model_dir, tmp_path / "run")))
     assert len(closed) == 1  # the launched servers (here: none) and the engine are stopped
@@ -218,6 +219,7 @@ def test_a_failure_building_the_controller_still_stops_what_build_started(tiny_m
 
 @pytest.mark.timeout(120)
 def test_a_failing_shutdown_never_hides_the_runs_own_error(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    import strop.controller
     import strop.loop
     from strop.setup import Components
 
@@ -227,7 +229,7 @@ def test_a_failing_shutdown_never_hides_the_runs_own_error(tiny_model_dir, tmp_p
     def close(self, run=None):
         raise OSError("close failed too")
 
-    monkeypatch.setattr(strop.loop._Controller, "rollout", rollout)
+    monkeypatch.setattr(strop.controller.Controller, "rollout", rollout)
     monkeypatch.setattr(Components, "close", close)
     with pytest.raises(RuntimeError, match="the run's own error"):
         strop.loop.train(build_config(overrides=tiny_overrides(tiny_model_dir, tmp_path / "run")))
@@ -235,12 +237,10 @@ def test_a_failing_shutdown_never_hides_the_runs_own_error(tiny_model_dir, tmp_p
 
 
 @pytest.mark.timeout(60)
-def test_waiting_on_the_event_loop_has_a_limit_and_cancels_what_it_waited_for(tiny_model_dir, tmp_path):
-    from strop.loop import _Controller
-    from strop.setup import build
+def test_waiting_on_the_event_loop_has_a_limit_and_cancels_what_it_waited_for():
+    from strop.rollout.event_loop import EventLoopThread
 
-    cfg = build_config(overrides=tiny_overrides(tiny_model_dir, tmp_path / "run"))
-    run = _Controller(cfg, build(cfg))
+    events = EventLoopThread(timeout_s=60)
     try:
         cancelled = []
 
@@ -253,7 +253,7 @@ def test_waiting_on_the_event_loop_has_a_limit_and_cancels_what_it_waited_for(ti
 
         t = time.monotonic()
         with pytest.raises(TimeoutError, match="hangs.*0.3s"):
-            run.run(hangs(), timeout_s=0.3)
+            events.run(hangs(), timeout_s=0.3)
         assert time.monotonic() - t < 5
         deadline = time.monotonic() + 5
         while not cancelled and time.monotonic() < deadline:
@@ -264,9 +264,10 @@ def test_waiting_on_the_event_loop_has_a_limit_and_cancels_what_it_waited_for(ti
             raise TimeoutError("the engine timed out")
 
         with pytest.raises(TimeoutError, match="the engine timed out"):
-            run.run(own_timeout(), timeout_s=30)
+            events.run(own_timeout(), timeout_s=30)
     finally:
-        run.close()
+        events.close(timeout_s=5)
+    assert not events.thread.is_alive() and events.loop.is_closed()
 
 
 @pytest.mark.timeout(240)

@@ -426,7 +426,7 @@ def test_aborted_multi_turn_samples_are_requeued_in_off_policy_modes(mode):
     one that aborts every time comes back ABORTED and is never trained."""
     from strop.types import Status
 
-    from strop.loop import rollout_metrics
+    from strop.observe.metrics import rollout_metrics
 
     engine = FlakyEngine(hopeless=True, delay=0.001)  # prompts 0, 5, 10, ... abort every time
     manager = _multi_turn_manager(engine, mode=mode, max_staleness=1)
@@ -451,7 +451,7 @@ def test_aborted_multi_turn_samples_are_requeued_in_off_policy_modes(mode):
 def test_sync_mode_does_not_requeue_aborted_multi_turn_samples_and_counts_them():
     from strop.types import Status
 
-    from strop.loop import rollout_metrics
+    from strop.observe.metrics import rollout_metrics
 
     engine = FlakyEngine(delay=0.001)
     manager = _multi_turn_manager(engine, mode="sync")

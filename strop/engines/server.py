@@ -764,7 +764,7 @@ def serve(model_path: str, *, host: str = "127.0.0.1", port: int = 30000, token:
     import uvicorn
 
     from strop.cluster.process import resolve_device
-    from strop.train.model import load_model, load_tokenizer, resolve_model_path
+    from strop.models import load_model, load_tokenizer, resolve_model_path
 
     if host not in LOOPBACK and not token:
         raise ValueError(f"--host {host} is reachable from other machines: pass --token (or STROP_SERVE_TOKEN) so "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import time
 from pathlib import Path
 
@@ -62,6 +63,68 @@ def memory_metrics(device) -> dict[str, float]:
     if device.type == "cuda":
         out["cuda_peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     return out
+
+
+def rollout_metrics(groups, seconds: float) -> dict:
+    """One step's rollout: rewards, lengths, what ended how, generation speed, failures and tool use."""
+    samples = [s for g in groups for s in g]
+    rewards = [s.reward for s in samples if s.reward is not None]
+    lengths = [s.response_length for s in samples]
+    return {
+        "reward_mean": statistics.fmean(rewards) if rewards else float("nan"),
+        "accuracy": sum(r >= 1.0 for r in rewards) / max(len(rewards), 1),
+        "response_length_mean": statistics.fmean(lengths),
+        "response_length_min": min(lengths),
+        "response_length_max": max(lengths),
+        "truncated_fraction": sum(s.status.value == "truncated" for s in samples) / len(samples),
+        "failed_fraction": sum(s.status.value == "failed" for s in samples) / len(samples),
+        "aborted_fraction": sum(s.status.value == "aborted" for s in samples) / len(samples),
+        "zero_advantage_group_fraction": sum(len({s.reward for s in g}) == 1 for g in groups) / len(groups),
+        "rollout_tokens_per_s": sum(lengths) / seconds,
+        "rollout_seconds": seconds,
+    } | failure_counts(samples) | tool_metrics(samples)
+
+
+def tool_metrics(samples) -> dict:
+    """Multi-turn samples (they carry ``tool_calls``): calls, errors and turns per sample."""
+    multi = [s for s in samples if "tool_calls" in s.metadata]
+    if not multi:
+        return {}
+    calls = [s.metadata["tool_calls"] for s in multi]
+    return {"tool_calls_mean": statistics.fmean(calls), "tool_calls_max": max(calls),
+            "tool_call_fraction": sum(c > 0 for c in calls) / len(multi),
+            "tool_errors_per_call": sum(s.metadata["tool_errors"] for s in multi) / max(sum(calls), 1),
+            "turns_mean": statistics.fmean(s.metadata["turns"] for s in multi)}
+
+
+def failure_counts(samples) -> dict:
+    """How many samples failed and why: ``failed_samples`` and ``failed/<stage>/<error type>`` counts
+    (the error texts are in run_dir/failed_samples.jsonl)."""
+    out = {"failed_samples": 0}
+    for s in samples:
+        if s.status.value == "failed":
+            out["failed_samples"] += 1
+            why = f"failed/{s.metadata.get('error_stage', 'rollout')}/{s.metadata.get('error', 'unknown').split(':')[0]}"
+            out[why] = out.get(why, 0) + 1
+    return out
+
+
+def run_summary(rows: list[dict], seconds: float, run_dir: Path) -> dict:
+    """summary.json of a completed run, from its metrics rows."""
+    train_rows = [r for r in rows if "reward_mean" in r]
+    evals = [r["eval_accuracy"] for r in rows if "eval_accuracy" in r]
+    return {
+        "status": "completed",
+        "steps": len(train_rows),
+        "wall_seconds": round(seconds, 1),
+        "eval_accuracy_first": evals[0] if evals else None,
+        "eval_accuracy_last": evals[-1] if evals else None,
+        "eval_accuracy_curve": evals,
+        "reward_mean_first": train_rows[0]["reward_mean"] if train_rows else None,
+        "reward_mean_last": train_rows[-1]["reward_mean"] if train_rows else None,
+        "max_train_rollout_logprob_abs_diff": max((r["train_rollout_logprob_abs_diff"] for r in train_rows), default=None),
+        "run_dir": str(run_dir),
+    }
 
 
 def write_summary(run_dir: Path, summary: dict) -> None:

@@ -32,7 +32,7 @@ import math
 from collections import Counter
 
 from strop.plugins import call_hook, call_hook_sync
-from strop.rollout.generate import _generate_one, rollout_groups, score_group
+from strop.rollout.generate import _generate_one, score_group
 from strop.types import Sample, Status
 
 DROP_REASONS = ("filter", "all_equal_reward", "stale", "over_sampled", "aborted_leftover", "no_trainable_sample")

@@ -24,7 +24,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
-from strop.plugins import PluginError, _is_async
+from strop.callables import PluginError, is_async
 
 
 @dataclass(frozen=True)
@@ -224,7 +224,7 @@ class ToolSet:
                     + (f"; missing {missing}" if missing else "") + (f"; unknown {unknown}" if unknown else "")), False
         limit = tool.timeout_s or self.timeout_s
         try:
-            if _is_async(tool.fn):
+            if is_async(tool.fn):
                 out = await asyncio.wait_for(tool.fn(**call.arguments), limit)
             else:
                 out = await asyncio.wait_for(self._in_thread(tool.fn, call.arguments), limit)

@@ -134,7 +134,7 @@ def test_tools_call_site_makes_the_rollout_multi_turn(tiny_model_dir, tmp_path, 
     evals = [m for m in metrics if "eval_accuracy" in m]
     assert evals and all(0.0 <= m["eval_tool_call_fraction"] <= 1.0 for m in evals)  # evaluation is multi-turn too
     # the model is told about the hook's tools: their schemas are in every prompt's system message
-    from strop.train.model import load_tokenizer
+    from strop.models import load_tokenizer
 
     prompt = load_tokenizer(str(tiny_model_dir)).decode(recorders.CALLS["reward"][0]["_values"]["sample"].prompt_ids)
     assert "<tools>" in prompt and '"name": "calculator"' in prompt and "<tool_call>" in prompt

