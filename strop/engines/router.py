@@ -361,6 +361,8 @@ class Router:
             self._move(i, HEALTHY, "reports the current weights", held)
         elif self.broadcast is not None or self.delta:  # it gets the weights (and is re-admitted) at the next update
             self.held[i] = {}  # a restarted engine holds its initial weights: everything is sent
+            if self.broadcast is not None:  # a group joined before it went down is gone with its old process
+                await self.broadcast.drop(engine)
             self._move(i, REJOINING, f"holds weight version {held}; gets version {self.weight_version} at the "
                        "next update")
         elif self.latest is None:

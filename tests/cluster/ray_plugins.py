@@ -19,26 +19,35 @@ def _kill(name: str) -> dict:
     return before
 
 
-def kill_engine_0_at_step_2(sample) -> float:
-    """At step 2's first reward: SIGKILL engine 0's actor, then wait until Ray has restarted it (another pid,
-    serving again); old and new pids to ./engine_kill.json."""
-    if sample.weight_versions and sample.weight_versions[0] == 1 and not _state["killed"]:
-        import ray
+async def kill_engine_0_in_step_2(ctx, sample, sampling):
+    """A generate hook: strop's own generate, but at step 2's first call, once its request is out, engine 0's
+    actor is SIGKILLed (its requests in flight fail over); then wait until Ray has restarted it (another pid,
+    serving again) and write the old and new pids to ./engine_kill.json."""
+    import asyncio
 
-        _state["killed"] = True
-        before, deadline = _kill("engine0"), time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                after = ray.get(ray.get_actor("engine0").where.remote(), timeout=10)
-                if after["pid"] != before["pid"]:
-                    break
-            except Exception:  # restarting
-                time.sleep(0.5)
-        else:
-            raise TimeoutError("engine 0 was not restarted within 120 s")
-        with open("engine_kill.json", "w") as f:
-            json.dump({"before": before, "after": after}, f)
-    return even_token_reward(sample)
+    import ray
+
+    from strop.rollout.generate import generate
+
+    if ctx.step != 2 or _state["killed"]:
+        return await generate(ctx, sample, sampling)
+    _state["killed"] = True
+    own = asyncio.ensure_future(generate(ctx, sample, sampling))
+    await asyncio.sleep(0.05)  # this step's requests wait on both engines (their batches start after 200 ms)
+    before, deadline = await asyncio.to_thread(_kill, "engine0"), time.monotonic() + 120
+    result = await own
+    while time.monotonic() < deadline:
+        try:
+            after = await asyncio.to_thread(ray.get, ray.get_actor("engine0").where.remote(), timeout=10)
+            if after["pid"] != before["pid"]:
+                break
+        except Exception:  # restarting
+            await asyncio.sleep(0.5)
+    else:
+        raise TimeoutError("engine 0 was not restarted within 120 s")
+    with open("engine_kill.json", "w") as f:
+        json.dump({"before": before, "after": after}, f)
+    return result
 
 
 def kill_rank_1_at_step_3(sample) -> float:

@@ -118,8 +118,9 @@ def test_two_nodes_disaggregated_survive_an_engine_killed_mid_rollout(nodes, tin
     engine 0's actor is SIGKILLed: the router fails over, no sample is lost, Ray restarts the actor on its
     node and the router re-admits it only at the current weight version. Nothing is left running after."""
     args = [*tiny(tiny_model_dir, tmp_path / "run", "--engine.kind=strop", "--engine.launch=2",
-                  "--engine.launch_args=[\"--threads=1\"]", "--engine.health_interval_s=0.5",
-                  "--rollout.reward=tests.cluster.ray_plugins:kill_engine_0_at_step_2", steps=3),
+                  "--engine.launch_args=[\"--threads=1\", \"--batch-wait-ms=200\"]", "--engine.health_interval_s=0.5",
+                  "--plugins.generate=tests.cluster.ray_plugins:kill_engine_0_in_step_2",
+                  "--rollout.max_new_tokens=32", steps=3),
             *on_ray(nodes["address"], 2, '--cluster.engine_resources={"CPU": 1}')]
     run = strop(args, tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -133,11 +134,12 @@ def test_two_nodes_disaggregated_survive_an_engine_killed_mid_rollout(nodes, tin
     kill = json.loads((tmp_path / "engine_kill.json").read_text())
     assert kill["before"]["pid"] != kill["after"]["pid"] and kill["before"]["node"] == kill["after"]["node"]
     metrics = [r for r in rows(tmp_path / "run") if "reward_mean" in r]
-    assert len(metrics) == 3 and sum(r["engine_down"] for r in metrics) >= 1
+    assert len(metrics) == 3 and metrics[1]["engine_down"] >= 1 and metrics[1]["engine_failovers"] >= 1
     assert all(r["aborted_fraction"] == 0 and r["failed_fraction"] == 0 for r in metrics)  # no sample lost
     readmitted = re.findall(r"re-admitted .* at weight version (\d+)", out)
     assert readmitted and all(int(v) >= 2 for v in readmitted), out[-3000:]  # at the current version, not 0
-    assert sum(r["engine_readmitted"] for r in metrics) >= 1 and metrics[-1]["engines_healthy"] == 2
+    events = "\n".join(line for line in out.splitlines() if "router:" in line)
+    assert metrics[2]["engine_readmitted"] == 1 and metrics[2]["engines_healthy"] == 2, events  # back for step 3
     pids = [pid for _, pid, _ in where.values()] + [s for _, _, s in where.values() if s]
     pids += [kill["after"]["pid"], kill["after"]["server_pid"]]
     assert not [p for p in pids if alive(p)]
