@@ -1,11 +1,12 @@
 """The local launcher: ``strop train --nproc N`` starts N ranks of ``strop train`` on this machine.
 
-The ranks run under torch's own launcher (``torch.distributed.launcher.api.elastic_launch``, what
-``torchrun`` runs), one node, no restarts: its agent starts the ranks with RANK / WORLD_SIZE /
-LOCAL_RANK / MASTER_ADDR / MASTER_PORT, stops the others when one fails (SIGTERM, then SIGKILL),
-forwards SIGTERM / SIGINT / SIGHUP to them, and sends a worker's stderr to a file (``redirects``) or
-nowhere (``local_ranks_filter``). What strop adds: only rank 0 talks on the terminal, and the failed
-rank's stderr tail and exit code are printed (torch's summary reads only ``@record`` error files).
+The ranks run under torch's own launcher (``torch.distributed.launcher.api.elastic_launch``, the agent
+``torchrun`` runs) on one node with no restarts. Its agent sets RANK / WORLD_SIZE / LOCAL_RANK /
+MASTER_ADDR / MASTER_PORT, stops the other ranks when one fails (SIGTERM, SIGKILL after
+``STOP_GRACE_S``), passes SIGTERM / SIGINT / SIGHUP on to the ranks, and sends each rank's streams to
+the terminal, a file (``redirects``) or nowhere (``local_ranks_filter``). strop adds what torch leaves
+out: the failed rank's stderr tail (torch's summary shows only ``@record`` error files) and an end of
+the ranks when the launcher is SIGKILLed (their parent-death signal: ``STROP_LAUNCHER_PID`` in cli.py).
 """
 
 from __future__ import annotations
@@ -52,11 +53,16 @@ def launch(nproc: int, argv: list[str], command: list[str] | None = None, poll_s
             return 128 + exc.sigval
         except ChildFailedError as exc:
             first, failure = exc.get_first_failure()  # torch's order: the earliest, the first seen on a tie
+            tail = ""
             if first > 0:  # rank 0's stderr is on the terminal already
-                tail = open(logs.dest.stderrs[first], "rb").read()[-3000:].decode(errors="replace")
-                print(f"strop: rank {first} failed (exit code {failure.exitcode}):\n{tail}", file=sys.stderr)
-            stopped = sorted(r for r in exc.failures if r != first)
-            if stopped:
-                print(f"strop: stopped rank(s) {stopped} after rank(s) [{first}] failed", file=sys.stderr)
+                tail = ":\n" + open(logs.dest.stderrs[first], "rb").read()[-3000:].decode(errors="replace")
+            print(f"strop: rank {first} failed ({_how(failure)}){tail}", file=sys.stderr)
+            others = [f"rank {r} ({_how(f)})" for r, f in sorted(exc.failures.items()) if r != first]
+            if others:  # stopped by the agent, or failed on their own a moment later
+                print(f"strop: then ended: {', '.join(others)}", file=sys.stderr)
             return failure.exitcode
     return 0
+
+
+def _how(failure) -> str:
+    return f"exit code {failure.exitcode}" if failure.exitcode >= 0 else failure.signal_name()

@@ -28,6 +28,7 @@ from pathlib import Path
 from strop.cluster.placement import Node, Plan, PlacementError, plan_placement
 
 LOG_GRACE_S = 1.0
+ENGINE_START_S = {"strop": 180.0, "vllm": 600.0}  # until a launched server answers /health
 PIN = 0.001  # of a node's own resource, in each bundle: it holds the bundle to the node the plan chose
 
 
@@ -74,17 +75,25 @@ class TrainerRank:
 
 
 class EngineServer:
-    """An engine: a ``strop serve`` process on this actor's node, started when the actor starts (again
-    on the same port when Ray restarts it) and killed with the actor (parent-death signal)."""
+    """An engine: a ``strop serve`` or vLLM server process on this actor's node (with the GPUs Ray gave the
+    actor), started when the actor starts (again on the same port when Ray restarts it) and killed with the
+    actor (parent-death signal)."""
 
-    def __init__(self, index: int, model_path: str, port: int, args: list[str], token: str, cwd: str, marker: str):
-        from strop.engines.launch import LocalServer
+    def __init__(self, index: int, spec: dict, port: int, token: str, cwd: str, marker: str):
+        from strop.engines.launch import LocalServer, vllm_command
 
         _check_shared(cwd, marker, f"engine {index}")
         os.chdir(cwd)
-        self.index = index
-        self.server = LocalServer(model_path, port, list(args), {"STROP_SERVE_TOKEN": token}, host=_node_ip())
-        self.server.start().wait_healthy()
+        self.index, host = index, _node_ip()
+        if spec["kind"] == "vllm":
+            program = spec["command"] or [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+            command = vllm_command(program, spec["model"], host, port, spec["args"])
+            env = {"VLLM_API_KEY": token, "VLLM_SERVER_DEV_MODE": "1"}
+        else:
+            command, env = None, {"STROP_SERVE_TOKEN": token}
+        self.server = LocalServer(spec["model"], port, list(spec["args"]), env | spec["env"], host=host,
+                                  command=command)
+        self.server.start().wait_healthy(spec["timeout_s"])
 
     def __repr__(self) -> str:
         return f"engine{self.index}"
@@ -274,18 +283,28 @@ def launch(cfg, argv: list[str]) -> int:
 
 
 def start_engines(ray, cfg, plan: Plan, pg, token: str, run_dir: str, cwd: str, marker: str) -> list:
-    """One actor per engine, each serving ``strop serve`` on its node; Ray restarts one that dies
-    (``cluster.engine_restarts`` times) on the same port, where the router finds it again."""
+    """One actor per engine, each serving on its node; Ray restarts one that dies (``cluster.engine_restarts``
+    times) on the same port, where the router finds it again."""
     from strop.cluster.process import free_port
 
-    weights = f"--weights-dir={Path(cfg.engine.sync_dir or Path(run_dir) / 'weights').resolve()}"
+    e = cfg.engine
+    args = list(e.launch_args)
+    if e.kind == "strop":  # the one folder its /update_weights_from_disk may read
+        args.append(f"--weights-dir={Path(e.sync_dir or Path(run_dir) / 'weights').resolve()}")
+    model = cfg.model.path
+    if e.kind == "vllm":  # (strop serve resolves it itself; vLLM needs a folder or a hub id)
+        from strop.models import resolve_model_path
+
+        model = resolve_model_path(model)
+        model = str(Path(model).resolve()) if Path(model).exists() else model
+    spec = {"kind": e.kind, "model": model, "args": args, "command": list(e.launch_command),
+            "env": dict(e.launch_env), "timeout_s": ENGINE_START_S[e.kind]}
     engines = []
-    for i in range(cfg.engine.launch):
+    for i in range(e.launch):
         options = _options(cfg.cluster.engine_resources, pg, plan.engine_bundle(i), name=f"engine{i}",
                            max_restarts=cfg.cluster.engine_restarts, max_concurrency=2)
-        engines.append(ray.remote(EngineServer).options(**options).remote(
-            i, cfg.model.path, free_port(), [*cfg.engine.launch_args, weights], token, cwd, marker))
-    ray.get([e.where.remote() for e in engines])  # every one healthy (or its failure, raised here)
+        engines.append(ray.remote(EngineServer).options(**options).remote(i, spec, free_port(), token, cwd, marker))
+    ray.get([x.where.remote() for x in engines])  # every one healthy (or its failure, raised here)
     return engines
 
 

@@ -31,6 +31,11 @@ class LocalServer:
     proc: subprocess.Popen | None = None
     log_path: Path | None = None
     host: str = "127.0.0.1"
+    command: list[str] | None = None  # another server's full command line (vllm_command); default strop serve
+
+    @property
+    def name(self) -> str:
+        return "strop serve" if self.command is None else Path(self.command[0]).name + " server"
 
     @property
     def url(self) -> str:
@@ -41,8 +46,9 @@ class LocalServer:
         (Linux's rule): start servers from a thread that lives as long as they should."""
         fd, log = tempfile.mkstemp(prefix=f"strop-serve-{self.port}-", suffix=".log")
         self.log_path = Path(log)
-        cmd = [sys.executable, "-m", "strop.engines.launch", str(os.getpid()), "serve",
-               f"--model-path={self.model_path}", f"--host={self.host}", f"--port={self.port}", *self.args]
+        tied = [sys.executable, "-m", "strop.engines.launch", str(os.getpid())]
+        cmd = [*tied, "serve", f"--model-path={self.model_path}", f"--host={self.host}", f"--port={self.port}",
+               *self.args] if self.command is None else [*tied, "exec", *self.command]
         self.proc = subprocess.Popen(cmd, stdout=fd, stderr=fd, env={**os.environ, **self.env}, start_new_session=True)
         os.close(fd)
         return self
@@ -51,7 +57,7 @@ class LocalServer:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"strop serve on port {self.port} exited with code {self.proc.returncode}:\n"
+                raise RuntimeError(f"{self.name} on port {self.port} exited with code {self.proc.returncode}:\n"
                                    f"{self.log_tail()}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
@@ -60,7 +66,7 @@ class LocalServer:
             except OSError:
                 time.sleep(0.3)
         self.stop()
-        raise TimeoutError(f"strop serve on port {self.port} not healthy within {timeout_s:.0f}s:\n{self.log_tail()}")
+        raise TimeoutError(f"{self.name} on port {self.port} not healthy within {timeout_s:.0f}s:\n{self.log_tail()}")
 
     def log_tail(self, n: int = 3000) -> str:
         return self.log_path.read_text(errors="replace")[-n:] if self.log_path and self.log_path.exists() else ""
@@ -112,10 +118,20 @@ def launch_servers(n: int, model_path: str, *, args: list[str] = (), token: str 
     return servers
 
 
-if __name__ == "__main__":  # python -m strop.engines.launch PARENT_PID serve ...: a server tied to its parent
+def vllm_command(program: list[str], model_path: str, host: str, port: int, args: list[str] = ()) -> list[str]:
+    """One vLLM OpenAI server as strop drives it: sampled-token logprobs after temperature, and strop's worker
+    extension for the broadcast (its API key, VLLM_API_KEY, and VLLM_SERVER_DEV_MODE=1 travel in the
+    environment). ``program``: what starts it, e.g. ``[".../bin/python", "-m", "vllm.entrypoints.openai.api_server"]``."""
+    return [*program, "--model", model_path, "--host", host, "--port", str(port), "--logprobs-mode",
+            "processed_logprobs", "--worker-extension-cls", "strop.engines.vllm_worker.StropWorkerExtension", *args]
+
+
+if __name__ == "__main__":  # python -m strop.engines.launch PARENT_PID serve|exec ...: a server tied to its parent
     from strop.cluster.process import die_with_parent
 
     die_with_parent(int(sys.argv[1]))
+    if sys.argv[2] == "exec":  # another program: the parent-death signal stays armed across exec
+        os.execvp(sys.argv[3], sys.argv[3:])
     from strop.cli import main
 
     sys.exit(main(sys.argv[2:]))
