@@ -57,9 +57,7 @@ class TrainerRank:
         return _where()
 
     def free_port(self) -> int:
-        with socket.socket() as s:
-            s.bind((_node_ip(), 0))
-            return s.getsockname()[1]
+        return free_port_here()
 
     def run(self, argv: list[str], env: dict[str, str], cwd: str, marker: str) -> int:
         _check_shared(cwd, marker, f"rank {self.rank}")
@@ -112,6 +110,13 @@ def _where() -> dict:
             "host": socket.gethostname()}
 
 
+def free_port_here() -> int:
+    """A port free on this node's address (run in an actor or task on the node that will bind it)."""
+    with socket.socket() as s:
+        s.bind((_node_ip(), 0))
+        return s.getsockname()[1]
+
+
 def _node_ip() -> str:
     import ray
 
@@ -119,7 +124,7 @@ def _node_ip() -> str:
 
 
 def _check_shared(cwd: str, marker: str, who: str) -> None:
-    if not Path(marker).is_file():
+    if not Path(marker).is_file() or not Path(cwd).is_dir():
         raise ClusterError(f"{who} on {socket.gethostname()} cannot see {marker}, written by the driver: a run across "
                            f"nodes needs the run directory's parent and the working directory {cwd} on shared "
                            "storage, at the same path on every node")
@@ -265,8 +270,9 @@ def launch(cfg, argv: list[str]) -> int:
                  for r in range(c.trainer_ranks)]
         actors += ranks
         where = ray.get([a.where.remote() for a in ranks])
-        _check_plan(plan, where)
-        report(where, ray.get([e.where.remote() for e in actors if e not in ranks]))
+        engines_at = ray.get([e.where.remote() for e in actors if e not in ranks])
+        report(where, engines_at)
+        _check_plan(plan, where, engines_at)
         master_port = ray.get(ranks[0].free_port.remote())
         gpu = c.trainer_resources.get("GPU", 0) > 0
         common = {"WORLD_SIZE": str(c.trainer_ranks), "MASTER_ADDR": where[0]["ip"], "MASTER_PORT": str(master_port),
@@ -285,8 +291,6 @@ def launch(cfg, argv: list[str]) -> int:
 def start_engines(ray, cfg, plan: Plan, pg, token: str, run_dir: str, cwd: str, marker: str) -> list:
     """One actor per engine, each serving on its node; Ray restarts one that dies (``cluster.engine_restarts``
     times) on the same port, where the router finds it again."""
-    from strop.cluster.process import free_port
-
     e = cfg.engine
     args = list(e.launch_args)
     if e.kind == "strop":  # the one folder its /update_weights_from_disk may read
@@ -299,11 +303,14 @@ def start_engines(ray, cfg, plan: Plan, pg, token: str, run_dir: str, cwd: str, 
         model = str(Path(model).resolve()) if Path(model).exists() else model
     spec = {"kind": e.kind, "model": model, "args": args, "command": list(e.launch_command),
             "env": dict(e.launch_env), "timeout_s": ENGINE_START_S[e.kind]}
+    # each engine's port, picked on its own node (a restarted actor binds it again, where the router looks)
+    pick = ray.remote(free_port_here)
+    ports = ray.get([pick.options(**_options({}, pg, plan.engine_bundle(i))).remote() for i in range(e.launch)])
     engines = []
     for i in range(e.launch):
         options = _options(cfg.cluster.engine_resources, pg, plan.engine_bundle(i), name=f"engine{i}",
                            max_restarts=cfg.cluster.engine_restarts, max_concurrency=2)
-        engines.append(ray.remote(EngineServer).options(**options).remote(i, spec, free_port(), token, cwd, marker))
+        engines.append(ray.remote(EngineServer).options(**options).remote(i, spec, ports[i], token, cwd, marker))
     ray.get([x.where.remote() for x in engines])  # every one healthy (or its failure, raised here)
     return engines
 
@@ -316,11 +323,13 @@ def report(ranks: list[dict], engines: list[dict]) -> None:
             print(f"strop: ray: {kind} {i} on node {w['node'][:12]} ({w['ip']}), pid {w['pid']}{extra}", flush=True)
 
 
-def _check_plan(plan: Plan, where: list[dict]) -> None:
-    for rank, w in enumerate(where):
-        if w["node"] != plan.node_of_rank(rank):
-            raise ClusterError(f"rank {rank} runs on node {w['node'][:12]}, the plan put it on "
-                               f"{plan.node_of_rank(rank)[:12]}")
+def _check_plan(plan: Plan, ranks: list[dict], engines: list[dict]) -> None:
+    """Every actor runs on the node the plan gave it (each reported its own)."""
+    for kind, found, node_of in (("rank", ranks, plan.node_of_rank),
+                                 ("engine", engines, lambda i: plan.bundles[plan.engine_bundle(i)].node)):
+        for i, w in enumerate(found):
+            if w["node"] != node_of(i):
+                raise ClusterError(f"{kind} {i} runs on node {w['node'][:12]}, the plan put it on {node_of(i)[:12]}")
 
 
 def supervise(ray, runs: dict, where: list[dict], stop_timeout_s: float) -> int:

