@@ -34,13 +34,15 @@ class FakeEngine:
         self.report = None  # a version to report instead of the real one (a misbehaving server)
         self.requests = 0
         self.fail_generate = False
+        self.boots = 1  # how often its process started: a broadcast group dies with the process that joined it
 
     def __repr__(self):
         return f"Fake({self.name})"
 
     def restart(self):
-        """Killed and started again: initial weights, version 0."""
+        """Killed and started again: initial weights, version 0, no broadcast group."""
         self.up, self.weights, self.version = True, {k: v.clone() for k, v in INITIAL.items()}, 0
+        self.boots += 1
 
     async def _maybe_pause(self, name):
         if name in self.gate:
@@ -88,10 +90,15 @@ class FakeEngine:
 
 
 class FakeBroadcast:
-    """BroadcastSync's interface; copies the weights into the members, pausing at ``gate`` first."""
+    """BroadcastSync's interface; copies the weights into the members, pausing at ``gate`` first. As the real
+    one, it keeps a group per engine until ``drop``: a group joined by an engine's earlier process fails."""
 
     def __init__(self):
         self.gate, self.entered, self.members = None, asyncio.Event(), []
+        self.links: dict = {}  # engine -> the boot of its process that joined the group
+
+    async def drop(self, engine):
+        self.links.pop(engine, None)
 
     async def update(self, engines, named, version):
         """Per engine, the version it then holds, or the error that took it out of the update (an engine
@@ -104,6 +111,9 @@ class FakeBroadcast:
         for e in engines:
             if not e.up:
                 results.append(EngineUnavailable(f"{e.name} is down"))
+                continue
+            if self.links.setdefault(e, e.boots) != e.boots:
+                results.append(EngineRequestError(f"{e.name}: no such group (joined by an earlier process)"))
                 continue
             e.weights = {k: v.clone() for k, v in named.items()}
             e.version = version
