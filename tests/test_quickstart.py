@@ -26,31 +26,24 @@ def _shortened_quickstart(run_dir):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_shortened_quickstart(tmp_path):
-    summary = train(_shortened_quickstart(tmp_path / "run"))
-    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in rows if "reward_mean" in r]
+def test_two_shortened_quickstarts_give_identical_metrics(tmp_path):
+    """The shortened quickstart runs (finite metrics, engine and trainer logprobs agree, an evaluation, the
+    final model); run twice with the same config and seed, every number of metrics.jsonl is equal, except
+    measurements of time, speed and memory (strop.observe.metrics.reproducible)."""
+    from safetensors.torch import load_file
+
+    from strop.observe.metrics import reproducible
+
+    summary = [train(_shortened_quickstart(tmp_path / name)) for name in ("a", "b")][0]
+    a, b = ([json.loads(x) for x in (tmp_path / n / "metrics.jsonl").read_text().splitlines()] for n in "ab")
+    steps = [r for r in a if "reward_mean" in r]
     assert len(steps) == 2 and summary["steps"] == 2
     for r in steps:
         assert all(math.isfinite(v) for v in r.values() if isinstance(v, float)), r
         # engine and trainer run the same fp32 weights: their logprobs agree
         assert r["train_rollout_logprob_abs_diff"] < 1e-3
     assert 0.0 <= summary["eval_accuracy_first"] <= 1.0 and summary["eval_accuracy_last"] is not None
-    assert (tmp_path / "run" / "final" / "config.json").exists()
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_two_shortened_quickstarts_give_identical_metrics(tmp_path):
-    """Same config and seed: every number of metrics.jsonl is equal, except measurements of time,
-    speed and memory (strop.observe.metrics.reproducible)."""
-    from safetensors.torch import load_file
-
-    from strop.observe.metrics import reproducible
-
-    for name in ("a", "b"):
-        train(_shortened_quickstart(tmp_path / name))
-    a, b = ([json.loads(x) for x in (tmp_path / n / "metrics.jsonl").read_text().splitlines()] for n in "ab")
+    assert (tmp_path / "a" / "final" / "config.json").exists()
     assert len(a) == 4 and [reproducible(r) for r in a] == [reproducible(r) for r in b]
     assert any(k.endswith("_seconds") for k in a[1])  # the measured entries exist, and only they are left out
     wa, wb = (load_file(tmp_path / n / "final" / "model.safetensors") for n in "ab")

@@ -118,6 +118,40 @@ def launch_servers(n: int, model_path: str, *, args: list[str] = (), token: str 
     return servers
 
 
+def supervise_group(parent: int, command: list[str]) -> int:
+    """Run ``command`` in this process's group (LocalServer made it a session of its own) and end the whole
+    group, the command's own children included, when ``parent`` dies or this process is told to stop: a
+    parent-death signal reaches only a direct child, and vLLM's engine and worker processes would outlive it.
+    Under Ray, an actor's death also SIGKILLs its direct children (this process); a watchdog that is not
+    its child then ends the group."""
+    from strop.cluster.process import die_with_parent
+
+    signal.signal(signal.SIGTERM, lambda *_: os.killpg(0, signal.SIGKILL))
+    die_with_parent(parent, signal.SIGTERM)
+    child = subprocess.Popen(command)
+    _watch(parent)
+    code = child.wait()
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    os.killpg(0, signal.SIGTERM)  # whatever the command left behind, and the watchdog (this process ignores it)
+    return code
+
+
+def _watch(parent: int, every_s: float = 0.5) -> None:
+    """A grandchild of this process, in its group, re-parented away from it: once ``parent`` is gone, it
+    SIGKILLs the group (itself included)."""
+    if os.fork() == 0:
+        if os.fork() == 0:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            while True:
+                time.sleep(every_s)
+                try:
+                    os.kill(parent, 0)
+                except ProcessLookupError:
+                    os.killpg(0, signal.SIGKILL)
+        os._exit(0)
+    os.wait()
+
+
 def vllm_command(program: list[str], model_path: str, host: str, port: int, args: list[str] = ()) -> list[str]:
     """One vLLM OpenAI server as strop drives it: sampled-token logprobs after temperature, and strop's worker
     extension for the broadcast (its API key, VLLM_API_KEY, and VLLM_SERVER_DEV_MODE=1 travel in the
@@ -129,9 +163,9 @@ def vllm_command(program: list[str], model_path: str, host: str, port: int, args
 if __name__ == "__main__":  # python -m strop.engines.launch PARENT_PID serve|exec ...: a server tied to its parent
     from strop.cluster.process import die_with_parent
 
+    if sys.argv[2] == "exec":  # another program, which may start processes of its own (vLLM does)
+        sys.exit(supervise_group(int(sys.argv[1]), sys.argv[3:]))
     die_with_parent(int(sys.argv[1]))
-    if sys.argv[2] == "exec":  # another program: the parent-death signal stays armed across exec
-        os.execvp(sys.argv[3], sys.argv[3:])
     from strop.cli import main
 
     sys.exit(main(sys.argv[2:]))
