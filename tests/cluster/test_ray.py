@@ -109,11 +109,13 @@ def raylets() -> set[int]:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("mode", ["sync", "one_step_off"])
-def test_two_ray_actors_train_as_nproc_2_does(mode, nodes, tiny_model_dir, tmp_path):
-    """Same seeds, same metrics: 2 trainer actors against 2 local ranks. The sync run also starts and stops
-    a local Ray cluster of its own (no address): none of its processes is left."""
-    extra = [f"--rollout.mode={mode}"]
+@pytest.mark.parametrize("mode,layout", [("sync", "--parallel.context_parallel_size=2"),
+                                         ("one_step_off", "--parallel.dp_mode=fsdp")])
+def test_two_ray_actors_train_as_nproc_2_does(mode, layout, nodes, tiny_model_dir, tmp_path):
+    """Same seeds, same metrics: 2 trainer actors against 2 local ranks, with context parallel (sync) and
+    FSDP2 (one step off). The sync run also starts and stops a local Ray cluster of its own (no address):
+    none of its processes is left."""
+    extra = [f"--rollout.mode={mode}", layout]
     before = raylets()
     address = ["--cluster.launcher=ray", "--cluster.trainer_ranks=2"] if mode == "sync" else on_ray(nodes["address"])
     ray_run = strop([*tiny(tiny_model_dir, tmp_path / "ray", *extra), *address], tmp_path)
@@ -158,6 +160,34 @@ def test_two_nodes_disaggregated_survive_an_engine_killed_mid_rollout(nodes, tin
     pids += [kill["after"]["pid"], kill["after"]["server_pid"]]
     assert not [p for p in pids if alive(p)]
     assert not [p for s in (kill["before"]["server_pid"], kill["after"]["server_pid"]) for p in group_left(s)]
+
+
+@pytest.mark.timeout(300)
+def test_colocated_engine_shares_its_trainer_rank_bundle(nodes, tiny_model_dir, tmp_path):
+    """cluster.placement=colocated: engine 0 (strop serve) in rank 0's bundle (their resources summed), on the
+    node where rank 0 runs; the run trains with it."""
+    run = strop([*tiny(tiny_model_dir, tmp_path / "run", "--engine.kind=strop", "--engine.launch=1",
+                       "--engine.launch_args=[\"--threads=1\"]", steps=1),
+                 *on_ray(nodes["address"], 1, "--cluster.placement=colocated", '--cluster.trainer_resources={"CPU": 0.5}',
+                         '--cluster.engine_resources={"CPU": 0.25, "node_a": 0.1}')], tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    head = nodes["head"][:12]
+    table = run.stdout[run.stdout.index("placement:"):].splitlines()[1:3]
+    assert table[1].split() == [head, "127.0.0.1", "0", "0", "CPU", "0.75,", "node_a", "0.1"], table
+    where = placed(run.stdout)
+    assert where["rank", 0][0] == where["engine", 0][0] == head
+    assert [r for r in rows(tmp_path / "run") if "reward_mean" in r][0]["engines_healthy"] == 1
+
+
+def test_an_actor_that_cannot_see_the_shared_run_directory_says_so(tmp_path):
+    from strop.cluster.ray_cluster import ClusterError, _check_shared
+
+    (tmp_path / "marker").write_text("x")
+    _check_shared(str(tmp_path), str(tmp_path / "marker"), "rank 1")  # seen: nothing to say
+    for cwd, marker in ((tmp_path, tmp_path / "elsewhere"), (tmp_path / "gone", tmp_path / "marker")):
+        with pytest.raises(ClusterError, match=r"rank 1 on \S+ cannot see .*needs the run directory's parent and the "
+                                               r"working directory .* on shared storage"):
+            _check_shared(str(cwd), str(marker), "rank 1")
 
 
 @pytest.mark.timeout(600)
