@@ -213,37 +213,17 @@ def train_main(argv: list[str]) -> int:
     except ConfigError as exc:
         print(f"strop train: {exc}", file=sys.stderr)
         return 2
-    from strop.parallel.runtime import parallel_layout
+    from strop.cluster import LaunchError, start
 
-    on_ray = cfg.cluster.launcher == "ray" and "RANK" not in os.environ  # (its actors have one)
-    if on_ray and nproc > 1:
-        print("strop train: --nproc starts local ranks; with cluster.launcher=ray set cluster.trainer_ranks",
-              file=sys.stderr)
-        return 2
-    try:
-        world = cfg.cluster.trainer_ranks if on_ray else int(os.environ.get("WORLD_SIZE", nproc))
-        parallel_layout(world, cfg.parallel.context_parallel_size)
-    except ValueError as exc:
+    try:  # this process starts the run's ranks and waits for them (--nproc, Ray), or is a rank itself (None)
+        code = start(cfg, ([yaml_path] if yaml_path else []) + (["--preset", preset] if preset else [])
+                     + ([f"--resume={resume}"] if resume is not None else [])
+                     + ([f"--allow-change={allow}"] if allow else []) + argv, nproc)
+    except LaunchError as exc:
         print(f"strop train: {exc}", file=sys.stderr)
         return 2
-    if on_ray:
-        return _train_on_ray(cfg, ([yaml_path] if yaml_path else []) + (["--preset", preset] if preset else [])
-                             + ([f"--resume={resume}"] if resume is not None else [])
-                             + ([f"--allow-change={allow}"] if allow else []) + argv)
-    if nproc > 1:
-        from strop.cluster.process import stop_on_signals
-        from strop.cluster.local import launch
-
-        extra = ([f"--resume={resume}"] if resume is not None else []) + ([f"--allow-change={allow}"] if allow else [])
-        argv = _secrets_to_environment(cfg, argv)  # a rank's command line is visible to every user (ps)
-        os.environ["STROP_LAUNCHER_PID"] = str(os.getpid())  # the ranks die with this process, SIGKILL included
-        with stop_on_signals():  # SIGTERM: the ranks are stopped (each closes what it started) before this exits
-            return launch(nproc, ([yaml_path] if yaml_path else []) + (["--preset", preset] if preset else []) + extra
-                          + argv)
-    if "STROP_LAUNCHER_PID" in os.environ:  # a rank started by --nproc
-        from strop.cluster.process import die_with_parent
-
-        die_with_parent(int(os.environ.pop("STROP_LAUNCHER_PID")))
+    if code is not None:
+        return code
     _quiet_libraries()
     if os.environ.get("RANK", "0") != "0":
         cfg.run.progress = False
@@ -262,46 +242,6 @@ def train_main(argv: list[str]) -> int:
         print(f"strop train: error: {exc}", file=sys.stderr)
         return 1
     return 0
-
-
-def _train_on_ray(cfg, argv: list[str]) -> int:
-    """The run's ranks and engines as Ray actors (strop.cluster.ray_cluster); this process places,
-    watches and stops them."""
-    from strop.cluster.placement import PlacementError
-    from strop.cluster.process import stop_on_signals
-    from strop.cluster.ray_cluster import ClusterError, launch
-
-    argv = _secrets_to_environment(cfg, argv)  # the actors get them in their environment
-    try:
-        with stop_on_signals():
-            return launch(cfg, argv)
-    except (ClusterError, PlacementError) as exc:
-        print(f"strop train: error: {exc}", file=sys.stderr)
-        return 1
-
-
-def _secrets_to_environment(cfg, argv: list[str]) -> list[str]:
-    """``argv`` without secret options (``--engine.token=...`` / ``--engine.token ...``); their values
-    go to the environment variables the ranks read them from (strop.config.secret_fields)."""
-    from strop.config import secret_fields
-
-    fields = secret_fields()
-    out, skip = [], False
-    for arg in argv:
-        name = arg.split("=", 1)[0].removeprefix("--")
-        if skip:
-            skip = False
-        elif name in fields:
-            skip = "=" not in arg  # the value is the next argument
-        else:
-            out.append(arg)
-    for name, env in fields.items():
-        value = cfg
-        for part in name.split("."):
-            value = getattr(value, part)
-        if value is not None:
-            os.environ[env] = value.get_secret_value()
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:

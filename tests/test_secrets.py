@@ -98,11 +98,11 @@ def test_a_run_writes_sends_and_prints_no_secret(tiny_model_dir, tmp_path, capfd
 
 
 def test_nproc_ranks_get_secrets_by_environment_never_on_their_command_line(monkeypatch):
-    from strop.cli import _secrets_to_environment
+    from strop.cluster import secrets_to_environment
 
     monkeypatch.delenv("STROP_ENGINE_TOKEN", raising=False)
     cfg = build_config(overrides={"engine": {"kind": "strop", "urls": ["http://127.0.0.1:1"], "token": "t0p-s3cret"}})
     for argv in (["--engine.token=t0p-s3cret", "--train.steps=2"], ["--engine.token", "t0p-s3cret", "--train.steps=2"]):
         monkeypatch.delenv("STROP_ENGINE_TOKEN", raising=False)
-        assert _secrets_to_environment(cfg, argv) == ["--train.steps=2"]
+        assert secrets_to_environment(cfg, argv) == ["--train.steps=2"]
         assert os.environ["STROP_ENGINE_TOKEN"] == "t0p-s3cret"
