@@ -18,3 +18,21 @@ def synthetic_samples(n: int = 16, prompt_len: int = 24, response_len: int = 16,
         s.status, s.reward = Status.COMPLETED, float(i % 2)
         out.append(s)
     return out
+
+
+def timed_train(args: list[str], run_dir, what: str) -> tuple[float, list[dict]]:
+    """``strop train ARGS --run.dir=RUN_DIR`` in a process of its own: (wall seconds, metrics.jsonl rows);
+    a failed run ends the benchmark with its stderr, naming ``what``."""
+    import json
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "strop.cli", "train", *args, f"--run.dir={run_dir}"],
+                          capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise SystemExit(f"{what}: strop train failed:\n{proc.stderr[-3000:]}")
+    return wall, [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]

@@ -13,25 +13,18 @@ given by --offpolicy-args (default: TIS with cap 2 against the rollout's logprob
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from common import timed_train
 
 
 def run(mode: str, run_dir: Path, extra: list[str], offpolicy: list[str]) -> dict:
-    args = [sys.executable, "-m", "strop.cli", "train", f"--rollout.mode={mode}", f"--run.dir={run_dir}",
-            "--run.progress=false", *(offpolicy if mode != "sync" else []), *extra]
-    t0 = time.perf_counter()
-    proc = subprocess.run(args, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
-    if proc.returncode != 0:
-        raise SystemExit(f"{mode}: strop train failed:\n{proc.stderr[-3000:]}")
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    wall, rows = timed_train([f"--rollout.mode={mode}", "--run.progress=false",
+                              *(offpolicy if mode != "sync" else []), *extra], run_dir, mode)
     steps = [r for r in rows if "reward_mean" in r]
     evals = [r["eval_accuracy"] for r in rows if "eval_accuracy" in r]
     later = steps[1:] or steps

@@ -13,25 +13,18 @@ The Ray runs start and stop a local cluster of their own, as a one-node user's r
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+from common import timed_train
+
 
 def run(how: str, run_dir: Path, steps: int, extra: list[str]) -> dict:
     launcher = ["--nproc=2"] if how == "local" else ["--cluster.launcher=ray", "--cluster.trainer_ranks=2"]
-    args = [sys.executable, "-m", "strop.cli", "train", f"--train.steps={steps}", f"--run.dir={run_dir}",
-            "--run.progress=false", "--run.threads=1", "--eval.every=0", *launcher, *extra]
-    t0 = time.time()
-    proc = subprocess.run(args, capture_output=True, text=True)
-    wall = time.time() - t0
-    if proc.returncode != 0:
-        raise SystemExit(f"{how}: strop train failed:\n{proc.stderr[-3000:]}")
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    wall, rows = timed_train([f"--train.steps={steps}", "--run.progress=false", "--run.threads=1", "--eval.every=0",
+                              *launcher, *extra], run_dir, how)
     train = [r for r in rows if "reward_mean" in r]
     # the steps span from step 1's start to the last step's end (the run's own clock)
     steps_span = train[-1]["elapsed_seconds"] - train[0]["elapsed_seconds"] + train[0]["step_seconds"]

@@ -259,18 +259,17 @@ def launch(cfg, argv: list[str]) -> int:
         from strop.config import secret_fields
 
         env = {name: os.environ[name] for name in [*secret_fields().values(), "PYTHONPATH"] if name in os.environ}
+        engines_at: list[dict] = []
         if cfg.engine.launch:
             token = cfg.engine.token.get_secret_value() if cfg.engine.token else secrets.token_urlsafe(32)
-            engines = start_engines(ray, cfg, plan, pg, token, str(run_dir), cwd, str(marker))
+            engines, engines_at = start_engines(ray, cfg, plan, pg, token, str(run_dir), cwd, str(marker))
             actors += engines
-            urls = [w["url"] for w in ray.get([e.where.remote() for e in engines])]
-            env |= {"STROP_ENGINE_URLS": json.dumps(urls), "STROP_ENGINE_TOKEN": token}
+            env |= {"STROP_ENGINE_URLS": json.dumps([w["url"] for w in engines_at]), "STROP_ENGINE_TOKEN": token}
         ranks = [ray.remote(TrainerRank).options(**_options(c.trainer_resources, pg, plan.rank_bundle(r), max_restarts=0,
                                                            max_concurrency=2, name=f"rank{r}")).remote(r)
                  for r in range(c.trainer_ranks)]
         actors += ranks
         where = ray.get([a.where.remote() for a in ranks])
-        engines_at = ray.get([e.where.remote() for e in actors if e not in ranks])
         report(where, engines_at)
         _check_plan(plan, where, engines_at)
         master_port = ray.get(ranks[0].free_port.remote())
@@ -288,9 +287,10 @@ def launch(cfg, argv: list[str]) -> int:
         stop(ray, actors, pg, local, marker)
 
 
-def start_engines(ray, cfg, plan: Plan, pg, token: str, run_dir: str, cwd: str, marker: str) -> list:
+def start_engines(ray, cfg, plan: Plan, pg, token: str, run_dir: str, cwd: str, marker: str) -> tuple[list, list]:
     """One actor per engine, each serving on its node; Ray restarts one that dies (``cluster.engine_restarts``
-    times) on the same port, where the router finds it again."""
+    times) on the same port, where the router finds it again. Returns the actors and where each runs
+    (node, pid, URL, server pid), once every one is healthy."""
     e = cfg.engine
     args = list(e.launch_args)
     if e.kind == "strop":  # the one folder its /update_weights_from_disk may read
@@ -311,8 +311,7 @@ def start_engines(ray, cfg, plan: Plan, pg, token: str, run_dir: str, cwd: str, 
         options = _options(cfg.cluster.engine_resources, pg, plan.engine_bundle(i), name=f"engine{i}",
                            max_restarts=cfg.cluster.engine_restarts, max_concurrency=2)
         engines.append(ray.remote(EngineServer).options(**options).remote(i, spec, ports[i], token, cwd, marker))
-    ray.get([x.where.remote() for x in engines])  # every one healthy (or its failure, raised here)
-    return engines
+    return engines, ray.get([x.where.remote() for x in engines])  # every one healthy (or its failure, raised here)
 
 
 def report(ranks: list[dict], engines: list[dict]) -> None:
