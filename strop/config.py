@@ -268,13 +268,14 @@ class EngineConfig(_Section):
                             "[\"http://127.0.0.1:30000\"]; several go behind strop's router")
     launch: int = Field(0, ge=0, description="start this many servers for the run (and stop them at the end) "
                         "instead of urls: kind=strop: strop serve processes (here, or Ray engine actors with "
-                        "cluster.launcher=ray); kind=vllm: vLLM servers, as Ray engine actors only")
+                        "cluster.launcher=ray); kind=vllm / sglang: vLLM or SGLang servers, as Ray engine actors only")
     launch_args: list[str] = Field(default_factory=list, description="extra arguments for launched servers, e.g. "
                                    "[\"--threads=1\"] (strop serve) or [\"--dtype\", \"bfloat16\"] (vLLM)")
-    launch_command: list[str] = Field(default_factory=list, description="kind=vllm: the program that starts one "
-                                      "server (default: this Python's -m vllm.entrypoints.openai.api_server), e.g. "
-                                      "[\"/opt/vllm/bin/python\", \"-m\", \"vllm.entrypoints.openai.api_server\"]; "
-                                      "strop adds the model, host, port and what its client needs")
+    launch_command: list[str] = Field(default_factory=list, description="kind=vllm / sglang: the program that "
+                                      "starts one server (default: this Python's -m vllm.entrypoints.openai.api_server"
+                                      " / -m sglang.launch_server), e.g. [\"/opt/vllm/bin/python\", \"-m\", "
+                                      "\"vllm.entrypoints.openai.api_server\"]; strop adds the model, host, port and "
+                                      "what its client needs")
     launch_env: dict[str, str] = Field(default_factory=dict, description="environment variables for launched "
                                        "servers, e.g. {VLLM_CPU_KVCACHE_SPACE: \"2\"}")
     fast_decode: bool = Field(True, description="embedded engine and strop serve: decode Llama-family models with "
@@ -321,13 +322,9 @@ class EngineConfig(_Section):
             raise ValueError("engine.urls / engine.launch need engine.kind='strop', 'sglang' or 'vllm'")
         if self.kind != "embedded" and not self.urls and not self.launch:
             raise ValueError(f"engine.kind={self.kind!r} needs engine.urls or engine.launch=N")
-        if self.launch and self.kind == "sglang":
-            raise ValueError("engine.launch with engine.kind='sglang': strop does not start SGLang servers (SGLang is "
-                             "a GPU-only build and no launched SGLang server has run in strop's tests); start them "
-                             "yourself and give engine.urls")
-        if self.launch_command and self.kind != "vllm":
-            raise ValueError("engine.launch_command is the program of launched vLLM servers (engine.kind='vllm'); "
-                             "strop serve is started as this Python's `strop serve`")
+        if self.launch_command and self.kind not in ("vllm", "sglang"):
+            raise ValueError("engine.launch_command is the program of launched vLLM or SGLang servers (engine.kind="
+                             "'vllm' or 'sglang'); strop serve is started as this Python's `strop serve`")
         if self.launch and self.urls:
             raise ValueError("give engine.urls or engine.launch, not both")
         if self.sync == "delta" and self.kind != "strop":
@@ -483,9 +480,9 @@ class Config(_Section):
     @model_validator(mode="after")
     def _check_cluster(self):
         c, e = self.cluster, self.engine
-        if e.launch and e.kind == "vllm" and c.launcher != "ray":
-            raise ValueError("engine.launch with engine.kind='vllm' starts vLLM servers as Ray engine actors: set "
-                             "cluster.launcher='ray', or start the servers yourself and give engine.urls")
+        if e.launch and e.kind in ("vllm", "sglang") and c.launcher != "ray":
+            raise ValueError(f"engine.launch with engine.kind={e.kind!r} starts {e.kind} servers as Ray engine actors: "
+                             "set cluster.launcher='ray', or start the servers yourself and give engine.urls")
         if c.launcher == "local":
             return self
         if c.placement == "colocated" and e.launch > c.trainer_ranks:
@@ -493,7 +490,7 @@ class Config(_Section):
                              f"{e.launch} engines need as many trainer ranks (cluster.trainer_ranks={c.trainer_ranks})")
         if c.placement == "colocated" and not e.launch:
             raise ValueError("cluster.placement='colocated' shares the trainer ranks' bundles with engine actors: "
-                             "set engine.launch=N (engine.kind='strop'), or use placement='disaggregated'")
+                             "set engine.launch=N, or use placement='disaggregated'")
         return self
 
     @model_validator(mode="after")

@@ -110,3 +110,17 @@ def test_preset_on_the_command_line_and_in_yaml(tmp_path):
     assert cfg.algo.policy_loss == "gspo" and cfg.train.steps == 3
     with pytest.raises(ConfigError, match="unknown preset 'nope'"):
         build_config(preset="nope")
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["--cluster.launcher=ray", "--cluster.placement=colocated"], "shares the trainer ranks' bundles with engine"),
+    (["--cluster.launcher=ray", "--cluster.placement=colocated", "--cluster.trainer_ranks=1", "--engine.kind=strop",
+      "--engine.launch=2"], "engine.launch=2 engines need as many trainer ranks"),
+    (["--engine.kind=vllm", "--engine.launch=1"], "starts vllm servers as Ray engine actors"),
+    (["--engine.kind=sglang", "--engine.launch=1"], "starts sglang servers as Ray engine actors"),
+    (["--engine.kind=strop", "--engine.launch=1", '--engine.launch_command=["python", "-m", "x"]'],
+     "launch_command is the program of launched vLLM or SGLang servers"),
+])
+def test_launch_and_placement_combinations_that_cannot_run_are_refused(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        build_config(None, parse_overrides(overrides))

@@ -3,9 +3,9 @@
 Ray decides where processes run, not what they do: each trainer actor runs the same ``strop train``
 as a rank of ``--nproc`` (RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR from the plan, the master on
 rank 0's node), so data parallel, FSDP2 and context parallel work unchanged, and rank 0 stays the
-controller. Engine actors each own a ``strop serve`` process on their node; their URLs reach rank 0's
-router, which fails over when one dies and re-admits it, restarted by Ray, once it holds the current
-weights. This process (the driver) only places, watches and stops: when a trainer rank dies, every
+controller. Engine actors each own a server on their node (strop serve, vLLM or SGLang); their URLs reach
+rank 0's router, which fails over when one dies and re-admits it, restarted by Ray, once it holds the
+current weights. This process (the driver) only places, watches and stops: when a trainer rank dies, every
 other rank gets ``cluster.stop_timeout_s`` to end on its own, then is killed; whatever happens,
 the run's actors, their servers, the placement group and a local cluster it started end with it.
 
@@ -21,6 +21,7 @@ import os
 import secrets
 import socket
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -28,7 +29,8 @@ from pathlib import Path
 from strop.cluster.placement import Node, Plan, PlacementError, plan_placement
 
 LOG_GRACE_S = 1.0
-ENGINE_START_S = {"strop": 180.0, "vllm": 600.0}  # until a launched server answers /health
+LOCAL_START_S = 120.0  # until `ray start --head` of a local cluster reports it runs
+ENGINE_START_S = {"strop": 180.0, "vllm": 600.0, "sglang": 600.0}  # until a launched server answers /health
 PIN = 0.001  # of a node's own resource, in each bundle: it holds the bundle to the node the plan chose
 
 
@@ -73,12 +75,12 @@ class TrainerRank:
 
 
 class EngineServer:
-    """An engine: a ``strop serve`` or vLLM server process on this actor's node (with the GPUs Ray gave the
+    """An engine: a ``strop serve``, vLLM or SGLang server process on this actor's node (with the GPUs Ray gave the
     actor), started when the actor starts (again on the same port when Ray restarts it) and killed with the
     actor (parent-death signal)."""
 
     def __init__(self, index: int, spec: dict, port: int, token: str, cwd: str, marker: str):
-        from strop.engines.launch import LocalServer, vllm_command
+        from strop.engines.launch import LocalServer, sglang_command, vllm_command, write_sglang_config
 
         _check_shared(cwd, marker, f"engine {index}")
         os.chdir(cwd)
@@ -87,11 +89,20 @@ class EngineServer:
             program = spec["command"] or [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
             command = vllm_command(program, spec["model"], host, port, spec["args"])
             env = {"VLLM_API_KEY": token, "VLLM_SERVER_DEV_MODE": "1"}
+        elif spec["kind"] == "sglang":  # its API key in a file of SGLang's --config, read once at start
+            program = spec["command"] or [sys.executable, "-m", "sglang.launch_server"]
+            keep = tempfile.TemporaryDirectory(prefix="strop-sglang-")
+            config = write_sglang_config(Path(keep.name) / "server.yaml", token)
+            command, env = sglang_command(program, spec["model"], host, port, config, spec["args"]), {}
         else:
             command, env = None, {"STROP_SERVE_TOKEN": token}
         self.server = LocalServer(spec["model"], port, list(spec["args"]), env | spec["env"], host=host,
                                   command=command)
-        self.server.start().wait_healthy(spec["timeout_s"])
+        try:
+            self.server.start().wait_healthy(spec["timeout_s"])
+        finally:
+            if spec["kind"] == "sglang":  # read by now (a killed actor never gets to delete it later)
+                keep.cleanup()
 
     def __repr__(self) -> str:
         return f"engine{self.index}"
@@ -130,16 +141,11 @@ def _check_shared(cwd: str, marker: str, who: str) -> None:
                            "storage, at the same path on every node")
 
 
-def connect(ray, address: str | None, timeout_s: float, namespace: str) -> bool:
-    """Join the cluster at ``address`` ('auto', 'host:port') or start a local one (None), on loopback
-    only; a bad address fails within ``timeout_s``. The run's actors are named in ``namespace`` (rank0,
-    engine0, ...). Returns whether a local cluster was started."""
+def connect(ray, address: str, timeout_s: float, namespace: str, what: str) -> None:
+    """Join the cluster at ``address`` ('auto', 'host:port'); a bad address fails within ``timeout_s``. The
+    run's actors are named in ``namespace`` (rank0, engine0, ...)."""
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")  # every rank's lines, each with its prefix
-    if address is None:
-        ray.init(address="local", namespace=namespace, include_dashboard=False, configure_logging=False,
-                 log_to_driver=True)
-        return True
-    if address != "auto":
+    if address is not None and address != "auto":
         host, _, port = address.removeprefix("ray://").rpartition(":")
         if not host or not port.isdigit():
             raise ClusterError(f"cluster.address={address!r}: expected 'auto' or 'host:port' of the head's GCS")
@@ -151,8 +157,32 @@ def connect(ray, address: str | None, timeout_s: float, namespace: str) -> bool:
     try:
         ray.init(address=address, namespace=namespace, configure_logging=False, log_to_driver=True)
     except (ConnectionError, RuntimeError, ValueError) as exc:
-        raise ClusterError(f"cluster.address={address!r}: {exc}") from exc
-    return False
+        raise ClusterError(f"{what}: {exc}") from exc
+
+
+def start_local_cluster(timeout_s: float = LOCAL_START_S):
+    """A one-node Ray cluster of the run's own, on loopback, that ends with this process, SIGKILL included:
+    ``ray start --head --block`` in a process group tied to this process (strop.engines.launch), which holds
+    the GCS, the raylet and the raylet's agents (``ray.init``'s own local cluster leaves those agents running
+    when its driver is SIGKILLed). Ports are picked here and the auth token is the run's own (RAY_AUTH_TOKEN,
+    which :func:`launch` sets before Ray is imported), so runs side by side never meet. Returns the head's process (``.stop()`` ends the cluster) and its GCS address."""
+    from strop.cluster.process import free_port
+    from strop.engines.launch import LocalServer
+
+    gcs, dashboard, client, agent = (free_port() for _ in range(4))
+    head = LocalServer("", gcs, command=[
+        sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--node-ip-address=127.0.0.1",
+        f"--port={gcs}", f"--dashboard-port={dashboard}", f"--ray-client-server-port={client}",
+        f"--dashboard-agent-listen-port={agent}", "--include-dashboard=false", "--disable-usage-stats"]).start()
+    deadline = time.monotonic() + timeout_s
+    while "Ray runtime started" not in head.log_tail(100_000):
+        if head.proc.poll() is not None or time.monotonic() > deadline:
+            head.stop()
+            raise ClusterError(f"a local Ray cluster did not start within {timeout_s:g}s "
+                               f"(`ray start --head` {'exited' if head.proc.poll() is not None else 'still starting'}):"
+                               f"\n{head.log_tail()}")
+        time.sleep(0.2)
+    return head, f"127.0.0.1:{gcs}"
 
 
 def cluster_nodes(ray) -> list[Node]:
@@ -238,12 +268,15 @@ def launch(cfg, argv: list[str]) -> int:
     """``strop train`` with ``cluster.launcher=ray``: place, start, watch and stop the run's actors.
     ``argv``: the command line every trainer rank runs (the run directory is added here)."""
     c = cfg.cluster
-    if c.address is None:  # a local cluster binds 127.0.0.1 only: nothing joins it (read when ray is imported)
-        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    if c.address is None:  # read when ray is imported
+        os.environ |= {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # the local cluster binds 127.0.0.1 only
+                       "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}  # its head's and ours
     ray = import_ray()
-    local = connect(ray, c.address, c.connect_timeout_s, f"strop-{uuid.uuid4().hex[:12]}")
+    local = start_local_cluster() if c.address is None else None  # before ray.init reads the token
     pg, actors, marker = None, [], None
     try:
+        connect(ray, local[1] if local else c.address, c.connect_timeout_s, f"strop-{uuid.uuid4().hex[:12]}",
+                "the run's local cluster" if local else f"cluster.address={c.address!r}")
         nodes = cluster_nodes(ray)
         engine_resources = c.engine_resources if cfg.engine.launch else {}
         plan = plan_placement(nodes, c.trainer_ranks, c.trainer_resources, cfg.engine.launch, engine_resources,
@@ -296,7 +329,7 @@ def start_engines(ray, cfg, plan: Plan, pg, token: str, run_dir: str, cwd: str, 
     if e.kind == "strop":  # the one folder its /update_weights_from_disk may read
         args.append(f"--weights-dir={Path(e.sync_dir or Path(run_dir) / 'weights').resolve()}")
     model = cfg.model.path
-    if e.kind == "vllm":  # (strop serve resolves it itself; vLLM needs a folder or a hub id)
+    if e.kind != "strop":  # (strop serve resolves it itself; vLLM and SGLang need a folder or a hub id)
         from strop.models import resolve_model_path
 
         model = resolve_model_path(model)
@@ -365,7 +398,7 @@ def _outcome(ray, ref) -> tuple[int, str]:
     return code, f"exited with code {code}"
 
 
-def stop(ray, actors: list, pg, local: bool, marker: Path | None) -> None:
+def stop(ray, actors: list, pg, local, marker: Path | None) -> None:
     """End the run's actors (their servers die with them), the placement group, and a local cluster."""
     for a in actors:
         try:
@@ -378,4 +411,6 @@ def stop(ray, actors: list, pg, local: bool, marker: Path | None) -> None:
         remove_placement_group(pg)
     if marker is not None:
         marker.unlink(missing_ok=True)
-    ray.shutdown()  # a local cluster stops with it
+    ray.shutdown()
+    if local:
+        local[0].stop()

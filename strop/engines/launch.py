@@ -9,6 +9,7 @@ SIGKILL takes its servers with it. The bearer token travels in the environment, 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -158,6 +159,23 @@ def vllm_command(program: list[str], model_path: str, host: str, port: int, args
     environment). ``program``: what starts it, e.g. ``[".../bin/python", "-m", "vllm.entrypoints.openai.api_server"]``."""
     return [*program, "--model", model_path, "--host", host, "--port", str(port), "--logprobs-mode",
             "processed_logprobs", "--worker-extension-cls", "strop.engines.vllm_worker.StropWorkerExtension", *args]
+
+
+def sglang_command(program: list[str], model_path: str, host: str, port: int, config: str, args: list[str] = ()
+                   ) -> list[str]:
+    """One SGLang server as strop drives it. Its API key (which every route but /health, /ready and /metrics then
+    requires) cannot come from the environment: it is in ``config``, a YAML file of SGLang's ``--config`` that only
+    this user can read (:func:`write_sglang_config`), never in argv. ``program``: what starts it, e.g.
+    ``[".../bin/python", "-m", "sglang.launch_server"]``."""
+    return [*program, "--model-path", model_path, "--host", host, "--port", str(port), "--config", config, *args]
+
+
+def write_sglang_config(path: Path, api_key: str) -> str:
+    """The YAML file of :func:`sglang_command`, readable by its owner only (written before it holds the key)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(f"api-key: {json.dumps(api_key)}\n")  # a JSON string is a YAML string
+    return str(path)
 
 
 if __name__ == "__main__":  # python -m strop.engines.launch PARENT_PID serve|exec ...: a server tied to its parent

@@ -64,3 +64,16 @@ def test_the_table_names_each_node_its_ranks_engines_and_resources():
     assert table[0].split() == ["node", "address", "trainer", "ranks", "engines", "resources"]
     assert table[1].split() == ["head01234567", "10.0.0.1", "0-2", "-", "CPU", "3"]
     assert table[2].split() == ["worker", "10.0.0.2", "-", "0-1", "CPU", "4"]
+
+
+def test_an_actor_that_lands_off_the_plan_stops_the_launch_naming_it():
+    from strop.cluster.ray_cluster import ClusterError, _check_plan
+
+    plan = plan_placement(nodes(a=2, b=2), 2, {"CPU": 1}, engines=1, engine={"CPU": 1})
+    ranks = [{"node": plan.node_of_rank(r)} for r in range(2)]
+    engine_node = plan.bundles[plan.engine_bundle(0)].node
+    _check_plan(plan, ranks, [{"node": engine_node}])  # where the plan put them: nothing to say
+    with pytest.raises(ClusterError, match=f"rank 1 runs on node {engine_node}, the plan put it on {ranks[1]['node']}"):
+        _check_plan(plan, [ranks[0], {"node": engine_node}], [{"node": engine_node}])
+    with pytest.raises(ClusterError, match=f"engine 0 runs on node {ranks[0]['node']}"):
+        _check_plan(plan, ranks, [{"node": ranks[0]["node"]}])

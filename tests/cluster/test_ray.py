@@ -179,6 +179,33 @@ def test_colocated_engine_shares_its_trainer_rank_bundle(nodes, tiny_model_dir, 
     assert [r for r in rows(tmp_path / "run") if "reward_mean" in r][0]["engines_healthy"] == 1
 
 
+@pytest.mark.timeout(300)
+def test_a_ray_engine_actor_starts_sglang_with_its_key_out_of_argv(nodes, tiny_model_dir, tmp_path):
+    """engine.kind=sglang, engine.launch=1: the actor starts the SGLang command (here a stand-in running strop
+    serve, since SGLang's build needs a GPU) with the model, host and port, and the API key in a file of SGLang's
+    --config that only its owner can read, deleted once the server is up; the run's SGLang client trains through
+    it (weights by broadcast every step: its logprobs are the trainer's)."""
+    token, record = "sglang-key-7f3e", tmp_path / "stand_in.json"
+    args = [*tiny(tiny_model_dir, tmp_path / "run", "--engine.kind=sglang", "--engine.launch=1",
+                  "--engine.launch_args=[\"--threads=1\"]", "--engine.sync=broadcast",
+                  f'--engine.launch_command=["{sys.executable}", "{ROOT / "tests/cluster/sglang_stand_in.py"}"]',
+                  f'--engine.launch_env={{"STAND_IN_RECORD": "{record}"}}', steps=2),
+            *on_ray(nodes["address"], 1)]
+    run = subprocess.run([sys.executable, "-m", "strop.cli", "train", *args], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=280, env=ENV | {"STROP_ENGINE_TOKEN": token})
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "weight sync: broadcast" in run.stdout and "router over sglang" in run.stdout, run.stdout[-2000:]
+    got = json.loads(record.read_text())
+    flags = [a for a in got["argv"] if a.startswith("--")]
+    assert flags == ["--model-path", "--host", "--port", "--config", "--threads=1"], got["argv"]
+    assert token not in " ".join(got["argv"]) and got["config_mode"] == 0o600 and got["config_keys"] == ["api-key"]
+    assert not Path(got["config"]).exists()
+    steps = [r for r in rows(tmp_path / "run") if "reward_mean" in r]
+    assert len(steps) == 2 and steps[1]["train_rollout_logprob_abs_diff"] < 1e-4, steps
+    where = placed(run.stdout)
+    assert not alive(where["engine", 0][1]) and not group_left(where["engine", 0][2])
+
+
 def test_an_actor_that_cannot_see_the_shared_run_directory_says_so(tmp_path):
     from strop.cluster.ray_cluster import ClusterError, _check_shared
 
@@ -242,6 +269,29 @@ def test_resources_held_by_other_work_fail_within_the_placement_timeout(nodes, t
     assert run.returncode == 1 and "were not free within cluster.placement_timeout_s=3s" in run.stderr, run.stderr
     assert re.search(r"missing on node \w+ \(127.0.0.1\): CPU 2 needed, 0 free", run.stderr)
     assert elapsed < 45
+
+
+@pytest.mark.timeout(240)
+def test_a_sigkilled_driver_of_a_local_cluster_leaves_nothing(tiny_model_dir, tmp_path):
+    """No address: the run starts a Ray cluster of its own. SIGKILL its driver mid-run: every process the driver
+    ever had below it (the cluster's GCS, raylet and the raylet's agents, the actors) is gone within 20 s."""
+    from tests.proctree import Run, _alive
+
+    run = Run([*tiny(tiny_model_dir, tmp_path / "run", steps=1000), "--cluster.launcher=ray",
+               "--cluster.trainer_ranks=2"], env=ENV)
+    try:
+        run.watch(lambda: "strop: ray: rank 1 on node" in run.output, timeout_s=120)
+        assert "strop: ray: rank 1 on node" in run.output, run.output[-3000:]
+        run.watch(lambda: False, timeout_s=3)  # the ranks' own processes, too
+        assert any("raylet" in cmd for cmd in _alive(run.seen)) and any("DashboardAgent" in c for c in _alive(run.seen))
+        run.proc.kill()
+        run.proc.wait(timeout=30)
+        deadline = time.monotonic() + 20
+        while _alive(run.seen) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _alive(run.seen), "left behind by a SIGKILLed driver:\n" + "\n".join(_alive(run.seen))
+    finally:
+        run.cleanup()
 
 
 @pytest.mark.timeout(60)

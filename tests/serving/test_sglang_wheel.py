@@ -1,6 +1,8 @@
 """strop's trainer side against SGLang 0.5.23's own code, read from its released wheel (no GPU needed):
 
 - the request structures in ``sglang_0_5_23_requests.json`` are still the wheel's (scripts/check_sglang_contract.py);
+- the command line strop's Ray engine actor starts SGLang with uses SGLang's own flags, and SGLang's own
+  ``--config`` merger reads the API key from strop's file;
 - SGLang's ``init_custom_process_group`` (the engine side of ``/init_weights_update_group``) and strop's
   :func:`~strop.engines.sync.make_group` meet in one group, and a ``flattened_bucket`` broadcast by strop is
   received and split the way SGLang's scheduler does it.
@@ -10,7 +12,9 @@ without it these tests are skipped, saying so. SGLang itself is never imported (
 the one function is compiled from the wheel's source on its own.
 """
 
+import argparse
 import ast
+import importlib.util
 import os
 import subprocess
 import sys
@@ -32,7 +36,10 @@ def sglang_src(tmp_path_factory):
     with zipfile.ZipFile(WHEELS[0]) as z:
         members = [m for m in z.namelist() if m.startswith(("sglang/srt/managers/io_struct.py",
                                                             "sglang/srt/entrypoints/http_server.py",
-                                                            "sglang/srt/utils/common.py", "sglang-0.5.23.dist-info/"))]
+                                                            "sglang/srt/utils/common.py", "sglang-0.5.23.dist-info/",
+                                                            "sglang/launch_server.py", "sglang/srt/server_args.py",
+                                                            "sglang/srt/arg_groups/fields/",
+                                                            "sglang/srt/utils/server_args_config_parser.py"))]
         z.extractall(out, members)
     return out
 
@@ -105,3 +112,40 @@ def test_strops_trainer_side_meets_sglangs_own_group_and_bucket_code(sglang_src,
     assert engine.returncode == 0, err[-2000:]
     want = [float(t.double().sum()) for t in named.values()]
     assert ast.literal_eval(out.strip().splitlines()[-1]) == pytest.approx(want)
+
+
+@pytest.mark.timeout(60)
+def test_the_launch_command_is_sglangs_own_and_its_config_merger_finds_the_key(sglang_src, tmp_path):
+    """strop.engines.launch.sglang_command: every flag is a field of SGLang's ServerArgs (``--name-with-dashes``
+    of one of ``arg_groups/fields/*``), ``python -m sglang.launch_server`` parses its argv with
+    ``prepare_server_args``, which runs ``--config`` through SGLang's ConfigArgumentMerger, and that merger turns
+    strop's file into ``--api-key <key>``; the key never appears in the command line."""
+    from strop.engines.launch import sglang_command, write_sglang_config
+
+    fields = set()
+    for source in (sglang_src / "sglang/srt/arg_groups/fields").glob("*.py"):
+        for node in ast.walk(ast.parse(source.read_text())):
+            if isinstance(node, ast.ClassDef):
+                fields |= {n.target.id for n in node.body if isinstance(n, ast.AnnAssign)
+                           and isinstance(n.target, ast.Name)}
+    assert {"model_path", "host", "port", "api_key"} <= fields, "SGLang renamed a flag strop passes"
+    config = write_sglang_config(tmp_path / "server.yaml", "k3y'\"x")
+    command = sglang_command(["python", "-m", "sglang.launch_server"], "/models/m", "10.0.0.2", 30001, config,
+                             ["--mem-fraction-static", "0.5"])
+    assert not any("k3y" in a for a in command) and os.stat(config).st_mode & 0o777 == 0o600
+    flags = [a[2:].replace("-", "_") for a in command if a.startswith("--")]
+    assert set(flags) - {"config"} <= fields, set(flags) - fields
+    main = (sglang_src / "sglang/launch_server.py").read_text()
+    prepare = (sglang_src / "sglang/srt/server_args.py").read_text()
+    assert "prepare_server_args(sys.argv[1:])" in main and '"--config" in argv' in prepare
+    assert "ConfigArgumentMerger(parser)" in prepare
+    spec = importlib.util.spec_from_file_location("sglang_config_parser",
+                                                  sglang_src / "sglang/srt/utils/server_args_config_parser.py")
+    merger = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(merger)
+    parser = argparse.ArgumentParser()  # the flags as SGLang declares them (str, int)
+    for flag, kind in (("--model-path", str), ("--host", str), ("--port", int), ("--api-key", str),
+                       ("--mem-fraction-static", float), ("--config", str)):
+        parser.add_argument(flag, type=kind)
+    args = parser.parse_args(merger.ConfigArgumentMerger(parser).merge_config_with_args(command[3:]))
+    assert (args.api_key, args.model_path, args.host, args.port) == ("k3y'\"x", "/models/m", "10.0.0.2", 30001)
