@@ -12,7 +12,7 @@ from strop import checkpoint
 from strop.cluster.process import resolve_device, stop_on_signals
 from strop.config import Config
 from strop.controller import Controller
-from strop.parallel.runtime import Control, init_from_env
+from strop.parallel.runtime import Control, process_group
 from strop.rollout.samples_file import write_header
 from strop.setup import Components, build
 
@@ -24,10 +24,14 @@ def train(cfg: Config, resume: bool = False) -> dict | None:
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
         device = resolve_device(cfg.run.device)
-        init_from_env(device)
-        control = Control(cfg.parallel.controller_timeout_s)
-        c = build(cfg, device, control, resume=resume)  # every input is checked before the run directory exists
-        return _train(cfg, resume, control, c, closing)
+        with process_group(device):
+            return _run(cfg, resume, device, closing)
+
+
+def _run(cfg: Config, resume: bool, device: torch.device, closing) -> dict | None:
+    control = Control(cfg.parallel.controller_timeout_s)
+    c = build(cfg, device, control, resume=resume)  # every input is checked before the run directory exists
+    return _train(cfg, resume, control, c, closing)
 
 
 def _train(cfg: Config, resume: bool, control: Control, c: Components, closing) -> dict | None:

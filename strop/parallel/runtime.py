@@ -8,6 +8,7 @@ batch and trains on its share of the micro-batches.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -25,6 +26,21 @@ def init_from_env(device: torch.device | None = None) -> tuple[int, int]:
         dist.init_process_group("nccl" if device is not None and device.type == "cuda" else "gloo",
                                 device_id=device if device is not None and device.type == "cuda" else None)
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+@contextlib.contextmanager
+def process_group(device: torch.device | None = None):
+    """:func:`init_from_env` for the length of the block; a gloo group it created is destroyed as the block
+    ends, however it ends (torch's teardown of one left to interpreter exit aborted a rank now and then:
+    SIGABRT, "terminate called without an active exception"). Local, no collective. An NCCL group is left
+    to torch: destroying one while a collective is pending can block."""
+    owned = not dist.is_initialized()
+    init_from_env(device)
+    try:
+        yield
+    finally:
+        if owned and dist.is_initialized() and dist.get_backend() == "gloo":
+            dist.destroy_process_group()
 
 
 def parallel_layout(world: int, context_parallel_size: int) -> tuple[int, int]:

@@ -74,3 +74,37 @@ def test_workers_wait_for_rank_0_as_long_as_the_controller_timeout_says():
     gave_up = run_on_ranks(_wait_for_rank_0, 2, 1.0, 6.0, timeout=60)
     status, kind, text, seconds = gave_up[1]
     assert status == "error" and seconds < 5.0, gave_up[1]  # a 1 s budget is honoured
+
+
+GROUP_WORKER = textwrap.dedent("""
+    import os, sys
+    import torch.distributed as dist
+    from strop.parallel.runtime import process_group
+    with process_group():
+        inside = dist.is_initialized() and dist.get_world_size() == 2
+        dist.barrier()
+    open(os.path.join(sys.argv[1], f"rank{os.environ['RANK']}"), "w").write(f"{inside} {dist.is_initialized()}")
+""")
+
+
+@pytest.mark.timeout(120)
+def test_the_runs_gloo_group_is_destroyed_when_the_run_ends(tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(GROUP_WORKER)
+    assert launch(2, [str(tmp_path)], command=[sys.executable, str(script)]) == 0
+    assert [(tmp_path / f"rank{r}").read_text() for r in (0, 1)] == ["True False"] * 2
+
+
+@pytest.mark.timeout(60)
+def test_a_process_group_the_caller_made_is_left_as_it_was(tmp_path):
+    import torch.distributed as dist
+
+    from strop.parallel.runtime import process_group
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with process_group():
+            pass
+        assert dist.is_initialized()
+    finally:
+        dist.destroy_process_group()
