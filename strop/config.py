@@ -365,6 +365,11 @@ class ParallelConfig(_Section):
         1, ge=1, description="context parallel: ranks that split every sequence's tokens (zigzag chunks, keys and "
         "values all-gathered); the processes form a (data parallel x context parallel) mesh, so --nproc must be a "
         "multiple of it")
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="tensor parallel: ranks that split every decoder layer (q/k/v/gate/up by output, "
+        "o/down by input, embedding and output projection by vocabulary; DTensor) for Llama, Mistral, Qwen2 and "
+        "Qwen3; the processes form a (data parallel x tensor parallel) mesh with neighbouring ranks in one tensor-"
+        "parallel group, so --nproc must be a multiple of it; it must divide the heads, KV heads and MLP width")
     controller_timeout_s: float = Field(
         6 * 3600, gt=0, description="how long ranks other than 0 wait for rank 0 (rollout, evaluation, set-up) "
         "before giving up; their own collectives keep torch's default timeout")
@@ -527,6 +532,17 @@ class Config(_Section):
                              + (f"rollout.mode={r.mode!r}" if r.mode != "sync" else
                                 f"data.samples={self.data.samples!r} replays samples generated elsewhere")
                              + "; use rollout.mode='sync' without data.samples, or turn exact_logprobs off")
+        tp = self.parallel.tensor_parallel_size
+        if tp > 1 and self.parallel.context_parallel_size > 1:
+            raise ValueError(f"parallel.tensor_parallel_size={tp} with parallel.context_parallel_size="
+                             f"{self.parallel.context_parallel_size}: tensor parallel and strop's context parallel do "
+                             "not compose yet (a (dp, cp, tp) mesh is not built); use one of them")
+        if tp > 1 and r.exact_logprobs:
+            raise ValueError(f"rollout.exact_logprobs gives 0 only when the trainer runs the engine's kernels; "
+                             f"parallel.tensor_parallel_size={tp} sums every layer in two halves: turn one off")
+        if tp > 1 and (a.kl_coef or a.kl_in_reward_coef) and a.ref_mode == "swap":
+            raise ValueError(f"algo.ref_mode='swap' cannot swap into weights split by parallel.tensor_parallel_size="
+                             f"{tp}; use ref_mode='copy'")
         if r.partial == "resume" and self.plugins.generate:
             raise ValueError("rollout.partial='resume' continues a sample from the tokens it has, which the default "
                              f"generate function does; plugins.generate={self.plugins.generate!r} may not: use "

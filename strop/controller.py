@@ -42,7 +42,7 @@ class Controller:
         complete checkpoint instead (None: there is none, the run starts again from step 0)."""
         save_config(self.cfg, self.run_dir / "config.yaml")  # first: from here on the run can be resumed
         print(f"strop: run directory {self.run_dir}", flush=True)
-        if self.c.trainer.dp.world > 1:
+        if self.c.trainer.dp.world * self.c.trainer.dp.tp_size > 1:
             print(f"strop: {self.c.trainer.dp.describe()}", flush=True)
         print(f"strop: device {self.c.trainer.device}", flush=True)
         if self.c.replay is not None:

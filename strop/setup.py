@@ -19,7 +19,7 @@ from strop.data.sources import (DataError, PromptRow, PromptSampler, PromptSet, 
 from strop.engines.base import Engine
 from strop.engines.embedded import EmbeddedEngine
 from strop.parallel.collectives import resolve_bucket_bytes
-from strop.parallel.runtime import Control, device_mesh_groups, parallel_layout
+from strop.parallel.runtime import Control, device_mesh_groups, parallel_layout, tensor_parallel_mesh
 from strop.observe.tracking import require_trackers
 from strop.plugins import PluginError, call_hook_sync, load_hook
 from strop.rollout.generate import resolve_reward, rollout as default_rollout
@@ -145,7 +145,8 @@ def prepare(cfg: Config, device: torch.device, controller: bool = True, resume: 
         if not resume:
             check_run_dir(cfg)
         resolve_bucket_bytes(cfg.parallel.grad_reduce_bucket_bytes)
-        parallel_layout(dist.get_world_size() if dist.is_initialized() else 1, cfg.parallel.context_parallel_size)
+        parallel_layout(dist.get_world_size() if dist.is_initialized() else 1, cfg.parallel.context_parallel_size,
+                        cfg.parallel.tensor_parallel_size)
         require_trackers(cfg.run.trackers)
         reward_fn = resolve_reward(cfg.rollout.reward)
         if cfg.tools.enabled or "tools" in hooks:  # the sandbox and the tools hook: checked before the model loads
@@ -161,6 +162,12 @@ def prepare(cfg: Config, device: torch.device, controller: bool = True, resume: 
             eval_rows = _held_out_rows(cfg, train_rows, eval_rows)
             _check_labels(cfg, eval_rows, "eval")
     model_path = resolve_model_path(cfg.model.path)  # a missing path fails here
+    if cfg.parallel.tensor_parallel_size > 1:  # heads that do not divide: said before the model loads
+        from transformers import AutoConfig
+
+        from strop.parallel.tensor import check_tensor_parallel
+
+        check_tensor_parallel(AutoConfig.from_pretrained(model_path), cfg.parallel.tensor_parallel_size)
     tokenizer = load_tokenizer(model_path)
     torch.manual_seed(cfg.train.seed)
     policy = load_model(model_path, dtype=getattr(torch, cfg.model.dtype))  # same weights on every rank
@@ -190,7 +197,11 @@ def make_trainer(cfg: Config, policy, tokenizer, hooks: dict, device: torch.devi
     """The trainer with this rank's data- and context-parallel groups (a collective under several ranks)."""
     r = cfg.rollout
     dp_group = cp_group = None
-    if dist.is_initialized():
+    meshes = {}
+    if dist.is_initialized() and cfg.parallel.tensor_parallel_size > 1:
+        dp_group, meshes["dp_mesh"], meshes["tp_mesh"] = tensor_parallel_mesh(cfg.parallel.tensor_parallel_size,
+                                                                              device.type)
+    elif dist.is_initialized():
         dp_group, cp_group = device_mesh_groups(cfg.parallel.context_parallel_size, device.type)
     return Trainer(policy, pad_token_id=tokenizer.pad_token_id, train=cfg.train, algo=cfg.algo,
                    temperature=r.temperature, max_new_tokens=r.max_new_tokens,
@@ -198,7 +209,7 @@ def make_trainer(cfg: Config, policy, tokenizer, hooks: dict, device: torch.devi
                    dp_group=dp_group, cp_group=cp_group,
                    bucket_bytes=resolve_bucket_bytes(cfg.parallel.grad_reduce_bucket_bytes),
                    dp_mode=cfg.parallel.dp_mode, fsdp_mixed_precision=cfg.parallel.fsdp_mixed_precision,
-                   device=device, bf16_autocast=cfg.train.bf16_autocast, exact_logprobs=r.exact_logprobs)
+                   device=device, bf16_autocast=cfg.train.bf16_autocast, exact_logprobs=r.exact_logprobs, **meshes)
 
 
 def build(cfg: Config, device: torch.device | None = None, control: Control | None = None,
@@ -374,9 +385,11 @@ def _router(cfg: Config, urls: list[str], token: str | None, run_dir: Path, prob
                     broadcast=broadcast, delta=sync == "delta", drain_timeout_s=e.timeout_s)
     import torch.distributed as dist
 
-    sharded = dist.is_initialized() and dist.get_world_size() > 1 and cfg.parallel.dp_mode == "fsdp"
+    sharded = dist.is_initialized() and dist.get_world_size() > 1 and (
+        cfg.parallel.dp_mode == "fsdp" or cfg.parallel.tensor_parallel_size > 1)
     if e.sync_probe and sharded:  # the trainer's forward is a collective of every rank there, the probe rank 0's
-        print("strop: weight probe: off under parallel.dp_mode=fsdp (receipt: versions and checksums)", flush=True)
+        print("strop: weight probe: off under parallel.dp_mode=fsdp and tensor parallel (receipt: versions and "
+              "checksums)", flush=True)
     router.probe_ids = list(probe_ids[:PROBE_TOKENS]) if e.sync_probe and not sharded else None
     router.probe_tolerance = e.sync_probe_tolerance
     return router

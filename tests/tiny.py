@@ -16,3 +16,20 @@ def make_tiny_model(vocab_size: int = 49152, seed: int = 0):
     with torch.no_grad():
         model.model.embed_tokens.weight.normal_(0, 0.5)
     return model
+
+
+def make_tiny_qwen3(vocab_size: int = 49152, seed: int = 0, tie: bool = False):
+    """A random-initialised 2-layer Qwen3 (q/k norms per head, untied output projection unless ``tie``)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3Config(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
+                         tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    model = Qwen3ForCausalLM(config).float()
+    with torch.no_grad():
+        model.model.embed_tokens.weight.normal_(0, 0.5)
+        for layer in model.model.layers:  # norms away from 1, so their gradients matter in the checks
+            layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+            layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+    return model

@@ -25,7 +25,7 @@ def start(cfg, argv: list[str], nproc: int = 1) -> int | None:
         raise LaunchError("--nproc starts local ranks; with cluster.launcher=ray set cluster.trainer_ranks")
     try:
         world = cfg.cluster.trainer_ranks if on_ray else int(os.environ.get("WORLD_SIZE", nproc))
-        parallel_layout(world, cfg.parallel.context_parallel_size)
+        parallel_layout(world, cfg.parallel.context_parallel_size, cfg.parallel.tensor_parallel_size)
     except ValueError as exc:
         raise LaunchError(str(exc)) from None
     if on_ray:

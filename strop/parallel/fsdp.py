@@ -25,12 +25,14 @@ def decoder_layers(module: nn.Module) -> nn.ModuleList:
     raise ValueError(f"{type(module).__name__}: no decoder layers (a ModuleList named 'layers') to shard")
 
 
-def shard(module: nn.Module, group=None, *, device_type: str = "cpu", mixed_precision: bool = False) -> nn.Module:
-    """``fully_shard`` every decoder layer of ``module`` and ``module`` itself over ``group`` (default: all ranks)."""
+def shard(module: nn.Module, group=None, *, device_type: str = "cpu", mixed_precision: bool = False,
+          mesh=None) -> nn.Module:
+    """``fully_shard`` every decoder layer of ``module`` and ``module`` itself over ``group`` (default: all ranks),
+    or over ``mesh``: the data-parallel dimension of a (dp, tp) mesh whose tp dimension already split the module."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mesh = DeviceMesh.from_group(group or dist.group.WORLD, device_type=device_type)
+    mesh = mesh if mesh is not None else DeviceMesh.from_group(group or dist.group.WORLD, device_type=device_type)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision \
         else MixedPrecisionPolicy()
     for layer in decoder_layers(module):

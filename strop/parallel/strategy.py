@@ -17,6 +17,8 @@ every micro-batch's tokens in both; gradients are summed over data x context ran
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -40,8 +42,8 @@ class SingleProcess:
     """One process: every micro-batch is ours, gradients are already the step's."""
 
     mode = "single"
-    dp_rank, dp_size, cp_size, world = 0, 1, 1, 1
-    dp_group = cp_group = None
+    dp_rank, dp_size, cp_size, tp_size, world = 0, 1, 1, 1, 1
+    dp_group = cp_group = tp_group = None
     balance = False
 
     def __init__(self, device: torch.device | str = "cpu"):
@@ -82,6 +84,10 @@ class SingleProcess:
     def scalar(self, value: torch.Tensor) -> float:
         return float(value.full_tensor() if hasattr(value, "full_tensor") else value)
 
+    def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float) -> float:
+        """Scale the gradients to a total norm of at most ``max_norm``; returns the norm before."""
+        return self.scalar(torch.nn.utils.clip_grad_norm_(params, max_norm))
+
     def describe(self) -> str:
         return "1 process"
 
@@ -95,24 +101,63 @@ class Replicate(SingleProcess):
 
     mode = "replicate"
 
-    def __init__(self, dp_group, cp_group=None, *, device="cpu", bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+    def __init__(self, dp_group, cp_group=None, *, device="cpu", bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 tp_mesh=None, dp_mesh=None):
         super().__init__(device)
         self.dp_group, self.cp_group, self.bucket_bytes = dp_group, cp_group, bucket_bytes
         self.dp_rank = dist.get_rank(dp_group) if dp_group is not None else 0
         self.dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
         self.cp_size = dist.get_world_size(cp_group) if cp_group is not None else 1
-        self.world = self.dp_size * self.cp_size
-        if self.world != dist.get_world_size():
-            raise ValueError(f"data parallel ({self.dp_size}) x context parallel ({self.cp_size}) must cover all "
-                             f"{dist.get_world_size()} processes")
-        # every rank's gradients add up to the step's: DP ranks saw other micro-batches, CP ranks other tokens
-        self.grad_group = dist.group.WORLD
+        self.tp_mesh, self.dp_mesh = tp_mesh, dp_mesh
+        self.tp_size = tp_mesh.size() if tp_mesh is not None else 1
+        self.tp_group = tp_mesh.get_group() if self.tp_size > 1 else None
+        self.world = self.dp_size * self.cp_size  # the ranks that see different tokens
+        if self.world * self.tp_size != dist.get_world_size():
+            raise ValueError(f"data parallel ({self.dp_size}) x context parallel ({self.cp_size}) x tensor parallel "
+                             f"({self.tp_size}) must cover all {dist.get_world_size()} processes")
+        if self.tp_size > 1 and self.cp_size > 1:
+            raise ValueError("tensor parallel with context parallel is not supported: use one of them")
+        # every rank's gradients add up to the step's: DP ranks saw other micro-batches, CP ranks other tokens;
+        # tensor-parallel ranks hold other slices of the same gradients
+        self.grad_group = dist.group.WORLD if self.tp_size == 1 else dp_group
+        self.partial: set[int] = set()  # ids of parameters whose gradients the TP ranks hold parts of
+
+    def wrap(self, module, *, trainable=True):
+        return self._note_partial(self._tensor_parallel(module))
+
+    def _tensor_parallel(self, module):
+        if self.tp_size > 1:
+            from strop.parallel.tensor import tensor_parallel
+
+            tensor_parallel(module, self.tp_mesh)
+        return module
+
+    def _note_partial(self, module):
+        if self.tp_size > 1:
+            from strop.parallel.tensor import partial_gradient_parameters
+
+            self.partial |= {id(p) for p in partial_gradient_parameters(module)}
+        return module
 
     def after_backward(self, params):
         for p in params:  # a rank with no micro-batch still sends zeros: every rank sends the same list
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        all_reduce_coalesced([p.grad for p in params], op="sum", bucket_bytes=self.bucket_bytes, group=self.grad_group)
+        if self.world > 1:
+            all_reduce_coalesced([_local(p.grad) for p in params], op="sum", bucket_bytes=self.bucket_bytes,
+                                 group=self.grad_group)
+        self._sum_partial(params)
+
+    def _sum_partial(self, params):
+        """Gradients each tensor-parallel rank holds a part of (Qwen3's per-head norms), summed over them."""
+        parts = [_local(p.grad) for p in params if id(p) in self.partial and p.grad is not None]
+        if parts:
+            all_reduce_coalesced(parts, op="sum", bucket_bytes=self.bucket_bytes, group=self.tp_group)
+
+    def clip_grad_norm(self, params, max_norm):
+        if self.tp_size == 1:
+            return super().clip_grad_norm(params, max_norm)
+        return clip_sharded(params, max_norm, dist.get_world_size())
 
     def merge_rows(self, tensors):
         if self.dp_size > 1 and tensors:  # each row came from exactly one rank: the sum assembles the batch
@@ -129,10 +174,14 @@ class Replicate(SingleProcess):
             stats.absorb(parts)
 
     def full_weights(self, model):
+        if self.tp_size > 1:  # every rank gathers its slices (a collective); rank 0 keeps the result
+            return full_weights(model)
         return super().full_weights(model) if dist.get_rank() == 0 else {}  # only rank 0 feeds an engine
 
     def describe(self) -> str:
-        return f"{self.world} processes = data parallel {self.dp_size} ({self.mode}) x context parallel {self.cp_size}"
+        tp = f" x tensor parallel {self.tp_size}" if self.tp_size > 1 else ""
+        return (f"{self.world * self.tp_size} processes = data parallel {self.dp_size} ({self.mode}) x context "
+                f"parallel {self.cp_size}{tp}")
 
 
 class FullyShard(Replicate):
@@ -143,12 +192,15 @@ class FullyShard(Replicate):
     balance = True
 
     def __init__(self, dp_group, cp_group=None, *, device="cpu", bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 mixed_precision: bool = False):
-        super().__init__(dp_group, cp_group, device=device, bucket_bytes=bucket_bytes)
+                 mixed_precision: bool = False, tp_mesh=None, dp_mesh=None):
+        super().__init__(dp_group, cp_group, device=device, bucket_bytes=bucket_bytes, tp_mesh=tp_mesh, dp_mesh=dp_mesh)
         self.mixed_precision = mixed_precision
 
     def wrap(self, module, *, trainable=True):
-        return shard(module, self.grad_group, device_type=self.device.type, mixed_precision=self.mixed_precision)
+        self._tensor_parallel(module)  # then FSDP over the data-parallel dimension: a (dp, tp) mesh
+        shard(module, self.grad_group, device_type=self.device.type, mixed_precision=self.mixed_precision,
+              mesh=self.dp_mesh if self.tp_size > 1 else None)
+        return self._note_partial(module)
 
     def loss_scale(self, real):
         # FSDP averages gradients over ranks; strop's losses are globally normalised, so scale by the
@@ -156,19 +208,55 @@ class FullyShard(Replicate):
         return float(self.world) if real else 0.0
 
     def after_backward(self, params):
-        pass  # reduce-scattered by FSDP's hooks already
+        self._sum_partial(params)  # the rest was reduce-scattered by FSDP's hooks already
 
     def full_weights(self, model):
         return full_weights(model)
 
 
 def make_strategy(*, dp_group=None, cp_group=None, mode: str = "replicate", device="cpu",
-                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, mixed_precision: bool = False) -> SingleProcess:
-    """The strategy for this process: one process when no group spans several ranks."""
+                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, mixed_precision: bool = False, tp_mesh=None,
+                  dp_mesh=None) -> SingleProcess:
+    """The strategy for this process: one process when no group spans several ranks. ``tp_mesh`` / ``dp_mesh``:
+    the tensor- and data-parallel dimensions of a (dp, tp) mesh (tensor parallel)."""
     if not dist.is_initialized() or (dp_group is None and cp_group is None) or dist.get_world_size() == 1:
         return SingleProcess(device)
-    if mode == "fsdp":
-        return FullyShard(dp_group, cp_group, device=device, bucket_bytes=bucket_bytes, mixed_precision=mixed_precision)
-    if mode != "replicate":
+    if mode not in ("fsdp", "replicate"):
         raise ValueError(f"parallel.dp_mode must be 'replicate' or 'fsdp', got {mode!r}")
-    return Replicate(dp_group, cp_group, device=device, bucket_bytes=bucket_bytes)
+    if mode == "fsdp":
+        return FullyShard(dp_group, cp_group, device=device, bucket_bytes=bucket_bytes, mixed_precision=mixed_precision,
+                          tp_mesh=tp_mesh, dp_mesh=dp_mesh)
+    return Replicate(dp_group, cp_group, device=device, bucket_bytes=bucket_bytes, tp_mesh=tp_mesh, dp_mesh=dp_mesh)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (the tensor itself: collectives on it change the DTensor), else ``t``."""
+    return t._local_tensor if hasattr(t, "_local_tensor") else t
+
+
+def clip_sharded(params: list[nn.Parameter], max_norm: float, world: int) -> float:
+    """``clip_grad_norm_`` for gradients spread over ranks as DTensors (sharded on some mesh dimensions,
+    replicated on others) beside plain tensors that every rank holds whole and equal. Each rank adds the
+    squares of what it holds, each divided by how many ranks hold that same piece, and one all-reduce over
+    all ``world`` ranks sums them; the gradients are then scaled as torch's clip does."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    total = torch.zeros((), dtype=torch.float64, device=params[0].device if params else "cpu")
+    grads = [p.grad for p in params if p.grad is not None]
+    for g in grads:
+        local = _local(g).detach().double()
+        copies = world
+        if isinstance(g, DTensor):
+            mesh = g.device_mesh
+            if any(isinstance(pl, Partial) for pl in g.placements):
+                raise ValueError("clip_sharded: a gradient with a Partial placement has not been reduced")
+            copies = world // mesh.size() * math.prod(mesh.size(d) for d, pl in enumerate(g.placements)
+                                                      if isinstance(pl, Replicate))
+        total += local.pow(2).sum().to(total.device) / copies
+    dist.all_reduce(total)
+    norm = float(total.sqrt())
+    coef = max_norm / (norm + 1e-6)
+    if coef < 1.0:
+        for g in grads:
+            _local(g).mul_(coef)
+    return norm

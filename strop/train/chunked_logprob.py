@@ -30,6 +30,7 @@ wanted (or gets no gradient) the entropy terms and the second buffer are skipped
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 
 def naive_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
@@ -47,8 +48,8 @@ def naive_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
 
 
 def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
-                     temperature: float = 1.0, chunk_size: int = 1024,
-                     with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     temperature: float = 1.0, chunk_size: int = 1024, with_entropy: bool = True,
+                     group=None, vocab_start: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``log_softmax(hidden @ weight.T / temperature)[targets]`` and its entropy, chunked over rows.
 
     hidden: (N, H), weight: (V, H) (may be tied to the input embedding),
@@ -60,6 +61,13 @@ def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.
     Peak extra memory is about 2 * chunk_size * V * 4 bytes (two reused
     (chunk, V) buffers) plus a (V, H) fp32 gradient accumulator, whatever N is.
     Backward recomputes each chunk's logits instead of saving them.
+
+    Vocabulary parallel (tensor parallel's output projection): with ``group``, ``weight`` is this rank's
+    rows ``vocab_start : vocab_start + V`` of the whole projection, ``hidden`` and ``targets`` are the same
+    on every rank of ``group``, and so are the results. Per chunk the ranks combine their column maxima
+    (all-reduce MAX), then their sums of exp, of p * z and their target logit (one all-reduce SUM of a
+    (3, C) tensor); backward sums the ranks' parts of dL/dhidden (one all-reduce of (N, H)). No rank
+    holds more than its (chunk, V) slice of the logits.
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"expected hidden (N, H) and weight (V, H), got {tuple(hidden.shape)} and {tuple(weight.shape)}")
@@ -70,7 +78,7 @@ def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     lp, ent = _ChunkedLogprob.apply(hidden, weight, targets.long(), float(temperature), int(chunk_size),
-                                    bool(with_entropy))
+                                    bool(with_entropy), group, int(vocab_start))
     return lp, (ent if with_entropy else None)
 
 
@@ -87,7 +95,7 @@ class _ChunkedLogprob(torch.autograd.Function):
     # 49152 entries was off by ~1e-4 in the logsumexp.
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, chunk_size, with_entropy):
+    def forward(ctx, hidden, weight, targets, temperature, chunk_size, with_entropy, group=None, vocab_start=0):
         n, v = hidden.shape[0], weight.shape[0]
         dtype = _compute_dtype(hidden, weight)
         dev = hidden.device
@@ -110,8 +118,14 @@ class _ChunkedLogprob(torch.autograd.Function):
                 h = h * inv_t
             zt = z_buf[:v * c].view(v, c)  # (V, C)
             torch.mm(w, h.T, out=zt)  # logits.T / T
-            tgt = zt[targets[s:e], cols[:c]]  # (C,)
+            if group is None:
+                tgt = zt[targets[s:e], cols[:c]]  # (C,)
+            else:  # this rank's slice holds some targets; the others add 0
+                local, hit = _local_targets(targets[s:e], vocab_start, v)
+                tgt = torch.where(hit, zt[local, cols[:c]], 0.0)
             m = zt.amax(0, keepdim=True)  # (1, C)
+            if group is not None:
+                dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
             zt.sub_(m)  # (V, C) shifted so exp cannot overflow
             if with_entropy:
                 et = e_buf[:v * c].view(v, c)  # (V, C)
@@ -119,15 +133,19 @@ class _ChunkedLogprob(torch.autograd.Function):
                 sumexp = et.sum(0, keepdim=True)  # (1, C)
                 # H = lse - sum p z = log s - sum exp(z') z' / s  (with z' = z - m)
                 pz = et.mul_(zt).sum(0, keepdim=True)  # (1, C)
+                if group is not None:
+                    sumexp, pz, tgt = _sum_over(group, sumexp, pz, tgt)
                 log_s = sumexp.log()  # (1, C)
                 ent[s:e] = (log_s - pz / sumexp)[0]
             else:
                 sumexp = zt.exp_().sum(0, keepdim=True)  # (1, C); zt is scratch from here on
+                if group is not None:
+                    sumexp, tgt = _sum_over(group, sumexp, tgt)
                 log_s = sumexp.log()
             lse[s:e] = (m + log_s)[0]
             lp[s:e] = tgt - (m + log_s)[0]
         ctx.save_for_backward(hidden, weight, targets, lse, ent)
-        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        ctx.temperature, ctx.chunk_size, ctx.group, ctx.vocab_start = temperature, chunk_size, group, vocab_start
         # unused outputs (e.g. entropy not in the loss) then arrive as None, which skips their work
         ctx.set_materialize_grads(False)
         return lp, ent
@@ -139,7 +157,7 @@ class _ChunkedLogprob(torch.autograd.Function):
         if g_ent is not None and g_ent.numel() == 0:
             g_ent = None  # with_entropy=False
         if (g_lp is None and g_ent is None) or not (need_h or need_w):
-            return None, None, None, None, None, None
+            return None, None, None, None, None, None, None, None
         n, v = hidden.shape[0], weight.shape[0]
         dtype = lse.dtype
         dev = hidden.device
@@ -177,7 +195,11 @@ class _ChunkedLogprob(torch.autograd.Function):
                 zt.exp_().mul_(glp.neg())  # (V, C) = -g_lp * p
             if glp is not None:
                 # + g_lp * onehot(t); one target per column, so no duplicate indices
-                zt.index_put_((targets[s:e], cols[:c]), glp[0], accumulate=True)
+                if ctx.group is None:
+                    zt.index_put_((targets[s:e], cols[:c]), glp[0], accumulate=True)
+                else:  # only the targets in this rank's slice
+                    local, hit = _local_targets(targets[s:e], ctx.vocab_start, v)
+                    zt.index_put_((local[hit], cols[:c][hit]), glp[0][hit], accumulate=True)
             # zt now holds dL/dz.T for the chunk; h already carries the 1/T factor
             if need_h:
                 torch.mm(zt.T, w, out=grad_h[s:e])  # (C, H)
@@ -185,8 +207,24 @@ class _ChunkedLogprob(torch.autograd.Function):
                     grad_h[s:e].mul_(inv_t)
             if need_w:
                 grad_w.addmm_(zt, h)  # (V, H) += (V, C) @ (C, H)
+        if grad_h is not None and ctx.group is not None:  # each rank's slice of the vocabulary gave its part
+            dist.all_reduce(grad_h, group=ctx.group)
         if grad_h is not None:
             grad_h = grad_h.to(hidden.dtype)
         if grad_w is not None:
             grad_w = grad_w.to(weight.dtype)
-        return grad_h, grad_w, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None
+
+
+def _local_targets(targets: torch.Tensor, start: int, v: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Targets as rows of this rank's vocabulary slice (clamped where they are not in it) and which are."""
+    local = targets - start
+    hit = (local >= 0) & (local < v)
+    return local.clamp(0, v - 1), hit
+
+
+def _sum_over(group, *parts: torch.Tensor) -> list[torch.Tensor]:
+    """Each (1, C) or (C,) part summed over ``group`` in one all-reduce."""
+    flat = torch.cat([p.reshape(1, -1) for p in parts])
+    dist.all_reduce(flat, group=group)
+    return [flat[i].reshape(p.shape) for i, p in enumerate(parts)]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from strop.parallel.tensor import vocab_slice
 from strop.train.chunked_logprob import chunked_logprobs, naive_logprobs
 
 
@@ -37,7 +38,13 @@ def response_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tens
                                           input_ids, attention_mask, response_positions, position_ids, cp)
     head = model.get_output_embeddings()
     temperature = temperature if temperature > 0 else 1.0  # greedy rollouts report the raw distribution
-    if getattr(head, "bias", None) is not None or chunk_size <= 0:
+    split = vocab_slice(head.weight)  # tensor parallel: this rank's rows of the vocabulary
+    if split is not None:
+        weight, start, group = split
+        logprobs, entropy = chunked_logprobs(h, weight, targets, temperature=temperature, with_entropy=with_entropy,
+                                             chunk_size=chunk_size if chunk_size > 0 else max(1, h.shape[0]),
+                                             group=group, vocab_start=start)
+    elif getattr(head, "bias", None) is not None or chunk_size <= 0:
         logits = head(h).float() / temperature  # (N, V): the plain path
         logp_all = torch.log_softmax(logits, dim=-1)
         logprobs = logp_all.gather(-1, targets.reshape(-1, 1)).squeeze(-1)

@@ -36,7 +36,7 @@ class GuardedOptimizer:
     def step(self, stats) -> float:
         """Reduce, clip and apply the accumulated gradients; returns the gradient norm before clipping."""
         self.dp.after_backward(self.params)
-        norm = self.dp.scalar(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip))
+        norm = self.dp.clip_grad_norm(self.params, self.cfg.grad_clip)
         if math.isfinite(norm):
             self.optimizer.step()
             self.nonfinite_streak = 0

@@ -39,20 +39,25 @@ class Trainer:
                  max_new_tokens: int = 1024, advantage_fn=None, policy_loss_fn=None, dp_group=None,
                  cp_group=None, bucket_bytes: int = DEFAULT_BUCKET_BYTES, dp_mode: str = "replicate",
                  fsdp_mixed_precision: bool = False, device: str | torch.device = "cpu",
-                 bf16_autocast: bool = False, strategy=None, exact_logprobs: bool = False):
+                 bf16_autocast: bool = False, strategy=None, exact_logprobs: bool = False, tp_mesh=None,
+                 dp_mesh=None):
         """``train`` and ``algo`` are the config sections (TrainConfig, AlgoConfig); the two
         optional hooks replace the advantage estimator and the policy loss (strop.plugins).
         ``dp_group`` / ``cp_group`` (this rank's data- and context-parallel groups) and ``dp_mode``
-        choose the strategy, unless one is given (``exact_logprobs``: StepBatch.take_trainer_logprobs)."""
+        choose the strategy, unless one is given (``exact_logprobs``: StepBatch.take_trainer_logprobs);
+        ``tp_mesh`` / ``dp_mesh``: the dimensions of a (dp, tp) mesh under tensor parallel."""
         self.dp = strategy or make_strategy(dp_group=dp_group, cp_group=cp_group, mode=dp_mode, device=device,
-                                            bucket_bytes=bucket_bytes, mixed_precision=fsdp_mixed_precision)
+                                            bucket_bytes=bucket_bytes, mixed_precision=fsdp_mixed_precision,
+                                            tp_mesh=tp_mesh, dp_mesh=dp_mesh)
         self.device = self.dp.device
         self.advantage_fn, self.policy_loss_fn = advantage_fn, policy_loss_fn
         self.pad_token_id, self.cfg, self.algo, self.max_new_tokens = pad_token_id, train, algo, max_new_tokens
         self.temperature = temperature if temperature > 0 else 1.0
         self.autocast, self.exact_logprobs = bf16_autocast, exact_logprobs
-        if self.dp.mode == "fsdp" and algo.kl_coef + algo.kl_in_reward_coef > 0 and algo.ref_mode == "swap":
-            raise ValueError("algo.ref_mode='swap' cannot swap into FSDP-sharded weights; use ref_mode='copy'")
+        if (self.dp.mode == "fsdp" or self.dp.tp_size > 1) and algo.kl_coef + algo.kl_in_reward_coef > 0 \
+                and algo.ref_mode == "swap":
+            raise ValueError("algo.ref_mode='swap' cannot swap into sharded weights (FSDP or tensor parallel); use "
+                             "ref_mode='copy'")
         if self.cp_size > 1:
             context_parallel.enable(model)  # before the reference / critic copies, so they use it too
         self.model = model.to(self.device).train()

@@ -1,0 +1,93 @@
+"""Tensor parallel on DTensor (Megatron's layout, torch-native as in torchtitan).
+
+In every decoder layer the projections that fan out are split by output (column-wise: q, k, v, gate,
+up) and the ones that fan back in by input (row-wise: o, down), so each rank holds 1/N of the heads,
+of the KV heads and of the MLP, and a layer costs two all-reduces forward (after o and down) and two
+backward (before q/k/v and gate/up). The embedding is split by vocabulary rows (one all-reduce), and
+the output projection too: its weight is never multiplied whole here, the logprobs are computed on
+each rank's vocabulary slice and reduced (:func:`strop.train.chunked_logprob.chunked_logprobs` with a
+group), so no rank holds a (tokens, vocabulary) tensor. Norms and the residual stream stay whole on
+every rank (no sequence parallel yet), so their gradients agree across ranks without a reduction,
+except the per-head q/k norms of Qwen3, which see only this rank's heads: their gradients are summed
+over the group (:data:`PARTIAL_GRADIENTS`).
+
+Supported: the Llama family's layout (Llama, Mistral, Qwen2, Qwen3; attention through
+``self_attn.{q,k,v,o}_proj``, MLP through ``mlp.{gate,up,down}_proj``). Anything else is refused
+before the model loads, as are head counts that do not divide.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from strop.parallel.fsdp import decoder_layers
+
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+COLUMN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
+ROW = ("self_attn.o_proj", "mlp.down_proj")
+PARTIAL_GRADIENTS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")  # per-head: each rank sees its heads
+
+
+def check_tensor_parallel(config, size: int) -> None:
+    """A ValueError naming what does not divide (or the model type) when ``config`` (a transformers config)
+    cannot be split over ``size`` ranks; nothing is loaded to find out."""
+    if size == 1:
+        return
+    kind = getattr(config, "model_type", type(config).__name__)
+    if kind not in SUPPORTED:
+        raise ValueError(f"parallel.tensor_parallel_size={size}: model type {kind!r} has no tensor-parallel plan "
+                         f"in strop (supported: {', '.join(SUPPORTED)})")
+    heads = config.num_attention_heads
+    counts = {"attention heads": heads, "KV heads": getattr(config, "num_key_value_heads", None) or heads,
+              "MLP width (intermediate_size)": config.intermediate_size}
+    bad = [f"{n} {name}" for name, n in counts.items() if n % size]
+    if bad:
+        raise ValueError(f"parallel.tensor_parallel_size={size} must divide the model's {' and '.join(bad)} "
+                         f"({kind}): choose a size that divides {', '.join(str(n) for n in counts.values())}")
+
+
+def tensor_parallel(module: nn.Module, mesh) -> nn.Module:
+    """Split ``module`` (a causal LM, or a wrapper holding one: LogprobModule, ValueModel) over the 1-D device
+    mesh ``mesh`` in place; returns it. Its parameters become DTensors sharded over ``mesh`` except norms
+    and heads outside the decoder (plain tensors, whole on every rank)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    layers = decoder_layers(module)
+    for layer in layers:
+        missing = [name for name in (*COLUMN, *ROW) if layer.get_submodule(name) is None]
+        if missing:  # (get_submodule raises first; kept for the message's sake)
+            raise ValueError(f"tensor parallel: {type(layer).__name__} has no {missing}")
+        parallelize_module(layer, mesh, {**{n: ColwiseParallel() for n in COLUMN}, **{n: RowwiseParallel() for n in ROW}})
+    embed = next(m for name, m in module.named_modules() if name.split(".")[-1] == "embed_tokens")
+    head = next((m for name, m in module.named_modules() if name.split(".")[-1] == "lm_head"), None)
+    tied = head is not None and head.weight is embed.weight
+    # vocabulary rows split; the lookup's partial rows summed into the whole embedding on every rank
+    parallelize_module(embed, mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
+    if tied:
+        head.weight = embed.weight  # the same DTensor, split by vocabulary rows
+    elif head is not None:
+        if head.bias is not None:
+            raise ValueError("tensor parallel: an output projection with a bias is not supported")
+        parallelize_module(head, mesh, ColwiseParallel())  # (V, H) weight split by vocabulary rows, as the embedding
+    return module
+
+
+def partial_gradient_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """The parameters whose gradient each rank holds only a part of (summed over the group after backward)."""
+    return [p for name, p in module.named_parameters() if name.endswith(PARTIAL_GRADIENTS)]
+
+
+def vocab_slice(weight):
+    """(this rank's rows of a vocabulary-split output projection as a plain tensor, differentiable; the
+    index of its first row; the group that holds the others), or None when ``weight`` is not split."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if not isinstance(weight, DTensor):
+        return None
+    if weight.device_mesh.ndim != 1 or weight.placements != (Shard(0),):
+        raise ValueError(f"the output projection is laid out as {weight.placements} over a {weight.device_mesh.ndim}-D "
+                         "mesh; strop computes logprobs on a vocabulary split (Shard(0)) over one mesh dimension")
+    _, offset = compute_local_shape_and_global_offset(weight.shape, weight.device_mesh, weight.placements)
+    return weight.to_local(), int(offset[0]), weight.device_mesh.get_group()

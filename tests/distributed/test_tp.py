@@ -1,0 +1,60 @@
+"""Tensor parallel (DTensor, strop.parallel.tensor) on gloo equals one process: logprobs, loss, gradient norm,
+gradients and the updated weights, alone (tp 2) and on a (dp 2, tp 2) mesh with replicate or FSDP2."""
+
+import pytest
+
+from strop.parallel.launch import run_on_ranks
+from tests.distributed.test_dp import ALGOS, _full, assert_same_update
+
+
+def _model(kind):
+    from tests.tiny import make_tiny_model, make_tiny_qwen3
+
+    return make_tiny_model() if kind == "llama" else make_tiny_qwen3()
+
+
+def _tp_step(rank, world, algo_name, kind, tp=1, mode="replicate"):
+    from strop.config import AlgoConfig, TrainConfig
+    from strop.train.trainer import Trainer
+    from tests.test_trainer import make_samples
+
+    groups = {}
+    if world > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))
+        groups = {"dp_group": mesh["dp"].get_group(), "tp_mesh": mesh["tp"], "dp_mesh": mesh["dp"]}
+    train = TrainConfig(lr=1e-3, warmup_steps=0, micro_batch_size=3)
+    trainer = Trainer(_model(kind), pad_token_id=0, train=train, algo=AlgoConfig(**ALGOS[algo_name]),
+                      max_new_tokens=8, bucket_bytes=1 << 20, dp_mode=mode, **groups)
+    metrics = trainer.step(make_samples(10))
+    grads = [_full(trainer.optimizer.state[p]["exp_avg"]).cpu() for p in trainer.optimizer.param_groups[0]["params"]]
+    params = [_full(p.detach()).cpu() for p in trainer.model.parameters()]
+    weights = trainer.full_weights()  # a collective: every rank joins, rank 0 keeps the whole weights
+    q = trainer.model.model.layers[0].self_attn.q_proj.weight
+    local = tuple((q.to_local() if hasattr(q, "to_local") else q).shape)  # this rank's rows of q_proj
+    return metrics, grads, params, {k: v.shape for k, v in weights.items()}, local
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("algo", ["grpo", "seq_mean_kl"])
+def test_tensor_parallel_2_equals_one_process(kind, algo):
+    results = run_on_ranks(_tp_step, 2, algo, kind, 2, timeout=250)
+    single = _tp_step(0, 1, algo, kind)
+    # the contractions over heads and MLP width are summed in another order (two halves, then all-reduced):
+    # gradients agree within 3e-5 of each tensor's largest entry (1e-5 for data parallel)
+    assert_same_update([r[:3] for r in results], single[:3], grad_tol=3e-5)
+    assert results[0][3] == single[3] and results[1][3] == {}  # rank 0 gathers whole weights, named as before
+    assert single[4] == (32, 32) and [r[4] for r in results] == [(16, 32)] * 2  # each rank holds half the heads
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("mode", ["replicate", "fsdp"])
+def test_a_dp2_tp2_mesh_equals_one_process(mode):
+    """4 ranks as (dp 2, tp 2): ranks 0-1 and 2-3 each split the model; FSDP2 shards over dp on top (2-D)."""
+    results = run_on_ranks(_tp_step, 4, "grpo", "qwen3", 2, mode, timeout=350)
+    single = _tp_step(0, 1, "grpo", "qwen3")
+    assert_same_update([r[:3] for r in results], single[:3], grad_tol=3e-5)
+    assert results[0][3] == single[3] and all(r[3] == {} for r in results[1:])
+    assert [r[4] for r in results] == [(16, 32) if mode == "replicate" else (8, 32)] * 4  # FSDP halves it again
