@@ -124,3 +124,34 @@ def test_preset_on_the_command_line_and_in_yaml(tmp_path):
 def test_launch_and_placement_combinations_that_cannot_run_are_refused(overrides, message):
     with pytest.raises(ConfigError, match=message):
         build_config(None, parse_overrides(overrides))
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["--parallel.tensor_parallel_size=2", "--parallel.context_parallel_size=2"], "do not compose yet"),
+    (["--parallel.tensor_parallel_size=2", "--rollout.exact_logprobs=true"], "sums every layer in two halves"),
+    (["--parallel.tensor_parallel_size=2", "--algo.kl_coef=0.1", "--algo.ref_mode=swap"],
+     "cannot swap into weights split by parallel.tensor_parallel_size=2"),
+])
+def test_tensor_parallel_combinations_that_cannot_run_are_refused(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        build_config(None, parse_overrides(overrides))
+
+
+def test_a_model_whose_heads_do_not_divide_is_refused_naming_the_counts():
+    from transformers import LlamaConfig, Qwen3Config
+
+    from strop.parallel.tensor import check_tensor_parallel
+
+    llama = LlamaConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3,
+                        intermediate_size=1536)  # SmolLM2-135M's shape
+    check_tensor_parallel(llama, 3)  # 9, 3 and 1536 all divide by 3
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 must divide the model's 9 attention heads and "
+                                         r"3 KV heads \(llama\)"):
+        check_tensor_parallel(llama, 2)
+    with pytest.raises(ValueError, match=r"4 KV heads and 100 MLP width \(intermediate_size\) \(qwen3\)"):
+        check_tensor_parallel(Qwen3Config(hidden_size=64, num_attention_heads=8, num_key_value_heads=4,
+                                          intermediate_size=100), 8)
+    from transformers import GPT2Config
+
+    with pytest.raises(ValueError, match="model type 'gpt2' has no tensor-parallel plan"):
+        check_tensor_parallel(GPT2Config(), 2)

@@ -63,3 +63,45 @@ def test_nproc_missing_model_fails_on_every_rank(tmp_path):
                            f"--model.path={tmp_path / 'missing'}", f"--run.dir={tmp_path / 'run'}"],
                           capture_output=True, text=True, timeout=100)
     assert proc.returncode != 0 and "does not exist" in proc.stderr
+
+
+@pytest.mark.timeout(300)
+def test_a_tensor_parallel_checkpoint_resumes_in_one_process_resharded(tiny_model_dir, tmp_path):
+    """Saved under tensor parallel 2 (each rank its slices, torch.distributed.checkpoint), resumed by one process:
+    the weights and optimizer state are put back together on load, and steps 3-4 are the TP run's."""
+    import shutil
+
+    def run(run_dir, *extra):
+        args = [sys.executable, "-m", "strop.cli", "train", *extra]
+        proc = subprocess.run(args, capture_output=True, text=True, timeout=240)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc.stdout
+
+    base = [f"--model.path={tiny_model_dir}", "--data.size=16", "--data.eval_size=0", "--rollout.prompts_per_step=2",
+            "--rollout.n_samples_per_prompt=4", "--rollout.max_new_tokens=8",
+            "--rollout.reward=tests.plugins:even_token_reward", "--train.steps=4", "--train.lr=1e-3",
+            "--train.micro_batch_size=2", "--run.progress=false", "--run.save_every=2", "--run.keep_checkpoints=2"]
+    run(tmp_path / "tp", "--nproc=2", *base, "--parallel.tensor_parallel_size=2", f"--run.dir={tmp_path / 'tp'}")
+    shutil.copytree(tmp_path / "tp", tmp_path / "one")
+    shutil.rmtree(tmp_path / "one" / "checkpoints" / "step_000004")
+    out = run(tmp_path / "one", "--resume", str(tmp_path / "one"), "--allow-change",
+              "parallel.tensor_parallel_size", "--parallel.tensor_parallel_size=1")
+    assert "resumed from" in out and "step_000002 at step 2" in out
+    steps = {}
+    for name in ("tp", "one"):
+        rows = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        steps[name] = {r["step"]: r for r in rows if "reward_mean" in r}
+    for k in (3, 4):
+        a, b = steps["tp"][k], steps["one"][k]
+        assert a["reward_mean"] == b["reward_mean"] and abs(a["loss"] - b["loss"]) <= 1e-5, (k, a["loss"], b["loss"])
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 5e-5 * a["grad_norm"]
+
+
+@pytest.mark.timeout(200)
+def test_tensor_parallel_that_does_not_divide_the_kv_heads_fails_before_the_run_starts(tiny_model_dir, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "strop.cli", "train", "--nproc=4", f"--model.path={tiny_model_dir}",
+                           "--parallel.tensor_parallel_size=4", f"--run.dir={tmp_path / 'run'}"],
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode != 0
+    assert "parallel.tensor_parallel_size=4 must divide the model's 2 KV heads (llama)" in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "run").exists()
