@@ -38,7 +38,7 @@ def _tp_step(rank, world, algo_name, kind, tp=1, mode="replicate"):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
-@pytest.mark.parametrize("algo", ["grpo", "seq_mean_kl"])
+@pytest.mark.parametrize("algo", ["grpo", "seq_mean_kl", "ppo"])
 def test_tensor_parallel_2_equals_one_process(kind, algo):
     results = run_on_ranks(_tp_step, 2, algo, kind, 2, timeout=250)
     single = _tp_step(0, 1, algo, kind)
