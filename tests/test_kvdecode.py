@@ -220,3 +220,28 @@ def test_the_fused_norm_is_bitwise_the_models_own(tiny_model):
         assert torch.equal(kvdecode.LlamaDecoder._norm(norm, x), norm(x))
         assert torch.equal(kvdecode.LlamaDecoder._norm(norm, x.double()).float(),
                            norm.double()(x.double()).float())  # other dtypes: the module's formula
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3():
+    from tests.tiny import make_tiny_qwen3
+
+    return make_tiny_qwen3().eval()  # its q/k norms drawn away from 1: a decoder that skipped them would differ
+
+
+def test_qwen3_decodes_on_the_fast_path_as_the_transformers_path_does(tiny_qwen3):
+    """Qwen3 (per-head query/key norms before the rotation, an untied output projection): greedy tokens equal to
+    Hugging Face's forward, logprobs within 1e-4, and sampled rows joining a running batch match a full forward."""
+    fast_engine = engine(tiny_qwen3, max_batch_size=2)
+    assert fast_engine._fast is not None and kvdecode.unsupported_reason(tiny_qwen3) is None
+    fast = fast_engine.generate_batch(PROMPTS, GREEDY)
+    slow = engine(tiny_qwen3, fast_decode=False).generate_batch(PROMPTS, GREEDY)
+    for a, b in zip(fast, slow):
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-4)
+    sampled = PROMPTS * 2
+    outs = engine(tiny_qwen3, max_batch_size=4, seed=3).generate_batch(sampled, [
+        SamplingParams(temperature=0.8, max_new_tokens=5 + 3 * i, stop_token_ids=[-1]) for i in range(len(sampled))])
+    for prompt, out in zip(sampled, outs):
+        torch.testing.assert_close(torch.tensor(out.logprobs), full_forward_logprobs(tiny_qwen3, prompt, out, 0.8),
+                                   rtol=0, atol=1e-4)

@@ -1,8 +1,8 @@
 """A decode loop for Llama-family models with a preallocated KV cache, shared prompt prefixes and
 continuous batching.
 
-The embedded engine uses it for the models it knows (``llama``, ``qwen2``, ``mistral`` without a
-sliding window); anything else falls back to Hugging Face's forward with a ``DynamicCache``.
+The embedded engine uses it for the models it knows (``llama``, ``qwen2``, ``qwen3`` with its per-head
+query/key norms, ``mistral``; without a sliding window); anything else falls back to Hugging Face's forward with a ``DynamicCache``.
 It reads the model's own parameters, so a weight update (``load_state_dict`` or a broadcast into
 the parameters) is seen by the next step without any copy.
 
@@ -27,7 +27,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-SUPPORTED = ("llama", "qwen2", "mistral")
+SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
 
 
 def unsupported_reason(model) -> str | None:
@@ -36,14 +36,17 @@ def unsupported_reason(model) -> str | None:
     kind = getattr(cfg, "model_type", None)
     if kind not in SUPPORTED:
         return f"model_type {kind!r} is not one of {SUPPORTED}"
-    if getattr(cfg, "sliding_window", None) and (kind != "qwen2" or getattr(cfg, "use_sliding_window", False)):
+    if getattr(cfg, "sliding_window", None) and (kind not in ("qwen2", "qwen3")
+                                                 or getattr(cfg, "use_sliding_window", False)):
         return "sliding-window attention"
     backbone = getattr(model, "model", None)
     if backbone is None or not all(hasattr(backbone, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
         return "not the usual (embed_tokens, layers, norm, rotary_emb) layout"
     attn = backbone.layers[0].self_attn
-    if any(hasattr(attn, a) for a in ("q_norm", "k_norm")):
+    if kind != "qwen3" and any(hasattr(attn, a) for a in ("q_norm", "k_norm")):
         return "query/key norms (not a plain Llama attention)"
+    if kind == "qwen3" and not all(hasattr(attn, a) for a in ("q_norm", "k_norm")):
+        return "a Qwen3 attention without its query/key norms"
     return None
 
 
@@ -128,9 +131,10 @@ class LlamaDecoder:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.group = self.n_heads // self.n_kv
         self.scale = self.head_dim ** -0.5
-        self.layers = []
+        self.layers, self.qk_norms = [], []
         for layer in self.backbone.layers:
             a, m = layer.self_attn, layer.mlp
+            self.qk_norms.append((a.q_norm, a.k_norm) if hasattr(a, "q_norm") else None)  # Qwen3: per head, pre-RoPE
             self.layers.append((layer.input_layernorm, _Linear([a.q_proj, a.k_proj, a.v_proj]), _Linear([a.o_proj]),
                                 layer.post_attention_layernorm, _Linear([m.gate_proj, m.up_proj]),
                                 _Linear([m.down_proj]), m.act_fn))
@@ -184,11 +188,14 @@ class LlamaDecoder:
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + module.variance_epsilon)
         return module.weight * h.to(x.dtype)
 
-    def _split_rope(self, qkv, cos, sin):
-        """(..., (H + 2 KV) * D) -> rotated q (..., H, D), rotated k and v (..., KV, D)."""
+    def _split_rope(self, qkv, cos, sin, norms=None):
+        """(..., (H + 2 KV) * D) -> rotated q (..., H, D), rotated k and v (..., KV, D); ``norms`` (Qwen3's
+        q_norm, k_norm) normalise each query and key head before the rotation."""
         H, KV, D = self.n_heads, self.n_kv, self.head_dim
         qkv = qkv.view(*qkv.shape[:-1], H + 2 * KV, D)
         qk, v = qkv[..., : H + KV, :], qkv[..., H + KV:, :]
+        if norms is not None:
+            qk = torch.cat([self._norm(norms[0], qk[..., :H, :]), self._norm(norms[1], qk[..., H:, :])], dim=-2)
         qk = _rotate(qk, cos, sin)
         return qk[..., :H, :], qk[..., H:, :], v
 
@@ -212,7 +219,7 @@ class LlamaDecoder:
         keys = torch.empty(self.n_layers, N, self.n_kv, P, self.head_dim, dtype=x.dtype, device=dev)
         values = torch.empty_like(keys)
         for i, (ln1, qkv, o_proj, ln2, gate_up, down, act) in enumerate(self.layers):
-            q, k, v = self._split_rope(qkv(self._norm(ln1, x)), cos, sin)
+            q, k, v = self._split_rope(qkv(self._norm(ln1, x)), cos, sin, self.qk_norms[i])
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (N, heads, P, D)
             keys[i], values[i] = k, v
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=self.group > 1)
@@ -231,7 +238,7 @@ class LlamaDecoder:
         x = self.backbone.embed_tokens(tokens)  # (B, hidden)
         cos, sin = self.backbone.rotary_emb(x, positions.unsqueeze(1))  # (B, 1, D): broadcasts over heads
         for i, (ln1, qkv, o_proj, ln2, gate_up, down, act) in enumerate(self.layers):
-            q, k, v = self._split_rope(qkv(self._norm(ln1, x)), cos, sin)
+            q, k, v = self._split_rope(qkv(self._norm(ln1, x)), cos, sin, self.qk_norms[i])
             keys[i, :B, :, col] = k
             values[i, :B, :, col] = v
             kc = keys[i, :B, :, lo: col + 1]  # (B, KV, T, D)
