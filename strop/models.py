@@ -111,3 +111,15 @@ def load_model(path: str, dtype=None):
         resolve_model_path(path), dtype=dtype or torch.float32, attn_implementation="sdpa"
     )
     return model
+
+
+def meta_model(path: str, dtype=None):
+    """The model of ``path`` built on the meta device: its structure and parameter shapes, no memory. The
+    trainer splits it (tensor parallel, FSDP) and each rank then reads only its own slices
+    (:func:`strop.parallel.loading.load_shards`)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(resolve_model_path(path))
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype or torch.float32, attn_implementation="sdpa")

@@ -23,7 +23,7 @@ from strop.parallel.runtime import Control, device_mesh_groups, parallel_layout,
 from strop.observe.tracking import require_trackers
 from strop.plugins import PluginError, call_hook_sync, load_hook
 from strop.rollout.generate import resolve_reward, rollout as default_rollout
-from strop.models import load_model, load_tokenizer, resolve_model_path
+from strop.models import load_model, load_tokenizer, meta_model, resolve_model_path
 from strop.train.trainer import Trainer
 from strop.types import SamplingParams
 
@@ -78,6 +78,7 @@ class _Prepared:
     engine_model: Any = None
     replay: dict | None = None
     tools: dict | None = None  # RolloutContext.extra for multi-turn rollouts (make_tools)
+    weights: str | None = None  # the policy is on the meta device: its slices are read from these files
 
 
 def _rows(cfg: Config, which: str, data_source: Callable | None = None):
@@ -170,11 +171,39 @@ def prepare(cfg: Config, device: torch.device, controller: bool = True, resume: 
         check_tensor_parallel(AutoConfig.from_pretrained(model_path), cfg.parallel.tensor_parallel_size)
     tokenizer = load_tokenizer(model_path)
     torch.manual_seed(cfg.train.seed)
-    policy = load_model(model_path, dtype=getattr(torch, cfg.model.dtype))  # same weights on every rank
+    dtype = getattr(torch, cfg.model.dtype)
+    weights = shard_source(cfg, model_path)
+    if weights:  # split before it has memory: each rank reads its own slices (strop.parallel.loading)
+        policy = meta_model(model_path, dtype=dtype)
+    else:
+        policy = load_model(model_path, dtype=dtype)  # same weights on every rank
     if controller and cfg.engine.kind == "embedded" and not replay:  # the engine's copy, before the trainer shards
-        engine_model = copy.deepcopy(policy).to(device).requires_grad_(False)
+        engine_model = (load_model(model_path, dtype=dtype) if weights else copy.deepcopy(policy)).to(device)
+        engine_model.requires_grad_(False)
     return _Prepared(policy, model_path, tokenizer, hooks, reward_fn, train_rows, eval_rows or None, engine_model,
-                     replay, tools)
+                     replay, tools, weights)
+
+
+def shard_source(cfg: Config, model_path: str) -> str | None:
+    """The folder of safetensors files each rank reads its slices from, when the trainer's weights are split
+    (FSDP over several ranks, or tensor parallel) and such files exist; None: every rank loads the whole model
+    (said, when it is split all the same)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world == 1 or (cfg.parallel.dp_mode != "fsdp" and cfg.parallel.tensor_parallel_size == 1):
+        return None
+    folder = Path(model_path)
+    if not folder.exists():  # a hub id: the files in the local cache (downloaded once, as from_pretrained would)
+        from huggingface_hub import snapshot_download
+
+        folder = Path(snapshot_download(model_path, allow_patterns=["*.json", "*.safetensors"]))
+    if (folder / "model.safetensors").is_file() or (folder / "model.safetensors.index.json").is_file():
+        if dist.get_rank() == 0:
+            print(f"strop: trainer weights: each rank reads only its own slices of {folder}", flush=True)
+        return str(folder)
+    if dist.get_rank() == 0:
+        print(f"strop: {model_path} has no safetensors files: every rank loads the whole model before it is split",
+              flush=True)
+    return None
 
 
 def _read_replay(cfg: Config) -> dict:
@@ -193,7 +222,8 @@ def _read_replay(cfg: Config) -> dict:
     return steps
 
 
-def make_trainer(cfg: Config, policy, tokenizer, hooks: dict, device: torch.device) -> Trainer:
+def make_trainer(cfg: Config, policy, tokenizer, hooks: dict, device: torch.device, weights: str | None = None
+                 ) -> Trainer:
     """The trainer with this rank's data- and context-parallel groups (a collective under several ranks)."""
     r = cfg.rollout
     dp_group = cp_group = None
@@ -209,7 +239,8 @@ def make_trainer(cfg: Config, policy, tokenizer, hooks: dict, device: torch.devi
                    dp_group=dp_group, cp_group=cp_group,
                    bucket_bytes=resolve_bucket_bytes(cfg.parallel.grad_reduce_bucket_bytes),
                    dp_mode=cfg.parallel.dp_mode, fsdp_mixed_precision=cfg.parallel.fsdp_mixed_precision,
-                   device=device, bf16_autocast=cfg.train.bf16_autocast, exact_logprobs=r.exact_logprobs, **meshes)
+                   device=device, bf16_autocast=cfg.train.bf16_autocast, exact_logprobs=r.exact_logprobs, weights_path=weights,
+                   **meshes)
 
 
 def build(cfg: Config, device: torch.device | None = None, control: Control | None = None,
@@ -220,7 +251,7 @@ def build(cfg: Config, device: torch.device | None = None, control: Control | No
     control = control or Control()
     controller = control.rank == 0
     p = control.on_every_rank(prepare, cfg, device, controller, resume)
-    trainer = make_trainer(cfg, p.policy, p.tokenizer, p.hooks, device)
+    trainer = make_trainer(cfg, p.policy, p.tokenizer, p.hooks, device, p.weights)
     parts = control.on_controller(_controller_parts, cfg, p, trainer, device, resume, share=False)
     return parts if controller else Components(trainer=trainer, hooks=p.hooks)
 

@@ -52,6 +52,9 @@ class SingleProcess:
     def wrap(self, module: nn.Module, *, trainable: bool = True) -> nn.Module:
         return module
 
+    def track(self, module: nn.Module) -> nn.Module:
+        return module
+
     def share(self, micro_batches: list[list[int]]) -> list[tuple[list[int], bool]]:
         """This rank's micro-batches, round robin over data-parallel ranks, each with a flag "real".
 
@@ -120,10 +123,12 @@ class Replicate(SingleProcess):
         # every rank's gradients add up to the step's: DP ranks saw other micro-batches, CP ranks other tokens;
         # tensor-parallel ranks hold other slices of the same gradients
         self.grad_group = dist.group.WORLD if self.tp_size == 1 else dp_group
-        self.partial: set[int] = set()  # ids of parameters whose gradients the TP ranks hold parts of
+        # per wrapped module, the parameters whose gradients the TP ranks hold parts of (held, so that their ids
+        # cannot be reused by other tensors)
+        self.partial: dict[int, list[nn.Parameter]] = {}
 
     def wrap(self, module, *, trainable=True):
-        return self._note_partial(self._tensor_parallel(module))
+        return self.track(self._tensor_parallel(module))
 
     def _tensor_parallel(self, module):
         if self.tp_size > 1:
@@ -132,11 +137,13 @@ class Replicate(SingleProcess):
             tensor_parallel(module, self.tp_mesh)
         return module
 
-    def _note_partial(self, module):
+    def track(self, module):
+        """Note ``module``'s parameters whose gradients the TP ranks hold parts of (again after loading into
+        shards, which may make new parameter objects)."""
         if self.tp_size > 1:
             from strop.parallel.tensor import partial_gradient_parameters
 
-            self.partial |= {id(p) for p in partial_gradient_parameters(module)}
+            self.partial[id(module)] = partial_gradient_parameters(module)
         return module
 
     def after_backward(self, params):
@@ -150,7 +157,8 @@ class Replicate(SingleProcess):
 
     def _sum_partial(self, params):
         """Gradients each tensor-parallel rank holds a part of (Qwen3's per-head norms), summed over them."""
-        parts = [_local(p.grad) for p in params if id(p) in self.partial and p.grad is not None]
+        partial = {id(p) for ps in self.partial.values() for p in ps}
+        parts = [_local(p.grad) for p in params if id(p) in partial and p.grad is not None]
         if parts:
             all_reduce_coalesced(parts, op="sum", bucket_bytes=self.bucket_bytes, group=self.tp_group)
 
@@ -200,7 +208,7 @@ class FullyShard(Replicate):
         self._tensor_parallel(module)  # then FSDP over the data-parallel dimension: a (dp, tp) mesh
         shard(module, self.grad_group, device_type=self.device.type, mixed_precision=self.mixed_precision,
               mesh=self.dp_mesh if self.tp_size > 1 else None)
-        return self._note_partial(module)
+        return self.track(module)
 
     def loss_scale(self, real):
         # FSDP averages gradients over ranks; strop's losses are globally normalised, so scale by the

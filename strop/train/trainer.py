@@ -22,6 +22,7 @@ from strop.algo.objective import Normalisers, policy_objective
 from strop.observe.metrics import StepStats
 from strop.parallel import context as context_parallel
 from strop.parallel.collectives import DEFAULT_BUCKET_BYTES
+from strop.parallel.loading import load_shards
 from strop.parallel.packing import collate_packed, unpack
 from strop.parallel.strategy import make_strategy
 from strop.plugins import call_hook_sync
@@ -40,12 +41,13 @@ class Trainer:
                  cp_group=None, bucket_bytes: int = DEFAULT_BUCKET_BYTES, dp_mode: str = "replicate",
                  fsdp_mixed_precision: bool = False, device: str | torch.device = "cpu",
                  bf16_autocast: bool = False, strategy=None, exact_logprobs: bool = False, tp_mesh=None,
-                 dp_mesh=None):
+                 dp_mesh=None, weights_path: str | None = None):
         """``train`` and ``algo`` are the config sections (TrainConfig, AlgoConfig); the two
         optional hooks replace the advantage estimator and the policy loss (strop.plugins).
         ``dp_group`` / ``cp_group`` (this rank's data- and context-parallel groups) and ``dp_mode``
         choose the strategy, unless one is given (``exact_logprobs``: StepBatch.take_trainer_logprobs);
-        ``tp_mesh`` / ``dp_mesh``: the dimensions of a (dp, tp) mesh under tensor parallel."""
+        ``tp_mesh`` / ``dp_mesh``: the dimensions of a (dp, tp) mesh under tensor parallel. A ``model`` on the
+        meta device is split first, then each rank reads its own slices from ``weights_path`` (safetensors)."""
         self.dp = strategy or make_strategy(dp_group=dp_group, cp_group=cp_group, mode=dp_mode, device=device,
                                             bucket_bytes=bucket_bytes, mixed_precision=fsdp_mixed_precision,
                                             tp_mesh=tp_mesh, dp_mesh=dp_mesh)
@@ -60,20 +62,39 @@ class Trainer:
                              "ref_mode='copy'")
         if self.cp_size > 1:
             context_parallel.enable(model)  # before the reference / critic copies, so they use it too
-        self.model = model.to(self.device).train()
-        # copies (reference, critic) are taken from the whole model, then each is sharded like the policy
+        meta = any(p.is_meta for p in model.parameters())
+        if meta and weights_path is None:
+            raise ValueError("a model on the meta device needs weights_path: the files each rank reads its slices from")
+        if meta and algo.ref_mode == "swap" and algo.kl_coef + algo.kl_in_reward_coef > 0:
+            raise ValueError("algo.ref_mode='swap' keeps a whole copy of the weights; loading into shards needs "
+                             "ref_mode='copy'")
+        load = (lambda module, rename: self._load(module, weights_path, rename)) if meta else None
+        self.model = (model if meta else model.to(self.device)).train()
+        # copies (reference, critic) are taken from the whole model (or its meta skeleton), then each is sharded
+        # like the policy (and, from meta, filled with its own slices)
         self.ref, self.ref_state, self.critic = None, None, None
         if algo.kl_coef or algo.kl_in_reward_coef:
             if algo.ref_mode == "copy":  # a frozen copy of the initial policy
                 self.ref = self.dp.wrap(LogprobModule(copy.deepcopy(model).eval().requires_grad_(False)))
+                if load:
+                    load(self.ref, _under("lm."))
             else:  # "swap": keep only the initial weights and swap them into the training module
                 self.ref_state = {k: p.detach().clone() for k, p in model.named_parameters()}
         if algo.estimator == "ppo":
-            self.critic = self.dp.wrap(ValueModel.from_causal_lm(copy.deepcopy(model)).to(self.device).train())
+            critic = ValueModel.from_causal_lm(copy.deepcopy(model))
+            self.critic = self.dp.wrap((critic if meta else critic.to(self.device)).train())
+            if load:  # the value head is not in the files: it starts at 0, as ValueModel's own init
+                load(self.critic, lambda n: None if n.startswith("value_head.") else _under("backbone.", "model.")(n))
             self.critic_opt = GuardedOptimizer("critic", self.critic, algo.critic_lr, train, self.dp)
         self.policy = self.dp.wrap(LogprobModule(self.model))
+        if load:
+            load(self.policy, _under("lm."))
         self.policy_opt = GuardedOptimizer("policy", self.model, train.lr, train, self.dp)
         self.steps_done = 0
+
+    def _load(self, module, path: str, rename) -> None:
+        load_shards(module, path, self.device, rename)
+        self.dp.track(module)  # loading may have made new parameter objects
 
     # the strategy's shape, for callers that print or branch on it
     cp_size = property(lambda self: self.dp.cp_size)
@@ -253,3 +274,8 @@ class Trainer:
         optimizer step cannot change. Under FSDP a collective every rank must call; rank 0 gets
         the weights, the others an empty dict."""
         return self.dp.full_weights(self.model)
+
+
+def _under(prefix: str, replacement: str = ""):
+    """Parameter names of a wrapper (``lm.model.layers.0...``) as the files name them (``model.layers.0...``)."""
+    return lambda name: replacement + name[len(prefix):] if name.startswith(prefix) else name

@@ -21,6 +21,8 @@ def _run(tiny_model_dir, run_dir, nproc, mode="replicate", cp=1, tp=1):
     if nproc > 1:
         layout = f"{nproc} processes = data parallel {nproc // cp // tp} ({mode}) x context parallel {cp}"
         assert layout + (f" x tensor parallel {tp}" if tp > 1 else "") in proc.stdout
+        split = mode == "fsdp" or tp > 1  # the trainer's weights read in slices, straight into the shards
+        assert ("strop: trainer weights: each rank reads only its own slices" in proc.stdout) == split
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 

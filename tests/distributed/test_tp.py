@@ -13,7 +13,7 @@ def _model(kind):
     return make_tiny_model() if kind == "llama" else make_tiny_qwen3()
 
 
-def _tp_step(rank, world, algo_name, kind, tp=1, mode="replicate"):
+def _tp_step(rank, world, algo_name, kind, tp=1, mode="replicate", path=None):
     from strop.config import AlgoConfig, TrainConfig
     from strop.train.trainer import Trainer
     from tests.test_trainer import make_samples
@@ -25,8 +25,14 @@ def _tp_step(rank, world, algo_name, kind, tp=1, mode="replicate"):
         mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))
         groups = {"dp_group": mesh["dp"].get_group(), "tp_mesh": mesh["tp"], "dp_mesh": mesh["dp"]}
     train = TrainConfig(lr=1e-3, warmup_steps=0, micro_batch_size=3)
-    trainer = Trainer(_model(kind), pad_token_id=0, train=train, algo=AlgoConfig(**ALGOS[algo_name]),
-                      max_new_tokens=8, bucket_bytes=1 << 20, dp_mode=mode, **groups)
+    if path is not None:  # built on the meta device; each rank reads its own slices of the saved model
+        from strop.models import meta_model
+
+        model = meta_model(path)
+    else:
+        model = _model(kind)
+    trainer = Trainer(model, pad_token_id=0, train=train, algo=AlgoConfig(**ALGOS[algo_name]),
+                      max_new_tokens=8, bucket_bytes=1 << 20, dp_mode=mode, weights_path=path, **groups)
     metrics = trainer.step(make_samples(10))
     grads = [_full(trainer.optimizer.state[p]["exp_avg"]).cpu() for p in trainer.optimizer.param_groups[0]["params"]]
     params = [_full(p.detach()).cpu() for p in trainer.model.parameters()]
@@ -96,3 +102,21 @@ def test_vocabulary_parallel_logprobs_equal_the_whole_vocabulary(temperature, ch
     for whole, split in run_on_ranks(_vocab_parallel, 2, temperature, chunk, timeout=100):
         for x, y in zip(whole, split):
             torch.testing.assert_close(y, x, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("kind,layout", [("llama", "tp2"), ("qwen3", "tp2"), ("qwen3", "dp2-fsdp-tp2"),
+                                         ("llama", "dp2-fsdp")])
+def test_loading_into_shards_equals_loading_the_whole_model(kind, layout, tmp_path):
+    """The model built on the meta device, split, then each rank reads only its slices from the safetensors
+    files (tied embeddings tied again, rotary tables recomputed, PPO's critic and the reference loaded the same
+    way): the step equals one process that loaded the whole model."""
+    _model(kind).save_pretrained(tmp_path / "model")
+    world, tp, mode = {"tp2": (2, 2, "replicate"), "dp2-fsdp-tp2": (4, 2, "fsdp"), "dp2-fsdp": (2, 1, "fsdp")}[layout]
+    algo = "ppo" if kind == "qwen3" else "seq_mean_kl"
+    results = run_on_ranks(_tp_step, world, algo, kind, tp, mode, str(tmp_path / "model"), timeout=350)
+    single = _tp_step(0, 1, algo, kind)
+    assert_same_update([r[:3] for r in results], single[:3], grad_tol=3e-5)
+    assert results[0][3] == single[3]
+    rows = 32 // (world if mode == "fsdp" else tp)
+    assert [r[4] for r in results] == [(rows, 32)] * world
