@@ -1,0 +1,117 @@
+"""Per-rank peak memory and step time of the trainer under tensor parallel (issue 23), in one run, for a random
+model shaped like Qwen3-0.6B (28 layers, hidden 1024, 16 heads, 8 KV heads of 128, MLP 3072, vocabulary 151936,
+tied embeddings; 0.6B parameters, 2.4 GB in fp32):
+
+- tp=1: one process, the whole model (loaded whole, as today);
+- FSDP dp=2, tp=2, and a (dp 2, tp 2) mesh with FSDP: built on the meta device, each rank reading only its
+  slices of the same safetensors folder.
+
+For each layout: every rank's peak RSS after loading (with the trainer built) and after the training steps,
+as GiB and as a fraction of tp=1's; the load peak also as a fraction of the whole weights' bytes; the fastest
+step's seconds. Goal (issue 23): tp=2's per-rank peak <= 0.6x tp=1's; loading at tp=2 <= 0.6x the weights.
+Layouts run one after the other in fresh processes (RSS peaks are per process); on this 2-core machine the
+4-process layout shares 2 cores among 4 ranks, so its step time says little.
+
+    python bench/tensor_parallel.py [--layers 28] [--steps 2] [--samples 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
+
+LAYOUTS = [("tp=1", 1, 1, "replicate"), ("fsdp dp=2", 2, 1, "fsdp"), ("tp=2", 2, 2, "replicate"),
+           ("dp=2 x tp=2 (fsdp)", 4, 2, "fsdp")]
+
+
+def _gib() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def _save(rank, world, path, layers):
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=layers,
+                         num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
+                         max_position_embeddings=4096)
+    model = Qwen3ForCausalLM(config)
+    model.save_pretrained(path)
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def _layout(rank, world, path, tp, mode, steps, n):
+    import torch
+
+    from common import synthetic_samples
+    from strop.config import AlgoConfig, TrainConfig
+    from strop.models import load_model, meta_model
+    from strop.train.trainer import Trainer
+
+    import transformers.models.qwen3.modeling_qwen3  # noqa: F401  (the modelling code: ~0.1 GiB, before "base")
+
+    torch.set_num_threads(max(1, 2 // world))
+    base = _gib()
+    groups = {}
+    if world > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))
+        groups = {"dp_group": mesh["dp"].get_group(), "tp_mesh": mesh["tp"] if tp > 1 else None,
+                  "dp_mesh": mesh["dp"]}
+    t0 = time.perf_counter()
+    model = meta_model(path) if world > 1 else load_model(path)
+    trainer = Trainer(model, pad_token_id=0, train=TrainConfig(lr=1e-6, warmup_steps=0, micro_batch_size=4),
+                      algo=AlgoConfig(), max_new_tokens=16, dp_mode=mode, weights_path=path if world > 1 else None,
+                      **groups)
+    load_s, load_peak = time.perf_counter() - t0, _gib()
+    times = []
+    for k in range(steps):
+        t = time.perf_counter()
+        trainer.step(synthetic_samples(n=n, prompt_len=24, response_len=16, seed=k))
+        times.append(time.perf_counter() - t)
+    return {"base": base, "load": load_peak, "load_s": load_s, "peak": _gib(), "step_s": min(times)}
+
+
+def main() -> None:
+    from strop.parallel.launch import run_on_ranks
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=28)
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--samples", type=int, default=8)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="strop-tp-bench-") as tmp:
+        path = str(Path(tmp) / "model")
+        weights = run_on_ranks(_save, 1, path, args.layers, timeout=1800)[0]
+        print(f"model: Qwen3-0.6B shape, {args.layers} layers, {weights / 2**30:.2f} GiB of fp32 weights; "
+              f"{args.samples} samples of 24 + 16 tokens per step, {args.steps} steps", flush=True)
+        rows = []
+        for name, world, tp, mode in LAYOUTS:
+            found = run_on_ranks(_layout, world, path, tp, mode, args.steps, args.samples, timeout=3600)
+            rows.append((name, world, found))
+            print(f"  done: {name}", flush=True)
+    ref = max(r["peak"] for r in rows[0][2])
+    print(f"\n{'layout':<20} {'ranks':>5} {'base GiB':>9} {'load peak':>10} {'x weights':>10} {'net x w':>8} "
+          f"{'peak GiB':>9} {'x tp=1':>7} {'load s':>7} {'step s':>7}")
+    for name, world, found in rows:
+        base, load, peak = (max(r[k] for r in found) for k in ("base", "load", "peak"))
+        net = max(r["load"] - r["base"] for r in found)
+        print(f"{name:<20} {world:>5} {base:>9.2f} {load:>10.2f} {load * 2**30 / weights:>10.2f} "
+              f"{net * 2**30 / weights:>8.2f} {peak:>9.2f} {peak / ref:>7.2f} {max(r['load_s'] for r in found):>7.1f} "
+              f"{max(r['step_s'] for r in found):>7.1f}")
+    print("(per-rank maxima of peak RSS. base: the process with torch, the modelling code and its process group, "
+          "before the model; net x w: what loading added, over the whole weights' bytes. tp=1 loads through "
+          "transformers' memory map, whose untouched pages are not resident until the first step)")
+
+
+if __name__ == "__main__":
+    main()
