@@ -245,14 +245,14 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def clip_sharded(params: list[nn.Parameter], max_norm: float, world: int) -> float:
     """``clip_grad_norm_`` for gradients spread over ranks as DTensors (sharded on some mesh dimensions,
     replicated on others) beside plain tensors that every rank holds whole and equal. Each rank adds the
-    squares of what it holds, each divided by how many ranks hold that same piece, and one all-reduce over
-    all ``world`` ranks sums them; the gradients are then scaled as torch's clip does."""
+    squared norms of what it holds, each divided by how many ranks hold that same piece, and one all-reduce
+    over all ``world`` ranks sums them; the gradients are then scaled as torch's clip does."""
     from torch.distributed.tensor import DTensor, Partial, Replicate
 
     total = torch.zeros((), dtype=torch.float64, device=params[0].device if params else "cpu")
     grads = [p.grad for p in params if p.grad is not None]
     for g in grads:
-        local = _local(g).detach().double()
+        local = _local(g).detach()
         copies = world
         if isinstance(g, DTensor):
             mesh = g.device_mesh
@@ -260,7 +260,9 @@ def clip_sharded(params: list[nn.Parameter], max_norm: float, world: int) -> flo
                 raise ValueError("clip_sharded: a gradient with a Partial placement has not been reduced")
             copies = world // mesh.size() * math.prod(mesh.size(d) for d, pl in enumerate(g.placements)
                                                       if isinstance(pl, Replicate))
-        total += local.pow(2).sum().to(total.device) / copies
+        # each tensor's norm in its own dtype, as torch's clip (a float64 copy of a vocabulary-sized gradient
+        # was the largest transient of a tensor-parallel step), squared and summed in float64
+        total += torch.linalg.vector_norm(local).to(total).square() / copies
     dist.all_reduce(total)
     norm = float(total.sqrt())
     coef = max_norm / (norm + 1e-6)
