@@ -2,7 +2,8 @@
 
 A checkpoint is a folder ``<run dir>/checkpoints/step_NNNNNN/`` holding:
 
-- ``policy/``: the policy in Hugging Face format (``from_pretrained`` loads it) and its tokenizer;
+- ``policy/``: the policy in Hugging Face format (``from_pretrained`` loads it) and its tokenizer, unless
+  ``run.checkpoint_policy`` is off (:func:`export_policy` writes it from the trainer state later);
 - ``trainer/``: the trainer's state through torch.distributed.checkpoint: policy weights, optimizer,
   critic and its optimizer. Under FSDP every rank writes its own shards (no rank gathers the
   optimizer); the reference is always the initial policy, so it is rebuilt from ``model.path``;
@@ -256,3 +257,40 @@ def _safe_load(path: Path) -> dict:
         why = next((line.strip() for line in str(exc).splitlines() if "WeightsUnpickler error" in line), str(exc))
         raise CheckpointError(f"{path}: holds objects strop does not write (loading them could run code), so "
                               f"it is not loaded: {why.split('. Please use')[0]}") from exc
+
+
+def export_policy(folder: Path, out: Path) -> Path:
+    """The policy of checkpoint ``folder`` in Hugging Face format, written to ``out`` (a new folder), from the
+    trainer state (whatever layout of ranks saved it: torch.distributed.checkpoint puts the shards together);
+    the model's structure and tokenizer come from the run's config. ``out`` appears only complete."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    from strop.config import build_config
+    from strop.models import load_tokenizer, meta_model, resolve_model_path
+
+    folder, out = Path(folder), Path(out)
+    if not (folder / "meta.json").is_file() or not (folder / "trainer").is_dir():
+        raise CheckpointError(f"{folder}: not a complete strop checkpoint (no meta.json or trainer/)")
+    if out.exists():
+        raise CheckpointError(f"{out} exists; export writes a new folder and never overwrites one")
+    run_dir = folder.parent.parent
+    cfg = build_config(str(run_dir / "config.yaml"))
+    path = resolve_model_path(cfg.model.path)
+    model = meta_model(path, dtype=getattr(torch, cfg.model.dtype))
+    model.to_empty(device="cpu")
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.tie_weights()
+    state = {"policy": get_model_state_dict(model)}
+    ctx = _quiet()
+    try:
+        dcp.load(state, checkpoint_id=str(folder / "trainer"))
+    finally:
+        ctx.__exit__(None, None, None)
+    set_model_state_dict(model, state["policy"])
+    tmp = out.with_name(f".tmp-{out.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    load_tokenizer(path).save_pretrained(tmp)
+    os.replace(tmp, out)
+    return out

@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import sys
+from pathlib import Path
 
 USAGE = """strop: RL post-training for LLMs
 
@@ -22,7 +23,24 @@ commands:
   strop plot RUN_DIR [RUN_DIR ...] [--metrics a,b] [--out FILE]
                                                         the curves of one or several runs side by side
   strop check-plugin --hook HOOK pkg.module:function    check a plugin against its hook's contract
+  strop export CHECKPOINT OUT                           a checkpoint's policy as a Hugging Face folder
 """
+
+
+def export_main(argv: list[str]) -> int:
+    from strop.checkpoint import CheckpointError, export_policy
+
+    parser = argparse.ArgumentParser(prog="strop export", description="Write a checkpoint's policy in Hugging Face "
+                                     "format (from its trainer state; any layout of ranks) into a new folder.")
+    parser.add_argument("checkpoint", help="a checkpoint folder, e.g. runs/X/checkpoints/step_000010")
+    parser.add_argument("out", help="the folder to create")
+    args = parser.parse_args(argv)
+    try:
+        print(f"strop: exported to {export_policy(Path(args.checkpoint), Path(args.out))}")
+    except (CheckpointError, FileNotFoundError) as exc:
+        print(f"strop export: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def check_plugin_main(argv: list[str]) -> int:
@@ -260,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
         return plot_main(rest)
     if command == "rollout":
         return rollout_main(rest)
+    if command == "export":
+        return export_main(rest)
     print(f"strop: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
     return 2
 

@@ -228,6 +228,10 @@ class TrainConfig(_Section):
     max_nonfinite_grad_steps: int = Field(
         3, gt=0, description="stop the run after this many optimizer steps in a row with a NaN/inf gradient "
         "norm (each such step is skipped and counted in nonfinite_grad_norm_steps)")
+    activation_checkpointing: bool = Field(
+        False, description="recompute each decoder layer's activations in backward instead of keeping them "
+        "(transformers' gradient checkpointing, non-reentrant): activation memory drops to the layers' inputs "
+        "plus one layer's, for about one more forward pass per step; policy and critic; not with context parallel")
 
 
 class EvalConfig(_Section):
@@ -248,6 +252,9 @@ class RunConfig(_Section):
                             "<run dir>/checkpoints (0 = never; `strop train --resume RUN_DIR` continues from the newest)")
     keep_checkpoints: int = Field(1, ge=1, description="keep this many newest checkpoints, remove older ones (an "
                                   "older one is removed only once the new one is complete)")
+    checkpoint_policy: bool = Field(True, description="also write the policy in Hugging Face format into each "
+                                    "checkpoint (policy/, which from_pretrained loads); false stores the weights once, "
+                                    "in the trainer state, and `strop export CHECKPOINT OUT` writes that folder later")
     log_samples: int = Field(4, ge=0, description="per step, write this many prompts with one response each to "
                              "<run dir>/samples.jsonl (and the trackers)")
     trackers: list[Literal["tensorboard", "wandb"]] = Field(
@@ -532,6 +539,10 @@ class Config(_Section):
                              + (f"rollout.mode={r.mode!r}" if r.mode != "sync" else
                                 f"data.samples={self.data.samples!r} replays samples generated elsewhere")
                              + "; use rollout.mode='sync' without data.samples, or turn exact_logprobs off")
+        if self.train.activation_checkpointing and self.parallel.context_parallel_size > 1:
+            raise ValueError("train.activation_checkpointing with parallel.context_parallel_size > 1: strop's "
+                             "context-parallel attention reads the running plan when it is called, and a recompute "
+                             "in backward would run outside it; use one of them")
         tp = self.parallel.tensor_parallel_size
         if tp > 1 and self.parallel.context_parallel_size > 1:
             raise ValueError(f"parallel.tensor_parallel_size={tp} with parallel.context_parallel_size="

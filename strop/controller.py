@@ -85,8 +85,9 @@ class Controller:
         elif self.c.engine is not None:
             print("strop: resume: the engine's sampling state lives in its servers and is not restored; the "
                   "steps that follow are not bitwise those of an uninterrupted run", flush=True)
-        if state.get("world", 1) != self.c.trainer.dp.world:  # DCP reshards; the sums run in another order
-            print(f"strop: resume: saved by {state.get('world', 1)} processes, resumed by {self.c.trainer.dp.world}: "
+        world = self.c.trainer.dp.world * self.c.trainer.dp.tp_size
+        if state.get("world", 1) != world:  # DCP reshards; the sums run in another order
+            print(f"strop: resume: saved by {state.get('world', 1)} processes, resumed by {world}: "
                   "the run continues, but not bitwise as it would have", flush=True)
         self.clock.start -= state["elapsed_seconds"]
         if self.c.engine is not None:
@@ -104,13 +105,14 @@ class Controller:
         generator = getattr(self.c.engine, "generator", None)
         rollout = self.loop.run(self.manager.pause())  # what it holds; nothing new starts until resume()
         try:
-            state = {"step": step, "weight_version": step, "world": self.c.trainer.dp.world,
+            state = {"step": step, "weight_version": step, "world": self.c.trainer.dp.world * self.c.trainer.dp.tp_size,
                      "sampler": self.c.sampler.state_dict() if self.c.sampler is not None else None,
                      "engine_rng": generator.get_state() if generator is not None else None,
                      "elapsed_seconds": self.clock(), "logs": checkpoint.log_sizes(self.run_dir),
                      "rollout": rollout}  # None in sync mode: it holds nothing between steps
         finally:
             self.loop.run(self.manager.resume())
+        weights = weights if self.cfg.run.checkpoint_policy else None  # (`strop export` writes it from the state)
         path = checkpoint.finish(self.run_dir, tmp, step, controller_state=state, weights=weights,
                                  model=self.c.trainer.model, tokenizer=self.c.tokenizer,
                                  keep=self.cfg.run.keep_checkpoints)

@@ -276,3 +276,24 @@ def test_a_checkpoint_the_safe_loader_would_refuse_is_reported_when_it_is_writte
     ck.finish(tmp_path, tmp, 3, controller_state={"rollout": {"ready": [[held]]}}, weights=None, model=Nothing(),
               tokenizer=Nothing(), keep=1)
     assert "checkpoint of step 3 cannot be resumed" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(240)
+def test_without_the_policy_copy_a_checkpoint_is_smaller_and_export_writes_it_from_the_trainer_state(
+        tiny_model_dir, tmp_path, capsys):
+    """run.checkpoint_policy=false: no policy/ in the checkpoints (the weights are stored once); `strop export`
+    writes the policy from the trainer state, equal to the run's final policy, and refuses to overwrite."""
+    from strop.cli import main
+
+    run = _strop(_args(tiny_model_dir, tmp_path / "run", "--run.checkpoint_policy=false"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    last = checkpoint.latest(tmp_path / "run")
+    assert last.name == "step_000005" and not (last / "policy").exists() and (last / "trainer").is_dir()
+    assert main(["export", str(last), str(tmp_path / "exported")]) == 0
+    got, final = _weights(tmp_path / "exported"), _weights(tmp_path / "run" / "final")
+    assert got.keys() == final.keys() and all(torch.equal(got[k], final[k]) for k in final)
+    assert (tmp_path / "exported" / "tokenizer.json").is_file()
+    assert main(["export", str(last), str(tmp_path / "exported")]) == 1
+    assert "exists; export writes a new folder and never overwrites one" in capsys.readouterr().err
+    assert main(["export", str(tmp_path / "run"), str(tmp_path / "other")]) == 1  # not a checkpoint
+    assert not (tmp_path / "other").exists()

@@ -288,3 +288,26 @@ def test_bf16_autocast_keeps_fp32_master_weights(tiny_model, device):
     _, ref = run_step(copy.deepcopy(tiny_model), make_samples(), device=device)
     assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
     assert m["loss"] == pytest.approx(ref["loss"], rel=0.05, abs=1e-3)  # bf16 compute, same step
+
+
+def test_activation_checkpointing_recomputes_each_layer_and_changes_nothing():
+    """train.activation_checkpointing: every decoder layer runs again in backward (its MLP's activation once
+    more per micro-batch that trains), and the step's loss, gradient norm and updated weights are the same."""
+    from tests.tiny import make_tiny_model
+
+    samples = make_samples(8)
+
+    def run(on):
+        model = make_tiny_model()
+        calls, act = [], model.model.layers[1].mlp.act_fn
+        forward = act.forward  # (counted inside the module: forward hooks do not run again in a recompute)
+        act.forward = lambda x: (calls.append(torch.is_grad_enabled()), forward(x))[1]
+        train = TrainConfig(lr=1e-3, warmup_steps=0, micro_batch_size=4, activation_checkpointing=on)
+        trainer = Trainer(model, pad_token_id=0, train=train, algo=AlgoConfig(), max_new_tokens=8)
+        metrics = trainer.step(samples)
+        return metrics, [p.detach().clone() for p in trainer.model.parameters()], calls
+
+    (m0, p0, c0), (m1, p1, c1) = run(False), run(True)
+    assert len(c1) == len(c0) + 2  # two micro-batches trained: each layer recomputed once for each
+    assert m0["loss"] == m1["loss"] and abs(m0["grad_norm"] - m1["grad_norm"]) <= 1e-6 * m0["grad_norm"]
+    assert all(torch.allclose(a, b, rtol=0, atol=1e-7) for a, b in zip(p0, p1))

@@ -62,6 +62,13 @@ class Trainer:
                              "ref_mode='copy'")
         if self.cp_size > 1:
             context_parallel.enable(model)  # before the reference / critic copies, so they use it too
+        if getattr(train, "activation_checkpointing", False):  # before the copies: the critic recomputes too
+            if self.cp_size > 1:
+                raise ValueError("activation checkpointing does not work with context parallel")
+            if hasattr(model, "activation_checkpointing_enable"):  # transformers 5 (the older name is deprecated)
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         meta = any(p.is_meta for p in model.parameters())
         if meta and weights_path is None:
             raise ValueError("a model on the meta device needs weights_path: the files each rank reads its slices from")

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 
 def _run(tiny_model_dir, run_dir, nproc, mode="replicate", cp=1, tp=1):
@@ -97,6 +98,14 @@ def test_a_tensor_parallel_checkpoint_resumes_in_one_process_resharded(tiny_mode
         a, b = steps["tp"][k], steps["one"][k]
         assert a["reward_mean"] == b["reward_mean"] and abs(a["loss"] - b["loss"]) <= 1e-5, (k, a["loss"], b["loss"])
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 5e-5 * a["grad_norm"]
+    # the TP run's last trainer state, put together by `strop export`, is its final policy
+    from safetensors.torch import load_file
+
+    from strop.cli import main
+
+    assert main(["export", str(tmp_path / "tp" / "checkpoints" / "step_000004"), str(tmp_path / "exported")]) == 0
+    got, final = (load_file(tmp_path / d / "model.safetensors") for d in ("exported", "tp/final"))
+    assert got.keys() == final.keys() and all(torch.equal(got[k], final[k]) for k in final)
 
 
 @pytest.mark.timeout(200)
