@@ -1,5 +1,6 @@
-"""Tensor parallel (DTensor, strop.parallel.tensor) on gloo equals one process: logprobs, loss, gradient norm,
-gradients and the updated weights, alone (tp 2) and on a (dp 2, tp 2) mesh with replicate or FSDP2."""
+"""Tensor parallel (DTensor, strop.parallel.tensor) on gloo equals one process: loss, gradient norm and every
+gradient after one step, the weights after three AdamW steps, alone (tp 2) and on a (dp 2, tp 2) mesh with
+replicate or FSDP2; loading into shards; the vocabulary-parallel logprob kernel."""
 
 import pytest
 
@@ -13,7 +14,7 @@ def _model(kind):
     return make_tiny_model() if kind == "llama" else make_tiny_qwen3()
 
 
-def _tp_step(rank, world, algo_name, kind, tp=1, mode="replicate", path=None):
+def _tp_step(rank, world, algo_name, kind, tp=1, mode="replicate", path=None, checkpointing=False):
     from strop.config import AlgoConfig, TrainConfig
     from strop.train.trainer import Trainer
     from tests.test_trainer import make_samples
@@ -24,7 +25,7 @@ def _tp_step(rank, world, algo_name, kind, tp=1, mode="replicate", path=None):
 
         mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))
         groups = {"dp_group": mesh["dp"].get_group(), "tp_mesh": mesh["tp"], "dp_mesh": mesh["dp"]}
-    train = TrainConfig(lr=1e-3, warmup_steps=0, micro_batch_size=3)
+    train = TrainConfig(lr=1e-3, warmup_steps=0, micro_batch_size=3, activation_checkpointing=checkpointing)
     if path is not None:  # built on the meta device; each rank reads its own slices of the saved model
         from strop.models import meta_model
 
@@ -34,7 +35,10 @@ def _tp_step(rank, world, algo_name, kind, tp=1, mode="replicate", path=None):
     trainer = Trainer(model, pad_token_id=0, train=train, algo=AlgoConfig(**ALGOS[algo_name]),
                       max_new_tokens=8, bucket_bytes=1 << 20, dp_mode=mode, weights_path=path, **groups)
     metrics = trainer.step(make_samples(10))
-    grads = [_full(trainer.optimizer.state[p]["exp_avg"]).cpu() for p in trainer.optimizer.param_groups[0]["params"]]
+    grads = [_full(trainer.optimizer.state[p]["exp_avg"]).cpu().clone()  # (a copy: the next steps change it)
+             for p in trainer.optimizer.param_groups[0]["params"]]
+    for k in (1, 2):  # parameters compared after three AdamW steps
+        trainer.step(make_samples(10, seed=k))
     params = [_full(p.detach()).cpu() for p in trainer.model.parameters()]
     weights = trainer.full_weights()  # a collective: every rank joins, rank 0 keeps the whole weights
     q = trainer.model.model.layers[0].self_attn.q_proj.weight
@@ -120,3 +124,13 @@ def test_loading_into_shards_equals_loading_the_whole_model(kind, layout, tmp_pa
     assert results[0][3] == single[3]
     rows = 32 // (world if mode == "fsdp" else tp)
     assert [r[4] for r in results] == [(rows, 32)] * world
+
+
+@pytest.mark.timeout(300)
+def test_activation_checkpointing_under_fsdp_and_tensor_parallel_changes_nothing(tmp_path):
+    """Loaded into shards, split by (dp 1, tp 2) with FSDP2 on top, each layer recomputed in backward: the same
+    update as one process without any of it."""
+    _model("qwen3").save_pretrained(tmp_path / "model")
+    results = run_on_ranks(_tp_step, 2, "ppo", "qwen3", 2, "fsdp", str(tmp_path / "model"), True, timeout=250)
+    single = _tp_step(0, 1, "ppo", "qwen3")
+    assert_same_update([r[:3] for r in results], single[:3], grad_tol=3e-5)
