@@ -24,6 +24,7 @@ from strop.observe.tracking import require_trackers
 from strop.plugins import PluginError, call_hook_sync, load_hook
 from strop.rollout.generate import resolve_reward, rollout as default_rollout
 from strop.models import load_model, load_tokenizer, meta_model, resolve_model_path
+from strop.parallel.loading import unloadable
 from strop.train.trainer import Trainer
 from strop.types import SamplingParams
 
@@ -173,10 +174,15 @@ def prepare(cfg: Config, device: torch.device, controller: bool = True, resume: 
     torch.manual_seed(cfg.train.seed)
     dtype = getattr(torch, cfg.model.dtype)
     weights = shard_source(cfg, model_path)
-    if weights:  # split before it has memory: each rank reads its own slices (strop.parallel.loading)
-        policy = meta_model(model_path, dtype=dtype)
-    else:
+    policy = meta_model(model_path, dtype=dtype) if weights else None
+    if weights and (why := unloadable(policy, weights)):
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"strop: trainer weights: every rank loads the whole model before it is split: {why}", flush=True)
+        weights = None
+    if not weights:
         policy = load_model(model_path, dtype=dtype)  # same weights on every rank
+    elif not dist.is_initialized() or dist.get_rank() == 0:  # split before it has memory (strop.parallel.loading)
+        print(f"strop: trainer weights: each rank reads only its own slices of {weights}", flush=True)
     if controller and cfg.engine.kind == "embedded" and not replay:  # the engine's copy, before the trainer shards
         engine_model = (load_model(model_path, dtype=dtype) if weights else copy.deepcopy(policy)).to(device)
         engine_model.requires_grad_(False)
@@ -197,8 +203,6 @@ def shard_source(cfg: Config, model_path: str) -> str | None:
 
         folder = Path(snapshot_download(model_path, allow_patterns=["*.json", "*.safetensors"]))
     if (folder / "model.safetensors").is_file() or (folder / "model.safetensors.index.json").is_file():
-        if dist.get_rank() == 0:
-            print(f"strop: trainer weights: each rank reads only its own slices of {folder}", flush=True)
         return str(folder)
     if dist.get_rank() == 0:
         print(f"strop: {model_path} has no safetensors files: every rank loads the whole model before it is split",

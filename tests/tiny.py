@@ -33,3 +33,18 @@ def make_tiny_qwen3(vocab_size: int = 49152, seed: int = 0, tie: bool = False):
             layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
             layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
     return model
+
+
+def make_tiny_qwen3_moe(vocab_size: int = 49152, seed: int = 0):
+    """A random-initialised 2-layer Qwen3-MoE: 4 experts, 2 per token (an OLMoE-like routed MLP)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3MoeConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                            num_experts=4, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=8, max_position_embeddings=256, tie_word_embeddings=False,
+                            bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    model = Qwen3MoeForCausalLM(config).float()
+    with torch.no_grad():
+        model.model.embed_tokens.weight.normal_(0, 0.5)
+    return model

@@ -32,6 +32,17 @@ def safetensors_index(path: str | Path) -> dict[str, Path]:
         return {k: single for k in f.keys()}
 
 
+def unloadable(module: nn.Module, path: str | Path) -> str | None:
+    """Why :func:`load_shards` cannot fill ``module`` from ``path`` (None when it can): a parameter the files
+    do not hold under its own name, as when transformers converts tensors at load (fused MoE experts)."""
+    index = safetensors_index(path)
+    missing = [name for name, _ in module.named_parameters() if name not in index]
+    if missing:
+        return (f"the files hold no tensor named {missing[0]!r}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1
+                else "") + ": transformers converts them at load (e.g. fused MoE experts)")
+    return None
+
+
 def load_shards(module: nn.Module, path: str | Path, device: torch.device | str,
                 rename: Callable[[str], str | None] = lambda name: name) -> int:
     """Give ``module`` (parameters on the meta device, split or not) memory on ``device`` for what this rank

@@ -9,9 +9,9 @@ from tests.distributed.test_dp import ALGOS, _full, assert_same_update
 
 
 def _model(kind):
-    from tests.tiny import make_tiny_model, make_tiny_qwen3
+    from tests.tiny import make_tiny_model, make_tiny_qwen3, make_tiny_qwen3_moe
 
-    return make_tiny_model() if kind == "llama" else make_tiny_qwen3()
+    return {"llama": make_tiny_model, "qwen3": make_tiny_qwen3, "qwen3_moe": make_tiny_qwen3_moe}[kind]()
 
 
 def _tp_step(rank, world, algo_name, kind, tp=1, mode="replicate", path=None, checkpointing=False):
@@ -41,7 +41,7 @@ def _tp_step(rank, world, algo_name, kind, tp=1, mode="replicate", path=None, ch
         trainer.step(make_samples(10, seed=k))
     params = [_full(p.detach()).cpu() for p in trainer.model.parameters()]
     weights = trainer.full_weights()  # a collective: every rank joins, rank 0 keeps the whole weights
-    q = trainer.model.model.layers[0].self_attn.q_proj.weight
+    q = trainer.model.model.layers[0].self_attn.q_proj.weight  # (32 rows: 4 heads of 8)
     local = tuple((q.to_local() if hasattr(q, "to_local") else q).shape)  # this rank's rows of q_proj
     return metrics, grads, params, {k: v.shape for k, v in weights.items()}, local
 
@@ -134,3 +134,27 @@ def test_activation_checkpointing_under_fsdp_and_tensor_parallel_changes_nothing
     results = run_on_ranks(_tp_step, 2, "ppo", "qwen3", 2, "fsdp", str(tmp_path / "model"), True, timeout=250)
     single = _tp_step(0, 1, "ppo", "qwen3")
     assert_same_update([r[:3] for r in results], single[:3], grad_tol=3e-5)
+
+
+@pytest.mark.timeout(300)
+def test_a_mixture_of_experts_model_trains_under_fsdp_as_in_one_process(tmp_path):
+    """Qwen3-MoE (4 experts, 2 per token; some experts get no token in a micro-batch): FSDP2 over 2 ranks
+    gives one process's update. Its files store each expert apart while the model holds them fused, so loading
+    into shards says why it cannot (and strop train then loads the whole model); tensor parallel refuses it
+    by name (no plan for experts); the embedded engine names its fallback from the fast decoder."""
+    from transformers import AutoConfig
+
+    from strop.engines import kvdecode
+    from strop.models import meta_model
+    from strop.parallel.loading import unloadable
+    from strop.parallel.tensor import check_tensor_parallel
+
+    model = _model("qwen3_moe")
+    model.save_pretrained(tmp_path / "model")
+    assert "transformers converts them at load" in unloadable(meta_model(str(tmp_path / "model")), tmp_path / "model")
+    results = run_on_ranks(_tp_step, 2, "grpo", "qwen3_moe", 1, "fsdp", timeout=250)
+    single = _tp_step(0, 1, "grpo", "qwen3_moe")
+    assert_same_update([r[:3] for r in results], single[:3], grad_tol=3e-5)
+    with pytest.raises(ValueError, match="model type 'qwen3_moe' has no tensor-parallel plan"):
+        check_tensor_parallel(AutoConfig.from_pretrained(tmp_path / "model"), 2)
+    assert "model_type 'qwen3_moe' is not one of" in kvdecode.unsupported_reason(model)
