@@ -231,7 +231,8 @@ def tiny_qwen3():
 
 def test_qwen3_decodes_on_the_fast_path_as_the_transformers_path_does(tiny_qwen3):
     """Qwen3 (per-head query/key norms before the rotation, an untied output projection): greedy tokens equal to
-    Hugging Face's forward, logprobs within 1e-4, and sampled rows joining a running batch match a full forward."""
+    Hugging Face's forward, logprobs within 1e-4, and sampled rows joining a running batch match the trainer's
+    full forward within 1e-5."""
     fast_engine = engine(tiny_qwen3, max_batch_size=2)
     assert fast_engine._fast is not None and kvdecode.unsupported_reason(tiny_qwen3) is None
     fast = fast_engine.generate_batch(PROMPTS, GREEDY)
@@ -244,4 +245,4 @@ def test_qwen3_decodes_on_the_fast_path_as_the_transformers_path_does(tiny_qwen3
         SamplingParams(temperature=0.8, max_new_tokens=5 + 3 * i, stop_token_ids=[-1]) for i in range(len(sampled))])
     for prompt, out in zip(sampled, outs):
         torch.testing.assert_close(torch.tensor(out.logprobs), full_forward_logprobs(tiny_qwen3, prompt, out, 0.8),
-                                   rtol=0, atol=1e-4)
+                                   rtol=0, atol=1e-5)  # the trainer-vs-engine gap of issue 23
