@@ -155,3 +155,19 @@ def test_a_model_whose_heads_do_not_divide_is_refused_naming_the_counts():
 
     with pytest.raises(ValueError, match="model type 'gpt2' has no tensor-parallel plan"):
         check_tensor_parallel(GPT2Config(), 2)
+
+
+def test_the_documented_tensor_parallel_gpu_config_validates_and_fits_qwen3_8b():
+    from pathlib import Path
+
+    from transformers import Qwen3Config
+
+    from strop.parallel.runtime import parallel_layout
+    from strop.parallel.tensor import check_tensor_parallel
+
+    cfg = build_config(str(Path(__file__).resolve().parents[1] / "examples" / "configs" / "tp2_fsdp4_gpu.yaml"))
+    assert (cfg.parallel.tensor_parallel_size, cfg.parallel.dp_mode) == (2, "fsdp")
+    assert parallel_layout(8, cfg.parallel.context_parallel_size, cfg.parallel.tensor_parallel_size) == (4, 1)
+    qwen3_8b = Qwen3Config(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                           intermediate_size=12288, num_hidden_layers=36)  # Qwen/Qwen3-8B's config.json
+    check_tensor_parallel(qwen3_8b, cfg.parallel.tensor_parallel_size)
