@@ -419,7 +419,7 @@ print('call', libc.unshare(0x10000000), os.strerror(ctypes.get_errno()))  # CLON
 @pytest.mark.timeout(60)
 def test_a_call_in_flight_dies_with_its_trainer(box):
     """SIGKILL of the process that started a call leaves none of the call's processes behind."""
-    from tests.test_processes import _alive, _cmdline, _descendants
+    from tests.proctree import _alive, _cmdline, _descendants
 
     script = (f"import asyncio, dataclasses\n"
               f"from strop.tools.sandbox import Sandbox\n"

@@ -46,14 +46,21 @@ def full_weights(model: nn.Module, *, to_rank: int = 0) -> dict[str, torch.Tenso
 
     A collective every rank must call (one all-gather per sharded tensor, in state-dict
     order). ``to_rank`` keeps the result, the others get ``{}``. Tensors are fresh
-    all-gather outputs, never views of the shards the optimizer updates.
+    all-gather outputs, never views of the shards the optimizer updates; tied parameters share theirs.
     """
     keep = dist.get_rank() == to_rank
-    out = {}
+    # a parameter under two names (tied embeddings) is gathered once and its names share the result, as
+    # save_pretrained expects; ties are the module's structure, so every rank makes the same collectives
+    first: dict[int, str] = {}
+    canonical = {name: first.setdefault(id(p), name) for name, p in model.named_parameters(remove_duplicate=False)}
+    out, gathered = {}, {}
     for name, t in model.state_dict().items():
-        full = t.full_tensor() if hasattr(t, "full_tensor") else t.detach().clone()
+        key = canonical.get(name, name)
+        if key not in gathered:
+            full = t.full_tensor() if hasattr(t, "full_tensor") else t.detach().clone()
+            gathered[key] = full.detach()
         if keep:
-            out[name] = full.detach()
+            out[name] = gathered[key]
     return out
 
 

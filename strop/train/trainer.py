@@ -11,7 +11,6 @@ strategy's business (:mod:`strop.parallel.strategy`); no torch.distributed here.
 from __future__ import annotations
 
 import contextlib
-import copy
 import time
 
 import torch
@@ -22,13 +21,11 @@ from strop.algo.objective import Normalisers, policy_objective
 from strop.observe.metrics import StepStats
 from strop.parallel import context as context_parallel
 from strop.parallel.collectives import DEFAULT_BUCKET_BYTES
-from strop.parallel.loading import load_shards
 from strop.parallel.packing import collate_packed, unpack
 from strop.parallel.strategy import make_strategy
 from strop.plugins import call_hook_sync
 from strop.train.batch import StepBatch, collate, split_micro_batches, swapped_weights, to_device
-from strop.train.critic import ValueModel
-from strop.train.logprob import LogprobModule
+from strop.train.modules import build_modules
 from strop.train.optim import GuardedOptimizer, NonFiniteGradientError
 from strop.types import Sample
 
@@ -56,52 +53,12 @@ class Trainer:
         self.pad_token_id, self.cfg, self.algo, self.max_new_tokens = pad_token_id, train, algo, max_new_tokens
         self.temperature = temperature if temperature > 0 else 1.0
         self.autocast, self.exact_logprobs = bf16_autocast, exact_logprobs
-        if (self.dp.mode == "fsdp" or self.dp.tp_size > 1) and algo.kl_coef + algo.kl_in_reward_coef > 0 \
-                and algo.ref_mode == "swap":
-            raise ValueError("algo.ref_mode='swap' cannot swap into sharded weights (FSDP or tensor parallel); use "
-                             "ref_mode='copy'")
-        if self.cp_size > 1:
-            context_parallel.enable(model)  # before the reference / critic copies, so they use it too
-        if getattr(train, "activation_checkpointing", False):  # before the copies: the critic recomputes too
-            if self.cp_size > 1:
-                raise ValueError("activation checkpointing does not work with context parallel")
-            if hasattr(model, "activation_checkpointing_enable"):  # transformers 5 (the older name is deprecated)
-                model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-            else:
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        meta = any(p.is_meta for p in model.parameters())
-        if meta and weights_path is None:
-            raise ValueError("a model on the meta device needs weights_path: the files each rank reads its slices from")
-        if meta and algo.ref_mode == "swap" and algo.kl_coef + algo.kl_in_reward_coef > 0:
-            raise ValueError("algo.ref_mode='swap' keeps a whole copy of the weights; loading into shards needs "
-                             "ref_mode='copy'")
-        load = (lambda module, rename: self._load(module, weights_path, rename)) if meta else None
-        self.model = (model if meta else model.to(self.device)).train()
-        # copies (reference, critic) are taken from the whole model (or its meta skeleton), then each is sharded
-        # like the policy (and, from meta, filled with its own slices)
-        self.ref, self.ref_state, self.critic = None, None, None
-        if algo.kl_coef or algo.kl_in_reward_coef:
-            if algo.ref_mode == "copy":  # a frozen copy of the initial policy
-                self.ref = self.dp.wrap(LogprobModule(copy.deepcopy(model).eval().requires_grad_(False)))
-                if load:
-                    load(self.ref, _under("lm."))
-            else:  # "swap": keep only the initial weights and swap them into the training module
-                self.ref_state = {k: p.detach().clone() for k, p in model.named_parameters()}
-        if algo.estimator == "ppo":
-            critic = ValueModel.from_causal_lm(copy.deepcopy(model))
-            self.critic = self.dp.wrap((critic if meta else critic.to(self.device)).train())
-            if load:  # the value head is not in the files: it starts at 0, as ValueModel's own init
-                load(self.critic, lambda n: None if n.startswith("value_head.") else _under("backbone.", "model.")(n))
+        m = build_modules(model, self.dp, algo, train, weights_path)
+        self.model, self.policy, self.ref, self.ref_state, self.critic = m.model, m.policy, m.ref, m.ref_state, m.critic
+        if self.critic is not None:
             self.critic_opt = GuardedOptimizer("critic", self.critic, algo.critic_lr, train, self.dp)
-        self.policy = self.dp.wrap(LogprobModule(self.model))
-        if load:
-            load(self.policy, _under("lm."))
         self.policy_opt = GuardedOptimizer("policy", self.model, train.lr, train, self.dp)
         self.steps_done = 0
-
-    def _load(self, module, path: str, rename) -> None:
-        load_shards(module, path, self.device, rename)
-        self.dp.track(module)  # loading may have made new parameter objects
 
     # the strategy's shape, for callers that print or branch on it
     cp_size = property(lambda self: self.dp.cp_size)
@@ -282,7 +239,3 @@ class Trainer:
         the weights, the others an empty dict."""
         return self.dp.full_weights(self.model)
 
-
-def _under(prefix: str, replacement: str = ""):
-    """Parameter names of a wrapper (``lm.model.layers.0...``) as the files name them (``model.layers.0...``)."""
-    return lambda name: replacement + name[len(prefix):] if name.startswith(prefix) else name

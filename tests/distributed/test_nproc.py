@@ -70,8 +70,9 @@ def test_nproc_missing_model_fails_on_every_rank(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_a_tensor_parallel_checkpoint_resumes_in_one_process_resharded(tiny_model_dir, tmp_path):
-    """Saved under tensor parallel 2 (each rank its slices, torch.distributed.checkpoint), resumed by one process:
-    the weights and optimizer state are put back together on load, and steps 3-4 are the TP run's."""
+    """Saved under tensor parallel 2 (each rank its slices, torch.distributed.checkpoint): resumed by one
+    process, the weights and optimizer state are put back together on load and steps 3-4 are the TP run's;
+    resumed under the same layout, steps 3-4 and the final weights are the TP run's bit for bit."""
     import shutil
 
     def run(run_dir, *extra):
@@ -85,11 +86,18 @@ def test_a_tensor_parallel_checkpoint_resumes_in_one_process_resharded(tiny_mode
             "--rollout.reward=tests.plugins:even_token_reward", "--train.steps=4", "--train.lr=1e-3",
             "--train.micro_batch_size=2", "--run.progress=false", "--run.save_every=2", "--run.keep_checkpoints=2"]
     run(tmp_path / "tp", "--nproc=2", *base, "--parallel.tensor_parallel_size=2", f"--run.dir={tmp_path / 'tp'}")
-    shutil.copytree(tmp_path / "tp", tmp_path / "one")
-    shutil.rmtree(tmp_path / "one" / "checkpoints" / "step_000004")
+    for name in ("one", "same"):
+        shutil.copytree(tmp_path / "tp", tmp_path / name)
+        shutil.rmtree(tmp_path / name / "checkpoints" / "step_000004")
     out = run(tmp_path / "one", "--resume", str(tmp_path / "one"), "--allow-change",
               "parallel.tensor_parallel_size", "--parallel.tensor_parallel_size=1")
     assert "resumed from" in out and "step_000002 at step 2" in out
+    out = run(tmp_path / "same", "--nproc=2", "--resume", str(tmp_path / "same"))
+    assert "step_000002 at step 2" in out and "not bitwise" not in out
+    from strop.observe.metrics import reproducible
+
+    rows = {n: [json.loads(x) for x in (tmp_path / n / "metrics.jsonl").read_text().splitlines()] for n in ("tp", "same")}
+    assert [reproducible(r) for r in rows["same"]] == [reproducible(r) for r in rows["tp"]]
     steps = {}
     for name in ("tp", "one"):
         rows = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
@@ -106,6 +114,8 @@ def test_a_tensor_parallel_checkpoint_resumes_in_one_process_resharded(tiny_mode
     assert main(["export", str(tmp_path / "tp" / "checkpoints" / "step_000004"), str(tmp_path / "exported")]) == 0
     got, final = (load_file(tmp_path / d / "model.safetensors") for d in ("exported", "tp/final"))
     assert got.keys() == final.keys() and all(torch.equal(got[k], final[k]) for k in final)
+    same = load_file(tmp_path / "same" / "final" / "model.safetensors")
+    assert all(torch.equal(same[k], final[k]) for k in final)
 
 
 @pytest.mark.timeout(200)
