@@ -42,7 +42,7 @@ class Controller:
         complete checkpoint instead (None: there is none, the run starts again from step 0)."""
         save_config(self.cfg, self.run_dir / "config.yaml")  # first: from here on the run can be resumed
         print(f"strop: run directory {self.run_dir}", flush=True)
-        if self.c.trainer.dp.world * self.c.trainer.dp.tp_size > 1:
+        if self.c.trainer.dp.processes > 1:
             print(f"strop: {self.c.trainer.dp.describe()}", flush=True)
         print(f"strop: device {self.c.trainer.device}", flush=True)
         if self.c.replay is not None:
@@ -85,7 +85,7 @@ class Controller:
         elif self.c.engine is not None:
             print("strop: resume: the engine's sampling state lives in its servers and is not restored; the "
                   "steps that follow are not bitwise those of an uninterrupted run", flush=True)
-        world = self.c.trainer.dp.world * self.c.trainer.dp.tp_size
+        world = self.c.trainer.dp.processes
         if state.get("world", 1) != world:  # DCP reshards; the sums run in another order
             print(f"strop: resume: saved by {state.get('world', 1)} processes, resumed by {world}: "
                   "the run continues, but not bitwise as it would have", flush=True)
@@ -105,7 +105,7 @@ class Controller:
         generator = getattr(self.c.engine, "generator", None)
         rollout = self.loop.run(self.manager.pause())  # what it holds; nothing new starts until resume()
         try:
-            state = {"step": step, "weight_version": step, "world": self.c.trainer.dp.world * self.c.trainer.dp.tp_size,
+            state = {"step": step, "weight_version": step, "world": self.c.trainer.dp.processes,
                      "sampler": self.c.sampler.state_dict() if self.c.sampler is not None else None,
                      "engine_rng": generator.get_state() if generator is not None else None,
                      "elapsed_seconds": self.clock(), "logs": checkpoint.log_sizes(self.run_dir),

@@ -173,16 +173,15 @@ def prepare(cfg: Config, device: torch.device, controller: bool = True, resume: 
     tokenizer = load_tokenizer(model_path)
     torch.manual_seed(cfg.train.seed)
     dtype = getattr(torch, cfg.model.dtype)
-    weights = shard_source(cfg, model_path)
+    weights, why = shard_source(cfg, model_path)
     policy = meta_model(model_path, dtype=dtype) if weights else None
     if weights and (why := unloadable(policy, weights)):
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            print(f"strop: trainer weights: every rank loads the whole model before it is split: {why}", flush=True)
         weights = None
     if not weights:
         policy = load_model(model_path, dtype=dtype)  # same weights on every rank
-    elif not dist.is_initialized() or dist.get_rank() == 0:  # split before it has memory (strop.parallel.loading)
-        print(f"strop: trainer weights: each rank reads only its own slices of {weights}", flush=True)
+    if (weights or why) and dist.get_rank() == 0:  # (split: several ranks, so a process group)
+        print("strop: trainer weights: " + (f"each rank reads only its own slices of {weights}" if weights else
+                                            f"every rank loads the whole model before it is split: {why}"), flush=True)
     if controller and cfg.engine.kind == "embedded" and not replay:  # the engine's copy, before the trainer shards
         engine_model = (load_model(model_path, dtype=dtype) if weights else copy.deepcopy(policy)).to(device)
         engine_model.requires_grad_(False)
@@ -190,24 +189,21 @@ def prepare(cfg: Config, device: torch.device, controller: bool = True, resume: 
                      replay, tools, weights)
 
 
-def shard_source(cfg: Config, model_path: str) -> str | None:
-    """The folder of safetensors files each rank reads its slices from, when the trainer's weights are split
-    (FSDP over several ranks, or tensor parallel) and such files exist; None: every rank loads the whole model
-    (said, when it is split all the same)."""
+def shard_source(cfg: Config, model_path: str) -> tuple[str | None, str | None]:
+    """(the folder of safetensors files each rank reads its slices from, None) when the trainer's weights are
+    split (FSDP over several ranks, or tensor parallel) and such files exist; (None, why not) when they are
+    split all the same; (None, None) when they are not split."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world == 1 or (cfg.parallel.dp_mode != "fsdp" and cfg.parallel.tensor_parallel_size == 1):
-        return None
+        return None, None
     folder = Path(model_path)
     if not folder.exists():  # a hub id: the files in the local cache (downloaded once, as from_pretrained would)
         from huggingface_hub import snapshot_download
 
         folder = Path(snapshot_download(model_path, allow_patterns=["*.json", "*.safetensors"]))
     if (folder / "model.safetensors").is_file() or (folder / "model.safetensors.index.json").is_file():
-        return str(folder)
-    if dist.get_rank() == 0:
-        print(f"strop: {model_path} has no safetensors files: every rank loads the whole model before it is split",
-              flush=True)
-    return None
+        return str(folder), None
+    return None, f"{model_path} has no safetensors files"
 
 
 def _read_replay(cfg: Config) -> dict:

@@ -120,19 +120,14 @@ def test_preset_on_the_command_line_and_in_yaml(tmp_path):
     (["--engine.kind=sglang", "--engine.launch=1"], "starts sglang servers as Ray engine actors"),
     (["--engine.kind=strop", "--engine.launch=1", '--engine.launch_command=["python", "-m", "x"]'],
      "launch_command is the program of launched vLLM or SGLang servers"),
-])
-def test_launch_and_placement_combinations_that_cannot_run_are_refused(overrides, message):
-    with pytest.raises(ConfigError, match=message):
-        build_config(None, parse_overrides(overrides))
-
-
-@pytest.mark.parametrize("overrides,message", [
     (["--parallel.tensor_parallel_size=2", "--parallel.context_parallel_size=2"], "do not compose yet"),
     (["--parallel.tensor_parallel_size=2", "--rollout.exact_logprobs=true"], "sums every layer in two halves"),
     (["--parallel.tensor_parallel_size=2", "--algo.kl_coef=0.1", "--algo.ref_mode=swap"],
      "cannot swap into weights split by parallel.tensor_parallel_size=2"),
+    (["--train.activation_checkpointing=true", "--parallel.context_parallel_size=2"],
+     "a recompute in backward would run outside it"),
 ])
-def test_tensor_parallel_combinations_that_cannot_run_are_refused(overrides, message):
+def test_launch_placement_and_parallel_combinations_that_cannot_run_are_refused(overrides, message):
     with pytest.raises(ConfigError, match=message):
         build_config(None, parse_overrides(overrides))
 
@@ -155,6 +150,17 @@ def test_a_model_whose_heads_do_not_divide_is_refused_naming_the_counts():
 
     with pytest.raises(ValueError, match="model type 'gpt2' has no tensor-parallel plan"):
         check_tensor_parallel(GPT2Config(), 2)
+
+
+def test_a_decoder_layer_without_a_planned_projection_is_refused_naming_it():
+    from strop.parallel.tensor import tensor_parallel
+    from tests.tiny import make_tiny_model
+
+    model = make_tiny_model()
+    for layer in model.model.layers:
+        del layer.mlp.gate_proj
+    with pytest.raises(ValueError, match="LlamaDecoderLayer has no mlp.gate_proj"):
+        tensor_parallel(model, None)  # refused before the mesh is used
 
 
 def test_the_documented_tensor_parallel_gpu_config_validates_and_fits_qwen3_8b():

@@ -75,8 +75,8 @@ class TrainerRank:
 
 
 class EngineServer:
-    """An engine: a ``strop serve``, vLLM or SGLang server process on this actor's node (with the GPUs Ray gave the
-    actor), started when the actor starts (again on the same port when Ray restarts it) and killed with the
+    """An engine: a ``strop serve``, vLLM or SGLang server process on this actor's node (with the GPUs Ray gave
+    the actor), started when the actor starts (again on the same port when Ray restarts it) and killed with the
     actor (parent-death signal)."""
 
     def __init__(self, index: int, spec: dict, port: int, token: str, cwd: str, marker: str):
@@ -165,7 +165,8 @@ def start_local_cluster(timeout_s: float = LOCAL_START_S):
     ``ray start --head --block`` in a process group tied to this process (strop.engines.launch), which holds
     the GCS, the raylet and the raylet's agents (``ray.init``'s own local cluster leaves those agents running
     when its driver is SIGKILLed). Ports are picked here and the auth token is the run's own (RAY_AUTH_TOKEN,
-    which :func:`launch` sets before Ray is imported), so runs side by side never meet. Returns the head's process (``.stop()`` ends the cluster) and its GCS address."""
+    which :func:`launch` sets before Ray is imported), so runs side by side never meet. Returns the head's
+    process (``.stop()`` ends the cluster) and its GCS address."""
     from strop.cluster.process import free_port
     from strop.engines.launch import LocalServer
 
@@ -272,16 +273,16 @@ def launch(cfg, argv: list[str]) -> int:
         os.environ |= {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # the local cluster binds 127.0.0.1 only
                        "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}  # its head's and ours
     ray = import_ray()
-    local = start_local_cluster() if c.address is None else None  # before ray.init reads the token
+    head, address = start_local_cluster() if c.address is None else (None, c.address)  # before ray.init reads it
     pg, actors, marker = None, [], None
     try:
-        connect(ray, local[1] if local else c.address, c.connect_timeout_s, f"strop-{uuid.uuid4().hex[:12]}",
-                "the run's local cluster" if local else f"cluster.address={c.address!r}")
+        connect(ray, address, c.connect_timeout_s, f"strop-{uuid.uuid4().hex[:12]}",
+                "the run's local cluster" if head else f"cluster.address={c.address!r}")
         nodes = cluster_nodes(ray)
         engine_resources = c.engine_resources if cfg.engine.launch else {}
         plan = plan_placement(nodes, c.trainer_ranks, c.trainer_resources, cfg.engine.launch, engine_resources,
                               c.placement)
-        print(f"strop: ray: {'a local cluster' if local else c.address}, {len(nodes)} node(s); "
+        print(f"strop: ray: {'a local cluster' if head else c.address}, {len(nodes)} node(s); "
               f"{c.placement} placement:\n{plan.table()}", flush=True)
         run_dir = run_dir_of(cfg)
         run_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -317,7 +318,7 @@ def launch(cfg, argv: list[str]) -> int:
         time.sleep(LOG_GRACE_S)  # Ray's log monitor delivers the actors' last lines before they are killed
         return code
     finally:
-        stop(ray, actors, pg, local, marker)
+        stop(ray, actors, pg, head, marker)
 
 
 def start_engines(ray, cfg, plan: Plan, pg, token: str, run_dir: str, cwd: str, marker: str) -> tuple[list, list]:
@@ -398,7 +399,7 @@ def _outcome(ray, ref) -> tuple[int, str]:
     return code, f"exited with code {code}"
 
 
-def stop(ray, actors: list, pg, local, marker: Path | None) -> None:
+def stop(ray, actors: list, pg, head, marker: Path | None) -> None:
     """End the run's actors (their servers die with them), the placement group, and a local cluster."""
     for a in actors:
         try:
@@ -412,5 +413,5 @@ def stop(ray, actors: list, pg, local, marker: Path | None) -> None:
     if marker is not None:
         marker.unlink(missing_ok=True)
     ray.shutdown()
-    if local:
-        local[0].stop()
+    if head is not None:  # the run's own local cluster
+        head.stop()

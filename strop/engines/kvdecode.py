@@ -2,7 +2,8 @@
 continuous batching.
 
 The embedded engine uses it for the models it knows (``llama``, ``qwen2``, ``qwen3`` with its per-head
-query/key norms, ``mistral``; without a sliding window); anything else falls back to Hugging Face's forward with a ``DynamicCache``.
+query/key norms, ``mistral``; without a sliding window); anything else falls back to Hugging Face's
+forward with a ``DynamicCache``.
 It reads the model's own parameters, so a weight update (``load_state_dict`` or a broadcast into
 the parameters) is seen by the next step without any copy.
 

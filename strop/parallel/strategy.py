@@ -84,6 +84,11 @@ class SingleProcess:
         A collective under FSDP; ranks other than 0 may get ``{}``."""
         return _unaliased(model.state_dict())
 
+    @property
+    def processes(self) -> int:
+        """Every rank of the run: data x context x tensor parallel."""
+        return self.world * self.tp_size
+
     def scalar(self, value: torch.Tensor) -> float:
         return float(value.full_tensor() if hasattr(value, "full_tensor") else value)
 
@@ -165,7 +170,7 @@ class Replicate(SingleProcess):
     def clip_grad_norm(self, params, max_norm):
         if self.tp_size == 1:
             return super().clip_grad_norm(params, max_norm)
-        return clip_sharded(params, max_norm, dist.get_world_size())
+        return clip_sharded(params, max_norm)
 
     def merge_rows(self, tensors):
         if self.dp_size > 1 and tensors:  # each row came from exactly one rank: the sum assembles the batch
@@ -188,7 +193,7 @@ class Replicate(SingleProcess):
 
     def describe(self) -> str:
         tp = f" x tensor parallel {self.tp_size}" if self.tp_size > 1 else ""
-        return (f"{self.world * self.tp_size} processes = data parallel {self.dp_size} ({self.mode}) x context "
+        return (f"{self.processes} processes = data parallel {self.dp_size} ({self.mode}) x context "
                 f"parallel {self.cp_size}{tp}")
 
 
@@ -242,13 +247,14 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if hasattr(t, "_local_tensor") else t
 
 
-def clip_sharded(params: list[nn.Parameter], max_norm: float, world: int) -> float:
+def clip_sharded(params: list[nn.Parameter], max_norm: float) -> float:
     """``clip_grad_norm_`` for gradients spread over ranks as DTensors (sharded on some mesh dimensions,
     replicated on others) beside plain tensors that every rank holds whole and equal. Each rank adds the
     squared norms of what it holds, each divided by how many ranks hold that same piece, and one all-reduce
-    over all ``world`` ranks sums them; the gradients are then scaled as torch's clip does."""
+    over all ranks sums them; the gradients are then scaled as torch's clip does."""
     from torch.distributed.tensor import DTensor, Partial, Replicate
 
+    world = dist.get_world_size()
     total = torch.zeros((), dtype=torch.float64, device=params[0].device if params else "cpu")
     grads = [p.grad for p in params if p.grad is not None]
     for g in grads:

@@ -60,9 +60,10 @@ def tensor_parallel(module: nn.Module, mesh) -> nn.Module:
 
     layers = decoder_layers(module)
     for layer in layers:
-        missing = [name for name in (*COLUMN, *ROW) if layer.get_submodule(name) is None]
-        if missing:  # (get_submodule raises first; kept for the message's sake)
-            raise ValueError(f"tensor parallel: {type(layer).__name__} has no {missing}")
+        have = dict(layer.named_modules())
+        missing = [name for name in (*COLUMN, *ROW) if name not in have]
+        if missing:
+            raise ValueError(f"tensor parallel: {type(layer).__name__} has no {', '.join(missing)}")
         parallelize_module(layer, mesh, {**{n: ColwiseParallel() for n in COLUMN}, **{n: RowwiseParallel() for n in ROW}})
     embed = next(m for name, m in module.named_modules() if name.split(".")[-1] == "embed_tokens")
     head = next((m for name, m in module.named_modules() if name.split(".")[-1] == "lm_head"), None)
