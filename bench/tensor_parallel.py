@@ -8,7 +8,8 @@ tied embeddings; 0.6B parameters, 2.4 GB in fp32):
 
 For each layout: every rank's peak RSS after loading (with the trainer built) and after the training steps,
 as GiB and as a fraction of tp=1's; the load peak also as a fraction of the whole weights' bytes; the fastest
-step's seconds. Goal (issue 23): tp=2's per-rank peak <= 0.6x tp=1's; loading at tp=2 <= 0.6x the weights.
+step's seconds; and the memory a weight sync through disk adds, streamed from the shards against gathered whole
+first (item 5: no rank holds the whole model beyond one bucket). Goal (issue 23): tp=2's per-rank peak <= 0.6x tp=1's; loading at tp=2 <= 0.6x the weights.
 Layouts run one after the other in fresh processes (RSS peaks are per process); on this 2-core machine the
 4-process layout shares 2 cores among 4 ranks, so its step time says little.
 
@@ -48,6 +49,49 @@ def _save(rank, world, path, layers):
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+def _rss_gib() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 2**20
+
+
+def _added_peak(fn) -> float:
+    """The most resident memory (GiB) above where it stood that ``fn()`` added, sampled every 2 ms."""
+    import threading
+
+    start, top, done = _rss_gib(), [0.0], threading.Event()
+
+    def watch():
+        while not done.is_set():
+            top[0] = max(top[0], _rss_gib())
+            done.wait(0.002)
+    thread = threading.Thread(target=watch)
+    thread.start()
+    try:
+        fn()
+    finally:
+        done.set()
+        thread.join()
+    return max(top[0], _rss_gib()) - start
+
+
+def _sync_peaks(rank, trainer, folder) -> tuple[float, float]:
+    """A weight sync through disk from the sharded trainer, streamed (strop: a bucket gathered at a time while
+    rank 0 writes) and then as a whole gather onto rank 0 first (every rank all-gathers everything): the memory
+    each added on this rank."""
+    from strop.engines.http import WeightWriter
+    from strop.parallel.runtime import Control
+
+    control, writer = Control(600), WeightWriter(folder)
+    weights = trainer.weights()
+    streamed = _added_peak(lambda: control.on_controller(lambda: writer.write(weights, 1), share=False,
+                                                         serving=weights))
+
+    def whole():
+        full = trainer.full_weights()
+        control.on_controller(lambda: writer.write(full, 2), share=False)
+    return streamed, _added_peak(whole)
+
+
 def _layout(rank, world, path, tp, mode, steps, n):
     import torch
 
@@ -73,12 +117,14 @@ def _layout(rank, world, path, tp, mode, steps, n):
                       algo=AlgoConfig(), max_new_tokens=16, dp_mode=mode, weights_path=path if world > 1 else None,
                       **groups)
     load_s, load_peak = time.perf_counter() - t0, _gib()
+    sync = _sync_peaks(rank, trainer, str(Path(path).parent / "sync")) if world > 1 else (float("nan"),) * 2
     times = []
     for k in range(steps):
         t = time.perf_counter()
         trainer.step(synthetic_samples(n=n, prompt_len=24, response_len=16, seed=k))
         times.append(time.perf_counter() - t)
-    return {"base": base, "load": load_peak, "load_s": load_s, "peak": _gib(), "step_s": min(times)}
+    return {"base": base, "load": load_peak, "load_s": load_s, "peak": _gib(), "step_s": min(times),
+            "sync": sync[0], "sync_whole": sync[1]}
 
 
 def main() -> None:
@@ -101,16 +147,20 @@ def main() -> None:
             print(f"  done: {name}", flush=True)
     ref = max(r["peak"] for r in rows[0][2])
     print(f"\n{'layout':<20} {'ranks':>5} {'base GiB':>9} {'load peak':>10} {'x weights':>10} {'net x w':>8} "
-          f"{'peak GiB':>9} {'x tp=1':>7} {'load s':>7} {'step s':>7}")
+          f"{'peak GiB':>9} {'x tp=1':>7} {'load s':>7} {'step s':>7} {'sync x w':>9} {'gather x w':>11}")
     for name, world, found in rows:
         base, load, peak = (max(r[k] for r in found) for k in ("base", "load", "peak"))
         net = max(r["load"] - r["base"] for r in found)
         print(f"{name:<20} {world:>5} {base:>9.2f} {load:>10.2f} {load * 2**30 / weights:>10.2f} "
               f"{net * 2**30 / weights:>8.2f} {peak:>9.2f} {peak / ref:>7.2f} {max(r['load_s'] for r in found):>7.1f} "
-              f"{max(r['step_s'] for r in found):>7.1f}")
+              f"{max(r['step_s'] for r in found):>7.1f} {max(r['sync'] for r in found) * 2**30 / weights:>9.2f} "
+              f"{max(r['sync_whole'] for r in found) * 2**30 / weights:>11.2f}")
     print("(per-rank maxima of peak RSS. base: the process with torch, the modelling code and its process group, "
           "before the model; net x w: what loading added, over the whole weights' bytes. tp=1 loads through "
-          "transformers' memory map, whose untouched pages are not resident until the first step)")
+          "transformers' memory map, whose untouched pages are not resident until the first step. sync x w: "
+          "the most memory a weight sync through disk added on any rank, streamed a bucket at a time (64 MiB) "
+          "from the shards; gather x w: the same sync after gathering the whole model first, as before; both "
+          "over the whole weights' bytes, measured after loading)")
 
 
 if __name__ == "__main__":

@@ -304,8 +304,10 @@ class EngineConfig(_Section):
         "extension), 'disk' (safetensors written atomically and reloaded), 'delta' (through disk, only the tensors "
         "that changed, each checked by its digest; kind strop). 'auto': broadcast where the engine takes it, disk "
         "otherwise; the run prints which and why")
-    sync_bucket_bytes: int = Field(64 << 20, ge=1 << 20, description="broadcast: largest flat bucket, in bytes "
-                                   "(the extra memory on either side; a single larger tensor travels alone)")
+    sync_bucket_bytes: int = Field(64 << 20, ge=1 << 20, description="largest bucket of a weight update, in bytes: "
+                                   "broadcast: a flat bucket (the extra memory on either side); disk and delta: "
+                                   "what is read (under FSDP or tensor parallel: gathered) per write. A single "
+                                   "larger tensor travels alone")
     sync_backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="broadcast: process-group backend (auto: nccl when the trainer is on cuda, else gloo)")
     sync_pause: Literal["abort", "retract", "in_place", "wait", "keep"] = Field(

@@ -13,6 +13,7 @@ from strop.engines.probe import reference_logprobs
 from strop.observe.metrics import (MetricsLog, Progress, Timer, memory_metrics, plot_curves, rollout_metrics,
                                    run_summary, write_summary)
 from strop.observe.tracking import open_trackers, sample_rows
+from strop.parallel.gather import whole
 from strop.plugins import call_hook_sync
 from strop.rollout.event_loop import EventLoopThread
 from strop.rollout.generate import RolloutContext, rollout_groups
@@ -112,7 +113,7 @@ class Controller:
                      "rollout": rollout}  # None in sync mode: it holds nothing between steps
         finally:
             self.loop.run(self.manager.resume())
-        weights = weights if self.cfg.run.checkpoint_policy else None  # (`strop export` writes it from the state)
+        weights = whole(weights) if self.cfg.run.checkpoint_policy else None  # (`strop export` writes it from the state)
         path = checkpoint.finish(self.run_dir, tmp, step, controller_state=state, weights=weights,
                                  model=self.c.trainer.model, tokenizer=self.c.tokenizer,
                                  keep=self.cfg.run.keep_checkpoints)
@@ -188,7 +189,7 @@ class Controller:
         self.progress.close()
         cfg, c, run_dir, seconds = self.cfg, self.c, self.run_dir, self.clock()
         if cfg.run.save_final:
-            c.trainer.model.save_pretrained(run_dir / "final", state_dict=weights, safe_serialization=True)
+            c.trainer.model.save_pretrained(run_dir / "final", state_dict=whole(weights), safe_serialization=True)
             c.tokenizer.save_pretrained(run_dir / "final")
         if cfg.run.plot:
             plot_curves(self.log.rows, run_dir / "curves.png")

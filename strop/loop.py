@@ -43,19 +43,20 @@ def _train(cfg: Config, resume: bool, control: Control, c: Components, closing) 
         if found is not None:  # every rank loads its state, then the engine gets the checkpoint's weights
             control.on_every_rank(checkpoint.check_rank_file, found, control.rank)  # fail all ranks, not one
             checkpoint.load_trainer(found, c.trainer)
-            weights = c.trainer.full_weights()
-            first = control.on_controller(lambda: run.restore(found, weights)) + 1
+            weights = c.trainer.weights()
+            first = control.on_controller(lambda: run.restore(found, weights), serving=weights) + 1
             del weights
         for step in range(first, cfg.train.steps + 1):
             samples, metrics = control.on_controller(lambda: run.rollout(step))  # rank 0 generates, all receive
             metrics |= c.trainer.step(samples)  # every rank: advantages, loss, optimizer step(s)
-            weights = c.trainer.full_weights()  # gathered from every rank's shards under FSDP
-            control.on_controller(lambda: run.after_step(step, weights, metrics), share=False)  # sync engine, log, evaluate
+            weights = c.trainer.weights()  # sharded (FSDP, TP): gathered a bucket at a time as rank 0 reads
+            control.on_controller(lambda: run.after_step(step, weights, metrics), share=False,
+                                  serving=weights)  # sync engine, log, evaluate
             if cfg.run.save_every and (step % cfg.run.save_every == 0 or step == cfg.train.steps):
                 save_checkpoint(control, run, c, step, weights)
             del weights
-        weights = c.trainer.full_weights() if cfg.run.save_final else None
-        return control.on_controller(lambda: run.finish(weights), share=False)
+        weights = c.trainer.weights() if cfg.run.save_final else None
+        return control.on_controller(lambda: run.finish(weights), share=False, serving=weights)
     except BaseException as exc:  # leave a summary that says the run did not finish, then re-raise
         error = exc
         if run is not None:
@@ -127,4 +128,4 @@ def save_checkpoint(control: Control, run, c: Components, step: int, weights: di
     it into place (strop.checkpoint)."""
     tmp = control.on_controller(lambda: run.begin_checkpoint(step))
     checkpoint.save_trainer(Path(tmp), c.trainer)  # collective: returns on rank 0 once every rank has written
-    control.on_controller(lambda: run.checkpoint(step, Path(tmp), weights), share=False)
+    control.on_controller(lambda: run.checkpoint(step, Path(tmp), weights), share=False, serving=weights)

@@ -375,7 +375,7 @@ def _router(cfg: Config, urls: list[str], token: str | None, run_dir: Path, prob
     from strop.engines.vllm import VLLMEngine
 
     e = cfg.engine
-    writer = WeightWriter(e.sync_dir or run_dir / "weights")
+    writer = WeightWriter(e.sync_dir or run_dir / "weights", bucket_bytes=e.sync_bucket_bytes)
     kind = VLLMEngine if e.kind == "vllm" else SGLangEngine
     clients = [kind(u, timeout_s=e.timeout_s, retries=e.retries, token=token, writer=writer,
                     require_checksum=e.kind == "strop") for u in urls]

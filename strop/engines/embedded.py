@@ -70,6 +70,8 @@ class _Request:
 
 
 class EmbeddedEngine:
+    update_bucket_bytes = 64 << 20  # a sharded trainer's weights are gathered this much at a time into the engine
+
     def __init__(
         self,
         model,
@@ -336,9 +338,24 @@ class EmbeddedEngine:
         trainer shares this process's device: nothing goes through host memory). ``strict=False``
         loads a subset (the delta form). Running rows finish on the old weights first; requests
         that arrive meanwhile wait and decode on the new ones."""
-        await self._drained(self._load, self.model.load_state_dict, state_dict, strict)
+        await self._drained(self._load, self._copy_in, state_dict, strict)
         self.weight_version = self.weight_version + 1 if version is None else version
         return self.weight_version
+
+    def _copy_in(self, state_dict, strict: bool) -> None:
+        """``load_state_dict``; sharded weights (strop.parallel.gather) a bucket at a time, as gathered."""
+        if not hasattr(state_dict, "gather"):
+            self.model.load_state_dict(state_dict, strict)
+            return
+        from strop.engines.weights import in_buckets
+
+        if strict:  # (checked before anything is copied: a failed update leaves the old weights whole)
+            own, given = set(self.model.state_dict()), set(state_dict)
+            if own != given:
+                raise RuntimeError(f"weight update: missing {sorted(own - given)[:5]}, "
+                                   f"unexpected {sorted(given - own)[:5]}")
+        for part in in_buckets(state_dict, list(state_dict), self.update_bucket_bytes):
+            self.model.load_state_dict(part, strict=False)
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The model's tensors by name, each once (an alias such as a tied lm_head dropped, as

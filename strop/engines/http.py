@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from strop.engines.weights import tensor_bytes, write_safetensors
 from strop.types import Completion, SamplingParams
 
 
@@ -77,12 +78,6 @@ def parse_weight_version(value, where: str) -> int:
                              f"update with its integer version; {INITIAL_VERSION_LABELS[0]!r} means initial weights)")
 
 
-def tensor_bytes(t: torch.Tensor):
-    """A tensor's raw bytes, on the host, as a buffer (no copy when it is already contiguous on the CPU:
-    hashlib reads it without holding the GIL, so hashing in a thread leaves the event loop running)."""
-    return t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
-
-
 def tensor_digest(t: torch.Tensor) -> str:
     """blake2b of one tensor's bytes (the delta form's per-tensor checksum)."""
     return hashlib.blake2b(tensor_bytes(t), digest_size=16).hexdigest()
@@ -105,31 +100,27 @@ class WeightWriter:
     place, so a reader never sees half a file; only the newest ``keep`` versions stay.
     """
 
-    def __init__(self, directory: str | Path, keep: int = 2):
+    def __init__(self, directory: str | Path, keep: int = 2, bucket_bytes: int = 64 << 20):
+        """``bucket_bytes``: the most of the weights read at once while writing (sharded: gathered)."""
         # absolute: servers resolve a relative path against their own folders (strop serve: its --weights-dir)
-        self.dir, self.keep = Path(directory).resolve(), keep  # created at the first write
+        self.dir, self.keep, self.bucket_bytes = Path(directory).resolve(), keep, bucket_bytes  # dir: at first write
 
     def write(self, state: dict[str, torch.Tensor], version: int, tag: str = "") -> tuple[Path, str]:
         """Write ``state`` as version ``version`` (``tag`` tells apart several files of one version:
-        the delta form writes one per set of changed tensors). Returns the folder and the checksum."""
-        from safetensors.torch import save_file
-
+        the delta form writes one per set of changed tensors). Returns the folder and the checksum.
+        Read a bucket at a time (sharded weights are never gathered whole: strop.engines.weights)."""
         final = self.dir / f"v{version}{tag}"
         tmp = self.dir / f".tmp-v{version}{tag}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)  # (and self.dir with it)
-        unique, seen = {}, set()
-        for name, t in state.items():  # tied tensors (embedding / lm_head) are written once each name
-            unique[name] = t.detach().contiguous().cpu() if t.data_ptr() not in seen else t.detach().clone().cpu()
-            seen.add(t.data_ptr())
-        save_file(unique, str(tmp / "model.safetensors"))
+        checksum = write_safetensors(state, tmp / "model.safetensors", self.bucket_bytes)  # (tied tensors under each name)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         versions = sorted({int(p.name[1:].split("-")[0]) for p in self.dir.glob("v*")})
         for old in self.dir.glob("v*"):
             if int(old.name[1:].split("-")[0]) in versions[: -self.keep]:
                 shutil.rmtree(old, ignore_errors=True)
-        return final, state_checksum(unique)
+        return final, checksum
 
 
 class SGLangEngine:

@@ -268,10 +268,14 @@ class Router:
     async def _update_by_delta(self, state_dict, version: int) -> None:
         from strop.engines.http import tensor_digest
         from strop.engines.sync import manifest_of
+        from strop.engines.weights import Subset, in_buckets, nbytes
 
-        unique = {name: state_dict[name] for name, _, _ in manifest_of(state_dict)}
-        digests = await asyncio.to_thread(lambda: {name: tensor_digest(t) for name, t in unique.items()})
-        sizes = {name: t.numel() * t.element_size() for name, t in unique.items()}
+        unique = [name for name, _, _ in manifest_of(state_dict)]
+
+        def digest_all():  # a bucket at a time (sharded weights: gathered as read, never whole)
+            return {n: tensor_digest(t) for part in in_buckets(state_dict, unique) for n, t in part.items()}
+        digests = await asyncio.to_thread(digest_all)
+        sizes = {name: nbytes(state_dict, name) for name in unique}
         members = [i for i in range(len(self.engines)) if self.state[i] in (HEALTHY, REJOINING)]
         for i in members:  # an engine restarted since its last load holds its initial tensors: it gets them all
             try:
@@ -286,7 +290,7 @@ class Router:
         self.bytes_sent, self.bytes_full = 0, len(members) * sum(sizes.values())
         self.weight_version, self._digests = version, digests
         for k, (changed, engines) in enumerate(by_change.items()):
-            path, _ = await asyncio.to_thread(self.writer.write, {n: unique[n] for n in sorted(changed)}, version,
+            path, _ = await asyncio.to_thread(self.writer.write, Subset(state_dict, sorted(changed)), version,
                                               f"-delta{k}")
             sent = {n: digests[n] for n in changed}
 

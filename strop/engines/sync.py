@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from strop.engines.http import EngineManifestError, EngineReceiptError
+from strop.engines.weights import take
 
 DEFAULT_SYNC_BUCKET_BYTES = 64 << 20
 SEND_GRACE_S = 5.0  # how long a send may trail its receiver's answer (it cannot: the receiver has every byte)
@@ -107,7 +108,10 @@ def plan_buckets(manifest: list[tuple[str, str, tuple[int, ...]]], bucket_bytes:
 
 
 def manifest_of(named: dict[str, torch.Tensor]) -> list[tuple[str, str, tuple[int, ...]]]:
-    """(name, dtype, shape) of every tensor, skipping names that alias an earlier one (tied weights)."""
+    """(name, dtype, shape) of every tensor, skipping names that alias an earlier one (tied weights).
+    Sharded weights (strop.parallel.gather) describe themselves without a gather."""
+    if hasattr(named, "manifest"):
+        return named.manifest()
     seen, out = set(), []
     for name, t in named.items():
         key = (t.untyped_storage().data_ptr(), t.storage_offset())
@@ -194,6 +198,7 @@ def fill_bucket(bucket: Bucket, named: dict[str, torch.Tensor], device, dtype: s
     """Trainer side: the tensor one bucket travels as. Flattened: a new uint8 buffer holding the tensors'
     bytes in order (cast to their bucket dtype); a lone tensor: itself (cast to ``dtype`` when set), with
     no copy when it is already contiguous. The extra memory is the bucket's buffer."""
+    named = take(named, bucket.names)  # (sharded weights: this bucket's tensors gathered, no others)
     if not bucket.flattened:
         t = named[bucket.names[0]].detach()
         return (t.to(getattr(torch, dtype)) if dtype else t).contiguous()
@@ -374,7 +379,7 @@ class BroadcastSync:
         await each(lambda e: e.begin_update(), list(live))
         lap("prepare")
         buckets = plan_buckets(manifest, self.bucket_bytes)
-        device = next(iter(named.values())).device
+        device = getattr(named, "device", None) or next(iter(named.values())).device
         digest, sent = StreamDigest(), 0
         try:
             for k, bucket in enumerate(buckets):

@@ -101,14 +101,25 @@ class Control:
         self.rank = dist.get_rank() if self.on else 0
         self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s)) if self.on else None
 
-    def on_controller(self, fn, *args, share: bool = True):
-        """``fn(*args)`` on rank 0; every rank returns its result (``share``) or None, or raises its failure."""
+    def on_controller(self, fn, *args, share: bool = True, serving=None):
+        """``fn(*args)`` on rank 0; every rank returns its result (``share``) or None, or raises its failure.
+        ``serving``: sharded weights (strop.parallel.gather) that ``fn`` may read: the other ranks serve
+        their gathers until ``fn`` ends, however it ends."""
         if not self.on:
             return fn(*args)
+        serving = serving if hasattr(serving, "serve") else None  # (whole weights in a dict need no one)
         box, error, result = [None], None, None
+        if serving is not None and self.rank != 0:
+            serving.serve(self.group)
         if self.rank == 0:
             try:
-                result = fn(*args)
+                if serving is not None:
+                    serving.open(self.group)
+                try:
+                    result = fn(*args)
+                finally:
+                    if serving is not None:
+                        serving.close()
                 box = [("ok", result if share else None)]
             except BaseException as exc:
                 error, box = exc, [("error", f"rank 0: {type(exc).__name__}: {exc}")]

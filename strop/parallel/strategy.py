@@ -25,6 +25,7 @@ from torch import nn
 
 from strop.parallel.collectives import DEFAULT_BUCKET_BYTES, all_reduce_coalesced
 from strop.parallel.fsdp import full_weights, shard
+from strop.parallel.gather import ShardedWeights
 
 
 def _unaliased(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -83,6 +84,13 @@ class SingleProcess:
         """The policy's whole weights on its device, as copies the next optimizer step cannot change.
         A collective under FSDP; ranks other than 0 may get ``{}``."""
         return _unaliased(model.state_dict())
+
+    def weights(self, model: nn.Module):
+        """The policy's whole weights for the engine on rank 0: :meth:`full_weights`, or, where the model is
+        sharded (FSDP, tensor parallel), a :class:`ShardedWeights` read a bucket at a time inside a session
+        (``Control.on_controller(..., serving=weights)``) and never gathered whole on any rank."""
+        sharded = any(hasattr(t, "full_tensor") for t in model.state_dict().values())
+        return ShardedWeights(model) if sharded else self.full_weights(model)
 
     @property
     def processes(self) -> int:

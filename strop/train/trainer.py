@@ -239,3 +239,7 @@ class Trainer:
         the weights, the others an empty dict."""
         return self.dp.full_weights(self.model)
 
+    def weights(self):
+        """What the engine is updated from: whole weights, or sharded ones gathered as read (strategy.weights)."""
+        return self.dp.weights(self.model)
+
