@@ -3,8 +3,8 @@ model shaped like Qwen3-0.6B (28 layers, hidden 1024, 16 heads, 8 KV heads of 12
 tied embeddings; 0.6B parameters, 2.4 GB in fp32):
 
 - tp=1: one process, the whole model (loaded whole, as today);
-- FSDP dp=2, tp=2, and a (dp 2, tp 2) mesh with FSDP: built on the meta device, each rank reading only its
-  slices of the same safetensors folder.
+- FSDP dp=2, tp=2 (with sequence parallel, the default, and without), and a (dp 2, tp 2) mesh with FSDP:
+  built on the meta device, each rank reading only its slices of the same safetensors folder.
 
 For each layout: every rank's peak RSS after loading (with the trainer built) and after the training steps,
 as GiB and as a fraction of tp=1's; the load peak also as a fraction of the whole weights' bytes; the fastest
@@ -26,8 +26,8 @@ from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 
-LAYOUTS = [("tp=1", 1, 1, "replicate"), ("fsdp dp=2", 2, 1, "fsdp"), ("tp=2", 2, 2, "replicate"),
-           ("dp=2 x tp=2 (fsdp)", 4, 2, "fsdp")]
+LAYOUTS = [("tp=1", 1, 1, "replicate", True), ("fsdp dp=2", 2, 1, "fsdp", True), ("tp=2", 2, 2, "replicate", True),
+           ("tp=2, no SP", 2, 2, "replicate", False), ("dp=2 x tp=2 (fsdp)", 4, 2, "fsdp", True)]
 
 
 def _gib() -> float:
@@ -92,7 +92,7 @@ def _sync_peaks(rank, trainer, folder) -> tuple[float, float]:
     return streamed, _added_peak(whole)
 
 
-def _layout(rank, world, path, tp, mode, steps, n):
+def _layout(rank, world, path, tp, mode, sequence, steps, n, lengths):
     import torch
 
     from common import synthetic_samples
@@ -115,15 +115,16 @@ def _layout(rank, world, path, tp, mode, steps, n):
     model = meta_model(path) if world > 1 else load_model(path)
     trainer = Trainer(model, pad_token_id=0, train=TrainConfig(lr=1e-6, warmup_steps=0, micro_batch_size=4),
                       algo=AlgoConfig(), max_new_tokens=16, dp_mode=mode, weights_path=path if world > 1 else None,
-                      **groups)
+                      sequence_parallel=sequence, **groups)
     load_s, load_peak = time.perf_counter() - t0, _gib()
-    sync = _sync_peaks(rank, trainer, str(Path(path).parent / "sync")) if world > 1 else (float("nan"),) * 2
     times = []
     for k in range(steps):
         t = time.perf_counter()
-        trainer.step(synthetic_samples(n=n, prompt_len=24, response_len=16, seed=k))
+        trainer.step(synthetic_samples(n=n, prompt_len=lengths[0], response_len=lengths[1], seed=k))
         times.append(time.perf_counter() - t)
-    return {"base": base, "load": load_peak, "load_s": load_s, "peak": _gib(), "step_s": min(times),
+    peak = _gib()  # (before the sync below: its transient is reported on its own)
+    sync = _sync_peaks(rank, trainer, str(Path(path).parent / "sync")) if world > 1 else (float("nan"),) * 2
+    return {"base": base, "load": load_peak, "load_s": load_s, "peak": peak, "step_s": min(times),
             "sync": sync[0], "sync_whole": sync[1]}
 
 
@@ -134,33 +135,41 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--samples", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=24)
+    ap.add_argument("--response-len", type=int, default=16)
+    ap.add_argument("--only", nargs="*", help="layouts to run, by name (default: all)")
     args = ap.parse_args()
+    layouts = [row for row in LAYOUTS if not args.only or row[0] in args.only]
     with tempfile.TemporaryDirectory(prefix="strop-tp-bench-") as tmp:
         path = str(Path(tmp) / "model")
         weights = run_on_ranks(_save, 1, path, args.layers, timeout=1800)[0]
         print(f"model: Qwen3-0.6B shape, {args.layers} layers, {weights / 2**30:.2f} GiB of fp32 weights; "
-              f"{args.samples} samples of 24 + 16 tokens per step, {args.steps} steps", flush=True)
+              f"{args.samples} samples of {args.prompt_len} + {args.response_len} tokens per step, {args.steps} steps",
+              flush=True)
         rows = []
-        for name, world, tp, mode in LAYOUTS:
-            found = run_on_ranks(_layout, world, path, tp, mode, args.steps, args.samples, timeout=3600)
+        for name, world, tp, mode, sequence in layouts:
+            found = run_on_ranks(_layout, world, path, tp, mode, sequence, args.steps, args.samples,
+                                 (args.prompt_len, args.response_len), timeout=3600)
             rows.append((name, world, found))
             print(f"  done: {name}", flush=True)
     ref = max(r["peak"] for r in rows[0][2])
     print(f"\n{'layout':<20} {'ranks':>5} {'base GiB':>9} {'load peak':>10} {'x weights':>10} {'net x w':>8} "
-          f"{'peak GiB':>9} {'x tp=1':>7} {'load s':>7} {'step s':>7} {'sync x w':>9} {'gather x w':>11}")
+          f"{'peak GiB':>9} {'x first':>7} {'step GiB':>8} {'load s':>7} {'step s':>7} {'sync x w':>9} {'gather x w':>11}")
     for name, world, found in rows:
         base, load, peak = (max(r[k] for r in found) for k in ("base", "load", "peak"))
         net = max(r["load"] - r["base"] for r in found)
         print(f"{name:<20} {world:>5} {base:>9.2f} {load:>10.2f} {load * 2**30 / weights:>10.2f} "
-              f"{net * 2**30 / weights:>8.2f} {peak:>9.2f} {peak / ref:>7.2f} {max(r['load_s'] for r in found):>7.1f} "
+              f"{net * 2**30 / weights:>8.2f} {peak:>9.2f} {peak / ref:>7.2f} {max(r['peak'] - r['load'] for r in found):>8.2f} "
+              f"{max(r['load_s'] for r in found):>7.1f} "
               f"{max(r['step_s'] for r in found):>7.1f} {max(r['sync'] for r in found) * 2**30 / weights:>9.2f} "
               f"{max(r['sync_whole'] for r in found) * 2**30 / weights:>11.2f}")
-    print("(per-rank maxima of peak RSS. base: the process with torch, the modelling code and its process group, "
+    print("(per-rank maxima of peak RSS; x first: over the first layout's; step GiB: what the steps added above "
+          "the load peak (gradients, AdamW state, activations). base: the process with torch, the modelling code and its process group, "
           "before the model; net x w: what loading added, over the whole weights' bytes. tp=1 loads through "
           "transformers' memory map, whose untouched pages are not resident until the first step. sync x w: "
           "the most memory a weight sync through disk added on any rank, streamed a bucket at a time (64 MiB) "
           "from the shards; gather x w: the same sync after gathering the whole model first, as before; both "
-          "over the whole weights' bytes, measured after loading)")
+          "over the whole weights' bytes, measured after the steps)")
 
 
 if __name__ == "__main__":

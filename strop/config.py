@@ -379,6 +379,11 @@ class ParallelConfig(_Section):
         "o/down by input, embedding and output projection by vocabulary; DTensor) for Llama, Mistral, Qwen2 and "
         "Qwen3; the processes form a (data parallel x tensor parallel) mesh with neighbouring ranks in one tensor-"
         "parallel group, so --nproc must be a multiple of it; it must divide the heads, KV heads and MLP width")
+    sequence_parallel: bool = Field(
+        True, description="with tensor_parallel_size > 1: the residual stream and the norms split over the tensor-"
+        "parallel ranks by tokens between the blocks (Megatron's sequence parallel: tokens all-gathered before "
+        "attention and the MLP, reduce-scattered after them), so each rank holds 1/N of those activations; off: "
+        "every rank holds them whole (one all-reduce after o and down instead)")
     controller_timeout_s: float = Field(
         6 * 3600, gt=0, description="how long ranks other than 0 wait for rank 0 (rollout, evaluation, set-up) "
         "before giving up; their own collectives keep torch's default timeout")

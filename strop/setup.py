@@ -240,7 +240,7 @@ def make_trainer(cfg: Config, policy, tokenizer, hooks: dict, device: torch.devi
                    bucket_bytes=resolve_bucket_bytes(cfg.parallel.grad_reduce_bucket_bytes),
                    dp_mode=cfg.parallel.dp_mode, fsdp_mixed_precision=cfg.parallel.fsdp_mixed_precision,
                    device=device, bf16_autocast=cfg.train.bf16_autocast, exact_logprobs=r.exact_logprobs, weights_path=weights,
-                   **meshes)
+                   sequence_parallel=cfg.parallel.sequence_parallel, **meshes)
 
 
 def build(cfg: Config, device: torch.device | None = None, control: Control | None = None,

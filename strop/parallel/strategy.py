@@ -118,13 +118,13 @@ class Replicate(SingleProcess):
     mode = "replicate"
 
     def __init__(self, dp_group, cp_group=None, *, device="cpu", bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 tp_mesh=None, dp_mesh=None):
+                 tp_mesh=None, dp_mesh=None, sequence_parallel: bool = True):
         super().__init__(device)
         self.dp_group, self.cp_group, self.bucket_bytes = dp_group, cp_group, bucket_bytes
         self.dp_rank = dist.get_rank(dp_group) if dp_group is not None else 0
         self.dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
         self.cp_size = dist.get_world_size(cp_group) if cp_group is not None else 1
-        self.tp_mesh, self.dp_mesh = tp_mesh, dp_mesh
+        self.tp_mesh, self.dp_mesh, self.sequence_parallel = tp_mesh, dp_mesh, sequence_parallel
         self.tp_size = tp_mesh.size() if tp_mesh is not None else 1
         self.tp_group = tp_mesh.get_group() if self.tp_size > 1 else None
         self.world = self.dp_size * self.cp_size  # the ranks that see different tokens
@@ -147,7 +147,7 @@ class Replicate(SingleProcess):
         if self.tp_size > 1:
             from strop.parallel.tensor import tensor_parallel
 
-            tensor_parallel(module, self.tp_mesh)
+            tensor_parallel(module, self.tp_mesh, self.sequence_parallel)
         return module
 
     def track(self, module):
@@ -169,11 +169,22 @@ class Replicate(SingleProcess):
         self._sum_partial(params)
 
     def _sum_partial(self, params):
-        """Gradients each tensor-parallel rank holds a part of (Qwen3's per-head norms), summed over them."""
+        """Gradients each tensor-parallel rank holds a part of, summed over them: Qwen3's per-head norms (plain
+        tensors), and under sequence parallel the norms that saw this rank's tokens (DTensors that say Partial,
+        then Replicate)."""
+        from torch.distributed.tensor import DTensor, Partial, Replicate
+
         partial = {id(p) for ps in self.partial.values() for p in ps}
-        parts = [_local(p.grad) for p in params if id(p) in partial and p.grad is not None]
+        pending = [p for p in params if isinstance(p.grad, DTensor)
+                   and any(isinstance(pl, Partial) for pl in p.grad.placements)]
+        parts = [_local(p.grad) for p in params if id(p) in partial and p.grad is not None] + \
+                [p.grad.to_local() for p in pending]
         if parts:
             all_reduce_coalesced(parts, op="sum", bucket_bytes=self.bucket_bytes, group=self.tp_group)
+        for p in pending:
+            g = p.grad
+            p.grad = DTensor.from_local(g.to_local(), g.device_mesh, [Replicate() if isinstance(pl, Partial) else pl
+                                                                       for pl in g.placements], run_check=False)
 
     def clip_grad_norm(self, params, max_norm):
         if self.tp_size == 1:
@@ -213,8 +224,9 @@ class FullyShard(Replicate):
     balance = True
 
     def __init__(self, dp_group, cp_group=None, *, device="cpu", bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 mixed_precision: bool = False, tp_mesh=None, dp_mesh=None):
-        super().__init__(dp_group, cp_group, device=device, bucket_bytes=bucket_bytes, tp_mesh=tp_mesh, dp_mesh=dp_mesh)
+                 mixed_precision: bool = False, tp_mesh=None, dp_mesh=None, sequence_parallel: bool = True):
+        super().__init__(dp_group, cp_group, device=device, bucket_bytes=bucket_bytes, tp_mesh=tp_mesh, dp_mesh=dp_mesh,
+                         sequence_parallel=sequence_parallel)
         self.mixed_precision = mixed_precision
 
     def wrap(self, module, *, trainable=True):
@@ -237,17 +249,19 @@ class FullyShard(Replicate):
 
 def make_strategy(*, dp_group=None, cp_group=None, mode: str = "replicate", device="cpu",
                   bucket_bytes: int = DEFAULT_BUCKET_BYTES, mixed_precision: bool = False, tp_mesh=None,
-                  dp_mesh=None) -> SingleProcess:
+                  dp_mesh=None, sequence_parallel: bool = True) -> SingleProcess:
     """The strategy for this process: one process when no group spans several ranks. ``tp_mesh`` / ``dp_mesh``:
-    the tensor- and data-parallel dimensions of a (dp, tp) mesh (tensor parallel)."""
+    the tensor- and data-parallel dimensions of a (dp, tp) mesh (tensor parallel; ``sequence_parallel``: with
+    the residual stream split over tokens)."""
     if not dist.is_initialized() or (dp_group is None and cp_group is None) or dist.get_world_size() == 1:
         return SingleProcess(device)
     if mode not in ("fsdp", "replicate"):
         raise ValueError(f"parallel.dp_mode must be 'replicate' or 'fsdp', got {mode!r}")
     if mode == "fsdp":
         return FullyShard(dp_group, cp_group, device=device, bucket_bytes=bucket_bytes, mixed_precision=mixed_precision,
-                          tp_mesh=tp_mesh, dp_mesh=dp_mesh)
-    return Replicate(dp_group, cp_group, device=device, bucket_bytes=bucket_bytes, tp_mesh=tp_mesh, dp_mesh=dp_mesh)
+                          tp_mesh=tp_mesh, dp_mesh=dp_mesh, sequence_parallel=sequence_parallel)
+    return Replicate(dp_group, cp_group, device=device, bucket_bytes=bucket_bytes, tp_mesh=tp_mesh, dp_mesh=dp_mesh,
+                     sequence_parallel=sequence_parallel)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -6,10 +6,11 @@ of the KV heads and of the MLP, and a layer costs two all-reduces forward (after
 backward (before q/k/v and gate/up). The embedding is split by vocabulary rows (one all-reduce), and
 the output projection too: its weight is never multiplied whole here, the logprobs are computed on
 each rank's vocabulary slice and reduced (:func:`strop.train.chunked_logprob.chunked_logprobs` with a
-group), so no rank holds a (tokens, vocabulary) tensor. Norms and the residual stream stay whole on
-every rank (no sequence parallel yet), so their gradients agree across ranks without a reduction,
-except the per-head q/k norms of Qwen3, which see only this rank's heads: their gradients are summed
-over the group (:data:`PARTIAL_GRADIENTS`).
+group), so no rank holds a (tokens, vocabulary) tensor. Without sequence parallel, norms and the
+residual stream stay whole on every rank, so their gradients agree across ranks without a reduction;
+with it (the default), each rank holds 1/N of the tokens between the blocks (:func:`_sequence_parallel`).
+The per-head q/k norms of Qwen3 see only this rank's heads either way: their gradients are summed over
+the group (:data:`PARTIAL_GRADIENTS`).
 
 Supported: the Llama family's layout (Llama, Mistral, Qwen2, Qwen3; attention through
 ``self_attn.{q,k,v,o}_proj``, MLP through ``mlp.{gate,up,down}_proj``). Anything else is refused
@@ -31,6 +32,7 @@ SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 COLUMN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
 ROW = ("self_attn.o_proj", "mlp.down_proj")
 PARTIAL_GRADIENTS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")  # per-head: each rank sees its heads
+SEQUENCE_NORMS = ("input_layernorm", "post_attention_layernorm")  # on this rank's tokens under sequence parallel
 
 
 def check_tensor_parallel(config, size: int) -> None:
@@ -51,20 +53,25 @@ def check_tensor_parallel(config, size: int) -> None:
                          f"({kind}): choose a size that divides {', '.join(str(n) for n in counts.values())}")
 
 
-def tensor_parallel(module: nn.Module, mesh) -> nn.Module:
+def tensor_parallel(module: nn.Module, mesh, sequence_parallel: bool = False) -> nn.Module:
     """Split ``module`` (a causal LM, or a wrapper holding one: LogprobModule, ValueModel) over the 1-D device
     mesh ``mesh`` in place; returns it. Its parameters become DTensors sharded over ``mesh`` except norms
-    and heads outside the decoder (plain tensors, whole on every rank)."""
-    from torch.distributed.tensor import Shard, distribute_tensor
+    and heads outside the decoder (plain tensors, whole on every rank; with ``sequence_parallel``, norms are
+    replicated DTensors that see this rank's tokens: :func:`_sequence_parallel`)."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     layers = decoder_layers(module)
+    out = Shard(1) if sequence_parallel else Replicate()  # o/down: reduce-scattered over tokens, or all-reduced
     for layer in layers:
         have = dict(layer.named_modules())
-        missing = [name for name in (*COLUMN, *ROW) if name not in have]
+        missing = [name for name in (*COLUMN, *ROW, *(SEQUENCE_NORMS if sequence_parallel else ())) if name not in have]
         if missing:
             raise ValueError(f"tensor parallel: {type(layer).__name__} has no {', '.join(missing)}")
-        parallelize_module(layer, mesh, {**{n: ColwiseParallel() for n in COLUMN}, **{n: RowwiseParallel() for n in ROW}})
+        parallelize_module(layer, mesh, {**{n: ColwiseParallel() for n in COLUMN},
+                                         **{n: RowwiseParallel(output_layouts=out) for n in ROW}})
+    if sequence_parallel:
+        _sequence_parallel(module, layers, mesh)
     embed = next(m for name, m in module.named_modules() if name.split(".")[-1] == "embed_tokens")
     head = next((m for name, m in module.named_modules() if name.split(".")[-1] == "lm_head"), None)
     tied = head is not None and head.weight is embed.weight
@@ -80,6 +87,46 @@ def tensor_parallel(module: nn.Module, mesh) -> nn.Module:
             raise ValueError("tensor parallel: an output projection with a bias is not supported")
         parallelize_module(head, mesh, ColwiseParallel())  # (V, H) weight split by vocabulary rows, as the embedding
     return module
+
+
+def _sequence_parallel(module: nn.Module, layers: nn.ModuleList, mesh) -> None:
+    """Megatron's sequence parallel on DTensor (torchtitan's plan): between the blocks each rank holds only its
+    1/N of the tokens of the residual stream, and the norms run on those. The embedding's output (whole on every
+    rank: the masks and rotary tables are built from it) is cut into this rank's tokens before the first layer;
+    before attention and the MLP the tokens are all-gathered, and after o and down the partial sums are reduce-
+    scattered over tokens (in place of the all-reduce); the final norm's output is all-gathered for the
+    vocabulary-parallel logprobs. The norm weights are replicated DTensors: their gradients, summed over this
+    rank's tokens, are reduced over the group by DTensor. The token count must divide by N: the logprob path
+    pads each micro-batch's columns (:func:`strop.train.logprob.response_hidden`, ``sequence_parallel_size``)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (PrepareModuleInput, PrepareModuleOutput, SequenceParallel,
+                                                   parallelize_module)
+
+    tokens, whole = (Shard(1),), (Replicate(),)
+    for layer in layers:
+        parallelize_module(layer, mesh, {
+            **{n: SequenceParallel() for n in SEQUENCE_NORMS},
+            "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": tokens[0]},
+                                            desired_input_kwarg_layouts={"hidden_states": whole[0]}),
+            "mlp": PrepareModuleInput(input_layouts=tokens, desired_input_layouts=whole)})
+    parallelize_module(layers[0], mesh, PrepareModuleInput(input_layouts=whole, desired_input_layouts=tokens,
+                                                           use_local_output=True))
+    backbone = _parent(module, layers)
+    norm = getattr(backbone, "norm", None)
+    if not isinstance(norm, nn.Module):
+        raise ValueError(f"sequence parallel: {type(backbone).__name__} has no final norm named 'norm'")
+    parallelize_module(norm, mesh, SequenceParallel())
+    parallelize_module(norm, mesh, PrepareModuleOutput(output_layouts=tokens, desired_output_layouts=whole,
+                                                       use_local_output=True))
+    backbone.sequence_parallel_size = mesh.size()
+
+
+def _parent(module: nn.Module, child: nn.Module) -> nn.Module:
+    """The module that holds ``child`` directly."""
+    for m in module.modules():
+        if any(c is child for c in m.children()):
+            return m
+    raise ValueError(f"{type(child).__name__} is not inside {type(module).__name__}")
 
 
 def partial_gradient_parameters(module: nn.Module) -> list[nn.Parameter]:

@@ -10,6 +10,7 @@ backward. ``chunk_size=0`` is the plain path (full logits), kept as the referenc
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from strop.parallel.tensor import vocab_slice
@@ -72,7 +73,12 @@ def response_hidden(backbone, input_ids, attention_mask, response_positions, pos
         return cp.entry_hidden(hidden), cp.targets(input_ids), cp.gather
     if position_ids is None:
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
+    L, n = input_ids.shape[1], getattr(backbone, "sequence_parallel_size", 1)
+    if L % n:  # sequence parallel splits the columns evenly: pad them (masked, dropped again below)
+        pad = (0, n - L % n)
+        input_ids, attention_mask, position_ids = (F.pad(t, pad) for t in (input_ids, attention_mask, position_ids))
+    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask,
+                      position_ids=position_ids).last_hidden_state[:, :L]
     # the token at position p is predicted by the hidden state at p - 1
     pred_pos = (response_positions - 1).clamp(min=0)  # (B, T)
     h = hidden.gather(1, pred_pos.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))  # (B, T, H)

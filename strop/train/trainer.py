@@ -38,16 +38,17 @@ class Trainer:
                  cp_group=None, bucket_bytes: int = DEFAULT_BUCKET_BYTES, dp_mode: str = "replicate",
                  fsdp_mixed_precision: bool = False, device: str | torch.device = "cpu",
                  bf16_autocast: bool = False, strategy=None, exact_logprobs: bool = False, tp_mesh=None,
-                 dp_mesh=None, weights_path: str | None = None):
+                 dp_mesh=None, weights_path: str | None = None, sequence_parallel: bool = True):
         """``train`` and ``algo`` are the config sections (TrainConfig, AlgoConfig); the two
         optional hooks replace the advantage estimator and the policy loss (strop.plugins).
         ``dp_group`` / ``cp_group`` (this rank's data- and context-parallel groups) and ``dp_mode``
         choose the strategy, unless one is given (``exact_logprobs``: StepBatch.take_trainer_logprobs);
-        ``tp_mesh`` / ``dp_mesh``: the dimensions of a (dp, tp) mesh under tensor parallel. A ``model`` on the
+        ``tp_mesh`` / ``dp_mesh``: the dimensions of a (dp, tp) mesh under tensor parallel (``sequence_parallel``:
+        the residual stream split over tokens too, strop.parallel.tensor). A ``model`` on the
         meta device is split first, then each rank reads its own slices from ``weights_path`` (safetensors)."""
         self.dp = strategy or make_strategy(dp_group=dp_group, cp_group=cp_group, mode=dp_mode, device=device,
                                             bucket_bytes=bucket_bytes, mixed_precision=fsdp_mixed_precision,
-                                            tp_mesh=tp_mesh, dp_mesh=dp_mesh)
+                                            tp_mesh=tp_mesh, dp_mesh=dp_mesh, sequence_parallel=sequence_parallel)
         self.device = self.dp.device
         self.advantage_fn, self.policy_loss_fn = advantage_fn, policy_loss_fn
         self.pad_token_id, self.cfg, self.algo, self.max_new_tokens = pad_token_id, train, algo, max_new_tokens

@@ -14,7 +14,7 @@ def _model(kind):
     return {"llama": make_tiny_model, "qwen3": make_tiny_qwen3, "qwen3_moe": make_tiny_qwen3_moe}[kind]()
 
 
-def _tp_step(rank, world, algo_name, kind, tp=1, mode="replicate", path=None, checkpointing=False):
+def _tp_step(rank, world, algo_name, kind, tp=1, mode="replicate", path=None, checkpointing=False, sequence=True):
     from strop.config import AlgoConfig, TrainConfig
     from strop.train.trainer import Trainer
     from tests.test_trainer import make_samples
@@ -33,7 +33,12 @@ def _tp_step(rank, world, algo_name, kind, tp=1, mode="replicate", path=None, ch
     else:
         model = _model(kind)
     trainer = Trainer(model, pad_token_id=0, train=train, algo=AlgoConfig(**ALGOS[algo_name]),
-                      max_new_tokens=8, bucket_bytes=1 << 20, dp_mode=mode, weights_path=path, **groups)
+                      max_new_tokens=8, bucket_bytes=1 << 20, dp_mode=mode, weights_path=path,
+                      sequence_parallel=sequence, **groups)
+    rows = []  # (tokens in the residual stream after layer 0, tokens after the final norm) per forward
+    backbone = trainer.model.model
+    backbone.layers[0].register_forward_hook(lambda m, a, out: rows.append([_local(out).shape[1]]))
+    backbone.norm.register_forward_hook(lambda m, a, out: rows[-1].append(_local(out).shape[1]))
     metrics = trainer.step(make_samples(10))
     grads = [_full(trainer.optimizer.state[p]["exp_avg"]).cpu().clone()  # (a copy: the next steps change it)
              for p in trainer.optimizer.param_groups[0]["params"]]
@@ -43,14 +48,24 @@ def _tp_step(rank, world, algo_name, kind, tp=1, mode="replicate", path=None, ch
     weights = trainer.full_weights()  # a collective: every rank joins, rank 0 keeps the whole weights
     q = trainer.model.model.layers[0].self_attn.q_proj.weight  # (32 rows: 4 heads of 8)
     local = tuple((q.to_local() if hasattr(q, "to_local") else q).shape)  # this rank's rows of q_proj
-    return metrics, grads, params, {k: v.shape for k, v in weights.items()}, local
+    return metrics, grads, params, {k: v.shape for k, v in weights.items()}, local, rows
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("kind,algo", [("llama", "seq_mean_kl"), ("qwen3", "grpo")])  # PPO: the checkpointing test
-def test_tensor_parallel_2_equals_one_process(kind, algo):
-    results = run_on_ranks(_tp_step, 2, algo, kind, 2, timeout=250)
+@pytest.mark.parametrize("kind,algo,sequence", [("llama", "seq_mean_kl", True), ("qwen3", "grpo", True),
+                                                ("qwen3", "grpo", False)], ids=["llama-sp", "qwen3-sp", "qwen3-no-sp"])
+def test_tensor_parallel_2_equals_one_process(kind, algo, sequence):
+    """(PPO: the checkpointing test.) With sequence parallel each rank's residual stream holds half the tokens
+    (an odd count padded by one), all of them again after the final norm; without it, all of them throughout."""
+    results = run_on_ranks(_tp_step, 2, algo, kind, 2, "replicate", None, False, sequence, timeout=250)
     single = _tp_step(0, 1, algo, kind)
+    rows = results[0][5]
+    assert rows == results[1][5] and all(b == (2 * a if sequence else a) for a, b in rows)
+    assert rows and (not sequence or any(n % 2 for n, _ in single[5]))  # (one took the padding)
     # the contractions over heads and MLP width are summed in another order (two halves, then all-reduced):
     # gradients agree within 3e-5 of each tensor's largest entry (1e-5 for data parallel)
     assert_same_update([r[:3] for r in results], single[:3], grad_tol=3e-5)
