@@ -42,3 +42,70 @@ def test_a_shape_that_differs_from_the_model_is_named(stored):
     with pytest.raises(ValueError, match=r"'w' has shape \[13, 7\], the model's 'lm.w' \[13, 8\]"):
         f.read_into("w", (0, 0), torch.empty(13, 8), expect=(13, 8), what="lm.w")
     f.close()
+
+
+def test_a_stored_dtype_it_cannot_read_a_short_file_and_a_split_third_dimension_are_refused(tmp_path):
+    save_file({"c": torch.zeros(2, 2, dtype=torch.float8_e4m3fn), "t": torch.zeros(4, 3, 2)}, tmp_path / "m.safetensors")
+    f = SafetensorsFile(tmp_path / "m.safetensors")
+    with pytest.raises(ValueError, match="'c' is stored as F8_E4M3, which strop cannot load"):
+        f.read_into("c", (0, 0), torch.empty(2, 2), expect=(2, 2))
+    with pytest.raises(ValueError, match="only the first two dimensions"):
+        f.read_into("t", (0, 0, 1), torch.empty(4, 3, 1), expect=(4, 3, 2))
+    f.read_into("t", (2, 0, 0), torch.empty(2, 3, 2), expect=(4, 3, 2))  # (rows of it: fine)
+    f.close()
+    save_file({"t": torch.zeros(4, 3, 2)}, tmp_path / "one.safetensors")
+    (tmp_path / "short.safetensors").write_bytes((tmp_path / "one.safetensors").read_bytes()[:-8])  # 8 bytes lost
+    f = SafetensorsFile(tmp_path / "short.safetensors")
+    with pytest.raises(ValueError, match=r"'t' ends early \(read 88 of 96 bytes\)"):
+        f.read_into("t", (0, 0, 0), torch.empty(4, 3, 2), expect=(4, 3, 2))
+    f.close()
+
+
+@pytest.mark.parametrize("weights,ref_mode,match", [
+    (False, "copy", "a model on the meta device needs weights_path"),
+    (True, "swap", "ref_mode='swap' cannot swap into sharded weights")])
+def test_a_model_on_the_meta_device_without_files_or_with_a_swapped_reference_is_refused(
+        tiny_model, tmp_path, weights, ref_mode, match):
+    from strop.config import AlgoConfig, TrainConfig
+    from strop.models import meta_model
+    from strop.train.trainer import Trainer
+
+    tiny_model.save_pretrained(tmp_path / "m")
+    with pytest.raises(ValueError, match=match):
+        Trainer(meta_model(str(tmp_path / "m")), pad_token_id=0, train=TrainConfig(),
+                algo=AlgoConfig(kl_coef=0.1, ref_mode=ref_mode), weights_path=str(tmp_path / "m") if weights else None)
+
+
+def _guards(rank, world):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+    from strop.parallel.strategy import clip_sharded
+    from strop.parallel.tensor import vocab_slice
+
+    mesh = init_device_mesh("cpu", (world,))
+    out = []
+    try:
+        vocab_slice(distribute_tensor(torch.randn(4, 6), mesh, [Shard(1)]))  # split by columns, not vocabulary rows
+    except ValueError as exc:
+        out.append(str(exc))
+    p = torch.nn.Parameter(distribute_tensor(torch.randn(4, 6), mesh, [Replicate()]))
+    p.grad = DTensor.from_local(torch.ones(4, 6), mesh, [Partial()])  # a gradient nobody reduced
+    try:
+        clip_sharded([p], 1.0)
+    except ValueError as exc:
+        out.append(str(exc))
+    dist.barrier()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_an_output_projection_split_by_columns_and_an_unreduced_gradient_are_refused():
+    from strop.parallel.launch import run_on_ranks
+
+    found = run_on_ranks(_guards, 2, timeout=100)
+    for messages in found:
+        assert len(messages) == 2
+        assert "laid out as (Shard(dim=1),)" in messages[0] and "vocabulary split (Shard(0))" in messages[0]
+        assert "a gradient with a Partial placement has not been reduced" in messages[1]

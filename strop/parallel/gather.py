@@ -110,12 +110,44 @@ class ShardedWeights(Mapping):
             for i in wanted:
                 t = self.local[self.names[i]]
                 if hasattr(t, "full_tensor"):
-                    t.full_tensor()  # this rank's part of the all-gather; the result is dropped
+                    _whole(t)  # this rank's part of the all-gather; the result is dropped
+
+
+ROWS_BYTES = 4 << 20  # a tensor split evenly by rows over one mesh dimension is gathered this much at a time
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:
     """A fresh whole copy: gathered from the shards (a collective), or cloned when every rank holds it."""
-    return (t.full_tensor() if hasattr(t, "full_tensor") else t.clone()).detach()
+    if not hasattr(t, "full_tensor"):
+        return t.clone().detach()
+    return (_rows_gathered(t) if _split_evenly_by_rows(t) else t.full_tensor()).detach()
+
+
+def _split_evenly_by_rows(t) -> bool:
+    from torch.distributed.tensor import Shard
+
+    mesh = t.device_mesh
+    return mesh.ndim == 1 and t.placements == (Shard(0),) and t.dim() > 0 and t.shape[0] % mesh.size() == 0
+
+
+def _rows_gathered(t) -> torch.Tensor:
+    """A tensor whose rows are split evenly over a 1-D mesh (the embedding under tensor parallel, FSDP's shards),
+    gathered into one output a block of rows at a time: DTensor's (and gloo's) gather of the whole holds it
+    twice, which for a vocabulary-sized embedding was the largest transient of a sync."""
+    group, n = t.device_mesh.get_group(), t.device_mesh.size()
+    local = t.to_local()
+    rows = local.shape[0]
+    out = torch.empty(t.shape, dtype=t.dtype, device=local.device)
+    per_row = max(1, local[0].numel() * local.element_size())
+    step = min(rows, max(1, ROWS_BYTES // (n * per_row)))
+    buffer = torch.empty((n * step, *local.shape[1:]), dtype=t.dtype, device=local.device)  # (one, reused)
+    for a in range(0, rows, step):
+        k = min(step, rows - a)
+        block = buffer[: n * k]
+        dist.all_gather_into_tensor(block, local[a:a + k].contiguous(), group=group)
+        for r in range(n):  # rank r's rows a..a+k are rows r * rows + a.. of the whole
+            out[r * rows + a: r * rows + a + k].copy_(block[r * k:(r + 1) * k])
+    return out
 
 
 def _announce(group, indices: list[int]) -> None:

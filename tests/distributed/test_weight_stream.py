@@ -39,6 +39,9 @@ def _sync(rank, world, mode, tp, folder):
     trainer = Trainer(make_tiny_qwen3(1024, tie=True), pad_token_id=0, train=TrainConfig(lr=1e-3, warmup_steps=0),
                       algo=AlgoConfig(), max_new_tokens=8, bucket_bytes=1 << 20, dp_mode=mode, **groups)
     trainer.step(make_samples(6))  # (weights that moved from their initial values)
+    from strop.parallel import gather
+
+    gather.ROWS_BYTES = 1 << 10  # tensors split evenly by rows gathered in blocks of a few rows (1 KiB)
     control = Control(60)
     weights = trainer.weights()
     assert isinstance(weights, ShardedWeights)
