@@ -67,8 +67,8 @@ def test_tensor_parallel_2_equals_one_process(kind, algo, sequence):
     assert rows == results[1][5] and all(b == (2 * a if sequence else a) for a, b in rows)
     assert rows and (not sequence or any(n % 2 for n, _ in single[5]))  # (one took the padding)
     # the contractions over heads and MLP width are summed in another order (two halves, then all-reduced):
-    # gradients agree within 3e-5 of each tensor's largest entry (1e-5 for data parallel)
-    assert_same_update([r[:3] for r in results], single[:3], grad_tol=3e-5)
+    # gradients agree within 1e-5 of each tensor's largest entry (measured: 5.5e-6 at most; 6e-7 absolute)
+    assert_same_update([r[:3] for r in results], single[:3], grad_tol=1e-5)
     assert results[0][3] == single[3] and results[1][3] == {}  # rank 0 gathers whole weights, named as before
     assert single[4] == (32, 32) and [r[4] for r in results] == [(16, 32)] * 2  # each rank holds half the heads
 
@@ -84,7 +84,7 @@ def test_a_dp2_tp2_mesh_equals_one_process(mode, tmp_path):
         path = str(tmp_path / "model")
     results = run_on_ranks(_tp_step, 4, "grpo", "qwen3", 2, mode, path, timeout=350)
     single = _tp_step(0, 1, "grpo", "qwen3")
-    assert_same_update([r[:3] for r in results], single[:3], grad_tol=3e-5)
+    assert_same_update([r[:3] for r in results], single[:3], grad_tol=1e-5)
     assert results[0][3] == single[3] and all(r[3] == {} for r in results[1:])
     assert [r[4] for r in results] == [(16, 32) if mode == "replicate" else (8, 32)] * 4  # FSDP halves it again
 
@@ -138,7 +138,7 @@ def test_loading_into_shards_equals_loading_the_whole_model(kind, layout, tmp_pa
     algo = "ppo" if kind == "qwen3" else "seq_mean_kl"
     results = run_on_ranks(_tp_step, world, algo, kind, tp, mode, str(tmp_path / "model"), timeout=350)
     single = _tp_step(0, 1, algo, kind)
-    assert_same_update([r[:3] for r in results], single[:3], grad_tol=3e-5)
+    assert_same_update([r[:3] for r in results], single[:3], grad_tol=1e-5)
     assert results[0][3] == single[3]
     rows = 32 // (world if mode == "fsdp" else tp)
     assert [r[4] for r in results] == [(rows, 32)] * world
@@ -151,7 +151,7 @@ def test_activation_checkpointing_under_fsdp_and_tensor_parallel_changes_nothing
     _model("qwen3").save_pretrained(tmp_path / "model")
     results = run_on_ranks(_tp_step, 2, "ppo", "qwen3", 2, "fsdp", str(tmp_path / "model"), True, timeout=250)
     single = _tp_step(0, 1, "ppo", "qwen3")
-    assert_same_update([r[:3] for r in results], single[:3], grad_tol=3e-5)
+    assert_same_update([r[:3] for r in results], single[:3], grad_tol=1e-5)
 
 
 @pytest.mark.timeout(300)
@@ -172,7 +172,7 @@ def test_a_mixture_of_experts_model_trains_under_fsdp_as_in_one_process(tmp_path
     assert "transformers converts them at load" in unloadable(meta_model(str(tmp_path / "model")), tmp_path / "model")
     results = run_on_ranks(_tp_step, 2, "grpo", "qwen3_moe", 1, "fsdp", timeout=250)
     single = _tp_step(0, 1, "grpo", "qwen3_moe")
-    assert_same_update([r[:3] for r in results], single[:3], grad_tol=3e-5)
+    assert_same_update([r[:3] for r in results], single[:3], grad_tol=1e-5)
     with pytest.raises(ValueError, match="model type 'qwen3_moe' has no tensor-parallel plan"):
         check_tensor_parallel(AutoConfig.from_pretrained(tmp_path / "model"), 2)
     assert "model_type 'qwen3_moe' is not one of" in kvdecode.unsupported_reason(model)
