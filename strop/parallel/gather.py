@@ -141,10 +141,11 @@ def _rows_gathered(t) -> torch.Tensor:
     per_row = max(1, local[0].numel() * local.element_size())
     step = min(rows, max(1, ROWS_BYTES // (n * per_row)))
     buffer = torch.empty((n * step, *local.shape[1:]), dtype=t.dtype, device=local.device)  # (one, reused)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
     for a in range(0, rows, step):
         k = min(step, rows - a)
         block = buffer[: n * k]
-        dist.all_gather_into_tensor(block, local[a:a + k].contiguous(), group=group)
+        gather(block, local[a:a + k].contiguous(), group=group)
         for r in range(n):  # rank r's rows a..a+k are rows r * rows + a.. of the whole
             out[r * rows + a: r * rows + a + k].copy_(block[r * k:(r + 1) * k])
     return out
