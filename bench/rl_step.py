@@ -57,7 +57,47 @@ def strop_side(args, out: Path) -> None:
         "generated_tokens": [r["response_length_mean"] * PROMPTS_PER_STEP * SAMPLES_PER_PROMPT for r in rows],
         "peak_rss_gib": max(r.get("peak_rss_gib", 0.0) for r in rows),
         "logprob_gap": [r.get("train_rollout_logprob_abs_diff") for r in rows],
+        "train_seconds": [r["train_seconds"] for r in rows],
+        "train_tokens": [r["train_tokens_per_s"] * r["train_seconds"] for r in rows],
     }))
+
+
+def drawn_prompts(steps: int) -> list[tuple[list[dict], str]]:
+    """(chat messages, label) of the prompts strop's sampler draws over ``steps`` steps, in order."""
+    from strop.config import Config
+    from strop.data.sources import PromptSampler, reasoning_gym_rows
+
+    d = Config().data
+    rows = reasoning_gym_rows(d.task, d.seed, d.size, d.task_options)
+    sampler = PromptSampler(len(rows), d.seed, d.shuffle)  # strop's draw order, step by step
+    drawn = [rows[i] for i, _ in sampler.draw(PROMPTS_PER_STEP * steps)]
+
+    def messages(row):
+        text = d.prompt_template.format(prompt=row.prompt)
+        return ([{"role": "system", "content": d.system_prompt}] if d.system_prompt else []) + \
+            [{"role": "user", "content": text}]
+    return [(messages(r), str(r.label)) for r in drawn]
+
+
+def fractions(result: dict, steps: int, limits) -> tuple[float, float]:
+    """strop's generation and training, each as a fraction of this machine's bound (bench/limits.py): decode of
+    the step's rows at their mean context, and 6 x parameters x trained tokens of matmuls."""
+    from limits import decode_bound, model_shape, train_bound_seconds
+    from strop.config import Config
+    from strop.models import load_model, load_tokenizer
+
+    cfg = Config()
+    tok, shape = load_tokenizer(cfg.model.path), model_shape(load_model(cfg.model.path))
+    prompts = [len(tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False))
+               for m, _ in drawn_prompts(steps)]
+    tokens = statistics.fmean(result["generated_tokens"][1:] or result["generated_tokens"])
+    context = statistics.fmean(prompts) + tokens / (2 * PROMPTS_PER_STEP * SAMPLES_PER_PROMPT)
+    bound = decode_bound(shape, PROMPTS_PER_STEP * SAMPLES_PER_PROMPT, int(context), limits)
+    generation = tokens / statistics.fmean(result["generation_seconds"][1:] or result["generation_seconds"]) / bound
+    train = statistics.fmean(train_bound_seconds(shape, int(n), limits) / t
+                             for n, t in zip(result["train_tokens"][1:] or result["train_tokens"],
+                                             result["train_seconds"][1:] or result["train_seconds"]))
+    return generation, train
 
 
 def trl_side(args, out: Path) -> None:
@@ -67,22 +107,11 @@ def trl_side(args, out: Path) -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     from strop.config import Config
-    from strop.data.sources import PromptSampler, reasoning_gym_rows
     from strop.rollout.rewards import math_equal
     from strop.models import load_tokenizer, resolve_model_path
 
     s, cfg = settings(args.new_tokens), Config()
-    d = cfg.data
-    rows = reasoning_gym_rows(d.task, d.seed, d.size, d.task_options)
-    sampler = PromptSampler(len(rows), d.seed, d.shuffle)  # strop's draw order, step by step
-    drawn = [rows[i] for i, _ in sampler.draw(PROMPTS_PER_STEP * args.steps)]
-
-    def messages(row):
-        text = d.prompt_template.format(prompt=row.prompt)
-        return ([{"role": "system", "content": d.system_prompt}] if d.system_prompt else []) + \
-            [{"role": "user", "content": text}]
-
-    data = Dataset.from_list([{"prompt": messages(r), "label": str(r.label)} for r in drawn])
+    data = Dataset.from_list([{"prompt": m, "label": label} for m, label in drawn_prompts(args.steps)])
 
     def reward(completions, label, **_):
         return [1.0 if math_equal(c[0]["content"] if isinstance(c, list) else c, g) else 0.0
@@ -154,7 +183,9 @@ def main() -> None:
           f"{args.steps} steps (mean over steps 2..{args.steps})", flush=True)
     sides = {"TRL GRPOTrainer": (str(TRL_PY), []), "strop": (sys.executable, []),
              "strop exact_logprobs": (sys.executable, ["--exact"])}
-    results = {}
+    from limits import measure
+
+    results, limits = {}, [measure()]  # (and again at the end: the bound is the better of the two)
     with tempfile.TemporaryDirectory() as d:
         for name, (py, extra) in sides.items():
             out = Path(d) / "out.json"
@@ -167,6 +198,10 @@ def main() -> None:
             results[name] = json.loads(out.read_text())
             print(f"  {name}: done in {time.perf_counter() - t:.0f} s", flush=True)
 
+    limits.append(measure())
+    print("\n".join(f"{when}: {lim.describe()}" for when, lim in zip(("before", "after"), limits)))
+    best = max(limits, key=lambda lim: lim.flops["float32"])
+
     def mean_after_first(xs):
         return statistics.fmean(xs[1:] if len(xs) > 1 else xs)
 
@@ -178,6 +213,10 @@ def main() -> None:
         step = mean_after_first(r["step_seconds"])
         print(f"| {name} | {step:.1f} | {mean_after_first(r['generation_seconds']):.1f} | "
               f"{mean_after_first(r['generated_tokens']):.0f} | {r['peak_rss_gib']:.2f} | {trl_step / step:.2f}x |")
+    generation, train = fractions(results["strop"], args.steps, best)
+    print(f"\nstrop against this machine's bounds (bench/limits.py): generation at {generation:.2f} of the decode "
+          f"bound for {PROMPTS_PER_STEP * SAMPLES_PER_PROMPT} rows, training at {train:.2f} of 6 x parameters x "
+          "tokens of fp32 matmul")
     plain, exact = (mean_after_first(results[k]["step_seconds"]) for k in ("strop", "strop exact_logprobs"))
     print(f"\nexact_logprobs costs {exact / plain:.2f}x strop's step; its train/rollout logprob gap per step: "
           f"{results['strop exact_logprobs']['logprob_gap']} (default mode: {results['strop']['logprob_gap']})")

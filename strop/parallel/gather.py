@@ -120,27 +120,29 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
     """A fresh whole copy: gathered from the shards (a collective), or cloned when every rank holds it."""
     if not hasattr(t, "full_tensor"):
         return t.clone().detach()
-    return (_rows_gathered(t) if _split_evenly_by_rows(t) else t.full_tensor()).detach()
+    from torch.distributed.tensor import Replicate, Shard
+
+    mesh, rows = t.device_mesh, t.shape[0] if t.dim() else 0
+    last = mesh.ndim - 1  # rows split evenly over the last mesh dimension (tensor parallel's, or a 1-D mesh's)
+    split = t.placements[last]
+    if rows and type(split) is Shard and split.dim == 0 and rows % mesh.size(last) == 0:
+        if mesh.ndim > 1:  # (dp, tp): first whole over dp, each rank keeping its tp part (half a tensor at tp 2)
+            t = t.redistribute(placements=[Replicate()] * last + [Shard(0)])
+        if all(p == Replicate() for p in t.placements[:last]):
+            return _rows_gathered(t.to_local(), tuple(t.shape), mesh.get_group(last), mesh.size(last)).detach()
+    return t.full_tensor().detach()
 
 
-def _split_evenly_by_rows(t) -> bool:
-    from torch.distributed.tensor import Shard
-
-    mesh = t.device_mesh
-    return mesh.ndim == 1 and t.placements == (Shard(0),) and t.dim() > 0 and t.shape[0] % mesh.size() == 0
-
-
-def _rows_gathered(t) -> torch.Tensor:
-    """A tensor whose rows are split evenly over a 1-D mesh (the embedding under tensor parallel, FSDP's shards),
-    gathered into one output a block of rows at a time: DTensor's (and gloo's) gather of the whole holds it
-    twice, which for a vocabulary-sized embedding was the largest transient of a sync."""
-    group, n = t.device_mesh.get_group(), t.device_mesh.size()
-    local = t.to_local()
+def _rows_gathered(local: torch.Tensor, shape: tuple[int, ...], group, n: int) -> torch.Tensor:
+    """A tensor whose rows are split evenly over ``group`` (``local``: this rank's, in group order: the embedding
+    under tensor parallel, FSDP's shards), gathered into one output a block of rows at a time: DTensor's (and
+    gloo's) gather of the whole held it twice, which for a vocabulary-sized embedding was a sync's largest
+    transient."""
     rows = local.shape[0]
-    out = torch.empty(t.shape, dtype=t.dtype, device=local.device)
+    out = torch.empty(shape, dtype=local.dtype, device=local.device)
     per_row = max(1, local[0].numel() * local.element_size())
     step = min(rows, max(1, ROWS_BYTES // (n * per_row)))
-    buffer = torch.empty((n * step, *local.shape[1:]), dtype=t.dtype, device=local.device)  # (one, reused)
+    buffer = torch.empty((n * step, *local.shape[1:]), dtype=local.dtype, device=local.device)  # (one, reused)
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
     for a in range(0, rows, step):
         k = min(step, rows - a)

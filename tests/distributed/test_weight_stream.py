@@ -1,4 +1,4 @@
-"""Weight sync from a sharded trainer (FSDP over 2 ranks, tensor parallel 2): rank 0 reads the weights a bucket
+"""Weight sync from a sharded trainer (FSDP over 2 ranks, tensor parallel 2, FSDP 2 x TP 2): rank 0 reads the weights a bucket
 at a time inside a controller session while the other rank serves the gathers (strop.parallel.gather); the
 disk writer, the broadcast's bucket fill and the embedded engine get exactly the eagerly gathered weights,
 and no read gathers more than one bucket (or one tensor larger than a bucket)."""
@@ -80,13 +80,14 @@ def _sync(rank, world, mode, tp, folder):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("mode,tp", [("fsdp", 1), ("replicate", 2)], ids=["fsdp2", "tp2"])
-def test_a_sharded_trainer_syncs_a_bucket_at_a_time(mode, tp, tmp_path):
+@pytest.mark.parametrize("world,mode,tp", [(2, "fsdp", 1), (2, "replicate", 2), (4, "fsdp", 2)],
+                         ids=["fsdp2", "tp2", "fsdp2xtp2"])
+def test_a_sharded_trainer_syncs_a_bucket_at_a_time(world, mode, tp, tmp_path):
     import torch
 
     from strop.engines.http import state_checksum
 
-    out = run_on_ranks(_sync, 2, mode, tp, str(tmp_path), timeout=200)[0]
+    out = run_on_ranks(_sync, world, mode, tp, str(tmp_path), timeout=200)[0]
     full = out["full"]
     assert sorted(out["file"]) == sorted(full)  # every name, the tied lm_head too
     assert all(torch.equal(out["file"][n], full[n]) for n in full)

@@ -1,0 +1,100 @@
+"""This machine's limits, measured in the run that compares against them (issue 27): matrix throughput in fp32
+and bf16, and memory read bandwidth; and the bounds they put on decoding and training.
+
+Absolute tokens per second differ between machines (and this one drifts by 2x within an hour); a result as
+a fraction of the bound that applies is what compares across them. The bounds:
+
+- decode, one step of a batch of B rows: the weights are read once (``weight_bytes`` / bandwidth) and every
+  row does its matmuls (``flops_per_token`` x B / matrix throughput); a step takes at least the larger, so
+  tokens/s <= B / max(the two). At batch 1 that is the bandwidth bound, at large batches the compute bound.
+- training: 6 x parameters x tokens FLOPs for forward and backward (the matmuls) at matrix throughput.
+
+``flops_per_token`` counts the matmuls: 2 x the parameters that multiply (every linear layer and the output
+projection, tied or not; not the embedding lookup) + attention's 4 x layers x context x hidden.
+
+    python bench/limits.py          # prints this machine's figures
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Limits:
+    flops: dict[str, float]  # dtype name -> matmul FLOP/s (best of several rounds)
+    read_bytes_per_s: float  # memory read bandwidth (a reduction over a tensor far larger than the caches)
+    threads: int
+
+    def describe(self) -> str:
+        return (f"this machine ({self.threads} torch threads): matmul {self.flops['float32'] / 1e9:.0f} GFLOP/s fp32, "
+                f"{self.flops['bfloat16'] / 1e9:.0f} GFLOP/s bf16; memory read {self.read_bytes_per_s / 1e9:.1f} GB/s")
+
+
+def matmul_flops(dtype: torch.dtype, n: int = 1024, rounds: int = 5, seconds: float = 0.5) -> float:
+    """Best FLOP/s of an (n, n) x (n, n) matmul in ``dtype`` over ``rounds`` timed rounds of about ``seconds``."""
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    out = torch.empty(n, n, dtype=dtype)
+    torch.mm(a, b, out=out)  # (warm-up: packing, thread pool)
+    t = time.perf_counter()
+    torch.mm(a, b, out=out)
+    reps = max(1, int(seconds / max(time.perf_counter() - t, 1e-6)))
+    best = 0.0
+    for _ in range(rounds):
+        t = time.perf_counter()
+        for _ in range(reps):
+            torch.mm(a, b, out=out)
+        best = max(best, 2 * n ** 3 * reps / (time.perf_counter() - t))
+    return best
+
+
+def read_bandwidth(mib: int = 512, rounds: int = 5) -> float:
+    """Best bytes/s of summing a ``mib`` MiB fp32 tensor (read once per round)."""
+    x = torch.ones(mib << 18)  # (4 bytes each)
+    x.sum()
+    best = 0.0
+    for _ in range(rounds):
+        t = time.perf_counter()
+        x.sum()
+        best = max(best, x.numel() * 4 / (time.perf_counter() - t))
+    return best
+
+
+def measure() -> Limits:
+    return Limits({"float32": matmul_flops(torch.float32), "bfloat16": matmul_flops(torch.bfloat16)},
+                  read_bandwidth(), torch.get_num_threads())
+
+
+def model_shape(model) -> dict:
+    """What the bounds need of a causal LM: the parameters that multiply, the weights' bytes, layers, hidden."""
+    embed = model.get_input_embeddings().weight
+    params = sum(p.numel() for p in model.parameters())
+    tied = model.get_output_embeddings() is not None and model.get_output_embeddings().weight is embed
+    matmul_params = params - embed.numel() + (embed.numel() if tied else 0)  # the lookup is no matmul; the head is
+    return {"matmul_params": matmul_params,
+            "weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+            "layers": model.config.num_hidden_layers, "hidden": model.config.hidden_size}
+
+
+def flops_per_token(shape: dict, context: int) -> float:
+    return 2 * shape["matmul_params"] + 4 * shape["layers"] * context * shape["hidden"]
+
+
+def decode_bound(shape: dict, batch: int, context: int, limits: Limits, dtype: str = "float32",
+                 weight_bytes: int | None = None) -> float:
+    """Tokens/s no decoder can beat here at ``batch`` rows of about ``context`` tokens (see the module's text)."""
+    compute = flops_per_token(shape, context) * batch / limits.flops[dtype]
+    memory = (weight_bytes or shape["weight_bytes"]) / limits.read_bytes_per_s
+    return batch / max(compute, memory)
+
+
+def train_bound_seconds(shape: dict, tokens: int, limits: Limits, dtype: str = "float32") -> float:
+    """Seconds of matmuls that training on ``tokens`` tokens needs at least (6 x parameters x tokens)."""
+    return 6 * shape["matmul_params"] * tokens / limits.flops[dtype]
+
+
+if __name__ == "__main__":
+    print(measure().describe())
