@@ -52,7 +52,9 @@ def child(args) -> None:
         m = trainer.step(samples)
         times.append(time.perf_counter() - t)
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(json.dumps({"seconds": min(times), "peak_rss_mib": peak_mib, "trained": m["trained_samples"]}))
+    tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+    print(json.dumps({"seconds": min(times), "peak_rss_mib": peak_mib, "trained": m["trained_samples"],
+                      "tokens": tokens}))
 
 
 def main() -> None:
@@ -65,18 +67,26 @@ def main() -> None:
     args = ap.parse_args()
     if args.chunk_size is not None:
         return child(args)
-    rows = {}
+    from limits import measure, model_shape, train_bound_seconds
+
+    limits, rows = [measure()], {}
     for name, chunk in (("full logits (before)", 0), ("chunked 1024 (after)", 1024)):
         cmd = [sys.executable, __file__, "--chunk-size", str(chunk), "--samples", str(args.samples),
                "--response-tokens", str(args.response_tokens), "--micro-batch-size", str(args.micro_batch_size),
                "--repeats", str(args.repeats)]
         out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
         rows[name] = json.loads(out)
+    limits.append(measure())
+    from strop.models import EMBEDDED_MODEL, load_model
+
+    shape, best = model_shape(load_model(EMBEDDED_MODEL)), max(limits, key=lambda lim: lim.flops["float32"])
+    print("\n".join(f"{when}: {lim.describe()}" for when, lim in zip(("before", "after"), limits)))
     print(f"samples={args.samples} response_tokens={args.response_tokens} micro_batch_size={args.micro_batch_size}")
-    print("| variant | train step s | peak RSS MiB |")
-    print("|---|---|---|")
+    print("| variant | train step s | peak RSS MiB | of the bound (6 x parameters x tokens, fp32 matmul) |")
+    print("|---|---|---|---|")
     for name, r in rows.items():
-        print(f"| {name} | {r['seconds']:.2f} | {r['peak_rss_mib']:.0f} |")
+        bound = train_bound_seconds(shape, r["tokens"], best)
+        print(f"| {name} | {r['seconds']:.2f} | {r['peak_rss_mib']:.0f} | {bound / r['seconds']:.2f} |")
     a, b = rows.values()
     print(f"\nafter / before: time {b['seconds'] / a['seconds']:.2f}x, peak RSS {b['peak_rss_mib'] / a['peak_rss_mib']:.2f}x")
 
