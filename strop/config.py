@@ -273,6 +273,12 @@ class EngineConfig(_Section):
         "--logprobs-mode processed_logprobs, and VLLM_SERVER_DEV_MODE=1 for weight reloads)")
     urls: list[str] = Field(default_factory=list, description="server URLs (kind strop / sglang / vllm), e.g. "
                             "[\"http://127.0.0.1:30000\"]; several go behind strop's router")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="the embedded engine's weights: 'auto' = model.dtype; 'bfloat16' decodes in bf16 while "
+        "the trainer keeps model.dtype (fp32 weights and AdamW state), each update cast on the way in: on CPUs with "
+        "bf16 matmul (avx512_bf16, AMX) the rollout is about 2.3x faster here; the logprob gap between engine and "
+        "trainer grows to bf16's rounding and is reported every step (train_rollout_logprob_abs_diff). Remote "
+        "servers choose their own dtype (engine.launch_args, engine.sync_dtype)")
     launch: int = Field(0, ge=0, description="start this many servers for the run (and stop them at the end) "
                         "instead of urls: kind=strop: strop serve processes (here, or Ray engine actors with "
                         "cluster.launcher=ray); kind=vllm / sglang: vLLM or SGLang servers, as Ray engine actors only")
@@ -550,6 +556,14 @@ class Config(_Section):
             raise ValueError("train.activation_checkpointing with parallel.context_parallel_size > 1: strop's "
                              "context-parallel attention reads the running plan when it is called, and a recompute "
                              "in backward would run outside it; use one of them")
+        if self.engine.dtype != "auto" and self.engine.kind != "embedded":
+            raise ValueError(f"engine.dtype={self.engine.dtype!r} sets the embedded engine's weights; a "
+                             f"{self.engine.kind} server chooses its own (engine.launch_args, and engine.sync_dtype "
+                             "for what a broadcast sends): leave engine.dtype='auto'")
+        if r.exact_logprobs and self.engine.dtype not in ("auto", self.model.dtype):
+            raise ValueError(f"rollout.exact_logprobs reports the trainer's logprobs as the sampler's, which holds only "
+                             f"when both compute with the same weights: engine.dtype={self.engine.dtype!r} samples "
+                             f"from other numbers than the {self.model.dtype} trainer; turn one off")
         tp = self.parallel.tensor_parallel_size
         if tp > 1 and self.parallel.context_parallel_size > 1:
             raise ValueError(f"parallel.tensor_parallel_size={tp} with parallel.context_parallel_size="

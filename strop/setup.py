@@ -184,6 +184,8 @@ def prepare(cfg: Config, device: torch.device, controller: bool = True, resume: 
                                             f"every rank loads the whole model before it is split: {why}"), flush=True)
     if controller and cfg.engine.kind == "embedded" and not replay:  # the engine's copy, before the trainer shards
         engine_model = (load_model(model_path, dtype=dtype) if weights else copy.deepcopy(policy)).to(device)
+        if cfg.engine.dtype != "auto":  # (bf16 decoding beside an fp32 trainer: updates are cast as they load)
+            engine_model.to(dtype=getattr(torch, cfg.engine.dtype))
         engine_model.requires_grad_(False)
     return _Prepared(policy, model_path, tokenizer, hooks, reward_fn, train_rows, eval_rows or None, engine_model,
                      replay, tools, weights)

@@ -126,6 +126,8 @@ def test_preset_on_the_command_line_and_in_yaml(tmp_path):
      "cannot swap into weights split by parallel.tensor_parallel_size=2"),
     (["--train.activation_checkpointing=true", "--parallel.context_parallel_size=2"],
      "a recompute in backward would run outside it"),
+    (["--engine.kind=strop", "--engine.launch=1", "--engine.dtype=bfloat16"], "a strop server chooses its own"),
+    (["--engine.dtype=bfloat16", "--rollout.exact_logprobs=true"], "samples from other numbers than the float32"),
 ])
 def test_launch_placement_and_parallel_combinations_that_cannot_run_are_refused(overrides, message):
     with pytest.raises(ConfigError, match=message):

@@ -147,6 +147,21 @@ def test_exact_logprobs_end_to_end_on_both_decode_paths(tiny_model_dir, tmp_path
     assert all(0 < r["engine_logprob_abs_diff"] < 1e-4 for r in steps)
 
 
+def test_a_bf16_engine_beside_an_fp32_trainer_reports_its_gap(tiny_model_dir, tmp_path):
+    """engine.dtype=bfloat16: the embedded engine decodes in bf16 while the trainer stays fp32; the run learns
+    through the cast updates and the logprob gap each step reports is bf16's, far above an fp32 engine's."""
+    gaps = {}
+    for dtype in ("float32", "bfloat16"):
+        cfg = tiny_overrides(tiny_model_dir, tmp_path / dtype, engine={"dtype": dtype}, eval={"every": 0},
+                             run={"save_final": False, "plot": False})
+        assert train(build_config(overrides=cfg))["steps"] == 2
+        rows = [json.loads(x) for x in (tmp_path / dtype / "metrics.jsonl").read_text().splitlines()]
+        steps = [r for r in rows if "reward_mean" in r]
+        assert all(math.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in steps)
+        gaps[dtype] = max(r["train_rollout_logprob_abs_diff"] for r in steps)
+    assert gaps["float32"] < 1e-4 and 1e-3 < gaps["bfloat16"] < 1.0 and gaps["bfloat16"] > 100 * gaps["float32"]
+
+
 def _need_sandbox():
     """The python tool needs an isolation; CI has one, elsewhere a machine may not (skip, saying why)."""
     import os
