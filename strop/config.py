@@ -224,7 +224,8 @@ class TrainConfig(_Section):
     seed: int = Field(0, description="torch seed")
     bf16_autocast: bool = Field(
         False, description="run the trainer's forward passes under bf16 autocast (fp32 master weights and "
-        "optimizer state; meant for GPUs, slow on most CPUs)")
+        "optimizer state): on GPUs, and on CPUs with bf16 matmul (avx512_bf16, AMX; 2.2x the quickstart's train "
+        "step here), slow on CPUs without it")
     max_nonfinite_grad_steps: int = Field(
         3, gt=0, description="stop the run after this many optimizer steps in a row with a NaN/inf gradient "
         "norm (each such step is skipped and counted in nonfinite_grad_norm_steps)")
