@@ -100,3 +100,34 @@ def test_a_sharded_trainer_syncs_a_bucket_at_a_time(world, mode, tp, tmp_path):
     assert all(n <= max(BUCKET, max(sizes.values())) < sum(sizes.values()) / 1.5 for n in out["largest"])
     assert out["gathers"] > 3 * len(out["fills"]) / 2  # (three readers, each a bucket at a time)
     assert "outside their session" in out["outside"]
+
+
+def _failing_read(rank, world):
+    import torch.distributed as dist
+
+    from strop.config import AlgoConfig, TrainConfig
+    from strop.parallel.runtime import Control, ControllerError
+    from strop.train.trainer import Trainer
+    from tests.tiny import make_tiny_qwen3
+
+    trainer = Trainer(make_tiny_qwen3(1024), pad_token_id=0, train=TrainConfig(), algo=AlgoConfig(),
+                      dp_group=dist.group.WORLD, dp_mode="fsdp")
+    weights, control = trainer.weights(), Control(60)
+
+    def read_then_fail():
+        weights.gather(["model.norm.weight"])
+        raise OSError("disk full")  # (say, the writer's)
+    try:
+        control.on_controller(read_then_fail, serving=weights)
+    except (OSError, ControllerError) as exc:
+        seen = f"{type(exc).__name__}: {exc}"
+    trainer.full_weights()  # every rank is out of the session and in step again: the next collective matches
+    return seen
+
+
+@pytest.mark.timeout(120)
+def test_a_read_that_fails_ends_the_session_on_every_rank():
+    """Rank 0's sync fails after a read: the other ranks leave their serving loop, every rank raises the failure
+    (rank 0 its own, the others naming it), and the ranks' next collective still matches."""
+    seen = run_on_ranks(_failing_read, 2, timeout=100)
+    assert seen == ["OSError: disk full", "ControllerError: rank 0: OSError: disk full"]
