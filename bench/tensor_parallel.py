@@ -74,7 +74,7 @@ def _added_peak(fn) -> float:
     return max(top[0], _rss_gib()) - start
 
 
-def _sync_peaks(rank, trainer, folder) -> tuple[float, float]:
+def _sync_peaks(trainer, folder) -> tuple[float, float]:
     """A weight sync through disk from the sharded trainer, streamed (strop: a bucket gathered at a time while
     rank 0 writes) and then as a whole gather onto rank 0 first (every rank all-gathers everything): the memory
     each added on this rank."""
@@ -123,7 +123,7 @@ def _layout(rank, world, path, tp, mode, sequence, steps, n, lengths):
         trainer.step(synthetic_samples(n=n, prompt_len=lengths[0], response_len=lengths[1], seed=k))
         times.append(time.perf_counter() - t)
     peak = _gib()  # (before the sync below: its transient is reported on its own)
-    sync = _sync_peaks(rank, trainer, str(Path(path).parent / "sync")) if world > 1 else (float("nan"),) * 2
+    sync = _sync_peaks(trainer, str(Path(path).parent / "sync")) if world > 1 else (float("nan"),) * 2
     return {"base": base, "load": load_peak, "load_s": load_s, "peak": peak, "step_s": min(times),
             "sync": sync[0], "sync_whole": sync[1]}
 

@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from strop.parallel.gather import canonical_names, whole_tensor
+
 
 def decoder_layers(module: nn.Module) -> nn.ModuleList:
     """The repeated blocks of a transformer (the first ModuleList named ``layers``, as in every HF decoder)."""
@@ -50,15 +52,13 @@ def full_weights(model: nn.Module, *, to_rank: int = 0) -> dict[str, torch.Tenso
     """
     keep = dist.get_rank() == to_rank
     # a parameter under two names (tied embeddings) is gathered once and its names share the result, as
-    # save_pretrained expects; ties are the module's structure, so every rank makes the same collectives
-    first: dict[int, str] = {}
-    canonical = {name: first.setdefault(id(p), name) for name, p in model.named_parameters(remove_duplicate=False)}
+    # save_pretrained expects; every rank makes the same collectives
+    canonical = canonical_names(model)
     out, gathered = {}, {}
     for name, t in model.state_dict().items():
         key = canonical.get(name, name)
         if key not in gathered:
-            full = t.full_tensor() if hasattr(t, "full_tensor") else t.detach().clone()
-            gathered[key] = full.detach()
+            gathered[key] = whole_tensor(t)
         if keep:
             out[name] = gathered[key]
     return out

@@ -32,9 +32,7 @@ class ShardedWeights(Mapping):
 
     def __init__(self, model: nn.Module):
         self.local = model.state_dict()  # DTensor shards (or plain, replicated tensors), not copies
-        first: dict[int, str] = {}
-        named = model.named_parameters(remove_duplicate=False)
-        self.canonical = {name: first.setdefault(id(p), name) for name, p in named}
+        self.canonical = canonical_names(model)
         self.names = list(self.local)
         self.index = {name: i for i, name in enumerate(self.names)}
         self.device = next(iter(self.local.values())).device
@@ -77,14 +75,14 @@ class ShardedWeights(Mapping):
         """``names`` whole, on rank 0 (a collective the other ranks serve inside the session)."""
         keys = list(dict.fromkeys(self.canonical.get(n, n) for n in names))  # each tensor once
         if not dist.is_initialized() or dist.get_world_size() == 1:
-            got = {k: _whole(self.local[k]) for k in keys}
+            got = {k: whole_tensor(self.local[k]) for k in keys}
         else:
             with self._lock:  # (readers in several threads: one announcement and its gathers at a time)
                 if not self.serving:
                     raise RuntimeError("sharded weights read outside their session: the other ranks are not "
                                        "serving them (read them inside Control.on_controller(..., serving=...))")
                 _announce(self.group, [self.index[k] for k in keys])
-                got = {k: _whole(self.local[k]) for k in keys}
+                got = {k: whole_tensor(self.local[k]) for k in keys}
         self.gathers += 1
         self.largest = max(self.largest, sum(t.numel() * t.element_size() for t in got.values()))
         return {n: got[self.canonical.get(n, n)] for n in names}
@@ -110,13 +108,20 @@ class ShardedWeights(Mapping):
             for i in wanted:
                 t = self.local[self.names[i]]
                 if hasattr(t, "full_tensor"):
-                    _whole(t)  # this rank's part of the all-gather; the result is dropped
+                    whole_tensor(t)  # this rank's part of the all-gather; the result is dropped
+
+
+def canonical_names(model: nn.Module) -> dict[str, str]:
+    """Each parameter's name -> the first name of the same parameter (tied embeddings: lm_head.weight ->
+    model.embed_tokens.weight); a tie is the module's structure, so every rank finds the same."""
+    first: dict[int, str] = {}
+    return {name: first.setdefault(id(p), name) for name, p in model.named_parameters(remove_duplicate=False)}
 
 
 ROWS_BYTES = 4 << 20  # a tensor split evenly by rows over one mesh dimension is gathered this much at a time
 
 
-def _whole(t: torch.Tensor) -> torch.Tensor:
+def whole_tensor(t: torch.Tensor) -> torch.Tensor:
     """A fresh whole copy: gathered from the shards (a collective), or cloned when every rank holds it."""
     if not hasattr(t, "full_tensor"):
         return t.clone().detach()

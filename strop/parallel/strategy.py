@@ -89,8 +89,7 @@ class SingleProcess:
         """The policy's whole weights for the engine on rank 0: :meth:`full_weights`, or, where the model is
         sharded (FSDP, tensor parallel), a :class:`ShardedWeights` read a bucket at a time inside a session
         (``Control.on_controller(..., serving=weights)``) and never gathered whole on any rank."""
-        sharded = any(hasattr(t, "full_tensor") for t in model.state_dict().values())
-        return ShardedWeights(model) if sharded else self.full_weights(model)
+        return ShardedWeights(model) if self.mode == "fsdp" or self.tp_size > 1 else self.full_weights(model)
 
     @property
     def processes(self) -> int:
