@@ -165,6 +165,19 @@ def test_a_decoder_layer_without_a_planned_projection_is_refused_naming_it():
         tensor_parallel(model, None)  # refused before the mesh is used
 
 
+@pytest.mark.parametrize("remove,message", [("input_layernorm", "LlamaDecoderLayer has no input_layernorm"),
+                                            ("norm", "LlamaModel has no final norm named 'norm'")])
+def test_sequence_parallel_without_the_norms_it_splits_is_refused_naming_them(remove, message):
+    from strop.parallel.tensor import tensor_parallel
+    from tests.tiny import make_tiny_model
+
+    model = make_tiny_model()
+    for owner in (model.model.layers if remove == "input_layernorm" else [model.model]):
+        delattr(owner, remove)
+    with pytest.raises(ValueError, match=message):
+        tensor_parallel(model, None, sequence_parallel=True)  # refused before the mesh is used
+
+
 def test_the_documented_tensor_parallel_gpu_config_validates_and_fits_qwen3_8b():
     from pathlib import Path
 

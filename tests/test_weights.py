@@ -81,3 +81,32 @@ def test_sharded_weights_of_one_process_name_ties_once(tiny_model):
     full = whole(weights)
     assert all(torch.equal(full[n], t) for n, t in tiny_model.state_dict().items())
     assert full["model.norm.weight"].data_ptr() != tiny_model.model.norm.weight.data_ptr()  # copies, not the live ones
+
+
+class Lying(Counting):
+    """Describes every tensor as fp32, whatever it holds."""
+
+    def meta(self, name):
+        return torch.float32, tuple(self[name].shape)
+
+
+def test_a_tensor_read_other_than_described_stops_the_write(tmp_path):
+    state = Lying({"a": torch.zeros(3), "b": torch.zeros(2, dtype=torch.bfloat16)})
+    state.reads = []
+    with pytest.raises(RuntimeError, match=r"b: read as torch.bfloat16 \(2,\), described as"):
+        write_safetensors(state, tmp_path / "m.safetensors")
+
+
+def test_sharded_weights_that_miss_a_tensor_leave_the_engine_as_it_was(tiny_model):
+    import asyncio
+    import copy
+
+    from strop.engines.embedded import EmbeddedEngine
+
+    engine = EmbeddedEngine(copy.deepcopy(tiny_model), pad_token_id=0)
+    before = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    given = Counting({k: v + 1 for k, v in tiny_model.state_dict().items() if k != "model.norm.weight"})
+    given.reads = []
+    with pytest.raises(RuntimeError, match=r"missing \['model.norm.weight'\], unexpected \[\]"):
+        asyncio.run(engine.update_weights(given, version=1))
+    assert not given.reads and all(torch.equal(before[k], v) for k, v in engine.model.state_dict().items())

@@ -62,6 +62,7 @@ def tensor_parallel(module: nn.Module, mesh, sequence_parallel: bool = False) ->
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     layers = decoder_layers(module)
+    backbone = _backbone(module, layers) if sequence_parallel else None  # (refused before the mesh is used)
     out = Shard(1) if sequence_parallel else Replicate()  # o/down: reduce-scattered over tokens, or all-reduced
     for layer in layers:
         have = dict(layer.named_modules())
@@ -71,7 +72,7 @@ def tensor_parallel(module: nn.Module, mesh, sequence_parallel: bool = False) ->
         parallelize_module(layer, mesh, {**{n: ColwiseParallel() for n in COLUMN},
                                          **{n: RowwiseParallel(output_layouts=out) for n in ROW}})
     if sequence_parallel:
-        _sequence_parallel(module, layers, mesh)
+        _sequence_parallel(layers, backbone, mesh)
     embed = next(m for name, m in module.named_modules() if name.split(".")[-1] == "embed_tokens")
     head = next((m for name, m in module.named_modules() if name.split(".")[-1] == "lm_head"), None)
     tied = head is not None and head.weight is embed.weight
@@ -89,7 +90,7 @@ def tensor_parallel(module: nn.Module, mesh, sequence_parallel: bool = False) ->
     return module
 
 
-def _sequence_parallel(module: nn.Module, layers: nn.ModuleList, mesh) -> None:
+def _sequence_parallel(layers: nn.ModuleList, backbone: nn.Module, mesh) -> None:
     """Megatron's sequence parallel on DTensor (torchtitan's plan): between the blocks each rank holds only its
     1/N of the tokens of the residual stream, and the norms run on those. The embedding's output (whole on every
     rank: the masks and rotary tables are built from it) is cut into this rank's tokens before the first layer;
@@ -111,22 +112,18 @@ def _sequence_parallel(module: nn.Module, layers: nn.ModuleList, mesh) -> None:
             "mlp": PrepareModuleInput(input_layouts=tokens, desired_input_layouts=whole)})
     parallelize_module(layers[0], mesh, PrepareModuleInput(input_layouts=whole, desired_input_layouts=tokens,
                                                            use_local_output=True))
-    backbone = _parent(module, layers)
-    norm = getattr(backbone, "norm", None)
-    if not isinstance(norm, nn.Module):
-        raise ValueError(f"sequence parallel: {type(backbone).__name__} has no final norm named 'norm'")
-    parallelize_module(norm, mesh, SequenceParallel())
-    parallelize_module(norm, mesh, PrepareModuleOutput(output_layouts=tokens, desired_output_layouts=whole,
-                                                       use_local_output=True))
+    parallelize_module(backbone.norm, mesh, SequenceParallel())
+    parallelize_module(backbone.norm, mesh, PrepareModuleOutput(output_layouts=tokens, desired_output_layouts=whole,
+                                                                use_local_output=True))
     backbone.sequence_parallel_size = mesh.size()
 
 
-def _parent(module: nn.Module, child: nn.Module) -> nn.Module:
-    """The module that holds ``child`` directly."""
-    for m in module.modules():
-        if any(c is child for c in m.children()):
-            return m
-    raise ValueError(f"{type(child).__name__} is not inside {type(module).__name__}")
+def _backbone(module: nn.Module, layers: nn.ModuleList) -> nn.Module:
+    """The module that holds the decoder layers, checked to hold the final norm (``norm``) beside them."""
+    backbone = next(m for m in module.modules() if any(c is layers for c in m.children()))
+    if not isinstance(getattr(backbone, "norm", None), nn.Module):
+        raise ValueError(f"sequence parallel: {type(backbone).__name__} has no final norm named 'norm'")
+    return backbone
 
 
 def partial_gradient_parameters(module: nn.Module) -> list[nn.Parameter]:
