@@ -1,6 +1,6 @@
-"""The same GRPO step in strop and in TRL's GRPOTrainer, side by side in one run.
+"""The same GRPO step in strop and in TRL's GRPOTrainer, side by side in one run, in fp32 and in bf16.
 
-Same model (the embedded SmolLM2-135M-Instruct, fp32), task (reasoning-gym basic_arithmetic,
+Same model (the embedded SmolLM2-135M-Instruct), task (reasoning-gym basic_arithmetic,
 strop's training rows), prompts (TRL gets exactly the prompts strop's sampler draws, in that
 order), 8 prompts x 8 samples per step, response length limit, temperature, learning rate,
 micro-batch size, reward (strop's math reward), no KL term, one optimizer step per batch, no
@@ -8,10 +8,18 @@ gradient checkpointing, both on this machine's CPU. Each side runs in its own pr
 ``.venv-trl``, made by ``scripts/setup_trl.sh``); the table reports the mean over the steps
 after the first, generation seconds, generated tokens and the process's peak RSS.
 
-A third column runs strop with ``rollout.exact_logprobs=true`` (the trainer scores every sample:
-the cost of exact rollout logprobs).
+Each precision is one pair of runs at equal precision:
 
-    bash scripts/setup_trl.sh && python bench/rl_step.py [--steps 3] [--new-tokens N]
+- ``float32``: both in fp32; a third column runs strop with ``rollout.exact_logprobs=true`` (the
+  trainer scores every sample: the cost of exact rollout logprobs);
+- ``bfloat16``: fp32 master weights and optimizer state, bf16 compute on both sides: TRL with
+  ``bf16=True`` (accelerate's CPU autocast, which also covers its ``generate``), strop with
+  ``train.bf16_autocast=true`` and ``engine.dtype=bfloat16`` (the engine decodes from a bf16 copy).
+
+The sides run in the order TRL fp32, strop fp32, strop exact, TRL bf16, strop bf16 (each pair
+back to back, so drift between the pairs does not enter a ratio).
+
+    bash scripts/setup_trl.sh && python bench/rl_step.py [--steps 3] [--new-tokens N] [--precision float32 bfloat16]
 """
 
 from __future__ import annotations
@@ -48,6 +56,8 @@ def strop_side(args, out: Path) -> None:
                "--run.save_every=0", f"--run.dir={d}/run", "--run.progress=false",
                f"--rollout.prompts_per_step={PROMPTS_PER_STEP}", f"--rollout.n_samples_per_prompt={SAMPLES_PER_PROMPT}",
                f"--rollout.max_new_tokens={s['max_new_tokens']}", f"--rollout.exact_logprobs={str(args.exact).lower()}"]
+        if args.dtype == "bfloat16":
+            cmd += ["--train.bf16_autocast=true", "--engine.dtype=bfloat16"]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
         rows = [json.loads(x) for x in (Path(d) / "run" / "metrics.jsonl").read_text().splitlines() if x.strip()]
     rows = [r for r in rows if "step_seconds" in r]
@@ -79,9 +89,9 @@ def drawn_prompts(steps: int) -> list[tuple[list[dict], str]]:
     return [(messages(r), str(r.label)) for r in drawn]
 
 
-def fractions(result: dict, steps: int, limits) -> tuple[float, float]:
-    """strop's generation and training, each as a fraction of this machine's bound (bench/limits.py): decode of
-    the step's rows at their mean context, and 6 x parameters x trained tokens of matmuls."""
+def fractions(result: dict, steps: int, limits, dtype: str = "float32") -> tuple[float, float]:
+    """strop's generation and training, each as a fraction of this machine's bound (bench/limits.py) in
+    ``dtype``: decode of the step's rows at their mean context, and 6 x parameters x trained tokens of matmuls."""
     from limits import decode_bound, model_shape, train_bound_seconds
     from strop.config import Config
     from strop.models import load_model, load_tokenizer
@@ -92,9 +102,9 @@ def fractions(result: dict, steps: int, limits) -> tuple[float, float]:
                for m, _ in drawn_prompts(steps)]
     tokens = statistics.fmean(result["generated_tokens"][1:] or result["generated_tokens"])
     context = statistics.fmean(prompts) + tokens / (2 * PROMPTS_PER_STEP * SAMPLES_PER_PROMPT)
-    bound = decode_bound(shape, PROMPTS_PER_STEP * SAMPLES_PER_PROMPT, int(context), limits)
+    bound = decode_bound(shape, PROMPTS_PER_STEP * SAMPLES_PER_PROMPT, int(context), limits, dtype)
     generation = tokens / statistics.fmean(result["generation_seconds"][1:] or result["generation_seconds"]) / bound
-    train = statistics.fmean(train_bound_seconds(shape, int(n), limits) / t
+    train = statistics.fmean(train_bound_seconds(shape, int(n), limits, dtype) / t
                              for n, t in zip(result["train_tokens"][1:] or result["train_tokens"],
                                              result["train_seconds"][1:] or result["train_seconds"]))
     return generation, train
@@ -128,7 +138,7 @@ def trl_side(args, out: Path) -> None:
             per_device_train_batch_size=s["micro_batch_size"],
             gradient_accumulation_steps=batch // s["micro_batch_size"], num_generations=SAMPLES_PER_PROMPT,
             max_completion_length=s["max_new_tokens"], temperature=s["temperature"], top_p=1.0, top_k=0,
-            beta=0.0, num_iterations=1, shuffle_dataset=False, use_cpu=True, bf16=False, fp16=False,
+            beta=0.0, num_iterations=1, shuffle_dataset=False, use_cpu=True, bf16=args.dtype == "bfloat16", fp16=False,
             gradient_checkpointing=False, logging_steps=1, save_strategy="no", report_to=[], seed=s["seed"],
             dataloader_num_workers=0, log_completions=False)
         trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=conf, train_dataset=data,
@@ -169,8 +179,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=None, help="response length limit (default: strop's)")
+    ap.add_argument("--precision", nargs="+", choices=["float32", "bfloat16"], default=["float32", "bfloat16"])
+    ap.add_argument("--no-exact", action="store_true", help="skip the exact_logprobs column")
     ap.add_argument("--side", choices=["strop", "trl"], help=argparse.SUPPRESS)
     ap.add_argument("--exact", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.side:
@@ -179,47 +192,62 @@ def main() -> None:
         sys.exit(f"TRL is not installed ({TRL_PY} missing): run `bash scripts/setup_trl.sh` first")
     s = settings(args.new_tokens)
     print(f"GRPO step: {PROMPTS_PER_STEP} prompts x {SAMPLES_PER_PROMPT} samples, up to {s['max_new_tokens']} new "
-          f"tokens, temperature {s['temperature']}, lr {s['lr']}, micro-batch {s['micro_batch_size']}, fp32, "
-          f"{args.steps} steps (mean over steps 2..{args.steps})", flush=True)
-    sides = {"TRL GRPOTrainer": (str(TRL_PY), []), "strop": (sys.executable, []),
-             "strop exact_logprobs": (sys.executable, ["--exact"])}
+          f"tokens, temperature {s['temperature']}, lr {s['lr']}, micro-batch {s['micro_batch_size']}, "
+          f"{args.steps} steps (mean over steps 2..{args.steps}), precisions: {' '.join(args.precision)}", flush=True)
+    sides = []  # (precision, name, python, extra arguments)
+    for dtype in args.precision:
+        sides += [(dtype, "TRL GRPOTrainer", str(TRL_PY), []), (dtype, "strop", sys.executable, [])]
+        if dtype == "float32" and not args.no_exact:  # (refused with the bf16 engine: it samples other numbers)
+            sides.append((dtype, "strop exact_logprobs", sys.executable, ["--exact"]))
     from limits import measure
 
     results, limits = {}, [measure()]  # (and again at the end: the bound is the better of the two)
     with tempfile.TemporaryDirectory() as d:
-        for name, (py, extra) in sides.items():
+        for dtype, name, py, extra in sides:
             out = Path(d) / "out.json"
             side = "trl" if name.startswith("TRL") else "strop"
-            cmd = [py, __file__, "--side", side, "--out", str(out), "--steps", str(args.steps), *extra]
+            cmd = [py, __file__, "--side", side, "--out", str(out), "--steps", str(args.steps), "--dtype", dtype,
+                   *extra]
             if args.new_tokens:
                 cmd += ["--new-tokens", str(args.new_tokens)]
             t = time.perf_counter()
             subprocess.run(cmd, check=True, cwd=ROOT, env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
-            results[name] = json.loads(out.read_text())
-            print(f"  {name}: done in {time.perf_counter() - t:.0f} s", flush=True)
+            results[dtype, name] = json.loads(out.read_text())
+            print(f"  {name} ({dtype}): done in {time.perf_counter() - t:.0f} s", flush=True)
 
     limits.append(measure())
     print("\n".join(f"{when}: {lim.describe()}" for when, lim in zip(("before", "after"), limits)))
-    best = max(limits, key=lambda lim: lim.flops["float32"])
 
     def mean_after_first(xs):
         return statistics.fmean(xs[1:] if len(xs) > 1 else xs)
 
     print()
-    print("| | s/step | generation s/step | generated tokens/step | peak RSS GiB | step speed-up vs TRL |")
-    print("|---|---|---|---|---|---|")
-    trl_step = mean_after_first(results["TRL GRPOTrainer"]["step_seconds"])
-    for name, r in results.items():
-        step = mean_after_first(r["step_seconds"])
-        print(f"| {name} | {step:.1f} | {mean_after_first(r['generation_seconds']):.1f} | "
-              f"{mean_after_first(r['generated_tokens']):.0f} | {r['peak_rss_gib']:.2f} | {trl_step / step:.2f}x |")
-    generation, train = fractions(results["strop"], args.steps, best)
-    print(f"\nstrop against this machine's bounds (bench/limits.py): generation at {generation:.2f} of the decode "
-          f"bound for {PROMPTS_PER_STEP * SAMPLES_PER_PROMPT} rows, training at {train:.2f} of 6 x parameters x "
-          "tokens of fp32 matmul")
-    plain, exact = (mean_after_first(results[k]["step_seconds"]) for k in ("strop", "strop exact_logprobs"))
-    print(f"\nexact_logprobs costs {exact / plain:.2f}x strop's step; its train/rollout logprob gap per step: "
-          f"{results['strop exact_logprobs']['logprob_gap']} (default mode: {results['strop']['logprob_gap']})")
+    print("| precision | | s/step | generation s/step | generated tokens/step | peak RSS GiB | step vs TRL | "
+          "generation vs TRL |")
+    print("|---|---|---|---|---|---|---|---|")
+    for dtype in args.precision:
+        trl = results[dtype, "TRL GRPOTrainer"]
+        trl_step, trl_gen = mean_after_first(trl["step_seconds"]), mean_after_first(trl["generation_seconds"])
+        for (p, name), r in results.items():
+            if p != dtype:
+                continue
+            step, gen = mean_after_first(r["step_seconds"]), mean_after_first(r["generation_seconds"])
+            print(f"| {dtype} | {name} | {step:.1f} | {gen:.1f} | {mean_after_first(r['generated_tokens']):.0f} | "
+                  f"{r['peak_rss_gib']:.2f} | {trl_step / step:.2f}x | {gen / trl_gen:.2f}x TRL's time |")
+    print()
+    for dtype in args.precision:
+        best = max(limits, key=lambda lim: lim.flops[dtype])
+        generation, train = fractions(results[dtype, "strop"], args.steps, best, dtype)
+        print(f"strop {dtype} against this machine's bounds (bench/limits.py): generation at {generation:.2f} of the "
+              f"{dtype} decode bound for {PROMPTS_PER_STEP * SAMPLES_PER_PROMPT} rows, training at {train:.2f} of "
+              f"6 x parameters x tokens of {dtype} matmul")
+    if ("float32", "strop exact_logprobs") in results:
+        plain, exact = (mean_after_first(results["float32", k]["step_seconds"]) for k in ("strop", "strop exact_logprobs"))
+        print(f"\nexact_logprobs costs {exact / plain:.2f}x strop's fp32 step; its train/rollout logprob gap per step: "
+              f"{results['float32', 'strop exact_logprobs']['logprob_gap']} "
+              f"(default mode: {results['float32', 'strop']['logprob_gap']})")
+    for dtype in args.precision:
+        print(f"strop {dtype}: train/rollout logprob gap per step {results[dtype, 'strop']['logprob_gap']}")
 
 
 if __name__ == "__main__":

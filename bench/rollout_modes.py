@@ -35,7 +35,8 @@ def run(mode: str, run_dir: Path, extra: list[str], offpolicy: list[str]) -> dic
             "staleness": statistics.fmean(r.get("staleness_mean", 0.0) for r in steps),
             "dropped": sum(r.get("samples_dropped", 0) for r in steps),
             "len_trained": statistics.fmean(r["response_length_trained_mean"] for r in steps),
-            "len_generated": statistics.fmean(r["response_length_generated_mean"] for r in steps)}
+            "len_generated": statistics.fmean(r["response_length_generated_mean"] for r in steps
+                                              if "response_length_generated_mean" in r)}
 
 
 def main() -> None:

@@ -565,6 +565,10 @@ class Config(_Section):
             raise ValueError(f"rollout.exact_logprobs reports the trainer's logprobs as the sampler's, which holds only "
                              f"when both compute with the same weights: engine.dtype={self.engine.dtype!r} samples "
                              f"from other numbers than the {self.model.dtype} trainer; turn one off")
+        if r.exact_logprobs and self.train.bf16_autocast:
+            raise ValueError("rollout.exact_logprobs reports the trainer's logprobs as the sampler's, which holds only "
+                             "when both compute with the same numbers: train.bf16_autocast computes the trainer's "
+                             f"forward in bf16 while the engine samples from {self.model.dtype} weights; turn one off")
         tp = self.parallel.tensor_parallel_size
         if tp > 1 and self.parallel.context_parallel_size > 1:
             raise ValueError(f"parallel.tensor_parallel_size={tp} with parallel.context_parallel_size="

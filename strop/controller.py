@@ -79,7 +79,7 @@ class Controller:
         self.log.reload()
         if self.c.sampler is not None:
             self.c.sampler.load_state_dict(state["sampler"])
-        self.loop.run(self.manager.load(state["rollout"]))
+        self.loop.run(self.manager.load(state["rollout"], state["step"]))
         generator = getattr(self.c.engine, "generator", None)
         if generator is not None and state["engine_rng"] is not None:
             generator.set_state(state["engine_rng"])
@@ -153,7 +153,7 @@ class Controller:
         t = time.perf_counter()
         if self.c.engine is not None:  # (train only has none)
             # (partial=resume: what is generating is aborted around the update and continues after it)
-            self.loop.run(self.manager.update_weights(lambda: self.c.engine.update_weights(weights, version=step)))
+            self.loop.run(self.manager.update_weights(lambda: self.c.engine.update_weights(weights, version=step), step))
             if getattr(self.c.engine, "probe_ids", None):  # every engine computes with the trainer's weights
                 ids = self.c.engine.probe_ids
                 reference = reference_logprobs(self.c.trainer.model, ids)

@@ -128,6 +128,7 @@ def test_preset_on_the_command_line_and_in_yaml(tmp_path):
      "a recompute in backward would run outside it"),
     (["--engine.kind=strop", "--engine.launch=1", "--engine.dtype=bfloat16"], "a strop server chooses its own"),
     (["--engine.dtype=bfloat16", "--rollout.exact_logprobs=true"], "samples from other numbers than the float32"),
+    (["--train.bf16_autocast=true", "--rollout.exact_logprobs=true"], "forward in bf16 while the engine samples"),
 ])
 def test_launch_placement_and_parallel_combinations_that_cannot_run_are_refused(overrides, message):
     with pytest.raises(ConfigError, match=message):

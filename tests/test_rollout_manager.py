@@ -93,7 +93,7 @@ async def _drive(manager, engine, steps, train_seconds=0.02):
         for _ in range(int(train_seconds / 0.001)):  # while "training", the accounts hold at every moment
             await asyncio.sleep(0.001)
             manager.check_accounts()
-        await manager.update_weights(lambda: engine.update_weights(None, version=step))
+        await manager.update_weights(lambda: engine.update_weights(None, version=step), step)
     accounts = manager.check_accounts()
     await asyncio.wait_for(manager.close(), timeout=20)
     return seen, accounts
@@ -125,6 +125,23 @@ def test_async_never_trains_a_token_staler_than_max_staleness(max_staleness, sta
     assert accounts["trained"] == 6 * 4 * 4
     assert set(manager.dropped) <= {"stale", "cancelled"}  # cancelled: in flight when the run closed
     assert all(m["dropped_fraction"] == m["samples_dropped"] / (m["samples_dropped"] + 16) for _, _, m in seen)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("max_staleness", [0, 1, 2])
+def test_async_starts_no_group_that_would_be_too_stale_when_its_turn_comes(max_staleness):
+    """Generation fast, training slow: every group finishes long before it is taken, so a group started
+    on weights that will be too old by its turn would be generated only to be dropped. None is started."""
+    engine = ScriptedEngine(delay=0.0002)
+    manager, _ = _manager(engine, mode="async", max_staleness=max_staleness)
+    seen, accounts = asyncio.run(_drive(manager, engine, steps=6, train_seconds=0.1))
+    assert manager.dropped["stale"] == 0
+    assert accounts["trained"] == 6 * 4 * 4
+    # still ahead by the most it may be: from step max_staleness + 1 on, every token is that many versions old
+    for step, groups, metrics in seen[max_staleness:]:
+        assert {st for g in groups for s in g for st in staleness(s, step)} == {max_staleness}, step
+    # and nothing is started for a step after the last: every group generated was trained
+    assert accounts["generated"] == accounts["trained"]
 
 
 @pytest.mark.timeout(60)
@@ -255,7 +272,9 @@ def test_modes_train_end_to_end(tiny_model_dir, tmp_path, rollout):
     limit = {"sync": 0, "one_step_off": 1, "async": 2}[rollout["mode"]]
     for r in steps:
         assert 0 <= r["staleness_max"] <= limit and r["samples_trained"] > 0
-        assert r["response_length_trained_mean"] > 0 and r["response_length_generated_mean"] > 0
+        assert r["response_length_trained_mean"] > 0
+        assert ("response_length_generated_mean" in r) == (r["samples_finished"] > 0)
+        assert r.get("response_length_generated_mean", 1) > 0
     if rollout["mode"] != "sync":
         assert max(r["staleness_max"] for r in steps) >= 1  # it ran ahead
         hist = [json.loads(x) for x in (run_dir / "staleness.jsonl").read_text().splitlines()]
@@ -355,7 +374,7 @@ def test_accounts_hold_at_every_tick_while_the_next_step_generates():
             for _ in range(300):
                 manager.check_accounts()
                 await asyncio.sleep(0)
-            await manager.update_weights(lambda: engine.update_weights(None, version=step))
+            await manager.update_weights(lambda: engine.update_weights(None, version=step), step)
         await manager.close()
 
     asyncio.run(go())
@@ -481,7 +500,7 @@ def test_async_stale_drops_count_toward_giving_up_and_the_error_names_the_reason
     async def main():
         for step in range(1, 7):  # step 3 onwards: every token is 2+ versions old, regenerated ones too
             await asyncio.wait_for(manager.batch(step), timeout=30)
-            await manager.update_weights(lambda: engine.update_weights(None, version=step))
+            await manager.update_weights(lambda: engine.update_weights(None, version=step), step)
 
     try:
         with pytest.raises(RuntimeError, match=r"dropped as stale \(tokens of weight versions \[0\], the trainer is "
@@ -499,7 +518,7 @@ def test_sync_mode_refuses_to_train_tokens_of_weights_the_engine_was_not_updated
 
     async def main():
         groups, _ = await asyncio.wait_for(manager.batch(1), timeout=20)  # version 0 is current: fine
-        await manager.update_weights(lambda: engine.update_weights(None, version=1))
+        await manager.update_weights(lambda: engine.update_weights(None, version=1), 1)
         await asyncio.wait_for(manager.batch(2), timeout=20)
 
     with pytest.raises(RuntimeError, match=r"sampled by weight versions \[0\], but the engine's current version is 1"):

@@ -11,9 +11,13 @@ Modes (``rollout.mode``):
 - ``sync``: a step's groups are generated, then trained on (today's path, unchanged, when there
   is no over-sampling or dynamic sampling);
 - ``one_step_off``: step k+1's groups are generated while step k trains;
-- ``async``: groups are generated continuously (at most ``prompts_per_step * (max_staleness + 1)``
-  in the manager's hands); each step takes the first ``prompts_per_step`` that finished. A group
-  with a token staler than ``max_staleness`` is dropped or regenerated (``rollout.stale_groups``).
+- ``async``: groups are generated continuously; each step takes the first ``prompts_per_step``
+  that finished. A group is started only if a step it can still be trained at is free: started
+  on weights of version ``w``, it is trained at step ``w + max_staleness + 1`` at the latest, so
+  the manager holds (finished or generating) at most ``prompts_per_step`` groups for each step
+  from the next one to that one (:meth:`RolloutManager._capacity`; AReaL bounds its rollouts the
+  same way). A group with a token staler than ``max_staleness`` all the same (it finished late,
+  behind groups started after it) is dropped or regenerated (``rollout.stale_groups``).
 
 At a weight update, unfinished samples either finish on the old weights (``rollout.partial=finish``)
 or are aborted and resumed on the new ones from their prompt plus the tokens they have, with the
@@ -59,6 +63,9 @@ class RolloutManager:
         self.dropped: Counter = Counter()
         self.step_dropped: Counter = Counter()
         self.step, self.step_drawn = 0, 0
+        self.version = 0  # the weight version the engine was last updated to (async: what a new group samples)
+        self.taken = 0  # the last step whose groups were taken
+        self.collecting = 0  # async: groups the step being taken has collected so far
         self.round_held = 0  # samples of groups a round (sync / one_step_off) kept, until batch() takes them
         self.launched = 0  # launch order of groups (rounds count finished groups in this order)
         self.step_filtered_groups = 0  # async: groups a filter dropped while this step waited
@@ -108,6 +115,7 @@ class RolloutManager:
         if take_counts is not None:
             metrics |= take_counts()
         self.step_dropped, self.step_drawn = Counter(), 0
+        self.taken = step
         return groups, metrics
 
     def _check_current(self, step: int, groups: list[list[Sample]]) -> None:
@@ -123,20 +131,23 @@ class RolloutManager:
                                f"{sorted(seen)}, but the engine's current version is {current}: an engine served "
                                "weights it was not updated to (rollout.mode=sync trains only on current weights)")
 
-    async def update_weights(self, update) -> None:
-        """Run ``update()`` (the engine's weight update). With ``partial=resume`` outside sync mode,
-        in one piece: no new request goes out, what is generating is aborted (its samples keep their
-        tokens), the weights load, then the aborted samples continue on them."""
+    async def update_weights(self, update, version: int) -> None:
+        """Run ``update()``, the engine's update to weight ``version``. With ``partial=resume`` outside
+        sync mode, in one piece: no new request goes out, what is generating is aborted (its samples
+        keep their tokens), the weights load, then the aborted samples continue on them. Async mode
+        starts the groups the new version makes room for."""
         if self.r.partial != "resume" or self.r.mode == "sync":
             await update()
-            return
-        self.resume_gate.clear()
-        try:
-            if self.tasks:
-                await self.c.engine.abort_all()
-            await update()
-        finally:
-            self.resume_gate.set()
+        else:
+            self.resume_gate.clear()
+            try:
+                if self.tasks:
+                    await self.c.engine.abort_all()
+                await update()
+            finally:
+                self.resume_gate.set()
+        self.version = version
+        self.wake.set()
 
     async def accounts(self) -> dict[str, int]:
         """:meth:`check_accounts`, in the event loop that changes them."""
@@ -181,8 +192,10 @@ class RolloutManager:
         self.paused = False
         self.wake.set()
 
-    async def load(self, state: dict | None) -> None:
-        """Take back what :meth:`pause` returned (a resumed run)."""
+    async def load(self, state: dict | None, step: int) -> None:
+        """Take back what :meth:`pause` returned (a run resumed after ``step``, whose weights the engine
+        gets next)."""
+        self.taken = self.step = self.version = step
         if not state:
             return
         self.ready = state["ready"]
@@ -312,11 +325,17 @@ class RolloutManager:
 
     # ---- async: continuous generation -----------------------------------------------------------
     def _capacity(self) -> int:
-        return math.ceil(self.r.prompts_per_step * (self.r.max_staleness + 1) * self.r.over_sample)
+        """Groups the manager may hold (finished, generating, or collected by the step being taken) now:
+        ``prompts_per_step`` (times ``over_sample``) for each step a group started on the engine's weights
+        can still be trained at, from the first step not yet taken to ``version + max_staleness + 1``.
+        After a step is taken and before its update that is one step fewer, so a group started then
+        never waits two steps for its turn; and none is started for a step after the run's last."""
+        steps = min(self.version + self.r.max_staleness + 1, self.cfg.train.steps) - self.taken
+        return max(0, math.ceil(self.r.prompts_per_step * steps * self.r.over_sample))
 
     async def _produce(self) -> None:
         while not self.closing:
-            held = len(self.ready) + len(self.tasks)
+            held = len(self.ready) + len(self.tasks) + self.collecting
             if held < self._capacity() and not self.paused:
                 for group in self._draw(self._capacity() - held):
                     self._launch(group).add_done_callback(self._finished)
@@ -363,6 +382,7 @@ class RolloutManager:
                         self._launch(group).add_done_callback(self._finished)
                     continue
                 out.append(group)
+            self.collecting = len(out)
             if self.step_stale_groups > self._capacity() + limit:
                 # more than every group held before this step could be: new groups come back stale too
                 raise RuntimeError(
@@ -383,6 +403,7 @@ class RolloutManager:
                     waiting = asyncio.ensure_future(self.ready_event.wait())
                     await asyncio.wait([waiting, self.producer], return_when=asyncio.FIRST_COMPLETED)
                     waiting.cancel()
+        self.collecting = 0
         return out
 
     # ---- metrics ----------------------------------------------------------------------------------
@@ -399,9 +420,11 @@ class RolloutManager:
             "samples_held": sum(len(g) for g in self.ready) + self._in_flight_samples(),
             "resumed_fraction": sum(1 for s in trained if s.metadata.get("resumed")) / max(len(trained), 1),
             "response_length_trained_mean": sum(s.response_length for s in trained) / max(len(trained), 1),
-            "response_length_generated_mean": sum(lengths) / max(len(lengths), 1),
+            "samples_finished": len(lengths),
             "groups_drawn": self.step_drawn,
         }
+        if lengths:  # (none finished since the last step: a mean of nothing is not reported as 0)
+            out["response_length_generated_mean"] = sum(lengths) / len(lengths)
         for reason, n in self.step_dropped.items():
             out[f"dropped/{reason}"] = n
         out["staleness_histogram"] = {str(k): v for k, v in sorted(histogram.items())}
