@@ -295,6 +295,11 @@ class EngineConfig(_Section):
     fast_decode: bool = Field(True, description="embedded engine and strop serve: decode Llama-family models with "
                               "strop's KV-cache decoder (shared prompt prefixes, continuous batching); false uses "
                               "transformers' forward with static batches")
+    share_weights: bool | None = Field(
+        None, description="embedded engine, rollout.mode=sync, one process: decode from the trainer's own parameters "
+        "instead of a copy of them (as TRL's generate does): one copy of the weights less in memory and no copy at "
+        "an update. Unset: whenever that holds (and the fast decoder runs, engine.dtype is the model's); true where "
+        "it cannot is refused naming why; false keeps the engine's own copy")
     token: SecretStr | None = secret("STROP_ENGINE_TOKEN", "bearer token sent to the remote servers (strop serve "
                                      "--token); launched servers require it, or a fresh one per run when unset")
     timeout_s: float = Field(600.0, gt=0, description="seconds one HTTP request may take")
@@ -565,6 +570,8 @@ class Config(_Section):
             raise ValueError(f"rollout.exact_logprobs reports the trainer's logprobs as the sampler's, which holds only "
                              f"when both compute with the same weights: engine.dtype={self.engine.dtype!r} samples "
                              f"from other numbers than the {self.model.dtype} trainer; turn one off")
+        if self.engine.share_weights and (why := self.why_not_shared()):
+            raise ValueError(f"engine.share_weights=true: {why}")
         if r.exact_logprobs and self.train.bf16_autocast:
             raise ValueError("rollout.exact_logprobs reports the trainer's logprobs as the sampler's, which holds only "
                              "when both compute with the same numbers: train.bf16_autocast computes the trainer's "
@@ -590,6 +597,26 @@ class Config(_Section):
                              "correction: set algo.use_rollout_logprobs=true (the ratio against the rollout's own "
                              "logprobs), or algo.tis_cap / mis_low / mis_high; or resumed_tokens='mask'")
         return self
+
+    def why_not_shared(self, world: int = 1) -> str | None:
+        """Why the embedded engine cannot decode from the trainer's own parameters (engine.share_weights),
+        or None: it decodes while nothing else changes them, from the same numbers, in one process."""
+        e = self.engine
+        if e.kind != "embedded":
+            return f"engine.kind={e.kind!r} runs in servers of its own"
+        if self.rollout.mode != "sync":
+            return (f"rollout.mode={self.rollout.mode!r} generates while the trainer changes its weights: the engine "
+                    "needs a copy that changes only at an update")
+        if e.dtype not in ("auto", self.model.dtype):
+            return f"engine.dtype={e.dtype!r} decodes from a {e.dtype} copy of the {self.model.dtype} weights"
+        if not e.fast_decode:
+            return ("engine.fast_decode=false runs the model's own forward, which would run in the trainer's "
+                    "train mode")
+        if self.data.samples:
+            return f"data.samples={self.data.samples!r} replays samples: there is no engine"
+        if world > 1:
+            return f"{world} processes split or replicate the trainer's weights; the engine on rank 0 needs them whole"
+        return None
 
 
 def _deep_merge(base: dict, over: dict) -> dict:

@@ -13,11 +13,12 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from strop.config import Config
+from strop.config import Config, ConfigError
 from strop.data.sources import (DataError, PromptRow, PromptSampler, PromptSet, _row_from_record, held_out,
                                 read_prompt_file, reasoning_gym_rows)
 from strop.engines.base import Engine
 from strop.engines.embedded import EmbeddedEngine
+from strop.engines.kvdecode import unsupported_reason
 from strop.parallel.collectives import resolve_bucket_bytes
 from strop.parallel.runtime import Control, device_mesh_groups, parallel_layout, tensor_parallel_mesh
 from strop.observe.tracking import require_trackers
@@ -182,11 +183,21 @@ def prepare(cfg: Config, device: torch.device, controller: bool = True, resume: 
     if (weights or why) and dist.get_rank() == 0:  # (split: several ranks, so a process group)
         print("strop: trainer weights: " + (f"each rank reads only its own slices of {weights}" if weights else
                                             f"every rank loads the whole model before it is split: {why}"), flush=True)
-    if controller and cfg.engine.kind == "embedded" and not replay:  # the engine's copy, before the trainer shards
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if cfg.engine.share_weights and (why := cfg.why_not_shared(world)):
+        raise ConfigError(f"engine.share_weights=true: {why}")
+    shared = (cfg.engine.share_weights is not False and cfg.why_not_shared(world) is None and not replay
+              and not weights and unsupported_reason(policy) is None)
+    if controller and cfg.engine.kind == "embedded" and shared:  # the trainer's own module: no copy
+        engine_model = policy
+    elif controller and cfg.engine.kind == "embedded" and not replay:  # the engine's copy, before the trainer shards
         engine_model = (load_model(model_path, dtype=dtype) if weights else copy.deepcopy(policy)).to(device)
         if cfg.engine.dtype != "auto":  # (bf16 decoding beside an fp32 trainer: updates are cast as they load)
             engine_model.to(dtype=getattr(torch, cfg.engine.dtype))
         engine_model.requires_grad_(False)
+    if cfg.engine.share_weights and controller and engine_model is not policy:
+        raise ConfigError(f"engine.share_weights=true: strop's fast decoder cannot run this model "
+                          f"({unsupported_reason(policy)}), and the fallback runs the model's own forward")
     return _Prepared(policy, model_path, tokenizer, hooks, reward_fn, train_rows, eval_rows or None, engine_model,
                      replay, tools, weights)
 
@@ -286,7 +297,8 @@ def _controller_parts(cfg: Config, p: _Prepared, trainer: Trainer, device: torch
         engine, servers = EmbeddedEngine(p.engine_model, pad_token_id=tokenizer.pad_token_id,
                                          default_stop_token_ids=stop_ids, max_batch_size=r.max_batch_size,
                                          context_window=context_window, seed=r.seed,
-                                         fast_decode=cfg.engine.fast_decode), []
+                                         fast_decode=cfg.engine.fast_decode,
+                                         shared=p.engine_model is p.policy), []
     else:
         engine, servers = remote_engine(cfg, p.model_path, run_dir, probe_ids=train_prompts.prompt_ids[0],
                                         device=device)

@@ -227,3 +227,49 @@ def test_a_reward_error_fails_only_its_samples_and_is_written_down(tiny_model_di
     failed = [f for f in failed if f["group_id"] >= 0]  # (held-out prompts, group ids < 0, fail the same way)
     assert len(failed) == per_step * len(steps) and all("no verifier" in f["error"] for f in failed)
     assert all(f["index"] == 0 and f["stage"] == "reward" for f in failed)
+
+
+def _step_numbers(run_dir):
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    timing = ("seconds", "per_s", "rss", "memory", "gib")
+    return [{k: v for k, v in r.items() if not any(t in k for t in timing)} for r in rows]
+
+
+def test_an_engine_decoding_from_the_trainers_own_weights_changes_no_number(tiny_model_dir, tmp_path, capsys):
+    """engine.share_weights (default in sync mode, one process): the engine holds no copy of the weights (its
+    parameters are the trainer's tensors), and every logged number and the final weights equal a run whose
+    engine keeps its own copy: the fast decoder refreshes what it fused from the weights the optimizer changed."""
+    from strop.setup import build
+
+    c = build(build_config(overrides=tiny_overrides(tiny_model_dir, tmp_path / "built")))
+    try:
+        engine_ptrs = {p.data_ptr() for p in c.engine.model.parameters()}
+        assert engine_ptrs == {p.data_ptr() for p in c.trainer.model.parameters()}
+    finally:
+        c.close()
+    for share in (False, None):
+        cfg = tiny_overrides(tiny_model_dir, tmp_path / str(share), engine={"share_weights": share},
+                             run={"plot": False})
+        assert train(build_config(overrides=cfg))["steps"] == 2
+    assert "from the trainer's own weights" in capsys.readouterr().out
+    copied, shared = _step_numbers(tmp_path / "False"), _step_numbers(tmp_path / "None")
+    assert copied == shared and len(copied) == 5  # evaluations at 0, 1, 2 and two steps
+    from safetensors.torch import load_file
+
+    a, b = load_file(tmp_path / "False" / "final" / "model.safetensors"), \
+        load_file(tmp_path / "None" / "final" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"rollout": {"mode": "one_step_off", "max_staleness": 1}}, "generates while the trainer changes its weights"),
+    ({"engine": {"dtype": "bfloat16"}}, "decodes from a bfloat16 copy"),
+    ({"engine": {"fast_decode": False}}, "train mode"),
+])
+def test_sharing_the_trainers_weights_where_it_cannot_work_is_refused(tiny_model_dir, tmp_path, overrides, message):
+    from strop.config import ConfigError
+
+    cfg = tiny_overrides(tiny_model_dir, tmp_path / "run", **overrides)
+    cfg["engine"] = {**cfg.get("engine", {}), "share_weights": True}
+    with pytest.raises(ConfigError, match=f"engine.share_weights=true: .*{message}"):
+        build_config(overrides=cfg)

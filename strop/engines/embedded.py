@@ -83,12 +83,17 @@ class EmbeddedEngine:
         seed: int = 0,
         batch_wait_s: float = 0.0,
         fast_decode: bool = True,
+        shared: bool = False,
     ):
         """``batch_wait_s``: before a batch starts, wait while requests keep arriving (each wait this
         long, at most 40) so requests sent together over a network form one batch.
         ``fast_decode=False`` forces the fallback path (Hugging Face forward, static batches), the
-        engine as it was before :mod:`strop.engines.kvdecode`; benchmarks compare the two."""
-        self.model = model.eval()
+        engine as it was before :mod:`strop.engines.kvdecode`; benchmarks compare the two.
+        ``shared``: ``model`` is the trainer's own module (engine.share_weights): its train/eval mode
+        stays the trainer's (the fast decoder, which ``shared`` needs, reads the weights, never the
+        mode), and an update that hands back these very tensors copies nothing."""
+        self.shared = shared
+        self.model = model if shared else model.eval()
         self.pad_token_id = pad_token_id
         self.default_stop_token_ids = list(default_stop_token_ids)
         self.max_batch_size = max_batch_size
@@ -116,9 +121,13 @@ class EmbeddedEngine:
         self._receiving = False  # a bucket of the session is being received
         self._digest = None  # the open session's StreamDigest
         reason = unsupported_reason(model) if fast_decode else "fast_decode=False"
+        if shared and reason is not None:
+            raise ValueError(f"an engine sharing the trainer's weights needs the fast decoder: {reason}")
         self._fast = LlamaDecoder(model) if reason is None else None
         self.decode_path = ("kv-cache decoder (shared prefixes, continuous batching)" if reason is None
                             else f"transformers forward with DynamicCache, static batches ({reason})")
+        if shared:
+            self.decode_path += ", from the trainer's own weights (engine.share_weights: no copy)"
 
     # ---- the async interface -------------------------------------------------------------
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams,
@@ -345,6 +354,13 @@ class EmbeddedEngine:
     def _copy_in(self, state_dict, strict: bool) -> None:
         """``load_state_dict``; sharded weights (strop.parallel.gather) a bucket at a time, as gathered."""
         if not hasattr(state_dict, "gather"):
+            if self.shared:  # the trainer's tensors are the engine's: copy only what is not already them
+                own = self.model.state_dict()
+                if strict and set(own) != set(state_dict):
+                    raise RuntimeError(f"weight update: missing {sorted(set(own) - set(state_dict))[:5]}, "
+                                       f"unexpected {sorted(set(state_dict) - set(own))[:5]}")
+                state_dict = {k: t for k, t in state_dict.items() if k not in own or t.data_ptr() != own[k].data_ptr()}
+                strict = False
             self.model.load_state_dict(state_dict, strict)
             return
         from strop.engines.weights import in_buckets
