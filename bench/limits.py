@@ -12,7 +12,7 @@ a fraction of the bound that applies is what compares across them. The bounds:
 ``flops_per_token`` counts the matmuls: 2 x the parameters that multiply (every linear layer and the output
 projection, tied or not; not the embedding lookup) + attention's 4 x layers x context x hidden.
 
-    python bench/limits.py          # prints this machine's figures
+    python bench/limits.py [cuda]   # prints this machine's figures (or its GPU's)
 """
 
 from __future__ import annotations
@@ -28,44 +28,58 @@ class Limits:
     flops: dict[str, float]  # dtype name -> matmul FLOP/s (best of several rounds)
     read_bytes_per_s: float  # memory read bandwidth (a reduction over a tensor far larger than the caches)
     threads: int
+    device: str = "cpu"
 
     def describe(self) -> str:
-        return (f"this machine ({self.threads} torch threads): matmul {self.flops['float32'] / 1e9:.0f} GFLOP/s fp32, "
+        where = f"this machine ({self.threads} torch threads)" if self.device == "cpu" else f"this {self.device}"
+        return (f"{where}: matmul {self.flops['float32'] / 1e9:.0f} GFLOP/s fp32, "
                 f"{self.flops['bfloat16'] / 1e9:.0f} GFLOP/s bf16; memory read {self.read_bytes_per_s / 1e9:.1f} GB/s")
 
 
-def matmul_flops(dtype: torch.dtype, n: int = 1024, rounds: int = 5, seconds: float = 0.5) -> float:
+def _now(device: torch.device) -> float:
+    if device.type == "cuda":  # (kernels run asynchronously: time what has finished)
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def matmul_flops(dtype: torch.dtype, n: int = 1024, rounds: int = 5, seconds: float = 0.5, device="cpu") -> float:
     """Best FLOP/s of an (n, n) x (n, n) matmul in ``dtype`` over ``rounds`` timed rounds of about ``seconds``."""
-    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-    out = torch.empty(n, n, dtype=dtype)
+    device = torch.device(device)
+    n = n if device.type == "cpu" else 8192  # (a GPU needs a larger product to reach its rate)
+    a, b = torch.randn(n, n, device=device).to(dtype), torch.randn(n, n, device=device).to(dtype)
+    out = torch.empty(n, n, dtype=dtype, device=device)
     torch.mm(a, b, out=out)  # (warm-up: packing, thread pool)
-    t = time.perf_counter()
+    t = _now(device)
     torch.mm(a, b, out=out)
-    reps = max(1, int(seconds / max(time.perf_counter() - t, 1e-6)))
+    reps = max(1, int(seconds / max(_now(device) - t, 1e-6)))
     best = 0.0
     for _ in range(rounds):
-        t = time.perf_counter()
+        t = _now(device)
         for _ in range(reps):
             torch.mm(a, b, out=out)
-        best = max(best, 2 * n ** 3 * reps / (time.perf_counter() - t))
+        best = max(best, 2 * n ** 3 * reps / (_now(device) - t))
     return best
 
 
-def read_bandwidth(mib: int = 512, rounds: int = 5) -> float:
+def read_bandwidth(mib: int = 512, rounds: int = 5, device="cpu") -> float:
     """Best bytes/s of summing a ``mib`` MiB fp32 tensor (read once per round)."""
-    x = torch.ones(mib << 18)  # (4 bytes each)
+    device = torch.device(device)
+    mib = mib if device.type == "cpu" else 4096
+    x = torch.ones(mib << 18, device=device)  # (4 bytes each)
     x.sum()
     best = 0.0
     for _ in range(rounds):
-        t = time.perf_counter()
+        t = _now(device)
         x.sum()
-        best = max(best, x.numel() * 4 / (time.perf_counter() - t))
+        best = max(best, x.numel() * 4 / (_now(device) - t))
     return best
 
 
-def measure() -> Limits:
-    return Limits({"float32": matmul_flops(torch.float32), "bfloat16": matmul_flops(torch.bfloat16)},
-                  read_bandwidth(), torch.get_num_threads())
+def measure(device="cpu") -> Limits:
+    """Matmul rates and read bandwidth of ``device`` (this CPU by default, or a GPU)."""
+    return Limits({"float32": matmul_flops(torch.float32, device=device),
+                   "bfloat16": matmul_flops(torch.bfloat16, device=device)},
+                  read_bandwidth(device=device), torch.get_num_threads(), str(device))
 
 
 def model_shape(model) -> dict:
@@ -97,4 +111,6 @@ def train_bound_seconds(shape: dict, tokens: int, limits: Limits, dtype: str = "
 
 
 if __name__ == "__main__":
-    print(measure().describe())
+    import sys
+
+    print(measure(sys.argv[1] if len(sys.argv) > 1 else "cpu").describe())

@@ -58,6 +58,8 @@ def strop_side(args, out: Path) -> None:
                f"--rollout.max_new_tokens={s['max_new_tokens']}", f"--rollout.exact_logprobs={str(args.exact).lower()}"]
         if args.dtype == "bfloat16":
             cmd += ["--train.bf16_autocast=true", "--engine.dtype=bfloat16"]
+        if args.device != "cpu":
+            cmd += [f"--run.device={args.device}"]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
         rows = [json.loads(x) for x in (Path(d) / "run" / "metrics.jsonl").read_text().splitlines() if x.strip()]
     rows = [r for r in rows if "step_seconds" in r]
@@ -65,7 +67,8 @@ def strop_side(args, out: Path) -> None:
         "step_seconds": [r["step_seconds"] for r in rows],
         "generation_seconds": [r["rollout_seconds"] for r in rows],
         "generated_tokens": [r["response_length_mean"] * PROMPTS_PER_STEP * SAMPLES_PER_PROMPT for r in rows],
-        "peak_rss_gib": max(r.get("peak_rss_gib", 0.0) for r in rows),
+        "peak_rss_gib": max(r.get("cuda_peak_allocated_gib" if args.device != "cpu" else "peak_rss_gib", 0.0)
+                            for r in rows),
         "logprob_gap": [r.get("train_rollout_logprob_abs_diff") for r in rows],
         "train_seconds": [r["train_seconds"] for r in rows],
         "train_tokens": [r["train_tokens_per_s"] * r["train_seconds"] for r in rows],
@@ -138,7 +141,8 @@ def trl_side(args, out: Path) -> None:
             per_device_train_batch_size=s["micro_batch_size"],
             gradient_accumulation_steps=batch // s["micro_batch_size"], num_generations=SAMPLES_PER_PROMPT,
             max_completion_length=s["max_new_tokens"], temperature=s["temperature"], top_p=1.0, top_k=0,
-            beta=0.0, num_iterations=1, shuffle_dataset=False, use_cpu=True, bf16=args.dtype == "bfloat16", fp16=False,
+            beta=0.0, num_iterations=1, shuffle_dataset=False, use_cpu=args.device == "cpu",
+            bf16=args.dtype == "bfloat16", fp16=False,
             gradient_checkpointing=False, logging_steps=1, save_strategy="no", report_to=[], seed=s["seed"],
             dataloader_num_workers=0, log_completions=False)
         trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=conf, train_dataset=data,
@@ -171,7 +175,8 @@ def trl_side(args, out: Path) -> None:
     out.write_text(json.dumps({
         "step_seconds": step_seconds, "generation_seconds": gen_seconds,
         "generated_tokens": [x * batch for x in lengths],
-        "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        "peak_rss_gib": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20 if args.device == "cpu" else
+                         torch.cuda.max_memory_allocated() / 2**30),
     }))
 
 
@@ -181,6 +186,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=None, help="response length limit (default: strop's)")
     ap.add_argument("--precision", nargs="+", choices=["float32", "bfloat16"], default=["float32", "bfloat16"])
     ap.add_argument("--no-exact", action="store_true", help="skip the exact_logprobs column")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda (both sides on the GPU; peak memory is then "
+                    "torch's peak allocated GPU memory, the bounds the GPU's)")
     ap.add_argument("--side", choices=["strop", "trl"], help=argparse.SUPPRESS)
     ap.add_argument("--exact", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
@@ -201,13 +208,13 @@ def main() -> None:
             sides.append((dtype, "strop exact_logprobs", sys.executable, ["--exact"]))
     from limits import measure
 
-    results, limits = {}, [measure()]  # (and again at the end: the bound is the better of the two)
+    results, limits = {}, [measure(args.device)]  # (and again at the end: the bound is the better of the two)
     with tempfile.TemporaryDirectory() as d:
         for dtype, name, py, extra in sides:
             out = Path(d) / "out.json"
             side = "trl" if name.startswith("TRL") else "strop"
             cmd = [py, __file__, "--side", side, "--out", str(out), "--steps", str(args.steps), "--dtype", dtype,
-                   *extra]
+                   "--device", args.device, *extra]
             if args.new_tokens:
                 cmd += ["--new-tokens", str(args.new_tokens)]
             t = time.perf_counter()
@@ -215,7 +222,7 @@ def main() -> None:
             results[dtype, name] = json.loads(out.read_text())
             print(f"  {name} ({dtype}): done in {time.perf_counter() - t:.0f} s", flush=True)
 
-    limits.append(measure())
+    limits.append(measure(args.device))
     print("\n".join(f"{when}: {lim.describe()}" for when, lim in zip(("before", "after"), limits)))
 
     def mean_after_first(xs):

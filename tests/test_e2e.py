@@ -273,3 +273,24 @@ def test_sharing_the_trainers_weights_where_it_cannot_work_is_refused(tiny_model
     cfg["engine"] = {**cfg.get("engine", {}), "share_weights": True}
     with pytest.raises(ConfigError, match=f"engine.share_weights=true: .*{message}"):
         build_config(overrides=cfg)
+
+
+def test_a_model_the_fast_decoder_cannot_run_keeps_its_copy_and_refuses_sharing(tmp_path, tokenizer):
+    """A mixture of experts runs on the fallback decoder, which calls the model's forward: unset, the engine keeps
+    a copy of the weights (in eval mode, the trainer's stays in train mode); set to true, the run is refused."""
+    from strop.config import ConfigError
+    from strop.setup import build
+    from tests.tiny import make_tiny_qwen3_moe
+
+    path = tmp_path / "moe"
+    make_tiny_qwen3_moe().save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    c = build(build_config(overrides=tiny_overrides(path, tmp_path / "auto")))
+    try:
+        assert not {p.data_ptr() for p in c.engine.model.parameters()} & \
+            {p.data_ptr() for p in c.trainer.model.parameters()}
+        assert not c.engine.model.training and c.trainer.model.training
+    finally:
+        c.close()
+    with pytest.raises(ConfigError, match="engine.share_weights=true: strop's fast decoder cannot run this model"):
+        build(build_config(overrides=tiny_overrides(path, tmp_path / "on", engine={"share_weights": True})))
