@@ -1,6 +1,7 @@
 """Generation speed side by side: Hugging Face ``generate``, strop's engine before the KV-cache
 decoder (``fast_decode=False``), strop's engine now, and vLLM's CPU server (when
-``scripts/setup_vllm.sh`` installed it), on the same model, prompts and lengths, fp32.
+``scripts/setup_vllm.sh`` installed it), on the same model, prompts and lengths, all in ``--dtype``
+(fp32 by default) on ``--device`` (the CPU by default; on ``cuda`` there is no vLLM column).
 
 Two workloads:
 - fixed batches (1, 32, 64 rows; distinct chat prompts; exactly ``--new-tokens`` tokens per row,

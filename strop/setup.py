@@ -184,20 +184,18 @@ def prepare(cfg: Config, device: torch.device, controller: bool = True, resume: 
         print("strop: trainer weights: " + (f"each rank reads only its own slices of {weights}" if weights else
                                             f"every rank loads the whole model before it is split: {why}"), flush=True)
     world = dist.get_world_size() if dist.is_initialized() else 1
-    if cfg.engine.share_weights and (why := cfg.why_not_shared(world)):
-        raise ConfigError(f"engine.share_weights=true: {why}")
-    shared = (cfg.engine.share_weights is not False and cfg.why_not_shared(world) is None and not replay
-              and not weights and unsupported_reason(policy) is None)
-    if controller and cfg.engine.kind == "embedded" and shared:  # the trainer's own module: no copy
+    why_not = cfg.why_not_shared(world) or (  # (one process from here on: the policy is loaded whole)
+        f"strop's fast decoder cannot run this model ({reason}), and the fallback runs the model's own forward"
+        if (reason := unsupported_reason(policy)) else None)
+    if cfg.engine.share_weights and why_not:
+        raise ConfigError(f"engine.share_weights=true: {why_not}")
+    if controller and cfg.engine.share_weights is not False and why_not is None:  # the trainer's own module
         engine_model = policy
     elif controller and cfg.engine.kind == "embedded" and not replay:  # the engine's copy, before the trainer shards
         engine_model = (load_model(model_path, dtype=dtype) if weights else copy.deepcopy(policy)).to(device)
         if cfg.engine.dtype != "auto":  # (bf16 decoding beside an fp32 trainer: updates are cast as they load)
             engine_model.to(dtype=getattr(torch, cfg.engine.dtype))
         engine_model.requires_grad_(False)
-    if cfg.engine.share_weights and controller and engine_model is not policy:
-        raise ConfigError(f"engine.share_weights=true: strop's fast decoder cannot run this model "
-                          f"({unsupported_reason(policy)}), and the fallback runs the model's own forward")
     return _Prepared(policy, model_path, tokenizer, hooks, reward_fn, train_rows, eval_rows or None, engine_model,
                      replay, tools, weights)
 

@@ -352,24 +352,19 @@ class EmbeddedEngine:
         return self.weight_version
 
     def _copy_in(self, state_dict, strict: bool) -> None:
-        """``load_state_dict``; sharded weights (strop.parallel.gather) a bucket at a time, as gathered."""
+        """``load_state_dict``; sharded weights (strop.parallel.gather) a bucket at a time, as gathered; with
+        ``shared``, only the tensors that are not already the engine's own (none, from the trainer)."""
+        own = self.model.state_dict()
+        if strict and set(own) != set(state_dict):  # (before anything is copied: the old weights stay whole)
+            raise RuntimeError(f"weight update: missing {sorted(set(own) - set(state_dict))[:5]}, "
+                               f"unexpected {sorted(set(state_dict) - set(own))[:5]}")
         if not hasattr(state_dict, "gather"):
-            if self.shared:  # the trainer's tensors are the engine's: copy only what is not already them
-                own = self.model.state_dict()
-                if strict and set(own) != set(state_dict):
-                    raise RuntimeError(f"weight update: missing {sorted(set(own) - set(state_dict))[:5]}, "
-                                       f"unexpected {sorted(set(state_dict) - set(own))[:5]}")
+            if self.shared:
                 state_dict = {k: t for k, t in state_dict.items() if k not in own or t.data_ptr() != own[k].data_ptr()}
-                strict = False
-            self.model.load_state_dict(state_dict, strict)
+            self.model.load_state_dict(state_dict, strict=False)
             return
         from strop.engines.weights import in_buckets
 
-        if strict:  # (checked before anything is copied: a failed update leaves the old weights whole)
-            own, given = set(self.model.state_dict()), set(state_dict)
-            if own != given:
-                raise RuntimeError(f"weight update: missing {sorted(own - given)[:5]}, "
-                                   f"unexpected {sorted(given - own)[:5]}")
         for part in in_buckets(state_dict, list(state_dict), self.update_bucket_bytes):
             self.model.load_state_dict(part, strict=False)
 
