@@ -246,3 +246,56 @@ def test_qwen3_decodes_on_the_fast_path_as_the_transformers_path_does(tiny_qwen3
     for prompt, out in zip(sampled, outs):
         torch.testing.assert_close(torch.tensor(out.logprobs), full_forward_logprobs(tiny_qwen3, prompt, out, 0.8),
                                    rtol=0, atol=1e-5)  # the trainer-vs-engine gap of issue 23
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prepacked_weights_change_no_token_and_no_logprob(tiny_model, dtype, monkeypatch):
+    """The decoder keeps its linears pre-packed where this CPU has a packed kernel (MKL's for fp32,
+    oneDNN's for bf16); tokens and logprobs must be bitwise those of plain F.linear, with rows
+    joining and leaving (several packed row counts) and a prefill whose row count is not the
+    packed one."""
+    import copy
+
+    model = copy.deepcopy(tiny_model).to(dtype)
+    packs = []
+    real = kvdecode._Linear.pack
+    monkeypatch.setattr(kvdecode._Linear, "pack", lambda self, rows: packs.append(rows) or real(self, rows))
+    prompts = PROMPTS * 2
+    sps = [SamplingParams(temperature=0.9, max_new_tokens=4 + 3 * i, seed=i, stop_token_ids=[-1])
+           for i in range(len(prompts))]
+    outs = {}
+    for prepack in (True, False):
+        e = engine(model, max_batch_size=4)
+        e._fast.prepack = prepack and e._fast.prepack
+        outs[prepack] = e.generate_batch(prompts, sps)
+    can = kvdecode._can_pack(model.model.embed_tokens.weight)
+    assert (len(set(packs)) > 1) == can  # packed, for several row counts, exactly where the CPU can
+    for a, b in zip(outs[True], outs[False]):
+        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+
+
+def test_all_of_an_engines_model_work_runs_on_its_one_thread(tiny_model):
+    """Decode steps and weight loads handed off the event loop run on the engine's own single thread.
+    A pool would spread them over several threads, and on a CPU each thread that calls torch gets its
+    own OpenMP team, whose idle spinning slowed rollouts on 2 cores by 1.2-2.6x."""
+    import copy
+    import threading
+
+    model = copy.deepcopy(tiny_model)
+    e = engine(model, max_batch_size=4)
+    steps, loads = [], []
+    real_step, real_load = e._fast.step, e._load
+    e._fast.step = lambda *a: steps.append(threading.get_ident()) or real_step(*a)
+    e._load = lambda *a: loads.append(threading.get_ident()) or real_load(*a)
+    new = {k: v + 0.01 for k, v in model.state_dict().items()}
+
+    async def main():
+        for round in range(3):
+            await asyncio.gather(*[e.generate(p, SamplingParams(max_new_tokens=6 + i, seed=i, stop_token_ids=[-1]))
+                                   for i, p in enumerate(PROMPTS * 3)])
+            await e.update_weights(new, version=round + 1)
+
+    asyncio.run(main())
+    assert len(steps) > 30 and len(loads) == 3
+    assert set(steps) == set(loads) and len(set(steps)) == 1
+    assert threading.get_ident() not in steps
