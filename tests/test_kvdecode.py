@@ -299,3 +299,65 @@ def test_all_of_an_engines_model_work_runs_on_its_one_thread(tiny_model):
     assert len(steps) > 30 and len(loads) == 3
     assert set(steps) == set(loads) and len(set(steps)) == 1
     assert threading.get_ident() not in steps
+
+
+def _os_threads() -> int:
+    import os
+
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="one torch thread: no OpenMP workers to free")
+def test_release_threads_frees_the_calling_threads_openmp_workers():
+    """A thread's parallel torch op gives it OpenMP workers for the thread's life; releasing frees
+    them (counted as the process's OS threads) and the next op brings them back."""
+    import threading
+
+    from strop.openmp import release_threads
+
+    counts = []
+
+    def work():
+        torch.ones(1 << 24).add_(1).sum()  # large enough to run in parallel
+        counts.append(_os_threads())
+        counts.append(release_threads())
+        counts.append(_os_threads())
+        torch.ones(1 << 24).add_(1).sum()
+        counts.append(_os_threads())
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    with_pool, released, without, again = counts
+    assert released is True
+    assert without <= with_pool - (torch.get_num_threads() - 1) and again == with_pool
+
+
+def test_the_engine_thread_and_the_waiting_caller_free_their_openmp_pools(tiny_model, monkeypatch):
+    """Only the thread that works keeps its OpenMP pool: the engine's thread frees its own when the
+    engine goes idle, and a thread waiting on the run's event loop frees its own before it waits."""
+    import threading
+
+    from strop.engines import embedded
+    from strop.rollout import event_loop
+
+    freed = []
+    monkeypatch.setattr(embedded, "release_threads", lambda: freed.append(("engine", threading.get_ident())))
+    monkeypatch.setattr(event_loop, "release_threads", lambda: freed.append(("caller", threading.get_ident())))
+    e = engine(tiny_model, max_batch_size=4)
+    steps = []
+    real_step = e._fast.step
+    e._fast.step = lambda *a: steps.append(threading.get_ident()) or real_step(*a)
+    async def rollout():
+        return await asyncio.gather(*[e.generate(p, GREEDY) for p in PROMPTS])
+
+    loop = event_loop.EventLoopThread(timeout_s=60)
+    try:
+        for _ in range(2):
+            loop.run(rollout())
+            e._worker.submit(lambda: None).result()  # whatever the idle engine queued has run
+    finally:
+        loop.close(10)
+    assert freed.count(("caller", threading.get_ident())) == 2
+    engine_side = [who for kind, who in freed if kind == "engine"]
+    assert len(engine_side) == 2 and set(engine_side) == set(steps)

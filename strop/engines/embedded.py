@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from strop.engines.kvdecode import Batch, LlamaDecoder, Row, unsupported_reason
+from strop.openmp import release_threads
 from strop.types import Completion, SamplingParams
 
 
@@ -244,11 +245,14 @@ class EmbeddedEngine:
             finally:
                 # idle or paused: free the fused and packed weights until the next batch (never under
                 # a running generate_batch)
-                if (not self._pending or self._paused) and self._lock.acquire(blocking=False):
-                    try:
-                        self._fast.release()
-                    finally:
-                        self._lock.release()
+                if not self._pending or self._paused:
+                    # and the engine thread's OpenMP pool: the trainer's works while this one waits (strop.openmp)
+                    self._worker.submit(release_threads)
+                    if self._lock.acquire(blocking=False):
+                        try:
+                            self._fast.release()
+                        finally:
+                            self._lock.release()
         self._kick()  # requests that arrived while the last rows finished
 
     def _rows(self, requests: list[_Request]) -> list[Row]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import threading
 
+from strop.openmp import release_threads
+
 
 class EventLoopThread:
     """An asyncio loop running in a daemon thread; the caller's thread hands it coroutines with :meth:`run`."""
@@ -20,6 +22,7 @@ class EventLoopThread:
         one given at start). A wait that ends without the result (time out, a signal) cancels the coroutine."""
         timeout_s = timeout_s or self.timeout_s
         future = asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+        release_threads()  # the caller waits: its OpenMP pool would only slow the engine's down (strop.openmp)
         try:
             return future.result(timeout=timeout_s)
         except TimeoutError:
