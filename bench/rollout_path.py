@@ -15,11 +15,15 @@ The workload is the quickstart's rollout: 8 prompts x 8 samples, up to 48 new to
 Each concurrent column keeps one event loop for all its repeats, as a run keeps one for all its
 steps.
 
+``--second-pool`` then measures ``generate_batch`` with a second, idle OpenMP pool alive in another
+thread (what the trainer's thread holds during a rollout unless it frees it), and again after that
+thread freed it with ``strop.openmp.release_threads`` (what strop does now).
+
 ``--churn GB`` then allocates and frees GB of memory three times (what a training step does to
 the process's heap) and measures every column again: on a VM this machine's kind, the decode
 after such a churn runs slower, with idle and stolen CPU time rising (printed from /proc/stat).
 
-    python bench/rollout_path.py [--repeats 2] [--dtype float32] [--churn 3]
+    python bench/rollout_path.py [--repeats 2] [--dtype float32] [--second-pool] [--churn 3]
 """
 
 from __future__ import annotations
@@ -45,6 +49,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--churn", type=float, default=0.0, metavar="GB",
                     help="after the first round, allocate and free this much memory three times, then measure again")
+    ap.add_argument("--second-pool", action="store_true",
+                    help="also measure generate_batch beside a second idle OpenMP pool, then with it freed")
     args = ap.parse_args()
 
     import logging
@@ -111,6 +117,32 @@ def main() -> None:
                       + (f" (idle {d[3]:.1f} s, stolen {d[7]:.1f} s)" if d else ""), flush=True)
 
     measure("fresh process")
+    if args.second_pool:
+        import threading
+
+        from strop.openmp import release_threads
+
+        go_free, freed, done = threading.Event(), threading.Event(), threading.Event()
+
+        def holder():
+            torch.ones(1 << 24).add_(1).sum()  # a parallel op: this thread now holds an OpenMP pool
+            go_free.wait()
+            release_threads()
+            freed.set()
+            done.wait()
+
+        t = threading.Thread(target=holder, daemon=True)
+        t.start()
+        time.sleep(1)
+        saved = columns
+        columns = {"generate_batch": batch}
+        measure("second pool alive")
+        go_free.set()
+        freed.wait()
+        measure("second pool freed")
+        columns = saved
+        done.set()
+        t.join()
     if args.churn:
         for _ in range(3):
             held = [torch.ones(64 << 20) for _ in range(max(1, int(args.churn * 4)))]  # 256 MB each, touched
@@ -119,13 +151,13 @@ def main() -> None:
 
     print(f"\n{args.dtype}, 8 prompts x 8 samples, up to {args.new_tokens} new tokens; mean of {args.repeats}, "
           "interleaved; CPU idle and stolen seconds of the whole machine during each rollout\n")
-    print("| phase | column | tok/s | seconds | idle s | stolen s | vs engine thread |")
+    print("| phase | column | tok/s | seconds | idle s | stolen s | time vs the phase's first column |")
     print("|---|---|---|---|---|---|---|")
     for phase, got in results.items():
-        ref = statistics.mean(r[1] for r in got["generate, engine thread"])
+        ref = statistics.mean(r[1] for r in next(iter(got.values())))
         for name, runs in got.items():
             m = [statistics.mean(r[i] for r in runs) for i in range(4)]
-            print(f"| {phase} | {name} | {m[0]:.0f} | {m[1]:.2f} | {m[2]:.1f} | {m[3]:.1f} | {m[1] / ref:.2f}x time |")
+            print(f"| {phase} | {name} | {m[0]:.0f} | {m[1]:.2f} | {m[2]:.1f} | {m[3]:.1f} | {m[1] / ref:.2f}x |")
 
 
 if __name__ == "__main__":
