@@ -15,9 +15,10 @@ The workload is the quickstart's rollout: 8 prompts x 8 samples, up to 48 new to
 Each concurrent column keeps one event loop for all its repeats, as a run keeps one for all its
 steps.
 
-``--second-pool`` then measures ``generate_batch`` with a second, idle OpenMP pool alive in another
-thread (what the trainer's thread holds during a rollout unless it frees it), and again after that
-thread freed it with ``strop.openmp.release_threads`` (what strop does now).
+``--second-pool`` first measures ``generate_batch`` alone, then with a second, idle OpenMP pool
+alive in another thread (what the trainer's thread holds during a rollout unless it frees it), then
+after that thread freed it with ``strop.openmp.release_threads`` (what strop does now); before the
+columns above run, since the pool column leaves pools of its own behind.
 
 ``--churn GB`` then allocates and frees GB of memory three times (what a training step does to
 the process's heap) and measures every column again: on a VM this machine's kind, the decode
@@ -116,7 +117,6 @@ def main() -> None:
                 print(f"  {phase} {name}: {tokens} tokens in {secs:.2f} s, {tokens / secs:.0f} tok/s"
                       + (f" (idle {d[3]:.1f} s, stolen {d[7]:.1f} s)" if d else ""), flush=True)
 
-    measure("fresh process")
     if args.second_pool:
         import threading
 
@@ -131,11 +131,12 @@ def main() -> None:
             freed.set()
             done.wait()
 
+        saved = columns
+        columns = {"generate_batch": batch}
+        measure("one pool (this thread's)")
         t = threading.Thread(target=holder, daemon=True)
         t.start()
         time.sleep(1)
-        saved = columns
-        columns = {"generate_batch": batch}
         measure("second pool alive")
         go_free.set()
         freed.wait()
@@ -143,6 +144,7 @@ def main() -> None:
         columns = saved
         done.set()
         t.join()
+    measure("all columns")
     if args.churn:
         for _ in range(3):
             held = [torch.ones(64 << 20) for _ in range(max(1, int(args.churn * 4)))]  # 256 MB each, touched
