@@ -17,6 +17,8 @@ freed, 0.1-0.2 s idle, as with no second pool at all.
 from __future__ import annotations
 
 import ctypes
+import functools
+from concurrent.futures import ThreadPoolExecutor
 
 _lib: ctypes.CDLL | None = None
 
@@ -47,3 +49,26 @@ def release_threads() -> bool:
     ``omp_pause_resource_all``)."""
     lib = _libgomp()
     return lib is not None and lib.omp_pause_resource_all(1) == 0  # omp_pause_soft
+
+
+def releasing(fn):
+    """``fn`` that frees its thread's OpenMP pool when it returns: for torch work handed to a thread
+    that then waits (a pool thread of an event loop), so its pool does not stay beside the working one."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            release_threads()
+
+    return run
+
+
+class ReleasingThreadPool(ThreadPoolExecutor):
+    """A thread pool whose threads free their OpenMP pool after every piece of work: the run's event
+    loop's default executor, where ``asyncio.to_thread`` hands off torch work (filling weight buckets,
+    writing and hashing weights) that would otherwise leave a pool alive per thread."""
+
+    def submit(self, fn, /, *args, **kwargs):
+        return super().submit(releasing(fn), *args, **kwargs)

@@ -361,3 +361,26 @@ def test_the_engine_thread_and_the_waiting_caller_free_their_openmp_pools(tiny_m
     assert freed.count(("caller", threading.get_ident())) == 2
     engine_side = [who for kind, who in freed if kind == "engine"]
     assert len(engine_side) == 2 and set(engine_side) == set(steps)
+
+
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="one torch thread: no OpenMP workers to free")
+def test_the_run_loops_worker_threads_free_their_openmp_pools_after_each_piece_of_work():
+    """Torch work handed off with asyncio.to_thread (weight buckets, checksums) leaves no OpenMP pool
+    behind on the run's event loop's threads."""
+    from strop.rollout.event_loop import EventLoopThread
+
+    def work():
+        torch.ones(1 << 24).add_(1).sum()
+        return _os_threads()
+
+    async def hand_off():
+        during = await asyncio.to_thread(work)
+        await asyncio.sleep(0.05)
+        return during, _os_threads()
+
+    loop = EventLoopThread(timeout_s=60)
+    try:
+        during, after = loop.run(hand_off())
+    finally:
+        loop.close(10)
+    assert after <= during - (torch.get_num_threads() - 1)

@@ -41,6 +41,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from strop.engines.embedded import PAUSE_MODES, EmbeddedEngine, RequestError
 from strop.engines.http import EngineVersionError, parse_weight_version, state_checksum, tensor_digest
+from strop.openmp import release_threads, releasing
 from strop.types import Completion, SamplingParams
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -457,8 +458,8 @@ def create_app(engine: EmbeddedEngine, *, tokenizer=None, token: str | None = No
                                 "--weights-dir DIR (the folder the trainer writes weights to)")
         own = engine.model.state_dict()
         try:
-            state = await asyncio.to_thread(load_weights_dir, body.model_path, engine.device, weights_dir)
-            await asyncio.to_thread(_check_state, state, own, body.digests)
+            state = await asyncio.to_thread(releasing(load_weights_dir), body.model_path, engine.device, weights_dir)
+            await asyncio.to_thread(releasing(_check_state), state, own, body.digests)
         except PermissionError as exc:
             raise HTTPException(status_code=403, detail=f"update_weights_from_disk: {exc}") from exc
         except (OSError, ValueError) as exc:
@@ -467,7 +468,7 @@ def create_app(engine: EmbeddedEngine, *, tokenizer=None, token: str | None = No
             await engine.abort_all()
         version = await engine.update_weights(state, version=body.weight_version, strict=body.digests is None)
         return {"success": True, "message": "weights loaded", "weight_version": version,
-                "checksum": await asyncio.to_thread(state_checksum, state)}
+                "checksum": await asyncio.to_thread(releasing(state_checksum), state)}
 
     groups: dict[str, Any] = {}
 
@@ -783,4 +784,5 @@ def serve(model_path: str, *, host: str = "127.0.0.1", port: int = 30000, token:
                      weights_dir=weights_dir)
     print(f"strop serve: {model_path} on http://{host}:{port} (device {engine.device}; "
           f"{engine.decode_path})", flush=True)
+    release_threads()  # this thread runs the event loop from here on; the engine's thread decodes (strop.openmp)
     uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)

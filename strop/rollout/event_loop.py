@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from strop.openmp import release_threads
+from strop.openmp import ReleasingThreadPool, release_threads
 
 
 class EventLoopThread:
@@ -14,6 +14,8 @@ class EventLoopThread:
     def __init__(self, timeout_s: float, name: str = "strop-rollout"):
         self.timeout_s = timeout_s
         self.loop = asyncio.new_event_loop()
+        # work handed to threads (asyncio.to_thread) frees their OpenMP pools after it (strop.openmp)
+        self.loop.set_default_executor(ReleasingThreadPool(thread_name_prefix=f"{name}-pool"))
         self.thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
         self.thread.start()
 
