@@ -10,8 +10,8 @@ the trainer's and the embedded engine's. Whichever is about to wait for the othe
 op), so the one working keeps a team that spins.
 
 Measured on 2 cores (bench/rollout_path.py): a 64-row rollout decoded while a second, idle pool
-was alive spent 3.8-4.4 s of CPU idle per rollout and ran 1.1-1.25x longer; with that pool
-freed, 0.1-0.2 s idle, as with no second pool at all.
+was alive spent 4.5-6.5 s of CPU idle per rollout and ran 1.17-1.34x longer; with that pool
+freed, 0.2 s idle, as with no second pool at all.
 """
 
 from __future__ import annotations
@@ -20,18 +20,20 @@ import ctypes
 import functools
 from concurrent.futures import ThreadPoolExecutor
 
-_lib: ctypes.CDLL | None = None
+_lib: ctypes.CDLL | None | bool = None  # None: not looked for yet; False: looked for, none usable
 
 
 def _libgomp() -> ctypes.CDLL | None:
-    """The libgomp this process loaded (torch's own copy), or None (another OpenMP runtime, or none yet)."""
+    """The libgomp this process loaded (torch's own copy), or None (another OpenMP runtime, or not
+    Linux). Looked for once: it is called after every piece of handed-off work."""
     global _lib
     if _lib is None:
+        _lib = False
         try:
             with open("/proc/self/maps") as f:
                 paths = sorted({line.split()[-1] for line in f if "/libgomp" in line})
         except OSError:  # not Linux: nothing to do
-            return None
+            paths = []
         for path in paths:
             try:
                 lib = ctypes.CDLL(path)  # already loaded: the same handle
@@ -40,7 +42,7 @@ def _libgomp() -> ctypes.CDLL | None:
             if hasattr(lib, "omp_pause_resource_all"):
                 _lib = lib
                 break
-    return _lib
+    return _lib or None
 
 
 def release_threads() -> bool:
