@@ -105,12 +105,63 @@ def decode_bound(shape: dict, batch: int, context: int, limits: Limits, dtype: s
     return batch / max(compute, memory)
 
 
+def decode_linear_seconds(model, batch: int, dtype: str = "float32", rounds: int = 5) -> dict[str, float]:
+    """Seconds one decode step of ``batch`` rows spends in the model's linear layers alone (every layer's
+    fused qkv, o, gate_up and down, and the output head), with each kernel this CPU has for that shape:
+    ``packed`` (strop's decoder: MKL's pre-packed sgemm in fp32, oneDNN's pre-packed kernel in bf16) and
+    ``plain`` (``F.linear``, what Hugging Face ``generate`` calls). The best of ``rounds``.
+
+    This is a floor under any decoder that computes these matmuls with these kernels, below the
+    ``decode_bound`` of a large square matmul's rate: a (batch x hidden) activation reuses each weight
+    only ``batch`` times, and the kernels do not reach their large-matrix rate at that shape."""
+    import torch.nn.functional as F
+
+    from strop.engines.kvdecode import LlamaDecoder
+
+    model = model.to(getattr(torch, dtype))  # (in place: pass a model of its own)
+    dec = LlamaDecoder(model)
+    dec._sync(batch)
+    xs = [torch.randn(batch, lin.weight.shape[1], dtype=lin.weight.dtype) for lin in dec.linears]
+    kernels = {"packed": lambda lin, x: lin(x), "plain": lambda lin, x: F.linear(x, lin.weight, lin.bias)}
+    if not dec.prepack:
+        kernels.pop("packed")
+    out = {}
+    with torch.no_grad():
+        for name, call in kernels.items():
+            best = float("inf")
+            for _ in range(rounds + 1):  # (the first round warms up)
+                t = time.perf_counter()
+                for lin, x in zip(dec.linears, xs):
+                    call(lin, x)
+                best = min(best, time.perf_counter() - t)
+            out[name] = best
+    dec.release()
+    return out
+
+
 def train_bound_seconds(shape: dict, tokens: int, limits: Limits, dtype: str = "float32") -> float:
     """Seconds of matmuls that training on ``tokens`` tokens needs at least (6 x parameters x tokens)."""
     return 6 * shape["matmul_params"] * tokens / limits.flops[dtype]
 
 
 if __name__ == "__main__":
-    import sys
+    import argparse
 
-    print(measure(sys.argv[1] if len(sys.argv) > 1 else "cpu").describe())
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("device", nargs="?", default="cpu")
+    ap.add_argument("--linears", type=int, metavar="BATCH", help="also time the embedded model's decode linears at "
+                    "this batch, in fp32 and bf16 (CPU)")
+    args = ap.parse_args()
+    lim = measure(args.device)
+    print(lim.describe())
+    if args.linears:
+        from strop.models import EMBEDDED_MODEL, load_model
+
+        for dtype in ("float32", "bfloat16"):
+            model = load_model(EMBEDDED_MODEL)
+            shape = model_shape(model)
+            secs = decode_linear_seconds(model, args.linears, dtype)
+            flops = 2 * shape["matmul_params"] * args.linears
+            print(f"{dtype} decode linears at batch {args.linears}: " + ", ".join(
+                f"{k} {v * 1e3:.1f} ms/step ({flops / v / 1e9:.0f} GFLOP/s, {flops / v / lim.flops[dtype]:.2f} of the "
+                f"square matmul's rate)" for k, v in secs.items()))

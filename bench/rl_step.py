@@ -113,6 +113,26 @@ def fractions(result: dict, steps: int, limits, dtype: str = "float32") -> tuple
     return generation, train
 
 
+def generation_floor(result: dict, dtype: str) -> tuple[float, str]:
+    """Seconds per step that strop's rollout spends in its linear layers alone, with the fastest kernel this
+    CPU has for the batch's shape (bench/limits.py ``decode_linear_seconds``), over the step's mean response
+    length: a floor under the generation time of any decoder doing this work with these kernels (prefill,
+    attention and sampling come on top)."""
+    from limits import decode_linear_seconds
+    from strop.config import Config
+    from strop.models import load_model
+
+    rows = PROMPTS_PER_STEP * SAMPLES_PER_PROMPT
+    per_step = decode_linear_seconds(load_model(Config().model.path), rows, dtype)
+    kernel = min(per_step, key=per_step.get)
+    steps = mean_after_first(result["generated_tokens"]) / rows
+    return per_step[kernel] * steps, kernel
+
+
+def mean_after_first(xs):
+    return statistics.fmean(xs[1:] if len(xs) > 1 else xs)
+
+
 def trl_side(args, out: Path) -> None:
     import torch
     from datasets import Dataset
@@ -225,9 +245,6 @@ def main() -> None:
     limits.append(measure(args.device))
     print("\n".join(f"{when}: {lim.describe()}" for when, lim in zip(("before", "after"), limits)))
 
-    def mean_after_first(xs):
-        return statistics.fmean(xs[1:] if len(xs) > 1 else xs)
-
     print()
     print("| precision | | s/step | generation s/step | generated tokens/step | peak RSS GiB | step vs TRL | "
           "generation vs TRL |")
@@ -248,6 +265,12 @@ def main() -> None:
         print(f"strop {dtype} against this machine's bounds (bench/limits.py): generation at {generation:.2f} of the "
               f"{dtype} decode bound for {PROMPTS_PER_STEP * SAMPLES_PER_PROMPT} rows, training at {train:.2f} of "
               f"6 x parameters x tokens of {dtype} matmul")
+    for dtype in args.precision:
+        floor, kernel = generation_floor(results[dtype, "strop"], dtype)
+        trl_gen = mean_after_first(results[dtype, "TRL GRPOTrainer"]["generation_seconds"])
+        print(f"strop {dtype} generation floor: its linears alone ({kernel} kernels, batch "
+              f"{PROMPTS_PER_STEP * SAMPLES_PER_PROMPT}, mean response length) take {floor:.1f} s per step = "
+              f"{floor / trl_gen:.2f} of TRL's generation time")
     if ("float32", "strop exact_logprobs") in results:
         plain, exact = (mean_after_first(results["float32", k]["step_seconds"]) for k in ("strop", "strop exact_logprobs"))
         print(f"\nexact_logprobs costs {exact / plain:.2f}x strop's fp32 step; its train/rollout logprob gap per step: "

@@ -161,7 +161,9 @@ class AlgoConfig(_Section):
     estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "ppo"] = Field(
         "grpo", description="advantage estimator (docs/algorithms.md); 'ppo' trains a critic with GAE")
     normalize_std: bool = Field(True, description="grpo: divide group-centred rewards by the group std")
-    policy_loss: Literal["ppo_clip", "gspo", "cispo"] = Field("ppo_clip", description="policy loss")
+    policy_loss: Literal["ppo_clip", "gspo", "cispo", "dppo"] = Field(
+        "ppo_clip", description="policy loss (docs/algorithms.md); 'dppo' bounds each token's probability change "
+        "against the rollout's (algo.dppo_*), prime-rl's default")
     clip_low: float = Field(0.2, ge=0, description="clip: lower epsilon (ratio >= 1 - clip_low)")
     clip_high: float = Field(0.2, ge=0, description="clip: upper epsilon (ratio <= 1 + clip_high)")
     dual_clip: float | None = Field(None, gt=1, description="ppo_clip: cap the loss of A<0 tokens at -A*dual_clip")
@@ -187,6 +189,24 @@ class AlgoConfig(_Section):
     mis_low: float | None = Field(None, ge=0, description="masked importance sampling: drop ratio < mis_low")
     mis_high: float | None = Field(None, gt=0, description="masked importance sampling: drop ratio > mis_high")
     mis_level: Literal["token", "sequence"] = Field("token", description="masked importance sampling per token or sequence")
+    off_policy_correction: Literal["auto", "none", "icepop", "geo_mask"] = Field(
+        "auto", description="tokens sampled by another policy (async rollout, the engine's numbers): 'icepop' (token "
+        "ratio pi_old/pi_rollout kept and weighted inside [0.5, 5], AReaL's bounds; algo.mis_low / mis_high change "
+        "them), 'geo_mask' (a sequence whose geometric-mean ratio leaves [0.99, 1.01] is masked, SkyRL's band), "
+        "'auto' (the fields tis_cap, mis_*, opsm_delta, use_rollout_logprobs, policy_loss='dppo' decide), 'none' (no "
+        "correction at all: rollout.mode async / one_step_off refuse an uncorrected run unless it says so)")
+    opsm_delta: float | None = Field(
+        None, ge=0, description="off-policy sequence masking (DeepSeek-V3.2; slime's --opsm-delta, 1e-4 there): a "
+        "sequence with negative advantage whose mean token log pi_rollout - log pi exceeds this is masked")
+    dppo_mask_low: float = Field(0.2, gt=0, description="dppo: a token with A <= 0 is masked when its probability "
+                                 "fell by more than this since the rollout")
+    dppo_mask_high: float = Field(0.2, gt=0, description="dppo: a token with A > 0 is masked when its probability "
+                                  "rose by more than this since the rollout")
+    dppo_kl_coef: float = Field(1e-3, ge=0, description="dppo: weight of (log pi - log pi_rollout)^2 on every token")
+    overlong_buffer: int | None = Field(
+        None, gt=0, description="DAPO's overlong reward shaping: over the last this many tokens before "
+        "rollout.max_new_tokens the reward falls linearly to -algo.overlong_penalty (by generated length)")
+    overlong_penalty: float = Field(1.0, ge=0, description="DAPO overlong shaping: the penalty at the length limit")
 
     @model_validator(mode="after")
     def _check_algo(self):
@@ -202,9 +222,46 @@ class AlgoConfig(_Section):
             raise ValueError("algo.tis_cap / algo.mis_low / algo.mis_high correct pi_old against the engine's "
                              "logprobs; with algo.use_rollout_logprobs=true pi_old IS the engine's logprobs, so the "
                              "weight is always 1 and the correction does nothing: turn one of them off")
+        explicit = self.model_fields_set
+        if self.off_policy_correction == "icepop" and ("tis_cap" in explicit or self.mis_level != "token"):
+            raise ValueError("algo.off_policy_correction='icepop' weighs each kept token by its own ratio between "
+                             "algo.mis_low and mis_high (0.5 and 5 unless set): leave algo.tis_cap unset and "
+                             "mis_level='token'")
+        if self.off_policy_correction == "geo_mask" and "mis_level" in explicit and self.mis_level != "sequence":
+            raise ValueError("algo.off_policy_correction='geo_mask' masks whole sequences (mis_level='sequence'); "
+                             f"algo.mis_level={self.mis_level!r} contradicts it")
+        if self.off_policy_correction in ("icepop", "geo_mask") and self.use_rollout_logprobs:
+            raise ValueError(f"algo.off_policy_correction={self.off_policy_correction!r} compares pi_old with the "
+                             "engine's logprobs; with algo.use_rollout_logprobs=true they are the same numbers and "
+                             "nothing would ever be masked: turn one of them off")
+        if self.off_policy_correction == "none" and self.corrections():
+            raise ValueError(f"algo.off_policy_correction='none' says no correction, but {', '.join(self.corrections())} "
+                             "is set: drop one")
         if self.policy_loss == "cispo" and self.clip_low > 1:
             raise ValueError("algo.clip_low above 1 would allow negative CISPO weights")
         return self
+
+    def corrections(self) -> list[str]:
+        """The off-policy corrections this section turns on, as the settings that name them."""
+        on = [f"algo.off_policy_correction={self.off_policy_correction!r}"
+              if self.off_policy_correction in ("icepop", "geo_mask") else ""]
+        on += [f"algo.{k}={getattr(self, k)}" for k in ("tis_cap", "mis_low", "mis_high", "opsm_delta")
+               if getattr(self, k) is not None]
+        on += ["algo.use_rollout_logprobs=true" if self.use_rollout_logprobs else "",
+               "algo.policy_loss='dppo'" if self.policy_loss == "dppo" else ""]
+        return [x for x in on if x]
+
+
+OFF_POLICY_CORRECTIONS = (
+    "algo.off_policy_correction='icepop' (token ratios outside [0.5, 5] masked, the rest weighted by their ratio)",
+    "algo.off_policy_correction='geo_mask' (sequences whose geometric-mean ratio leaves [0.99, 1.01] masked)",
+    "algo.tis_cap=C (truncated importance sampling)",
+    "algo.mis_low / algo.mis_high (masked importance sampling, per token or sequence: algo.mis_level)",
+    "algo.opsm_delta=D (off-policy sequence masking)",
+    "algo.policy_loss='dppo' (the probability-change trust region against the rollout)",
+    "algo.use_rollout_logprobs=true (the PPO ratio and its clip against the policy that sampled)",
+    "algo.off_policy_correction='none' (train stale tokens as they are)",
+)
 
 
 class TrainConfig(_Section):
@@ -537,6 +594,13 @@ class Config(_Section):
         if r.mode == "one_step_off" and r.max_staleness < 1:
             raise ValueError("rollout.mode='one_step_off' trains on tokens one weight version old: it needs "
                              "rollout.max_staleness >= 1")
+        if r.mode != "sync" and a.off_policy_correction == "auto" and not a.corrections():
+            raise ValueError(f"rollout.mode={r.mode!r} trains on tokens sampled by older weights, and no off-policy "
+                             "correction is set, so they would train as if on-policy. Choose one:\n  "
+                             + "\n  ".join(OFF_POLICY_CORRECTIONS))
+        if a.overlong_buffer is not None and a.overlong_buffer > r.max_new_tokens:
+            raise ValueError(f"algo.overlong_buffer={a.overlong_buffer} is longer than rollout.max_new_tokens="
+                             f"{r.max_new_tokens}: the shaping covers the last tokens before that limit")
         if r.mode != "sync" and self.plugins.rollout:
             raise ValueError(f"rollout.mode={r.mode!r} schedules groups one by one and cannot use a rollout hook "
                              f"(plugins.rollout={self.plugins.rollout!r}), which generates whole steps; use "
@@ -549,6 +613,10 @@ class Config(_Section):
         if tools and self.plugins.generate:
             raise ValueError(f"{tools} uses strop's multi-turn generate function; "
                              f"plugins.generate={self.plugins.generate!r} would replace it: use one or the other")
+        if tools and a.overlong_buffer is not None:
+            raise ValueError(f"algo.overlong_buffer shapes a single response by its length against "
+                             f"rollout.max_new_tokens; a multi-turn sample ({tools}) also holds tool output and "
+                             "several turns' budgets: shape its reward in the reward function instead")
         if tools and r.partial == "resume":
             raise ValueError("rollout.partial='resume' continues a sample from its tokens, but a multi-turn sample "
                              f"restarts clean ({tools}): use rollout.partial='finish'")

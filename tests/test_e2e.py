@@ -262,7 +262,8 @@ def test_an_engine_decoding_from_the_trainers_own_weights_changes_no_number(tiny
 
 
 @pytest.mark.parametrize("overrides,message", [
-    ({"rollout": {"mode": "one_step_off", "max_staleness": 1}}, "generates while the trainer changes its weights"),
+    ({"rollout": {"mode": "one_step_off", "max_staleness": 1}, "algo": {"use_rollout_logprobs": True}},
+     "generates while the trainer changes its weights"),
     ({"engine": {"dtype": "bfloat16"}}, "decodes from a bfloat16 copy"),
     ({"engine": {"fast_decode": False}}, "train mode"),
 ])

@@ -237,12 +237,13 @@ def test_modes_refuse_what_they_cannot_do():
 
     with pytest.raises(ConfigError, match="one_step_off.*max_staleness >= 1"):
         build_config(overrides={"rollout": {"mode": "one_step_off", "max_staleness": 0}})
+    none = {"off_policy_correction": "none"}
     with pytest.raises(ConfigError, match="cannot use a rollout hook"):
-        build_config(overrides={"rollout": {"mode": "async"}, "plugins": {"rollout": "x.y:z"}})
+        build_config(overrides={"rollout": {"mode": "async"}, "plugins": {"rollout": "x.y:z"}, "algo": none})
     with pytest.raises(ConfigError, match="importance correction"):
-        build_config(overrides={"rollout": {"mode": "async", "partial": "resume"}})
+        build_config(overrides={"rollout": {"mode": "async", "partial": "resume"}, "algo": none})
     build_config(overrides={"rollout": {"mode": "async", "partial": "resume"}, "algo": {"tis_cap": 2.0}})
-    build_config(overrides={"rollout": {"mode": "async", "partial": "resume", "resumed_tokens": "mask"}})
+    build_config(overrides={"rollout": {"mode": "async", "partial": "resume", "resumed_tokens": "mask"}, "algo": none})
 
 
 # ---- through the real driver, on the tiny model and the embedded engine ---------------------------
@@ -319,7 +320,8 @@ def test_a_killed_run_resumes_with_what_the_rollout_manager_held(tiny_model_dir,
     from tests.test_checkpoint import _args, _strop
 
     run = tmp_path / "run"
-    args = _args(tiny_model_dir, run, f"--rollout.mode={mode}", "--rollout.max_staleness=2", "--run.save_every=1")
+    args = _args(tiny_model_dir, run, f"--rollout.mode={mode}", "--rollout.max_staleness=2", "--run.save_every=1",
+                 "--algo.use_rollout_logprobs=true")
     killed = _strop(args, kill_at="rollout:4")
     assert killed.returncode != 0 and "SIGKILL at rollout" in killed.stderr, killed.stderr[-2000:]
     state = torch.load(run / "checkpoints" / "step_000003" / "controller.pt", weights_only=False)["rollout"]

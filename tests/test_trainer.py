@@ -26,6 +26,19 @@ def make_samples(n=8, seed=0, group_size=4):
     return out
 
 
+def near_policy(model, samples, noise=0.3, seed=1):
+    """``samples`` with rollout logprobs the model's own plus Gaussian noise of ``noise`` (an engine a little
+    off the trainer, or a few versions behind), instead of make_samples' arbitrary ones."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for s in samples:
+            logits = model(input_ids=torch.tensor([s.prompt_ids + s.response_ids])).logits[0].float()
+            P = len(s.prompt_ids)
+            own = logits[P - 1: -1].log_softmax(-1).gather(-1, torch.tensor(s.response_ids).unsqueeze(-1)).squeeze(-1)
+            s.rollout_logprobs = (own + noise * torch.randn(len(own), generator=g)).tolist()
+    return samples
+
+
 def run_step(model, samples, *, micro_batch_size=8, mini_batches=1, max_tokens=None, device="cpu",
              bf16_autocast=False, exact_logprobs=False, **algo):
     # Adam divides by |grad|: near-zero gradients amplify rounding, so keep lr small for 1e-6 checks
@@ -214,7 +227,8 @@ def test_exact_logprobs_are_refused_where_the_trainer_did_not_sample():
     from strop.config import Config
 
     with pytest.raises(ValueError, match="exact_logprobs.*sync mode.*rollout.mode='async'"):
-        Config.model_validate({"rollout": {"exact_logprobs": True, "mode": "async"}})
+        Config.model_validate({"rollout": {"exact_logprobs": True, "mode": "async"},
+                               "algo": {"off_policy_correction": "none"}})
     with pytest.raises(ValueError, match="exact_logprobs.*data.samples"):
         Config.model_validate({"rollout": {"exact_logprobs": True}, "data": {"samples": "s.jsonl"}})
     assert Config.model_validate({"rollout": {"exact_logprobs": True}}).rollout.exact_logprobs

@@ -2,8 +2,9 @@
 
 Read top to bottom, it is the equation list of the step (all per token, (n, T)):
 
-1. rollout correction   w_t = min(pi_old / pi_rollout, C)  (TIS);  m'_t = m_t * [w_t in range]  (MIS)
-2. policy loss          l_t = PPO-clip | GSPO | CISPO | a plugin (logprobs, old, A)
+1. rollout correction   w_t = min(pi_old / pi_rollout, C)  (TIS);  m'_t = m_t * [w_t in range]  (MIS; IcePop,
+                        geometric sequence masking as presets);  m'_t *= OPSM's sequence mask
+2. policy loss          l_t = PPO-clip | GSPO | CISPO | DPPO (against pi_rollout) | a plugin (logprobs, old, A)
 3. policy term          L_pg = agg(w * l, m')
 4. KL to the reference  k_t = KL_est(pi, pi_ref)  (optionally * pi / pi_old)
 5. total                L = L_pg + beta * agg(k, m) - c_H * agg(H, m)
@@ -23,6 +24,7 @@ import torch
 
 from strop.algo.kl import importance_weighted_kl, kl_estimate
 from strop.algo.losses import aggregate, cispo_loss, gspo_loss, ppo_clip_loss, rollout_correction
+from strop.algo.offpolicy import GEO_MASK_BOUNDS, ICEPOP_BOUNDS, dppo_loss, opsm_mask
 
 
 @dataclass(frozen=True)
@@ -50,8 +52,12 @@ def policy_objective(logprobs: torch.Tensor, entropy: torch.Tensor | None, *, ol
     agg = dict(num_sequences=norms.num_sequences, total_tokens=norms.total_tokens,
                constant_normalizer=norms.constant, sequence_tokens=mask.sum(-1))
     # 1. the engine sampled from pi_rollout, the ratio's denominator is pi_old
-    weight, kept, corr = rollout_correction(old, rollout_logprobs, mask, tis_cap=a.tis_cap, mis_low=a.mis_low,
-                                            mis_high=a.mis_high, mis_level=a.mis_level)
+    weight, kept, corr = rollout_correction(old, rollout_logprobs, mask, **correction_settings(a))
+    mis_dropped, opsm_dropped = (mask - kept).clamp(min=0), None
+    if a.opsm_delta is not None:
+        opsm = opsm_mask(logprobs, rollout_logprobs, advantages, mask, delta=a.opsm_delta)
+        opsm_dropped = (mask - opsm).clamp(min=0)
+        kept = kept * opsm
     # 2. the per-token policy loss
     if loss_fn is not None:
         per_token, info = loss_fn(logprobs, old, advantages, kept)
@@ -62,6 +68,9 @@ def policy_objective(logprobs: torch.Tensor, entropy: torch.Tensor | None, *, ol
         per_token, info = gspo_loss(logprobs, old, advantages, kept, clip_low=a.clip_low, clip_high=a.clip_high)
     elif a.policy_loss == "cispo":
         per_token, info = cispo_loss(logprobs, old, advantages, clip_low=a.clip_low, clip_high=a.clip_high)
+    elif a.policy_loss == "dppo":
+        per_token, info = dppo_loss(logprobs, rollout_logprobs, advantages, mask_low=a.dppo_mask_low,
+                                    mask_high=a.dppo_mask_high, kl_coef=a.dppo_kl_coef)
     else:
         raise ValueError(f"unknown policy loss {a.policy_loss!r}")
     # 3. the policy-gradient term
@@ -69,9 +78,11 @@ def policy_objective(logprobs: torch.Tensor, entropy: torch.Tensor | None, *, ol
     loss = pg_loss
     stats = {"clipped_low": info.get("clipped_low", torch.zeros_like(mask, dtype=torch.bool)).float(),
              "clipped_high": info.get("clipped_high", torch.zeros_like(mask, dtype=torch.bool)).float(),
-             "importance_weight": corr["w"], "mis_dropped": (mask - kept).clamp(min=0)}
+             "importance_weight": corr["w"], "mis_dropped": mis_dropped}
     if "dual_clipped" in info:
         stats["dual_clipped"] = info["dual_clipped"].float()
+    if opsm_dropped is not None:
+        stats["opsm_dropped"] = opsm_dropped
     # 4. the KL to the reference policy
     if ref_logprobs is not None:
         kl = (importance_weighted_kl(logprobs, old, ref_logprobs, a.kl_kind) if a.kl_importance_weighted
@@ -84,3 +95,20 @@ def policy_objective(logprobs: torch.Tensor, entropy: torch.Tensor | None, *, ol
         loss = loss - a.entropy_coef * aggregate(entropy, mask, a.loss_agg, **agg)
     stats["approx_kl_old"] = kl_estimate(logprobs, old, "k3").detach()
     return loss, pg_loss, stats
+
+
+def correction_settings(algo) -> dict:
+    """``rollout_correction``'s settings for ``algo``, its named presets resolved: IcePop keeps a token whose
+    ratio lies in [mis_low, mis_high] (AReaL's 0.5 and 5 unless set) and weighs it by that ratio (a TIS cap
+    at the upper bound); geometric sequence masking keeps a sequence whose geometric-mean ratio lies in the
+    band (SkyRL's 0.99 and 1.01 unless set)."""
+    a = algo
+    preset = a.off_policy_correction
+    if preset == "icepop":
+        low, high = (a.mis_low if a.mis_low is not None else ICEPOP_BOUNDS[0],
+                     a.mis_high if a.mis_high is not None else ICEPOP_BOUNDS[1])
+        return dict(tis_cap=high, mis_low=low, mis_high=high, mis_level="token")
+    if preset == "geo_mask":
+        return dict(tis_cap=a.tis_cap, mis_low=a.mis_low if a.mis_low is not None else GEO_MASK_BOUNDS[0],
+                    mis_high=a.mis_high if a.mis_high is not None else GEO_MASK_BOUNDS[1], mis_level="sequence")
+    return dict(tis_cap=a.tis_cap, mis_low=a.mis_low, mis_high=a.mis_high, mis_level=a.mis_level)

@@ -202,7 +202,7 @@ class StepStats:
         for name, key in (("clip_fraction_low", "clipped_low"), ("clip_fraction_high", "clipped_high"),
                           ("dual_clip_fraction", "dual_clipped"), ("approx_kl_old", "approx_kl_old"),
                           ("kl_ref", "kl_ref"), ("importance_weight_mean", "importance_weight"),
-                          ("mis_masked_fraction", "mis_dropped")):
+                          ("mis_masked_fraction", "mis_dropped"), ("opsm_masked_fraction", "opsm_dropped")):
             if key in tok:
                 self.tok(name, tok[key], mask)
         self.max("importance_weight_max", (tok["importance_weight"] * mask).max().item())

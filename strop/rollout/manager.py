@@ -442,14 +442,7 @@ def describe(cfg) -> str:
                      + (f" (older tokens: {r.resumed_tokens})" if r.partial == "resume" else ""))
     if r.over_sample > 1 or r.dynamic_sampling:
         parts.append(f"over_sample {r.over_sample}" + (", dynamic sampling" if r.dynamic_sampling else ""))
-    if a.use_rollout_logprobs:
-        how = "PPO ratio against the rollout's own logprobs (algo.use_rollout_logprobs)"
-    elif a.tis_cap is not None or a.mis_low is not None or a.mis_high is not None:
-        how = "pi_trainer/pi_rollout per token, " + ", ".join(
-            x for x in (f"TIS cap {a.tis_cap}" if a.tis_cap is not None else "",
-                        f"MIS [{a.mis_low}, {a.mis_high}] per {a.mis_level}"
-                        if a.mis_low is not None or a.mis_high is not None else "") if x)
-    else:
-        how = "none" + (" (tokens of older weights train as if on-policy; see algo.use_rollout_logprobs, "
-                        "algo.tis_cap)" if r.mode != "sync" else "")
+    how = ", ".join(a.corrections()) or (
+        "none" + (" (algo.off_policy_correction='none': tokens of older weights train as if on-policy)"
+                  if r.mode != "sync" else ""))
     return "; ".join(parts) + f"; off-policy correction: {how}"

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from strop.algo.offpolicy import overlong_penalty
 from strop.parallel.packing import pack_by_token_budget
 from strop.types import Sample
 
@@ -88,6 +89,15 @@ class StepBatch:
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.loss_mask.shape)
+
+    def shape_overlong(self, max_new_tokens: int, buffer: int, factor: float) -> dict[str, float]:
+        """DAPO's overlong reward shaping (strop.algo.offpolicy.overlong_penalty) added to the rewards, by
+        each response's length; returns its metrics."""
+        penalty = overlong_penalty(self.response_mask.sum(-1), max_new_tokens=max_new_tokens, buffer=buffer,
+                                   factor=factor)
+        self.rewards = self.rewards + penalty
+        return {"overlong_penalty_mean": penalty.mean().item(),
+                "overlong_penalized_fraction": (penalty < 0).float().mean().item()}
 
     def take_trainer_logprobs(self) -> float:
         """rollout.exact_logprobs: the trainer's pre-pass logprobs become the rollout's, in this

@@ -144,6 +144,7 @@ class Trainer:
         if not samples or not any(any(s.loss_mask) for s in samples):
             raise ValueError("no trainable tokens in this step (every sample aborted, failed or fully masked)")
         b, a = StepBatch.of(samples), self.algo
+        shaped = b.shape_overlong(self.max_new_tokens, a.overlong_buffer, a.overlong_penalty) if a.overlong_buffer else {}
         # pi_old: the pre-update trainer (with one optimizer step and no KL-in-reward, the current weights)
         need_old = self.exact_logprobs or not a.use_rollout_logprobs and (
             self.cfg.mini_batches > 1 or bool(a.kl_in_reward_coef))
@@ -172,7 +173,7 @@ class Trainer:
         out["clip_fraction"] = out["clip_fraction_low"] + out["clip_fraction_high"]
         if b.returns is not None and b.old_values is not None:
             out["value_explained_variance"] = explained_variance(b.returns, b.old_values, b.loss_mask)
-        return out | gap
+        return out | gap | shaped
 
     def _plugin_loss(self, logprobs, old, advantages, mask):
         return call_hook_sync("policy_loss", self.policy_loss_fn, logprobs=logprobs, old_logprobs=old,

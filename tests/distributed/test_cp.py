@@ -176,10 +176,12 @@ def _cp_step(rank, world, algo_name, packed, mode="replicate", cp=2, samples=Non
 
     from strop.config import AlgoConfig, TrainConfig
     from strop.train.trainer import Trainer
-    from tests.test_trainer import make_samples
+    from tests.test_trainer import make_samples, near_policy
     from tests.tiny import make_tiny_model
 
     model = make_tiny_model().to(DTYPES.get(algo_name, torch.float32))
+    if samples is None and algo_name in ("icepop_opsm", "dppo"):  # corrections act on near-policy logprobs
+        samples = near_policy(model, make_samples(10))
     train = TrainConfig(lr=1e-3, warmup_steps=0, micro_batch_size=3, mini_batches=MINI_BATCHES.get(algo_name, 1),
                         max_tokens_per_micro_batch=20 if packed else None)
     dp_group = cp_group = None

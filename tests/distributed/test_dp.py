@@ -9,7 +9,9 @@ from strop.parallel.launch import run_on_ranks
 from tests.distributed import BACKEND, rank_device
 
 ALGOS = {"grpo": {}, "ppo": {"estimator": "ppo", "kl_in_reward_coef": 0.01},
-         "seq_mean_kl": {"loss_agg": "seq_mean_token_mean", "kl_coef": 0.1}}
+         "seq_mean_kl": {"loss_agg": "seq_mean_token_mean", "kl_coef": 0.1},
+         "icepop_opsm": {"off_policy_correction": "icepop", "opsm_delta": 0.01},
+         "dppo": {"policy_loss": "dppo", "dppo_mask_low": 1e-8, "dppo_mask_high": 1e-8, "overlong_buffer": 4}}
 
 
 def _full(t):
@@ -21,16 +23,19 @@ def _step(rank, world, algo_name, packed, mode="replicate"):
 
     from strop.config import AlgoConfig, TrainConfig
     from strop.train.trainer import Trainer
-    from tests.test_trainer import make_samples
+    from tests.test_trainer import make_samples, near_policy
     from tests.tiny import make_tiny_model
 
     model = make_tiny_model()
+    samples = make_samples(10)
+    if algo_name in ("icepop_opsm", "dppo"):  # the corrections act on rollout logprobs near the model's own
+        samples = near_policy(model, samples)
     train = TrainConfig(lr=1e-3, warmup_steps=0, micro_batch_size=3,
                         max_tokens_per_micro_batch=20 if packed else None)
     group = dist.group.WORLD if world > 1 else None
     trainer = Trainer(model, pad_token_id=0, train=train, algo=AlgoConfig(**ALGOS[algo_name]), max_new_tokens=8,
                       dp_group=group, bucket_bytes=1 << 20, dp_mode=mode, device=rank_device(rank, world))
-    metrics = trainer.step(make_samples(10))
+    metrics = trainer.step(samples)
     grads = [_full(trainer.optimizer.state[p]["exp_avg"]).cpu() for p in trainer.optimizer.param_groups[0]["params"]]
     params = [_full(p.detach()).cpu() for p in trainer.model.parameters()]
     trainer.full_weights()  # the full-weights gather is a collective: every rank joins

@@ -1,0 +1,212 @@
+"""The off-policy corrections of strop.algo.offpolicy, against numbers worked out by hand."""
+
+import math
+
+import pytest
+import torch
+
+from strop.algo.offpolicy import (distillation_advantages, dppo_loss, loglinear_proximal, opsm_mask,
+                                  overlong_penalty, sequence_mean)
+
+L = math.log
+
+
+def test_sequence_mean_counts_loss_tokens_only_and_gives_zero_for_an_empty_row():
+    x = torch.tensor([[1.0, 3.0, 100.0], [5.0, 5.0, 5.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0]])
+    assert torch.equal(sequence_mean(x, mask), torch.tensor([[2.0], [0.0]]))
+
+
+def test_opsm_masks_only_negative_advantage_sequences_that_drifted_past_delta():
+    # sequence KLs, mean over loss tokens of (old - current): 0.3 / 0.05 / 0.3 / 0 (its only token masked)
+    old = torch.tensor([[-1.0, -2.0, -9.0], [-1.0, -1.0, -1.0], [-1.0, -2.0, 0.0], [-1.0, -1.0, -1.0]])
+    cur = torch.tensor([[-1.2, -2.4, 0.0], [-1.05, -1.05, -1.0], [-1.2, -2.4, 0.0], [-5.0, -5.0, -5.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [1.0, 1.0, 0.0], [0.0, 0.0, 0.0]])
+    adv = torch.tensor([[-1.0], [-1.0], [2.0], [-1.0]])
+    got = opsm_mask(cur, old, adv, mask, delta=0.1)
+    # row 0: A < 0, KL 0.3 > 0.1 -> masked; row 1: KL 0.0333 <= 0.1 -> kept;
+    # row 2: KL 0.3 but A > 0 -> kept; row 3: nothing to keep, no NaN
+    assert torch.equal(got, torch.tensor([[0.0, 0.0, 0.0], [1.0, 1.0, 1.0], [1.0, 1.0, 0.0], [0.0, 0.0, 0.0]]))
+    # a looser delta keeps row 0
+    assert torch.equal(opsm_mask(cur, old, adv, mask, delta=0.5), mask)
+    # per-token advantages: only the negative tokens of a drifted sequence go
+    adv_t = torch.tensor([[-1.0, 1.0, 0.0]]).expand(4, 3)
+    assert torch.equal(opsm_mask(cur, old, adv_t, mask, delta=0.1)[0], torch.tensor([0.0, 1.0, 0.0]))
+
+
+def test_dppo_masks_by_probability_change_and_keeps_its_kl_term_everywhere():
+    # behaviour probabilities 0.5, 0.5, 0.5, 0.5; current 0.8, 0.6, 0.2, 0.4
+    mu = torch.full((1, 4), L(0.5))
+    pi = torch.tensor([[L(0.8), L(0.6), L(0.2), L(0.4)]], requires_grad=True)
+    adv = torch.tensor([[1.0, 1.0, -1.0, -1.0]])
+    loss, info = dppo_loss(pi, mu, adv, mask_low=0.2, mask_high=0.2, kl_coef=0.01)
+    # token 0: A > 0, d = +0.3 > 0.2 -> masked; token 1: d = +0.1 kept; token 2: A < 0, d = -0.3 < -0.2
+    # -> masked; token 3: d = -0.1 kept
+    assert info["clipped_high"].tolist() == [[True, False, False, False]]
+    assert info["clipped_low"].tolist() == [[False, False, True, False]]
+    kl = lambda p: 0.01 * L(p / 0.5) ** 2  # noqa: E731
+    want = [kl(0.8), -1.0 * 0.6 / 0.5 + kl(0.6), kl(0.2), 1.0 * 0.4 / 0.5 + kl(0.4)]
+    assert loss[0].tolist() == pytest.approx(want, rel=1e-6)
+    loss.sum().backward()
+    # d/dlogpi of -A r is -A r; of c (log r)^2 is 2 c log r; masked tokens keep only the KL gradient
+    want_grad = [0.02 * L(1.6), -1.2 + 0.02 * L(1.2), 0.02 * L(0.4), 0.8 + 0.02 * L(0.8)]
+    assert pi.grad[0].tolist() == pytest.approx(want_grad, rel=1e-6)
+
+
+def test_dppo_a_zero_advantage_token_is_judged_by_the_low_rule():
+    mu = torch.full((1, 2), L(0.5))
+    pi = torch.tensor([[L(0.9), L(0.1)]])
+    _, info = dppo_loss(pi, mu, torch.zeros(1, 2), kl_coef=0.0)
+    assert info["clipped_high"].tolist() == [[False, False]] and info["clipped_low"].tolist() == [[False, True]]
+
+
+def test_loglinear_proximal_interpolates_by_version_distance():
+    mu = torch.tensor([[-2.0, -2.0, -2.0, -2.0, -2.0]])
+    pi = torch.tensor([[-1.0, -1.0, -1.0, -1.0, -1.0]], requires_grad=True)
+    # current version 5; tokens sampled at 5 (fresh), 4 (one old), 3 (two old), 1 (four old), 6 (newer)
+    versions = torch.tensor([[5, 4, 3, 1, 6]])
+    prox = loglinear_proximal(mu, pi, versions, 5)
+    # alpha = 0, 0, 1/2, 3/4, 0
+    assert prox.tolist() == [[-2.0, -2.0, -1.5, -1.25, -2.0]]
+    assert not prox.requires_grad  # the proximal policy is a constant of the step
+
+
+def test_overlong_penalty_is_zero_then_linear_over_the_buffer():
+    lengths = torch.tensor([0, 30, 32, 36, 40, 48])
+    got = overlong_penalty(lengths, max_new_tokens=48, buffer=16, factor=0.5)
+    # L - B = 32: 0 up to 32, then -0.5 * (len - 32) / 16
+    assert got.tolist() == pytest.approx([0.0, 0.0, 0.0, -0.125, -0.25, -0.5])
+    with pytest.raises(ValueError, match="overlong buffer"):
+        overlong_penalty(lengths, max_new_tokens=48, buffer=0)
+    with pytest.raises(ValueError, match="overlong buffer"):
+        overlong_penalty(lengths, max_new_tokens=48, buffer=49)
+
+
+def test_distillation_advantage_is_the_negative_reverse_kl_on_loss_tokens():
+    student = torch.tensor([[-1.0, -0.5, -3.0]], requires_grad=True)
+    teacher = torch.tensor([[-0.25, -2.0, -1.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    adv = distillation_advantages(student, teacher, mask, coef=2.0)
+    assert adv.tolist() == [[1.5, -3.0, 0.0]] and not adv.requires_grad
+
+
+# ---- through the trainer ------------------------------------------------------------------------------------
+CORRECTIONS = {  # each with the metric that shows it acted on tests.test_trainer's samples
+    "icepop": (dict(off_policy_correction="icepop"), "mis_masked_fraction"),
+    "geo_mask": (dict(off_policy_correction="geo_mask", mis_low=0.9, mis_high=1.1), "mis_masked_fraction"),
+    "opsm": (dict(opsm_delta=0.01), "opsm_masked_fraction"),
+    # (the tiny model gives its random tokens probabilities of 1e-8 to 1e-6: bounds of that size)
+    "dppo": (dict(policy_loss="dppo", dppo_mask_low=1e-8, dppo_mask_high=1e-8), "clip_fraction"),
+    "overlong": (dict(overlong_buffer=4, overlong_penalty=0.5), "overlong_penalized_fraction"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CORRECTIONS))
+@pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
+def test_each_correction_acts_and_does_not_depend_on_the_micro_batch_split_or_packing(tiny_model, name, mode):
+    import copy
+
+    from tests.test_trainer import assert_same_update, make_samples, near_policy, run_step
+
+    algo, metric = CORRECTIONS[name]
+    samples = near_policy(tiny_model, make_samples())
+    one = run_step(copy.deepcopy(tiny_model), samples, micro_batch_size=8, loss_agg=mode, **algo)
+    assert one[1][metric] > 0, f"{name} changed nothing on these samples"
+    assert_same_update(one, run_step(copy.deepcopy(tiny_model), samples, micro_batch_size=2, loss_agg=mode, **algo))
+    assert_same_update(one, run_step(copy.deepcopy(tiny_model), samples, max_tokens=20, loss_agg=mode, **algo))
+    plain = run_step(copy.deepcopy(tiny_model), samples, micro_batch_size=8, loss_agg=mode)
+    assert not math.isclose(plain[1]["grad_norm"], one[1]["grad_norm"], rel_tol=1e-4)
+
+
+def test_overlong_shaping_equals_the_same_penalty_added_to_the_rewards_by_hand(tiny_model):
+    import copy
+
+    from tests.test_trainer import assert_same_update, make_samples, run_step
+
+    samples = make_samples()
+    lengths = [s.response_length for s in samples]
+    assert any(n > 4 for n in lengths) and any(n <= 4 for n in lengths)
+    shaped = run_step(copy.deepcopy(tiny_model), copy.deepcopy(samples), overlong_buffer=4, overlong_penalty=0.5)
+    by_hand = copy.deepcopy(samples)
+    for s in by_hand:  # max_new_tokens 8 (run_step), buffer 4: -0.5 * (len - 4) / 4 past 4 tokens
+        s.reward += -0.5 * max(s.response_length - 4, 0) / 4
+    assert_same_update(shaped, run_step(copy.deepcopy(tiny_model), by_hand))
+    assert shaped[1]["overlong_penalty_mean"] == pytest.approx(
+        sum(-0.5 * max(n - 4, 0) / 4 for n in lengths) / len(lengths))
+
+
+def test_an_off_policy_run_without_a_correction_is_refused_with_the_list():
+    from strop.config import ConfigError, build_config
+
+    for mode in ("async", "one_step_off"):
+        with pytest.raises(ConfigError) as e:
+            build_config(overrides={"rollout": {"mode": mode}})
+        for name in ("icepop", "geo_mask", "tis_cap", "mis_low", "opsm_delta", "dppo", "use_rollout_logprobs",
+                     "off_policy_correction='none'"):
+            assert name in str(e.value), name
+        build_config(overrides={"rollout": {"mode": mode}, "algo": {"off_policy_correction": "none"}})
+        for algo in (dict(off_policy_correction="icepop"), dict(off_policy_correction="geo_mask"), dict(tis_cap=2.0),
+                     dict(mis_high=2.0), dict(opsm_delta=1e-4), dict(policy_loss="dppo"),
+                     dict(use_rollout_logprobs=True)):
+            build_config(overrides={"rollout": {"mode": mode}, "algo": algo})
+    build_config(overrides={})  # sync needs none
+
+
+@pytest.mark.parametrize("algo,message", [
+    (dict(off_policy_correction="none", tis_cap=2.0), "says no correction, but algo.tis_cap=2.0"),
+    (dict(off_policy_correction="icepop", tis_cap=2.0), "leave algo.tis_cap unset"),
+    (dict(off_policy_correction="icepop", mis_level="sequence"), "mis_level='token'"),
+    (dict(off_policy_correction="geo_mask", mis_level="token"), "contradicts"),
+    (dict(off_policy_correction="icepop", use_rollout_logprobs=True), "nothing would ever be masked"),
+])
+def test_contradictory_corrections_are_refused(algo, message):
+    from strop.config import AlgoConfig
+
+    with pytest.raises(ValueError, match=message):
+        AlgoConfig(**algo)
+
+
+def test_an_overlong_buffer_past_the_length_limit_or_with_tools_is_refused():
+    from strop.config import ConfigError, build_config
+
+    with pytest.raises(ConfigError, match="overlong_buffer=64 is longer than rollout.max_new_tokens=48"):
+        build_config(overrides={"algo": {"overlong_buffer": 64}})
+    with pytest.raises(ConfigError, match="shape its reward in the reward function"):
+        build_config(overrides={"algo": {"overlong_buffer": 8}, "tools": {"enabled": ["python"]}})
+
+
+def test_the_presets_resolve_to_their_published_bounds():
+    from strop.algo.objective import correction_settings
+    from strop.config import AlgoConfig
+
+    assert correction_settings(AlgoConfig(off_policy_correction="icepop")) == dict(
+        tis_cap=5.0, mis_low=0.5, mis_high=5.0, mis_level="token")
+    assert correction_settings(AlgoConfig(off_policy_correction="icepop", mis_low=0.8, mis_high=2.0)) == dict(
+        tis_cap=2.0, mis_low=0.8, mis_high=2.0, mis_level="token")
+    assert correction_settings(AlgoConfig(off_policy_correction="geo_mask")) == dict(
+        tis_cap=None, mis_low=0.99, mis_high=1.01, mis_level="sequence")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("algo,metric", [
+    (dict(off_policy_correction="icepop"), "mis_masked_fraction"),
+    (dict(off_policy_correction="geo_mask"), "mis_masked_fraction"),
+    (dict(opsm_delta=1e-4), "opsm_masked_fraction"),
+    (dict(policy_loss="dppo"), "clip_fraction"),
+    (dict(off_policy_correction="none"), "importance_weight_mean"),
+], ids=["icepop", "geo_mask", "opsm", "dppo", "none"])
+def test_an_async_run_trains_with_each_correction(tiny_model_dir, tmp_path, algo, metric):
+    import json
+
+    from strop.config import build_config
+    from strop.loop import train
+    from tests.test_e2e import tiny_overrides
+
+    run_dir = tmp_path / "run"
+    cfg = tiny_overrides(tiny_model_dir, run_dir, rollout={"mode": "async", "max_staleness": 1}, train={"steps": 3},
+                         algo=algo, run={"save_every": 0, "plot": False})
+    assert train(build_config(overrides=cfg))["steps"] == 3
+    steps = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert len(steps) == 3 and all(metric in r and math.isfinite(r["loss"]) for r in steps)
+    assert any(r["grad_norm"] > 0 for r in steps)
+    assert max(r["staleness_max"] for r in steps) >= 1  # it trained tokens of older weights
