@@ -195,6 +195,12 @@ class AlgoConfig(_Section):
         "them), 'geo_mask' (a sequence whose geometric-mean ratio leaves [0.99, 1.01] is masked, SkyRL's band), "
         "'auto' (the fields tis_cap, mis_*, opsm_delta, use_rollout_logprobs, policy_loss='dppo' decide), 'none' (no "
         "correction at all: rollout.mode async / one_step_off refuse an uncorrected run unless it says so)")
+    proximal: Literal["recompute", "loglinear"] = Field(
+        "recompute", description="pi_old, the PPO ratio's denominator (AReaL's proximal policy): 'recompute' = the "
+        "trainer's weights at the start of the step (a no-grad forward when train.mini_batches > 1, free otherwise); "
+        "'loglinear' = AReaL's log-linear interpolation between the weights that sampled each token and the step's "
+        "update, from the tokens' versions, with no forward. With algo.tis_cap / mis_* / icepop as the behaviour "
+        "weight pi_old/pi_rollout this is decoupled PPO")
     opsm_delta: float | None = Field(
         None, ge=0, description="off-policy sequence masking (DeepSeek-V3.2; slime's --opsm-delta, 1e-4 there): a "
         "sequence with negative advantage whose mean token log pi_rollout - log pi exceeds this is masked")
@@ -234,9 +240,13 @@ class AlgoConfig(_Section):
             raise ValueError(f"algo.off_policy_correction={self.off_policy_correction!r} compares pi_old with the "
                              "engine's logprobs; with algo.use_rollout_logprobs=true they are the same numbers and "
                              "nothing would ever be masked: turn one of them off")
+        if self.proximal == "loglinear" and self.use_rollout_logprobs:
+            raise ValueError("algo.proximal='loglinear' interpolates pi_old between the engine's logprobs and the "
+                             "current policy; algo.use_rollout_logprobs=true makes pi_old the engine's logprobs: "
+                             "choose one")
         if self.off_policy_correction == "none" and self.corrections():
-            raise ValueError(f"algo.off_policy_correction='none' says no correction, but {', '.join(self.corrections())} "
-                             "is set: drop one")
+            raise ValueError("algo.off_policy_correction='none' says no correction, but "
+                             f"{', '.join(self.corrections())} is set: drop one")
         if self.policy_loss == "cispo" and self.clip_low > 1:
             raise ValueError("algo.clip_low above 1 would allow negative CISPO weights")
         return self

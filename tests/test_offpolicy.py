@@ -210,3 +210,35 @@ def test_an_async_run_trains_with_each_correction(tiny_model_dir, tmp_path, algo
     assert len(steps) == 3 and all(metric in r and math.isfinite(r["loss"]) for r in steps)
     assert any(r["grad_norm"] > 0 for r in steps)
     assert max(r["staleness_max"] for r in steps) >= 1  # it trained tokens of older weights
+
+
+def _forwards(model):
+    calls = []
+    model.model.register_forward_hook(lambda *a: calls.append(1))  # (the trainer runs the backbone, then its own head)
+    return calls
+
+
+def test_loglinear_proximal_in_the_trainer_needs_no_forward_and_is_the_rollout_policy_for_fresh_tokens(tiny_model):
+    import copy
+
+    from tests.test_trainer import assert_same_update, make_samples, near_policy, run_step
+
+    samples = near_policy(tiny_model, make_samples())
+    fresh = copy.deepcopy(samples)
+    for s in fresh:  # sampled by the weights this (first) step starts from: version 0
+        s.weight_versions = [0] * s.response_length
+    # the step turns version 0 into 1: for version-0 tokens alpha = 0, so pi_old is the rollout's own policy
+    models = [copy.deepcopy(tiny_model) for _ in range(3)]
+    counts = [_forwards(m) for m in models]
+    loglinear = run_step(models[0], fresh, mini_batches=2, micro_batch_size=4, proximal="loglinear")
+    assert_same_update(loglinear, run_step(models[1], fresh, mini_batches=2, micro_batch_size=4,
+                                           use_rollout_logprobs=True))
+    recompute = run_step(models[2], fresh, mini_batches=2, micro_batch_size=4)
+    # 8 samples, 2 mini-batches of 4, one micro-batch each; recompute adds a no-grad pass over all 8 (2 forwards)
+    assert len(counts[0]) == len(counts[1]) == 2 and len(counts[2]) == 4
+    assert not math.isclose(loglinear[1]["grad_norm"], recompute[1]["grad_norm"], rel_tol=1e-4)
+    # tokens two versions old (make_samples' -1): alpha = 1/2, halfway between the rollout's policy and pi
+    stale = run_step(copy.deepcopy(tiny_model), samples, mini_batches=2, micro_batch_size=4, proximal="loglinear")
+    assert not math.isclose(stale[1]["grad_norm"], loglinear[1]["grad_norm"], rel_tol=1e-4)
+    with pytest.raises(ValueError, match="choose one"):
+        run_step(copy.deepcopy(tiny_model), samples, proximal="loglinear", use_rollout_logprobs=True)

@@ -74,8 +74,8 @@ def loglinear_proximal(behaviour_logprobs: torch.Tensor, logprobs: torch.Tensor,
                        current_version: int) -> torch.Tensor:
     """The proximal policy's logprobs without a forward pass (AReaL's ``prox_logp_method=loglinear``,
     Fu et al. 2025, arXiv 2505.24298): log-linear interpolation between the policy that sampled each
-    token (weights version ``v_t``) and the current one (version ``v``), at the proximal version
-    ``v - 1``:
+    token (weights version ``v_t``) and the policy being trained (``current_version`` v: the version
+    this step's update produces), at the proximal version ``v - 1`` (the weights the step starts from):
 
     ``alpha_t = clamp((v - 1 - v_t) / (v - v_t), 0, 1)`` (0 where ``v_t >= v``, and for a token one
     version old, whose sampler *is* the proximal policy);

@@ -64,6 +64,7 @@ class StepBatch:
     loss_mask: torch.Tensor
     response_mask: torch.Tensor
     rollout_logprobs: torch.Tensor
+    versions: torch.Tensor  # (N, T): the weight version each response token was sampled at
     old_logprobs: torch.Tensor | None = None  # the ratio's denominator
     trainer_old_logprobs: torch.Tensor | None = None  # the trainer's pre-update logprobs, when a pre-pass ran
     ref_logprobs: torch.Tensor | None = None
@@ -84,15 +85,18 @@ class StepBatch:
                    group_ids=torch.tensor([s.group_id for s in samples]),
                    loss_mask=_pad_rows([s.loss_mask for s in samples], T),
                    response_mask=_pad_rows([[1.0] * s.response_length for s in samples], T),
-                   rollout_logprobs=_pad_rows([s.rollout_logprobs for s in samples], T))
+                   rollout_logprobs=_pad_rows([s.rollout_logprobs for s in samples], T),
+                   versions=_pad_rows([s.weight_versions for s in samples], T).long())
 
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.loss_mask.shape)
 
-    def shape_overlong(self, max_new_tokens: int, buffer: int, factor: float) -> dict[str, float]:
+    def shape_overlong(self, max_new_tokens: int, buffer: int | None, factor: float) -> dict[str, float]:
         """DAPO's overlong reward shaping (strop.algo.offpolicy.overlong_penalty) added to the rewards, by
-        each response's length; returns its metrics."""
+        each response's length; returns its metrics (none when ``buffer`` is None: no shaping)."""
+        if buffer is None:
+            return {}
         penalty = overlong_penalty(self.response_mask.sum(-1), max_new_tokens=max_new_tokens, buffer=buffer,
                                    factor=factor)
         self.rewards = self.rewards + penalty

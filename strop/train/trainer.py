@@ -18,6 +18,7 @@ import torch
 from strop.algo.advantages import compute_advantages, explained_variance
 from strop.algo.losses import aggregate, value_loss
 from strop.algo.objective import Normalisers, policy_objective
+from strop.algo.offpolicy import loglinear_proximal
 from strop.observe.metrics import StepStats
 from strop.parallel import context as context_parallel
 from strop.parallel.collectives import DEFAULT_BUCKET_BYTES
@@ -144,10 +145,10 @@ class Trainer:
         if not samples or not any(any(s.loss_mask) for s in samples):
             raise ValueError("no trainable tokens in this step (every sample aborted, failed or fully masked)")
         b, a = StepBatch.of(samples), self.algo
-        shaped = b.shape_overlong(self.max_new_tokens, a.overlong_buffer, a.overlong_penalty) if a.overlong_buffer else {}
+        shaped = b.shape_overlong(self.max_new_tokens, a.overlong_buffer, a.overlong_penalty)
         # pi_old: the pre-update trainer (with one optimizer step and no KL-in-reward, the current weights)
         need_old = self.exact_logprobs or not a.use_rollout_logprobs and (
-            self.cfg.mini_batches > 1 or bool(a.kl_in_reward_coef))
+            self.cfg.mini_batches > 1 and a.proximal == "recompute" or bool(a.kl_in_reward_coef))
         wanted = need_old or self.ref is not None or self.ref_state is not None or self.critic is not None
         pre = self._pre_pass(b, need_old) if wanted else {}
         b.old_logprobs = b.trainer_old_logprobs = pre.get("old")
@@ -195,6 +196,8 @@ class Trainer:
             rows = lambda t: t[idx, :Tm].to(self.device) if t is not None else None  # noqa: E731
             logprobs, entropy = self._logprobs(self.policy, batch, with_entropy=True, entropy_grad=bool(a.entropy_coef))
             old = rows(b.old_logprobs) if b.old_logprobs is not None else logprobs.detach()
+            if a.proximal == "loglinear":  # this step turns weights v - 1 into v
+                old = loglinear_proximal(batch["rollout_logprobs"], logprobs, rows(b.versions), self.steps_done + 1)
             loss, pg_loss, tok = policy_objective(
                 logprobs, entropy, old_logprobs=old, rollout_logprobs=batch["rollout_logprobs"],
                 ref_logprobs=rows(b.ref_logprobs), advantages=rows(b.advantages), loss_mask=mask, norms=norms, algo=a,
