@@ -209,6 +209,16 @@ class AlgoConfig(_Section):
     dppo_mask_high: float = Field(0.2, gt=0, description="dppo: a token with A > 0 is masked when its probability "
                                   "rose by more than this since the rollout")
     dppo_kl_coef: float = Field(1e-3, ge=0, description="dppo: weight of (log pi - log pi_rollout)^2 on every token")
+    distill_teacher: str | None = Field(
+        None, description="on-policy distillation: a teacher model (path or hub id; same tokenizer as the student) "
+        "scores the student's sampled tokens; -algo.distill_coef x (log pi_student - log pi_teacher) per token is "
+        "added to the advantages (the teacher is frozen, loaded into the trainer and split like the policy)")
+    distill_coef: float = Field(1.0, gt=0, description="on-policy distillation: weight of the reverse-KL advantage")
+    distill_only: bool = Field(False, description="on-policy distillation alone: the task's advantages are dropped "
+                               "(its reward is still computed and logged)")
+    distill_temperature: float | None = Field(
+        None, gt=0, description="the temperature the teacher's logits are scored at (default: rollout.temperature, "
+        "the one the student sampled at and is scored at; slime's SGLang teacher scores at 1.0)")
     overlong_buffer: int | None = Field(
         None, gt=0, description="DAPO's overlong reward shaping: over the last this many tokens before "
         "rollout.max_new_tokens the reward falls linearly to -algo.overlong_penalty (by generated length)")
@@ -240,6 +250,8 @@ class AlgoConfig(_Section):
             raise ValueError(f"algo.off_policy_correction={self.off_policy_correction!r} compares pi_old with the "
                              "engine's logprobs; with algo.use_rollout_logprobs=true they are the same numbers and "
                              "nothing would ever be masked: turn one of them off")
+        if (self.distill_only or "distill_temperature" in self.model_fields_set) and not self.distill_teacher:
+            raise ValueError("algo.distill_only / distill_temperature need a teacher: set algo.distill_teacher")
         if self.proximal == "loglinear" and self.use_rollout_logprobs:
             raise ValueError("algo.proximal='loglinear' interpolates pi_old between the engine's logprobs and the "
                              "current policy; algo.use_rollout_logprobs=true makes pi_old the engine's logprobs: "
@@ -608,6 +620,10 @@ class Config(_Section):
             raise ValueError(f"rollout.mode={r.mode!r} trains on tokens sampled by older weights, and no off-policy "
                              "correction is set, so they would train as if on-policy. Choose one:\n  "
                              + "\n  ".join(OFF_POLICY_CORRECTIONS))
+        if a.distill_teacher and self.parallel.tensor_parallel_size > 1:
+            raise ValueError(f"algo.distill_teacher is loaded whole into each trainer process, and "
+                             f"parallel.tensor_parallel_size={self.parallel.tensor_parallel_size} would need it split "
+                             "across ranks like the policy, which strop does not do yet: distil without tensor parallel")
         if a.overlong_buffer is not None and a.overlong_buffer > r.max_new_tokens:
             raise ValueError(f"algo.overlong_buffer={a.overlong_buffer} is longer than rollout.max_new_tokens="
                              f"{r.max_new_tokens}: the shaping covers the last tokens before that limit")

@@ -233,6 +233,21 @@ def _read_replay(cfg: Config) -> dict:
     return steps
 
 
+def load_teacher(cfg: Config, tokenizer):
+    """On-policy distillation's teacher (``algo.distill_teacher``), in the model's dtype; refused unless it
+    shares the student's tokenizer (the same token ids mean the same text), naming both and the first difference."""
+    path = resolve_model_path(cfg.algo.distill_teacher)
+    theirs = load_tokenizer(path)
+    mine_vocab, their_vocab = tokenizer.get_vocab(), theirs.get_vocab()
+    if mine_vocab != their_vocab:
+        diff = sorted(set(mine_vocab.items()) ^ set(their_vocab.items()), key=lambda kv: (kv[1], kv[0]))[0]
+        raise ConfigError(f"algo.distill_teacher={cfg.algo.distill_teacher!r} has another tokenizer than the student "
+                          f"model.path={cfg.model.path!r} ({len(their_vocab)} against {len(mine_vocab)} tokens; first "
+                          f"difference: token {diff[0]!r} = id {diff[1]} in one only): a teacher scores the student's "
+                          "token ids, so both must share a tokenizer")
+    return load_model(path, dtype=getattr(torch, cfg.model.dtype))
+
+
 def make_trainer(cfg: Config, policy, tokenizer, hooks: dict, device: torch.device, weights: str | None = None
                  ) -> Trainer:
     """The trainer with this rank's data- and context-parallel groups (a collective under several ranks)."""
@@ -244,8 +259,9 @@ def make_trainer(cfg: Config, policy, tokenizer, hooks: dict, device: torch.devi
                                                                               device.type)
     elif dist.is_initialized():
         dp_group, cp_group = device_mesh_groups(cfg.parallel.context_parallel_size, device.type)
+    teacher = load_teacher(cfg, tokenizer) if cfg.algo.distill_teacher else None
     return Trainer(policy, pad_token_id=tokenizer.pad_token_id, train=cfg.train, algo=cfg.algo,
-                   temperature=r.temperature, max_new_tokens=r.max_new_tokens,
+                   temperature=r.temperature, max_new_tokens=r.max_new_tokens, teacher=teacher,
                    advantage_fn=hooks.get("advantage"), policy_loss_fn=hooks.get("policy_loss"),
                    dp_group=dp_group, cp_group=cp_group,
                    bucket_bytes=resolve_bucket_bytes(cfg.parallel.grad_reduce_bucket_bytes),

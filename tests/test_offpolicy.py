@@ -242,3 +242,105 @@ def test_loglinear_proximal_in_the_trainer_needs_no_forward_and_is_the_rollout_p
     assert not math.isclose(stale[1]["grad_norm"], loglinear[1]["grad_norm"], rel_tol=1e-4)
     with pytest.raises(ValueError, match="choose one"):
         run_step(copy.deepcopy(tiny_model), samples, proximal="loglinear", use_rollout_logprobs=True)
+
+
+# ---- on-policy distillation -----------------------------------------------------------------------------------
+def _teacher_logprobs(teacher, samples, temperature=1.0):
+    """The teacher's logprob of each sampled response token, by hand: (N, T) padded with 0."""
+    T = max(s.response_length for s in samples)
+    out = torch.zeros(len(samples), T)
+    with torch.no_grad():
+        for i, s in enumerate(samples):
+            logits = teacher(input_ids=torch.tensor([s.prompt_ids + s.response_ids])).logits[0].float() / temperature
+            P = len(s.prompt_ids)
+            lp = logits[P - 1: -1].log_softmax(-1).gather(-1, torch.tensor(s.response_ids).unsqueeze(-1)).squeeze(-1)
+            out[i, : len(lp)] = lp
+    return out
+
+
+def _distill_step(student, teacher, samples, *, advantage_fn=None, **algo):
+    from strop.config import AlgoConfig, TrainConfig
+    from strop.train.trainer import Trainer
+
+    train = TrainConfig(lr=1e-3, warmup_steps=0, micro_batch_size=3)
+    trainer = Trainer(student, pad_token_id=0, train=train, algo=AlgoConfig(**algo), max_new_tokens=8,
+                      temperature=0.7, teacher=teacher, advantage_fn=advantage_fn)
+    return trainer, trainer.step(samples)
+
+
+@pytest.mark.parametrize("temperature", [None, 1.0])
+def test_pure_distillation_trains_on_the_teachers_reverse_kl_as_the_advantage(temperature):
+    """distill_only: the update equals one whose advantage hook returns -coef (log pi_student - log pi_teacher) per
+    loss token, computed here by hand from the teacher (at the rollout's temperature 0.7, or at 1.0 when set)."""
+    import copy
+
+    from tests.test_trainer import assert_same_update, make_samples, near_policy
+    from tests.tiny import make_tiny_model
+
+    student, teacher = make_tiny_model(seed=0), make_tiny_model(seed=1)
+    samples = near_policy(student, make_samples())
+    mask = torch.zeros(len(samples), max(s.response_length for s in samples))
+    rollout = torch.zeros_like(mask)
+    for i, s in enumerate(samples):
+        mask[i, : s.response_length] = torch.tensor(s.loss_mask, dtype=torch.float32)
+        rollout[i, : s.response_length] = torch.tensor(s.rollout_logprobs)
+    teacher_lp = _teacher_logprobs(teacher, samples, temperature or 0.7)
+    want = -0.5 * (rollout - teacher_lp) * mask
+    extra = {"distill_temperature": temperature} if temperature else {}
+    distilled = _distill_step(copy.deepcopy(student), copy.deepcopy(teacher), samples, distill_teacher="t",
+                              distill_coef=0.5, distill_only=True, **extra)
+    assert distilled[1]["distill_reverse_kl"] == pytest.approx(float((rollout - teacher_lp).mul(mask).sum() / mask.sum()),
+                                                               rel=1e-5)
+    by_hand = _distill_step(copy.deepcopy(student), None, samples, advantage_fn=lambda **_: want)
+    assert_same_update(distilled, by_hand)
+    # with the task's advantages: the sum (the default GRPO advantages + the same term)
+    both = _distill_step(copy.deepcopy(student), copy.deepcopy(teacher), samples, distill_teacher="t", distill_coef=0.5,
+                         **extra)
+    task = _distill_step(copy.deepcopy(student), None, samples)
+    assert not math.isclose(both[1]["grad_norm"], task[1]["grad_norm"], rel_tol=1e-4)
+    assert not math.isclose(both[1]["grad_norm"], distilled[1]["grad_norm"], rel_tol=1e-4)
+
+
+def test_a_teacher_with_another_tokenizer_is_refused_naming_both(tmp_path, tiny_model_dir, tokenizer):
+    import shutil
+
+    from strop.config import ConfigError, build_config
+    from strop.setup import load_teacher
+    from tests.tiny import make_tiny_model
+
+    other = tmp_path / "teacher"
+    make_tiny_model(seed=1).save_pretrained(other)
+    changed = copy_tokenizer = tokenizer.__class__.from_pretrained(str(tiny_model_dir))
+    copy_tokenizer.add_tokens(["<strop-teacher-only>"])
+    changed.save_pretrained(other)
+    cfg = build_config(overrides={"model": {"path": str(tiny_model_dir)},
+                                  "algo": {"distill_teacher": str(other)}})
+    with pytest.raises(ConfigError, match=r"another tokenizer than the student.*'<strop-teacher-only>'"):
+        load_teacher(cfg, tokenizer)
+    same = tmp_path / "same"
+    shutil.copytree(tiny_model_dir, same)
+    assert load_teacher(build_config(overrides={"model": {"path": str(tiny_model_dir)},
+                                                "algo": {"distill_teacher": str(same)}}), tokenizer) is not None
+    with pytest.raises(ConfigError, match="need a teacher"):
+        build_config(overrides={"algo": {"distill_only": True}})
+    with pytest.raises(ConfigError, match="distill_teacher is loaded whole"):
+        build_config(overrides={"algo": {"distill_teacher": str(same)}, "parallel": {"tensor_parallel_size": 2}})
+
+
+@pytest.mark.timeout(300)
+def test_a_run_distils_from_a_teacher_on_disk(tiny_model_dir, tmp_path):
+    """strop train with algo.distill_teacher (here the student's own starting weights, so the first step's
+    reverse KL is the engine/trainer gap, ~0) logs the reverse KL every step; it grows as the student moves."""
+    import json
+
+    from strop.config import build_config
+    from strop.loop import train
+    from tests.test_e2e import tiny_overrides
+
+    run_dir = tmp_path / "run"
+    cfg = tiny_overrides(tiny_model_dir, run_dir, train={"steps": 3},
+                         algo={"distill_teacher": str(tiny_model_dir), "distill_coef": 1.0})
+    assert train(build_config(overrides=cfg))["steps"] == 3
+    kl = [r["distill_reverse_kl"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+          if "loss" in r]
+    assert len(kl) == 3 and abs(kl[0]) < 1e-4 and abs(kl[-1]) > 10 * abs(kl[0])

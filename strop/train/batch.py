@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from strop.algo.offpolicy import overlong_penalty
+from strop.algo.offpolicy import distillation_advantages, overlong_penalty
 from strop.parallel.packing import pack_by_token_budget
 from strop.types import Sample
 
@@ -68,6 +68,7 @@ class StepBatch:
     old_logprobs: torch.Tensor | None = None  # the ratio's denominator
     trainer_old_logprobs: torch.Tensor | None = None  # the trainer's pre-update logprobs, when a pre-pass ran
     ref_logprobs: torch.Tensor | None = None
+    teacher_logprobs: torch.Tensor | None = None  # on-policy distillation: the teacher's, of the same tokens
     old_values: torch.Tensor | None = None
     advantages: torch.Tensor | None = None  # (N, T)
     returns: torch.Tensor | None = None  # (N, T), critic targets
@@ -102,6 +103,16 @@ class StepBatch:
         self.rewards = self.rewards + penalty
         return {"overlong_penalty_mean": penalty.mean().item(),
                 "overlong_penalized_fraction": (penalty < 0).float().mean().item()}
+
+    def distill(self, coef: float, *, only: bool = False) -> dict[str, float]:
+        """On-policy distillation (strop.algo.offpolicy.distillation_advantages): the teacher's per-token
+        reverse-KL advantage added to the advantages (or replacing them, ``only``), the student's side being
+        pi_old (the engine's logprobs when no pre-pass ran). Returns the mean reverse KL over loss tokens."""
+        student = self.old_logprobs if self.old_logprobs is not None else self.rollout_logprobs
+        distill = distillation_advantages(student, self.teacher_logprobs, self.loss_mask, coef=coef)
+        self.advantages = distill if only else self.advantages + distill
+        kl = ((student - self.teacher_logprobs) * self.loss_mask).sum() / self.loss_mask.sum().clamp(min=1)
+        return {"distill_reverse_kl": kl.item()}
 
     def take_trainer_logprobs(self) -> float:
         """rollout.exact_logprobs: the trainer's pre-pass logprobs become the rollout's, in this

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from strop.algo.losses import aggregate, value_loss
 from strop.train.logprob import response_hidden
 
 
@@ -28,3 +29,22 @@ class ValueModel(nn.Module):
         # the state before each response token (N, H); with ``cp`` only this CP rank's entries
         h, _, restore = response_hidden(self.backbone, input_ids, attention_mask, positions, position_ids, cp)
         return restore(self.value_head(h).squeeze(-1).float())  # (B, T)
+
+
+def train_critic(trainer, b, mini: list[int], m, n_mini: int) -> None:
+    """One optimizer step of ``trainer``'s critic on the samples ``mini`` of the step batch ``b``: PPO's clipped
+    value loss, token mean over the mini-batch, into the step's stats ``m``."""
+    total = float(b.loss_mask[mini].sum())
+    for idx, real in trainer.dp.share(trainer._micro_batches(mini, b.samples)):
+        batch = trainer._collate([b.samples[i] for i in idx])
+        mask = batch["loss_mask"]
+        Tm = mask.shape[1]
+        values = trainer._values(batch)
+        old, ret = b.old_values[idx, :Tm].to(trainer.device), b.returns[idx, :Tm].to(trainer.device)
+        per_token, info = value_loss(values, old, ret, clip=trainer.algo.value_clip)
+        loss = aggregate(per_token, mask, "token_mean", num_sequences=float(len(mini)), total_tokens=total)
+        (loss * trainer.dp.loss_scale(real)).backward()
+        if real:
+            m.add("value_loss", loss.item() / n_mini)
+            m.tok("value_clip_fraction", info["value_clipped"].float(), mask)
+    m.last("critic_grad_norm", trainer.critic_opt.step(m))

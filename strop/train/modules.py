@@ -23,11 +23,14 @@ class Modules:
     ref: nn.Module | None = None  # a frozen copy of the initial policy (algo.ref_mode='copy')
     ref_state: dict[str, torch.Tensor] | None = None  # its initial weights to swap in (ref_mode='swap')
     critic: nn.Module | None = None  # PPO's value model
+    teacher: nn.Module | None = None  # on-policy distillation's frozen teacher
 
 
-def build_modules(model: nn.Module, strategy, algo, train, weights_path: str | None = None) -> Modules:
+def build_modules(model: nn.Module, strategy, algo, train, weights_path: str | None = None,
+                  teacher: nn.Module | None = None) -> Modules:
     """The modules for ``model`` (whole, or on the meta device with ``weights_path``): copies first (reference,
-    critic), from the whole model or its skeleton, then each wrapped by ``strategy`` and, from meta, loaded."""
+    critic), from the whole model or its skeleton, then each wrapped by ``strategy`` and, from meta, loaded.
+    ``teacher`` (whole, loaded by the caller) is frozen and wrapped like the reference."""
     device, meta = strategy.device, any(p.is_meta for p in model.parameters())
     kl = algo.kl_coef + algo.kl_in_reward_coef > 0
     if kl and algo.ref_mode == "swap" and (strategy.mode == "fsdp" or strategy.tp_size > 1 or meta):
@@ -61,6 +64,8 @@ def build_modules(model: nn.Module, strategy, algo, train, weights_path: str | N
         critic = ValueModel.from_causal_lm(copy.deepcopy(model))
         out.critic = wrap((critic if meta else critic.to(device)).train(),
                           lambda n: None if n.startswith("value_head.") else _under("backbone.", "model.")(n))
+    if teacher is not None:  # (never from the policy's files: wrapped, not loaded)
+        out.teacher = strategy.wrap(LogprobModule(teacher.to(device).eval().requires_grad_(False)))
     out.policy = wrap(LogprobModule(out.model), _under("lm."))
     return out
 

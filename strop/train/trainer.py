@@ -16,7 +16,6 @@ import time
 import torch
 
 from strop.algo.advantages import compute_advantages, explained_variance
-from strop.algo.losses import aggregate, value_loss
 from strop.algo.objective import Normalisers, policy_objective
 from strop.algo.offpolicy import loglinear_proximal
 from strop.observe.metrics import StepStats
@@ -26,6 +25,7 @@ from strop.parallel.packing import collate_packed, unpack
 from strop.parallel.strategy import make_strategy
 from strop.plugins import call_hook_sync
 from strop.train.batch import StepBatch, collate, split_micro_batches, swapped_weights, to_device
+from strop.train.critic import train_critic
 from strop.train.modules import build_modules
 from strop.train.optim import GuardedOptimizer, NonFiniteGradientError
 from strop.types import Sample
@@ -34,7 +34,7 @@ __all__ = ["Trainer", "NonFiniteGradientError", "collate", "swapped_weights"]
 
 
 class Trainer:
-    def __init__(self, model, *, pad_token_id: int, train, algo, temperature: float = 1.0,
+    def __init__(self, model, *, pad_token_id: int, train, algo, temperature: float = 1.0, teacher=None,
                  max_new_tokens: int = 1024, advantage_fn=None, policy_loss_fn=None, dp_group=None,
                  cp_group=None, bucket_bytes: int = DEFAULT_BUCKET_BYTES, dp_mode: str = "replicate",
                  fsdp_mixed_precision: bool = False, device: str | torch.device = "cpu",
@@ -55,8 +55,9 @@ class Trainer:
         self.pad_token_id, self.cfg, self.algo, self.max_new_tokens = pad_token_id, train, algo, max_new_tokens
         self.temperature = temperature if temperature > 0 else 1.0
         self.autocast, self.exact_logprobs = bf16_autocast, exact_logprobs
-        m = build_modules(model, self.dp, algo, train, weights_path)
+        m = build_modules(model, self.dp, algo, train, weights_path, teacher)
         self.model, self.policy, self.ref, self.ref_state, self.critic = m.model, m.policy, m.ref, m.ref_state, m.critic
+        self.teacher = m.teacher  # on-policy distillation (algo.distill_teacher)
         if self.critic is not None:
             self.critic_opt = GuardedOptimizer("critic", self.critic, algo.critic_lr, train, self.dp)
         self.policy_opt = GuardedOptimizer("policy", self.model, train.lr, train, self.dp)
@@ -85,10 +86,10 @@ class Trainer:
     def _precision(self):
         return torch.autocast(self.device.type, dtype=torch.bfloat16) if self.autocast else contextlib.nullcontext()
 
-    def _logprobs(self, module, batch: dict, *, with_entropy=False, entropy_grad=False):
+    def _logprobs(self, module, batch: dict, *, with_entropy=False, entropy_grad=False, temperature=None):
         with self._precision():
             lp, ent = module(batch["input_ids"], batch["attention_mask"], batch["positions"], batch.get("position_ids"),
-                             temperature=self.temperature, with_entropy=with_entropy, entropy_grad=entropy_grad,
+                             temperature=temperature or self.temperature, with_entropy=with_entropy, entropy_grad=entropy_grad,
                              chunk_size=self.cfg.logprob_chunk_size, cp=batch.get("cp"))
         lp, ent = lp.float(), (ent.float() if ent is not None else None)
         if "scatter" in batch:  # a packed row back to (n, T)
@@ -103,10 +104,10 @@ class Trainer:
 
     @torch.no_grad()
     def _pre_pass(self, b: StepBatch, need_old: bool) -> dict[str, torch.Tensor]:
-        """Everything that must see pre-update weights: old and reference logprobs, critic values.
+        """Everything that must see pre-update weights: old, reference and teacher logprobs, critic values.
         Ranks split the micro-batches (as in training); the strategy merges their disjoint rows."""
         wanted = [k for k, on in (("old", need_old), ("ref", self.ref is not None or self.ref_state is not None),
-                                  ("values", self.critic is not None)) if on]
+                                  ("teacher", self.teacher is not None), ("values", self.critic is not None)) if on]
         out = {k: torch.zeros(b.shape, device=self.device) for k in wanted}
         for idx, real in self.dp.share(self._micro_batches(range(len(b.samples)), b.samples)):
             batch = self._collate([b.samples[i] for i in idx])  # under FSDP every forward is a collective:
@@ -118,6 +119,8 @@ class Trainer:
             elif self.ref_state is not None:
                 with swapped_weights(self.model, self.ref_state):
                     found["ref"] = self._logprobs(self.policy, batch)[0]
+            if self.teacher is not None:
+                found["teacher"] = self._logprobs(self.teacher, batch, temperature=self.algo.distill_temperature)[0]
             if self.critic is not None:
                 found["values"] = self._values(batch)
             if real:
@@ -149,20 +152,22 @@ class Trainer:
         # pi_old: the pre-update trainer (with one optimizer step and no KL-in-reward, the current weights)
         need_old = self.exact_logprobs or not a.use_rollout_logprobs and (
             self.cfg.mini_batches > 1 and a.proximal == "recompute" or bool(a.kl_in_reward_coef))
-        wanted = need_old or self.ref is not None or self.ref_state is not None or self.critic is not None
+        wanted = need_old or any(x is not None for x in (self.ref, self.ref_state, self.teacher, self.critic))
         pre = self._pre_pass(b, need_old) if wanted else {}
         b.old_logprobs = b.trainer_old_logprobs = pre.get("old")
         gap = {"engine_logprob_abs_diff": b.take_trainer_logprobs()} if self.exact_logprobs else {}
-        b.ref_logprobs, b.old_values = pre.get("ref"), pre.get("values")
+        b.ref_logprobs, b.old_values, b.teacher_logprobs = pre.get("ref"), pre.get("values"), pre.get("teacher")
         b.old_logprobs = b.rollout_logprobs if a.use_rollout_logprobs else b.old_logprobs  # the engine's stand in
         b.advantages, b.returns = self._advantages(b)
+        if b.teacher_logprobs is not None:  # on-policy distillation: the teacher's view of each token
+            shaped |= b.distill(a.distill_coef, only=a.distill_only)
         stats, n = StepStats(), len(samples)
         n_mini = min(self.cfg.mini_batches, n)
         for k in range(n_mini):
             mini = list(range(k * n // n_mini, (k + 1) * n // n_mini))
             self._train_policy(b, mini, stats, first=k == 0, n_mini=n_mini)
             if self.critic is not None:
-                self._train_critic(b, mini, stats, n_mini=n_mini)
+                train_critic(self, b, mini, stats, n_mini=n_mini)
         self.steps_done += 1
         self.dp.merge_stats(stats)
         out = stats.result()
@@ -221,22 +226,6 @@ class Trainer:
                 m.add("trained_samples", float(len(idx)) if has_signal else 0.0)
         m.last("lr", self.policy_opt.lr)
         m.last("grad_norm", self.policy_opt.step(m) if has_signal else 0.0)
-
-    def _train_critic(self, b: StepBatch, mini: list[int], m: StepStats, n_mini: int) -> None:
-        total = float(b.loss_mask[mini].sum())
-        for idx, real in self.dp.share(self._micro_batches(mini, b.samples)):
-            batch = self._collate([b.samples[i] for i in idx])
-            mask = batch["loss_mask"]
-            Tm = mask.shape[1]
-            values = self._values(batch)
-            old, ret = b.old_values[idx, :Tm].to(self.device), b.returns[idx, :Tm].to(self.device)
-            per_token, info = value_loss(values, old, ret, clip=self.algo.value_clip)
-            loss = aggregate(per_token, mask, "token_mean", num_sequences=float(len(mini)), total_tokens=total)
-            (loss * self.dp.loss_scale(real)).backward()
-            if real:
-                m.add("value_loss", loss.item() / n_mini)
-                m.tok("value_clip_fraction", info["value_clipped"].float(), mask)
-        m.last("critic_grad_norm", self.critic_opt.step(m))
 
     def full_weights(self) -> dict[str, torch.Tensor]:
         """The policy's whole weights for the engine, on the trainer's device, as copies the next
