@@ -213,6 +213,12 @@ class AlgoConfig(_Section):
         None, description="on-policy distillation: a teacher model (path or hub id; same tokenizer as the student) "
         "scores the student's sampled tokens; -algo.distill_coef x (log pi_student - log pi_teacher) per token is "
         "added to the advantages (the teacher is frozen, loaded into the trainer and split like the policy)")
+    distill_teacher_url: str | None = Field(
+        None, description="on-policy distillation from a teacher served elsewhere (instead of distill_teacher): its "
+        "server scores the student's tokens (input-token logprobs, at temperature 1); kind: distill_teacher_kind")
+    distill_teacher_kind: Literal["strop", "sglang", "vllm"] = Field(
+        "strop", description="the distill_teacher_url server: strop serve, SGLang (both: /generate with "
+        "input_token_logprobs) or vLLM (/v1/completions with prompt_logprobs)")
     distill_coef: float = Field(1.0, gt=0, description="on-policy distillation: weight of the reverse-KL advantage")
     distill_only: bool = Field(False, description="on-policy distillation alone: the task's advantages are dropped "
                                "(its reward is still computed and logged)")
@@ -250,8 +256,17 @@ class AlgoConfig(_Section):
             raise ValueError(f"algo.off_policy_correction={self.off_policy_correction!r} compares pi_old with the "
                              "engine's logprobs; with algo.use_rollout_logprobs=true they are the same numbers and "
                              "nothing would ever be masked: turn one of them off")
-        if (self.distill_only or "distill_temperature" in self.model_fields_set) and not self.distill_teacher:
-            raise ValueError("algo.distill_only / distill_temperature need a teacher: set algo.distill_teacher")
+        if (self.distill_only or "distill_temperature" in self.model_fields_set) and not (
+                self.distill_teacher or self.distill_teacher_url):
+            raise ValueError("algo.distill_only / distill_temperature need a teacher: set algo.distill_teacher (a "
+                             "model) or algo.distill_teacher_url (a server)")
+        if self.distill_teacher and self.distill_teacher_url:
+            raise ValueError("algo.distill_teacher (a model loaded here) and algo.distill_teacher_url (a server) name "
+                             "two teachers: keep one")
+        if self.distill_teacher_url and self.distill_temperature not in (None, 1.0):
+            raise ValueError(f"algo.distill_teacher_url: a server scores input tokens at temperature 1 (its API takes "
+                             f"none), so algo.distill_temperature={self.distill_temperature} cannot be honoured; load "
+                             "the teacher here (algo.distill_teacher) or set 1.0")
         if self.proximal == "loglinear" and self.use_rollout_logprobs:
             raise ValueError("algo.proximal='loglinear' interpolates pi_old between the engine's logprobs and the "
                              "current policy; algo.use_rollout_logprobs=true makes pi_old the engine's logprobs: "
@@ -620,6 +635,12 @@ class Config(_Section):
             raise ValueError(f"rollout.mode={r.mode!r} trains on tokens sampled by older weights, and no off-policy "
                              "correction is set, so they would train as if on-policy. Choose one:\n  "
                              + "\n  ".join(OFF_POLICY_CORRECTIONS))
+        if a.distill_teacher_url and r.temperature != 1.0 and a.distill_temperature != 1.0:
+            raise ValueError(f"algo.distill_teacher_url scores the student's tokens at temperature 1 (the servers' "
+                             f"input-token logprobs ignore sampling temperature), and the student samples and is "
+                             f"scored at rollout.temperature={r.temperature}: set algo.distill_temperature=1.0 to "
+                             "accept the mismatch, sample at rollout.temperature=1.0, or load the teacher here "
+                             "(algo.distill_teacher), which scores at the student's temperature")
         if a.distill_teacher and self.parallel.tensor_parallel_size > 1:
             raise ValueError(f"algo.distill_teacher is loaded whole into each trainer process, and "
                              f"parallel.tensor_parallel_size={self.parallel.tensor_parallel_size} would need it split "

@@ -260,8 +260,18 @@ def make_trainer(cfg: Config, policy, tokenizer, hooks: dict, device: torch.devi
     elif dist.is_initialized():
         dp_group, cp_group = device_mesh_groups(cfg.parallel.context_parallel_size, device.type)
     teacher = load_teacher(cfg, tokenizer) if cfg.algo.distill_teacher else None
+    remote_teacher = None
+    if cfg.algo.distill_teacher_url:
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            raise ConfigError("algo.distill_teacher_url is asked by the trainer process for the step's samples; with "
+                              f"{dist.get_world_size()} trainer processes every one would ask for all of them: run one "
+                              "process, or load the teacher (algo.distill_teacher), which is split like the policy")
+        from strop.engines.teacher import RemoteTeacher
+
+        remote_teacher = RemoteTeacher(cfg.algo.distill_teacher_url, cfg.algo.distill_teacher_kind)
     return Trainer(policy, pad_token_id=tokenizer.pad_token_id, train=cfg.train, algo=cfg.algo,
                    temperature=r.temperature, max_new_tokens=r.max_new_tokens, teacher=teacher,
+                   remote_teacher=remote_teacher,
                    advantage_fn=hooks.get("advantage"), policy_loss_fn=hooks.get("policy_loss"),
                    dp_group=dp_group, cp_group=cp_group,
                    bucket_bytes=resolve_bucket_bytes(cfg.parallel.grad_reduce_bucket_bytes),

@@ -258,13 +258,14 @@ def _teacher_logprobs(teacher, samples, temperature=1.0):
     return out
 
 
-def _distill_step(student, teacher, samples, *, advantage_fn=None, **algo):
+def _distill_step(student, teacher, samples, *, advantage_fn=None, temperature=0.7, remote_teacher=None, **algo):
     from strop.config import AlgoConfig, TrainConfig
     from strop.train.trainer import Trainer
 
     train = TrainConfig(lr=1e-3, warmup_steps=0, micro_batch_size=3)
     trainer = Trainer(student, pad_token_id=0, train=train, algo=AlgoConfig(**algo), max_new_tokens=8,
-                      temperature=0.7, teacher=teacher, advantage_fn=advantage_fn)
+                      temperature=temperature, teacher=teacher, advantage_fn=advantage_fn,
+                      remote_teacher=remote_teacher)
     return trainer, trainer.step(samples)
 
 

@@ -47,7 +47,7 @@ def to_device(batch: dict, device: torch.device) -> dict:
     return {k: move(v) for k, v in batch.items()}
 
 
-def _pad_rows(rows: list[list[float]], T: int) -> torch.Tensor:
+def pad_rows(rows: list[list[float]], T: int) -> torch.Tensor:
     out = torch.zeros(len(rows), T)
     for i, r in enumerate(rows):
         out[i, : len(r)] = torch.tensor(r, dtype=torch.float32)
@@ -84,10 +84,10 @@ class StepBatch:
         T = max(s.response_length for s in samples)
         return cls(samples=samples, rewards=torch.tensor([float(s.reward) for s in samples]),
                    group_ids=torch.tensor([s.group_id for s in samples]),
-                   loss_mask=_pad_rows([s.loss_mask for s in samples], T),
-                   response_mask=_pad_rows([[1.0] * s.response_length for s in samples], T),
-                   rollout_logprobs=_pad_rows([s.rollout_logprobs for s in samples], T),
-                   versions=_pad_rows([s.weight_versions for s in samples], T).long())
+                   loss_mask=pad_rows([s.loss_mask for s in samples], T),
+                   response_mask=pad_rows([[1.0] * s.response_length for s in samples], T),
+                   rollout_logprobs=pad_rows([s.rollout_logprobs for s in samples], T),
+                   versions=pad_rows([s.weight_versions for s in samples], T).long())
 
     @property
     def shape(self) -> tuple[int, int]:

@@ -24,7 +24,7 @@ from strop.parallel.collectives import DEFAULT_BUCKET_BYTES
 from strop.parallel.packing import collate_packed, unpack
 from strop.parallel.strategy import make_strategy
 from strop.plugins import call_hook_sync
-from strop.train.batch import StepBatch, collate, split_micro_batches, swapped_weights, to_device
+from strop.train.batch import StepBatch, pad_rows, collate, split_micro_batches, swapped_weights, to_device
 from strop.train.critic import train_critic
 from strop.train.modules import build_modules
 from strop.train.optim import GuardedOptimizer, NonFiniteGradientError
@@ -35,6 +35,7 @@ __all__ = ["Trainer", "NonFiniteGradientError", "collate", "swapped_weights"]
 
 class Trainer:
     def __init__(self, model, *, pad_token_id: int, train, algo, temperature: float = 1.0, teacher=None,
+                 remote_teacher=None,
                  max_new_tokens: int = 1024, advantage_fn=None, policy_loss_fn=None, dp_group=None,
                  cp_group=None, bucket_bytes: int = DEFAULT_BUCKET_BYTES, dp_mode: str = "replicate",
                  fsdp_mixed_precision: bool = False, device: str | torch.device = "cpu",
@@ -57,7 +58,7 @@ class Trainer:
         self.autocast, self.exact_logprobs = bf16_autocast, exact_logprobs
         m = build_modules(model, self.dp, algo, train, weights_path, teacher)
         self.model, self.policy, self.ref, self.ref_state, self.critic = m.model, m.policy, m.ref, m.ref_state, m.critic
-        self.teacher = m.teacher  # on-policy distillation (algo.distill_teacher)
+        self.teacher, self.remote_teacher = m.teacher, remote_teacher  # on-policy distillation's, either
         if self.critic is not None:
             self.critic_opt = GuardedOptimizer("critic", self.critic, algo.critic_lr, train, self.dp)
         self.policy_opt = GuardedOptimizer("policy", self.model, train.lr, train, self.dp)
@@ -157,6 +158,8 @@ class Trainer:
         b.old_logprobs = b.trainer_old_logprobs = pre.get("old")
         gap = {"engine_logprob_abs_diff": b.take_trainer_logprobs()} if self.exact_logprobs else {}
         b.ref_logprobs, b.old_values, b.teacher_logprobs = pre.get("ref"), pre.get("values"), pre.get("teacher")
+        if self.remote_teacher is not None:  # a server scores the samples (strop.engines.teacher)
+            b.teacher_logprobs = pad_rows(self.remote_teacher(b.samples), b.shape[1]) * b.response_mask
         b.old_logprobs = b.rollout_logprobs if a.use_rollout_logprobs else b.old_logprobs  # the engine's stand in
         b.advantages, b.returns = self._advantages(b)
         if b.teacher_logprobs is not None:  # on-policy distillation: the teacher's view of each token
