@@ -40,10 +40,11 @@ def near_policy(model, samples, noise=0.3, seed=1):
 
 
 def run_step(model, samples, *, micro_batch_size=8, mini_batches=1, max_tokens=None, device="cpu",
-             bf16_autocast=False, exact_logprobs=False, **algo):
+             bf16_autocast=False, exact_logprobs=False, logprob_chunk_size=1024, **algo):
     # Adam divides by |grad|: near-zero gradients amplify rounding, so keep lr small for 1e-6 checks
     train = TrainConfig(lr=1e-3, warmup_steps=0, micro_batch_size=micro_batch_size, mini_batches=mini_batches,
-                        max_tokens_per_micro_batch=max_tokens, bf16_autocast=bf16_autocast)
+                        max_tokens_per_micro_batch=max_tokens, bf16_autocast=bf16_autocast,
+                        logprob_chunk_size=logprob_chunk_size)
     trainer = Trainer(model, pad_token_id=0, train=train, algo=AlgoConfig(**algo), max_new_tokens=8, device=device,
                       exact_logprobs=exact_logprobs)
     metrics = trainer.step(samples)
