@@ -351,3 +351,26 @@ def test_a_run_distils_from_a_teacher_on_disk(tiny_model_dir, tmp_path):
     kl = [r["distill_reverse_kl"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
           if "loss" in r]
     assert len(kl) == 3 and abs(kl[0]) < 1e-4 and abs(kl[-1]) > 10 * abs(kl[0])
+
+
+@pytest.mark.parametrize("name", sorted(set(CORRECTIONS) - {"overlong"}))
+def test_an_all_masked_sequence_and_an_empty_step_give_no_nan(name):
+    """policy_objective with each correction: a sequence with no loss token contributes nothing and no NaN; a
+    micro-batch with no loss token at all gives a loss of exactly 0."""
+    from strop.algo.objective import Normalisers, policy_objective
+    from strop.config import AlgoConfig
+
+    algo = AlgoConfig(**CORRECTIONS[name][0])
+    g = torch.Generator().manual_seed(0)
+    logprobs = (-torch.rand(3, 4, generator=g) - 1).requires_grad_(True)
+    rollout = logprobs.detach() + 0.3 * torch.randn(3, 4, generator=g)
+    adv = torch.tensor([[1.0], [-1.0], [0.5]])
+    for mask in (torch.tensor([[1.0, 1, 1, 0], [0, 0, 0, 0], [1, 1, 0, 0]]), torch.zeros(3, 4)):
+        norms = Normalisers(num_sequences=3.0, total_tokens=float(mask.sum()), constant=4.0)
+        loss, pg, stats = policy_objective(logprobs, None, old_logprobs=logprobs.detach(), rollout_logprobs=rollout,
+                                           ref_logprobs=None, advantages=adv, loss_mask=mask, norms=norms, algo=algo)
+        assert torch.isfinite(loss) and all(torch.isfinite(v).all() for v in stats.values())
+        (grad,) = torch.autograd.grad(loss, logprobs)
+        assert torch.isfinite(grad).all() and grad[1].abs().sum() == 0  # the all-masked row: no gradient
+        if mask.sum() == 0:
+            assert loss.item() == 0.0

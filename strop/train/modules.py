@@ -65,6 +65,8 @@ def build_modules(model: nn.Module, strategy, algo, train, weights_path: str | N
         out.critic = wrap((critic if meta else critic.to(device)).train(),
                           lambda n: None if n.startswith("value_head.") else _under("backbone.", "model.")(n))
     if teacher is not None:  # (never from the policy's files: wrapped, not loaded)
+        if strategy.cp_size > 1:
+            context_parallel.enable(teacher)
         out.teacher = strategy.wrap(LogprobModule(teacher.to(device).eval().requires_grad_(False)))
     out.policy = wrap(LogprobModule(out.model), _under("lm."))
     return out

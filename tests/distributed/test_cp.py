@@ -179,6 +179,9 @@ def _cp_step(rank, world, algo_name, packed, mode="replicate", cp=2, samples=Non
     from tests.test_trainer import make_samples, near_policy
     from tests.tiny import make_tiny_model
 
+    from tests.distributed.test_dp import teacher_for
+
+    teacher = teacher_for(algo_name)
     model = make_tiny_model().to(DTYPES.get(algo_name, torch.float32))
     if samples is None and algo_name in ("icepop_opsm", "dppo"):  # corrections act on near-policy logprobs
         samples = near_policy(model, make_samples(10))
@@ -191,7 +194,8 @@ def _cp_step(rank, world, algo_name, packed, mode="replicate", cp=2, samples=Non
         mesh = init_device_mesh(torch.device(rank_device(rank, world)).type, (world // cp, cp), mesh_dim_names=("dp", "cp"))
         dp_group, cp_group = mesh["dp"].get_group(), mesh["cp"].get_group()
     trainer = Trainer(model, pad_token_id=0, train=train, algo=AlgoConfig(**ALGOS[algo_name]), max_new_tokens=8,
-                      dp_group=dp_group, cp_group=cp_group, bucket_bytes=1 << 20, dp_mode=mode, device=rank_device(rank, world))
+                      dp_group=dp_group, cp_group=cp_group, bucket_bytes=1 << 20, dp_mode=mode, device=rank_device(rank, world),
+                      teacher=teacher)
     samples = samples or make_samples(10)
     counts = trainer._collate(samples)["cp"].counts if trainer.cp_size > 1 else None
     metrics = trainer.step(samples)

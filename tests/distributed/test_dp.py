@@ -11,7 +11,15 @@ from tests.distributed import BACKEND, rank_device
 ALGOS = {"grpo": {}, "ppo": {"estimator": "ppo", "kl_in_reward_coef": 0.01},
          "seq_mean_kl": {"loss_agg": "seq_mean_token_mean", "kl_coef": 0.1},
          "icepop_opsm": {"off_policy_correction": "icepop", "opsm_delta": 0.01},
-         "dppo": {"policy_loss": "dppo", "dppo_mask_low": 1e-8, "dppo_mask_high": 1e-8, "overlong_buffer": 4}}
+         "dppo": {"policy_loss": "dppo", "dppo_mask_low": 1e-8, "dppo_mask_high": 1e-8, "overlong_buffer": 4},
+         "distill": {"distill_teacher": "tiny seed 1", "distill_coef": 0.5}}  # (the tests pass the teacher module)
+
+
+def teacher_for(algo_name):
+    """on-policy distillation's teacher for ``algo_name`` (another random tiny model), or None"""
+    from tests.tiny import make_tiny_model
+
+    return make_tiny_model(seed=1) if "distill_teacher" in ALGOS[algo_name] else None
 
 
 def _full(t):
@@ -26,6 +34,7 @@ def _step(rank, world, algo_name, packed, mode="replicate"):
     from tests.test_trainer import make_samples, near_policy
     from tests.tiny import make_tiny_model
 
+    teacher = teacher_for(algo_name)
     model = make_tiny_model()
     samples = make_samples(10)
     if algo_name in ("icepop_opsm", "dppo"):  # the corrections act on rollout logprobs near the model's own
@@ -34,7 +43,8 @@ def _step(rank, world, algo_name, packed, mode="replicate"):
                         max_tokens_per_micro_batch=20 if packed else None)
     group = dist.group.WORLD if world > 1 else None
     trainer = Trainer(model, pad_token_id=0, train=train, algo=AlgoConfig(**ALGOS[algo_name]), max_new_tokens=8,
-                      dp_group=group, bucket_bytes=1 << 20, dp_mode=mode, device=rank_device(rank, world))
+                      dp_group=group, bucket_bytes=1 << 20, dp_mode=mode, device=rank_device(rank, world),
+                      teacher=teacher)
     metrics = trainer.step(samples)
     grads = [_full(trainer.optimizer.state[p]["exp_avg"]).cpu() for p in trainer.optimizer.param_groups[0]["params"]]
     params = [_full(p.detach()).cpu() for p in trainer.model.parameters()]
