@@ -24,7 +24,7 @@ from strop.parallel.collectives import DEFAULT_BUCKET_BYTES
 from strop.parallel.packing import collate_packed, unpack
 from strop.parallel.strategy import make_strategy
 from strop.plugins import call_hook_sync
-from strop.train.batch import StepBatch, pad_rows, collate, split_micro_batches, swapped_weights, to_device
+from strop.train.batch import StepBatch, collate, pad_rows, split_micro_batches, swapped_weights, to_device
 from strop.train.critic import train_critic
 from strop.train.modules import build_modules
 from strop.train.optim import GuardedOptimizer, NonFiniteGradientError
@@ -35,8 +35,7 @@ __all__ = ["Trainer", "NonFiniteGradientError", "collate", "swapped_weights"]
 
 class Trainer:
     def __init__(self, model, *, pad_token_id: int, train, algo, temperature: float = 1.0, teacher=None,
-                 remote_teacher=None,
-                 max_new_tokens: int = 1024, advantage_fn=None, policy_loss_fn=None, dp_group=None,
+                 remote_teacher=None, max_new_tokens: int = 1024, advantage_fn=None, policy_loss_fn=None, dp_group=None,
                  cp_group=None, bucket_bytes: int = DEFAULT_BUCKET_BYTES, dp_mode: str = "replicate",
                  fsdp_mixed_precision: bool = False, device: str | torch.device = "cpu",
                  bf16_autocast: bool = False, strategy=None, exact_logprobs: bool = False, tp_mesh=None,
@@ -47,7 +46,8 @@ class Trainer:
         choose the strategy, unless one is given (``exact_logprobs``: StepBatch.take_trainer_logprobs);
         ``tp_mesh`` / ``dp_mesh``: the dimensions of a (dp, tp) mesh under tensor parallel (``sequence_parallel``:
         the residual stream split over tokens too, strop.parallel.tensor). A ``model`` on the
-        meta device is split first, then each rank reads its own slices from ``weights_path`` (safetensors)."""
+        meta device is split first, then each rank reads its own slices from ``weights_path`` (safetensors).
+        On-policy distillation's teacher: ``teacher`` (a model, frozen here) or ``remote_teacher`` (a server's)."""
         self.dp = strategy or make_strategy(dp_group=dp_group, cp_group=cp_group, mode=dp_mode, device=device,
                                             bucket_bytes=bucket_bytes, mixed_precision=fsdp_mixed_precision,
                                             tp_mesh=tp_mesh, dp_mesh=dp_mesh, sequence_parallel=sequence_parallel)
@@ -90,8 +90,8 @@ class Trainer:
     def _logprobs(self, module, batch: dict, *, with_entropy=False, entropy_grad=False, temperature=None):
         with self._precision():
             lp, ent = module(batch["input_ids"], batch["attention_mask"], batch["positions"], batch.get("position_ids"),
-                             temperature=temperature or self.temperature, with_entropy=with_entropy, entropy_grad=entropy_grad,
-                             chunk_size=self.cfg.logprob_chunk_size, cp=batch.get("cp"))
+                             temperature=temperature or self.temperature, with_entropy=with_entropy,
+                             entropy_grad=entropy_grad, chunk_size=self.cfg.logprob_chunk_size, cp=batch.get("cp"))
         lp, ent = lp.float(), (ent.float() if ent is not None else None)
         if "scatter" in batch:  # a packed row back to (n, T)
             lp, ent = unpack(lp, batch), (unpack(ent, batch) if ent is not None else None)
