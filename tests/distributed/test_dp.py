@@ -19,7 +19,7 @@ def teacher_for(algo_name):
     """on-policy distillation's teacher for ``algo_name`` (another random tiny model), or None"""
     from tests.tiny import make_tiny_model
 
-    return make_tiny_model(seed=1) if "distill_teacher" in ALGOS[algo_name] else None
+    return make_tiny_model(seed=1) if "distill_teacher" in ALGOS.get(algo_name, {}) else None
 
 
 def _full(t):
