@@ -192,7 +192,8 @@ class AlgoConfig(_Section):
     off_policy_correction: Literal["auto", "none", "icepop", "geo_mask"] = Field(
         "auto", description="tokens sampled by another policy (async rollout, the engine's numbers): 'icepop' (token "
         "ratio pi_old/pi_rollout kept and weighted inside [0.5, 5], AReaL's bounds; algo.mis_low / mis_high change "
-        "them), 'geo_mask' (a sequence whose geometric-mean ratio leaves [0.99, 1.01] is masked, SkyRL's band), "
+        "them), 'geo_mask' (a sequence whose geometric-mean ratio leaves [0.99, 1.01] is masked, SkyRL's band); "
+        "either sets the level itself (algo.mis_level is not read), "
         "'auto' (the fields tis_cap, mis_*, opsm_delta, use_rollout_logprobs, policy_loss='dppo' decide), 'none' (no "
         "correction at all: rollout.mode async / one_step_off refuse an uncorrected run unless it says so)")
     proximal: Literal["recompute", "loglinear"] = Field(
@@ -244,19 +245,15 @@ class AlgoConfig(_Section):
             raise ValueError("algo.tis_cap / algo.mis_low / algo.mis_high correct pi_old against the engine's "
                              "logprobs; with algo.use_rollout_logprobs=true pi_old IS the engine's logprobs, so the "
                              "weight is always 1 and the correction does nothing: turn one of them off")
-        explicit = self.model_fields_set
-        if self.off_policy_correction == "icepop" and ("tis_cap" in explicit or self.mis_level != "token"):
+        # (values only, never "was it set": a saved config.yaml sets every field, and a resume must read it back)
+        if self.off_policy_correction == "icepop" and self.tis_cap is not None:
             raise ValueError("algo.off_policy_correction='icepop' weighs each kept token by its own ratio between "
-                             "algo.mis_low and mis_high (0.5 and 5 unless set): leave algo.tis_cap unset and "
-                             "mis_level='token'")
-        if self.off_policy_correction == "geo_mask" and "mis_level" in explicit and self.mis_level != "sequence":
-            raise ValueError("algo.off_policy_correction='geo_mask' masks whole sequences (mis_level='sequence'); "
-                             f"algo.mis_level={self.mis_level!r} contradicts it")
+                             "algo.mis_low and mis_high (0.5 and 5 unless set): leave algo.tis_cap unset")
         if self.off_policy_correction in ("icepop", "geo_mask") and self.use_rollout_logprobs:
             raise ValueError(f"algo.off_policy_correction={self.off_policy_correction!r} compares pi_old with the "
                              "engine's logprobs; with algo.use_rollout_logprobs=true they are the same numbers and "
                              "nothing would ever be masked: turn one of them off")
-        if (self.distill_only or "distill_temperature" in self.model_fields_set) and not (
+        if (self.distill_only or self.distill_temperature is not None) and not (
                 self.distill_teacher or self.distill_teacher_url):
             raise ValueError("algo.distill_only / distill_temperature need a teacher: set algo.distill_teacher (a "
                              "model) or algo.distill_teacher_url (a server)")
