@@ -20,6 +20,26 @@ def synthetic_samples(n: int = 16, prompt_len: int = 24, response_len: int = 16,
     return out
 
 
+def quickstart_samples(tok, n: int = 64, response_tokens: int = 48, weight_version: int = -1):
+    """``n`` quickstart-sized samples: a ~40-token chat prompt, ``response_tokens`` random tokens with rollout
+    logprobs of -1 (sampled at ``weight_version``), random 0/1 rewards, groups of 8."""
+    import torch
+
+    from strop.types import Sample, Status
+
+    g = torch.Generator().manual_seed(0)
+    samples = []
+    for i in range(n):
+        prompt = tok.apply_chat_template([{"role": "user", "content": f"Calculate {i % 9} + {(i * 7) % 9}."}],
+                                         add_generation_prompt=True, tokenize=True, return_dict=False)
+        s = Sample(prompt="q", prompt_ids=list(prompt), group_id=i // 8, index=i % 8)
+        ids = torch.randint(0, 49152, (response_tokens,), generator=g).tolist()
+        s.append(ids, [-1.0] * len(ids), weight_version=weight_version)
+        s.status, s.reward = Status.COMPLETED, float(torch.rand(1, generator=g) > 0.5)
+        samples.append(s)
+    return samples
+
+
 def timed_train(args: list[str], run_dir, what: str) -> tuple[float, list[dict]]:
     """``strop train ARGS --run.dir=RUN_DIR`` in a process of its own: (wall seconds, metrics.jsonl rows);
     a failed run ends the benchmark with its stderr, naming ``what``."""

@@ -23,26 +23,16 @@ import time
 def child(args) -> None:
     import logging
 
-    import torch
-
     logging.disable(logging.WARNING)
     from strop.config import AlgoConfig, TrainConfig
     from strop.models import EMBEDDED_MODEL, load_model, load_tokenizer
     from strop.train.trainer import Trainer
-    from strop.types import Sample, Status
+
+    from common import quickstart_samples
 
     tok = load_tokenizer(EMBEDDED_MODEL)
     model = load_model(EMBEDDED_MODEL)
-    g = torch.Generator().manual_seed(0)
-    samples = []
-    for i in range(args.samples):
-        prompt = tok.apply_chat_template([{"role": "user", "content": f"Calculate {i % 9} + {(i * 7) % 9}."}],
-                                         add_generation_prompt=True, tokenize=True, return_dict=False)
-        s = Sample(prompt="q", prompt_ids=list(prompt), group_id=i // 8, index=i % 8)
-        ids = torch.randint(0, 49152, (args.response_tokens,), generator=g).tolist()
-        s.append(ids, [-1.0] * len(ids))
-        s.status, s.reward = Status.COMPLETED, float(torch.rand(1, generator=g) > 0.5)
-        samples.append(s)
+    samples = quickstart_samples(tok, args.samples, args.response_tokens)
     train = TrainConfig(micro_batch_size=args.micro_batch_size, logprob_chunk_size=args.chunk_size)
     trainer = Trainer(model, pad_token_id=tok.pad_token_id, train=train, algo=AlgoConfig(), temperature=0.8)
     trainer.step(samples)  # warm-up (allocates AdamW state)

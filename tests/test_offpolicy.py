@@ -319,8 +319,8 @@ def test_a_teacher_with_another_tokenizer_is_refused_naming_both(tmp_path, tiny_
 
     other = tmp_path / "teacher"
     make_tiny_model(seed=1).save_pretrained(other)
-    changed = copy_tokenizer = tokenizer.__class__.from_pretrained(str(tiny_model_dir))
-    copy_tokenizer.add_tokens(["<strop-teacher-only>"])
+    changed = tokenizer.__class__.from_pretrained(str(tiny_model_dir))
+    changed.add_tokens(["<strop-teacher-only>"])
     changed.save_pretrained(other)
     cfg = build_config(overrides={"model": {"path": str(tiny_model_dir)},
                                   "algo": {"distill_teacher": str(other)}})

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from strop.algo.offpolicy import sequence_mean
+
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 
 
@@ -163,8 +165,7 @@ def rollout_correction(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tenso
         if mis_level == "token":
             inside = (w >= lo) & (w <= hi)
         elif mis_level == "sequence":
-            m = mask.to(w.dtype)
-            seq = torch.exp((log_w * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1))
+            seq = torch.exp(sequence_mean(log_w, mask))
             inside = ((seq >= lo) & (seq <= hi)).expand_as(w)
         else:
             raise ValueError(f"mis_level must be 'token' or 'sequence', got {mis_level!r}")
