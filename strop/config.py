@@ -466,6 +466,9 @@ class PluginsConfig(_Section):
     data_source: str | None = Field(None, description="data source hook (replaces data.source)")
     tools: str | None = Field(None, description="tools hook: your own tools for multi-turn rollouts, next to "
                               "tools.enabled (docs/tools.md)")
+    agent: str | None = Field(None, description="agent hook 'pkg.module:run': your agent program, called per sample "
+                              "with the proxy's base_url, a session api_key and the prompt row; it talks to the run's "
+                              "engines through the OpenAI-compatible agent proxy (docs/agents.md)")
 
 
 class ParallelConfig(_Section):
@@ -581,6 +584,27 @@ class ToolsConfig(_Section):
         return self
 
 
+class AgentConfig(_Section):
+    workers: Literal["threads", "processes"] = Field(
+        "threads", description="where agent programs run: worker threads of this process, or worker processes "
+        "(spawned; the hook is imported there by its path)")
+    concurrency: int = Field(32, gt=0, description="agent programs running at once (each holds one session)")
+    max_calls: int = Field(8, gt=0, description="model calls per session; a call past it gets a 400 and the "
+                           "session's samples train as truncated")
+    max_call_tokens: int = Field(256, gt=0, description="new tokens per call (the agent's max_tokens, if lower)")
+    max_calls_in_flight: int = Field(64, gt=0, description="calls generating at once over all sessions; past it "
+                                     "a call gets 429 with Retry-After (the openai SDK retries by itself)")
+    retry_after_s: float = Field(1.0, gt=0, description="the Retry-After a 429 carries")
+    idle_timeout_s: float = Field(60.0, gt=0, description="a session with no call for this long is closed "
+                                  "(its samples are not trained; counted in agent_sessions_idle_closed)")
+    timeout_s: float = Field(600.0, gt=0, description="most seconds one agent program may run")
+    reward: Literal["session", "hook"] = Field(
+        "session", description="'session': the reward the agent posts (POST /v1/sessions/{id}/reward) or returns; "
+        "a session without one is not trained (status no_reward); 'hook': rollout.reward scores the final "
+        "assistant message")
+    port: int = Field(0, ge=0, lt=65536, description="the proxy's port on 127.0.0.1 (0: any free one)")
+
+
 class Config(_Section):
     model: ModelConfig = Field(default_factory=ModelConfig, description="the policy model")
     data: DataConfig = Field(default_factory=DataConfig, description="prompt sources")
@@ -598,6 +622,8 @@ class Config(_Section):
                                    "machine or a Ray cluster (docs/scale-out.md)")
     tools: ToolsConfig = Field(default_factory=ToolsConfig, description="tools for multi-turn rollouts "
                                "(docs/tools.md)")
+    agent: AgentConfig = Field(default_factory=AgentConfig, description="agent programs behind the OpenAI-"
+                               "compatible proxy (plugins.agent; docs/agents.md)")
 
     @model_validator(mode="after")
     def _check_cluster(self):
@@ -664,6 +690,19 @@ class Config(_Section):
         if tools and r.partial == "resume":
             raise ValueError("rollout.partial='resume' continues a sample from its tokens, but a multi-turn sample "
                              f"restarts clean ({tools}): use rollout.partial='finish'")
+        if self.plugins.agent:
+            other = (tools or (f"plugins.generate={self.plugins.generate!r}" if self.plugins.generate else "")
+                     or (f"plugins.rollout={self.plugins.rollout!r}" if self.plugins.rollout else ""))
+            if other:
+                raise ValueError(f"plugins.agent={self.plugins.agent!r} generates each sample through the agent "
+                                 f"proxy, and {other} generates it another way: use one of them")
+            if r.partial == "resume":
+                raise ValueError("rollout.partial='resume' continues a sample from its tokens, but an agent session "
+                                 f"(plugins.agent={self.plugins.agent!r}) restarts clean: use rollout.partial='finish'")
+            if a.overlong_buffer is not None:
+                raise ValueError("algo.overlong_buffer shapes a single response by its length; an agent session "
+                                 "holds several calls and what the agent added between them: shape its reward in "
+                                 "the agent or the reward function instead")
         if r.exact_logprobs and (r.mode != "sync" or self.data.samples):
             raise ValueError("rollout.exact_logprobs scores samples with the trainer's current weights, which are the "
                              "weights that sampled them only when this run generates each step in sync mode: "

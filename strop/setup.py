@@ -22,7 +22,7 @@ from strop.engines.kvdecode import unsupported_reason
 from strop.parallel.collectives import resolve_bucket_bytes
 from strop.parallel.runtime import Control, device_mesh_groups, parallel_layout, tensor_parallel_mesh
 from strop.observe.tracking import require_trackers
-from strop.plugins import PluginError, call_hook_sync, load_hook
+from strop.plugins import PluginError, call_hook_sync, check_signature, load_hook
 from strop.rollout.generate import resolve_reward, rollout as default_rollout
 from strop.models import load_model, load_tokenizer, meta_model, resolve_model_path
 from strop.parallel.loading import unloadable
@@ -57,7 +57,10 @@ class Components:
         """Stop what the run started: the router's health checks and connections (``run(coroutine)``
         runs it in the run's event loop, where they were made), and launched servers."""
         close = getattr(self.engine, "close", None)
+        agent = self.rollout_extra.get("agent")
         try:
+            if agent is not None and run is not None:
+                run(agent.close())
             if close is not None and run is not None:
                 run(close())
         finally:
@@ -157,6 +160,14 @@ def prepare(cfg: Config, device: torch.device, controller: bool = True, resume: 
 
             hooks["generate"] = multiturn_generate
             tools = make_tools(cfg, hooks.get("tools"))
+        if "agent" in hooks:  # each sample is a run of the user's agent against the agent proxy
+            from strop.agents.rollout import generate as agent_generate
+
+            if cfg.agent.reward == "hook" and check_signature("reward", reward_fn) == "group":
+                raise ConfigError(f"agent.reward='hook' scores each session's last answer alone; rollout.reward="
+                                  f"{cfg.rollout.reward!r} scores whole groups: use a per-sample reward, or post "
+                                  "rewards from the agent (agent.reward='session')")
+            hooks["generate"] = agent_generate
         hooks.setdefault("rollout", default_rollout)
         train_rows = _rows(cfg, "train", hooks.get("data_source"))
         _check_labels(cfg, train_rows, "training")
@@ -328,7 +339,12 @@ def _controller_parts(cfg: Config, p: _Prepared, trainer: Trainer, device: torch
                                         device=device)
     sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                               max_new_tokens=r.max_new_tokens, stop_token_ids=stop_ids)
-    extra = p.tools or {}
+    extra = dict(p.tools or {})
+    if "agent" in p.hooks:
+        from strop.agents.rollout import AgentRollout
+
+        extra["agent"] = AgentRollout(cfg, engine, tokenizer, p.hooks["agent"], context_window=context_window,
+                                      stop_token_ids=stop_ids)
     eval_sampling = SamplingParams(temperature=0.0, max_new_tokens=cfg.eval.max_new_tokens or r.max_new_tokens,
                                    stop_token_ids=stop_ids)
     try:

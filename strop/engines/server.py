@@ -342,16 +342,7 @@ def create_app(engine: EmbeddedEngine, *, tokenizer=None, token: str | None = No
             out = await engine.generate(ids, sampling, request_id=rid)
         except RequestError as exc:
             raise HTTPException(status_code=400, detail=str(exc)) from exc
-        text = decode(out.token_ids, skip_special_tokens)
-        hits = [(text.find(s), s) for s in stops if s in text]
-        if not hits:
-            return out, text, None
-        _, matched = min(hits)
-        keep = _tokens_through(lambda k: any(s in decode(out.token_ids[:k], skip_special_tokens) for s in stops),
-                               len(out.token_ids))
-        cut = Completion(out.token_ids[:keep], (out.logprobs or [])[:keep], "stop", out.weight_version)
-        text = decode(cut.token_ids, skip_special_tokens)
-        return cut, text[: min(text.find(s) for s in stops if s in text)], matched
+        return cut_at_stops(out, stops, lambda ids: decode(ids, skip_special_tokens))
 
     def sampling_of(temperature, top_p, top_k, max_new_tokens, stop_ids, seed) -> SamplingParams:
         return SamplingParams(temperature=1.0 if temperature is None else temperature,
@@ -730,6 +721,21 @@ def create_app(engine: EmbeddedEngine, *, tokenizer=None, token: str | None = No
         return sse(chunks)
 
     return app
+
+
+def cut_at_stops(out: Completion, stops: list[str], decode) -> tuple[Completion, str, str | None]:
+    """``out`` cut after the first of ``stops`` its text holds: (completion, its text up to and
+    without the stop string, the stop string matched or None). The tokens keep the stop string
+    (and their logprobs stay paired with them); the text does not."""
+    text = decode(out.token_ids)
+    hits = [(text.find(s), s) for s in stops if s in text]
+    if not hits:
+        return out, text, None
+    _, matched = min(hits)
+    keep = _tokens_through(lambda k: any(s in decode(out.token_ids[:k]) for s in stops), len(out.token_ids))
+    cut = Completion(out.token_ids[:keep], (out.logprobs or [])[:keep], "stop", out.weight_version)
+    text = decode(cut.token_ids)
+    return cut, text[: min(text.find(s) for s in stops if s in text)], matched
 
 
 def _tokens_through(contains, n: int) -> int:

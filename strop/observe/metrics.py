@@ -82,7 +82,21 @@ def rollout_metrics(groups, seconds: float) -> dict:
         "zero_advantage_group_fraction": sum(len({s.reward for s in g}) == 1 for g in groups) / len(groups),
         "rollout_tokens_per_s": sum(lengths) / seconds,
         "rollout_seconds": seconds,
-    } | failure_counts(samples) | tool_metrics(samples)
+    } | failure_counts(samples) | tool_metrics(samples) | agent_metrics(samples)
+
+
+def agent_metrics(samples) -> dict:
+    """Agent sessions (their samples carry ``agent_session``): forks, calls and how sessions ended."""
+    first = [s for s in samples if "agent_session" in s.metadata and s.metadata.get("segment", 0) == 0]
+    if not first:
+        return {}
+    out = {"agent_sessions_ended": len(first),
+           "agent_forks": sum(s.metadata.get("segments", 1) - 1 for s in first),
+           "agent_forked_session_fraction": sum(s.metadata.get("segments", 1) > 1 for s in first) / len(first),
+           "agent_calls_per_session": statistics.fmean(s.metadata.get("session_calls", 0) for s in first)}
+    for state in sorted({s.metadata.get("session_state", "?") for s in first}):
+        out[f"agent_sessions/{state}"] = sum(s.metadata.get("session_state") == state for s in first)
+    return out
 
 
 def tool_metrics(samples) -> dict:

@@ -24,7 +24,7 @@ class EngineError(RuntimeError):
     """The inference engine failed a request. Not a sample's fault: it stops the step."""
 
 
-class _GuardedEngine:
+class GuardedEngine:
     """The engine as hooks see it: any error it raises becomes an :class:`EngineError`, so the
     rollout can tell an engine failure (stop) from a failure of the sample's own work (fail the sample).
     ``affinity`` (a key per sample: every turn of it goes to one engine) reaches engines that take
@@ -61,8 +61,8 @@ class RolloutContext:
     run_dir: Path | None = None  # failed samples are written to run_dir/failed_samples.jsonl
 
     def __post_init__(self):
-        if not isinstance(self.engine, _GuardedEngine):
-            self.engine = _GuardedEngine(self.engine)
+        if not isinstance(self.engine, GuardedEngine):
+            self.engine = GuardedEngine(self.engine)
         self.generate = self.generate or generate
         self.reward_form = check_signature("reward", self.reward) if self.reward else None
 
@@ -128,8 +128,19 @@ async def _reward_one(ctx: RolloutContext, sample: Sample) -> None:
         fail_sample(ctx, sample, "reward", exc)
 
 
+def with_segments(samples: list[Sample]) -> list[Sample]:
+    """``samples`` with the extra samples a generate function returned beside one (an agent
+    session's forks, ``metadata['extra_samples']``) right after it, in the same group."""
+    out = []
+    for s in samples:
+        out.append(s)
+        out += s.metadata.pop("extra_samples", [])
+    return out
+
+
 async def score_group(ctx: RolloutContext, group: list[Sample]) -> None:
-    scorable = [s for s in group if s.status.trainable]
+    # (an agent session's samples come with their session's reward: metadata['reward_given'])
+    scorable = [s for s in group if s.status.trainable and not s.metadata.get("reward_given")]
     if not scorable:
         return
     if ctx.reward_form != "group":
@@ -167,7 +178,7 @@ async def rollout_groups(ctx: RolloutContext, groups: list[list[Sample]], sampli
     done = await asyncio.gather(*(_generate_one(ctx, s, sampling) for _, s in flat))
     regrouped = [[] for _ in groups]
     for (gi, _), s in zip(flat, done):  # a generate hook may return a different Sample object
-        regrouped[gi].append(s)
+        regrouped[gi] += with_segments([s])
     await asyncio.gather(*(score_group(ctx, g) for g in regrouped))
     if apply_filter and ctx.filter is not None:
         regrouped = [g for g in regrouped if call_hook_sync("filter", ctx.filter, group=g)]

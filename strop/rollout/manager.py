@@ -36,7 +36,7 @@ import math
 from collections import Counter
 
 from strop.plugins import call_hook, call_hook_sync
-from strop.rollout.generate import _generate_one, score_group
+from strop.rollout.generate import _generate_one, score_group, with_segments
 from strop.types import Sample, Status
 
 DROP_REASONS = ("filter", "all_equal_reward", "stale", "over_sampled", "aborted_leftover", "no_trainable_sample")
@@ -114,6 +114,8 @@ class RolloutManager:
         take_counts = getattr(self.c.engine, "take_counts", None)  # the router: failovers and engine events
         if take_counts is not None:
             metrics |= take_counts()
+        if "agent" in self.ctx.extra:  # the proxy: calls, 429s, idle sessions, bad requests
+            metrics |= self.ctx.extra["agent"].proxy.take_counts()
         self.step_dropped, self.step_drawn = Counter(), 0
         self.taken = step
         return groups, metrics
@@ -136,6 +138,16 @@ class RolloutManager:
         sync mode, in one piece: no new request goes out, what is generating is aborted (its samples
         keep their tokens), the weights load, then the aborted samples continue on them. Async mode
         starts the groups the new version makes room for."""
+        agent = self.ctx.extra.get("agent")
+        if agent is not None:  # agents' calls get 429 (and retry) while the weights change
+            async with agent.proxy.hold("weight update"):
+                await self._update(update)
+        else:
+            await self._update(update)
+        self.version = version
+        self.wake.set()
+
+    async def _update(self, update) -> None:
         if self.r.partial != "resume" or self.r.mode == "sync":
             await update()
         else:
@@ -146,8 +158,6 @@ class RolloutManager:
                 await update()
             finally:
                 self.resume_gate.set()
-        self.version = version
-        self.wake.set()
 
     async def accounts(self) -> dict[str, int]:
         """:meth:`check_accounts`, in the event loop that changes them."""
@@ -239,15 +249,18 @@ class RolloutManager:
                 continue
             # a multi-turn sample the engine aborted (or answered without logprobs) starts over, off-policy
             # modes only (sync mode trains the step without it), at most 3 times
-            if s.status == Status.ABORTED and "tool_calls" in s.metadata and self.r.mode != "sync" \
+            if s.status == Status.ABORTED and ("tool_calls" in s.metadata or s.metadata.get("session_state") == "aborted") \
+                    and self.r.mode != "sync" \
                     and not self.closing and not s.metadata.get("leftover") and s.metadata.get("requeued", 0) < 3:
                 s.metadata["requeued"] = s.metadata.get("requeued", 0) + 1
+                s.metadata.pop("extra_samples", None)  # an agent session starts over whole
                 continue
             return s
 
     async def _run_group(self, group: list[Sample]) -> tuple[list[Sample], str | None]:
         """Generate and score ``group``: (group, None), or (group, the reason a filter drops it)."""
-        done = await asyncio.gather(*(self._sample(s) for s in group))
+        done = with_segments(await asyncio.gather(*(self._sample(s) for s in group)))
+        self.generated += len(done) - len(group)  # an agent session's forks are samples of the group too
         group[:] = done
         self.finished_lengths += [s.response_length for s in group]
         if any(s.metadata.get("leftover") and s.status == Status.ABORTED for s in group):
@@ -313,8 +326,10 @@ class RolloutManager:
             new = self._draw(self.r.prompts_per_step - len(groups))
             self.generated += sum(len(g) for g in new)
             got = await call_hook("rollout", self.c.hooks["rollout"], ctx=self.ctx, groups=new, sampling=self.c.sampling)
+            forks = sum(s.metadata.get("segment", 0) > 0 for g in got for s in g)  # agent sessions' extra samples
+            self.generated += forks
             self.finished_lengths += [s.response_length for g in got for s in g]
-            filtered = sum(len(g) for g in new) - sum(len(g) for g in got)
+            filtered = sum(len(g) for g in new) + forks - sum(len(g) for g in got)
             if filtered > 0:  # the hook's filter dropped whole groups
                 self.dropped["filter"] += filtered
                 self.step_dropped["filter"] += filtered

@@ -48,14 +48,14 @@ class ToolCall:
     end: int  # index in the text just past the call (the model's tokens after it are not kept)
 
 
-_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 _FENCED = re.compile(r"```(?:python|py)\s*\n(.*?)```", re.DOTALL)
 
 
 def parse_tool_call(text: str) -> ToolCall | None:
     """The first complete tool call in ``text``, or None (a final answer). A malformed
     ``<tool_call>`` body is still a call (to the tool ``invalid``), so the model is told."""
-    hermes, fenced = _HERMES.search(text), _FENCED.search(text)
+    hermes, fenced = HERMES_CALL.search(text), _FENCED.search(text)
     first = min((m for m in (hermes, fenced) if m), key=lambda m: m.start(), default=None)
     if first is None:
         return None
