@@ -23,12 +23,12 @@ class ForcedEngine:
         self.outputs: list[list[int]] = []
 
     async def generate(self, prompt_ids, sampling):
-        text = self.texts[min(len(self.prompts), len(self.texts) - 1)]
+        text = self.texts[min(len(self.prompts), len(self.texts) - 1)]  # text, or token ids as sampled
         self.prompts.append(list(prompt_ids))
-        ids = self.tok.encode(text, add_special_tokens=False)[: max(sampling.max_new_tokens - 1, 0)]
-        ids = ids + [self.tok.eos_token_id]
+        ids = (list(text) if isinstance(text, list) else self.tok.encode(text, add_special_tokens=False)) \
+            + [self.tok.eos_token_id]
         finish = "stop"
-        if len(ids) > sampling.max_new_tokens:
+        if len(ids) > sampling.max_new_tokens:  # as a sampling engine: cut at the limit, no end token
             ids, finish = ids[: sampling.max_new_tokens], "length"
         self.outputs.append(ids)
         return Completion(ids, model_logprobs(self.model, list(prompt_ids), ids, sampling.temperature), finish,

@@ -1,0 +1,409 @@
+"""The agent proxy driven by the real ``openai`` SDK: exact tokens, forks, streaming, backpressure, bad input."""
+
+import json
+import threading
+
+import httpx
+import openai
+import pytest
+import torch
+
+from strop.agents.session import SessionLimits
+from strop.engines.embedded import EmbeddedEngine
+from strop.train.logprob import response_logprobs
+from strop.types import Completion, SamplingParams, Status
+from tests.agents.stand import ForcedEngine, Stand
+from tests.tiny import make_tiny_model
+
+pytestmark = pytest.mark.timeout(120)
+
+CALC = [{"type": "function", "function": {"name": "calculator", "description": "Evaluate arithmetic.",
+                                          "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
+                                                         "required": ["expression"]}}}]
+CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "17*23"}}</tool_call>'
+# as a model may write it: keys in another order, spaces: the template would render it otherwise
+MODEL_CALL = '<tool_call> {"arguments": {"expression": "17*23"}, "name": "calculator"} </tool_call>'
+
+
+@pytest.fixture
+def model():
+    return make_tiny_model().eval()
+
+
+@pytest.fixture
+def stand_of(tokenizer):
+    made = []
+
+    def make(engine, **kw):
+        made.append(Stand(engine, tokenizer, **kw))
+        return made[-1]
+    yield make
+    for s in made:
+        s.close()
+
+
+def trainer_logprobs(model, sample, temperature=1.0) -> list[float]:
+    """What the trainer computes for ``sample``'s response (strop's own logprob path)."""
+    ids = torch.tensor([sample.prompt_ids + sample.response_ids])
+    positions = torch.arange(len(sample.prompt_ids), ids.shape[1])[None]
+    with torch.no_grad():
+        lp, _ = response_logprobs(model, ids, torch.ones_like(ids), positions, temperature=temperature)
+    return lp[0].tolist()
+
+
+def gap(model, sample, temperature=1.0) -> float:
+    lp = trainer_logprobs(model, sample, temperature)
+    return max(abs(a - b) for a, b, m in zip(lp, sample.rollout_logprobs, sample.loss_mask) if m)
+
+
+def three_turns(client, tools=CALC):
+    """A 3-turn agent: a tool call, the tool's answer, a user follow-up, the final answer."""
+    msgs = [{"role": "system", "content": "You add numbers."}, {"role": "user", "content": "What is 17*23?"}]
+    first = client.chat.completions.create(model="m", messages=msgs, tools=tools)
+    m = first.choices[0].message
+    msgs.append(m.model_dump(exclude_none=True))
+    if m.tool_calls:
+        msgs.append({"role": "tool", "tool_call_id": m.tool_calls[0].id, "content": "391"})
+    else:
+        msgs.append({"role": "user", "content": "Use the calculator."})
+    second = client.chat.completions.create(model="m", messages=msgs, tools=tools)
+    msgs.append({"role": "assistant", "content": second.choices[0].message.content})
+    msgs.append({"role": "user", "content": "So what is it?"})
+    third = client.chat.completions.create(model="m", messages=msgs, tools=tools)
+    return msgs, [first, second, third]
+
+
+def test_sdk_three_turn_tool_agent_records_exact_tokens(model, tokenizer, stand_of):
+    engine = ForcedEngine(model, tokenizer, [f"Let me compute. {MODEL_CALL}", "It is 391.", "The answer is 391."])
+    stand = stand_of(engine)
+    session = stand.open()
+    client = openai.OpenAI(base_url=stand.proxy.base_url, api_key=session.key, max_retries=0)
+    msgs, answers = three_turns(client)
+    call = answers[0].choices[0]
+    # the model's <tool_call> became an OpenAI tool call
+    assert call.finish_reason == "tool_calls" and call.message.content == "Let me compute."
+    assert call.message.tool_calls[0].function.name == "calculator"
+    assert json.loads(call.message.tool_calls[0].function.arguments) == {"expression": "17*23"}
+    assert answers[2].choices[0].message.content == "The answer is 391."
+    # every turn's prompt starts with the previous prompt plus exactly what the engine sampled
+    for k in (1, 2):
+        before = engine.prompts[k - 1] + engine.outputs[k - 1]
+        assert engine.prompts[k][: len(before)] == before
+    # the proxy's answers carry the sampled ids and the prompt ids it used
+    assert [a.choices[0].model_extra["token_ids"] for a in answers] == engine.outputs
+    assert [a.model_extra["prompt_token_ids"] for a in answers] == engine.prompts
+    (sample,) = stand.end(session)
+    assert sample.status == Status.COMPLETED and sample.metadata["segments"] == 1
+    assert sample.prompt_ids == engine.prompts[0]
+    assert sample.prompt_ids + sample.response_ids == engine.prompts[2] + engine.outputs[2]
+    # model tokens train, everything the agent added is masked
+    trained = [t for t, m in zip(sample.response_ids, sample.loss_mask) if m]
+    assert trained == engine.outputs[0] + engine.outputs[1] + engine.outputs[2]
+    masked = tokenizer.decode([t for t, m in zip(sample.response_ids, sample.loss_mask) if not m])
+    assert "<tool_response>\n391\n</tool_response>" in masked and "So what is it?" in masked
+    assert "17*23" not in masked  # the model's call is its own (trained) tokens, never re-rendered
+    assert MODEL_CALL in tokenizer.decode(sample.response_ids)
+    # the trainer's logprobs at the recorded positions are the engine's (fp32 noise of a longer
+    # sequence); one position off, they are not
+    assert gap(model, sample) < 1e-4
+    lp = trainer_logprobs(model, sample)
+    assert max(abs(a - b) for a, b, m in zip(lp[1:], sample.rollout_logprobs, sample.loss_mask) if m) > 0.1
+
+
+def test_real_engine_three_turns_keep_the_single_turn_gap(model, tokenizer, stand_of):
+    """A sampling engine (the embedded engine on the tiny model): the multi-turn trajectory's
+    logprob gap against the trainer is that of a single-turn rollout."""
+    engine = EmbeddedEngine(model, pad_token_id=tokenizer.pad_token_id, default_stop_token_ids=[tokenizer.eos_token_id],
+                            context_window=256, seed=0)
+    stand = stand_of(engine, limits=SessionLimits(max_calls=8, max_call_tokens=12, max_response_tokens=200,
+                                                  context_window=256))
+    session = stand.open()
+    client = openai.OpenAI(base_url=stand.proxy.base_url, api_key=session.key, max_retries=0)
+    three_turns(client, tools=None)
+    (sample,) = stand.end(session)
+    assert sample.metadata["segments"] == 1 and sample.metadata["session_calls"] == 3
+    single = stand.open()
+    one = openai.OpenAI(base_url=stand.proxy.base_url, api_key=single.key, max_retries=0)
+    one.chat.completions.create(model="m", messages=[{"role": "user", "content": "What is 17*23?"}])
+    (alone,) = stand.end(single)
+    multi_gap, single_gap = gap(model, sample), gap(model, alone)
+    assert multi_gap < max(4 * single_gap, 1e-5), (multi_gap, single_gap)
+
+
+def test_an_edited_history_forks_the_trajectory_and_both_segments_train(model, tokenizer, stand_of):
+    engine = ForcedEngine(model, tokenizer, ["Four.", "Let me think again.", "It is 4."])
+    stand = stand_of(engine)
+    session = stand.open()
+    client = openai.OpenAI(base_url=stand.proxy.base_url, api_key=session.key, max_retries=0)
+    msgs = [{"role": "user", "content": "What is 2 + 2?"}]
+    a = client.chat.completions.create(model="m", messages=msgs)
+    msgs += [{"role": "assistant", "content": a.choices[0].message.content}, {"role": "user", "content": "Sure?"}]
+    client.chat.completions.create(model="m", messages=msgs)
+    # the agent compacts its history: the first exchange is rewritten
+    edited = [{"role": "user", "content": "2 + 2 = ? (answer briefly)"}]
+    client.chat.completions.create(model="m", messages=edited)
+    samples = stand.end(session)
+    assert len(samples) == 2 and session.forks == 1
+    assert [s.metadata["segment"] for s in samples] == [0, 1]
+    assert all(s.status == Status.COMPLETED for s in samples)
+    first, second = samples
+    assert [t for t, m in zip(first.response_ids, first.loss_mask) if m] == engine.outputs[0] + engine.outputs[1]
+    assert second.prompt_ids == engine.prompts[2] and second.response_ids == engine.outputs[2]
+    assert all(gap(model, s) < 1e-4 for s in samples)
+
+
+def test_an_unchanged_history_never_forks_even_when_the_client_remakes_ids(model, tokenizer, stand_of):
+    """The OpenAI message the agent sends back may differ in form (content None beside tool calls,
+    new call ids, arguments re-serialised): the same message, so no fork."""
+    engine = ForcedEngine(model, tokenizer, [MODEL_CALL, "391."])
+    stand = stand_of(engine)
+    session = stand.open()
+    client = openai.OpenAI(base_url=stand.proxy.base_url, api_key=session.key, max_retries=0)
+    msgs = [{"role": "user", "content": "17*23?"}]
+    a = client.chat.completions.create(model="m", messages=msgs, tools=CALC)
+    assert a.choices[0].message.content is None and a.choices[0].message.tool_calls
+    msgs.append({"role": "assistant", "content": None, "tool_calls": [
+        {"id": "mine", "type": "function", "function": {"name": "calculator", "arguments": '{"expression":"17*23"}'}}]})
+    msgs.append({"role": "tool", "tool_call_id": "mine", "content": "391"})
+    client.chat.completions.create(model="m", messages=msgs, tools=CALC)
+    samples = stand.end(session)
+    assert len(samples) == 1 and session.forks == 0
+
+
+def test_tokens_the_model_sampled_are_kept_even_where_the_tokenizer_would_split_them_otherwise(
+        model, tokenizer, stand_of):
+    """"Four." sampled as single characters: re-tokenising the history would merge them (and fork);
+    the recorded ids are kept instead."""
+    spelled = [tokenizer.convert_tokens_to_ids(c) for c in "Four."]
+    assert spelled != tokenizer.encode("Four.", add_special_tokens=False)
+    engine = ForcedEngine(model, tokenizer, [spelled, "Yes."])
+    stand = stand_of(engine)
+    session = stand.open()
+    client = openai.OpenAI(base_url=stand.proxy.base_url, api_key=session.key, max_retries=0)
+    msgs = [{"role": "user", "content": "2+2?"}]
+    r = client.chat.completions.create(model="m", messages=msgs)
+    assert r.choices[0].message.content == "Four."
+    msgs += [{"role": "assistant", "content": "Four."}, {"role": "user", "content": "Sure?"}]
+    client.chat.completions.create(model="m", messages=msgs)
+    (sample,) = stand.end(session)
+    assert session.forks == 0 and engine.prompts[1][: len(engine.prompts[0]) + 6] == engine.prompts[0] + spelled + [
+        tokenizer.eos_token_id]
+    assert gap(model, sample) < 1e-4
+
+
+def test_streaming_yields_the_same_tokens_as_the_plain_call(model, tokenizer, stand_of):
+    engine = EmbeddedEngine(model, pad_token_id=tokenizer.pad_token_id, default_stop_token_ids=[tokenizer.eos_token_id],
+                            context_window=256, seed=0)
+    stand = stand_of(engine)
+    msgs = [{"role": "user", "content": "Tell me a story."}]
+    plain_session, stream_session = stand.open(), stand.open(index=1)
+    plain = openai.OpenAI(base_url=stand.proxy.base_url, api_key=plain_session.key, max_retries=0)
+    streamed = openai.OpenAI(base_url=stand.proxy.base_url, api_key=stream_session.key, max_retries=0)
+    a = plain.chat.completions.create(model="m", messages=msgs, seed=1234, max_tokens=24, logprobs=True)
+    text, ids, lps, finish = "", [], [], None
+    for chunk in streamed.chat.completions.create(model="m", messages=msgs, seed=1234, max_tokens=24, logprobs=True,
+                                                  stream=True):
+        for c in chunk.choices:
+            text += c.delta.content or ""
+            ids += (c.model_extra or {}).get("token_ids") or []
+            lps += [x.logprob for x in (c.logprobs.content if c.logprobs else [])]
+            finish = c.finish_reason or finish
+    assert ids == a.choices[0].model_extra["token_ids"] and len(ids) > 0
+    assert text == a.choices[0].message.content
+    assert lps == [x.logprob for x in a.choices[0].logprobs.content]
+    assert finish == a.choices[0].finish_reason
+    other = plain.chat.completions.create(model="m", messages=msgs, seed=99, max_tokens=24)
+    assert other.choices[0].model_extra["token_ids"] != ids  # the seed is what made them equal
+
+
+def test_32_concurrent_sessions_complete_through_429s(model, tokenizer, stand_of):
+    engine = ForcedEngine(model, tokenizer, ["Four."])
+    stand = stand_of(engine, max_calls_in_flight=4, retry_after_s=0.05)
+    sessions = [stand.open(index=i) for i in range(32)]
+    answers, errors = {}, []
+
+    def agent(i, s):
+        try:
+            client = openai.OpenAI(base_url=stand.proxy.base_url, api_key=s.key, max_retries=50)
+            msgs = [{"role": "user", "content": f"What is {i} + {i}?"}]
+            r = client.chat.completions.create(model="m", messages=msgs)
+            msgs += [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": "ok"}]
+            answers[i] = client.chat.completions.create(model="m", messages=msgs).choices[0].message.content
+        except Exception as exc:  # noqa: BLE001 -- reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=agent, args=(i, s)) for i, s in enumerate(sessions)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors and len(answers) == 32
+    counts = stand.proxy.take_counts()
+    assert counts["agent_calls"] == 64
+    assert counts["agent_calls_rejected_busy"] > 0  # 4 at a time: the others were told to retry
+    assert all(len(stand.end(s)) == 1 for s in sessions)
+
+
+def test_a_held_proxy_answers_429_with_retry_after_and_serves_again_later(model, tokenizer, stand_of):
+    stand = stand_of(ForcedEngine(model, tokenizer, ["Four."]), retry_after_s=2.5)
+    session = stand.open()
+    body = {"model": "m", "messages": [{"role": "user", "content": "2+2?"}]}
+    headers = {"Authorization": f"Bearer {session.key}"}
+    url = stand.proxy.base_url + "/chat/completions"
+    hold = stand.proxy.hold("weight update")
+    stand.loop.run(hold.__aenter__())
+    r = httpx.post(url, json=body, headers=headers)
+    assert r.status_code == 429 and r.headers["retry-after"] == "3" and r.headers["retry-after-ms"] == "2500"
+    assert "weight update" in r.json()["error"]["message"]
+    stand.loop.run(hold.__aexit__(None, None, None))
+    r = httpx.post(url, json=body, headers=headers)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "Four."
+
+
+def test_bad_input_gets_a_4xx_naming_it_and_the_proxy_keeps_serving(model, tokenizer, stand_of):
+    stand = stand_of(ForcedEngine(model, tokenizer, ["Four."]))
+    session, other = stand.open(), stand.open(index=1)
+    url = stand.proxy.base_url
+    auth = {"Authorization": f"Bearer {session.key}"}
+    ok = [{"role": "user", "content": "2+2?"}]
+
+    def post(path, body, headers=auth):
+        return httpx.post(url + path, json=body, headers=headers)
+
+    cases = [
+        ("/chat/completions", {"messages": [{"content": "no role"}]}, auth, 400, "messages[0].role"),
+        ("/chat/completions", {"messages": [{"role": "user", "content": 5}]}, auth, 400, "messages[0].content"),
+        ("/chat/completions", {"messages": []}, auth, 400, "non-empty"),
+        ("/chat/completions", {"messages": "hello"}, auth, 400, "messages must be"),
+        ("/chat/completions", {"messages": ok, "tools": [{"type": "function", "function": {
+            "name": "f", "parameters": {"type": "object", "properties": 5}}}]}, auth, 400, "not a valid JSON Schema"),
+        ("/chat/completions", {"messages": ok, "tools": [{"type": "function"}]}, auth, 400, "tools[0]"),
+        ("/chat/completions", {"messages": [{"role": "assistant", "content": "",
+                                             "tool_calls": [{"function": {"name": "f", "arguments": "{not json"}}]}]},
+         auth, 400, "arguments is not valid JSON"),
+        ("/chat/completions", {"messages": ok, "n": 1000}, auth, 400, "n"),
+        ("/chat/completions", {"messages": ok, "temperature": -1}, auth, 400, "temperature"),
+        ("/chat/completions", {"messages": ok, "tool_choice": "required"}, auth, 400, "tool_choice"),
+        ("/chat/completions", {"messages": ok}, {"Authorization": "Bearer nope"}, 401, "unknown API key"),
+        ("/chat/completions", {"messages": ok}, {}, 401, "unknown API key"),
+        ("/completions", {"prompt": [10**9]}, auth, 400, "token ids"),
+        (f"/sessions/{other.id}/reward", {"reward": 1.0}, auth, 403, "another session"),
+        ("/sessions/sess_missing/reward", {"reward": 1.0}, auth, 404, "no such session"),
+        (f"/sessions/{session.id}/reward", {"reward": "high"}, auth, 400, "reward"),
+        (f"/sessions/{session.id}/reward", {"score": 1.0}, auth, 400, ""),
+    ]
+    for path, body, headers, status, words in cases:
+        r = post(path, body, headers)
+        assert r.status_code == status, (path, body, r.status_code, r.text)
+        assert words in r.json()["error"]["message"], (words, r.text)
+    r = httpx.post(url + "/chat/completions", content=b"{not json", headers=auth | {"content-type": "application/json"})
+    assert r.status_code == 400
+    # non-finite rewards cannot even be written as JSON numbers: NaN is refused
+    r = httpx.post(url + f"/sessions/{session.id}/reward", content=b'{"reward": NaN}',
+                   headers=auth | {"content-type": "application/json"})
+    assert r.status_code == 400
+    # still serving, and the failures did not count as calls of the session
+    assert post("/chat/completions", {"model": "m", "messages": ok}).json()["choices"][0]["message"]["content"] == "Four."
+    assert session.calls == 1
+    # a reward for a closed session
+    stand.end(other)
+    r = httpx.post(url + f"/sessions/{other.id}/reward", json={"reward": 1.0},
+                   headers={"Authorization": f"Bearer {other.key}"})
+    assert r.status_code == 409 and "closed" in r.json()["error"]["message"]
+
+
+def test_session_caps_answer_400_and_the_samples_train_as_truncated(model, tokenizer, stand_of):
+    stand = stand_of(ForcedEngine(model, tokenizer, ["Four."]),
+                     limits=SessionLimits(max_calls=2, max_call_tokens=64, max_response_tokens=512, context_window=2048))
+    session = stand.open()
+    client = openai.OpenAI(base_url=stand.proxy.base_url, api_key=session.key, max_retries=0)
+    msgs = [{"role": "user", "content": "2+2?"}]
+    for _ in range(2):
+        r = client.chat.completions.create(model="m", messages=msgs)
+        msgs += [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": "again"}]
+    with pytest.raises(openai.BadRequestError, match="2 calls are spent"):
+        client.chat.completions.create(model="m", messages=msgs)
+    # a reward still lands on a capped session
+    httpx.post(stand.proxy.base_url + f"/sessions/{session.id}/reward", json={"reward": 0.5},
+               headers={"Authorization": f"Bearer {session.key}"}).raise_for_status()
+    (sample,) = stand.end(session)
+    assert session.state == "capped" and sample.status == Status.TRUNCATED and sample.reward == 0.5
+
+
+def test_the_response_budget_cuts_a_call_and_then_caps_the_session(model, tokenizer, stand_of):
+    stand = stand_of(ForcedEngine(model, tokenizer, ["one two three four five six seven eight nine ten"]),
+                     limits=SessionLimits(max_calls=8, max_call_tokens=64, max_response_tokens=6, context_window=2048))
+    session = stand.open()
+    client = openai.OpenAI(base_url=stand.proxy.base_url, api_key=session.key, max_retries=0)
+    msgs = [{"role": "user", "content": "Count."}]
+    r = client.chat.completions.create(model="m", messages=msgs)
+    assert r.choices[0].finish_reason == "length" and len(r.choices[0].model_extra["token_ids"]) == 6
+    msgs += [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": "more"}]
+    with pytest.raises(openai.BadRequestError, match="no tokens left"):
+        client.chat.completions.create(model="m", messages=msgs)
+    (sample,) = stand.end(session)
+    assert sample.status == Status.TRUNCATED and sample.response_length == 6
+
+
+class AbortingEngine:
+    weight_version = 0
+
+    def __init__(self, logprobs=True):
+        self.logprobs = logprobs
+
+    async def generate(self, prompt_ids, sampling):
+        if self.logprobs:
+            return Completion([5, 6], [-1.0, -1.0], "abort", 0)
+        return Completion([5, 6], None, "stop", 0)
+
+    async def abort_all(self):
+        return None
+
+
+@pytest.mark.parametrize("logprobs", [True, False], ids=["aborted", "no_logprobs"])
+def test_an_aborted_or_logprob_less_answer_ends_the_session(tokenizer, stand_of, logprobs):
+    stand = stand_of(AbortingEngine(logprobs))
+    session = stand.open()
+    client = openai.OpenAI(base_url=stand.proxy.base_url, api_key=session.key, max_retries=0)
+    with pytest.raises(openai.InternalServerError, match="aborted" if logprobs else "no logprobs"):
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+    assert session.state == "aborted" and session.ended.is_set()
+    with pytest.raises(openai.ConflictError, match="closed"):  # the session generates no more
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+
+
+def test_an_idle_session_is_closed_and_counted(model, tokenizer, stand_of):
+    stand = stand_of(ForcedEngine(model, tokenizer, ["Four."]), idle_timeout_s=0.3)
+    session = stand.open()
+    assert session.ended.wait.__self__ is session.ended
+    import time
+    deadline = time.monotonic() + 10
+    while session.state == "open" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert session.state == "idle"
+    assert stand.proxy.take_counts()["agent_sessions_idle_closed"] == 1
+
+
+def test_the_agent_asking_other_sampling_gets_the_rollouts_and_it_is_counted(model, tokenizer, stand_of):
+    engine = ForcedEngine(model, tokenizer, ["Four."])
+    stand = stand_of(engine, sampling=SamplingParams(temperature=0.7, max_new_tokens=64,
+                                                     stop_token_ids=[tokenizer.eos_token_id]))
+    session = stand.open()
+    client = openai.OpenAI(base_url=stand.proxy.base_url, api_key=session.key, max_retries=0)
+    client.chat.completions.create(model="m", messages=[{"role": "user", "content": "2+2?"}], temperature=0.2)
+    (sample,) = stand.end(session)
+    assert session.sampling_overridden == 1 and stand.proxy.take_counts()["agent_sampling_overridden"] == 1
+    assert gap(model, sample, temperature=0.7) < 1e-4  # recorded at the rollout's temperature
+
+
+def test_completions_route_continues_a_segment_by_token_prefix(model, tokenizer, stand_of):
+    engine = ForcedEngine(model, tokenizer, [" four", " five"])
+    stand = stand_of(engine)
+    session = stand.open()
+    client = openai.OpenAI(base_url=stand.proxy.base_url, api_key=session.key, max_retries=0)
+    a = client.completions.create(model="m", prompt="Two plus two is", max_tokens=8)
+    ids = a.model_extra["prompt_token_ids"] + a.choices[0].model_extra["token_ids"]
+    client.completions.create(model="m", prompt=ids + tokenizer.encode(" and 2+3 is", add_special_tokens=False),
+                              max_tokens=8)
+    (sample,) = stand.end(session)
+    assert session.forks == 0 and sum(sample.loss_mask) == len(engine.outputs[0]) + len(engine.outputs[1])
