@@ -25,3 +25,8 @@ def flaky_reward(sample: Sample) -> float:
     if sample.index == 0:
         raise KeyError("no verifier for this answer")
     return even_token_reward(sample)
+
+
+def group_even_token_reward(samples: list[Sample]) -> list[float]:
+    """A group-form reward (one call per group)."""
+    return [even_token_reward(s) for s in samples]

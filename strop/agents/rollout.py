@@ -122,8 +122,8 @@ class AgentRollout:
 
     async def _run_agent(self, session: Session, sample: Sample) -> tuple[Any, BaseException | None]:
         """Run the agent until it returns, its session ends (idle) or agent.timeout_s passes."""
-        work = self.runner.submit(self.proxy.base_url, session.key,
-                                  prompt_row(sample, self.cfg.data.system_prompt, self.cfg.data.prompt_template))
+        row = prompt_row(sample, self.cfg.data.system_prompt, self.cfg.data.prompt_template) | {"session_id": session.id}
+        work = self.runner.submit(self.proxy.base_url, session.key, row)
         ended = asyncio.ensure_future(session.ended.wait())
         try:
             done, _ = await asyncio.wait([work, ended], timeout=self.a.timeout_s,
@@ -166,6 +166,9 @@ class AgentRollout:
         if error is not None and session.state == "agent_error":
             for s in samples:
                 fail_sample(ctx, s, "agent", error)
+        elif session.state == "no_reward":
+            for s in samples:
+                fail_sample(ctx, s, "reward", RuntimeError(f"agent session {session.id}: {session.reason}"))
         self._finish_texts(ctx, session, samples)
         if error is None and self.a.reward == "hook":
             await self._score(ctx, session, samples)

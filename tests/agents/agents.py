@@ -1,0 +1,67 @@
+"""Agent programs for the tests: plain OpenAI-SDK code, as a user would write it."""
+
+import itertools
+import threading
+
+import httpx
+import openai
+
+_counter = itertools.count()
+_lock = threading.Lock()
+
+
+def _even_fraction(ids) -> float:
+    return sum(t % 2 == 0 for t in ids) / max(len(ids), 1)
+
+
+def two_calls(base_url, api_key, row):
+    """Answers, is asked again, answers again; returns the even-token reward of both answers."""
+    client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=5)
+    msgs = list(row["messages"])
+    first = client.chat.completions.create(model="policy", messages=msgs, max_tokens=4)
+    msgs += [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "Again."}]
+    second = client.chat.completions.create(model="policy", messages=msgs, max_tokens=4)
+    return _even_fraction(first.choices[0].model_extra["token_ids"] + second.choices[0].model_extra["token_ids"])
+
+
+def posts_reward(base_url, api_key, row):
+    """One call; the reward goes to the session's reward route."""
+    client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=5)
+    r = client.chat.completions.create(model="policy", messages=row["messages"], max_tokens=4)
+    httpx.post(f"{base_url}/sessions/{row['session_id']}/reward", headers={"Authorization": f"Bearer {api_key}"},
+               json={"reward": _even_fraction(r.choices[0].model_extra["token_ids"])}).raise_for_status()
+
+
+def compacts(base_url, api_key, row):
+    """Two calls, the second on a rewritten history: two segments."""
+    client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=5)
+    client.chat.completions.create(model="policy", messages=row["messages"], max_tokens=4)
+    short = [{"role": "user", "content": "Briefly: " + row["messages"][-1]["content"][-40:]}]
+    r = client.chat.completions.create(model="policy", messages=short, max_tokens=4)
+    return _even_fraction(r.choices[0].model_extra["token_ids"])
+
+
+def silent(base_url, api_key, row):
+    """Calls the model and never says how it went."""
+    openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=5).chat.completions.create(
+        model="policy", messages=row["messages"], max_tokens=4)
+
+
+def fails_every_other(base_url, api_key, row):
+    """Every second run raises after its call: only that sample fails."""
+    with _lock:
+        k = next(_counter)
+    reward = two_calls(base_url, api_key, row)
+    if k % 2:
+        raise ValueError(f"agent run {k} broke")
+    return reward
+
+
+async def async_two_calls(base_url, api_key, row):
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=5)
+    msgs = list(row["messages"])
+    first = await client.chat.completions.create(model="policy", messages=msgs, max_tokens=4)
+    msgs += [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "Again."}]
+    second = await client.chat.completions.create(model="policy", messages=msgs, max_tokens=4)
+    await client.close()
+    return _even_fraction(first.choices[0].model_extra["token_ids"] + second.choices[0].model_extra["token_ids"])

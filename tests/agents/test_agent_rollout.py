@@ -1,0 +1,118 @@
+"""Agent programs (plugins.agent) in real runs on a tiny model: sessions become samples of their group."""
+
+import json
+
+import pytest
+
+from strop.config import ConfigError, build_config
+from strop.loop import rollout_only, train
+from tests.test_e2e import tiny_overrides
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def agent_overrides(model_dir, run_dir, program, **extra):
+    cfg = tiny_overrides(model_dir, run_dir, **extra)
+    cfg["plugins"] = {"agent": f"tests.agents.agents:{program}"}
+    cfg["rollout"] = {**cfg["rollout"], "max_new_tokens": 48}
+    cfg["agent"] = {"concurrency": 8, **cfg.get("agent", {})}
+    return cfg
+
+
+def read_samples(path):
+    return [json.loads(line) for line in open(path).read().splitlines()[1:]]
+
+
+def metrics_of(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_an_agent_trains_through_the_proxy(tiny_model_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    summary = train(build_config(overrides=agent_overrides(
+        tiny_model_dir, run_dir, "two_calls", train={"steps": 2}, eval={"every": 1})))
+    assert summary["steps"] == 2
+    steps = [r for r in metrics_of(run_dir) if "reward_mean" in r]
+    for r in steps:
+        assert r["samples_trained"] == 8 and r["agent_sessions_ended"] == 8
+        assert r["agent_calls_per_session"] == 2 and r["agent_forks"] == 0
+        assert r["agent_sessions/completed"] == 8
+        assert r["train_rollout_logprob_abs_diff"] < 1e-3  # the recorded logprobs are the trainer's
+        assert 0 <= r["reward_mean"] <= 1
+    assert all("eval_accuracy" in r for r in metrics_of(run_dir) if r.get("step") in (0, 1, 2) and "eval_reward_mean" in r)
+
+
+def test_forked_sessions_join_their_group_sharing_the_reward(tiny_model_dir, tmp_path):
+    cfg = build_config(overrides=agent_overrides(tiny_model_dir, tmp_path / "run", "compacts", train={"steps": 1}))
+    samples = read_samples(rollout_only(cfg))
+    assert len(samples) == 2 * 4 * 2  # 2 prompts x 4 sessions x 2 segments
+    by_session = {}
+    for s in samples:
+        by_session.setdefault(s["metadata"]["agent_session"], []).append(s)
+    assert len(by_session) == 8
+    for segs in by_session.values():
+        assert sorted(s["metadata"]["segment"] for s in segs) == [0, 1]
+        assert len({s["group_id"] for s in segs}) == 1 and len({s["reward"] for s in segs}) == 1
+        assert all(s["status"] == "completed" or s["status"] == "truncated" for s in segs)
+        second = next(s for s in segs if s["metadata"]["segment"] == 1)
+        assert second["prompt_ids"] != next(s for s in segs if s["metadata"]["segment"] == 0)["prompt_ids"]
+
+
+@pytest.mark.parametrize("agent", ["posts_reward", "async_two_calls"])
+def test_posted_and_async_rewards(tiny_model_dir, tmp_path, agent):
+    cfg = build_config(overrides=agent_overrides(tiny_model_dir, tmp_path / "run", agent, train={"steps": 1}))
+    samples = read_samples(rollout_only(cfg))
+    assert len(samples) == 8 and all(s["status"] in ("completed", "truncated") for s in samples)
+    for s in samples:  # the reward each agent computed from the tokens it was given
+        ids = [t for t, m in zip(s["response_ids"], s["loss_mask"]) if m]
+        assert s["reward"] == pytest.approx(sum(t % 2 == 0 for t in ids) / len(ids))
+
+
+def test_a_session_without_a_reward_is_failed_not_zero(tiny_model_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    cfg = build_config(overrides=agent_overrides(tiny_model_dir, run_dir, "silent", train={"steps": 1}))
+    with pytest.raises(RuntimeError, match="no trainable sample"):  # not a step of zeros
+        rollout_only(cfg)
+    records = [json.loads(line) for line in (run_dir / "failed_samples.jsonl").read_text().splitlines()]
+    assert len(records) == 4 + 8  # the held-out evaluation's 4 sessions, then the step's 8
+    assert all(r["stage"] == "reward" and "without a reward" in r["error"] for r in records)
+
+
+def test_the_reward_hook_scores_the_last_answer(tiny_model_dir, tmp_path):
+    cfg = build_config(overrides=agent_overrides(tiny_model_dir, tmp_path / "run", "silent", train={"steps": 1},
+                                                 agent={"reward": "hook"}))
+    samples = read_samples(rollout_only(cfg))
+    assert all(s["status"] in ("completed", "truncated") for s in samples)
+    for s in samples:  # tests.plugins:even_token_reward on the response
+        assert s["reward"] == pytest.approx(sum(t % 2 == 0 for t in s["response_ids"]) / len(s["response_ids"]))
+
+
+def test_an_agent_that_raises_fails_only_its_sample(tiny_model_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    cfg = build_config(overrides=agent_overrides(tiny_model_dir, run_dir, "fails_every_other", train={"steps": 1}))
+    trained = read_samples(rollout_only(cfg))  # (the samples file holds the trainable ones)
+    records = [json.loads(line) for line in (run_dir / "failed_samples.jsonl").read_text().splitlines()]
+    step = [r for r in records if r["step"] == 1]
+    assert 0 < len(trained) < 8 and len(trained) + len(step) == 8
+    assert all(r["stage"] == "agent" and "broke" in r["error"] for r in records)
+
+
+def test_agents_in_worker_processes(tiny_model_dir, tmp_path):
+    cfg = build_config(overrides=agent_overrides(tiny_model_dir, tmp_path / "run", "two_calls", train={"steps": 1},
+                                                 agent={"workers": "processes", "concurrency": 2}))
+    samples = read_samples(rollout_only(cfg))
+    assert len(samples) == 8 and all(s["metadata"]["session_calls"] == 2 for s in samples)
+
+
+def test_agent_refusals(tiny_model_dir, tmp_path):
+    base = agent_overrides(tiny_model_dir, tmp_path / "run", "two_calls")
+    with pytest.raises(ValueError, match="use one of them"):
+        build_config(overrides={**base, "tools": {"enabled": ["calculator"]}})
+    with pytest.raises(ValueError, match="use one of them"):
+        build_config(overrides={**base, "plugins": {**base["plugins"], "generate": "tests.plugins:x"}})
+    with pytest.raises(ValueError, match="restarts clean"):
+        build_config(overrides={**base, "rollout": {**base["rollout"], "mode": "one_step_off", "partial": "resume"},
+                                "algo": {"off_policy_correction": "none"}})
+    with pytest.raises((ConfigError, ValueError), match="scores whole groups"):
+        train(build_config(overrides={**base, "agent": {"reward": "hook"},
+                                      "rollout": {**base["rollout"], "reward": "tests.plugins:group_even_token_reward"}}))
