@@ -136,12 +136,18 @@ def check_tools_schema(tools: Any) -> list[dict]:
 def describe_schemas(schemas: list[dict]) -> str:
     """The tools and the call format, for templates that do not take tools (strop's multi-turn wording)."""
     lines = "\n".join(json.dumps(s) for s in schemas)
-    return ("You may call tools. The available tools, as JSON schemas:\n<tools>\n" + lines + "\n</tools>\n"
+    text = ("You may call tools. The available tools, as JSON schemas:\n<tools>\n" + lines + "\n</tools>\n"
             'To call one, write <tool_call>{"name": <tool name>, "arguments": <arguments object>}</tool_call> and '
             "stop; its output comes back inside <tool_response></tool_response>.")
+    if any(s["function"]["name"] == "python" for s in schemas):
+        text += " The python tool can also be called by writing a ```python code block."
+    return text
 
 
 def call_text(call: dict) -> str:
+    """A tool call as the model writes it: a fenced block for the python tool's code, else Hermes."""
+    if call["name"] == "python" and set(call["arguments"]) == {"code"}:
+        return f"```python\n{call['arguments']['code']}```"
     return "<tool_call>" + json.dumps({"name": call["name"], "arguments": call["arguments"]}) + "</tool_call>"
 
 
@@ -210,15 +216,17 @@ class ChatRenderer:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
 
-def parse_reply(text: str, tools_given: bool) -> tuple[str | None, list[dict]]:
+def parse_reply(text: str, tool_names: set[str]) -> tuple[str | None, list[dict]]:
     """The model's text as (content, tool_calls). With tools in the request, each well-formed
     ``<tool_call>{"name", "arguments"}</tool_call>`` becomes an OpenAI tool call and leaves the
-    content; a malformed one stays in the content (the agent sees what the model wrote)."""
-    from strop.tools import HERMES_CALL
+    content, as does a fenced ```python block when a tool named ``python`` is offered (its
+    ``code`` argument: the convention of strop's multi-turn rollout, and what small models
+    write unprompted). A malformed call stays in the content: the agent sees what the model wrote."""
+    from strop.tools import FENCED_PYTHON, HERMES_CALL
 
-    if not tools_given:
+    if not tool_names:
         return text, []
-    calls, kept, last = [], [], 0
+    found = []  # (start, end, name, arguments)
     for m in HERMES_CALL.finditer(text):
         try:
             body = json.loads(m.group(1))
@@ -229,12 +237,18 @@ def parse_reply(text: str, tools_given: bool) -> tuple[str | None, list[dict]]:
                 raise TypeError
         except (ValueError, KeyError, TypeError, RecursionError):
             continue
-        kept.append(text[last: m.start()])
-        last = m.end()
+        found.append((m.start(), m.end(), name, args))
+    if "python" in tool_names:
+        found += [(m.start(), m.end(), "python", {"code": m.group(1)}) for m in FENCED_PYTHON.finditer(text)
+                  if not any(a <= m.start() < b for a, b, _, _ in found)]
+    if not found:
+        return text, []
+    kept, last, calls = [], 0, []
+    for start, end, name, args in sorted(found, key=lambda f: f[0]):
+        kept.append(text[last:start])
+        last = end
         calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                       "function": {"name": name, "arguments": json.dumps(args)}})
-    if not calls:
-        return text, []
     content = ("".join(kept) + text[last:]).strip()
     return content or None, calls
 

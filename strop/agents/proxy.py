@@ -215,7 +215,7 @@ class AgentProxy:
             raise Busy(f"{self.in_flight} calls are generating (agent.max_calls_in_flight={self.max_in_flight})")
 
     async def _generate(self, s: Session, prompt_ids: list[int], body: _Sampling, asked: int | None,
-                        chat: ChatState | None, tools_given: bool) -> tuple[Call, list[tuple[Completion, str]]]:
+                        chat: ChatState | None, tool_names: set[str]) -> tuple[Call, list[tuple[Completion, str]]]:
         """Generate ``body.n`` choices for ``prompt_ids`` in session ``s`` and record the call."""
         self._admit(s)
         room = s.room(prompt_ids, asked)
@@ -258,7 +258,7 @@ class AgentProxy:
         for out, text in cut:
             msg = None
             if chat is not None:
-                content, calls = parse_reply(text, tools_given)
+                content, calls = parse_reply(text, tool_names)
                 msg = {"role": "assistant", "content": content or ""}
                 if calls:
                     msg["tool_calls"] = [{"id": c["id"], "name": c["function"]["name"],
@@ -339,7 +339,8 @@ class AgentProxy:
             if ids is None:
                 ids = self.renderer.encode(text)
             call, cut = await self._generate(s, ids, body, body.max_completion_tokens or body.max_tokens,
-                                             ChatState(messages, tools, text), bool(tools))
+                                             ChatState(messages, tools, text),
+                                             {t["function"]["name"] for t in tools or []})
             return self._chat_answer(s, body, call, cut)
 
         @app.post("/v1/completions")
@@ -355,7 +356,7 @@ class AgentProxy:
                 if not body.prompt or any(t < 0 or t >= vocab for t in body.prompt):
                     raise ChatInputError(f"prompt: token ids must be a non-empty list in [0, {vocab})")
                 ids = list(body.prompt)
-            call, cut = await self._generate(s, ids, body, body.max_tokens or 16, None, False)
+            call, cut = await self._generate(s, ids, body, body.max_tokens or 16, None, set())
             head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                     "model": self.model_name}
             choices = [{"index": i, "text": text, "finish_reason": out.finish_reason,

@@ -49,13 +49,13 @@ class ToolCall:
 
 
 HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-_FENCED = re.compile(r"```(?:python|py)\s*\n(.*?)```", re.DOTALL)
+FENCED_PYTHON = re.compile(r"```(?:python|py)\s*\n(.*?)```", re.DOTALL)
 
 
 def parse_tool_call(text: str) -> ToolCall | None:
     """The first complete tool call in ``text``, or None (a final answer). A malformed
     ``<tool_call>`` body is still a call (to the tool ``invalid``), so the model is told."""
-    hermes, fenced = HERMES_CALL.search(text), _FENCED.search(text)
+    hermes, fenced = HERMES_CALL.search(text), FENCED_PYTHON.search(text)
     first = min((m for m in (hermes, fenced) if m), key=lambda m: m.start(), default=None)
     if first is None:
         return None
