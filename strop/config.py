@@ -588,12 +588,14 @@ class AgentConfig(_Section):
     workers: Literal["threads", "processes"] = Field(
         "threads", description="where agent programs run: worker threads of this process, or worker processes "
         "(spawned; the hook is imported there by its path)")
-    concurrency: int = Field(32, gt=0, description="agent programs running at once (each holds one session)")
+    concurrency: int = Field(64, gt=0, description="agent programs running at once (each holds one session); "
+                             "below the samples generated at once, it also bounds the engine's batch")
     max_calls: int = Field(8, gt=0, description="model calls per session; a call past it gets a 400 and the "
                            "session's samples train as truncated")
     max_call_tokens: int = Field(256, gt=0, description="new tokens per call (the agent's max_tokens, if lower)")
-    max_calls_in_flight: int = Field(64, gt=0, description="calls generating at once over all sessions; past it "
-                                     "a call gets 429 with Retry-After (the openai SDK retries by itself)")
+    max_calls_in_flight: int = Field(256, gt=0, description="calls generating at once over all sessions; past it "
+                                     "a call gets 429 with Retry-After (the openai SDK retries by itself; an agent "
+                                     "that gives up on it is aborted, not failed); at least agent.concurrency")
     retry_after_s: float = Field(1.0, gt=0, description="the Retry-After a 429 carries")
     idle_timeout_s: float = Field(60.0, gt=0, description="a session with no call for this long is closed "
                                   "(its samples are not trained; counted in agent_sessions_idle_closed)")
@@ -603,6 +605,14 @@ class AgentConfig(_Section):
         "a session without one is not trained (status no_reward); 'hook': rollout.reward scores the final "
         "assistant message")
     port: int = Field(0, ge=0, lt=65536, description="the proxy's port on 127.0.0.1 (0: any free one)")
+
+    @model_validator(mode="after")
+    def _room_for_every_agent(self):
+        if self.max_calls_in_flight < self.concurrency:
+            raise ValueError(f"agent.max_calls_in_flight={self.max_calls_in_flight} is below agent.concurrency="
+                             f"{self.concurrency}: agents running at once would be told to retry (429) on their "
+                             "first calls; raise max_calls_in_flight or lower concurrency")
+        return self
 
 
 class Config(_Section):

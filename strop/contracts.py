@@ -14,14 +14,24 @@ from dataclasses import dataclass
 import torch
 
 from strop.config import DataConfig
-from strop.plugins import HOOKS, _name, call_hook, call_hook_sync, load_hook
+from strop.plugins import HOOKS, _name, call_hook, call_hook_sync, check_result, load_hook
 from strop.types import Completion, SamplingParams, Sample, Status
 
 
 class CharTokenizer:
-    """Token id = character code; enough for plugins that decode or encode text."""
+    """Token id = character code; enough for plugins that decode or encode text (and, for the
+    agent proxy, a ChatML chat template)."""
 
     eos_token_id = pad_token_id = 0
+    chat_template = "chatml"  # (rendered by apply_chat_template below)
+
+    def __len__(self) -> int:
+        return 0x110000
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True, **_):
+        text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+        text += "<|im_start|>assistant\n" if add_generation_prompt else ""
+        return self.encode(text) if tokenize else text
 
     def decode(self, ids, skip_special_tokens=True):
         return "".join(chr(i) for i in ids if i > 0)
@@ -131,7 +141,34 @@ def run_contract(hook: str, fn) -> str:
         return f"{len(rows)} training rows"
     if hook == "tools":
         return _run_tools(fn)
+    if hook == "agent":
+        return asyncio.run(_run_agent(fn))
     raise ValueError(f"unknown hook {hook!r}")
+
+
+async def _run_agent(fn) -> str:
+    """One session through a real agent proxy whose engine answers every call with a boxed 4."""
+    from strop.agents.proxy import AgentProxy
+    from strop.agents.rollout import _call_agent, prompt_row
+    from strop.agents.session import SessionLimits
+
+    proxy = AgentProxy(FakeEngine("The answer is \\boxed{4}."), CharTokenizer(), limits=SessionLimits())
+    await proxy.start()
+    try:
+        sample = synthetic_group(1, scored=False)[0]
+        session = proxy.open(sample, SamplingParams(temperature=1.0, max_new_tokens=64))
+        row = prompt_row(sample, "You answer briefly.") | {"session_id": session.id}
+        result = await asyncio.get_running_loop().run_in_executor(None, _call_agent, fn, proxy.base_url,
+                                                                  session.key, row)
+        reward = check_result("agent", fn, {"row": row}, result)
+        reward = reward if reward is not None else session.reward
+        if not session.calls:
+            raise ValueError("agent hook: the agent made no call through the proxy (give base_url and api_key to "
+                             "its OpenAI client)")
+        return (f"{session.calls} call(s) through the proxy, reward {reward}"
+                + (" (none given: needs agent.reward='hook')" if reward is None else ""))
+    finally:
+        await proxy.close()
 
 
 def synthetic_arguments(schema: dict) -> dict:

@@ -27,6 +27,12 @@ NEVER = {
                        "strop.controller"),
                       "engines serve the trainer; both take what they share from below (strop.models, "
                       "strop.cluster.process, strop.types)"),
+    "strop.agents": (("strop.train", "strop.parallel", "strop.setup", "strop.loop", "strop.controller",
+                      "strop.cluster"),
+                     "the agent proxy stands between agent programs and the engines: it records tokens, it "
+                     "neither trains nor places processes"),
+    "strop.rollout": (("strop.agents",),
+                      "the rollout knows an agent only as the generate function setup installs"),
     "strop.loop": (("strop.cli", "strop.cluster.local", "strop.cluster.ray", "strop.cluster.torchrun"),
                    "the driver does not know which launcher started it"),
     "strop.controller": (("strop.cli", "strop.cluster.local", "strop.cluster.ray", "strop.cluster.torchrun"),

@@ -5,12 +5,16 @@ is pointed at ``base_url`` with a session's API key; every call it makes is gene
 run's engine (the embedded engine or the router over strop serve / SGLang / vLLM servers) and
 recorded in that session as exact tokens (:mod:`strop.agents.session`).
 
-Routes (all but /health need ``Authorization: Bearer <session key>``):
+Routes (all but /health need ``Authorization: Bearer <session key>``; the /v1/sessions routes of a
+standalone proxy, ``strop proxy``, need its admin token instead):
   POST /v1/chat/completions   messages, tools (Hermes ``<tool_call>`` parsed into tool_calls), n,
                               temperature, top_p, max_tokens / max_completion_tokens, stop, seed,
                               logprobs, stream (server-sent events)
   POST /v1/completions        prompt (text or token ids), the same sampling fields
   POST /v1/sessions/{id}/reward  {"reward": number}: the session's reward
+  POST /v1/sessions             (admin) open a session: {id, api_key, base_url}
+  GET  /v1/sessions/{id}        (admin) its state and recorded segments so far
+  POST /v1/sessions/{id}/close  (admin) close it: its segments as samples (token ids, logprobs, masks)
   GET  /v1/models, /health
 
 Sampling in a session is the rollout's: the trainer scores tokens at the rollout's
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 import math
@@ -97,13 +102,20 @@ def _error(status: int, message: str, code: str | None = None, headers: dict | N
 class Busy(Exception):
     """The proxy holds or is full: answered with 429 and Retry-After."""
 
+    def __init__(self, message: str, session: Session):
+        super().__init__(message)
+        self.session = session
+
 
 class AgentProxy:
     """The proxy's sessions, limits and HTTP server, in the run's event loop."""
 
     def __init__(self, engine, tokenizer, *, limits: SessionLimits, max_calls_in_flight: int = 64,
                  retry_after_s: float = 1.0, idle_timeout_s: float = 60.0, stop_token_ids: list[int] | None = None,
-                 model_name: str = "strop", port: int = 0):
+                 model_name: str = "strop", port: int = 0, host: str = "127.0.0.1",
+                 admin_token: str | None = None, sampling: SamplingParams | None = None):
+        """``admin_token`` (a standalone proxy): opens the /v1/sessions routes to holders of it, whose
+        sessions sample with ``sampling``."""
         from strop.rollout.generate import GuardedEngine
 
         self.engine = engine if isinstance(engine, GuardedEngine) else GuardedEngine(engine)
@@ -111,6 +123,7 @@ class AgentProxy:
         self.renderer = ChatRenderer(tokenizer)
         self.max_in_flight, self.retry_after_s, self.idle_timeout_s = max_calls_in_flight, retry_after_s, idle_timeout_s
         self.stop_token_ids, self.model_name, self.port = list(stop_token_ids or []), model_name, port
+        self.host, self.admin_token, self.sampling = host, admin_token, sampling
         self.sessions: dict[str, Session] = {}  # by key
         self.by_id: dict[str, Session] = {}
         self.in_flight = 0
@@ -122,7 +135,7 @@ class AgentProxy:
     # ---- lifecycle ---------------------------------------------------------------------------
     @property
     def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1"
+        return f"http://{'127.0.0.1' if self.host in ('0.0.0.0', '::') else self.host}:{self.port}/v1"
 
     async def start(self) -> None:
         """Serve on 127.0.0.1 in this event loop (an ephemeral port unless one was given)."""
@@ -130,9 +143,9 @@ class AgentProxy:
 
         if self.serving is not None:
             return
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", self.port))
+        sock.bind((self.host, self.port))
         self.port = sock.getsockname()[1]
         self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", lifespan="off",
                                                     timeout_graceful_shutdown=2))
@@ -210,9 +223,9 @@ class AgentProxy:
         if s.state != "open":
             raise HTTPException(409, f"session {s.id} is closed ({s.state}: {s.reason or 'ended'})")
         if self.holds:
-            raise Busy(f"the proxy holds new calls: {', '.join(sorted(self.holds))}")
+            raise Busy(f"the proxy holds new calls: {', '.join(sorted(self.holds))}", s)
         if self.in_flight >= self.max_in_flight:
-            raise Busy(f"{self.in_flight} calls are generating (agent.max_calls_in_flight={self.max_in_flight})")
+            raise Busy(f"{self.in_flight} calls are generating (agent.max_calls_in_flight={self.max_in_flight})", s)
 
     async def _generate(self, s: Session, prompt_ids: list[int], body: _Sampling, asked: int | None,
                         chat: ChatState | None, tool_names: set[str]) -> tuple[Call, list[tuple[Completion, str]]]:
@@ -231,6 +244,7 @@ class AgentProxy:
                                max_new_tokens=room, stop_token_ids=list(s.sampling.stop_token_ids or self.stop_token_ids),
                                seed=None if seed is None else (seed + i) % 2**63) for i in range(body.n)]
         s.calls += 1
+        s.last_rejected = False
         s.in_flight += 1
         self.in_flight += 1
         s.touch()
@@ -299,6 +313,7 @@ class AgentProxy:
         @app.exception_handler(Busy)
         async def _busy(request: Request, exc: Busy):
             self.counts["agent_calls_rejected_busy"] += 1
+            exc.session.last_rejected = True  # an agent that gives up on it did not fail by its own work
             wait = max(self.retry_after_s, 0.001)
             return _error(429, f"{exc}: retry after {wait:g} s", headers={
                 "Retry-After": str(max(1, math.ceil(wait))), "retry-after-ms": str(int(wait * 1000))})
@@ -368,6 +383,49 @@ class AgentProxy:
                 return {**head, "choices": choices, "usage": usage, "prompt_token_ids": call.prompt_ids}
             return _sse([{**head, "choices": [c]} for c in choices]
                         + ([{**head, "choices": [], "usage": usage}] if _wants_usage(body) else []))
+
+        def admin(request: Request) -> None:
+            header = request.headers.get("authorization", "")
+            given = header[7:].strip() if header.lower().startswith("bearer ") else ""
+            if not self.admin_token or not hmac.compare_digest(given.encode(), self.admin_token.encode()):
+                raise HTTPException(401 if self.admin_token else 404, "session management needs the proxy's admin "
+                                    "token" if self.admin_token else "sessions are opened by the training run here")
+
+        def record(sess: Session, samples: list[Sample] | None = None) -> dict:
+            out = {"id": sess.id, "state": sess.state, "reason": sess.reason, "reward": sess.reward,
+                   "calls": sess.calls, "forks": sess.forks}
+            if samples is not None:
+                out["samples"] = [{"prompt_ids": x.prompt_ids, "response_ids": x.response_ids,
+                                   "rollout_logprobs": x.rollout_logprobs, "loss_mask": x.loss_mask,
+                                   "weight_versions": x.weight_versions, "status": x.status.value,
+                                   "segment": x.metadata["segment"]} for x in samples]
+            return out
+
+        @app.post("/v1/sessions")
+        async def open_session(request: Request):
+            admin(request)
+            sess = self.open(Sample(prompt="", prompt_ids=[0]), self.sampling or SamplingParams())
+            return {"id": sess.id, "api_key": sess.key, "base_url": self.base_url}
+
+        def admin_session(request: Request, sid: str) -> Session:
+            admin(request)
+            if sid not in self.by_id:
+                raise HTTPException(404, f"session {sid}: no such session")
+            return self.by_id[sid]
+
+        @app.get("/v1/sessions/{sid}")
+        async def session_state(sid: str, request: Request):
+            return record(admin_session(request, sid))
+
+        @app.post("/v1/sessions/{sid}/close")
+        async def close_session(sid: str, request: Request):
+            sess = admin_session(request, sid)
+            if sess.state not in ("open", "capped"):
+                raise HTTPException(409, f"session {sid} is closed ({sess.state})")
+            self.end(sess, "completed")
+            out = record(sess, sess.samples())
+            self.forget(sess)
+            return out
 
         @app.post("/v1/sessions/{sid}/reward")
         async def reward(sid: str, body: RewardBody, request: Request):

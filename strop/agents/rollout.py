@@ -144,6 +144,11 @@ class AgentRollout:
     async def _finish(self, ctx, session: Session, sample: Sample, result: Any, error: BaseException | None) -> Sample:
         from strop.rollout.generate import fail_sample
 
+        if error is not None and session.state == "open" and session.last_rejected:
+            # it gave up on the proxy's 429: backpressure, not the sample's own failure
+            self.proxy.end(session, "aborted", f"the agent stopped after the proxy answered 429: "
+                           f"{type(error).__name__}: {error}")
+            self.proxy.counts["agent_sessions_gave_up_on_429"] += 1
         if error is not None and session.state == "open":
             self.proxy.end(session, "agent_error", f"{type(error).__name__}: {error}")
         if session.state in ("open", "capped") and error is None:

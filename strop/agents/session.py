@@ -91,6 +91,7 @@ class Session:
     last_active: float = field(default_factory=time.monotonic)
     unused_choices: int = 0
     sampling_overridden: int = 0
+    last_rejected: bool = False  # the session's last call was answered 429 (backpressure)
     engine_error: BaseException | None = None  # an engine failure seen by a call: the run stops, not the sample
     last_segment: Segment | None = None
     ended: asyncio.Event = field(default_factory=asyncio.Event)  # set when the session closes

@@ -79,3 +79,19 @@ def tools_returns_none(config):
 
     return [Tool("shout", "Upper-case the text.", {"type": "object", "properties": {"text": {"type": "string"}}},
                  shout)]
+
+
+def agent_returns_text(base_url, api_key, row):
+    import openai
+
+    openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0).chat.completions.create(
+        model="m", messages=row["messages"])
+    return "well done"
+
+
+def agent_wrong_params(url, key, row):
+    return 1.0
+
+
+def agent_makes_no_call(base_url, api_key, row):
+    return 1.0

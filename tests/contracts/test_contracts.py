@@ -29,6 +29,7 @@ CONTRACTS = {
     "policy_loss": ("sync", ("logprobs", "old_logprobs", "advantages", "mask")),
     "data_source": ("sync", ("config", "split")),
     "tools": ("sync", ("config",)),
+    "agent": ("either", ("base_url", "api_key", "row")),
 }
 
 EXAMPLES = [
@@ -42,6 +43,7 @@ EXAMPLES = [
     ("policy_loss", "examples.plugins.losses:reinforce_loss"),
     ("data_source", "examples.plugins.data_sources:two_digit_sums"),
     ("tools", "examples.plugins.tools:number_theory_tools"),
+    ("agent", "examples.plugins.agent:calculator_agent"),
 ]
 
 
@@ -67,7 +69,7 @@ def test_call_sites_pass_exactly_the_contract(tiny_model_dir, tmp_path):
     from tests.contracts import recorders
 
     recorders.CALLS.clear()
-    plugins = {hook: f"tests.contracts.recorders:{hook}" for hook in HOOKS if hook not in ("reward", "tools")}
+    plugins = {hook: f"tests.contracts.recorders:{hook}" for hook in HOOKS if hook not in ("reward", "tools", "agent")}
     cfg = build_config(overrides={
         "model": {"path": str(tiny_model_dir)},
         "rollout": {"prompts_per_step": 2, "n_samples_per_prompt": 3, "max_new_tokens": 6,
@@ -89,7 +91,7 @@ def test_call_sites_pass_exactly_the_contract(tiny_model_dir, tmp_path):
         "data_source": {"split": str},
     }
     for hook, (_, params) in CONTRACTS.items():
-        if hook == "tools":
+        if hook in ("tools", "agent"):  # (each has its own run)
             continue
         calls = recorders.CALLS.get(hook)
         assert calls, f"strop never called the {hook} hook"
@@ -179,6 +181,9 @@ BROKEN = [
     ("tools", "tests.contracts.broken:tools_duplicate_names", "tool names must be unique: ['calculator']"),
     ("tools", "tests.contracts.broken:tools_schema_mismatch", "does not take the schema's properties ['query']"),
     ("tools", "tests.contracts.broken:tools_returns_none", "tool 'shout' returned NoneType (None); a tool returns text"),
+    ("agent", "tests.contracts.broken:agent_returns_text", "returned 'well done' (str); expected a finite reward or None"),
+    ("agent", "tests.contracts.broken:agent_wrong_params", "parameter names ('url', 'key', 'row') differ"),
+    ("agent", "tests.contracts.broken:agent_makes_no_call", "the agent made no call through the proxy"),
 ]
 
 
