@@ -22,6 +22,8 @@ commands:
   strop train --data.samples=FILE                       train on such a file, with no engine
   strop plot RUN_DIR [RUN_DIR ...] [--metrics a,b] [--out FILE]
                                                         the curves of one or several runs side by side
+  strop proxy --token T [--model-path PATH] [--engine-url URL ...] [--port N]
+                                                        the agent proxy alone: OpenAI routes, exact-token sessions
   strop check-plugin --hook HOOK pkg.module:function    check a plugin against its hook's contract
   strop export CHECKPOINT OUT                           a checkpoint's policy as a Hugging Face folder
 """
@@ -39,6 +41,47 @@ def export_main(argv: list[str]) -> int:
         print(f"strop: exported to {export_policy(Path(args.checkpoint), Path(args.out))}")
     except (CheckpointError, FileNotFoundError) as exc:
         print(f"strop export: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def proxy_main(argv: list[str]) -> int:
+    from strop.models import EMBEDDED_MODEL
+
+    parser = argparse.ArgumentParser(prog="strop proxy", description="The agent proxy on its own: OpenAI-compatible "
+                                     "routes in front of an engine, recording sessions as exact tokens "
+                                     "(docs/agents.md).")
+    parser.add_argument("--model-path", default=EMBEDDED_MODEL, help="the model (its tokenizer and chat template; "
+                        "without --engine-url also the engine, in this process)")
+    parser.add_argument("--engine-url", action="append", default=[], help="a running server to generate with "
+                        "(repeat for several, behind strop's router)")
+    parser.add_argument("--engine-kind", default="strop", choices=["strop", "sglang", "vllm"])
+    parser.add_argument("--engine-token", default=os.environ.get("STROP_ENGINE_TOKEN"))
+    parser.add_argument("--host", default="127.0.0.1", help="bind address")
+    parser.add_argument("--port", type=int, default=8100)
+    parser.add_argument("--token", default=os.environ.get("STROP_PROXY_TOKEN"),
+                        help="admin token: opens and reads sessions (env STROP_PROXY_TOKEN)")
+    parser.add_argument("--temperature", type=float, default=1.0, help="sessions sample at this temperature")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--max-calls", type=int, default=64, help="calls per session")
+    parser.add_argument("--max-call-tokens", type=int, default=1024, help="new tokens per call")
+    parser.add_argument("--max-response-tokens", type=int, default=8192, help="tokens of a segment after its prompt")
+    parser.add_argument("--idle-timeout-s", type=float, default=600.0)
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    args = parser.parse_args(argv)
+    _quiet_libraries()
+    from strop.agents.serve import serve_proxy
+
+    try:
+        serve_proxy(args.model_path, urls=args.engine_url, kind=args.engine_kind, engine_token=args.engine_token,
+                    host=args.host, port=args.port, token=args.token, temperature=args.temperature, top_p=args.top_p,
+                    top_k=args.top_k, max_calls=args.max_calls, max_call_tokens=args.max_call_tokens,
+                    max_response_tokens=args.max_response_tokens, idle_timeout_s=args.idle_timeout_s,
+                    device=args.device, dtype=args.dtype)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"strop proxy: error: {exc}", file=sys.stderr)
         return 1
     return 0
 
@@ -274,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
         return check_plugin_main(rest)
     if command == "serve":
         return serve_main(rest)
+    if command == "proxy":
+        return proxy_main(rest)
     if command == "plot":
         return plot_main(rest)
     if command == "rollout":
