@@ -20,10 +20,11 @@ import asyncio
 import concurrent.futures
 import inspect
 import multiprocessing
+import threading
 from typing import Any, Callable
 
 from strop.agents.proxy import AgentProxy
-from strop.agents.session import Session, SessionLimits
+from strop.agents.session import ENDINGS, Session, SessionLimits
 from strop.plugins import PluginError, check_result, import_path
 from strop.types import SamplingParams, Sample, Status
 
@@ -46,25 +47,52 @@ def _call_agent_by_path(path: str, base_url: str, api_key: str, row: dict) -> An
 
 
 class AgentRunner:
-    """Runs agent programs in worker threads or spawned worker processes."""
+    """Runs agent programs in daemon threads (one per session; ``agent.concurrency`` bounds them) or
+    in a pool of spawned worker processes. An agent still running when the run ends never holds
+    the process open: its thread is a daemon, the worker processes are ended."""
 
     def __init__(self, fn: Callable, path: str, workers: str, concurrency: int):
         self.fn, self.path = fn, path
-        if workers == "processes":
-            self.pool = concurrent.futures.ProcessPoolExecutor(concurrency,
-                                                               mp_context=multiprocessing.get_context("spawn"))
-        else:
-            self.pool = concurrent.futures.ThreadPoolExecutor(concurrency, thread_name_prefix="strop-agent")
         self.processes = workers == "processes"
+        self.pool = concurrent.futures.ProcessPoolExecutor(
+            concurrency, mp_context=multiprocessing.get_context("spawn")) if self.processes else None
 
     def submit(self, base_url: str, api_key: str, row: dict) -> asyncio.Future:
         loop = asyncio.get_running_loop()
         if self.processes:
-            return loop.run_in_executor(self.pool, _call_agent_by_path, self.path, base_url, api_key, row)
-        return loop.run_in_executor(self.pool, _call_agent, self.fn, base_url, api_key, row)
+            future = loop.run_in_executor(self.pool, _call_agent_by_path, self.path, base_url, api_key, row)
+        else:
+            future = loop.create_future()
+
+            def work():
+                try:
+                    result, error = _call_agent(self.fn, base_url, api_key, row), None
+                except BaseException as exc:  # noqa: BLE001 -- handed to the waiting coroutine
+                    result, error = None, exc
+                try:
+                    loop.call_soon_threadsafe(_settle, future, result, error)
+                except RuntimeError:  # the run's event loop is gone: nobody waits any more
+                    pass
+
+            threading.Thread(target=work, name="strop-agent", daemon=True).start()
+        # an agent left behind (idle, timed out, the run stopping) may still fail: nobody waits for it
+        future.add_done_callback(lambda f: f.cancelled() or f.exception())
+        return future
 
     def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        if self.pool is not None:
+            for proc in list(getattr(self.pool, "_processes", {}).values()):  # (agents still running)
+                proc.terminate()
+            self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _settle(future: asyncio.Future, result, error) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
 
 
 def prompt_row(sample: Sample, system_prompt: str | None, template: str = "{prompt}") -> dict:
@@ -165,7 +193,11 @@ class AgentRollout:
         self.proxy.end(session, "completed")
         samples = session.samples()
         if not samples:  # no call was made: nothing to train
-            sample.metadata.update(agent_session=session.id, session_state=session.state, segments=0)
+            sample.metadata.update(agent_session=session.id, session_state=session.state, segments=0,
+                                   session_calls=0, session_reason=session.reason)
+            if ENDINGS.get(session.state) == Status.ABORTED:  # the proxy's doing (429s, idle, timeout), not the agent's
+                sample.status = Status.ABORTED
+                return sample
             return fail_sample(ctx, sample, "agent", error or RuntimeError(
                 f"agent session {session.id} made no model call ({session.state}{': ' + session.reason if session.reason else ''})"))
         if error is not None and session.state == "agent_error":

@@ -65,3 +65,16 @@ async def async_two_calls(base_url, api_key, row):
     second = await client.chat.completions.create(model="policy", messages=msgs, max_tokens=4)
     await client.close()
     return _even_fraction(first.choices[0].model_extra["token_ids"] + second.choices[0].model_extra["token_ids"])
+
+
+def gives_up_on_429(base_url, api_key, row):
+    """Two parallel calls in one session (a sub-agent beside the main one), no retries: with room for
+    one call per agent, one of them gets a 429 and the agent stops."""
+    import concurrent.futures
+
+    client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        calls = [pool.submit(client.chat.completions.create, model="policy", messages=row["messages"], max_tokens=4)
+                 for _ in range(2)]
+        answers = [c.result() for c in calls]
+    return _even_fraction(answers[0].choices[0].model_extra["token_ids"])

@@ -116,3 +116,28 @@ def test_agent_refusals(tiny_model_dir, tmp_path):
     with pytest.raises((ConfigError, ValueError), match="scores whole groups"):
         train(build_config(overrides={**base, "agent": {"reward": "hook"},
                                       "rollout": {**base["rollout"], "reward": "tests.plugins:group_even_token_reward"}}))
+
+
+def test_an_agent_that_gives_up_on_429s_is_aborted_not_failed(tiny_model_dir, tmp_path):
+    """Backpressure is the proxy's doing: a sample whose agent stopped on it is never FAILED."""
+    run_dir = tmp_path / "run"
+    cfg = build_config(overrides=agent_overrides(
+        tiny_model_dir, run_dir, "gives_up_on_429", train={"steps": 1}, data={"eval_size": 0},
+        agent={"concurrency": 2, "max_calls_in_flight": 2}))
+    trained = read_samples(rollout_only(cfg))
+    rows = metrics_of(run_dir)
+    step = next(r for r in rows if r.get("step") == 1 and "reward_mean" in r)
+    assert step["agent_calls_rejected_busy"] >= 1 and step["agent_sessions_gave_up_on_429"] >= 1
+    assert step["failed_fraction"] == 0 and step["aborted_fraction"] > 0
+    assert all(s["metadata"]["session_state"] == "completed" for s in trained)
+    assert not (run_dir / "failed_samples.jsonl").exists()
+
+
+def test_agents_in_an_off_policy_run_wait_out_the_weight_updates(tiny_model_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    cfg = build_config(overrides=agent_overrides(
+        tiny_model_dir, run_dir, "two_calls", train={"steps": 3}, data={"eval_size": 0},
+        rollout={"mode": "async", "max_staleness": 1}, algo={"off_policy_correction": "icepop"}))
+    assert train(cfg)["steps"] == 3
+    steps = [r for r in metrics_of(run_dir) if "reward_mean" in r]
+    assert all(r["samples_trained"] == 8 and r["staleness_max"] <= 1 for r in steps)

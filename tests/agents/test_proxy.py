@@ -407,3 +407,18 @@ def test_completions_route_continues_a_segment_by_token_prefix(model, tokenizer,
                               max_tokens=8)
     (sample,) = stand.end(session)
     assert session.forks == 0 and sum(sample.loss_mask) == len(engine.outputs[0]) + len(engine.outputs[1])
+
+
+def test_n_choices_train_the_one_the_agent_continued(model, tokenizer, stand_of):
+    engine = ForcedEngine(model, tokenizer, ["A.", "B.", "C."])  # call 1's two choices: "A.", "B."
+    stand = stand_of(engine)
+    session = stand.open()
+    client = openai.OpenAI(base_url=stand.proxy.base_url, api_key=session.key, max_retries=0)
+    msgs = [{"role": "user", "content": "Pick."}]
+    r = client.chat.completions.create(model="m", messages=msgs, n=2)
+    assert [c.message.content for c in r.choices] == ["A.", "B."]
+    msgs += [{"role": "assistant", "content": "B."}, {"role": "user", "content": "Why?"}]  # it went on with B
+    client.chat.completions.create(model="m", messages=msgs)
+    (sample,) = stand.end(session)
+    assert session.forks == 0 and session.unused_choices == 1
+    assert [t for t, m in zip(sample.response_ids, sample.loss_mask) if m] == engine.outputs[1] + engine.outputs[2]
