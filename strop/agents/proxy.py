@@ -230,15 +230,15 @@ class AgentProxy:
     async def _generate(self, s: Session, prompt_ids: list[int], body: _Sampling, asked: int | None,
                         chat: ChatState | None, tool_names: set[str]) -> tuple[Call, list[tuple[Completion, str]]]:
         """Generate ``body.n`` choices for ``prompt_ids`` in session ``s`` and record the call."""
+        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        if any(not x for x in stops):
+            raise ChatInputError("stop strings must be non-empty")
         self._admit(s)
         room = s.room(prompt_ids, asked)
         if (body.temperature is not None and body.temperature != s.sampling.temperature) or \
                 (body.top_p is not None and body.top_p != s.sampling.top_p):
             s.sampling_overridden += 1
             self.counts["agent_sampling_overridden"] += 1
-        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        if any(not x for x in stops):
-            raise ChatInputError("stop strings must be non-empty")
         seed = body.seed if body.seed is not None else s.sampling.seed
         jobs = [SamplingParams(temperature=s.sampling.temperature, top_p=s.sampling.top_p, top_k=s.sampling.top_k,
                                max_new_tokens=room, stop_token_ids=list(s.sampling.stop_token_ids or self.stop_token_ids),
