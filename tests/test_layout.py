@@ -28,7 +28,7 @@ NEVER = {
                       "engines serve the trainer; both take what they share from below (strop.models, "
                       "strop.cluster.process, strop.types)"),
     "strop.agents": (("strop.train", "strop.parallel", "strop.setup", "strop.loop", "strop.controller",
-                      "strop.cluster"),
+                      "strop.cluster.local", "strop.cluster.placement", "strop.cluster.ray_cluster"),
                      "the agent proxy stands between agent programs and the engines: it records tokens, it "
                      "neither trains nor places processes"),
     "strop.rollout": (("strop.agents",),
