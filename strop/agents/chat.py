@@ -60,7 +60,7 @@ def _tool_calls(i: int, calls: Any) -> list[dict]:
         if isinstance(args, str):
             try:
                 args = json.loads(args or "{}")
-            except ValueError as exc:
+            except (ValueError, RecursionError) as exc:
                 raise ChatInputError(f"{where}.function.arguments is not valid JSON: {exc}") from exc
         if not isinstance(args, dict):
             raise ChatInputError(f"{where}.function.arguments must be a JSON object")

@@ -54,6 +54,8 @@ from strop.types import Completion, SamplingParams, Sample
 
 log = logging.getLogger("strop.agents")
 MAX_N = 16
+MAX_STOPS = 16  # stop strings per call (OpenAI takes 4)
+MAX_BODY_BYTES = 16 << 20  # a request body; a longer one gets 413
 
 
 class _Sampling(BaseModel):
@@ -99,6 +101,37 @@ def _error(status: int, message: str, code: str | None = None, headers: dict | N
                         headers=headers)
 
 
+class _BodyLimit:
+    """ASGI wrapper: a request body (sized or chunked) is read whole, at most ``limit()`` bytes, before
+    the app sees it; a longer one gets 413 and the rest is never read."""
+
+    def __init__(self, app, limit):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        limit, body, more = self.limit(), bytearray(), True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away
+                return
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > limit:
+                answer = _error(413, f"the request body is over {limit} bytes")
+                return await answer(scope, receive, send)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": bytes(body), "more_body": False}
+        return await self.app(scope, replay, send)
+
+
 class Busy(Exception):
     """The proxy holds or is full: answered with 429 and Retry-After."""
 
@@ -124,6 +157,7 @@ class AgentProxy:
         self.max_in_flight, self.retry_after_s, self.idle_timeout_s = max_calls_in_flight, retry_after_s, idle_timeout_s
         self.stop_token_ids, self.model_name, self.port = list(stop_token_ids or []), model_name, port
         self.host, self.admin_token, self.sampling = host, admin_token, sampling
+        self.max_body_bytes = MAX_BODY_BYTES
         self.sessions: dict[str, Session] = {}  # by key
         self.by_id: dict[str, Session] = {}
         self.in_flight = 0
@@ -147,7 +181,8 @@ class AgentProxy:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.host, self.port))
         self.port = sock.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", lifespan="off",
+        self.server = uvicorn.Server(uvicorn.Config(_BodyLimit(self.app, lambda: self.max_body_bytes), log_level="warning",
+                                                    lifespan="off",
                                                     timeout_graceful_shutdown=2))
         self.serving = asyncio.ensure_future(self.server.serve(sockets=[sock]))
         while not self.server.started:
@@ -231,8 +266,8 @@ class AgentProxy:
                         chat: ChatState | None, tool_names: set[str]) -> tuple[Call, list[tuple[Completion, str]]]:
         """Generate ``body.n`` choices for ``prompt_ids`` in session ``s`` and record the call."""
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        if any(not x for x in stops):
-            raise ChatInputError("stop strings must be non-empty")
+        if any(not x for x in stops) or len(stops) > MAX_STOPS:
+            raise ChatInputError(f"stop: at most {MAX_STOPS} non-empty strings")
         self._admit(s)
         room = s.room(prompt_ids, asked)
         if (body.temperature is not None and body.temperature != s.sampling.temperature) or \

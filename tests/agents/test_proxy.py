@@ -422,3 +422,30 @@ def test_n_choices_train_the_one_the_agent_continued(model, tokenizer, stand_of)
     (sample,) = stand.end(session)
     assert session.forks == 0 and session.unused_choices == 1
     assert [t for t, m in zip(sample.response_ids, sample.loss_mask) if m] == engine.outputs[1] + engine.outputs[2]
+
+
+def test_hostile_bodies_get_a_4xx_and_the_proxy_keeps_serving(model, tokenizer, stand_of):
+    stand = stand_of(ForcedEngine(model, tokenizer, ["Four."]))
+    stand.proxy.max_body_bytes = 1 << 20  # (read when a request arrives)
+    session = stand.open()
+    url, auth = stand.proxy.base_url, {"Authorization": f"Bearer {session.key}"}
+    huge = b'{"messages": [{"role": "user", "content": "' + b"x" * (2 << 20) + b'"}]}'
+    r = httpx.post(url + "/chat/completions", content=huge, headers=auth | {"content-type": "application/json"})
+    assert r.status_code == 413
+
+    def chunks():  # no Content-Length: read until the limit, then refused
+        yield b'{"messages": [{"role": "user", "content": "'
+        for _ in range(64):
+            yield b"y" * (64 << 10)
+        yield b'"}]}'
+    r = httpx.post(url + "/chat/completions", content=chunks(), headers=auth | {"content-type": "application/json"})
+    assert r.status_code == 413
+    deep = "[" * 100_000 + "]" * 100_000
+    r = httpx.post(url + "/chat/completions", headers=auth, json={"messages": [{"role": "assistant", "content": "",
+                   "tool_calls": [{"function": {"name": "f", "arguments": deep}}]}]})
+    assert r.status_code == 400
+    r = httpx.post(url + "/chat/completions", headers=auth, json={"messages": [{"role": "user", "content": "hi"}],
+                                                                 "stop": ["a"] * 100})
+    assert r.status_code == 400 and "stop" in r.json()["error"]["message"]
+    r = httpx.post(url + "/chat/completions", headers=auth, json={"messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 200 and session.calls == 1
