@@ -113,6 +113,10 @@ def test_agent_refusals(tiny_model_dir, tmp_path):
     with pytest.raises(ValueError, match="restarts clean"):
         build_config(overrides={**base, "rollout": {**base["rollout"], "mode": "one_step_off", "partial": "resume"},
                                 "algo": {"off_policy_correction": "none"}})
+    with pytest.raises(ValueError, match="below agent.concurrency"):
+        build_config(overrides={**base, "agent": {"concurrency": 64, "max_calls_in_flight": 8}})
+    with pytest.raises(ValueError, match="overlong_buffer"):
+        build_config(overrides={**base, "algo": {"overlong_buffer": 8}})
     with pytest.raises((ConfigError, ValueError), match="scores whole groups"):
         train(build_config(overrides={**base, "agent": {"reward": "hook"},
                                       "rollout": {**base["rollout"], "reward": "tests.plugins:group_even_token_reward"}}))
@@ -141,3 +145,16 @@ def test_agents_in_an_off_policy_run_wait_out_the_weight_updates(tiny_model_dir,
     assert train(cfg)["steps"] == 3
     steps = [r for r in metrics_of(run_dir) if "reward_mean" in r]
     assert all(r["samples_trained"] == 8 and r["staleness_max"] <= 1 for r in steps)
+
+
+def test_an_agent_trains_through_the_router_over_launched_servers(tiny_model_dir, tmp_path):
+    """The proxy in front of strop serve processes behind the router (any engine kind takes the
+    same path): recorded tokens and logprobs are the servers'; the trainer agrees with them."""
+    run_dir = tmp_path / "run"
+    cfg = build_config(overrides=agent_overrides(
+        tiny_model_dir, run_dir, "two_calls", train={"steps": 2}, data={"eval_size": 0},
+        engine={"kind": "strop", "launch": 1, "launch_args": ["--threads=1"], "affinity": True}))
+    assert train(cfg)["steps"] == 2
+    steps = [r for r in metrics_of(run_dir) if "reward_mean" in r]
+    assert all(r["agent_calls_per_session"] == 2 and r["samples_trained"] == 8 for r in steps)
+    assert all(r["train_rollout_logprob_abs_diff"] < 1e-3 for r in steps)
