@@ -1,67 +1,58 @@
 """An agent hook: a small tool-using agent written with the ``openai`` SDK, trained by strop.
 
-    strop train --preset agent_calculator
+    strop train examples/configs/agent_calculator.yaml
 
-Nothing in it knows about strop: it is the loop anyone writes against the OpenAI API (ask the
-model, run the tools it calls, hand back the results, stop at an answer). strop hands it a
-base URL and an API key that route every call through the agent proxy, which records the exact
+Nothing in it knows about strop's training: it is the loop anyone writes against the OpenAI API
+(ask the model, run the tools it calls, hand back the results, stop at an answer). strop hands it
+a base URL and an API key that route every call through the agent proxy, which records the exact
 tokens for training (docs/agents.md).
 
-The tool is a calculator that reads Python: the model calls it by writing a ```python block
-(the call format SmolLM2-135M writes by itself; it never writes ``<tool_call>`` JSON unprompted,
-0 of 64 samples) and sees what the code prints. Only arithmetic, assignments and ``print`` run,
-evaluated from the syntax tree by strop's calculator: no code is executed.
+Its one tool, ``python``, runs the model's code in strop's sandbox (strop.tools.sandbox: no
+network, no host files, resource limits, a timeout) and returns what it prints. The model calls
+it by writing a ```python block, the call format SmolLM2-135M writes by itself (it never writes
+``<tool_call>`` JSON unprompted: 0 of 64 samples).
 """
 
-import ast
+import asyncio
 import json
 import re
+import threading
 
 import openai
 
-from strop.tools import calculate
-
 TOOLS = [{"type": "function", "function": {
     "name": "python",
-    "description": "Run Python arithmetic (assignments and print) and return what it prints.",
+    "description": "Run Python code in a sandbox and return what it prints.",
     "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]},
 }}]
 SYSTEM = ("You can run Python: write a ```python code block and you will see what it prints. "
           "Use it for arithmetic. End with the final answer as \\boxed{ANSWER}.")
 MAX_TURNS = 3
 
+_sandbox, _loop, _lock = None, None, threading.Lock()
 
-def run_arithmetic(code: str) -> str:
-    """What ``code`` prints, for code made of arithmetic assignments and print calls."""
-    names, printed = {}, []
 
-    def value(node) -> str:
-        # names are replaced by their values, then the expression goes to strop's calculator
-        class Substitute(ast.NodeTransformer):
-            def visit_Name(self, n):
-                if n.id not in names:
-                    raise NameError(f"name {n.id!r} is not defined")
-                return ast.parse(names[n.id], mode="eval").body
-        return calculate(ast.unparse(Substitute().visit(node)))
+def run_python(code: str) -> str:
+    """What ``code`` prints, run in strop's sandbox. Every call goes through one event loop of its
+    own (the sandbox hands out its per-call users from a queue that belongs to one loop), so the
+    agent's many threads may call it at once."""
+    global _sandbox, _loop
+    with _lock:
+        if _sandbox is None:
+            from strop.tools.sandbox import Sandbox
 
-    for stmt in ast.parse(code).body:
-        if isinstance(stmt, ast.Assign) and all(isinstance(t, ast.Name) for t in stmt.targets):
-            for t in stmt.targets:
-                names[t.id] = value(stmt.value)
-        elif isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call) and \
-                getattr(stmt.value.func, "id", None) == "print":
-            printed.append(" ".join(value(a) for a in stmt.value.args))
-        else:
-            raise ValueError(f"only arithmetic, assignments and print() run here, not {ast.unparse(stmt)[:60]!r}")
-    return "\n".join(printed) or "(nothing printed)"
+            _sandbox, _loop = Sandbox(), asyncio.new_event_loop()
+            threading.Thread(target=_loop.run_forever, name="agent-sandbox", daemon=True).start()
+    result = asyncio.run_coroutine_threadsafe(_sandbox.run_python(code), _loop).result()
+    return result.message() or "(no output)"
 
 
 def run_tool(call) -> str:
     if call.function.name != "python":
         return f"Error: no tool named {call.function.name!r}"
     try:
-        return run_arithmetic(json.loads(call.function.arguments)["code"])
-    except Exception as exc:  # the model's bad code is an observation, not a crash
+        return run_python(json.loads(call.function.arguments)["code"])
+    except Exception as exc:  # a bad call, or no sandbox here: the model reads it
         return f"Error: {type(exc).__name__}: {exc}"
 
 
