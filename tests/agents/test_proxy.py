@@ -34,8 +34,8 @@ def model():
 def stand_of(tokenizer):
     made = []
 
-    def make(engine, **kw):
-        made.append(Stand(engine, tokenizer, **kw))
+    def make(engine, tok=None, **kw):
+        made.append(Stand(engine, tok or tokenizer, **kw))
         return made[-1]
     yield make
     for s in made:
@@ -449,3 +449,38 @@ def test_hostile_bodies_get_a_4xx_and_the_proxy_keeps_serving(model, tokenizer, 
     assert r.status_code == 400 and "stop" in r.json()["error"]["message"]
     r = httpx.post(url + "/chat/completions", headers=auth, json={"messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 200 and session.calls == 1
+
+
+QWEN_LIKE = (  # a tools-aware ChatML template of the Qwen kind (enough of it to exercise the native path)
+    "{%- if tools %}<|im_start|>system\n{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
+    "# Tools\n<tools>{% for t in tools %}\n{{ t | tojson }}{% endfor %}\n</tools><|im_end|>\n"
+    "{%- elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n{%- endif %}"
+    "{%- for m in messages %}{%- if m.role == 'system' %}{%- elif m.role == 'tool' %}"
+    "<|im_start|>user\n<tool_response>\n{{ m.content }}\n</tool_response><|im_end|>\n"
+    "{%- elif m.role == 'assistant' %}<|im_start|>assistant\n{{ m.content }}{%- for c in m.tool_calls or [] %}"
+    "<tool_call>\n{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}\n</tool_call>"
+    "{%- endfor %}<|im_end|>\n{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}")
+
+
+def test_a_template_that_renders_tools_itself_keeps_exact_tokens(model, tokenizer, stand_of):
+    import copy
+
+    native = copy.deepcopy(tokenizer)
+    native.chat_template = QWEN_LIKE
+    engine = ForcedEngine(model, native, [MODEL_CALL, "It is 391."])
+    stand = stand_of(engine, native)
+    assert stand.proxy.renderer.native_tools
+    session = stand.open()
+    client = openai.OpenAI(base_url=stand.proxy.base_url, api_key=session.key, max_retries=0)
+    msgs = [{"role": "user", "content": "17*23?"}]
+    first = client.chat.completions.create(model="m", messages=msgs, tools=CALC)
+    assert "# Tools" in tokenizer.decode(engine.prompts[0])  # the template's own tool block
+    m = first.choices[0].message
+    msgs += [m.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": m.tool_calls[0].id, "content": "391"}]
+    client.chat.completions.create(model="m", messages=msgs, tools=CALC)
+    (sample,) = stand.end(session)
+    before = engine.prompts[0] + engine.outputs[0]
+    assert session.forks == 0 and engine.prompts[1][: len(before)] == before
+    assert "<tool_response>\n391\n</tool_response>" in tokenizer.decode(engine.prompts[1][len(before):])
+    assert gap(model, sample) < 1e-4
