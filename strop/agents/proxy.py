@@ -257,6 +257,9 @@ class AgentProxy:
             raise SessionLimitError(f"session {s.id}: {s.reason}")
         if s.state != "open":
             raise HTTPException(409, f"session {s.id} is closed ({s.state}: {s.reason or 'ended'})")
+        if s.sample.metadata.get("leftover"):  # the rollout manager stopped this sample: its step is full
+            self.end(s, "aborted", "the step's rollout budget is spent (its groups are complete)")
+            raise Busy("the step's rollout budget is spent: this session is closed", s)
         if self.holds:
             raise Busy(f"the proxy holds new calls: {', '.join(sorted(self.holds))}", s)
         if self.in_flight >= self.max_in_flight:

@@ -158,3 +158,16 @@ def test_an_agent_trains_through_the_router_over_launched_servers(tiny_model_dir
     steps = [r for r in metrics_of(run_dir) if "reward_mean" in r]
     assert all(r["agent_calls_per_session"] == 2 and r["samples_trained"] == 8 for r in steps)
     assert all(r["train_rollout_logprob_abs_diff"] < 1e-3 for r in steps)
+
+
+def test_over_sampled_agent_steps_keep_their_accounts(tiny_model_dir, tmp_path):
+    """rollout.over_sample: sessions the full step no longer needs end; every sample is counted."""
+    run_dir = tmp_path / "run"
+    cfg = build_config(overrides=agent_overrides(
+        tiny_model_dir, run_dir, "compacts", train={"steps": 2}, data={"eval_size": 0},
+        rollout={"over_sample": 2.0}))
+    assert train(cfg)["steps"] == 2  # (the manager checks its accounts every step: forks included)
+    steps = [r for r in metrics_of(run_dir) if "reward_mean" in r]
+    for r in steps:
+        assert r["groups_drawn"] == 4 and r["samples_trained"] == 2 * 4 * 2  # 2 groups of 4 sessions x 2 segments
+        assert r["samples_dropped"] > 0

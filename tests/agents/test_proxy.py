@@ -484,3 +484,15 @@ def test_a_template_that_renders_tools_itself_keeps_exact_tokens(model, tokenize
     assert session.forks == 0 and engine.prompts[1][: len(before)] == before
     assert "<tool_response>\n391\n</tool_response>" in tokenizer.decode(engine.prompts[1][len(before):])
     assert gap(model, sample) < 1e-4
+
+
+def test_a_session_of_a_full_step_gets_429_and_closes(model, tokenizer, stand_of):
+    stand = stand_of(ForcedEngine(model, tokenizer, ["Four."]))
+    session = stand.open()
+    session.sample.metadata["leftover"] = True  # what the rollout manager marks once the step is full
+    url, auth = stand.proxy.base_url + "/chat/completions", {"Authorization": f"Bearer {session.key}"}
+    body = {"messages": [{"role": "user", "content": "2+2?"}]}
+    r = httpx.post(url, json=body, headers=auth)
+    assert r.status_code == 429 and "budget is spent" in r.json()["error"]["message"] and "retry-after" in r.headers
+    assert session.state == "aborted" and session.ended.is_set()
+    assert httpx.post(url, json=body, headers=auth).status_code == 409
