@@ -70,8 +70,11 @@ def calculator_agent(base_url: str, api_key: str, row: dict) -> float:
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": row["prompt"]}]
     reply = None
     for _ in range(MAX_TURNS):
-        reply = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS,
-                                               max_tokens=128).choices[0].message
+        try:
+            reply = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS,
+                                                   max_tokens=128).choices[0].message
+        except openai.BadRequestError:  # out of budget (the proxy's session caps): no answer
+            return 0.0
         messages.append(reply.model_dump(exclude_none=True))
         if not reply.tool_calls:
             break

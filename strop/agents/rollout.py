@@ -187,7 +187,9 @@ class AgentRollout:
             if reward is not None:
                 session.reward = reward
         if session.reward is None and self.a.reward == "session" and session.state in ("open", "capped"):
-            self.proxy.end(session, "no_reward", "the session ended without a reward (post it to "
+            why = (f"the session was capped ({session.reason}) and the agent then raised {type(error).__name__}: "
+                   f"{error}; " if error is not None else "")
+            self.proxy.end(session, "no_reward", why + "the session ended without a reward (post it to "
                            "/v1/sessions/{id}/reward or return it; or set agent.reward='hook')")
             self.proxy.counts["agent_sessions_no_reward"] += 1
         self.proxy.end(session, "completed")
