@@ -604,6 +604,9 @@ class AgentConfig(_Section):
         "session", description="'session': the reward the agent posts (POST /v1/sessions/{id}/reward) or returns; "
         "a session without one is not trained (status no_reward); 'hook': rollout.reward scores the final "
         "assistant message")
+    cut_after_tool_calls: bool = Field(True, description="a turn that calls a tool ends where its calls end: "
+                                       "the model's text after them is dropped (never trained, never shown to "
+                                       "the agent), as in strop's multi-turn rollout; false returns the whole turn")
     port: int = Field(0, ge=0, lt=65536, description="the proxy's port on 127.0.0.1 (0: any free one)")
 
     @model_validator(mode="after")

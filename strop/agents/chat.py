@@ -216,17 +216,11 @@ class ChatRenderer:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
 
-def parse_reply(text: str, tool_names: set[str]) -> tuple[str | None, list[dict]]:
-    """The model's text as (content, tool_calls). With tools in the request, each well-formed
-    ``<tool_call>{"name", "arguments"}</tool_call>`` becomes an OpenAI tool call and leaves the
-    content, as does a fenced ```python block when a tool named ``python`` is offered (its
-    ``code`` argument: the convention of strop's multi-turn rollout, and what small models
-    write unprompted). A malformed call stays in the content: the agent sees what the model wrote."""
+def _call_spans(text: str, tool_names: set[str]) -> list[tuple[int, int, str, dict]]:
+    """The well-formed tool calls in ``text``, in order: (start, end, name, arguments)."""
     from strop.tools import FENCED_PYTHON, HERMES_CALL
 
-    if not tool_names:
-        return text, []
-    found = []  # (start, end, name, arguments)
+    found = []
     for m in HERMES_CALL.finditer(text):
         try:
             body = json.loads(m.group(1))
@@ -241,10 +235,34 @@ def parse_reply(text: str, tool_names: set[str]) -> tuple[str | None, list[dict]
     if "python" in tool_names:
         found += [(m.start(), m.end(), "python", {"code": m.group(1)}) for m in FENCED_PYTHON.finditer(text)
                   if not any(a <= m.start() < b for a, b, _, _ in found)]
+    return sorted(found, key=lambda f: f[0])
+
+
+def calls_end(text: str, tool_names: set[str]) -> int | None:
+    """Where the model's first tool calls end in ``text`` (a run of calls with only space between
+    them counts as one: parallel calls), or None without a call."""
+    spans = _call_spans(text, tool_names) if tool_names else []
+    if not spans:
+        return None
+    end = spans[0][1]
+    for start, stop, _, _ in spans[1:]:
+        if text[end:start].strip():
+            break
+        end = stop
+    return end
+
+
+def parse_reply(text: str, tool_names: set[str]) -> tuple[str | None, list[dict]]:
+    """The model's text as (content, tool_calls). With tools in the request, each well-formed
+    ``<tool_call>{"name", "arguments"}</tool_call>`` becomes an OpenAI tool call and leaves the
+    content, as does a fenced ```python block when a tool named ``python`` is offered (its
+    ``code`` argument: the convention of strop's multi-turn rollout, and what small models
+    write unprompted). A malformed call stays in the content: the agent sees what the model wrote."""
+    found = _call_spans(text, tool_names) if tool_names else []
     if not found:
         return text, []
     kept, last, calls = [], 0, []
-    for start, end, name, args in sorted(found, key=lambda f: f[0]):
+    for start, end, name, args in found:
         kept.append(text[last:start])
         last = end
         calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",

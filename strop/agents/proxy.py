@@ -47,7 +47,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from strop.agents.chat import ChatInputError, ChatRenderer, check_messages, check_tools_schema, parse_reply
+from strop.agents.chat import (ChatInputError, ChatRenderer, calls_end, check_messages, check_tools_schema,
+                               parse_reply)
 from strop.agents.session import Call, ChatState, Choice, Session, SessionLimitError, SessionLimits
 from strop.engines.server import cut_at_stops
 from strop.types import Completion, SamplingParams, Sample
@@ -146,9 +147,11 @@ class AgentProxy:
     def __init__(self, engine, tokenizer, *, limits: SessionLimits, max_calls_in_flight: int = 64,
                  retry_after_s: float = 1.0, idle_timeout_s: float = 60.0, stop_token_ids: list[int] | None = None,
                  model_name: str = "strop", port: int = 0, host: str = "127.0.0.1",
-                 admin_token: str | None = None, sampling: SamplingParams | None = None):
+                 admin_token: str | None = None, sampling: SamplingParams | None = None,
+                 cut_after_tool_calls: bool = True):
         """``admin_token`` (a standalone proxy): opens the /v1/sessions routes to holders of it, whose
-        sessions sample with ``sampling``."""
+        sessions sample with ``sampling``. ``cut_after_tool_calls``: a chat turn ends where its tool
+        calls end (what the model wrote after them is dropped, never trained or shown)."""
         from strop.rollout.generate import GuardedEngine
 
         self.engine = engine if isinstance(engine, GuardedEngine) else GuardedEngine(engine)
@@ -158,6 +161,7 @@ class AgentProxy:
         self.stop_token_ids, self.model_name, self.port = list(stop_token_ids or []), model_name, port
         self.host, self.admin_token, self.sampling = host, admin_token, sampling
         self.max_body_bytes = MAX_BODY_BYTES
+        self.cut_after_tool_calls = cut_after_tool_calls
         self.sessions: dict[str, Session] = {}  # by key
         self.by_id: dict[str, Session] = {}
         self.in_flight = 0
@@ -304,6 +308,8 @@ class AgentProxy:
                        f"the engine returned {len(lps)} logprobs for {len(out.token_ids)} tokens")
                 self.end(s, "aborted", why)
                 raise HTTPException(503, f"session {s.id}: {why}; the session has ended")
+        if chat is not None and tool_names and self.cut_after_tool_calls:
+            outs = [self._end_at_calls(out, tool_names) for out in outs]
         decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
         cut = [cut_at_stops(out, stops, decode)[:2] for out in outs]
         choices = []
@@ -320,6 +326,19 @@ class AgentProxy:
         s.attach(prompt_ids, call)
         self.counts["agent_calls"] += 1
         return call, cut
+
+    def _end_at_calls(self, out: Completion, tool_names: set[str]) -> Completion:
+        """``out`` cut after the fewest tokens that hold its first tool calls (strop's multi-turn rule:
+        a turn that calls a tool ends there, and the tool's answer comes next)."""
+        from strop.rollout.multiturn import tokens_covering
+
+        end = calls_end(self.tokenizer.decode(out.token_ids, skip_special_tokens=False), tool_names)
+        if end is None:
+            return out
+        keep = tokens_covering(self.tokenizer, list(out.token_ids), end)
+        if keep >= len(out.token_ids):
+            return out
+        return Completion(list(out.token_ids[:keep]), list(out.logprobs[:keep]), "stop", out.weight_version)
 
     # ---- HTTP ----------------------------------------------------------------------------------
     def _create_app(self) -> FastAPI:

@@ -83,7 +83,7 @@ async def generate(ctx, sample: Sample, sampling: SamplingParams) -> Sample:
         text = tok.decode(ids, skip_special_tokens=False)
         call = parse_tool_call(text)
         if call is not None:  # keep the model's tokens up to the end of the call, drop the rest of the turn
-            keep = _tokens_covering(tok, ids, call.end)
+            keep = tokens_covering(tok, ids, call.end)
             ids, lps = ids[:keep], lps[:keep]
         turn_start = sample.response_length
         sample.append(ids, lps, weight_version=completion.weight_version)
@@ -121,7 +121,7 @@ async def generate(ctx, sample: Sample, sampling: SamplingParams) -> Sample:
     return sample
 
 
-def _tokens_covering(tok, ids: list[int], end: int) -> int:
+def tokens_covering(tok, ids: list[int], end: int) -> int:
     """The fewest leading tokens of ``ids`` whose text reaches character ``end``."""
     lo, hi = 1, len(ids)
     while lo < hi:

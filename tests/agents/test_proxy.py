@@ -85,20 +85,23 @@ def test_sdk_three_turn_tool_agent_records_exact_tokens(model, tokenizer, stand_
     assert call.message.tool_calls[0].function.name == "calculator"
     assert json.loads(call.message.tool_calls[0].function.arguments) == {"expression": "17*23"}
     assert answers[2].choices[0].message.content == "The answer is 391."
-    # every turn's prompt starts with the previous prompt plus exactly what the engine sampled
-    for k in (1, 2):
-        before = engine.prompts[k - 1] + engine.outputs[k - 1]
-        assert engine.prompts[k][: len(before)] == before
-    # the proxy's answers carry the sampled ids and the prompt ids it used
-    assert [a.choices[0].model_extra["token_ids"] for a in answers] == engine.outputs
+    # the proxy's answers carry the sampled ids (the tool call's turn ends with its call: the end token
+    # sampled after it is dropped) and the prompt ids it used
+    sampled = [a.choices[0].model_extra["token_ids"] for a in answers]
+    assert sampled == [engine.outputs[0][:-1], engine.outputs[1], engine.outputs[2]]
+    assert tokenizer.decode(sampled[0]).endswith("</tool_call>")
     assert [a.model_extra["prompt_token_ids"] for a in answers] == engine.prompts
+    # every turn's prompt starts with the previous prompt plus exactly what the engine sampled (and kept)
+    for k in (1, 2):
+        before = engine.prompts[k - 1] + sampled[k - 1]
+        assert engine.prompts[k][: len(before)] == before
     (sample,) = stand.end(session)
     assert sample.status == Status.COMPLETED and sample.metadata["segments"] == 1
     assert sample.prompt_ids == engine.prompts[0]
     assert sample.prompt_ids + sample.response_ids == engine.prompts[2] + engine.outputs[2]
     # model tokens train, everything the agent added is masked
     trained = [t for t, m in zip(sample.response_ids, sample.loss_mask) if m]
-    assert trained == engine.outputs[0] + engine.outputs[1] + engine.outputs[2]
+    assert trained == sampled[0] + sampled[1] + sampled[2]
     masked = tokenizer.decode([t for t, m in zip(sample.response_ids, sample.loss_mask) if not m])
     assert "<tool_response>\n391\n</tool_response>" in masked and "So what is it?" in masked
     assert "17*23" not in masked  # the model's call is its own (trained) tokens, never re-rendered
@@ -496,3 +499,28 @@ def test_a_session_of_a_full_step_gets_429_and_closes(model, tokenizer, stand_of
     assert r.status_code == 429 and "budget is spent" in r.json()["error"]["message"] and "retry-after" in r.headers
     assert session.state == "aborted" and session.ended.is_set()
     assert httpx.post(url, json=body, headers=auth).status_code == 409
+
+
+@pytest.mark.parametrize("cut", [True, False])
+def test_a_turn_that_calls_a_tool_ends_with_its_calls(model, tokenizer, stand_of, cut):
+    """What the model writes after its call (an imagined output, an answer) is not the agent's to see
+    and is never trained, as in strop's multi-turn rollout; cut_after_tool_calls=False keeps it."""
+    said = "Let me run it.\n```python\nprint(17*23)\n```\nIt prints 999. \\boxed{999}"
+    engine = ForcedEngine(model, tokenizer, [said, "391"])
+    stand = stand_of(engine, cut_after_tool_calls=cut)
+    session = stand.open()
+    client = openai.OpenAI(base_url=stand.proxy.base_url, api_key=session.key, max_retries=0)
+    tools = [{"type": "function", "function": {"name": "python", "parameters": {
+        "type": "object", "properties": {"code": {"type": "string"}}}}}]
+    msgs = [{"role": "user", "content": "17*23?"}]
+    r = client.chat.completions.create(model="m", messages=msgs, tools=tools)
+    m = r.choices[0].message
+    assert json.loads(m.tool_calls[0].function.arguments) == {"code": "print(17*23)\n"}
+    kept = tokenizer.decode(r.choices[0].model_extra["token_ids"])
+    assert (kept.endswith("```") and "999" not in kept and m.content == "Let me run it.") if cut else \
+        ("999" in kept and "999" in m.content)
+    msgs += [m.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": m.tool_calls[0].id, "content": "391"}]
+    client.chat.completions.create(model="m", messages=msgs, tools=tools)
+    (sample,) = stand.end(session)
+    assert session.forks == 0 and ("999" in tokenizer.decode(sample.response_ids)) == (not cut)
+    assert gap(model, sample) < 1e-4
