@@ -68,13 +68,18 @@ async def async_two_calls(base_url, api_key, row):
 
 
 def gives_up_on_429(base_url, api_key, row):
-    """Two parallel calls in one session (a sub-agent beside the main one), no retries: with room for
-    one call per agent, one of them gets a 429 and the agent stops."""
+    """Every other run: eight parallel calls in one session (sub-agents beside the main one), no
+    retries: with room for one call at a time, some get a 429 and the agent stops."""
     import concurrent.futures
 
     client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    with _lock:
+        k = next(_counter)
+    if k % 2:  # every other run: one call, which has the proxy to itself
+        r = client.chat.completions.create(model="policy", messages=row["messages"], max_tokens=4)
+        return _even_fraction(r.choices[0].model_extra["token_ids"])
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
         calls = [pool.submit(client.chat.completions.create, model="policy", messages=row["messages"], max_tokens=4)
-                 for _ in range(2)]
+                 for _ in range(8)]
         answers = [c.result() for c in calls]
     return _even_fraction(answers[0].choices[0].model_extra["token_ids"])

@@ -127,13 +127,13 @@ def test_an_agent_that_gives_up_on_429s_is_aborted_not_failed(tiny_model_dir, tm
     run_dir = tmp_path / "run"
     cfg = build_config(overrides=agent_overrides(
         tiny_model_dir, run_dir, "gives_up_on_429", train={"steps": 1}, data={"eval_size": 0},
-        agent={"concurrency": 2, "max_calls_in_flight": 2}))
+        agent={"concurrency": 1, "max_calls_in_flight": 1}))
     trained = read_samples(rollout_only(cfg))
     rows = metrics_of(run_dir)
     step = next(r for r in rows if r.get("step") == 1 and "reward_mean" in r)
     assert step["agent_calls_rejected_busy"] >= 1 and step["agent_sessions_gave_up_on_429"] >= 1
     assert step["failed_fraction"] == 0 and step["aborted_fraction"] > 0
-    assert all(s["metadata"]["session_state"] == "completed" for s in trained)
+    assert all(s["metadata"]["session_state"] == "completed" for s in trained)  # (those that got no 429)
     assert not (run_dir / "failed_samples.jsonl").exists()
 
 
