@@ -91,7 +91,7 @@ def agent_metrics(samples) -> dict:
     if not first:
         return {}
     out = {"agent_sessions_ended": len(first),
-           "agent_forks": sum(s.metadata.get("segments", 1) - 1 for s in first),
+           "agent_forks": sum(max(s.metadata.get("segments", 1) - 1, 0) for s in first),  # (0 segments: no call)
            "agent_forked_session_fraction": sum(s.metadata.get("segments", 1) > 1 for s in first) / len(first),
            "agent_calls_per_session": statistics.fmean(s.metadata.get("session_calls", 0) for s in first)}
     for state in sorted({s.metadata.get("session_state", "?") for s in first}):
