@@ -171,3 +171,20 @@ def test_over_sampled_agent_steps_keep_their_accounts(tiny_model_dir, tmp_path):
     for r in steps:
         assert r["groups_drawn"] == 4 and r["samples_trained"] == 2 * 4 * 2  # 2 groups of 4 sessions x 2 segments
         assert r["samples_dropped"] > 0
+
+
+def test_agent_metrics_count_forks_and_endings():
+    from strop.observe.metrics import agent_metrics
+    from strop.types import Sample
+
+    def s(session, segment, segments, state, calls):
+        return Sample(prompt="p", prompt_ids=[1], metadata={"agent_session": session, "segment": segment,
+                                                             "segments": segments, "session_state": state,
+                                                             "session_calls": calls})
+    samples = [s("a", 0, 2, "completed", 3), s("a", 1, 2, "completed", 3), s("b", 0, 1, "capped", 2),
+               s("c", 0, 0, "timeout", 0)]  # c made no call: no segment, no fork
+    m = agent_metrics(samples)
+    assert m["agent_sessions_ended"] == 3 and m["agent_forks"] == 1
+    assert m["agent_forked_session_fraction"] == pytest.approx(1 / 3)
+    assert m["agent_calls_per_session"] == pytest.approx(5 / 3)
+    assert (m["agent_sessions/completed"], m["agent_sessions/capped"], m["agent_sessions/timeout"]) == (1, 1, 1)
