@@ -218,20 +218,14 @@ class ChatRenderer:
 
 def _call_spans(text: str, tool_names: set[str]) -> list[tuple[int, int, str, dict]]:
     """The well-formed tool calls in ``text``, in order: (start, end, name, arguments)."""
-    from strop.tools import FENCED_PYTHON, HERMES_CALL
+    from strop.tools import FENCED_PYTHON, HERMES_CALL, HERMES_ERRORS, hermes_body
 
     found = []
     for m in HERMES_CALL.finditer(text):
         try:
-            body = json.loads(m.group(1))
-            name, args = body["name"], body.get("arguments", {})
-            if isinstance(args, str):
-                args = json.loads(args)
-            if not isinstance(name, str) or not isinstance(args, dict):
-                raise TypeError
-        except (ValueError, KeyError, TypeError, RecursionError):
+            found.append((m.start(), m.end(), *hermes_body(m.group(1))))
+        except HERMES_ERRORS:
             continue
-        found.append((m.start(), m.end(), name, args))
     if "python" in tool_names:
         found += [(m.start(), m.end(), "python", {"code": m.group(1)}) for m in FENCED_PYTHON.finditer(text)
                   if not any(a <= m.start() < b for a, b, _, _ in found)]

@@ -43,14 +43,14 @@ from typing import Any
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from strop.agents.chat import (ChatInputError, ChatRenderer, calls_end, check_messages, check_tools_schema,
                                parse_reply)
 from strop.agents.session import Call, ChatState, Choice, Session, SessionLimitError, SessionLimits
-from strop.engines.server import cut_at_stops
+from strop.engines.server import cut_at_stops, sse
 from strop.types import Completion, SamplingParams, Sample
 
 log = logging.getLogger("strop.agents")
@@ -438,7 +438,7 @@ class AgentProxy:
             usage = self._usage(call)
             if not body.stream:
                 return {**head, "choices": choices, "usage": usage, "prompt_token_ids": call.prompt_ids}
-            return _sse([{**head, "choices": [c]} for c in choices]
+            return sse([{**head, "choices": [c]} for c in choices]
                         + ([{**head, "choices": [], "usage": usage}] if _wants_usage(body) else []))
 
         def admin(request: Request) -> None:
@@ -556,18 +556,10 @@ class AgentProxy:
                                                 "finish_reason": finish}]})
         if _wants_usage(body):
             chunks.append({**head, "choices": [], "usage": self._usage(call)})
-        return _sse(chunks)
+        return sse(chunks)
 
 
 def _wants_usage(body: _Sampling) -> bool:
     return bool((body.stream_options or {}).get("include_usage"))
 
 
-def _sse(chunks: list[dict]) -> StreamingResponse:
-    """Server-sent events of a finished answer (the engines return whole completions)."""
-    async def events():
-        for chunk in chunks:
-            yield f"data: {json.dumps(chunk)}\n\n"
-        yield "data: [DONE]\n\n"
-
-    return StreamingResponse(events(), media_type="text/event-stream")

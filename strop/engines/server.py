@@ -646,15 +646,6 @@ def create_app(engine: EmbeddedEngine, *, tokenizer=None, token: str | None = No
         done = sum(len(out.token_ids) for _, out, _ in choices)
         return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
 
-    def sse(chunks: list[dict]) -> StreamingResponse:
-        """The whole answer as server-sent events (generated before the first byte is sent)."""
-        async def events():
-            for chunk in chunks:
-                yield f"data: {json.dumps(chunk)}\n\n"
-            yield "data: [DONE]\n\n"
-
-        return StreamingResponse(events(), media_type="text/event-stream")
-
     def include_usage(body: _OpenAIBody) -> bool:
         return bool((body.stream_options or {}).get("include_usage"))
 
@@ -721,6 +712,16 @@ def create_app(engine: EmbeddedEngine, *, tokenizer=None, token: str | None = No
         return sse(chunks)
 
     return app
+
+
+def sse(chunks: list[dict]) -> StreamingResponse:
+    """A finished answer as server-sent events (generated before the first byte is sent)."""
+    async def events():
+        for chunk in chunks:
+            yield f"data: {json.dumps(chunk)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
 
 
 def cut_at_stops(out: Completion, stops: list[str], decode) -> tuple[Completion, str, str | None]:

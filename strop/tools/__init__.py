@@ -62,16 +62,25 @@ def parse_tool_call(text: str) -> ToolCall | None:
     if first is fenced:
         return ToolCall("python", {"code": fenced.group(1)}, fenced.end())
     try:
-        body = json.loads(hermes.group(1))
-        name, args = body["name"], body.get("arguments", {})
-        if isinstance(args, str):
-            args = json.loads(args)
-        if not isinstance(name, str) or not isinstance(args, dict):
-            raise TypeError("name must be a string and arguments an object")
-    except (ValueError, KeyError, TypeError, RecursionError) as exc:  # RecursionError: JSON nested too deep
+        name, args = hermes_body(hermes.group(1))
+    except HERMES_ERRORS as exc:
         return ToolCall("invalid", {"error": f"could not parse the tool call: {type(exc).__name__}: {exc}"},
                         hermes.end())
     return ToolCall(name, args, hermes.end())
+
+
+HERMES_ERRORS = (ValueError, KeyError, TypeError, RecursionError)  # RecursionError: JSON nested too deep
+
+
+def hermes_body(body: str) -> tuple[str, dict]:
+    """The (name, arguments) of a ``<tool_call>`` body; one of HERMES_ERRORS if it is not one."""
+    call = json.loads(body)
+    name, args = call["name"], call.get("arguments", {})
+    if isinstance(args, str):
+        args = json.loads(args)
+    if not isinstance(name, str) or not isinstance(args, dict):
+        raise TypeError("name must be a string and arguments an object")
+    return name, args
 
 
 # ---- calculator --------------------------------------------------------------------------------
