@@ -407,7 +407,7 @@ class AgentProxy:
             if body.tool_choice == "none":
                 tools = None
             text = self.renderer.render(messages, tools)
-            ids = s.continuation(self.renderer, messages, tools) if s.segments else None
+            ids = s.continuation(self.renderer, messages, tools, text) if s.segments else None
             if ids is None:
                 ids = self.renderer.encode(text)
             call, cut = await self._generate(s, ids, body, body.max_completion_tokens or body.max_tokens,

@@ -100,18 +100,16 @@ class Session:
     def forks(self) -> int:
         return max(len(self.segments) - 1, 0)
 
-    @property
-    def generating(self) -> bool:
-        return self.state == "open"
-
     def touch(self) -> None:
         self.last_active = time.monotonic()
 
     # ---- the prompt of a call -------------------------------------------------------------
-    def continuation(self, renderer: ChatRenderer, messages: list[dict], tools: list[dict] | None) -> list[int] | None:
+    def continuation(self, renderer: ChatRenderer, messages: list[dict], tools: list[dict] | None,
+                     full: str) -> list[int] | None:
         """The prompt ids of a chat call that continues a segment: its recorded tokens, the
         template's end of the assistant turn, then the new messages rendered and tokenised
-        alone. None when no segment's last call, with one of its choices, starts ``messages``."""
+        alone. None when no segment's last call, with one of its choices, starts ``messages``.
+        ``full``: ``messages`` rendered with the generation prompt."""
         for seg in reversed(self.segments):
             prev = seg.tip.chat
             n = len(prev.messages) if prev is not None else -1
@@ -122,7 +120,6 @@ class Session:
                 if choice.message is None or message_key(choice.message) != said:
                     continue
                 upto = renderer.render(messages[: n + 1], tools, generation_prompt=False)
-                full = renderer.render(messages, tools)
                 if not (upto.startswith(prev.text) and full.startswith(upto)):
                     return None  # the template re-renders earlier turns differently: no exact prefix to keep
                 closing = renderer.closing(prev.messages, tools)
@@ -136,17 +133,16 @@ class Session:
     def attach(self, prompt_ids: list[int], call: Call) -> Segment:
         """Record ``call``: it continues the segment whose tokens (with one choice of its last
         call) start ``prompt_ids``, or opens a new one (a fork, if there were segments)."""
-        for seg in reversed(self.segments):
-            for j in range(len(seg.tip.choices)):
-                had = seg.tokens_with(j)
-                if prompt_ids[: len(had)] == had:
-                    done = seg.tip.choices[j].completion
-                    seg.sample.append(done.token_ids, done.logprobs, weight_version=done.weight_version)
-                    seg.sample.append(prompt_ids[len(had):], trainable=False, weight_version=done.weight_version)
-                    self.unused_choices += len(seg.tip.choices) - 1
-                    seg.tip = call
-                    self.last_segment = seg
-                    return seg
+        found = self._continued(prompt_ids)
+        if found is not None:
+            seg, j, had = found
+            done = seg.tip.choices[j].completion
+            seg.sample.append(done.token_ids, done.logprobs, weight_version=done.weight_version)
+            seg.sample.append(prompt_ids[len(had):], trainable=False, weight_version=done.weight_version)
+            self.unused_choices += len(seg.tip.choices) - 1
+            seg.tip = call
+            self.last_segment = seg
+            return seg
         s = self.sample
         sample = Sample(prompt=s.prompt, prompt_ids=list(prompt_ids), label=s.label, group_id=s.group_id,
                         index=s.index, metadata=dict(s.metadata))
@@ -170,14 +166,19 @@ class Session:
                      f"{self.limits.context_window}-token context window")
         return left
 
-    def _segment_start(self, prompt_ids: list[int]) -> int:
-        """Where the segment ``prompt_ids`` would join starts its response (a new one: at its end)."""
+    def _continued(self, prompt_ids: list[int]) -> tuple[Segment, int, list[int]] | None:
+        """The segment, choice and tokens so far that start ``prompt_ids`` (newest segment first), or None."""
         for seg in reversed(self.segments):
             for j in range(len(seg.tip.choices)):
                 had = seg.tokens_with(j)
                 if prompt_ids[: len(had)] == had:
-                    return len(seg.sample.prompt_ids)
-        return len(prompt_ids)
+                    return seg, j, had
+        return None
+
+    def _segment_start(self, prompt_ids: list[int]) -> int:
+        """Where the segment ``prompt_ids`` would join starts its response (a new one: at its end)."""
+        found = self._continued(prompt_ids)
+        return len(found[0].sample.prompt_ids) if found is not None else len(prompt_ids)
 
     def cap(self, why: str) -> None:
         self.state, self.reason = "capped", why
