@@ -68,6 +68,8 @@ def proxy_main(argv: list[str]) -> int:
     parser.add_argument("--max-call-tokens", type=int, default=1024, help="new tokens per call")
     parser.add_argument("--max-response-tokens", type=int, default=8192, help="tokens of a segment after its prompt")
     parser.add_argument("--idle-timeout-s", type=float, default=600.0)
+    parser.add_argument("--no-describe-tools", action="store_true", help="leave the request's tools out of the "
+                        "prompt (the agent's own system prompt describes them); calls are still parsed")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args(argv)
@@ -79,7 +81,7 @@ def proxy_main(argv: list[str]) -> int:
                     host=args.host, port=args.port, token=args.token, temperature=args.temperature, top_p=args.top_p,
                     top_k=args.top_k, max_calls=args.max_calls, max_call_tokens=args.max_call_tokens,
                     max_response_tokens=args.max_response_tokens, idle_timeout_s=args.idle_timeout_s,
-                    device=args.device, dtype=args.dtype)
+                    describe_tools=not args.no_describe_tools, device=args.device, dtype=args.dtype)
     except (FileNotFoundError, ValueError) as exc:
         print(f"strop proxy: error: {exc}", file=sys.stderr)
         return 1

@@ -607,6 +607,10 @@ class AgentConfig(_Section):
     cut_after_tool_calls: bool = Field(True, description="a turn that calls a tool ends where its calls end: "
                                        "the model's text after them is dropped (never trained, never shown to "
                                        "the agent), as in strop's multi-turn rollout; false returns the whole turn")
+    describe_tools: bool = Field(True, description="the prompt describes the request's tools (their schemas and "
+                                 "the <tool_call> format in the system prompt, or the chat template's own "
+                                 "rendering); turn off when the agent's system prompt describes them, as "
+                                 "tools.describe does for strop's own tools")
     port: int = Field(0, ge=0, lt=65536, description="the proxy's port on 127.0.0.1 (0: any free one)")
 
     @model_validator(mode="after")

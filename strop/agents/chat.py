@@ -156,8 +156,11 @@ class ChatRenderer:
 
     SENTINEL = "\x00strop-sentinel\x00"
 
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer, *, describe_tools: bool = True):
+        """``describe_tools=False``: the prompt carries no description of the tools (no schemas in the
+        system prompt, none handed to a template that renders them), for agents whose own system
+        prompt tells the model how to call; the tools are still parsed from its replies."""
+        self.tokenizer, self.describe_tools = tokenizer, describe_tools
         source = tokenizer.chat_template or ""
         if not source:
             raise ValueError("the agent proxy needs a tokenizer with a chat template")
@@ -174,7 +177,7 @@ class ChatRenderer:
                 out.append({"role": "user", "content": f"<tool_response>\n{m['content']}\n</tool_response>"})
             else:
                 out.append({"role": "system" if m["role"] == "developer" else m["role"], "content": m["content"]})
-        if tools:
+        if tools and self.describe_tools:
             block = describe_schemas(tools)
             if out and out[0]["role"] == "system":
                 out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{block}"}
@@ -196,7 +199,7 @@ class ChatRenderer:
     def render(self, messages: list[dict], tools: list[dict] | None = None, *, generation_prompt: bool = True) -> str:
         """Prompt text of checked ``messages`` (``check_messages``); template errors are the caller's input."""
         if self.native_tools:
-            msgs, kw = self._native(messages), ({"tools": tools} if tools else {})
+            msgs, kw = self._native(messages), ({"tools": tools} if tools and self.describe_tools else {})
         else:
             msgs, kw = self._framed(messages, tools), {}
         try:

@@ -148,15 +148,16 @@ class AgentProxy:
                  retry_after_s: float = 1.0, idle_timeout_s: float = 60.0, stop_token_ids: list[int] | None = None,
                  model_name: str = "strop", port: int = 0, host: str = "127.0.0.1",
                  admin_token: str | None = None, sampling: SamplingParams | None = None,
-                 cut_after_tool_calls: bool = True):
+                 cut_after_tool_calls: bool = True, describe_tools: bool = True):
         """``admin_token`` (a standalone proxy): opens the /v1/sessions routes to holders of it, whose
         sessions sample with ``sampling``. ``cut_after_tool_calls``: a chat turn ends where its tool
-        calls end (what the model wrote after them is dropped, never trained or shown)."""
+        calls end (what the model wrote after them is dropped, never trained or shown).
+        ``describe_tools``: see :class:`ChatRenderer`."""
         from strop.rollout.generate import GuardedEngine
 
         self.engine = engine if isinstance(engine, GuardedEngine) else GuardedEngine(engine)
         self.tokenizer, self.limits = tokenizer, limits
-        self.renderer = ChatRenderer(tokenizer)
+        self.renderer = ChatRenderer(tokenizer, describe_tools=describe_tools)
         self.max_in_flight, self.retry_after_s, self.idle_timeout_s = max_calls_in_flight, retry_after_s, idle_timeout_s
         self.stop_token_ids, self.model_name, self.port = list(stop_token_ids or []), model_name, port
         self.host, self.admin_token, self.sampling = host, admin_token, sampling

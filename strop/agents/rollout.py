@@ -119,7 +119,7 @@ class AgentRollout:
         self.proxy = AgentProxy(engine, tokenizer, limits=limits, max_calls_in_flight=a.max_calls_in_flight,
                                 retry_after_s=a.retry_after_s, idle_timeout_s=a.idle_timeout_s,
                                 stop_token_ids=stop_token_ids, model_name=cfg.model.path, port=a.port,
-                                cut_after_tool_calls=a.cut_after_tool_calls)
+                                cut_after_tool_calls=a.cut_after_tool_calls, describe_tools=a.describe_tools)
         self.runner = AgentRunner(agent_fn, cfg.plugins.agent, a.workers, a.concurrency)
         self.slots: asyncio.Semaphore | None = None
         self.starting: asyncio.Lock | None = None

@@ -51,7 +51,8 @@ def serve_proxy(model_path: str, *, urls: list[str], kind: str = "strop", engine
                 host: str = "127.0.0.1", port: int = 8100, token: str | None = None, temperature: float = 1.0,
                 top_p: float = 1.0, top_k: int = 0, max_calls: int = 64, max_call_tokens: int = 1024,
                 max_response_tokens: int = 8192, idle_timeout_s: float = 600.0, max_calls_in_flight: int = 64,
-                device: str = "auto", dtype: str = "float32", max_batch_size: int = 64, seed: int = 0) -> None:
+                describe_tools: bool = True, device: str = "auto", dtype: str = "float32", max_batch_size: int = 64,
+                seed: int = 0) -> None:
     """Serve until stopped (SIGINT / SIGTERM)."""
     if host not in LOOPBACK and not token:
         raise ValueError(f"--host {host} is reachable from other machines: pass --token, which opening and reading "
@@ -64,7 +65,7 @@ def serve_proxy(model_path: str, *, urls: list[str], kind: str = "strop", engine
                            max_response_tokens=max_response_tokens, context_window=context)
     proxy = AgentProxy(engine, tokenizer, limits=limits, max_calls_in_flight=max_calls_in_flight,
                        idle_timeout_s=idle_timeout_s, stop_token_ids=stop, model_name=model_path, port=port,
-                       host=host, admin_token=token,
+                       host=host, admin_token=token, describe_tools=describe_tools,
                        sampling=SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k,
                                                max_new_tokens=max_call_tokens, stop_token_ids=stop))
 

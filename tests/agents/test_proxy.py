@@ -524,3 +524,33 @@ def test_a_turn_that_calls_a_tool_ends_with_its_calls(model, tokenizer, stand_of
     (sample,) = stand.end(session)
     assert session.forks == 0 and ("999" in tokenizer.decode(sample.response_ids)) == (not cut)
     assert gap(model, sample) < 1e-4
+
+
+@pytest.mark.parametrize("template", ["framed", "native"])
+@pytest.mark.parametrize("describe", [True, False])
+def test_describe_tools_off_leaves_the_tools_out_of_the_prompt_and_still_parses_calls(model, tokenizer, stand_of,
+                                                                                       template, describe):
+    """agent.describe_tools=False (an agent whose system prompt tells the model how to call): the prompt
+    is the template's rendering of the messages alone, for both kinds of template; the model's call
+    still comes back as an OpenAI tool call and the session continues without a fork."""
+    import copy
+
+    tok = copy.deepcopy(tokenizer)
+    if template == "native":
+        tok.chat_template = QWEN_LIKE
+    engine = ForcedEngine(model, tok, [MODEL_CALL, "It is 391."])
+    stand = stand_of(engine, tok, describe_tools=describe)
+    session = stand.open()
+    client = openai.OpenAI(base_url=stand.proxy.base_url, api_key=session.key, max_retries=0)
+    msgs = [{"role": "system", "content": "Use calc."}, {"role": "user", "content": "17*23?"}]
+    first = client.chat.completions.create(model="m", messages=msgs, tools=CALC)
+    prompt = tok.decode(engine.prompts[0])
+    bare = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert (CALC[0]["function"]["name"] in prompt.replace(msgs[0]["content"], "")) == describe
+    assert (prompt == bare) == (not describe)
+    m = first.choices[0].message
+    assert m.tool_calls and m.tool_calls[0].function.name == CALC[0]["function"]["name"]
+    msgs += [m.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": m.tool_calls[0].id, "content": "391"}]
+    client.chat.completions.create(model="m", messages=msgs, tools=CALC)
+    (sample,) = stand.end(session)
+    assert session.forks == 0 and gap(model, sample) < 1e-4
