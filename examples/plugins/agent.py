@@ -65,14 +65,18 @@ def final_answer(text: str | None) -> str | None:
 
 
 def calculator_agent(base_url: str, api_key: str, row: dict) -> float:
-    """Answer ``row['prompt']`` with up to MAX_TURNS model calls; reward 1 for the right number."""
+    """Answer ``row['prompt']`` with up to MAX_TURNS model calls; reward 1 for the right number.
+
+    The last call asks for the answer (``tool_choice="none"``: whatever the model writes there is its
+    answer, a code block included), so a session ends with an answer rather than an unread call."""
     client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=5)
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": row["prompt"]}]
     reply = None
-    for _ in range(MAX_TURNS):
+    for turn in range(MAX_TURNS):
         try:
-            reply = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS,
-                                                   max_tokens=128).choices[0].message
+            reply = client.chat.completions.create(
+                model="policy", messages=messages, tools=TOOLS, max_tokens=128,
+                tool_choice="none" if turn == MAX_TURNS - 1 else "auto").choices[0].message
         except openai.BadRequestError:  # out of budget (the proxy's session caps): no answer
             return 0.0
         messages.append(reply.model_dump(exclude_none=True))

@@ -405,15 +405,14 @@ class AgentProxy:
                                      "force a call)")
             if body.response_format not in (None, {"type": "text"}):
                 raise ChatInputError("response_format other than {'type': 'text'} is not supported")
-            if body.tool_choice == "none":
-                tools = None
+            # tool_choice='none': the tools stay in the prompt (as with OpenAI), the reply is not parsed for calls
+            callable_names = set() if body.tool_choice == "none" else {t["function"]["name"] for t in tools or []}
             text = self.renderer.render(messages, tools)
             ids = s.continuation(self.renderer, messages, tools, text) if s.segments else None
             if ids is None:
                 ids = self.renderer.encode(text)
             call, cut = await self._generate(s, ids, body, body.max_completion_tokens or body.max_tokens,
-                                             ChatState(messages, tools, text),
-                                             {t["function"]["name"] for t in tools or []})
+                                             ChatState(messages, tools, text), callable_names)
             return self._chat_answer(s, body, call, cut)
 
         @app.post("/v1/completions")

@@ -554,3 +554,20 @@ def test_describe_tools_off_leaves_the_tools_out_of_the_prompt_and_still_parses_
     client.chat.completions.create(model="m", messages=msgs, tools=CALC)
     (sample,) = stand.end(session)
     assert session.forks == 0 and gap(model, sample) < 1e-4
+
+
+def test_tool_choice_none_keeps_the_tools_in_the_prompt_and_returns_a_call_as_content(model, tokenizer, stand_of):
+    """tool_choice='none' on a later call (an agent asking for its final answer): the tools stay in the
+    prompt, as with OpenAI, so the session continues without a fork; what the model writes is content."""
+    engine = ForcedEngine(model, tokenizer, [MODEL_CALL, MODEL_CALL])
+    stand = stand_of(engine)
+    session = stand.open()
+    client = openai.OpenAI(base_url=stand.proxy.base_url, api_key=session.key, max_retries=0)
+    msgs = [{"role": "user", "content": "17*23?"}]
+    m = client.chat.completions.create(model="m", messages=msgs, tools=CALC).choices[0].message
+    msgs += [m.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": m.tool_calls[0].id, "content": "391"}]
+    last = client.chat.completions.create(model="m", messages=msgs, tools=CALC, tool_choice="none").choices[0]
+    assert last.finish_reason == "stop" and not last.message.tool_calls and "17*23" in last.message.content
+    assert "<tools>" in tokenizer.decode(engine.prompts[1])
+    (sample,) = stand.end(session)
+    assert session.forks == 0 and gap(model, sample) < 1e-4
