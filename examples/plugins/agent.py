@@ -28,14 +28,17 @@ TOOLS = [{"type": "function", "function": {
 SYSTEM = ("You can run Python: write a ```python code block and you will see what it prints. "
           "Use it for arithmetic. End with the final answer as \\boxed{ANSWER}.")
 MAX_TURNS = 3
+OUTPUT_CHARS = 500  # what the model is shown of a run's output (a long traceback would eat its token budget)
+PRINTED_CREDIT = 0.5  # a wrong final answer after a run of the model's code printed the right number
+RAN_CREDIT = 0.1  # a wrong final answer after its code ran and printed something
 
 _sandbox, _loop, _lock = None, None, threading.Lock()
 
 
-def run_python(code: str) -> str:
-    """What ``code`` prints, run in strop's sandbox. Every call goes through one event loop of its
-    own (the sandbox hands out its per-call users from a queue that belongs to one loop), so the
-    agent's many threads may call it at once."""
+def run_python(code: str) -> tuple[str, bool]:
+    """What ``code`` prints, run in strop's sandbox, and whether it ran cleanly and printed. Every
+    call goes through one event loop of its own (the sandbox hands out its per-call users from a
+    queue that belongs to one loop), so the agent's many threads may call it at once."""
     global _sandbox, _loop
     with _lock:
         if _sandbox is None:
@@ -44,16 +47,27 @@ def run_python(code: str) -> str:
             _sandbox, _loop = Sandbox(), asyncio.new_event_loop()
             threading.Thread(target=_loop.run_forever, name="agent-sandbox", daemon=True).start()
     result = asyncio.run_coroutine_threadsafe(_sandbox.run_python(code), _loop).result()
-    return result.message() or "(no output)"
+    text = result.message() or "(no output)"
+    if len(text) > OUTPUT_CHARS:
+        text = text[:OUTPUT_CHARS] + f"\n[output cut at {OUTPUT_CHARS} characters]"
+    return text, result.exit_code == 0 and not result.timed_out and bool(result.output.strip())
 
 
-def run_tool(call) -> str:
+def run_tool(call) -> tuple[str, bool]:
+    """The tool's answer to ``call`` for the model, and whether its code ran and printed."""
     if call.function.name != "python":
-        return f"Error: no tool named {call.function.name!r}"
+        return f"Error: no tool named {call.function.name!r}", False
     try:
         return run_python(json.loads(call.function.arguments)["code"])
     except Exception as exc:  # a bad call, or no sandbox here: the model reads it
-        return f"Error: {type(exc).__name__}: {exc}"
+        return f"Error: {type(exc).__name__}: {exc}", False
+
+
+def is_label(number: str | None, label) -> bool:
+    try:
+        return number is not None and abs(float(number) - float(label)) < 1e-6
+    except ValueError:
+        return False
 
 
 def final_answer(text: str | None) -> str | None:
@@ -64,28 +78,44 @@ def final_answer(text: str | None) -> str | None:
     return numbers[-1] if numbers else None
 
 
-def calculator_agent(base_url: str, api_key: str, row: dict) -> float:
-    """Answer ``row['prompt']`` with up to MAX_TURNS model calls; reward 1 for the right number.
+def last_message(reply) -> str | None:
+    """What the model wrote last: the reply's text and, if it called a tool, the code it wrote."""
+    if reply is None:
+        return None
+    code = []
+    for call in reply.tool_calls or []:
+        try:
+            code.append(str(json.loads(call.function.arguments).get("code", "")))
+        except (ValueError, AttributeError):
+            code.append(call.function.arguments)
+    return "\n".join([reply.content or "", *code])
 
-    The last call asks for the answer (``tool_choice="none"``: whatever the model writes there is its
-    answer, a code block included), so a session ends with an answer rather than an unread call."""
+
+def calculator_agent(base_url: str, api_key: str, row: dict) -> float:
+    """Answer ``row['prompt']`` with up to MAX_TURNS model calls; reward 1 for the right number in
+    the final answer. A wrong one earns partial credit for the way there: PRINTED_CREDIT if a run
+    of the model's code printed the right number, RAN_CREDIT if its code ran and printed anything
+    (strop's held-out accuracy counts only rewards >= 1, so only right answers).
+
+    The answer is the model's last message. When that message is a call the agent has no turn left
+    to run, the call's code is part of it (a model that writes ``print(1166)`` has said 1166), as the
+    ``tool_python`` preset scores its last turn."""
     client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=5)
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": row["prompt"]}]
-    reply = None
+    reply, credit = None, 0.0
     for turn in range(MAX_TURNS):
         try:
             reply = client.chat.completions.create(
-                model="policy", messages=messages, tools=TOOLS, max_tokens=128,
-                tool_choice="none" if turn == MAX_TURNS - 1 else "auto").choices[0].message
-        except openai.BadRequestError:  # out of budget (the proxy's session caps): no answer
-            return 0.0
+                model="policy", messages=messages, tools=TOOLS, max_tokens=128).choices[0].message
+        except openai.BadRequestError:  # the session's token budget is spent (the proxy's caps): the last reply stands
+            break
         messages.append(reply.model_dump(exclude_none=True))
-        if not reply.tool_calls:
+        if not reply.tool_calls or turn == MAX_TURNS - 1:
             break
         for call in reply.tool_calls:
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": run_tool(call)})
-    answer = final_answer(reply.content if reply is not None and not reply.tool_calls else None)
-    try:
-        return float(answer is not None and abs(float(answer) - float(row["label"])) < 1e-6)
-    except ValueError:
-        return 0.0
+            output, ok = run_tool(call)
+            if ok:
+                printed = any(is_label(x, row["label"]) for x in re.findall(r"-?\d+(?:\.\d+)?", output))
+                credit = max(credit, PRINTED_CREDIT if printed else RAN_CREDIT)
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": output})
+    return 1.0 if is_label(final_answer(last_message(reply)), row["label"]) else credit
