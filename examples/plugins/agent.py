@@ -31,6 +31,7 @@ MAX_TURNS = 3
 OUTPUT_CHARS = 500  # what the model is shown of a run's output (a long traceback would eat its token budget)
 PRINTED_CREDIT = 0.5  # a wrong final answer after a run of the model's code printed the right number
 RAN_CREDIT = 0.1  # a wrong final answer after its code ran and printed something
+NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 _sandbox, _loop, _lock = None, None, threading.Lock()
 
@@ -74,7 +75,7 @@ def final_answer(text: str | None) -> str | None:
     """The last \\boxed{...} of the model's final message, else its last number."""
     text = text or ""
     boxed = re.findall(r"\\boxed\{([^{}]*)\}", text)
-    numbers = re.findall(r"-?\d+(?:\.\d+)?", boxed[-1] if boxed else text)
+    numbers = NUMBER.findall(boxed[-1] if boxed else text)
     return numbers[-1] if numbers else None
 
 
@@ -115,7 +116,7 @@ def calculator_agent(base_url: str, api_key: str, row: dict) -> float:
         for call in reply.tool_calls:
             output, ok = run_tool(call)
             if ok:
-                printed = any(is_label(x, row["label"]) for x in re.findall(r"-?\d+(?:\.\d+)?", output))
+                printed = any(is_label(x, row["label"]) for x in NUMBER.findall(output))
                 credit = max(credit, PRINTED_CREDIT if printed else RAN_CREDIT)
             messages.append({"role": "tool", "tool_call_id": call.id, "content": output})
     return 1.0 if is_label(final_answer(last_message(reply)), row["label"]) else credit

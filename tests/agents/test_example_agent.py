@@ -1,13 +1,12 @@
 """The calculator agent of docs/agents.md (examples/plugins/agent.py), run unchanged through the real
 proxy, with an engine that writes a given exchange: which answer it scores, and that its tool ran."""
 
-import os
-
 import pytest
 
 from examples.plugins.agent import calculator_agent
 from strop.agents.session import SessionLimits
 from tests.agents.stand import ForcedEngine, Stand
+from tests.test_e2e import _need_sandbox
 from tests.tiny import make_tiny_model
 
 ROW = {"prompt": "Calculate 50 / 25.", "label": "2"}
@@ -16,14 +15,7 @@ RUN = "```python\nprint(50 / 25)\n```"
 
 @pytest.fixture(scope="module", autouse=True)
 def sandbox():
-    from strop.tools.sandbox import Sandbox, SandboxUnavailable
-
-    try:
-        Sandbox()
-    except SandboxUnavailable as exc:
-        if os.environ.get("CI"):
-            raise
-        pytest.skip(f"no sandbox for the agent's python tool here: {exc}")
+    _need_sandbox()
 
 
 @pytest.fixture
