@@ -124,15 +124,35 @@ def child(form: str, kind: str, model: str, url: str, pid: int, bucket: int, wor
     else:
         server_before = _reset_peak(pid) / 1024
     own_before = _reset_peak("self")
+    write_s = []
+    if form == "disk":  # the disk form's own write, timed apart from the engine's reload
+        write = writer.write
+
+        def timed_write(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return write(*a, **kw)
+            finally:
+                write_s.append(time.perf_counter() - t)
+
+        writer.write = timed_write
     t0 = time.perf_counter()
     stall = loop.run_until_complete(_longest_stall(router.update_weights(weights, version=version + 1)))
     seconds = time.perf_counter() - t0
+    split, engine_work_s = "", None
+    if form == "disk":
+        split = f"write {write_s[-1]:.1f} / reload {seconds - write_s[-1]:.1f}"
+    elif form == "broadcast" and kind == "vllm":  # where vLLM's worker spent the update
+        w = loop.run_until_complete(engine._rpc("strop_receipt", timeout=30))[0]["seconds"]
+        split = f"receive {w['receive']:.1f} / load {w['load']:.1f} / finish {w['finish']:.1f}"
+        engine_work_s = w["load"] + w["finish"]  # what vLLM does with the weights, whatever carried them
     server_peak = (loop.run_until_complete(engine.worker_memory())[0]["peak_mib"] if kind == "vllm"
                    else _status_kib(pid, "VmHWM") / 1024)
     full = sum(t.numel() * t.element_size() for n, t in weights.items() if n != "lm_head.weight")
     loop.run_until_complete(router.close())
     phases = " / ".join(f"{v:.1f}" for v in router.broadcast.timings.values()) if form == "broadcast" else ""
-    return {"seconds": seconds, "full_mib": full / 2**20, "stall_ms": stall * 1000, "phases": phases,
+    return {"seconds": seconds, "full_mib": full / 2**20, "stall_ms": stall * 1000, "phases": phases, "split": split,
+            "engine_work_s": engine_work_s,
             "server_extra_mib": server_peak - server_before,
             "trainer_extra_mib": (_status_kib("self", "VmHWM") - own_before) / 1024}
 
@@ -202,8 +222,9 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     print(f"broadcast bucket {args.bucket_mib} MiB; one full update after a warm-up, per row")
     print("| model | engine | form | round | seconds | broadcast phases: prepare / buckets / finish / receipt s | "
+          "split s (disk: trainer's write / engine's reload; vLLM broadcast: its worker's receive / load / finish) | "
           "server peak extra MiB | trainer peak extra MiB | trainer loop stall ms |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name in args.models:
         model = random_1b(work) if name == "random-1b" else resolve_model_path(name)
         for kind in args.engines:
@@ -228,13 +249,20 @@ def main() -> None:
                             version += 2
                             r = json.loads(out.stdout.strip().splitlines()[-1])
                             seconds.setdefault(form, []).append(r["seconds"])
+                            if r["engine_work_s"] is not None:
+                                seconds.setdefault("engine work", []).append(r["engine_work_s"])
                             print(f"| {Path(name).name} ({r['full_mib']:.0f} MiB) | {kind} | {form} | {k + 1} | "
-                                  f"{r['seconds']:.2f} | {r['phases']} | {r['server_extra_mib']:.0f} | {r['trainer_extra_mib']:.0f} | "
+                                  f"{r['seconds']:.2f} | {r['phases']} | {r['split']} | {r['server_extra_mib']:.0f} | "
+                                  f"{r['trainer_extra_mib']:.0f} | "
                                   f"{r['stall_ms']:.0f} |", flush=True)
                     if "disk" in seconds and "broadcast" in seconds:
                         ratios = [d / b for d, b in zip(seconds["disk"], seconds["broadcast"])]
                         print(f"| {Path(name).name} | {kind} | disk / broadcast | | "
-                              f"{' and '.join(f'{x:.2f}x' for x in ratios)} | | | | |", flush=True)
+                              f"{' and '.join(f'{x:.2f}x' for x in ratios)} | | | | | |", flush=True)
+                    if "disk" in seconds and "engine work" in seconds:  # the most any transport could gain
+                        bounds = [d / w for d, w in zip(seconds["disk"], seconds["engine work"])]
+                        print(f"| {Path(name).name} | {kind} | disk / (worker load + finish): the ceiling | | "
+                              f"{' and '.join(f'{x:.2f}x' for x in bounds)} | | | | | |", flush=True)
                 finally:
                     server.stop()
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import time
 from pathlib import Path
 
 
@@ -38,12 +39,13 @@ class _Session:
     def __init__(self, expected: set[str], tied: dict[str, str]):
         self.digest, self.expected, self.tied, self.loaded = StreamDigest(), expected, tied, set()
         self.version, self.buckets, self.bytes = None, 0, 0
+        self.seconds = {"receive": 0.0, "load": 0.0, "finish": 0.0}  # where the worker's time went
 
     def receipt(self, open_: bool) -> dict:
         missing = sorted(self.expected - self.loaded)
         return {"checksum": self.digest.hexdigest(), "version": self.version, "loaded": not missing and not open_,
                 "missing": missing[:5], "n_missing": len(missing), "buckets": self.buckets, "bytes": self.bytes,
-                "open": open_}
+                "open": open_, "seconds": dict(self.seconds)}
 
 
 class StropWorkerExtension:
@@ -136,9 +138,13 @@ class StropWorkerExtension:
             raise ValueError(f"strop_receive_bucket: no group {fields.get('group_name')!r} on this worker "
                              f"(joined: {sorted(self._strop()['groups'])})")
         bucket = Bucket.from_payload(fields["names"], fields["dtypes"], fields["shapes"], fields.get("load_format"))
+        t0 = time.perf_counter()
         tensors = receive_bucket(group, bucket, self.device, digest=session.digest)
+        t1 = time.perf_counter()
         with self._strop_context(), disable_mtp_completeness_check():  # a bucket is a partial load by design
             loaded = self._strop_model().load_weights(tensors)
+        session.seconds["receive"] += t1 - t0
+        session.seconds["load"] += time.perf_counter() - t1  # (with each layer's processing once it is complete)
         session.loaded |= set(loaded or ())
         session.buckets, session.bytes = session.buckets + 1, session.bytes + bucket.nbytes
         if fields.get("weight_version") is not None:
@@ -157,6 +163,7 @@ class StropWorkerExtension:
             raise RuntimeError("strop_finish without strop_begin: no update session is open")
         state["session"] = None
         model = self._strop_model()
+        t0 = time.perf_counter()
         with self._strop_context():
             finalize_layerwise_reload(model, self.vllm_config.model_config)
             # a layer that shares a tensor written here but received none of its own (a tied lm_head) is
@@ -168,18 +175,21 @@ class StropWorkerExtension:
                     layer.quant_method.process_weights_after_loading(layer)
         for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
             getattr(self.model_runner, reset)()
+        session.seconds["finish"] = time.perf_counter() - t0
         state["receipt"] = session.receipt(open_=False)
         return state["receipt"]
 
     def strop_receipt(self) -> dict:
         """The last session's receipt: the digest of the bytes it received (in order), the version that came
         with its last bucket, and whether every model parameter was written (by load_weights' own report).
-        A session still open reports ``loaded: false``."""
+        A session still open reports ``loaded: false``. ``seconds``: the worker's time in receiving the
+        buckets, in loading them (vLLM's ``load_weights``, which processes each layer once it is complete),
+        and in closing the session."""
         state = self._strop()
         if state["session"] is not None:
             return state["session"].receipt(open_=True)
         return state["receipt"] or {"checksum": None, "version": None, "loaded": False, "missing": [],
-                                    "n_missing": 0, "buckets": 0, "bytes": 0, "open": False}
+                                    "n_missing": 0, "buckets": 0, "bytes": 0, "open": False, "seconds": {}}
 
     def strop_memory(self, reset: str = "0") -> dict:
         """This worker process's resident memory and its peak, in MiB (``/proc/self/status``: VmRSS,

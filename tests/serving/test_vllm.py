@@ -257,6 +257,7 @@ def test_a_skipped_or_unlabelled_vllm_update_fails_the_receipt(vllm_server, toke
             raw = (await engine._rpc("strop_receipt"))[0]
             # a full update (4), then a label (5) with no update behind it: the receipt still says 4
             sent4, _ = await _update(engine, group, name, named, 4)
+            raw4 = (await engine._rpc("strop_receipt"))[0]
             await engine._label(5)
             receipt = await engine.receipt()
             out = await engine.generate(prompt, SamplingParams(temperature=0.8, max_new_tokens=8))
@@ -265,12 +266,16 @@ def test_a_skipped_or_unlabelled_vllm_update_fails_the_receipt(vllm_server, toke
             await engine.leave_group(name)
             await asyncio.to_thread(close_group, group)
             await engine.close()
-        return held, skipped, raw, sent4, receipt, out
+        return held, skipped, raw, sent4, raw4, receipt, out
 
-    held, skipped, raw, sent4, receipt, out = asyncio.run(main())
+    held, skipped, raw, sent4, raw4, receipt, out = asyncio.run(main())
     print(skipped)
     assert held == 3 and skipped is not None and "did not write every parameter" in skipped
     assert raw["version"] is None and raw["buckets"] == 0 and raw["loaded"] is False
+    # where the worker's time went (bench/sync.py prints it): nothing received or loaded, then both
+    assert raw["seconds"]["receive"] == raw["seconds"]["load"] == 0.0
+    assert raw4["buckets"] > 0 and raw4["seconds"]["receive"] > 0 and raw4["seconds"]["load"] > 0
+    assert raw4["seconds"]["finish"] > 0
     assert receipt == (4, "stream", sent4) and receipt[0] != 5  # what the trainer compares with (5, its digest)
     # the session that received nothing left the model whole: it still serves the original weights
     assert (torch.tensor(out.logprobs) - _trainer_logprobs(original, prompt, out, 0.8)).abs().max().item() < 1e-3
