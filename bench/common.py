@@ -56,3 +56,17 @@ def timed_train(args: list[str], run_dir, what: str) -> tuple[float, list[dict]]
     if proc.returncode != 0:
         raise SystemExit(f"{what}: strop train failed:\n{proc.stderr[-3000:]}")
     return wall, [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def timed(fn, seconds: list[float]):
+    """``fn``, wrapped to append the seconds each call takes to ``seconds`` (a raise is timed too)."""
+    import time
+
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            seconds.append(time.perf_counter() - start)
+
+    return wrapper

@@ -137,6 +137,7 @@ def trl_side(args, out: Path) -> None:
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, TrainerCallback
+    from common import timed
     from trl import GRPOConfig, GRPOTrainer
 
     from strop.config import Config
@@ -168,16 +169,7 @@ def trl_side(args, out: Path) -> None:
         trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=conf, train_dataset=data,
                               processing_class=tok)
         gen_seconds, step_seconds, lengths = [], [], []
-        real_generate = trainer._generate
-
-        def timed_generate(*a, **k):
-            t = time.perf_counter()
-            try:
-                return real_generate(*a, **k)
-            finally:
-                gen_seconds.append(time.perf_counter() - t)
-
-        trainer._generate = timed_generate
+        trainer._generate = timed(trainer._generate, gen_seconds)
 
         class Clock(TrainerCallback):
             def on_step_begin(self, *a, **k):

@@ -96,6 +96,7 @@ def child(form: str, kind: str, model: str, url: str, pid: int, bucket: int, wor
     import ctypes
 
     import torch
+    from common import timed
 
     ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)  # large buffers are returned when freed
     from strop.engines.http import SGLangEngine, WeightWriter
@@ -126,16 +127,7 @@ def child(form: str, kind: str, model: str, url: str, pid: int, bucket: int, wor
     own_before = _reset_peak("self")
     write_s = []
     if form == "disk":  # the disk form's own write, timed apart from the engine's reload
-        write = writer.write
-
-        def timed_write(*a, **kw):
-            t = time.perf_counter()
-            try:
-                return write(*a, **kw)
-            finally:
-                write_s.append(time.perf_counter() - t)
-
-        writer.write = timed_write
+        writer.write = timed(writer.write, write_s)
     t0 = time.perf_counter()
     stall = loop.run_until_complete(_longest_stall(router.update_weights(weights, version=version + 1)))
     seconds = time.perf_counter() - t0
