@@ -4,8 +4,9 @@ update) against AReaL's log-linear interpolation from the tokens' versions (no f
 Two trainers in one process, each with its own copy of the embedded model, on the same quickstart-sized step:
 ``--samples`` samples (a ~40-token chat prompt plus ``--response-tokens`` random tokens, rollout logprobs of
 -1, every token one weight version old), ``train.mini_batches=2`` (where the proximal policy needs the extra
-forward), ``algo.tis_cap=5`` as the behaviour weight. One warm-up step each, then ``--repeats`` timed steps,
-interleaved (A B A B), so a drifting machine slows both alike.
+forward), no behaviour weight (an elementwise weight costs nothing, and ``loglinear`` refuses one: its pi_old is
+the rollout's for a token one version old). One warm-up step each, then ``--repeats`` timed steps, interleaved
+(A B A B), so a drifting machine slows both alike.
 
     python bench/proximal.py [--samples 64] [--response-tokens 48] [--repeats 3]
 """
@@ -39,7 +40,7 @@ def main() -> None:
     samples = quickstart_samples(tok, args.samples, args.response_tokens)  # every token one version old
     train = TrainConfig(mini_batches=2)
     trainers = {name: Trainer(copy.deepcopy(model), pad_token_id=tok.pad_token_id, train=train, temperature=0.8,
-                              algo=AlgoConfig(tis_cap=5.0, proximal=name))
+                              algo=AlgoConfig(proximal=name))
                 for name in ("recompute", "loglinear")}
     for t in trainers.values():
         t.step(samples)  # warm-up (allocates AdamW state)

@@ -200,8 +200,9 @@ class AlgoConfig(_Section):
         "recompute", description="pi_old, the PPO ratio's denominator (AReaL's proximal policy): 'recompute' = the "
         "trainer's weights at the start of the step (a no-grad forward when train.mini_batches > 1, free otherwise); "
         "'loglinear' = AReaL's log-linear interpolation between the weights that sampled each token and the step's "
-        "update, from the tokens' versions, with no forward. With algo.tis_cap / mis_* / icepop as the behaviour "
-        "weight pi_old/pi_rollout this is decoupled PPO")
+        "update, from the tokens' versions, with no forward. 'recompute' with algo.tis_cap / mis_* / icepop as the "
+        "behaviour weight pi_old/pi_rollout is decoupled PPO; 'loglinear' refuses them (its pi_old is pi_rollout "
+        "for a token one version old, so the weight is 1 there)")
     opsm_delta: float | None = Field(
         None, ge=0, description="off-policy sequence masking (DeepSeek-V3.2; slime's --opsm-delta, 1e-4 there): a "
         "sequence with negative advantage whose mean token log pi_rollout - log pi exceeds this is masked")
@@ -220,6 +221,9 @@ class AlgoConfig(_Section):
     distill_teacher_kind: Literal["strop", "sglang", "vllm"] = Field(
         "strop", description="the distill_teacher_url server: strop serve, SGLang (both: /generate with "
         "input_token_logprobs) or vLLM (/v1/completions with prompt_logprobs)")
+    distill_teacher_token: SecretStr | None = secret(
+        "STROP_TEACHER_TOKEN", "bearer token sent to the distill_teacher_url server (strop serve --token, vLLM "
+        "--api-key, SGLang --api-key; engine.token is never sent there)")
     distill_coef: float = Field(1.0, gt=0, description="on-policy distillation: weight of the reverse-KL advantage")
     distill_only: bool = Field(False, description="on-policy distillation alone: the task's advantages are dropped "
                                "(its reward is still computed and logged)")
@@ -268,6 +272,13 @@ class AlgoConfig(_Section):
             raise ValueError("algo.proximal='loglinear' interpolates pi_old between the engine's logprobs and the "
                              "current policy; algo.use_rollout_logprobs=true makes pi_old the engine's logprobs: "
                              "choose one")
+        # the corrections that weigh or mask by pi_old / pi_rollout (OPSM and DPPO compare pi itself with it)
+        behaviour = [x for x in self.corrections() if x.startswith(("algo.tis_cap", "algo.mis_", "algo.off_policy"))]
+        if self.proximal == "loglinear" and behaviour:
+            raise ValueError(f"algo.proximal='loglinear' sets pi_old = pi_rollout for every token one version old "
+                             f"(every token in sync mode), so the weight pi_old/pi_rollout that {', '.join(behaviour)} "
+                             "corrects by is 1 there and the correction never acts: use algo.proximal='recompute' "
+                             "(pi_old from the trainer's own weights), or drop the correction")
         if self.off_policy_correction == "none" and self.corrections():
             raise ValueError("algo.off_policy_correction='none' says no correction, but "
                              f"{', '.join(self.corrections())} is set: drop one")
@@ -763,7 +774,8 @@ class Config(_Section):
                 a.use_rollout_logprobs or a.tis_cap is not None or a.mis_low is not None or a.mis_high is not None):
             raise ValueError("rollout.resumed_tokens='correct' trains tokens of older weights with an importance "
                              "correction: set algo.use_rollout_logprobs=true (the ratio against the rollout's own "
-                             "logprobs), or algo.tis_cap / mis_low / mis_high; or resumed_tokens='mask'")
+                             "logprobs), or algo.tis_cap / mis_low / mis_high (each with algo.proximal='recompute'); "
+                             "or resumed_tokens='mask'")
         return self
 
     def why_not_shared(self, world: int = 1) -> str | None:

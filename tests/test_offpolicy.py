@@ -252,6 +252,24 @@ def test_loglinear_proximal_in_the_trainer_needs_no_forward_and_is_the_rollout_p
         run_step(copy.deepcopy(tiny_model), samples, proximal="loglinear", use_rollout_logprobs=True)
 
 
+@pytest.mark.parametrize("algo,field", [
+    (dict(tis_cap=2.0), "algo.tis_cap"), (dict(mis_low=0.5), "algo.mis_low"), (dict(mis_high=2.0), "algo.mis_high"),
+    (dict(off_policy_correction="icepop"), "algo.off_policy_correction='icepop'"),
+    (dict(off_policy_correction="geo_mask"), "algo.off_policy_correction='geo_mask'"),
+])
+def test_loglinear_proximal_with_a_correction_of_pi_old_against_the_rollout_is_refused(algo, field):
+    from strop.config import AlgoConfig
+
+    # loglinear gives a token one version old pi_old = pi_rollout (alpha = 0): the weight pi_old/pi_rollout is 1
+    # there, every token in sync mode, so TIS / MIS / IcePop / geo_mask could never act on it
+    with pytest.raises(ValueError) as e:
+        AlgoConfig(proximal="loglinear", **algo)
+    assert "algo.proximal='loglinear'" in str(e.value) and field in str(e.value) and "never" in str(e.value)
+    AlgoConfig(proximal="recompute", **algo)  # the recomputed pi_old is the trainer's own: accepted
+    for other in (dict(opsm_delta=0.1), dict(policy_loss="dppo"), dict(off_policy_correction="none")):
+        AlgoConfig(proximal="loglinear", **other)  # none of these compares pi_old with the rollout
+
+
 # ---- on-policy distillation -----------------------------------------------------------------------------------
 def _teacher_logprobs(teacher, samples, temperature=1.0):
     """The teacher's logprob of each sampled response token, by hand: (N, T) padded with 0."""
@@ -376,3 +394,97 @@ def test_an_all_masked_sequence_and_an_empty_step_give_no_nan(name):
         assert torch.isfinite(grad).all() and grad[1].abs().sum() == 0  # the all-masked row: no gradient
         if mask.sum() == 0:
             assert loss.item() == 0.0
+
+
+# ---- DPPO with the other corrections, through policy_objective --------------------------------------------------
+def _objective(logprobs, old, rollout, adv, mask, **algo):
+    """policy_objective with token_mean over the mask's tokens, no reference, no entropy."""
+    from strop.algo.objective import Normalisers, policy_objective
+    from strop.config import AlgoConfig
+
+    norms = Normalisers(num_sequences=float(mask.shape[0]), total_tokens=float(mask.sum()), constant=1.0)
+    return policy_objective(logprobs, None, old_logprobs=old, rollout_logprobs=rollout, ref_logprobs=None,
+                            advantages=adv, loss_mask=mask, norms=norms, algo=AlgoConfig(loss_agg="token_mean", **algo))
+
+
+def test_dppo_with_icepop_weighs_each_kept_token_by_its_ratio_once_as_prime_rl_does():
+    # prime-rl's DPPO (src/prime_rl/trainer/rl/loss.py, default_loss_fn): -keep A pi/mu + kl_tau (log pi/mu)^2, the
+    # ratio pi/mu once. IcePop only masks: its weight pi_old/mu is already inside DPPO's pi/mu, not a second factor.
+    # mu = 0.5 everywhere; first mini-batch: pi = pi_old = 0.55, 0.6, 0.1, 0.45 (w = pi_old/mu = 1.1, 1.2, 0.2, 0.9)
+    mu = torch.full((1, 4), L(0.5))
+    probs = [0.55, 0.6, 0.1, 0.45]
+    pi = torch.tensor([[L(p) for p in probs]], requires_grad=True)
+    adv = torch.tensor([[1.0, 1.0, 1.0, -1.0]])
+    loss, pg, stats = _objective(pi, pi.detach(), mu, adv, torch.ones(1, 4), policy_loss="dppo",
+                                 off_policy_correction="icepop", dppo_kl_coef=0.01)
+    # IcePop keeps w in [0.5, 5]: token 2 (w = 0.2) leaves; DPPO's own mask (|pi - mu| <= 0.2 on the others) keeps all
+    assert stats["mis_dropped"].tolist() == [[0.0, 0.0, 1.0, 0.0]]
+    kl = lambda p: 0.01 * L(p / 0.5) ** 2  # noqa: E731
+    want = [-1.1 + kl(0.55), -1.2 + kl(0.6), 0.0, 0.9 + kl(0.45)]  # -A r + kl, r = pi/mu; token 2 masked
+    assert loss.item() == pytest.approx(sum(want) / 4, rel=1e-6)  # token_mean over the 4 loss tokens
+    loss.backward()
+    # d/dlog pi: -A r + 2 c log r (r once: the doubled weight would give -A r^2 = -1.21, -1.44, -, 0.81)
+    want_grad = [(-1.1 + 0.02 * L(1.1)) / 4, (-1.2 + 0.02 * L(1.2)) / 4, 0.0, (0.9 + 0.02 * L(0.9)) / 4]
+    assert pi.grad[0].tolist() == pytest.approx(want_grad, rel=1e-6)
+
+
+def test_dppo_with_tis_truncates_the_behaviour_factor_of_its_one_ratio():
+    # a later mini-batch: pi_old = 0.6, 0.5, 0.4, 0.8 (w = pi_old/mu = 1.2, 1.0, 0.8, 1.6 against mu = 0.5), and
+    # pi = 0.66, 0.55, 0.4, 0.8. DPPO's ratio pi/mu = (pi/pi_old) (pi_old/mu); TIS caps the second factor at C = 1.1:
+    # r = (pi/pi_old) min(w, C) = 1.1 * 1.1, 1.1 * 1.0, 1.0 * 0.8, 1.0 * 1.1 (not pi/mu * min(w, C) again)
+    mu = torch.full((1, 4), L(0.5))
+    old = torch.tensor([[L(0.6), L(0.5), L(0.4), L(0.8)]])
+    probs = [0.66, 0.55, 0.4, 0.8]
+    pi = torch.tensor([[L(p) for p in probs]], requires_grad=True)
+    adv = torch.tensor([[1.0, 1.0, -1.0, -1.0]])
+    loss, _, stats = _objective(pi, old, mu, adv, torch.ones(1, 4), policy_loss="dppo", tis_cap=1.1,
+                                dppo_kl_coef=0.01)
+    assert stats["importance_weight"][0].tolist() == pytest.approx([1.2, 1.0, 0.8, 1.6], rel=1e-6)
+    r = [1.21, 1.1, 0.8, 1.1]
+    kl = [0.01 * L(p / 0.5) ** 2 for p in probs]  # the squared-log term: no importance weight, as in prime-rl
+    # DPPO's mask: d = pi - mu = 0.16, 0.05, -0.1, 0.3; no A > 0 token rose by > 0.2, no A <= 0 one fell by > 0.2
+    want = [-a * x + k for a, x, k in zip([1.0, 1.0, -1.0, -1.0], r, kl)]
+    assert loss.item() == pytest.approx(sum(want) / 4, rel=1e-6)
+    loss.backward()
+    want_grad = [(-a * x + 0.02 * L(p / 0.5)) / 4 for a, x, p in zip([1.0, 1.0, -1.0, -1.0], r, probs)]
+    assert pi.grad[0].tolist() == pytest.approx(want_grad, rel=1e-6)
+    # on the first mini-batch (pi_old = pi) an untruncated token's gradient is -A pi/mu, exactly prime-rl's
+    pi2 = torch.tensor([[L(0.52), L(0.45)]], requires_grad=True)
+    loss2, _, _ = _objective(pi2, pi2.detach(), torch.full((1, 2), L(0.5)), torch.tensor([[1.0, -1.0]]),
+                             torch.ones(1, 2), policy_loss="dppo", tis_cap=1.1, dppo_kl_coef=0.0)
+    loss2.backward()
+    assert pi2.grad[0].tolist() == pytest.approx([-1.04 / 2, 0.9 / 2], rel=1e-6)
+
+
+def test_under_opsm_and_dppo_a_zero_advantage_sequence_past_delta_keeps_its_kl_term():
+    # OPSM drops a sequence only when A < 0: row 0 (A = 0) drifted far past delta and keeps DPPO's squared-log
+    # term; row 1 (A = -1, the same drift) is dropped. mu = 0.5; pi = 0.3, 0.2 in both rows.
+    mu = torch.full((2, 2), L(0.5))
+    pi = torch.tensor([[L(0.3), L(0.2)], [L(0.3), L(0.2)]], requires_grad=True)
+    adv = torch.tensor([[0.0], [-1.0]])
+    # KL_i = mean(log mu - log pi) = (log(5/3) + log(5/2)) / 2 = 0.71 > delta = 0.1 in both rows
+    loss, _, stats = _objective(pi, pi.detach(), mu, adv, torch.ones(2, 2), policy_loss="dppo", opsm_delta=0.1,
+                                dppo_kl_coef=0.01, dppo_mask_low=0.5)
+    loss.backward()
+    # row 0: no policy term (A = 0); d/dlog pi of c (log pi/mu)^2 = 2 c log(pi/mu), over the step's 4 loss tokens
+    assert pi.grad[0].tolist() == pytest.approx([0.02 * L(0.6) / 4, 0.02 * L(0.4) / 4], rel=1e-6)
+    assert stats["opsm_dropped"].tolist() == [[0.0, 0.0], [1.0, 1.0]]  # OPSM did act, on row 1
+
+
+def test_a_zero_advantage_step_under_dppo_trains_its_kl_term_and_opsm_leaves_it_alone(tiny_model):
+    import copy
+
+    from tests.test_trainer import assert_same_update, make_samples, near_policy, run_step
+
+    samples = near_policy(tiny_model, make_samples(), noise=0.0)
+    for s in samples:  # equal rewards (GRPO advantages all 0); the rollout 0.3 nats above pi: KL_i = 0.3 > delta
+        s.reward = 1.0
+        s.rollout_logprobs = [x + 0.3 for x in s.rollout_logprobs]
+    # (the tiny model's token probabilities are ~1e-6: DPPO's probability trust region masks nothing)
+    dppo = dict(policy_loss="dppo", dppo_kl_coef=0.1)
+    alone = run_step(copy.deepcopy(tiny_model), samples, **dppo)
+    with_opsm = run_step(copy.deepcopy(tiny_model), samples, opsm_delta=0.1, **dppo)
+    # the squared-log term gives every token a gradient even at A = 0, and OPSM (A < 0 only) takes none of it
+    assert alone[1]["grad_norm"] > 0 and alone[1]["trained_samples"] == len(samples)
+    assert with_opsm[1]["opsm_masked_fraction"] == 0.0
+    assert_same_update(alone, with_opsm)

@@ -5,7 +5,8 @@ Read top to bottom, it is the equation list of the step (all per token, (n, T)):
 1. rollout correction   w_t = min(pi_old / pi_rollout, C)  (TIS);  m'_t = m_t * [w_t in range]  (MIS; IcePop,
                         geometric sequence masking as presets);  m'_t *= OPSM's sequence mask
 2. policy loss          l_t = PPO-clip | GSPO | CISPO | DPPO (against pi_rollout) | a plugin (logprobs, old, A)
-3. policy term          L_pg = agg(w * l, m')
+3. policy term          L_pg = agg(w * l, m')  (DPPO: agg(l, m'), its ratio pi/pi_rollout already holds
+                        pi_old/pi_rollout, and TIS caps that factor inside it: ``dppo_loss``)
 4. KL to the reference  k_t = KL_est(pi, pi_ref)  (optionally * pi / pi_old)
 5. total                L = L_pg + beta * agg(k, m) - c_H * agg(H, m)
 
@@ -52,7 +53,8 @@ def policy_objective(logprobs: torch.Tensor, entropy: torch.Tensor | None, *, ol
     agg = dict(num_sequences=norms.num_sequences, total_tokens=norms.total_tokens,
                constant_normalizer=norms.constant, sequence_tokens=mask.sum(-1))
     # 1. the engine sampled from pi_rollout, the ratio's denominator is pi_old
-    weight, kept, corr = rollout_correction(old, rollout_logprobs, mask, **correction_settings(a))
+    settings = correction_settings(a)
+    weight, kept, corr = rollout_correction(old, rollout_logprobs, mask, **settings)
     mis_dropped, opsm_dropped = (mask - kept).clamp(min=0), None
     if a.opsm_delta is not None:
         opsm = opsm_mask(logprobs, rollout_logprobs, advantages, mask, delta=a.opsm_delta)
@@ -69,8 +71,13 @@ def policy_objective(logprobs: torch.Tensor, entropy: torch.Tensor | None, *, ol
     elif a.policy_loss == "cispo":
         per_token, info = cispo_loss(logprobs, old, advantages, clip_low=a.clip_low, clip_high=a.clip_high)
     elif a.policy_loss == "dppo":
+        # DPPO's ratio is against pi_rollout: it holds the behaviour weight pi_old/pi_rollout already, so the
+        # weight is not applied again (it would make the gradient go as (pi/pi_rollout)^2); TIS (and IcePop's
+        # cap) truncate that factor inside the ratio, MIS / IcePop / OPSM still mask through `kept`
         per_token, info = dppo_loss(logprobs, rollout_logprobs, advantages, mask_low=a.dppo_mask_low,
-                                    mask_high=a.dppo_mask_high, kl_coef=a.dppo_kl_coef)
+                                    mask_high=a.dppo_mask_high, kl_coef=a.dppo_kl_coef, old_logprobs=old,
+                                    tis_cap=settings["tis_cap"])
+        weight = torch.ones_like(weight)
     else:
         raise ValueError(f"unknown policy loss {a.policy_loss!r}")
     # 3. the policy-gradient term

@@ -193,8 +193,9 @@ class Trainer:
         norms = Normalisers(float(len(mini)), float(b.loss_mask[mini].sum()),
                             float(a.loss_agg_constant or self.max_new_tokens))
         # a sample with zero advantage everywhere contributes zero gradient to the policy loss;
-        # skip its forward unless a KL or entropy term gives it a gradient anyway
-        active = mini if a.kl_coef or a.entropy_coef else [i for i in mini if bool((b.advantages[i] != 0).any())]
+        # skip its forward unless a KL or entropy term gives it a gradient anyway (DPPO's squared-log term too)
+        kl_anyway = a.kl_coef or a.entropy_coef or (a.policy_loss == "dppo" and a.dppo_kl_coef)
+        active = mini if kl_anyway else [i for i in mini if bool((b.advantages[i] != 0).any())]
         has_signal = bool(active)
         active = active or mini[: self.cfg.micro_batch_size]  # measure one micro-batch anyway for the metrics
         for idx, real in self.dp.share(self._micro_batches(active, b.samples)):
