@@ -1,6 +1,6 @@
 """OpenAI chat messages to tokens and back, for the agent proxy.
 
-Three jobs, each pure (a tokenizer in, text or ids out):
+Four jobs, each pure (a tokenizer in, text or ids out):
 
 - :func:`check_messages` / :func:`check_tools_schema`: the caller's input, checked, every
   failure a :class:`ChatInputError` naming the message and field;
@@ -11,7 +11,8 @@ Three jobs, each pure (a tokenizer in, text or ids out):
   ``<tool_call>{json}</tool_call>`` in the assistant's text, tool results as a user turn inside
   ``<tool_response>``;
 - :func:`parse_reply`: the model's text to an assistant message, its ``<tool_call>`` blocks
-  (Hermes / Qwen format, the one the tools are described in) as OpenAI ``tool_calls``.
+  (Hermes / Qwen format, the one the tools are described in) as OpenAI ``tool_calls``;
+- :func:`stream_pieces`: a streamed answer's text, token by token, decoded incrementally.
 
 The exact-token logic (which tokens a call reuses) lives in :mod:`strop.agents.session`;
 this module only says what the template makes of a message list.
@@ -28,7 +29,13 @@ _IGNORED_NULLS = ("refusal", "audio", "function_call", "annotations", "reasoning
 
 
 class ChatInputError(ValueError):
-    """The caller's messages, tools or parameters are malformed: answered with a 400."""
+    """The caller's messages, tools or parameters are malformed: answered with a 400. ``param``: the
+    field at fault (OpenAI's ``error.param``), else read from the message's first word when that is a
+    field path (``messages[2].content: ...``)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 def _text(i: int, content: Any, role: str) -> str:
@@ -80,7 +87,7 @@ def check_messages(messages: Any) -> list[dict]:
             raise ChatInputError(f"messages[{i}] must be an object with a role")
         role = m.get("role")
         if role not in ROLES:
-            raise ChatInputError(f"messages[{i}].role is {role!r}; expected one of {', '.join(ROLES)}")
+            raise ChatInputError(f"messages[{i}].role must be one of {', '.join(ROLES)}")
         known = {"role", "content", "name", "tool_calls", "tool_call_id", *_IGNORED_NULLS}
         unknown = sorted(k for k in m if k not in known)
         if unknown:
@@ -124,10 +131,14 @@ def check_tools_schema(tools: Any) -> list[dict]:
         params = fn.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(params, dict):
             raise ChatInputError(f"tools[{i}].function.parameters must be a JSON Schema object")
+        where = f"tools[{i}].function.parameters"
         try:
             jsonschema.validators.validator_for(params).check_schema(params)
-        except jsonschema.SchemaError as exc:
-            raise ChatInputError(f"tools[{i}].function.parameters is not a valid JSON Schema: {exc.message}") from exc
+        except jsonschema.SchemaError as exc:  # (its message quotes the schema: the keyword and place say enough)
+            at = "/".join(str(k) for k in exc.absolute_path)[:80] or "its top level"
+            raise ChatInputError(f"{where} is not a valid JSON Schema: {at} fails {exc.validator!r}") from exc
+        except RecursionError as exc:
+            raise ChatInputError(f"{where} is nested too deeply to check") from exc
         out.append({"type": "function", "function": {"name": fn["name"], "description": fn.get("description", ""),
                                                      "parameters": params}})
     return out
@@ -274,3 +285,26 @@ def message_key(message: dict) -> tuple:
     ids are the client's to keep or remake)."""
     calls = tuple((c["name"], json.dumps(c["arguments"], sort_keys=True)) for c in message.get("tool_calls", []))
     return message["role"], message["content"].strip(), calls
+
+
+def stream_pieces(tokenizer, ids: list[int], text: str) -> list[str]:
+    """Per token of ``ids``, the text it adds to ``text`` (what ``ids`` decode to, maybe cut short at a
+    stop string), for a streamed answer. Decoded incrementally, as vLLM does: each token's text comes
+    from decoding the few tokens since the last emitted piece (a character split across tokens, or a
+    leading space, needs its neighbours; the whole prefix does not), so a long answer costs a few
+    decodes per token, not the prefix again per token. A piece is empty while a character is
+    incomplete, and never runs past ``text``; should incremental decoding ever disagree with ``text``,
+    the pieces stop there and the caller sends the rest of ``text`` in its last chunk."""
+    pieces, decoded, shown, agrees = [], "", 0, True
+    start = read = 0  # decode ids[start:]; ids[start:read] gave what was already kept
+    for k in range(len(ids)):
+        before = tokenizer.decode(ids[start:read], skip_special_tokens=True) if read > start else ""
+        now = tokenizer.decode(ids[start: k + 1], skip_special_tokens=True)
+        if len(now) > len(before) and not now.endswith("\ufffd"):  # (U+FFFD: a character not yet whole)
+            decoded += now[len(before):]
+            start, read = read, k + 1
+        upto = min(len(decoded), len(text))
+        agrees = agrees and decoded[shown:upto] == text[shown:upto]
+        pieces.append(text[shown:upto] if agrees else "")
+        shown = upto if agrees else shown
+    return pieces

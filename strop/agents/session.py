@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from strop.agents.chat import ChatRenderer, message_key
 from strop.types import Completion, SamplingParams, Sample, Status
@@ -89,7 +89,7 @@ class Session:
     calls: int = 0
     in_flight: int = 0
     last_active: float = field(default_factory=time.monotonic)
-    unused_choices: int = 0
+    unused_choices: int = 0  # choices of continued calls that the agent did not go on with
     sampling_overridden: int = 0
     last_rejected: bool = False  # the session's last call was answered 429 (backpressure)
     engine_error: BaseException | None = None  # an engine failure seen by a call: the run stops, not the sample
@@ -193,15 +193,17 @@ class Session:
 
     def samples(self) -> list[Sample]:
         """One sample per segment (the last call's first choice closes it), sharing the session's
-        reward; the status from the session's ending, else from the last completion's finish."""
+        reward; the status from the session's ending, else from the last completion's finish. New
+        samples each time: the session is unchanged, so it can be read back while it goes on."""
         forced = ENDINGS.get(self.state)
         out = []
         for k, seg in enumerate(self.segments):
-            s = seg.sample
+            s = replace(seg.sample, response_ids=list(seg.sample.response_ids), metadata=dict(seg.sample.metadata),
+                        rollout_logprobs=list(seg.sample.rollout_logprobs), loss_mask=list(seg.sample.loss_mask),
+                        weight_versions=list(seg.sample.weight_versions))
             if seg.tip.choices:
                 done = seg.tip.choices[0].completion
                 s.append(done.token_ids, done.logprobs, weight_version=done.weight_version)
-                self.unused_choices += len(seg.tip.choices) - 1
                 s.status = {"stop": Status.COMPLETED, "length": Status.TRUNCATED}.get(done.finish_reason,
                                                                                        Status.ABORTED)
             else:

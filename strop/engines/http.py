@@ -32,6 +32,15 @@ class EngineRequestError(ValueError):
     """The engine refused the request (4xx): retrying would not help."""
 
 
+class EngineRefusedError(EngineRequestError):
+    """The engine answered the request with HTTP 4xx (``status``): with 400, 413 or 422 the request itself
+    was malformed (the agent proxy answers its client so); the others say the client is misconfigured."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
+
+
 class EngineVersionError(EngineRequestError):
     """The engine reported a weight version strop cannot read, or none where one is needed."""
 
@@ -172,7 +181,7 @@ class SGLangEngine:
                         raise EngineRequestError(f"{self.url}{path}: HTTP {r.status_code} with a body that is not "
                                                  f"JSON: {r.text[:200]!r}") from None
                 if r.status_code < 500:
-                    raise EngineRequestError(f"{self.url}{path}: HTTP {r.status_code}: {r.text[:500]}")
+                    raise EngineRefusedError(f"{self.url}{path}: HTTP {r.status_code}: {r.text[:500]}", r.status_code)
                 last = f"HTTP {r.status_code}: {r.text[:200]}"
             if attempt < retries:
                 await asyncio.sleep(self.backoff_s * 2**attempt)

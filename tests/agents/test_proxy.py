@@ -571,3 +571,352 @@ def test_tool_choice_none_keeps_the_tools_in_the_prompt_and_returns_a_call_as_co
     assert "<tools>" in tokenizer.decode(engine.prompts[1])
     (sample,) = stand.end(session)
     assert session.forks == 0 and gap(model, sample) < 1e-4
+
+
+# ---- bad input, engine refusals, hung-up clients, backpressure, streaming cost ----------------------------
+
+class GatedEngine(ForcedEngine):
+    """A ForcedEngine whose answers wait until ``gate`` is set (bounded: 30 s)."""
+
+    def __init__(self, *args, delays: list[float] | None = None):
+        super().__init__(*args)
+        self.gate, self.delays = threading.Event(), list(delays or [])
+
+    async def generate(self, prompt_ids, sampling):
+        import asyncio
+        import time
+
+        k = len(self.prompts)
+        out = await super().generate(prompt_ids, sampling)
+        if k < len(self.delays):  # this call takes delays[k] seconds
+            await asyncio.sleep(self.delays[k])
+            return out
+        deadline = time.monotonic() + 30
+        while not self.gate.is_set() and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        return out
+
+
+def wait_for(condition, timeout=10.0):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def deep_schema(levels: int) -> dict:
+    schema = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+def test_bad_input_gets_a_short_4xx_naming_the_field_never_an_engine_failure(model, tokenizer, stand_of):
+    """Deep nesting, lone surrogates, an empty prompt, non-JSON and oversized values: each a 4xx in
+    OpenAI's error shape naming the field, short, echoing neither the input nor the proxy's source;
+    the session stays open and the next good call is served."""
+    stand = stand_of(ForcedEngine(model, tokenizer, ["Four."]))
+    session = stand.open()
+    url, auth = stand.proxy.base_url, {"Authorization": f"Bearer {session.key}", "content-type": "application/json"}
+    ok = '[{"role": "user", "content": "2+2?"}]'
+    mark = "ECHOME" * 2000  # never to be seen in an answer
+    tool = {"type": "function", "function": {"name": "f", "parameters": deep_schema(150)}}
+    cases = [  # (route, raw body, status, words in the message, param)
+        ("/chat/completions", json.dumps({"messages": json.loads(ok), "tools": [tool]}), 400,
+         "nested", "tools[0].function.parameters"),
+        ("/chat/completions", '{"messages": [{"role": "user", "content": "a\\ud800b"}]}', 400, "surrogate",
+         "messages[0].content"),
+        ("/chat/completions", '{"messages": ' + ok + ', "stop": ["\\udfff"]}', 400, "surrogate", "stop[0]"),
+        ("/chat/completions", '{"messages": ' + ok + ', "tools": [{"type": "function", "function": {"name": "f", '
+         '"description": "\\ud800"}}]}', 400, "surrogate",
+         "tools[0].function.description"),
+        ("/completions", '{"prompt": "\\ud800"}', 400, "surrogate", "prompt"),
+        ("/completions", '{"prompt": ""}', 400, "no tokens", "prompt"),
+        ("/completions", '{"prompt": []}', 400, "token ids", "prompt"),
+        ("/chat/completions", mark * 300, 400, "not valid JSON", None),  # 3.6 MB, not JSON
+        ("/chat/completions", '{"messages": ' + "[" * 100_000 + "]" * 100_000 + "}", 400, "nested", None),
+        ("/chat/completions", json.dumps([mark]), 400, "object", None),
+        ("/chat/completions", json.dumps({"messages": [{"role": mark, "content": "x"}]}), 400, "role",
+         "messages[0].role"),
+        ("/chat/completions", json.dumps({"messages": json.loads(ok), "tool_choice": mark}), 400, "tool_choice",
+         "tool_choice"),
+        ("/chat/completions", json.dumps({"messages": json.loads(ok), "logit_bias": {mark: 5}}), 400, "logit_bias",
+         "logit_bias"),
+        ("/chat/completions", json.dumps({"messages": json.loads(ok), "n": mark}), 400, "n", "n"),
+        ("/chat/completions", json.dumps({"messages": [{"role": "user", "content": [{"type": mark}]}]}), 400,
+         "messages[0].content", "messages[0].content"),
+        ("/chat/completions", json.dumps({"messages": json.loads(ok), "tools": [{"type": "function", "function": {
+            "name": "f", "parameters": {"type": "object", "properties": mark}}}]}), 400, "JSON Schema",
+         "tools[0].function.parameters"),
+        (f"/sessions/{session.id}/reward", json.dumps({"reward": mark}), 400, "reward", "reward"),
+        (f"/sessions/{session.id}/reward", mark * 300, 400, "not valid JSON", None),
+    ]
+    for path, raw, status, words, param in cases:
+        r = httpx.post(url + path, content=raw.encode("utf-8", "surrogatepass"), headers=auth, timeout=60)
+        where = (path, raw[:80])
+        assert r.status_code == status, (where, r.status_code, r.text[:300])
+        assert len(r.content) < 600, (where, len(r.content), r.text[:300])  # short, whatever came in
+        error = r.json()["error"]
+        assert words in error["message"], (where, error)
+        assert error["type"] == "invalid_request_error" and error.get("param") == param, (where, error)
+        assert "ECHOME" not in r.text and ".py" not in r.text and "File " not in r.text, (where, r.text)
+    # none of it reached the engine or ended the session, and the session still generates
+    assert session.state == "open" and session.engine_error is None and session.calls == 0
+    assert stand.proxy.take_counts()["agent_bad_requests"] == len(cases)
+    r = httpx.post(url + "/chat/completions", content=('{"messages": ' + ok + "}").encode(), headers=auth)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "Four."
+
+
+class RefusingEngine:
+    """Refuses every request as an engine does when the request is at fault, or fails as a broken one."""
+
+    weight_version = 0
+
+    def __init__(self, error):
+        self.error = error
+
+    async def generate(self, prompt_ids, sampling):
+        raise self.error
+
+    async def abort_all(self):
+        return None
+
+
+@pytest.mark.parametrize("kind", ["embedded", "http"])
+def test_an_engine_refusing_the_request_is_the_clients_4xx_and_the_session_goes_on(tokenizer, stand_of, kind):
+    if kind == "embedded":
+        from strop.engines.embedded import RequestError
+
+        error = RequestError("empty prompt: a request needs at least one token")
+    else:
+        from strop.engines.http import EngineRefusedError
+
+        error = EngineRefusedError("http://engine/generate: HTTP 400: input_ids[3] is outside the vocabulary", 400)
+    stand = stand_of(RefusingEngine(error))
+    session = stand.open()
+    client = openai.OpenAI(base_url=stand.proxy.base_url, api_key=session.key, max_retries=0)
+    with pytest.raises(openai.BadRequestError, match="the engine refused"):
+        client.completions.create(model="m", prompt=[1, 2, 3])
+    assert session.state == "open" and session.engine_error is None and session.calls == 0
+    counts = stand.proxy.take_counts()
+    assert counts["agent_bad_requests"] == 1 and "agent_calls" not in counts
+
+
+@pytest.mark.parametrize("status", [401, 404])
+def test_an_engine_that_fails_or_is_misconfigured_still_stops_the_session(tokenizer, stand_of, status):
+    from strop.engines.http import EngineRefusedError, EngineUnavailable
+
+    error = EngineUnavailable("http://engine/generate failed after 4 attempts") if status == 404 else \
+        EngineRefusedError("http://engine/generate: HTTP 401: a token is needed", 401)
+    stand = stand_of(RefusingEngine(error))
+    session = stand.open()
+    client = openai.OpenAI(base_url=stand.proxy.base_url, api_key=session.key, max_retries=0)
+    with pytest.raises(openai.APIStatusError) as caught:
+        client.completions.create(model="m", prompt=[1, 2, 3])
+    assert caught.value.status_code == 502
+    assert session.state == "aborted" and session.engine_error is not None
+
+
+def test_models_needs_a_key_and_any_model_name_is_the_runs_model(model, tokenizer, stand_of):
+    stand = stand_of(ForcedEngine(model, tokenizer, ["Four."]), model_name="the-run")
+    session = stand.open()
+    assert httpx.get(stand.proxy.base_url + "/models").status_code == 401
+    assert httpx.get(stand.proxy.base_url + "/models", headers={"Authorization": "Bearer nope"}).status_code == 401
+    client = openai.OpenAI(base_url=stand.proxy.base_url, api_key=session.key, max_retries=0)
+    assert [m.id for m in client.models.list()] == ["the-run"]
+    # an agent written for another model is served by the run's (the answer names it)
+    r = client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "2+2?"}])
+    assert r.model == "the-run" and r.choices[0].message.content == "Four."
+
+
+def test_a_call_whose_client_hung_up_is_not_recorded(model, tokenizer, stand_of):
+    """An SDK that times out and retries: the abandoned call's answer is dropped (not a sample, not a
+    call of the session), the retry is the one recorded."""
+    engine = GatedEngine(model, tokenizer, ["Four."], delays=[2.0, 0.0, 0.0])
+    stand = stand_of(engine)
+    session = stand.open()
+    client = openai.OpenAI(base_url=stand.proxy.base_url, api_key=session.key, max_retries=1, timeout=0.7)
+    msgs = [{"role": "user", "content": "2+2?"}]
+    r = client.chat.completions.create(model="m", messages=msgs)
+    assert r.choices[0].message.content == "Four." and len(engine.prompts) == 2
+    wait_for(lambda: stand.proxy.in_flight == 0)  # the abandoned call's engine answer came back, later
+    msgs += [{"role": "assistant", "content": "Four."}, {"role": "user", "content": "Sure?"}]
+    client.chat.completions.create(model="m", messages=msgs)
+    (sample,) = stand.end(session)
+    assert session.calls == 2 and session.forks == 0
+    assert stand.proxy.take_counts()["agent_calls_client_gone"] == 1
+    assert [t for t, m in zip(sample.response_ids, sample.loss_mask) if m] == engine.outputs[1] + engine.outputs[2]
+
+
+def test_the_call_past_max_calls_in_flight_gets_429(model, tokenizer, stand_of):
+    engine = GatedEngine(model, tokenizer, ["Four."])
+    stand = stand_of(engine, max_calls_in_flight=2, retry_after_s=0.5)
+    sessions = [stand.open(index=i) for i in range(3)]
+    url, body = stand.proxy.base_url + "/chat/completions", {"messages": [{"role": "user", "content": "2+2?"}]}
+
+    def auth(s):
+        return {"Authorization": f"Bearer {s.key}"}
+    answers = {}
+    threads = [threading.Thread(target=lambda i=i: answers.__setitem__(i, httpx.post(
+        url, json=body, headers=auth(sessions[i]), timeout=60))) for i in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        wait_for(lambda: stand.proxy.in_flight == 2)
+        third = httpx.post(url, json=body, headers=auth(sessions[2]))
+    finally:
+        engine.gate.set()
+        for t in threads:
+            t.join(60)
+    assert third.status_code == 429 and third.headers["retry-after"] == "1"
+    assert "agent.max_calls_in_flight=2" in third.json()["error"]["message"] and sessions[2].calls == 0
+    assert [answers[i].status_code for i in (0, 1)] == [200, 200]
+    assert httpx.post(url, json=body, headers=auth(sessions[2])).status_code == 200  # room again
+
+
+def test_a_continued_chat_prompt_is_the_templates_tokenisation_of_the_whole_conversation(model, tokenizer, stand_of):
+    """Where the model's tokens are the ones the tokenizer makes of its text, a continued call's prompt
+    is exactly the chat template's rendering of all its messages, tokenised whole: each ended turn is
+    closed once, whether the model wrote the end-of-turn token, a tool call ended the turn before it,
+    or the length limit did."""
+    from strop.agents.chat import check_messages, check_tools_schema
+
+    engine = ForcedEngine(model, tokenizer, [f"Let me compute.{CALL}", "It is 391.",
+                                             "one two three four five six", "Done."])
+    stand = stand_of(engine)
+    session = stand.open()
+    client = openai.OpenAI(base_url=stand.proxy.base_url, api_key=session.key, max_retries=0)
+    msgs = [{"role": "system", "content": "You add numbers."}, {"role": "user", "content": "What is 17*23?"}]
+    asked = []
+
+    def ask(**kw):
+        asked.append([dict(m) for m in msgs])
+        return client.chat.completions.create(model="m", messages=msgs, tools=CALC, **kw).choices[0]
+
+    m = ask().message  # a tool call: the turn ends at the call, without the end token the model sampled
+    msgs += [m.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": m.tool_calls[0].id, "content": "391"}]
+    said = ask()  # ends with the end-of-turn token
+    msgs += [{"role": "assistant", "content": said.message.content}, {"role": "user", "content": "Count."}]
+    cut = ask(max_tokens=4)  # cut by the length limit
+    assert cut.finish_reason == "length"
+    msgs += [{"role": "assistant", "content": cut.message.content}, {"role": "user", "content": "ok"}]
+    ask()
+    renderer = stand.proxy.renderer
+    for k, conversation in enumerate(asked):
+        whole = renderer.encode(renderer.render(check_messages(conversation), check_tools_schema(CALC)))
+        assert engine.prompts[k] == whole, (k, tokenizer.decode(engine.prompts[k]), tokenizer.decode(whole))
+    (sample,) = stand.end(session)
+    assert session.forks == 0 and sample.prompt_ids + sample.response_ids == engine.prompts[3] + engine.outputs[3]
+
+
+class ReplayEngine(ForcedEngine):
+    """A ForcedEngine that answers a prompt it saw again at once, with the same completion."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.seen = {}
+
+    async def generate(self, prompt_ids, sampling):
+        if tuple(prompt_ids) not in self.seen:
+            self.seen[tuple(prompt_ids)] = await super().generate(prompt_ids, sampling)
+        return self.seen[tuple(prompt_ids)]
+
+
+class CountingTokenizer:
+    """The tokenizer, counting the token ids it decodes and taking ``pause`` seconds per decode (a
+    stand-in for a long answer's cost): what the proxy decodes and where it does it show."""
+
+    def __init__(self, tokenizer, pause=0.0):
+        self._tok, self.pause, self.decoded = tokenizer, pause, 0
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+    def __len__(self):
+        return len(self._tok)
+
+    def __call__(self, *args, **kw):
+        return self._tok(*args, **kw)
+
+    def decode(self, ids, *args, **kw):
+        import time
+
+        self.decoded += len(ids)
+        time.sleep(self.pause)
+        return self._tok.decode(ids, *args, **kw)
+
+
+def test_a_streamed_answer_is_decoded_once_per_token_off_the_event_loop(model, tokenizer, stand_of):
+    """A long streamed answer: each token's text is decoded from a few tokens (not the whole prefix
+    again), and the decoding runs beside the event loop: other calls are answered meanwhile."""
+    import time
+
+    words = " ".join(f"w{k}" for k in range(300))
+    slow = CountingTokenizer(tokenizer)
+    engine = ReplayEngine(model, tokenizer, [words])
+    stand = stand_of(engine, slow, limits=SessionLimits(max_calls=8, max_call_tokens=2048,
+                                                        max_response_tokens=4096, context_window=8192))
+    session = stand.open()
+    client = openai.OpenAI(base_url=stand.proxy.base_url, api_key=session.key, max_retries=0, timeout=120)
+    msgs = [{"role": "user", "content": "Count."}]
+    plain = client.chat.completions.create(model="m", messages=msgs).choices[0]
+    n = len(plain.model_extra["token_ids"])
+    assert n > 500
+    slow.decoded, slow.pause = 0, 0.002  # from here, 2 ms per decode
+    text, ids, health = "", [], []
+    stop = threading.Event()
+
+    def ping():  # the event loop's latency while the answer is decoded and sent
+        while not stop.is_set():
+            t = time.monotonic()
+            httpx.get(stand.proxy.base_url.removesuffix("/v1") + "/health", timeout=30)
+            health.append(time.monotonic() - t)
+            time.sleep(0.01)
+    pinger = threading.Thread(target=ping)
+    pinger.start()
+    try:
+        for chunk in client.chat.completions.create(model="m", messages=msgs, stream=True):
+            for c in chunk.choices:
+                text += c.delta.content or ""
+                ids += (c.model_extra or {}).get("token_ids") or []
+    finally:
+        stop.set()
+        pinger.join(60)
+    assert ids == plain.model_extra["token_ids"] and text == plain.message.content
+    assert slow.decoded < 12 * n, (slow.decoded, n)  # the whole prefix each token: n * n / 2
+    assert len(health) > 3 and max(health) < 1.0, max(health)  # (decoding on the loop: over 5 s)
+
+
+def test_a_standalone_session_closed_for_idleness_stays_readable_until_collected(model, tokenizer, stand_of):
+    """strop proxy: GET shows a session's segments so far (as often as asked); a session closed for
+    idleness still reads back and closes (its samples, not trained as it ended idle), then is freed;
+    ended sessions nobody collects are kept up to a bound, the oldest freed first."""
+    stand = stand_of(ForcedEngine(model, tokenizer, ["Four."]), admin_token="t", idle_timeout_s=0.4)
+    base, admin = stand.proxy.base_url, {"Authorization": "Bearer t"}
+    opened = httpx.post(base + "/sessions", headers=admin).json()
+    client = openai.OpenAI(base_url=opened["base_url"], api_key=opened["api_key"], max_retries=0)
+    r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "2+2?"}])
+    seen = [httpx.get(base + f"/sessions/{opened['id']}", headers=admin).json() for _ in range(2)]
+    assert seen[0] == seen[1] and seen[0]["state"] == "open" and len(seen[0]["samples"]) == 1
+    assert seen[0]["samples"][0]["prompt_ids"] == r.model_extra["prompt_token_ids"]
+    assert seen[0]["samples"][0]["response_ids"] == r.choices[0].model_extra["token_ids"]
+    wait_for(lambda: httpx.get(base + f"/sessions/{opened['id']}", headers=admin).json()["state"] == "idle")
+    with pytest.raises(openai.ConflictError, match="idle"):
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "2+2?"}])
+    state = httpx.get(base + f"/sessions/{opened['id']}", headers=admin).json()
+    done = httpx.post(base + f"/sessions/{opened['id']}/close", headers=admin)
+    assert done.status_code == 200 and done.json() == state and state["state"] == "idle"
+    (sample,) = state["samples"]
+    assert sample["response_ids"] == seen[0]["samples"][0]["response_ids"] and sample["status"] == "aborted"
+    assert httpx.get(base + f"/sessions/{opened['id']}", headers=admin).status_code == 404  # collected: freed
+    assert opened["id"] not in stand.proxy.by_id and not stand.proxy.sessions
+    # never collected: at most max_ended_sessions stay, the first to end go first
+    stand.proxy.max_ended_sessions = 3
+    ids = [httpx.post(base + "/sessions", headers=admin).json()["id"] for _ in range(6)]
+    wait_for(lambda: all(stand.proxy.by_id[i].state == "idle" for i in ids if i in stand.proxy.by_id)
+             and len(stand.proxy.by_id) <= 3)
+    assert sorted(stand.proxy.by_id) == sorted(ids[3:]) and len(stand.proxy.sessions) == 3
+    assert [httpx.get(base + f"/sessions/{i}", headers=admin).status_code for i in ids] == [404] * 3 + [200] * 3
+    assert stand.proxy.take_counts()["agent_sessions_dropped_uncollected"] == 3
