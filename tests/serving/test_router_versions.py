@@ -587,3 +587,77 @@ def test_the_probe_names_an_engine_that_computes_with_other_weights():
         return ok
 
     assert asyncio.run(main()) < 1e-6  # same weights: the same logprobs
+
+
+# ---- a version probe and a request that race a weight update -----------------------------------------------
+@pytest.mark.parametrize("answer", ["old version", "error"])
+def test_a_version_probe_spanning_a_weight_update_does_not_mark_the_updated_engine_down(tmp_path, answer):
+    """The health loop asks a for its version; a answers 0 (or the call fails), but the answer arrives only
+    after an update loaded version 1 into a. That answer describes a before the update: a stays healthy."""
+    a, b = FakeEngine("a"), FakeEngine("b")
+    router = Router([a, b], writer=WeightWriter(tmp_path), health_interval_s=3600)
+    asked, answer_arrives = asyncio.Event(), asyncio.Event()
+    real_probe = a.get_weight_version
+
+    async def slow_probe():
+        seen = a.version  # what a holds when the question reaches it (before the update)
+        a.get_weight_version = real_probe  # only the first probe is slow
+        asked.set()
+        await answer_arrives.wait()
+        if answer == "error":
+            raise EngineUnavailable("a: read timed out")
+        return seen
+
+    a.get_weight_version = slow_probe
+
+    async def main():
+        probe = asyncio.ensure_future(router.check_health())
+        await asyncio.wait_for(asked.wait(), 10)
+        await router.update_weights(_weights(1), version=1)  # a and b load version 1 meanwhile
+        assert router.healthy == [True, True] and a.version == 1
+        answer_arrives.set()
+        await asyncio.wait_for(probe, 10)
+        after_probe = list(router.healthy)
+        await router.check_health()  # the next probe asks again and sees version 1: still healthy
+        return after_probe
+
+    assert asyncio.run(main()) == [True, True], list(router.events)
+    assert router.healthy == [True, True] and router.counts["down"] == 0, list(router.events)
+    assert_healthy_engines_hold_the_routers_weights(router, _weights(1))
+
+
+@pytest.mark.parametrize("sync", ["disk", "delta"])
+def test_an_engine_whose_request_fails_during_its_load_stays_down_until_the_health_loop_readmits_it(tmp_path,
+                                                                                                     sync):
+    """A request still running on a when the drain gives up fails while a loads the new weights: a goes down,
+    and the load that then succeeds does not bring it back; the next health check does (a answers and holds
+    the router's version), and the request was served by b."""
+    a, b = FakeEngine("a"), FakeEngine("b")
+    router = Router([a, b], writer=WeightWriter(tmp_path), delta=sync == "delta", drain_timeout_s=0.0,
+                    health_interval_s=3600)
+    a.gate["generate"], a.gate["load_weights"] = asyncio.Event(), asyncio.Event()
+
+    async def main():
+        request = asyncio.ensure_future(router.generate([1], SamplingParams(max_new_tokens=1)))
+        await asyncio.wait_for(a.entered.setdefault("generate", asyncio.Event()).wait(), 10)  # in flight on a
+        update = asyncio.ensure_future(router.update_weights(_weights(1), version=1))
+        await asyncio.wait_for(a.entered.setdefault("load_weights", asyncio.Event()).wait(), 10)  # a is loading
+        a.fail_generate = True
+        a.gate.pop("generate").set()  # the request fails on a mid-load
+        await _until(lambda: router.state[0] == "down")
+        a.gate.pop("load_weights").set()  # a's load succeeds: version 1
+        await asyncio.wait_for(update, 10)
+        after_load = list(router.healthy)
+        out = await asyncio.wait_for(request, 10)  # re-issued to b once the update ended
+        a.fail_generate = False
+        await router.check_health()
+        await router.close()
+        return after_load, out
+
+    after_load, out = asyncio.run(main())
+    assert a.version == 1 and after_load == [False, True]
+    assert out.finish_reason == "stop" and out.weight_version == 1 and (a.requests, b.requests) == (0, 1)
+    assert router.healthy == [True, True] and router.counts["failover"] == 1
+    assert any(e.startswith("re-admitted Fake(a) at weight version 1 (reports the current weights; was down)")
+               for e in router.events), list(router.events)
+    assert_healthy_engines_hold_the_routers_weights(router, _weights(1))
