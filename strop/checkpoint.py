@@ -168,17 +168,30 @@ def finish(run_dir: Path, tmp: Path, step: int, *, controller_state: dict, weigh
            tokenizer, keep: int) -> Path:
     """Rank 0 completes the checkpoint in ``tmp`` (after every rank's :func:`save_trainer`): the
     policy in Hugging Face format, the controller's state and ``meta.json``; renames it into place
-    and removes all but the newest ``keep`` checkpoints."""
+    and removes all but the newest ``keep`` checkpoints.
+
+    ``controller.pt`` is read back through the safe loader before anything is published: a checkpoint
+    that could not be resumed raises CheckpointError naming what could not be saved, and the previous
+    checkpoints stay as they were (nothing is renamed into place, nothing is removed)."""
+    from strop.types import SampleInvariantError, checkpointable
+
     tmp = Path(tmp)
+    try:
+        try:  # numpy values a hook put into the samples held become Python ones; what cannot be saved is named
+            controller_state = checkpointable(controller_state, "controller state")
+        except SampleInvariantError as exc:
+            raise CheckpointError(f"checkpoint of step {step} not saved: {exc}") from None
+        torch.save(controller_state, tmp / "controller.pt")
+        try:
+            _safe_load(tmp / "controller.pt")
+        except CheckpointError as exc:
+            raise CheckpointError(f"checkpoint of step {step} not saved (it could not be resumed): {exc}") from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # (never published; the previous checkpoint stays the newest)
+        raise
     if weights is not None:
         model.save_pretrained(tmp / "policy", state_dict=weights, safe_serialization=True)
         tokenizer.save_pretrained(tmp / "policy")
-    torch.save(controller_state, tmp / "controller.pt")
-    try:  # what a hook put into the samples held (a numpy number in metadata, say) may not load safely
-        _safe_load(tmp / "controller.pt")
-    except CheckpointError as exc:
-        print(f"strop: warning: checkpoint of step {step} cannot be resumed: {exc} (keep sample labels and "
-              "metadata to Python numbers, strings, lists and dicts)", flush=True)
     meta = {"step": step, "files": sorted(p.name for p in tmp.iterdir())}
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
     _fsync_tree(tmp)

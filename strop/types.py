@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -24,7 +25,49 @@ _FINISH_TO_STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abor
 
 
 class SampleInvariantError(ValueError):
-    """A Sample's per-token lists disagree in length, or a value is out of range."""
+    """A Sample's per-token lists disagree in length, or a value is out of range (or cannot be checkpointed)."""
+
+
+# what a checkpoint's safe loader (torch.load(weights_only=True), strop.checkpoint) reads back, as such
+_SCALARS = (type(None), bool, int, float, complex, str, bytes)
+_CONVERTS = "use Python numbers, strings, lists, tuples, dicts or torch tensors"
+
+
+def checkpointable(value: Any, where: str) -> Any:
+    """``value`` as a checkpoint holds it: Python scalars, strings, lists, tuples, sets, dicts, torch tensors and
+    samples are kept; numpy scalars become Python scalars and numpy arrays lists (what ``.item()`` and
+    ``.tolist()`` give), subclasses of str, int and float their base type (a str-valued enum, say), recursively.
+    Anything else raises SampleInvariantError naming ``where`` and the path inside it. Returns ``value`` itself
+    when nothing had to change."""
+    kind = type(value)
+    if kind in _SCALARS or kind in (Status, Sample):
+        if kind is Sample:  # (an agent's extra samples travel in metadata)
+            value.make_checkpointable()
+        return value
+    numpy = sys.modules.get("numpy")  # (a numpy value means numpy is imported)
+    if numpy is not None and isinstance(value, (numpy.generic, numpy.ndarray)):
+        plain = value.tolist()
+        if type(plain) is kind or isinstance(plain, (numpy.generic, numpy.ndarray)):  # (an object it cannot convert)
+            raise SampleInvariantError(f"{where}: {kind.__module__}.{kind.__qualname__} cannot be saved in a "
+                                       f"checkpoint; {_CONVERTS}")
+        return checkpointable(plain, where)
+    torch = sys.modules.get("torch")
+    if torch is not None and kind is torch.Tensor:
+        return value
+    if isinstance(value, dict):
+        out = {checkpointable(k, f"{where} key {k!r}"): checkpointable(v, f"{where}[{k!r}]") for k, v in value.items()}
+        same = kind is dict and all(a is b for a, b in zip(out, value)) and all(out[k] is value[k] for k in value)
+        return value if same else out
+    if isinstance(value, (list, tuple, set)):
+        items = [checkpointable(v, f"{where}[{i}]") for i, v in enumerate(value)]
+        base = set if isinstance(value, set) else tuple if isinstance(value, tuple) else list
+        same = kind is base and all(a is b for a, b in zip(items, value))
+        return value if same else base(items)
+    for base in (bool, int, float, complex, str, bytes):
+        if isinstance(value, base):  # a subclass: its plain value
+            return base(value) if base is not str else str.__str__(value)
+    raise SampleInvariantError(f"{where}: {kind.__module__}.{kind.__qualname__} cannot be saved in a checkpoint; "
+                               f"{_CONVERTS}")
 
 
 @dataclass
@@ -53,7 +96,8 @@ class Sample:
 
     ``response_ids`` is everything after the prompt (tool output included); the
     per-token lists ``rollout_logprobs``, ``loss_mask`` and ``weight_versions``
-    always have its length. Use :meth:`append` to grow a response.
+    always have its length. Use :meth:`append` to grow a response. ``label`` and
+    ``metadata`` hold only what a checkpoint can (:meth:`make_checkpointable`).
     """
 
     prompt: str | list[dict]
@@ -71,7 +115,19 @@ class Sample:
     metadata: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        self.make_checkpointable()
         self.check()
+
+    def make_checkpointable(self) -> None:
+        """Convert ``label`` and ``metadata`` to what a checkpoint holds (:func:`checkpointable`: numpy values
+        become Python ones), or refuse what it cannot hold, naming the sample and the path, e.g.
+        ``sample group=3 index=1 metadata['entry']['when']``. Run when a sample is made and again on every
+        sample a checkpoint saves (hooks may have added to them since)."""
+        where = f"sample group={self.group_id} index={self.index}"
+        self.label = checkpointable(self.label, f"{where} label")
+        if not isinstance(self.metadata, dict):
+            raise SampleInvariantError(f"{where}: metadata must be a dict, got {type(self.metadata).__name__}")
+        self.metadata = checkpointable(self.metadata, f"{where} metadata")
 
     @property
     def response_length(self) -> int:

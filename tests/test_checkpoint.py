@@ -260,22 +260,101 @@ def test_controller_state_with_samples_and_rng_round_trips_through_the_safe_load
     assert torch.equal(back["engine_rng"], state["engine_rng"]) and back["sampler"] == state["sampler"]
 
 
-def test_a_checkpoint_the_safe_loader_would_refuse_is_reported_when_it_is_written(tmp_path, capsys):
+def _save(run_dir, step, held, keep=1):
+    tmp = checkpoint.begin(run_dir, step)
+    return checkpoint.finish(run_dir, tmp, step, controller_state={"step": step, "rollout": {"ready": [[held]]}},
+                             weights=None, model=None, tokenizer=None, keep=keep)
+
+
+def _assert_only(run_dir, step):
+    """``step``'s checkpoint is the one published (and resumable), and nothing else is in the folder."""
+    assert checkpoint.latest(run_dir) == checkpoint.step_dir(run_dir, step)
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [f"step_{step:06d}"]
+    assert checkpoint.load_controller_state(checkpoint.latest(run_dir))["step"] == step
+
+
+def test_numpy_values_a_hook_put_into_held_samples_are_saved_as_python_values(tmp_path):
+    """A reward hook sets a numpy number on a sample the rollout manager holds (async, one_step_off): the
+    checkpoint stores it as a Python number, published and loaded back by the safe loader."""
     import numpy as np
 
-    from strop import checkpoint as ck
     from strop.types import Sample
 
-    held = Sample(prompt="p", prompt_ids=[1, 2], metadata={"score": np.float64(0.5)})  # from a user's reward hook
-    tmp = ck.begin(tmp_path, 3)
+    held = Sample(prompt="p", prompt_ids=[1, 2])
+    held.metadata["score"], held.metadata["pair"] = np.float64(0.5), (np.int64(2), np.str_("a"))
+    path = _save(tmp_path, 3, held)
+    got = checkpoint.load_controller_state(path)["rollout"]["ready"][0][0].metadata
+    assert got == {"score": 0.5, "pair": (2, "a")} and type(got["score"]) is float and type(got["pair"][0]) is int
 
-    class Nothing:
-        def save_pretrained(self, *a, **k):
-            pass
 
-    ck.finish(tmp_path, tmp, 3, controller_state={"rollout": {"ready": [[held]]}}, weights=None, model=Nothing(),
-              tokenizer=Nothing(), keep=1)
-    assert "checkpoint of step 3 cannot be resumed" in capsys.readouterr().out
+def test_a_value_a_checkpoint_cannot_hold_stops_the_save_by_name_and_the_last_good_one_stays(tmp_path):
+    import datetime
+
+    from strop.types import Sample
+
+    _save(tmp_path, 2, Sample(prompt="p", prompt_ids=[1, 2]))
+    held = Sample(prompt="p", prompt_ids=[1, 2], group_id=5, index=2)
+    held.metadata["entry"] = {"when": datetime.date(2024, 1, 1)}  # set by a hook after the sample was made
+    why = r"checkpoint of step 4 not saved: sample group=5 index=2 metadata\['entry'\]\['when'\]: datetime.date cannot"
+    with pytest.raises(checkpoint.CheckpointError, match=why):
+        _save(tmp_path, 4, held)
+    _assert_only(tmp_path, 2)
+
+
+def test_a_checkpoint_that_fails_its_round_trip_is_not_published_and_prunes_nothing(tmp_path, monkeypatch):
+    """Whatever slips past the conversion (here: the conversion switched off) and cannot be loaded back:
+    the save stops with an error naming it, the new checkpoint is not published and the previous one, with
+    run.keep_checkpoints=1, is not removed."""
+    import numpy as np
+
+    from strop import types
+    from strop.types import Sample
+
+    _save(tmp_path, 2, Sample(prompt="p", prompt_ids=[1, 2]))
+    monkeypatch.setattr(types, "checkpointable", lambda value, where: value, raising=False)
+    held = Sample(prompt="p", prompt_ids=[1, 2])
+    held.metadata["score"] = np.float64(0.5)
+    with pytest.raises(checkpoint.CheckpointError, match=r"checkpoint of step 4 not saved \(it could not be "
+                                                         r"resumed\): .*controller.pt.*numpy"):
+        _save(tmp_path, 4, held)
+    _assert_only(tmp_path, 2)
+
+
+def _samples(x) -> list:
+    from strop.types import Sample
+
+    if isinstance(x, Sample):
+        return [x]
+    items = x.values() if isinstance(x, dict) else x if isinstance(x, (list, tuple)) else ()
+    return [s for y in items for s in _samples(y)]
+
+
+@pytest.mark.timeout(300)
+def test_a_knights_and_knaves_run_one_step_off_resumes_bitwise_from_a_checkpoint_holding_its_samples(
+        tiny_model_dir, tmp_path):
+    """The shipped reasoning-gym task knights_knaves (numpy strings in its entries) in one_step_off: the
+    checkpoint of step 1 holds the samples generated ahead, loads through the safe loader, and a run
+    resumed from it ends with the uninterrupted run's weights."""
+    pytest.importorskip("reasoning_gym")
+    import shutil
+
+    run = tmp_path / "run"
+    args = [f"--model.path={tiny_model_dir}", "--data.task=knights_knaves", "--data.task_options={}", "--data.size=16",
+            "--data.eval_size=0", "--rollout.reward=reasoning_gym", "--rollout.mode=one_step_off",
+            "--algo.off_policy_correction=none", "--rollout.prompts_per_step=2", "--rollout.n_samples_per_prompt=2",
+            "--rollout.max_new_tokens=8", "--train.steps=2", "--train.micro_batch_size=2", "--run.save_every=1",
+            "--run.keep_checkpoints=2", "--run.progress=false", f"--run.dir={run}"]
+    done = _strop(args)
+    assert done.returncode == 0, done.stderr[-3000:]
+    final = _weights(run / "final")
+    held = _samples(checkpoint.load_controller_state(checkpoint.step_dir(run, 1))["rollout"])
+    assert held and all(s.metadata["reasoning_gym_task"] == "knights_knaves" for s in held)
+    shutil.rmtree(checkpoint.step_dir(run, 2))  # step 1's is the newest: the resume takes its held samples
+    resumed = _strop([f"--resume={run}"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout and "step_000001" in resumed.stdout
+    got = _weights(run / "final")
+    assert got.keys() == final.keys() and all(torch.equal(got[k], final[k]) for k in final)
 
 
 @pytest.mark.timeout(240)

@@ -1,5 +1,7 @@
 """Reading blocks of safetensors tensors straight into shards (strop.parallel.loading.SafetensorsFile): equal
-to the safetensors library's own slices, for row and column blocks, several read blocks, dtype changes."""
+to the safetensors library's own slices, for row and column blocks, several read blocks, dtype changes. Loading
+a model into shards (load_shards) gives the logits and buffers of from_pretrained: tied and untied embeddings,
+rotary tables and Gemma's embedding scale (buffers no file holds), whole or as FSDP2 parameters."""
 
 import pytest
 import torch
@@ -109,3 +111,114 @@ def test_an_output_projection_split_by_columns_and_an_unreduced_gradient_are_ref
         assert len(messages) == 2
         assert "laid out as (Shard(dim=1),)" in messages[0] and "vocabulary split (Shard(0))" in messages[0]
         assert "a gradient with a Partial placement has not been reduced" in messages[1]
+
+
+def _tiny(kind: str):
+    """Tiny random models: Llama with tied embeddings, Qwen3 with untied ones, Gemma (tied) whose embedding
+    scale sqrt(hidden) is a buffer no file holds."""
+    from tests.tiny import make_tiny_model, make_tiny_qwen3
+
+    if kind == "llama-tied":
+        return make_tiny_model(vocab_size=256)
+    if kind == "qwen3-untied":
+        return make_tiny_qwen3(vocab_size=256)
+    from transformers import GemmaConfig, GemmaForCausalLM
+
+    torch.manual_seed(0)
+    model = GemmaForCausalLM(GemmaConfig(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                         max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:  # (Gemma's norms scale by 1 + weight, which starts at 0)
+                p.uniform_(-0.5, 0.5)
+    return model
+
+
+KINDS = ["llama-tied", "qwen3-untied", "gemma"]
+TOKENS = torch.randint(3, 256, (2, 11), generator=torch.Generator().manual_seed(0))
+
+
+def _reference(path, dtype=torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    with torch.no_grad():
+        return ref(TOKENS).logits, dict(ref.named_buffers())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", KINDS)
+def test_loading_into_shards_gives_the_logits_and_buffers_of_from_pretrained(kind, dtype, tmp_path):
+    from strop.models import meta_model
+    from strop.parallel.loading import load_shards, unloadable
+
+    _tiny(kind).save_pretrained(tmp_path / "m")
+    logits, buffers = _reference(tmp_path / "m", dtype)
+    model = meta_model(str(tmp_path / "m"), dtype=dtype)
+    assert unloadable(model, tmp_path / "m") is None
+    load_shards(model, tmp_path / "m", "cpu")
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == (kind != "qwen3-untied")
+    loaded = dict(model.named_buffers())
+    assert loaded.keys() == buffers.keys() and len(buffers) >= 2  # (the rotary tables, Gemma's scale)
+    for name, b in buffers.items():
+        assert loaded[name].dtype == b.dtype and torch.equal(loaded[name], b), name
+    with torch.no_grad():
+        assert torch.equal(model(TOKENS).logits, logits)
+
+
+def _fsdp_logits(rank, world, path):
+    """One rank: the policy built on the meta device, wrapped by FSDP2 (DTensor parameters: loading makes new
+    parameter objects) and loaded by the trainer's own path; its logits."""
+    import torch.distributed as dist
+
+    from strop.config import AlgoConfig, TrainConfig
+    from strop.models import meta_model
+    from strop.parallel.strategy import FullyShard
+    from strop.train.modules import build_modules
+
+    out = build_modules(meta_model(path), FullyShard(dist.group.WORLD), AlgoConfig(), TrainConfig(), weights_path=path)
+    out.policy.unshard()  # (the root's parameters, gathered: the layers gather their own when called)
+    with torch.no_grad():
+        logits = out.model(TOKENS).logits
+    return logits, {k: v.clone() for k, v in out.model.named_buffers()}
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("kind", KINDS)
+def test_loading_into_fsdp_shards_on_one_rank_gives_the_logits_of_from_pretrained(kind, tmp_path):
+    from strop.parallel.launch import run_on_ranks
+
+    _tiny(kind).save_pretrained(tmp_path / "m")
+    logits, buffers = _reference(tmp_path / "m")
+    [(got, got_buffers)] = run_on_ranks(_fsdp_logits, 1, str(tmp_path / "m"), timeout=180)
+    assert got_buffers.keys() == buffers.keys() and all(torch.equal(got_buffers[k], b) for k, b in buffers.items())
+    torch.testing.assert_close(got, logits, rtol=0, atol=1e-6)
+
+
+def test_a_stored_buffer_is_read_and_one_nothing_computes_is_refused_by_name(tmp_path):
+    """A persistent buffer the files hold is read from them; a buffer that neither the files hold nor the
+    model's own initialisation computes is named (by unloadable, and by load_shards) instead of left garbage."""
+    from strop.models import meta_model
+    from strop.parallel.loading import load_shards, unloadable
+
+    model = _tiny("llama-tied")
+    model.model.register_buffer("offsets", torch.arange(5.0) * 3)  # persistent: save_pretrained stores it
+    model.save_pretrained(tmp_path / "m")
+
+    def skeleton(extra: bool):
+        meta = meta_model(str(tmp_path / "m"))
+        meta.model.register_buffer("offsets", torch.empty(5, device="meta"))
+        if extra:
+            meta.model.layers[1].mlp.register_buffer("window", torch.empty(3, device="meta"), persistent=False)
+        return meta
+
+    meta = skeleton(False)
+    assert unloadable(meta, tmp_path / "m") is None
+    load_shards(meta, tmp_path / "m", "cpu")
+    assert torch.equal(meta.model.offsets, torch.tensor([0.0, 3.0, 6.0, 9.0, 12.0]))
+    meta = skeleton(True)
+    why = "buffer 'model.layers.1.mlp.window' is not in the files and the model's own initialisation does not compute"
+    assert why in unloadable(meta, tmp_path / "m")
+    with pytest.raises(ValueError, match=why):
+        load_shards(meta, tmp_path / "m", "cpu")

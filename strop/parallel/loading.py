@@ -1,11 +1,14 @@
 """Loading straight into shards: a model built on the meta device, split by the strategy (tensor parallel,
 FSDP2), is given memory for this rank's pieces only and filled from the Hugging Face safetensors files,
 each rank reading only the rows it holds, straight into its shard (:class:`SafetensorsFile`). No rank
-materialises the whole model. Rotary embeddings, whose tables are not in the files, are computed again.
+materialises the whole model. Buffers are initialised as ``from_pretrained`` initialises them: the persistent
+ones the files hold are read from them, every other (rotary tables, Gemma's embedding scale) is computed by the
+model's own ``_init_weights``; a buffer neither fills is refused by name.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from pathlib import Path
@@ -33,21 +36,28 @@ def safetensors_index(path: str | Path) -> dict[str, Path]:
 
 
 def unloadable(module: nn.Module, path: str | Path) -> str | None:
-    """Why :func:`load_shards` cannot fill ``module`` from ``path`` (None when it can): a parameter the files
-    do not hold under its own name, as when transformers converts tensors at load (fused MoE experts)."""
+    """Why :func:`load_shards` cannot fill ``module`` (on the meta device) from ``path`` (None when it can): a
+    parameter the files do not hold under its own name, as when transformers converts tensors at load (fused
+    MoE experts), or a buffer that neither the files hold nor the model's own initialisation computes."""
     index = safetensors_index(path)
     missing = [name for name, _ in module.named_parameters() if name not in index]
     if missing:
         return (f"the files hold no tensor named {missing[0]!r}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1
                 else "") + ": transformers converts them at load (e.g. fused MoE experts)")
+    dry = copy.deepcopy(module)  # (on the meta device: no memory; the flags initialisation sets stay off the model)
+    pending = [name for name, owner, attr in _buffers(dry) if not _from_files(owner, attr, name, index)]
+    if left := _initialise_buffers(dry, pending):
+        return _uninitialised(left)
     return None
 
 
 def load_shards(module: nn.Module, path: str | Path, device: torch.device | str,
                 rename: Callable[[str], str | None] = lambda name: name) -> int:
     """Give ``module`` (parameters on the meta device, split or not) memory on ``device`` for what this rank
-    holds and fill it from the safetensors files in ``path``. ``rename`` maps a parameter name to its name in
-    the files; None means "not in the files": that parameter starts at zero. Returns the bytes read."""
+    holds and fill it from the safetensors files in ``path``. ``rename`` maps a parameter or buffer name to its
+    name in the files; None means "not in the files": that parameter starts at zero. Buffers are initialised as
+    ``from_pretrained`` does (see the module's docstring); a buffer that cannot be is refused (ValueError, by
+    name). Returns the bytes read."""
     index = safetensors_index(path)
     shared = _shared_parameters(module)
     module.to_empty(device=device)  # (may make new Parameter objects: the ones tied together are tied again)
@@ -55,24 +65,30 @@ def load_shards(module: nn.Module, path: str | Path, device: torch.device | str,
         first = getattr(places[0][0], places[0][1])
         for owner, attr in places[1:]:
             setattr(owner, attr, first)
+    pending, stored = [], []  # buffers to initialise; buffers the files hold (persistent ones only, as transformers)
+    for name, owner, attr in _buffers(module):
+        key = rename(name)
+        (stored if key is not None and _from_files(owner, attr, key, index) else pending).append((name, key))
     files, read = {}, 0
+    tensors = [(name, rename(name), p) for name, p in module.named_parameters()]
+    tensors += [(name, key, module.get_buffer(name)) for name, key in stored]
     try:
         with torch.no_grad():
-            for name, p in module.named_parameters():
+            for name, key, p in tensors:
                 local, start = _local_view(p)
-                key = rename(name)
                 if key is None:
                     local.zero_()
                     continue
                 if key not in index:
-                    raise KeyError(f"{path}: no tensor {key!r} (for parameter {name!r}) in the safetensors files")
+                    raise KeyError(f"{path}: no tensor {key!r} (for {name!r}) in the safetensors files")
                 if index[key] not in files:
                     files[index[key]] = SafetensorsFile(index[key])
                 read += files[index[key]].read_into(key, start, local, expect=tuple(p.shape), what=name)
     finally:
         for f in files.values():
             f.close()
-    _reset_rotary(module, device)
+    if left := _initialise_buffers(module, [name for name, _ in pending]):  # (after loading, as from_pretrained)
+        raise ValueError(f"{path}: cannot load into shards: {_uninitialised(left)}")
     return read
 
 
@@ -158,9 +174,49 @@ def _local_view(p: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
     return p.to_local(), tuple(offset)
 
 
-def _reset_rotary(module: nn.Module, device) -> None:
-    """Rotary embedding modules hold tables computed from the config, not stored: compute them again."""
-    for parent in list(module.modules()):
-        for child_name, child in list(parent.named_children()):
-            if type(child).__name__.endswith("RotaryEmbedding") and hasattr(child, "config"):
-                setattr(parent, child_name, type(child)(child.config).to(device))
+def _buffers(module: nn.Module):
+    """(name, owning module, attribute) of every buffer of ``module``."""
+    for prefix, owner in module.named_modules(remove_duplicate=False):
+        for attr, b in owner._buffers.items():
+            if b is not None:
+                yield (f"{prefix}.{attr}" if prefix else attr), owner, attr
+
+
+def _from_files(owner: nn.Module, attr: str, key: str, index: dict) -> bool:
+    """Whether a buffer comes from the files: a persistent one they hold. (from_pretrained ignores a stored copy
+    of a non-persistent buffer, like the rotary tables old checkpoints kept, and computes it.)"""
+    return key in index and attr not in owner._non_persistent_buffers_set
+
+
+def _initialise_buffers(module: nn.Module, names: list[str]) -> list[str]:
+    """Compute the buffers ``names`` of ``module`` as ``from_pretrained`` does after it loaded the files: every
+    other tensor is marked loaded (transformers' ``_is_hf_initialized``) and the model's own ``initialize_weights``
+    runs, which skips what is marked. Returns the names it did not write (their content is still garbage)."""
+    if not names:
+        return []
+    from transformers import PreTrainedModel
+
+    before = {name: (module.get_buffer(name), module.get_buffer(name)._version) for name in names}
+    for t in list(module.parameters()) + list(module.buffers()):
+        t._is_hf_initialized = True
+    for b, _ in before.values():
+        b._is_hf_initialized = False
+    for m in module.modules():  # (a module marked done is skipped whole)
+        m._is_hf_initialized = False
+    with torch.no_grad():
+        for model in _outermost(module, PreTrainedModel):
+            model.initialize_weights()
+    # written in place (its version moved) or replaced by a new tensor
+    return [name for name, (b, version) in before.items() if module.get_buffer(name) is b and b._version == version]
+
+
+def _outermost(module: nn.Module, kind: type) -> list[nn.Module]:
+    """The submodules of ``kind`` (``module`` itself included) that no other one of ``kind`` contains."""
+    if isinstance(module, kind):
+        return [module]
+    return [found for child in module.children() for found in _outermost(child, kind)]
+
+
+def _uninitialised(names: list[str]) -> str:
+    return (f"buffer {names[0]!r}" + (f" (and {len(names) - 1} more)" if len(names) > 1 else "") + " is not in the "
+            "files and the model's own initialisation does not compute it")
