@@ -114,8 +114,8 @@ class RolloutManager:
         take_counts = getattr(self.c.engine, "take_counts", None)  # the router: failovers and engine events
         if take_counts is not None:
             metrics |= take_counts()
-        if "agent" in self.ctx.extra:  # the proxy: calls, 429s, idle sessions, bad requests
-            metrics |= self.ctx.extra["agent"].proxy.take_counts()
+        if "agent" in self.ctx.extra:  # the proxy: calls, 429s, idle sessions, bad requests; agents stopped
+            metrics |= self.ctx.extra["agent"].take_counts()
         self.step_dropped, self.step_drawn = Counter(), 0
         self.taken = step
         return groups, metrics

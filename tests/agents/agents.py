@@ -83,3 +83,70 @@ def gives_up_on_429(base_url, api_key, row):
                  for _ in range(8)]
         answers = [c.result() for c in calls]
     return _even_fraction(answers[0].choices[0].model_extra["token_ids"])
+
+
+# ---- hung agents (agent.timeout_s): STROP_TEST_HANG_DIR is where they leave their marks --------------
+RELEASE = threading.Event()  # (threads) lets a hung agent return
+AFTER_RELEASE: list[int] = []  # (threads) the status of the call a hung agent made after strop gave up on it
+HUNG: list[threading.Thread] = []  # (threads) where it hangs
+
+
+def _hang_dir():
+    import os
+    from pathlib import Path
+
+    return Path(os.environ["STROP_TEST_HANG_DIR"])
+
+
+def hangs_first(base_url, api_key, row):
+    """The first run (of any thread or process) makes one call, starts a child process and then
+    blocks: once the next run has started (so strop has given up on it), it calls again, notes what
+    it got in AFTER_RELEASE and blocks until RELEASE. The others are two_calls. Every run writes
+    when it started to ``starts``."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    d = _hang_dir()
+    with open(d / "starts", "a") as f:
+        f.write(f"{time.time()}\n")
+    try:
+        os.close(os.open(d / "hung", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return two_calls(base_url, api_key, row)
+    client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    client.chat.completions.create(model="policy", messages=row["messages"], max_tokens=4)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    (d / "pids").write_text(f"{os.getpid()} {child.pid}")
+    HUNG.append(threading.current_thread())
+    deadline = time.monotonic() + 60
+    while len((d / "starts").read_text().split()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)  # (a worker process is killed in here)
+    child.kill()
+    child.wait()
+    try:
+        client.chat.completions.create(model="policy", messages=row["messages"], max_tokens=4)
+        AFTER_RELEASE.append(200)
+    except openai.APIStatusError as exc:
+        AFTER_RELEASE.append(exc.status_code)
+    RELEASE.wait(60)
+    return 1.0
+
+
+async def hangs_async(base_url, api_key, row):
+    """An async agent that never returns: cancelled at agent.timeout_s, its thread ends."""
+    import asyncio
+
+    await asyncio.sleep(60)
+
+
+def by_row(base_url, api_key, row):
+    """No model call: exits its process, sleeps or returns, as its row says (worker tests)."""
+    import os
+    import time
+
+    if row.get("exit"):
+        os._exit(3)
+    time.sleep(row.get("sleep", 0))
+    return row.get("reward")

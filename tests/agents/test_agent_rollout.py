@@ -1,6 +1,9 @@
 """Agent programs (plugins.agent) in real runs on a tiny model: sessions become samples of their group."""
 
+import asyncio
 import json
+import threading
+import time
 
 import pytest
 
@@ -188,3 +191,152 @@ def test_agent_metrics_count_forks_and_endings():
     assert m["agent_forked_session_fraction"] == pytest.approx(1 / 3)
     assert m["agent_calls_per_session"] == pytest.approx(5 / 3)
     assert (m["agent_sessions/completed"], m["agent_sessions/capped"], m["agent_sessions/timeout"]) == (1, 1, 1)
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie is gone: nobody may be left to reap it)."""
+    from tests.proctree import _start_time
+
+    return _start_time(pid) is not None
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("workers", ["threads", "processes"])
+def test_a_hung_agent_is_stopped_at_its_timeout_and_the_next_one_runs(tiny_model_dir, tmp_path, monkeypatch, workers):
+    """agent.timeout_s with one agent at a time: the first agent blocks for good. Its session ends
+    as timeout (aborted, counted); in processes its worker and the child it started are killed, in
+    threads its thread is counted as left running and its later calls are refused; the next agent
+    starts at once and the step trains the other seven sessions."""
+    from tests.agents import agents
+
+    timeout_s = 5.0  # (room for the other sessions, and a worker process's start, on a loaded machine)
+    monkeypatch.setenv("STROP_TEST_HANG_DIR", str(tmp_path))
+    agents.RELEASE.clear()
+    agents.AFTER_RELEASE.clear()
+    agents.HUNG.clear()
+    run_dir = tmp_path / "run"
+    cfg = build_config(overrides=agent_overrides(
+        tiny_model_dir, run_dir, "hangs_first", train={"steps": 1}, data={"eval_size": 0},
+        agent={"workers": workers, "concurrency": 1, "timeout_s": timeout_s}))
+    try:
+        trained = read_samples(rollout_only(cfg))
+        step = next(r for r in metrics_of(run_dir) if r.get("step") == 1 and "reward_mean" in r)
+        assert len(trained) == 7 and all(s["metadata"]["session_calls"] == 2 for s in trained)
+        assert step["agent_sessions_timed_out"] == 1 and step["aborted_fraction"] == pytest.approx(1 / 8)
+        starts = sorted(float(t) for t in (tmp_path / "starts").read_text().split())
+        assert len(starts) == 8
+        assert starts[1] - starts[0] < timeout_s + 10  # the next agent did not wait for the hung one
+        hung, child = (int(p) for p in (tmp_path / "pids").read_text().split())
+        if workers == "processes":
+            assert step["agent_workers_killed"] == 1
+            assert not _alive(hung) and not _alive(child)  # the worker's process group went with it
+        else:
+            assert step["agent_threads_abandoned"] == 1 and step["agent_threads_abandoned_running"] == 1
+            assert len(agents.AFTER_RELEASE) == 1 and 400 <= agents.AFTER_RELEASE[0] < 500  # its session is closed
+            assert len(agents.HUNG) == 1 and agents.HUNG[0].is_alive()  # (what agent_threads_abandoned_running counts)
+            agents.RELEASE.set()
+            agents.HUNG[0].join(30)
+            assert not agents.HUNG[0].is_alive()
+    finally:
+        agents.RELEASE.set()  # (a thread left behind by a failed check ends too)
+
+
+def _hung(release: threading.Event):
+    def agent(base_url, api_key, row):
+        release.wait(30)
+        return 1.0
+    return agent
+
+
+def test_abandoned_agent_threads_are_bounded():
+    """Threads cannot be stopped: up to agent.concurrency of them may still run past their session;
+    with more, a new agent waits for one to end, and the run stops after agent.timeout_s of waiting."""
+    from strop.agents.rollout import ThreadRunner
+    from strop.plugins import PluginError
+
+    release = threading.Event()
+    runner = ThreadRunner(_hung(release), "tests.agents:hung", concurrency=1)
+
+    async def scenario():
+        for _ in range(2):  # two agents whose sessions ended while they ran
+            worker = await runner.ready(timeout_s=1.0)
+            runner.abandon(runner.submit(worker, "http://127.0.0.1:9/v1", "key", {}))
+        assert runner.take_counts() == {"agent_threads_abandoned": 2, "agent_threads_abandoned_running": 2}
+        t0 = time.monotonic()
+        with pytest.raises(PluginError, match="agent.timeout_s.*agent.workers=processes"):
+            await runner.ready(timeout_s=0.5)
+        assert time.monotonic() - t0 >= 0.5
+        asyncio.get_running_loop().call_later(0.2, release.set)
+        t0 = time.monotonic()
+        worker = await runner.ready(timeout_s=10.0)  # one of them ended: room again
+        assert time.monotonic() - t0 < 5
+        future = runner.submit(worker, "http://127.0.0.1:9/v1", "key", {})
+        assert await asyncio.wait_for(future, 5) == 1.0
+        for _ in range(100):
+            if runner.take_counts()["agent_threads_abandoned_running"] == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert runner.take_counts()["agent_threads_abandoned_running"] == 0
+
+    try:
+        asyncio.run(asyncio.wait_for(scenario(), 30))
+    finally:
+        release.set()
+        runner.close()
+
+
+def test_a_timed_out_async_agent_is_cancelled():
+    """An async agent is stopped for real: its thread ends, nothing is left running."""
+    from strop.agents.rollout import ThreadRunner
+    from tests.agents.agents import hangs_async
+
+    runner = ThreadRunner(hangs_async, "tests.agents.agents:hangs_async", concurrency=1)
+
+    async def scenario():
+        worker = await runner.ready(timeout_s=1.0)
+        future = runner.submit(worker, "http://127.0.0.1:9/v1", "key", {})
+        await asyncio.sleep(0.3)  # it is waiting in its own event loop
+        runner.abandon(future)
+        for _ in range(100):
+            if runner.take_counts()["agent_threads_abandoned_running"] == 0:
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError("the cancelled agent's thread still runs")
+
+    try:
+        asyncio.run(asyncio.wait_for(scenario(), 30))
+    finally:
+        runner.close()
+
+
+def test_worker_processes_are_kept_replaced_and_killed():
+    """agent.workers=processes: a worker serves the next agent; one that dies fails only its agent
+    and is replaced; an abandoned agent's worker is killed."""
+    from strop.agents.rollout import ProcessRunner
+
+    runner = ProcessRunner("tests.agents.agents:by_row")
+    url = "http://127.0.0.1:9/v1"
+
+    async def scenario():
+        worker = await runner.ready(timeout_s=60)
+        assert await asyncio.wait_for(runner.submit(worker, url, "k", {"reward": 0.5}), 30) == 0.5
+        kept = await runner.ready(timeout_s=60)
+        assert kept is worker  # (no new process for the next agent)
+        with pytest.raises(RuntimeError, match="exited"):
+            await asyncio.wait_for(runner.submit(kept, url, "k", {"exit": True}), 30)
+        fresh = await runner.ready(timeout_s=60)
+        assert fresh.process.pid != worker.process.pid
+        hung = runner.submit(fresh, url, "k", {"sleep": 600})
+        await asyncio.sleep(0.2)
+        assert "killed" in runner.abandon(hung)
+        for _ in range(100):
+            if not _alive(fresh.process.pid):
+                break
+            await asyncio.sleep(0.05)
+        assert not _alive(fresh.process.pid)
+        assert runner.take_counts() == {"agent_workers_killed": 1}
+
+    try:
+        asyncio.run(asyncio.wait_for(scenario(), 120))
+    finally:
+        runner.close()
