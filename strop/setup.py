@@ -279,7 +279,10 @@ def make_trainer(cfg: Config, policy, tokenizer, hooks: dict, device: torch.devi
                               "process, or load the teacher (algo.distill_teacher), which is split like the policy")
         from strop.engines.teacher import RemoteTeacher
 
-        remote_teacher = RemoteTeacher(cfg.algo.distill_teacher_url, cfg.algo.distill_teacher_kind)
+        token = cfg.algo.distill_teacher_token
+        remote_teacher = RemoteTeacher(cfg.algo.distill_teacher_url, cfg.algo.distill_teacher_kind,
+                                       token=token.get_secret_value() if token else None)
+        remote_teacher.check_tokenizer(tokenizer, f"the student model.path={cfg.model.path!r}")  # as load_teacher
     return Trainer(policy, pad_token_id=tokenizer.pad_token_id, train=cfg.train, algo=cfg.algo,
                    temperature=r.temperature, max_new_tokens=r.max_new_tokens, teacher=teacher,
                    remote_teacher=remote_teacher,

@@ -58,13 +58,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from strop.agents.chat import (ChatInputError, ChatRenderer, calls_end, check_messages, check_tools_schema,
                                parse_reply, stream_pieces)
 from strop.agents.session import Call, ChatState, Choice, Session, SessionLimitError, SessionLimits
-from strop.engines.server import cut_at_stops, sse
+from strop.engines.server import MAX_BODY_BYTES, BodyLimit, cut_at_stops, sse
 from strop.types import Completion, SamplingParams, Sample
 
 log = logging.getLogger("strop.agents")
 MAX_N = 16
 MAX_STOPS = 16  # stop strings per call (OpenAI takes 4)
-MAX_BODY_BYTES = 16 << 20  # a request body; a longer one gets 413
 MAX_NESTING = 64  # JSON objects and lists inside one another in a body (a tool schema: about 30 levels)
 MAX_ERROR_CHARS = 300  # an error message is cut here: whatever came in, the answer is short
 MAX_ENDED_SESSIONS = 1024  # ended sessions kept for collection (strop proxy); past it the oldest are freed
@@ -196,37 +195,6 @@ def _refused(exc: BaseException) -> BaseException | None:
     return None
 
 
-class _BodyLimit:
-    """ASGI wrapper: a request body (sized or chunked) is read whole, at most ``limit()`` bytes, before
-    the app sees it; a longer one gets 413 and the rest is never read."""
-
-    def __init__(self, app, limit):
-        self.app, self.limit = app, limit
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        limit, body, more = self.limit(), bytearray(), True
-        while more:
-            message = await receive()
-            if message["type"] != "http.request":  # the client went away
-                return
-            body += message.get("body", b"")
-            more = message.get("more_body", False)
-            if len(body) > limit:
-                answer = _error(413, f"the request body is over {limit} bytes")
-                return await answer(scope, receive, send)
-        replayed = False
-
-        async def replay():
-            nonlocal replayed
-            if replayed:
-                return await receive()
-            replayed = True
-            return {"type": "http.request", "body": bytes(body), "more_body": False}
-        return await self.app(scope, replay, send)
-
-
 class ClientGone(Exception):
     """The call's client hung up before its answer was ready: the call is dropped."""
 
@@ -285,8 +253,8 @@ class AgentProxy:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.host, self.port))
         self.port = sock.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(_BodyLimit(self.app, lambda: self.max_body_bytes), log_level="warning",
-                                                    lifespan="off",
+        self.server = uvicorn.Server(uvicorn.Config(BodyLimit(self.app, lambda: self.max_body_bytes, _error),
+                                                    log_level="warning", lifespan="off",
                                                     timeout_graceful_shutdown=2))
         self.serving = asyncio.ensure_future(self.server.serve(sockets=[sock]))
         while not self.server.started:

@@ -20,9 +20,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
+import logging
 import math
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
@@ -32,6 +34,8 @@ import torch.nn.functional as F
 from strop.engines.kvdecode import Batch, LlamaDecoder, Row, unsupported_reason
 from strop.openmp import release_threads
 from strop.types import Completion, SamplingParams
+
+log = logging.getLogger("strop.engine")
 
 
 class RequestError(ValueError):
@@ -56,6 +60,9 @@ GREEDY_BELOW = 1e-5  # a temperature below this samples greedily (dividing by it
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 
+# called with (token id, its logprob, {token id: logprob} of the most likely tokens or None) per decoded token
+TokenListener = Callable[[int, float, dict[int, float] | None], None]
+
 
 @dataclass
 class _Request:
@@ -67,6 +74,9 @@ class _Request:
     done_ids: list[int] = field(default_factory=list)
     done_logprobs: list[float] = field(default_factory=list)
     generator: torch.Generator | None = None
+    on_token: TokenListener | None = None
+    top_logprobs: int = 0  # alternatives per token handed to on_token (0: none computed)
+    emitted: int = 0  # tokens of the current row handed to on_token so far
 
     def completion(self, token_ids: list[int], logprobs: list[float], finish: str, version: int) -> Completion:
         return Completion(self.done_ids + token_ids, self.done_logprobs + logprobs, finish, version)
@@ -135,17 +145,24 @@ class EmbeddedEngine:
             self.decode_path += ", from the trainer's own weights (engine.share_weights: no copy)"
 
     # ---- the async interface -------------------------------------------------------------
-    async def generate(self, prompt_ids: list[int], sampling: SamplingParams,
-                       request_id: str | None = None) -> Completion:
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams, request_id: str | None = None, *,
+                       on_token: TokenListener | None = None, top_logprobs: int = 0) -> Completion:
         """Generate for one prompt; concurrent calls are decoded together. ``request_id`` lets
         :meth:`abort` end this request alone. A bad request raises :class:`RequestError` here,
-        before it can reach (and fail) a batch."""
-        self._check_length(prompt_ids, sampling)
-        self._check_request(prompt_ids, sampling)
+        before it can reach (and fail) a batch.
+
+        ``on_token(token_id, logprob, top)`` is called on the event loop for each token as it is
+        decoded (every token before this call returns; the fallback path's static batches call it
+        as their steps run too). ``top`` is ``{token_id: logprob}`` of the ``top_logprobs`` most
+        likely tokens at that position, under the same distribution as ``logprob`` (the logits
+        divided by the temperature, 1 when greedy); None when ``top_logprobs`` is 0, and only then
+        is nothing extra computed."""
+        self.check(prompt_ids, sampling, top_logprobs)
         if request_id is not None and self._aborted_ids.pop(request_id, None) is not None:
             return Completion([], [], "abort", self.weight_version)  # aborted before it arrived
         future = asyncio.get_running_loop().create_future()
-        self._pending.append(_Request(list(prompt_ids), sampling, future, request_id))
+        self._pending.append(_Request(list(prompt_ids), sampling, future, request_id, on_token=on_token,
+                                      top_logprobs=top_logprobs if on_token is not None else 0))
         self._kick()
         return await future
 
@@ -166,7 +183,8 @@ class EmbeddedEngine:
             try:
                 results = await self._decode_static(batch)
                 if isinstance(results, Exception) and len(batch) > 1:  # find whom it concerns: each alone
-                    results = [await self._decode_static([r]) for r in batch]
+                    # (a request whose listener already has tokens fails: they cannot be taken back)
+                    results = [await self._decode_static([r]) if not r.emitted else results for r in batch]
                     results = [r if isinstance(r, Exception) else r[0] for r in results]
             except asyncio.CancelledError:  # cancelled: so are the requests it carried, then stop
                 self._abort_gen += 1  # the decode thread stops at its next step
@@ -178,11 +196,17 @@ class EmbeddedEngine:
                 self._settle(r, c)
 
     async def _decode_static(self, batch: list[_Request]) -> list[Completion] | Exception:
-        """One static batch through :meth:`generate_batch`; an engine error is returned, not raised."""
+        """One static batch through :meth:`_decode`; an engine error is returned, not raised."""
+        loop = asyncio.get_running_loop()
+
+        def listener(r: _Request):  # the decode thread hands each token to the event loop, in order
+            return None if r.on_token is None else (
+                r.top_logprobs, lambda *token: loop.call_soon_threadsafe(self._emit_one, r, *token))
         try:
             async with self._busy:
-                return await self._off_loop(self.generate_batch, [r.prompt_ids for r in batch],
-                                               [r.sampling for r in batch], [r.request_id for r in batch])
+                return await self._off_loop(self._locked, self._decode, [r.prompt_ids for r in batch],
+                                            [r.sampling for r in batch], [r.request_id for r in batch],
+                                            [listener(r) for r in batch])
         except Exception as exc:
             return exc
 
@@ -228,6 +252,7 @@ class EmbeddedEngine:
                     finished, failed = await self._off_loop(self._locked, self._advance, batch,
                                                                [r.owner.prompt_ids for r in admitted], admitted)
                     admitted = []
+                    self._emit(batch.rows + finished)  # before any row is answered
                     for row in finished:
                         self._answer(row)
                     for row, exc in failed:
@@ -284,11 +309,29 @@ class EmbeddedEngine:
         for prompt, row in zip(prompts, rows):
             row.token_ids.clear()  # a failed admission may have recorded a first token
             row.logprobs.clear()
+            row.top_logprobs.clear()
             row.finish = None
             done, bad = self._admit(batch, [prompt], [row])
             finished += done
             failed += bad
         return finished, failed
+
+    def _emit(self, rows: list[Row]) -> None:
+        """Hand each listening request the tokens its row decoded since the last call."""
+        for row in rows:
+            req = row.owner
+            if req is not None and req.on_token is not None:
+                for i in range(req.emitted, len(row.token_ids)):
+                    self._emit_one(req, row.token_ids[i], row.logprobs[i],
+                                   row.top_logprobs[i] if req.top_logprobs else None)
+
+    def _emit_one(self, req: _Request, token: int, logprob: float, top: dict[int, float] | None) -> None:
+        req.emitted += 1
+        try:
+            req.on_token(token, logprob, top)
+        except Exception:  # the listener's fault, never the batch's: it hears nothing more
+            log.exception("embedded engine: a token listener failed; it is dropped")
+            req.on_token = None
 
     def _answer(self, row: Row) -> None:
         self._settle(row.owner, row.owner.completion(row.token_ids, row.logprobs, row.finish, self.weight_version))
@@ -321,7 +364,8 @@ class EmbeddedEngine:
         req = row.owner
         return _Request(req.prompt_ids + row.token_ids, replace(req.sampling, max_new_tokens=(
                         req.sampling.max_new_tokens - len(row.token_ids))), req.future, req.request_id,
-                        req.done_ids + row.token_ids, req.done_logprobs + row.logprobs, row.generator)
+                        req.done_ids + row.token_ids, req.done_logprobs + row.logprobs, row.generator,
+                        req.on_token, req.top_logprobs)  # (its tokens so far were handed over already)
 
     def _row(self, prompt_ids, sampling: SamplingParams, request_id=None, owner=None) -> Row:
         generator = owner.generator if owner is not None and owner.generator is not None else (
@@ -339,7 +383,13 @@ class EmbeddedEngine:
         t = torch.tensor([r.sampling.temperature for r in rows], dtype=torch.float32, device=dev)
         p = torch.tensor([r.sampling.top_p for r in rows], dtype=torch.float32, device=dev)
         k = torch.tensor([min(r.sampling.top_k, logits.shape[-1]) for r in rows], dtype=torch.long, device=dev)
-        return self._sample(logits, t, p, k, [r.generator for r in rows])
+        want = [r.owner.top_logprobs if r.owner is not None else 0 for r in rows]
+        if not any(want):  # the usual case: no alternatives computed
+            return self._sample(logits, t, p, k, [r.generator for r in rows])
+        tokens, logprobs, (values, ids) = self._sample(logits, t, p, k, [r.generator for r in rows], max(want))
+        for r, n, v, i in zip(rows, want, values.tolist(), ids.tolist()):  # one entry per token recorded
+            r.top_logprobs.append(dict(zip(i[:n], v[:n])) if n else None)
+        return tokens, logprobs
 
     def _load(self, fn, *args):
         """A weight load; the fast decoder's fused copies are rebuilt after it (a broadcast into the
@@ -467,6 +517,34 @@ class EmbeddedEngine:
 
         return await self._drained(reference_logprobs, self.model, list(ids)) if len(ids) > 1 else []
 
+    async def prompt_logprobs(self, ids: list[int], temperature: float = 1.0,
+                              top_logprobs: int = 0) -> tuple[list[float], list[dict[int, float] | None]]:
+        """The logprob of each token of ``ids`` after the first given the ones before it, and (with
+        ``top_logprobs``) the most likely tokens at each of those positions, ``{token_id: logprob}``
+        (else None): an echoed prompt's logprobs. The distribution is the one sampled tokens are
+        scored under, logits / ``temperature`` (1 when greedy), on the current weights, between batches."""
+        self.check(ids, SamplingParams(temperature=temperature, max_new_tokens=1), top_logprobs)
+        if len(ids) < 2:
+            return [], []
+        t = 1.0 if temperature < GREEDY_BELOW else temperature
+        return await self._drained(self._prompt_logprobs, list(ids), t, top_logprobs)
+
+    @torch.no_grad()
+    def _prompt_logprobs(self, ids: list[int], temperature: float, top_logprobs: int):
+        was_training = self.model.training
+        self.model.eval()  # (a shared model is the trainer's: its mode is put back)
+        try:
+            x = torch.tensor([ids], device=self.device)
+            logits = self.model(input_ids=x).logits[0, :-1].float()  # (P - 1, V): each predicts the next token
+        finally:
+            self.model.train(was_training)
+        lp = torch.log_softmax(logits / temperature, dim=-1)
+        picked = lp.gather(-1, x[0, 1:, None]).squeeze(-1).tolist()
+        if not top_logprobs:
+            return picked, [None] * len(picked)
+        values, top_ids = (t.tolist() for t in torch.topk(lp, min(top_logprobs, lp.shape[-1]), dim=-1))
+        return picked, [dict(zip(i, v)) for i, v in zip(top_ids, values)]
+
     async def weights_checksum(self) -> str:
         """:func:`strop.engines.http.state_checksum` of :meth:`weights`, in a thread, between decode steps."""
         from strop.engines.http import state_checksum
@@ -543,6 +621,14 @@ class EmbeddedEngine:
         return True
 
     # ---- the batched decode loop ---------------------------------------------------------
+    def check(self, prompt_ids: list[int], sampling: SamplingParams, top_logprobs: int = 0) -> None:
+        """Raise :class:`RequestError` for a request :meth:`generate` would refuse (what a server checks
+        before it answers a stream's first byte)."""
+        self._check_length(prompt_ids, sampling)
+        self._check_request(prompt_ids, sampling)
+        if not 0 <= top_logprobs <= self.vocab_size:
+            raise RequestError(f"top_logprobs {top_logprobs} must be in [0, {self.vocab_size}] (the vocabulary)")
+
     def _check_length(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
         if not prompt_ids:
             raise RequestError("empty prompt: a request needs at least one token")
@@ -595,8 +681,11 @@ class EmbeddedEngine:
         self._fast.release()
         return [Completion(r.token_ids, r.logprobs, r.finish, version) for r in rows]
 
+    @torch.no_grad()
     def _decode(self, prompts: list[list[int]], samplings: list[SamplingParams],
-                request_ids: list[str | None]) -> list[Completion]:
+                request_ids: list[str | None], listeners: list | None = None) -> list[Completion]:
+        """The fallback path's static batch. ``listeners``: per row None or (top_logprobs, fn), fn called
+        from this thread with (token, logprob, top alternatives or None) as each token is decoded."""
         from transformers import DynamicCache
 
         n = len(prompts)
@@ -620,6 +709,8 @@ class EmbeddedEngine:
         generators = [
             torch.Generator().manual_seed(s.seed) if s.seed is not None else None for s in samplings
         ]
+        listeners = listeners or [None] * n
+        top_n = max((li[0] for li in listeners if li is not None), default=0)
 
         out_ids: list[list[int]] = [[] for _ in range(n)]
         out_lp: list[list[float]] = [[] for _ in range(n)]
@@ -639,12 +730,16 @@ class EmbeddedEngine:
             )
             logits = out.logits[:, -1, :].float()  # (B, V)
             rows = active.tolist()
-            tokens, logprobs = self._sample(logits, temperature[active], top_p[active], top_k[active],
-                                            [generators[r] for r in rows])
+            tokens, logprobs, *top = self._sample(logits, temperature[active], top_p[active], top_k[active],
+                                                  [generators[r] for r in rows], top_n)
+            top_values, top_ids = (t.tolist() for t in top[0]) if top else ([None] * len(rows),) * 2
             keep = []
             for j, (r, tok, lp) in enumerate(zip(rows, tokens.tolist(), logprobs.tolist())):
                 out_ids[r].append(tok)
                 out_lp[r].append(lp)
+                if listeners[r] is not None:
+                    k = listeners[r][0]
+                    listeners[r][1](tok, lp, dict(zip(top_ids[j][:k], top_values[j][:k])) if k else None)
                 if tok in stop_sets[r]:
                     finish[r] = "stop"
                 elif len(out_ids[r]) >= budgets[r]:
@@ -664,8 +759,10 @@ class EmbeddedEngine:
             step_pos = step_pos[:, -1:] + 1
         return [Completion(out_ids[i], out_lp[i], finish[i], version) for i in range(n)]
 
-    def _sample(self, logits, temperature, top_p, top_k, generators):
-        """Pick one token per row; return it and its logprob under logits / temperature."""
+    def _sample(self, logits, temperature, top_p, top_k, generators, top_n: int = 0):
+        """Pick one token per row; return it and its logprob under logits / temperature. With ``top_n``
+        also the ``top_n`` largest logprobs of each row under that distribution and their token ids,
+        ((B, top_n), (B, top_n)), most likely first."""
         greedy = temperature < GREEDY_BELOW
         any_greedy = bool(greedy.any())
         t = torch.where(greedy, torch.ones_like(temperature), temperature)
@@ -702,7 +799,10 @@ class EmbeddedEngine:
         tokens = torch.where(greedy, torch.argmax(logits, dim=-1), sampled) if any_greedy else sampled
         # logprob under the full temperature-scaled distribution (what the trainer computes)
         logprobs = scaled.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - lse.squeeze(-1)
-        return tokens, logprobs
+        if not top_n:
+            return tokens, logprobs
+        values, ids = torch.topk(scaled, min(top_n, scaled.shape[-1]), dim=-1)  # (B, top_n)
+        return tokens, logprobs, (values - lse, ids)
 
 
 _CHUNK = 1024  # vocabulary entries per block of the two-level sampler

@@ -68,6 +68,7 @@ class Row:
     abort_gen: int = 0
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list = field(default_factory=list)  # per token, filled by a sampler asked for alternatives
     finish: str | None = None
 
 

@@ -9,7 +9,9 @@ Routes (SGLang names and payloads, so one client serves both):
   POST /init_weights_update_group, /update_weights_from_distributed, /destroy_weights_update_group
   POST /update_weight_version {new_version};  GET|POST /weights_checker {action: "checksum"}
   GET  /weights_manifest  (strop's own: the names, dtypes and shapes an update must carry)
-  POST /v1/completions, /v1/chat/completions  (token ids and logprobs included; stream, stop, n)
+  POST /tokenize {prompt, add_special_tokens}  (as SGLang and vLLM: {tokens, count, max_model_len})
+  POST /v1/completions, /v1/chat/completions  (token ids, logprobs and up to 20 top logprobs included;
+                                              echo; stream (a chunk per decoded token), stop, n)
 
 A broadcast update, as SGLang 0.5.23 takes it: pause, begin, one update call per bucket (each
 joins the trainer's broadcast on the group), end, continue. From begin to end no batch runs,
@@ -19,7 +21,8 @@ Concurrent requests are batched by the engine. Access: open on 127.0.0.1 without
 with a token every route but /health needs ``Authorization: Bearer <token>`` (generation
 routes stay open with ``public_generate``); bound elsewhere it refuses to start without one.
 Weights load from disk only from inside ``weights_dir``. A bad request gets a 4xx with a
-message and fails alone (requests batched with it are answered); the server keeps serving.
+message and fails alone (requests batched with it are answered); the server keeps serving. A
+request body over ``max_body_bytes`` (16 MiB) is refused with 413 before any of it is parsed.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterable, Callable, Iterable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -46,13 +50,16 @@ from strop.types import Completion, SamplingParams
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 GENERATION_ROUTES = ("/generate", "/health_generate", "/get_weight_version", "/model_info", "/v1/completions",
-                     "/v1/chat/completions", "/v1/models")  # opened to all by public_generate
+                     "/v1/chat/completions", "/v1/models", "/tokenize")  # opened to all by public_generate
 MAX_N = 128  # choices per request
+MAX_LOGPROBS = 20  # most likely tokens per position a request may ask for (vLLM's default max_logprobs)
+MAX_BODY_BYTES = 16 << 20  # a request body; a longer one gets 413 (strop serve and the agent proxy)
 log = logging.getLogger("strop.serve")
 
 Seed = Annotated[int, Field(ge=0, lt=2**64)]  # what a torch.Generator takes (negative seeds refused)
 StopString = Annotated[str, Field(min_length=1)]
 Version = Annotated[int, Field(ge=0, lt=2**63)]  # "7" is read as 7; "default" is refused
+Rid = Annotated[str, Field(max_length=512)]  # a request id is echoed back: a name, not a payload
 
 
 class _Body(BaseModel):
@@ -109,13 +116,13 @@ class GenerateBody(_Body):
     logprob_start_len: int = Field(-1, ge=-1, description="with return_logprob: also the logprobs of the "
                                    "prompt's tokens from this index on (input_token_logprobs; -1: none)")
     top_logprobs_num: int = Field(0, ge=0, le=0)
-    rid: str | list[str] | None = None
+    rid: Rid | list[Rid] | None = None
     stream: bool = False
     log_metrics: bool = True
 
 
 class AbortBody(_Body):
-    rid: str = ""
+    rid: Rid = ""
     abort_all: bool = False
 
 
@@ -187,6 +194,12 @@ class CheckerBody(_Body):
     action: str = "checksum"
 
 
+class TokenizeBody(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # (SGLang's and vLLM's clients may send model and more)
+    prompt: StrictStr
+    add_special_tokens: bool = True
+
+
 class _OpenAIBody(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)  # OpenAI clients send many optional fields
     temperature: float | None = Field(None, ge=0)
@@ -212,17 +225,21 @@ class _OpenAIBody(BaseModel):
 
 class CompletionBody(_OpenAIBody):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(None, gt=0, le=2**31 - 1)
-    logprobs: int | None = Field(None, ge=0, le=0, description="0: the sampled tokens' logprobs (strop serve knows no "
-                                 "top alternatives, so more is refused)")
-    echo: bool | None = Field(False, description="refused: strop does not score the prompt")
+    max_tokens: int | None = Field(None, ge=0, le=2**31 - 1, description="0 (with echo): no generation, the "
+                                   "prompt's logprobs only (lm-eval-harness's loglikelihood)")
+    logprobs: int | None = Field(None, ge=0, description="the sampled tokens' logprobs and, per token, the logprobs "
+                                 f"of this many most likely tokens (at most {MAX_LOGPROBS})")
+    echo: bool | None = Field(False, description="the prompt before the text; with logprobs, the prompt tokens' "
+                              "logprobs first (the first token's null)")
     best_of: int | None = None
     suffix: str | None = None
 
     @model_validator(mode="after")
     def _supported(self):
-        if self.echo or self.suffix or self.best_of not in (None, self.n or 1):
-            raise ValueError("echo, suffix and best_of (other than n) are not supported by strop serve")
+        if self.suffix or self.best_of not in (None, self.n or 1):
+            raise ValueError("suffix and best_of (other than n) are not supported by strop serve")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens 0 generates nothing: it needs echo (the prompt and its logprobs)")
         return self
 
 
@@ -231,7 +248,8 @@ class ChatBody(_OpenAIBody):
     max_tokens: int | None = Field(None, gt=0, le=2**31 - 1)
     max_completion_tokens: int | None = Field(None, gt=0, le=2**31 - 1)
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(None, ge=0, le=0, description="only the sampled token's logprob is known")
+    top_logprobs: int | None = Field(None, ge=0, description=f"with logprobs, the most likely tokens at each "
+                                     f"position (at most {MAX_LOGPROBS})")
     response_format: dict | None = None
 
     @model_validator(mode="after")
@@ -289,11 +307,44 @@ def _check_state(state: dict, own: dict, digests: dict | None) -> None:
             raise ValueError(f"{what}: {names[:5]}")
 
 
+class BodyLimit:
+    """ASGI wrapper: a request body (sized or chunked) is read whole, at most ``limit()`` bytes, before
+    the app sees it; a longer one gets ``error(413, message)`` (a short message that repeats none of
+    the input) and the rest is never read. strop serve and the agent proxy both use it."""
+
+    def __init__(self, app, limit: Callable[[], int], error: Callable[[int, str], Any]):
+        self.app, self.limit, self.error = app, limit, error
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        limit, body, more = self.limit(), bytearray(), True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away
+                return
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > limit:
+                answer = self.error(413, f"the request body is over {limit} bytes")
+                return await answer(scope, receive, send)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": bytes(body), "more_body": False}
+        return await self.app(scope, replay, send)
+
+
 def create_app(engine: EmbeddedEngine, *, tokenizer=None, token: str | None = None, model_name: str = "strop",
-               public_generate: bool = False, weights_dir: str | None = None):
+               public_generate: bool = False, weights_dir: str | None = None, max_body_bytes: int = MAX_BODY_BYTES):
     """The FastAPI application around ``engine``. ``token``: needed on every route but /health
     (generation routes stay open with ``public_generate``). ``weights_dir``: the only folder
-    /update_weights_from_disk reads (None: that route is refused)."""
+    /update_weights_from_disk reads (None: that route is refused). ``max_body_bytes``: a longer
+    request body gets 413 on every route."""
     app = FastAPI(title="strop serve", docs_url=None, redoc_url=None, openapi_url=None)
     warned: set[str] = set()
 
@@ -328,10 +379,8 @@ def create_app(engine: EmbeddedEngine, *, tokenizer=None, token: str | None = No
             raise HTTPException(status_code=400, detail="a text prompt needs a tokenizer; send token ids")
         return tokenizer(text, add_special_tokens=True)["input_ids"]
 
-    async def complete(ids: list[int], sampling: SamplingParams, rid: str | None, stops: list[str],
-                       skip_special_tokens: bool = True) -> tuple[Completion, str, str | None]:
-        """One generation, cut after the first stop string: (completion, its text up to and
-        without the stop string, the stop string matched)."""
+    def check_job(ids: list[int], sampling: SamplingParams, stops: list[str], top: int = 0) -> None:
+        """Refuse (400) a generation the engine would refuse, before it starts (or a stream's first byte)."""
         if sampling.max_new_tokens >= engine.context_window:  # no prompt leaves room for it (a shorter
             # limit that runs past the window with this prompt ends there, finish reason "length")
             raise HTTPException(status_code=400, detail=f"max_new_tokens {sampling.max_new_tokens} is not below "
@@ -339,10 +388,25 @@ def create_app(engine: EmbeddedEngine, *, tokenizer=None, token: str | None = No
         if stops and tokenizer is None:
             raise HTTPException(status_code=400, detail="stop strings need a tokenizer; send stop_token_ids")
         try:
-            out = await engine.generate(ids, sampling, request_id=rid)
+            engine.check(ids, sampling, top)
         except RequestError as exc:
             raise HTTPException(status_code=400, detail=str(exc)) from exc
-        return cut_at_stops(out, stops, lambda ids: decode(ids, skip_special_tokens))
+
+    async def complete(ids: list[int], sampling: SamplingParams, rid: str | None, stops: list[str],
+                       skip_special_tokens: bool = True, top: int = 0) -> tuple[Completion, str, str | None, list]:
+        """One generation, cut after the first stop string: (completion, its text up to and
+        without the stop string, the stop string matched, per token its ``top`` most likely
+        alternatives ``{token_id: logprob}``, or None each when ``top`` is 0)."""
+        check_job(ids, sampling, stops, top)
+        heard: list = []  # per token (id, logprob, alternatives), as decoded
+        try:
+            out = await engine.generate(ids, sampling, request_id=rid, top_logprobs=top,
+                                        on_token=(lambda *token: heard.append(token)) if top else None)
+        except RequestError as exc:
+            raise HTTPException(status_code=400, detail=str(exc)) from exc
+        out, text, matched = cut_at_stops(out, stops, lambda ids: decode(ids, skip_special_tokens))
+        tops = [alternatives for _, _, alternatives in heard] if top else [None] * len(out.token_ids)
+        return out, text, matched, tops[: len(out.token_ids)]
 
     def sampling_of(temperature, top_p, top_k, max_new_tokens, stop_ids, seed) -> SamplingParams:
         return SamplingParams(temperature=1.0 if temperature is None else temperature,
@@ -409,7 +473,7 @@ def create_app(engine: EmbeddedEngine, *, tokenizer=None, token: str | None = No
         outs = await asyncio.gather(*(complete(ids, s, rid, stops, sp.skip_special_tokens)
                                       for ids, sp, rid, s, stops in jobs))
         answers = []
-        for (ids, sp, rid, _, _), (out, text, matched) in zip(jobs, outs):
+        for (ids, sp, rid, _, _), (out, text, matched, _) in zip(jobs, outs):
             reason = {"type": out.finish_reason}
             if matched is not None:
                 reason["matched"] = matched
@@ -609,6 +673,13 @@ def create_app(engine: EmbeddedEngine, *, tokenizer=None, token: str | None = No
         engine.weight_version = version
         return {"success": True, "message": f"weight version set to {version}", "weight_version": version}
 
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeBody):  # a client compares tokenizers by it (a distillation teacher's)
+        if tokenizer is None:
+            raise HTTPException(status_code=400, detail="/tokenize needs a tokenizer (start with a model folder)")
+        ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"tokens": ids, "count": len(ids), "max_model_len": engine.context_window}
+
     @app.get("/weights_manifest")
     async def weights_manifest():
         """The model's tensors, each once (aliases dropped): a trainer compares its own before it
@@ -629,53 +700,206 @@ def create_app(engine: EmbeddedEngine, *, tokenizer=None, token: str | None = No
                                 "strop serve (only 'checksum')")
         return {"success": True, "checksum": await engine.weights_checksum(), "weight_version": engine.weight_version}
 
-    async def openai_choices(prompts: list[list[int]], body: _OpenAIBody, max_tokens: int):
-        """n choices per prompt (prompt-major, as OpenAI numbers them): [(prompt index, completion, text)]."""
-        n = body.n or 1
-        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        jobs = [(p, sampling_of(body.temperature, body.top_p, body.top_k, max_tokens, None, seed))
-                for p in range(len(prompts)) for seed in seeds(body.seed, n)]
-        outs = await asyncio.gather(*(complete(prompts[p], s, None, stops) for p, s in jobs))
-        return [(p, out, text) for (p, _), (out, text, _) in zip(jobs, outs)]
+    def stops_of(body: _OpenAIBody) -> list[str]:
+        return [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+
+    def openai_jobs(prompts: list[list[int]], body: _OpenAIBody, max_tokens: int) -> list[tuple[int, SamplingParams]]:
+        """n jobs per prompt (prompt-major, as OpenAI numbers choices): [(prompt index, sampling)]."""
+        return [(p, sampling_of(body.temperature, body.top_p, body.top_k, max_tokens, None, seed))
+                for p in range(len(prompts)) for seed in seeds(body.seed, body.n or 1)]
+
+    async def openai_choices(prompts: list[list[int]], body: _OpenAIBody, max_tokens: int, top: int = 0):
+        """n choices per prompt: [(prompt index, completion, text, top alternatives per token)]."""
+        jobs = openai_jobs(prompts, body, max_tokens)
+        outs = await asyncio.gather(*(complete(prompts[p], s, None, stops_of(body), top=top) for p, s in jobs))
+        return [(p, out, text, tops) for (p, _), (out, text, _, tops) in zip(jobs, outs)]
 
     def finish(out: Completion) -> str:
         return "length" if out.finish_reason == "abort" else out.finish_reason  # OpenAI has no "abort"
 
-    def usage(prompts, choices) -> dict:
+    def usage(prompts, completion_tokens: int) -> dict:
         prompt = sum(len(p) for p in prompts)
-        done = sum(len(out.token_ids) for _, out, _ in choices)
-        return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+        return {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
+                "total_tokens": prompt + completion_tokens}
 
     def include_usage(body: _OpenAIBody) -> bool:
         return bool((body.stream_options or {}).get("include_usage"))
 
+    def at_most_max_logprobs(name: str, n: int | None) -> None:
+        if n is not None and n > MAX_LOGPROBS:  # (vLLM's max_logprobs refusal: 400)
+            raise HTTPException(status_code=400, detail=f"{name}: {n} is above {MAX_LOGPROBS}, the most likely "
+                                "tokens per position strop serve returns at most")
+
+    def token_text(t: int) -> str:
+        return decode([t], False) if tokenizer is not None else str(t)
+
+    def completion_logprobs(ids: list[int], logprobs: list, tops: list, offset: int = 0) -> dict:
+        """OpenAI's (and vLLM's) completion logprobs: per token its text, its logprob, a dict of the
+        token and its most likely alternatives by text (None where a token has no logprob: an
+        echoed prompt's first), and its offset in the text (cumulative token lengths from ``offset``)."""
+        tokens = [token_text(t) for t in ids]
+        offsets = []
+        for token in tokens:
+            offsets.append(offset)
+            offset += len(token)
+        top = [None if lp is None else {token: _json_logprob(lp), **{token_text(a): _json_logprob(v)
+                                                                      for a, v in (alternatives or {}).items()}}
+               for token, lp, alternatives in zip(tokens, logprobs, tops)]
+        return {"tokens": tokens, "token_logprobs": [None if lp is None else _json_logprob(lp) for lp in logprobs],
+                "top_logprobs": top, "text_offset": offsets}
+
+    def chat_logprobs(ids: list[int], logprobs: list[float], tops: list) -> dict:
+        """OpenAI's chat logprobs: per token its text, bytes, logprob and its most likely tokens, most likely first."""
+        def entry(t: int, lp: float) -> dict:
+            text = token_text(t)
+            return {"token": text, "logprob": _json_logprob(lp), "bytes": list(text.encode())}
+        return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, v) for a, v in (alternatives or {}).items()],
+                             "token_id": t} for t, lp, alternatives in zip(ids, logprobs, tops)]}
+
+    async def prompt_scores(ids: list[int], temperature: float | None, top: int) -> tuple[list, list]:
+        """An echoed prompt's logprobs and alternatives, one per token (the first None: nothing before it)."""
+        try:
+            logprobs, tops = await engine.prompt_logprobs(ids, 1.0 if temperature is None else temperature, top)
+        except RequestError as exc:
+            raise HTTPException(status_code=400, detail=f"prompt: {exc}") from exc
+        return [None, *logprobs], [None, *tops]
+
+    async def streamed(prompts: list[list[int]], jobs: list[tuple[int, SamplingParams]], stops: list[str],
+                       top: int):
+        """Run ``jobs`` and yield, as the engine decodes them, ``(job, token_id, logprob, alternatives,
+        text)`` per token, then ``(job, None, finish_reason, None, text)`` once per job: the tokens
+        and text (through ``text``, the new text each carries) are those of the same request
+        unstreamed. Text that could still turn out to be the start of a stop string, or an
+        unfinished character, waits for the tokens after it. A job whose text reaches a stop string
+        ends there (its engine request is aborted); every job still running when the client goes
+        away is aborted."""
+        queue: asyncio.Queue = asyncio.Queue()
+        rids = [f"stream-{uuid.uuid4().hex}" for _ in jobs]
+
+        async def run(j: int, ids: list[int], sampling: SamplingParams) -> None:
+            try:
+                out = await engine.generate(ids, sampling, rids[j], top_logprobs=top,
+                                            on_token=lambda *token: queue.put_nowait((j, token)))
+            except Exception as exc:  # ends the stream with an error event
+                out = exc
+            queue.put_nowait((j, out))
+
+        tasks = [asyncio.ensure_future(run(j, prompts[p], s)) for j, (p, s) in enumerate(jobs)]
+        hold = max((len(s) for s in stops), default=1) - 1  # a stop string's start, not yet complete
+        decoded: list[list[int]] = [[] for _ in jobs]
+        sent = [""] * len(jobs)
+        running = set(range(len(jobs)))
+        try:
+            while running:
+                j, item = await queue.get()
+                if j not in running:  # (tokens decoded after the job's stop string)
+                    continue
+                if isinstance(item, BaseException):
+                    raise item
+                if isinstance(item, Completion):  # the request ended (every token was heard before)
+                    _, text, matched = cut_at_stops(item, stops, decode)
+                    running.discard(j)
+                    yield j, None, "stop" if matched else finish(item), None, text[len(sent[j]):]
+                    continue
+                token, logprob, alternatives = item
+                decoded[j].append(token)
+                text = decode(decoded[j])
+                hits = [text.find(s) for s in stops if s in text]
+                if hits:  # as cut_at_stops cuts the whole answer: the text before the first stop string
+                    running.discard(j)
+                    await engine.abort(rids[j])
+                    yield j, token, logprob, alternatives, text[: min(hits)][len(sent[j]):]
+                    yield j, None, "stop", None, ""
+                    continue
+                ready = text[: max(len(text) - hold, 0)].rstrip("\ufffd")  # (an unfinished UTF-8 character)
+                new = ready[len(sent[j]):] if ready.startswith(sent[j]) else ""
+                sent[j] += new
+                yield j, token, logprob, alternatives, new
+        finally:  # the client went away or the stream failed: nothing decodes for nobody
+            for j in running:
+                await engine.abort(rids[j])
+            tasks.clear()  # (each ends on its own once aborted)
+
     @app.post("/v1/completions")
     async def completions(body: CompletionBody):
+        at_most_max_logprobs("logprobs", body.logprobs)
         p = body.prompt
-        prompts = ([encode(p)] if isinstance(p, str) else [p] if not p or isinstance(p[0], int)
-                   else [encode(x) if isinstance(x, str) else x for x in p])
-        choices = await openai_choices(prompts, body, body.max_tokens or 16)
+        batched = bool(p) and not isinstance(p, str) and not isinstance(p[0], int)
+        texts = list(p) if batched else [p]  # each a text or token ids
+        prompts = [encode(x) if isinstance(x, str) else x for x in texts]
+        top = body.logprobs or 0
+        max_tokens = 16 if body.max_tokens is None else body.max_tokens
+        scores = None
+        if body.echo and body.logprobs is not None:  # the prompt's logprobs (lm-eval-harness's loglikelihood)
+            scores = await asyncio.gather(*(prompt_scores(ids, body.temperature, top) for ids in prompts))
+
+        def echoed(p: int) -> str:
+            return texts[p] if isinstance(texts[p], str) else decode(prompts[p], False)
+
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        out_choices = []
-        for i, (prompt, out, text) in enumerate(choices):
-            choice = {"index": i, "text": text, "finish_reason": finish(out), "logprobs": None,
-                      "token_ids": out.token_ids, "prompt_token_ids": prompts[prompt]}
-            if body.logprobs is not None:
-                choice["logprobs"] = {"token_logprobs": out.logprobs, "top_logprobs": None,
-                                      "tokens": [decode([t], False) if tokenizer else str(t) for t in out.token_ids]}
-            out_choices.append(choice)
         head = {"id": rid, "object": "text_completion", "created": created, "model": model_name}
+        if max_tokens == 0:  # echo alone (checked by CompletionBody): the prompt, nothing generated
+            choices = [(p, Completion([], [], "length", engine.weight_version), "", [])
+                       for p, _ in openai_jobs(prompts, body, 1)]
+        elif not body.stream:
+            choices = await openai_choices(prompts, body, max_tokens, top)
+        else:
+            return stream_completions(body, head, prompts, scores, max_tokens, echoed)
+        out_choices = []
+        for i, (p, out, text, tops) in enumerate(choices):
+            choice = {"index": i, "text": (echoed(p) if body.echo else "") + text, "finish_reason": finish(out),
+                      "logprobs": None, "token_ids": out.token_ids, "prompt_token_ids": prompts[p]}
+            if body.logprobs is not None:
+                ids, logprobs, alternatives = out.token_ids, out.logprobs or [], tops
+                if scores is not None:
+                    ids, logprobs, alternatives = (prompts[p] + ids, scores[p][0] + logprobs, scores[p][1] + tops)
+                choice["logprobs"] = completion_logprobs(ids, logprobs, alternatives)
+            out_choices.append(choice)
+        used = usage(prompts, sum(len(out.token_ids) for _, out, _, _ in choices))
         if not body.stream:
-            return {**head, "choices": out_choices, "usage": usage(prompts, choices)}
-        chunks = [{**head, "choices": [c]} for c in out_choices]
-        if include_usage(body):
-            chunks.append({**head, "choices": [], "usage": usage(prompts, choices)})
-        return sse(chunks)
+            return {**head, "choices": out_choices, "usage": used}
+        # (an echo with nothing generated, streamed: one chunk per choice)
+        return sse([{**head, "choices": [c]} for c in out_choices]
+                   + ([{**head, "choices": [], "usage": used}] if include_usage(body) else []))
+
+    def stream_completions(body: CompletionBody, head: dict, prompts, scores, max_tokens: int,
+                           echoed) -> StreamingResponse:
+        jobs = openai_jobs(prompts, body, max_tokens)
+        stops, top = stops_of(body), body.logprobs or 0
+        for p, s in jobs:
+            check_job(prompts[p], s, stops, top)
+
+        async def chunks():
+            offsets, done = [0] * len(jobs), 0  # offsets: each choice's text so far, as its tokens spell it
+            for i, (p, _) in enumerate(jobs):  # an echoed prompt first, as its own chunk
+                if body.echo:
+                    logprobs = None if scores is None else completion_logprobs(prompts[p], *scores[p])
+                    if logprobs is not None:
+                        offsets[i] = sum(len(t) for t in logprobs["tokens"])
+                    yield {**head, "choices": [{"index": i, "text": echoed(p), "finish_reason": None,
+                                                "logprobs": logprobs, "prompt_token_ids": prompts[p]}]}
+            async for i, token, logprob, alternatives, text in streamed(prompts, jobs, stops, top):
+                choice = {"index": i, "text": text, "finish_reason": None, "logprobs": None}
+                if token is None:
+                    choice["finish_reason"] = logprob
+                else:
+                    done += 1
+                    choice["token_ids"] = [token]
+                    if body.logprobs is not None:
+                        choice["logprobs"] = completion_logprobs([token], [logprob], [alternatives], offsets[i])
+                        offsets[i] += len(choice["logprobs"]["tokens"][0])
+                yield {**head, "choices": [choice]}
+            if include_usage(body):
+                yield {**head, "choices": [], "usage": usage(prompts, done)}
+        return sse(chunks())
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatBody):
         if tokenizer is None:
             raise HTTPException(status_code=400, detail="chat completions need a tokenizer (start with a model folder)")
+        at_most_max_logprobs("top_logprobs", body.top_logprobs)
+        if body.top_logprobs and not body.logprobs:  # (vLLM's refusal)
+            raise HTTPException(status_code=400, detail="top_logprobs needs logprobs: true")
         messages = [_text_message(i, m) for i, m in enumerate(body.messages)]
         try:
             ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
@@ -683,42 +907,67 @@ def create_app(engine: EmbeddedEngine, *, tokenizer=None, token: str | None = No
         except Exception as exc:  # the template rejected the messages: the caller's input
             raise HTTPException(status_code=400, detail=f"messages: {exc}") from exc
         limit = body.max_completion_tokens or body.max_tokens or 128
-        choices = await openai_choices([ids], body, limit)
+        top = (body.top_logprobs or 0) if body.logprobs else 0
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": rid, "created": created, "model": model_name}
+        if body.stream:
+            return stream_chat(body, {**head, "object": "chat.completion.chunk"}, ids, limit, top)
+        choices = await openai_choices([ids], body, limit, top)
+        used = usage([ids], sum(len(out.token_ids) for _, out, _, _ in choices))
+        return {**head, "object": "chat.completion", "usage": used, "choices": [
+            {"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": finish(out),
+             "logprobs": chat_logprobs(out.token_ids, out.logprobs or [], tops) if body.logprobs else None,
+             "token_ids": out.token_ids, "prompt_token_ids": ids} for i, (_, out, text, tops) in enumerate(choices)]}
 
-        def logprobs(out: Completion):
-            if not body.logprobs:
-                return None
-            tokens = [decode([t], False) for t in out.token_ids]
-            return {"content": [{"token": s, "bytes": list(s.encode()), "logprob": lp, "top_logprobs": [],
-                                 "token_id": t} for s, t, lp in zip(tokens, out.token_ids, out.logprobs or [])]}
+    def stream_chat(body: ChatBody, head: dict, ids: list[int], limit: int, top: int) -> StreamingResponse:
+        jobs = openai_jobs([ids], body, limit)
+        stops = stops_of(body)
+        for _, s in jobs:
+            check_job(ids, s, stops, top)
 
-        if not body.stream:
-            return {**head, "object": "chat.completion", "usage": usage([ids], choices), "choices": [
-                {"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": finish(out),
-                 "logprobs": logprobs(out), "token_ids": out.token_ids, "prompt_token_ids": ids}
-                for i, (_, out, text) in enumerate(choices)]}
-        head["object"] = "chat.completion.chunk"
-        chunks = []
-        for i, (_, out, text) in enumerate(choices):
-            chunks += [{**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                             "finish_reason": None}]},
-                       {**head, "choices": [{"index": i, "delta": {"content": text}, "logprobs": logprobs(out),
-                                             "finish_reason": None, "token_ids": out.token_ids}]},
-                       {**head, "choices": [{"index": i, "delta": {}, "finish_reason": finish(out)}]}]
-        if include_usage(body):
-            chunks.append({**head, "choices": [], "usage": usage([ids], choices)})
-        return sse(chunks)
+        async def chunks():
+            done = 0
+            for i in range(len(jobs)):
+                yield {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                            "finish_reason": None}]}
+            async for i, token, logprob, alternatives, text in streamed([ids], jobs, stops, top):
+                if token is None:
+                    yield {**head, "choices": [{"index": i, "delta": {"content": text} if text else {},
+                                                "finish_reason": logprob}]}
+                    continue
+                done += 1
+                yield {**head, "choices": [{"index": i, "delta": {"content": text}, "finish_reason": None,
+                                            "logprobs": chat_logprobs([token], [logprob], [alternatives])
+                                            if body.logprobs else None, "token_ids": [token]}]}
+            if include_usage(body):
+                yield {**head, "choices": [], "usage": usage([ids], done)}
+        return sse(chunks())
 
+    # outermost: a body over the limit is refused before anything (authorisation included) reads it
+    app.add_middleware(BodyLimit, limit=lambda: max_body_bytes, error=_error)
     return app
 
 
-def sse(chunks: list[dict]) -> StreamingResponse:
-    """A finished answer as server-sent events (generated before the first byte is sent)."""
+def _json_logprob(logprob: float) -> float:
+    return max(logprob, -9999.0)  # -inf is no JSON number; OpenAI and vLLM send -9999.0
+
+
+def sse(chunks: Iterable[dict] | AsyncIterable[dict]) -> StreamingResponse:
+    """Server-sent events, one per chunk as it comes (a list, or an async iterator whose chunks are
+    sent as they are made), then ``[DONE]``. An iterator that fails ends the stream with an error
+    event (OpenAI's error shape), as vLLM's does: the status line went out with the first chunk."""
     async def events():
-        for chunk in chunks:
-            yield f"data: {json.dumps(chunk)}\n\n"
+        try:
+            if isinstance(chunks, AsyncIterable):
+                async for chunk in chunks:
+                    yield f"data: {json.dumps(chunk)}\n\n"
+            else:
+                for chunk in chunks:
+                    yield f"data: {json.dumps(chunk)}\n\n"
+        except Exception as exc:
+            log.warning("strop serve: a stream failed: %s: %s", type(exc).__name__, exc)
+            status = 400 if isinstance(exc, RequestError) else 500
+            yield f"data: {json.dumps({'error': {'message': f'{type(exc).__name__}: {exc}', 'code': status}})}\n\n"
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream")

@@ -124,8 +124,11 @@ def test_abort_request_ends_a_running_request(start_server):
 
 def test_openai_routes_return_token_ids_and_logprobs(start_server):
     server = start_server()
+    r = _post(server.url, "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 4, "logprobs": 21, "temperature": 0})
+    assert r.status_code == 400 and "logprobs" in r.text  # more alternatives than vLLM's max_logprobs: refused
     r = _post(server.url, "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 4, "logprobs": 1, "temperature": 0})
-    assert r.status_code == 422 and "logprobs" in r.text  # top alternatives are unknown: refused, not left empty
+    tops = r.json()["choices"][0]["logprobs"]["top_logprobs"]
+    assert r.status_code == 200 and len(tops) == 4 and all(1 <= len(top) <= 2 for top in tops)  # (+ the token)
     r = _post(server.url, "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 4, "logprobs": 0, "temperature": 0})
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]

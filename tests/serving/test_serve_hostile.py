@@ -478,7 +478,10 @@ def test_a_mixed_load_over_every_route_answers_the_good_and_refuses_the_bad(tmp_
         ("POST", "/v1/completions", {"prompt": [5], "n": 10**6}, auth),
         ("POST", "/v1/completions", {"prompt": [5], "temperature": "hot"}, auth),
         ("POST", "/v1/completions", {"prompt": [5], "seed": -1}, auth),
-        ("POST", "/v1/completions", {"prompt": [5], "echo": True}, auth),
+        ("POST", "/v1/completions", {"prompt": [5], "logprobs": 21}, auth),
+        ("POST", "/v1/completions", {"prompt": [5], "suffix": "x"}, auth),
+        ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True,
+                                          "top_logprobs": 21}, auth),
         ("POST", "/v1/chat/completions", {"messages": []}, auth),
         ("POST", "/v1/chat/completions", {"messages": "hi"}, auth),
         ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, auth),
@@ -522,6 +525,11 @@ def test_a_mixed_load_over_every_route_answers_the_good_and_refuses_the_bad(tmp_
         ("POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 30, "n": 2},
          lambda out: [len(c["token_ids"]) for c in out["choices"]] == [30, 30]),
         ("POST", "/v1/chat/completions", {**chat, "logprobs": True}, lambda out: out["choices"][0]["logprobs"]),
+        ("POST", "/v1/completions", {"prompt": "Hi there", "max_tokens": 0, "echo": True, "logprobs": 3},
+         lambda out: out["choices"][0]["logprobs"]["token_logprobs"][0] is None
+         and all(len(top) in (3, 4) for top in out["choices"][0]["logprobs"]["top_logprobs"][1:])),  # (+ the token)
+        ("POST", "/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": 2},
+         lambda out: all(len(t["top_logprobs"]) == 2 for t in out["choices"][0]["logprobs"]["content"])),
         ("POST", "/update_weights_from_disk", {"model_path": str(good_path), "weight_version": 1},
          lambda out: out["weight_version"] == 1),
         ("GET", "/get_weight_version", None, lambda out: "weight_version" in out),
@@ -576,3 +584,63 @@ def test_a_load_format_strop_serve_cannot_read_is_refused_not_ignored(tmp_path):
     with TestClient(create_app(tiny_engine(), weights_dir=str(tmp_path))) as client:
         r = client.post("/update_weights_from_disk", json={"model_path": str(tmp_path), "load_format": "gguf"})
     assert r.status_code == 422 and "load_format" in r.text
+
+
+def test_a_body_over_the_limit_gets_413_on_every_route_and_a_long_rid_is_refused():
+    """Every route reads at most ``max_body_bytes`` of a body (sized or chunked), answering 413 with
+    a short message that repeats none of it; a request id is echoed back, so a long one is refused."""
+    engine = tiny_engine()
+    with serving(create_app(engine)) as url:  # the default limit, and a 5 MB rid under it
+        r = httpx.post(url + "/generate", json={"input_ids": [5, 6], "rid": "r" * (5 << 20),
+                                                "sampling_params": {"max_new_tokens": 2}}, timeout=30)
+        assert r.status_code == 422 and "rid" in r.json()["error"]["message"] and len(r.content) < 500
+        r = httpx.post(url + "/abort_request", json={"rid": "r" * 513}, timeout=30)
+        assert r.status_code == 422 and "rid" in r.json()["error"]["message"]
+        from strop.engines.server import MAX_BODY_BYTES
+
+        over = b'{"input_ids": [5, 6], "rid": "' + b"z" * MAX_BODY_BYTES + b'"}'
+        r = httpx.post(url + "/generate", content=over, headers={"content-type": "application/json"}, timeout=60)
+        assert r.status_code == 413 and b"zzz" not in r.content
+    with serving(create_app(engine, max_body_bytes=1 << 20)) as url:
+        huge = b'{"input_ids": [5, 6], "rid": "' + b"x" * (2 << 20) + b'"}'
+        for path in ("/generate", "/v1/completions", "/abort_request", "/update_weights_from_disk"):
+            r = httpx.post(url + path, content=huge, headers={"content-type": "application/json"}, timeout=30)
+            assert r.status_code == 413 and "body" in r.json()["error"]["message"], (path, r.text[:200])
+            assert len(r.content) < 200 and b"xxx" not in r.content
+
+        def chunks():  # no Content-Length: read until the limit, then refused
+            yield b'{"input_ids": [5, 6], "rid": "'
+            for _ in range(32):
+                yield b"y" * (64 << 10)
+            yield b'"}'
+        r = httpx.post(url + "/generate", content=chunks(), headers={"content-type": "application/json"}, timeout=30)
+        assert r.status_code == 413 and b"yyy" not in r.content
+        r = httpx.post(url + "/generate", json={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}},
+                       timeout=30)
+        assert r.status_code == 200 and len(r.json()["output_ids"]) == 2  # and it keeps serving
+
+
+def test_a_stream_whose_client_goes_away_is_aborted_in_the_engine():
+    """A streamed request ends in the engine (finish 'abort', fewer tokens than asked) once its client
+    has gone, instead of decoding to the end for nobody."""
+    engine = tiny_engine()
+    ended = []
+    generate, advance = engine.generate, engine._advance
+
+    async def recorded(*args, **kw):
+        ended.append(await generate(*args, **kw))
+        return ended[-1]
+
+    def slowed(*args):  # ~10 ms a step: the 200-token answer is still decoding when the client leaves
+        time.sleep(0.01)
+        return advance(*args)
+    engine.generate, engine._advance = recorded, slowed
+    with serving(create_app(engine)) as url:
+        with httpx.stream("POST", url + "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 200,
+                                                                 "stream": True}, timeout=30) as r:
+            assert r.status_code == 200
+            assert next(line for line in r.iter_lines() if line.startswith("data: {"))
+        deadline = time.monotonic() + 20
+        while not ended and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert ended and ended[0].finish_reason == "abort" and len(ended[0].token_ids) < 200, ended

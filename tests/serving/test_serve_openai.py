@@ -1,11 +1,13 @@
 """`strop serve` against real clients: the openai SDK (answers validated by its own response
-models, stream=True, stop, n) and SGLang-style /generate payloads (text prompts, stop strings,
-SGLang sampling fields), on a real uvicorn server on 127.0.0.1."""
+models, stream=True, stop, n, top logprobs, echo) and SGLang-style /generate payloads (text
+prompts, stop strings, SGLang sampling fields), on a real uvicorn server on 127.0.0.1."""
 
 import logging
+import threading
 
 import httpx
 import pytest
+import torch
 
 from strop.engines.server import create_app
 from tests.serving.test_serve_hostile import serving, tiny_engine
@@ -54,8 +56,9 @@ def test_stream_true_sends_server_sent_events_the_sdk_reads(client):
     chunks = list(client.completions.create(model="tiny", prompt="Once upon", max_tokens=6, temperature=0,
                                             stream=True, stream_options={"include_usage": True}))
     assert chunks, "the stream was empty"
-    for c in chunks:
-        Completion.model_validate(c.model_dump())
+    for c in chunks:  # (OpenAI's own chunks leave finish_reason null until the last, which the model refuses)
+        if c.choices and c.choices[0].finish_reason is not None:
+            Completion.model_validate(c.model_dump())
     assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
     messages = [{"role": "user", "content": "Say hi"}]
@@ -100,12 +103,174 @@ def _later_word(tokenizer, ids, text) -> str:
 def test_unsupported_openai_options_are_refused_with_a_message(client):
     import openai
 
-    for kw in ({"frequency_penalty": 0.5}, {"logit_bias": {"5": 10}}, {"top_logprobs": 3, "logprobs": True},
-               {"response_format": {"type": "json_object"}}):
+    for kw in ({"frequency_penalty": 0.5}, {"logit_bias": {"5": 10}}, {"top_logprobs": 21, "logprobs": True},
+               {"top_logprobs": 2}, {"response_format": {"type": "json_object"}}):
         with pytest.raises((openai.BadRequestError, openai.UnprocessableEntityError)) as err:
             client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2,
                                            **kw)
         assert next(iter(kw)) in str(err.value)
+
+
+# ---- top logprobs, echo and streaming, against a direct forward of the same model ----------------------------
+
+@pytest.fixture(params=[True, False], ids=["kv-decoder", "fallback"])
+def served(request, tokenizer):
+    """(base url, engine, model): the model behind the server, to score by hand. The fallback path
+    (Hugging Face forward, static batches) must give the same answers as the fast decoder."""
+    from tests.tiny import make_tiny_model
+
+    model = make_tiny_model()
+    engine = tiny_engine(model, fast_decode=request.param)
+    with serving(create_app(engine, tokenizer=tokenizer, model_name="tiny")) as base:
+        yield base, engine, model
+
+
+def _sdk(url):
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def _log_softmax(model, ids, temperature):
+    """Row i: log_softmax(logits / temperature) of the token after ids[: i + 1], by a plain forward."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids])).logits[0].float()
+    return torch.log_softmax(logits / temperature, dim=-1)
+
+
+def _tolerance(generated: bool) -> float:
+    """An echoed prompt is scored by a plain forward, as here (1e-5); a generated token's logits come
+    from a decode step with a KV cache, whose kernels differ from a whole forward by up to ~2e-5 in
+    float32 (tests/test_kvdecode.py allows 1e-4)."""
+    return 1e-4 if generated else 1e-5
+
+
+def test_completions_give_the_top_logprobs_and_echo_the_prompt_as_a_forward_pass_scores_them(served, tokenizer):
+    """What lm-eval-harness sends: echo with logprobs (the prompt scored, its first token null), and
+    max_tokens 0 for a log-likelihood; each position's top-k are the forward's log_softmax at the
+    sampling temperature (1 when greedy), plus the sampled token."""
+    import openai
+
+    url, _, model = served
+    prompt = "The cat sat on the"
+    with _sdk(url) as client:
+        for temperature, k, max_tokens in ((0.7, 5, 4), (0.0, 1, 0), (1.3, 20, 3)):
+            done = client.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens, echo=True,
+                                             logprobs=k, temperature=temperature, seed=3)
+            choice = done.choices[0]
+            prompt_ids, generated = choice.model_extra["prompt_token_ids"], choice.model_extra["token_ids"]
+            ids = prompt_ids + generated
+            assert len(generated) == max_tokens and done.usage.completion_tokens == max_tokens
+            assert choice.text == prompt + tokenizer.decode(generated, skip_special_tokens=True)
+            lp = choice.logprobs
+            texts = [tokenizer.decode([t]) for t in ids]
+            assert lp.tokens == texts and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+            assert lp.text_offset == [sum(len(t) for t in texts[:i]) for i in range(len(ids))]
+            scored = _log_softmax(model, ids, temperature or 1.0)
+            for i in range(1, len(ids)):
+                row, tol = scored[i - 1], _tolerance(i >= len(prompt_ids))
+                assert abs(lp.token_logprobs[i] - row[ids[i]].item()) < tol, (temperature, i)
+                values, top = row.topk(k)
+                want = {texts[i]: row[ids[i]].item(), **{tokenizer.decode([t]): v for t, v in zip(top.tolist(),
+                                                                                                   values.tolist())}}
+                assert lp.top_logprobs[i].keys() == want.keys(), (temperature, i)
+                assert all(abs(lp.top_logprobs[i][t] - v) < tol for t, v in want.items()), (temperature, i)
+        with pytest.raises(openai.BadRequestError, match="logprobs"):
+            client.completions.create(model="tiny", prompt=prompt, max_tokens=2, logprobs=21)
+
+
+def test_chat_gives_the_top_logprobs_a_forward_pass_gives(served, tokenizer):
+    from openai.types.chat import ChatCompletion
+
+    url, _, model = served
+    tol = _tolerance(True)
+    with _sdk(url) as client:
+        for temperature, k in ((0.0, 3), (0.8, 20)):
+            done = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "2+2?"}],
+                                                  max_tokens=5, temperature=temperature, seed=2, logprobs=True,
+                                                  top_logprobs=k)
+            ChatCompletion.model_validate(done.model_dump())
+            choice = done.choices[0]
+            prompt_ids, generated = choice.model_extra["prompt_token_ids"], choice.model_extra["token_ids"]
+            scored = _log_softmax(model, prompt_ids + generated, temperature or 1.0)
+            content = choice.logprobs.content
+            assert len(content) == len(generated) == 5
+            for j, (entry, token) in enumerate(zip(content, generated)):
+                row = scored[len(prompt_ids) - 1 + j]
+                assert entry.token == tokenizer.decode([token]) and entry.bytes == list(entry.token.encode())
+                assert abs(entry.logprob - row[token].item()) < tol
+                values, top = row.topk(k)
+                assert [t.token for t in entry.top_logprobs] == [tokenizer.decode([t]) for t in top.tolist()]
+                assert all(abs(t.logprob - v) < tol for t, v in zip(entry.top_logprobs, values.tolist()))
+                assert all(t.bytes == list(t.token.encode()) for t in entry.top_logprobs)
+                if temperature == 0:  # greedy: the chosen token is the most likely one
+                    assert entry.top_logprobs[0].token == entry.token
+
+
+def _streamed(chunks, key="text", index=0):
+    """(token ids, text, finish reasons) of one choice from a list of SDK chunks."""
+    ids, text, reasons = [], "", []
+    for c in chunks:
+        for choice in c.choices:
+            if choice.index == index:
+                ids += (choice.model_extra or {}).get("token_ids") or []
+                text += (getattr(choice, key) if key == "text" else choice.delta.content) or ""
+                reasons.append(choice.finish_reason)
+    return ids, text, reasons
+
+
+def test_stream_sends_each_token_as_it_is_decoded_and_the_same_tokens_as_a_plain_call(served, tokenizer):
+    """The first token arrives while the engine is held before the generation's end (a hook in the
+    engine: no timing); streamed tokens, text, logprobs and finish equal the unstreamed answer's."""
+    url, engine, _ = served
+    release, timed_out = threading.Event(), threading.Event()
+    steps = 0
+    # a decode step: the kv decoder's (admit and step), or the fallback's model forward
+    owner, name = (engine, "_advance") if engine.decode_path.startswith("kv-cache") else (engine.model, "forward")
+    step = getattr(owner, name)
+
+    def held(*args, **kw):  # the 5th decode step waits until the client has read a token (at most 20 s)
+        nonlocal steps
+        steps += 1
+        if steps == 5 and not release.wait(20):
+            timed_out.set()
+        return step(*args, **kw)
+    setattr(owner, name, held)
+    with _sdk(url) as client:
+        kw = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 40, "temperature": 0, "logprobs": 2}
+        stream = iter(client.completions.create(stream=True, **kw))
+        first = next(c for c in stream if c.choices and c.choices[0].model_extra.get("token_ids"))
+        assert not timed_out.is_set(), "the first token came only once the generation had ended"
+        release.set()
+        chunks = [first, *stream]
+        whole = client.completions.create(**kw).choices[0]
+        ids, text, reasons = _streamed(chunks)
+        assert ids == whole.model_extra["token_ids"] and len(ids) == 40 and text == whole.text
+        per_token = [c.choices[0] for c in chunks if c.choices and c.choices[0].model_extra.get("token_ids")]
+        assert all(len(c.model_extra["token_ids"]) == 1 for c in per_token)  # one chunk per token
+        assert [c.logprobs.token_logprobs[0] for c in per_token] == whole.logprobs.token_logprobs
+        assert [c.logprobs.top_logprobs[0] for c in per_token] == whole.logprobs.top_logprobs
+        assert [c.logprobs.text_offset[0] for c in per_token] == whole.logprobs.text_offset
+        assert reasons[-1] == whole.finish_reason and all(r is None for r in reasons[:-1])
+
+        # sampled, n=2, cut by stop strings: each choice's stream equals its unstreamed answer
+        plain = client.completions.create(model="tiny", prompt="The", max_tokens=24, seed=3)
+        stop = _later_word(tokenizer, plain.choices[0].model_extra["token_ids"], plain.choices[0].text)
+        kw = {"model": "tiny", "prompt": "The", "max_tokens": 24, "seed": 3, "n": 2, "stop": [stop, "never!"]}
+        whole = client.completions.create(**kw)
+        chunks = list(client.completions.create(stream=True, **kw))
+        for i, want in enumerate(whole.choices):
+            ids, text, reasons = _streamed(chunks, index=i)
+            assert (ids, text, reasons[-1]) == (want.model_extra["token_ids"], want.text, want.finish_reason)
+        assert whole.choices[0].finish_reason == "stop"
+
+        messages = [{"role": "user", "content": "Say hi"}]
+        kw = {"model": "tiny", "messages": messages, "max_tokens": 12, "seed": 4, "logprobs": True, "top_logprobs": 3}
+        whole = client.chat.completions.create(**kw).choices[0]
+        chunks = list(client.chat.completions.create(stream=True, **kw))
+        ids, text, reasons = _streamed(chunks, key="delta")
+        assert (ids, text, reasons[-1]) == (whole.model_extra["token_ids"], whole.message.content, whole.finish_reason)
+        streamed = [e for c in chunks for ch in c.choices if ch.logprobs for e in ch.logprobs.content]
+        assert [e.model_dump() for e in streamed] == [e.model_dump() for e in whole.logprobs.content]
 
 
 # ---- item 21: SGLang-style /generate ---------------------------------------------------------------
