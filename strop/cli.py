@@ -120,7 +120,7 @@ def serve_main(argv: list[str]) -> int:
     parser.add_argument("--host", default="127.0.0.1", help="bind address (anything but loopback needs --token)")
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--token", default=os.environ.get("STROP_SERVE_TOKEN"),
-                        help="bearer token required on every route but /health (env STROP_SERVE_TOKEN)")
+                        help="bearer token required on every route, /health included (env STROP_SERVE_TOKEN)")
     parser.add_argument("--public-generate", action="store_true",
                         help="with --token: leave the generation routes (/generate, /v1/*) open to all")
     parser.add_argument("--weights-dir", default=os.environ.get("STROP_SERVE_WEIGHTS_DIR"),

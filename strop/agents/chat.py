@@ -1,6 +1,6 @@
 """OpenAI chat messages to tokens and back, for the agent proxy.
 
-Four jobs, each pure (a tokenizer in, text or ids out):
+Three jobs, each pure (a tokenizer in, text or ids out):
 
 - :func:`check_messages` / :func:`check_tools_schema`: the caller's input, checked, every
   failure a :class:`ChatInputError` naming the message and field;
@@ -12,7 +12,6 @@ Four jobs, each pure (a tokenizer in, text or ids out):
   ``<tool_response>``;
 - :func:`parse_reply`: the model's text to an assistant message, its ``<tool_call>`` blocks
   (Hermes / Qwen format, the one the tools are described in) as OpenAI ``tool_calls``;
-- :func:`stream_pieces`: a streamed answer's text, token by token, decoded incrementally.
 
 The exact-token logic (which tokens a call reuses) lives in :mod:`strop.agents.session`;
 this module only says what the template makes of a message list.
@@ -285,26 +284,3 @@ def message_key(message: dict) -> tuple:
     ids are the client's to keep or remake)."""
     calls = tuple((c["name"], json.dumps(c["arguments"], sort_keys=True)) for c in message.get("tool_calls", []))
     return message["role"], message["content"].strip(), calls
-
-
-def stream_pieces(tokenizer, ids: list[int], text: str) -> list[str]:
-    """Per token of ``ids``, the text it adds to ``text`` (what ``ids`` decode to, maybe cut short at a
-    stop string), for a streamed answer. Decoded incrementally, as vLLM does: each token's text comes
-    from decoding the few tokens since the last emitted piece (a character split across tokens, or a
-    leading space, needs its neighbours; the whole prefix does not), so a long answer costs a few
-    decodes per token, not the prefix again per token. A piece is empty while a character is
-    incomplete, and never runs past ``text``; should incremental decoding ever disagree with ``text``,
-    the pieces stop there and the caller sends the rest of ``text`` in its last chunk."""
-    pieces, decoded, shown, agrees = [], "", 0, True
-    start = read = 0  # decode ids[start:]; ids[start:read] gave what was already kept
-    for k in range(len(ids)):
-        before = tokenizer.decode(ids[start:read], skip_special_tokens=True) if read > start else ""
-        now = tokenizer.decode(ids[start: k + 1], skip_special_tokens=True)
-        if len(now) > len(before) and not now.endswith("\ufffd"):  # (U+FFFD: a character not yet whole)
-            decoded += now[len(before):]
-            start, read = read, k + 1
-        upto = min(len(decoded), len(text))
-        agrees = agrees and decoded[shown:upto] == text[shown:upto]
-        pieces.append(text[shown:upto] if agrees else "")
-        shown = upto if agrees else shown
-    return pieces

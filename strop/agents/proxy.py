@@ -9,7 +9,8 @@ Routes (all but /health need ``Authorization: Bearer <session key>``; the /v1/se
 standalone proxy, ``strop proxy``, need its admin token instead, and /v1/models takes either):
   POST /v1/chat/completions   messages, tools (Hermes ``<tool_call>`` parsed into tool_calls), n,
                               temperature, top_p, max_tokens / max_completion_tokens, stop, seed,
-                              logprobs, stream (server-sent events)
+                              logprobs, stream (server-sent events: a chunk per token, sent as it is
+                              decoded on the embedded engine, when the completion is done otherwise)
   POST /v1/completions        prompt (text or token ids), the same sampling fields
   POST /v1/sessions/{id}/reward  {"reward": number}: the session's reward
   POST /v1/sessions             (admin) open a session: {id, api_key, base_url}
@@ -37,6 +38,7 @@ answer was ready is not recorded (an SDK that times out and retries leaves one c
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import hmac
 import json
@@ -51,14 +53,15 @@ from typing import Any
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from strop.agents.chat import (ChatInputError, ChatRenderer, calls_end, check_messages, check_tools_schema,
-                               parse_reply, stream_pieces)
+                               parse_reply)
 from strop.agents.session import Call, ChatState, Choice, Session, SessionLimitError, SessionLimits
 from strop.engines.server import MAX_BODY_BYTES, BodyLimit, cut_at_stops, sse
+from strop.engines.textstream import StreamedText
 from strop.types import Completion, SamplingParams, Sample
 
 log = logging.getLogger("strop.agents")
@@ -354,14 +357,11 @@ class AgentProxy:
         if self.in_flight >= self.max_in_flight:
             raise Busy(f"{self.in_flight} calls are generating (agent.max_calls_in_flight={self.max_in_flight})", s)
 
-    async def _generate(self, request: Request, s: Session, prompt_ids: list[int], body: _Sampling,
-                        asked: int | None, chat: ChatState | None,
-                        tool_names: set[str]) -> tuple[Call, list[tuple[Completion, str]]]:
-        """Generate ``body.n`` choices for ``prompt_ids`` in session ``s`` and record the call (unless its
-        client hung up meanwhile)."""
-        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        if any(not x for x in stops) or len(stops) > MAX_STOPS:
-            raise ChatInputError(f"stop: at most {MAX_STOPS} non-empty strings")
+    def _jobs(self, s: Session, prompt_ids: list[int], body: _Sampling,
+              asked: int | None) -> tuple[list[str], list[SamplingParams]]:
+        """The call's stop strings and a sampling per choice, once ``s`` admits the call (a refusal is
+        answered before anything is generated), counted as a call generating from here."""
+        stops = _stops(body)
         self._admit(s)
         room = s.room(prompt_ids, asked)
         if (body.temperature is not None and body.temperature != s.sampling.temperature) or \
@@ -377,21 +377,44 @@ class AgentProxy:
         s.in_flight += 1
         self.in_flight += 1
         s.touch()
+        return stops, jobs
+
+    def _generated(self, s: Session) -> None:
+        """The call's engine requests ended (answered, failed or aborted)."""
+        s.in_flight -= 1
+        self.in_flight -= 1
+        s.touch()
+
+    def _engine_failed(self, s: Session, exc: Exception) -> None:
+        """Raise what an engine failure means for the call: the client's 400 where the engine refused the
+        request as malformed (no call made), else the session ends (the run stops: generate re-raises it)."""
+        refused = _refused(exc)
+        if refused is not None:
+            s.calls -= 1
+            raise ChatInputError(f"the engine refused this request: {refused}") from exc
+        s.engine_error = exc
+        self.end(s, "aborted", f"engine error: {exc}")
+        raise exc
+
+    async def _generate(self, request: Request, s: Session, prompt_ids: list[int], body: _Sampling,
+                        asked: int | None, chat: ChatState | None,
+                        tool_names: set[str]) -> tuple[Call, list[tuple[Completion, str]]]:
+        """Generate ``body.n`` choices for ``prompt_ids`` in session ``s`` and record the call (unless its
+        client hung up meanwhile)."""
+        stops, jobs = self._jobs(s, prompt_ids, body, asked)
         try:
             outs = await asyncio.gather(*(self.engine.generate(prompt_ids, p, affinity=s.id) for p in jobs))
         except Exception as exc:
-            refused = _refused(exc)
-            if refused is not None:  # the request was at fault (the engine said so): the client's 400, no call made
-                s.calls -= 1
-                raise ChatInputError(f"the engine refused this request: {refused}") from exc
-            # the engine failed: the run stops (generate re-raises it), not the sample
-            s.engine_error = exc
-            self.end(s, "aborted", f"engine error: {exc}")
-            raise
+            self._engine_failed(s, exc)
         finally:
-            s.in_flight -= 1
-            self.in_flight -= 1
-            s.touch()
+            self._generated(s)
+        return await self._record(request, s, prompt_ids, outs, stops, chat, tool_names)
+
+    async def _record(self, request: Request, s: Session, prompt_ids: list[int], outs: list[Completion],
+                      stops: list[str], chat: ChatState | None,
+                      tool_names: set[str]) -> tuple[Call, list[tuple[Completion, str]]]:
+        """The engine's answers to a call, cut and parsed as the call asks, recorded in ``s`` (unless the
+        client hung up meanwhile): what a plain call and a stream both record."""
         for out in outs:
             lps = out.logprobs
             if out.finish_reason == "abort" or lps is None or len(lps) != len(out.token_ids):
@@ -524,8 +547,10 @@ class AgentProxy:
             ids = s.continuation(self.renderer, messages, tools, text) if s.segments else None
             if ids is None:
                 ids = self.renderer.encode(text)
-            call, cut = await self._generate(request, s, ids, body, body.max_completion_tokens or body.max_tokens,
-                                             ChatState(messages, tools, text), callable_names)
+            state, asked = ChatState(messages, tools, text), body.max_completion_tokens or body.max_tokens
+            if body.stream:
+                return await self._stream(request, s, ids, body, asked, state, callable_names)
+            call, cut = await self._generate(request, s, ids, body, asked, state, callable_names)
             return await asyncio.to_thread(self._chat_answer, s, body, call, cut)  # (decoding: beside the loop)
 
         @app.post("/v1/completions")
@@ -544,6 +569,8 @@ class AgentProxy:
                 if not body.prompt or any(t < 0 or t >= vocab for t in body.prompt):
                     raise ChatInputError(f"prompt: token ids must be a non-empty list in [0, {vocab})")
                 ids = list(body.prompt)
+            if body.stream:
+                return await self._stream(request, s, ids, body, body.max_tokens or 16, None, set())
             call, cut = await self._generate(request, s, ids, body, body.max_tokens or 16, None, set())
             head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                     "model": self.model_name}
@@ -551,11 +578,7 @@ class AgentProxy:
                         "logprobs": {"token_logprobs": out.logprobs, "tokens": None, "top_logprobs": None}
                         if body.logprobs is not None else None, "token_ids": out.token_ids,
                         "weight_version": out.weight_version} for i, (out, text) in enumerate(cut)]
-            usage = self._usage(call)
-            if not body.stream:
-                return {**head, "choices": choices, "usage": usage, "prompt_token_ids": call.prompt_ids}
-            return sse([{**head, "choices": [c]} for c in choices]
-                        + ([{**head, "choices": [], "usage": usage}] if _wants_usage(body) else []))
+            return {**head, "choices": choices, "usage": self._usage(call), "prompt_token_ids": call.prompt_ids}
 
         def admin(request: Request) -> None:
             if not self._is_admin(request):
@@ -633,43 +656,236 @@ class AgentProxy:
                 lps = {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
                                    for t, lp in zip(toks, out.logprobs)]}
             answers.append((i, msg["content"] if (msg["content"] or not calls) else None, calls, finish, lps, out))
-        if not body.stream:
-            return {**head, "object": "chat.completion", "usage": self._usage(call), "prompt_token_ids": call.prompt_ids,
-                    "choices": [{"index": i, "message": {"role": "assistant", "content": content,
-                                                         **({"tool_calls": calls} if calls else {})},
-                                 "finish_reason": finish, "logprobs": lps, "token_ids": out.token_ids,
-                                 "weight_version": out.weight_version}
-                                for i, content, calls, finish, lps, out in answers]}
-        head["object"] = "chat.completion.chunk"
+        return {**head, "object": "chat.completion", "usage": self._usage(call), "prompt_token_ids": call.prompt_ids,
+                "choices": [{"index": i, "message": {"role": "assistant", "content": content,
+                                                     **({"tool_calls": calls} if calls else {})},
+                             "finish_reason": finish, "logprobs": lps, "token_ids": out.token_ids,
+                             "weight_version": out.weight_version}
+                            for i, content, calls, finish, lps, out in answers]}
+
+    # ---- streams -------------------------------------------------------------------------------
+    async def _stream(self, request: Request, s: Session, prompt_ids: list[int], body: _Sampling,
+                      asked: int | None, chat: ChatState | None, tool_names: set[str]) -> StreamingResponse:
+        """A streamed answer: per choice a chunk per token, then its end (tool calls, finish reason): the
+        tokens, text and logprobs of the plain call, and the same call recorded. Live where the engine
+        reports tokens as it decodes them (``GuardedEngine.streams``: the embedded engine): each token's
+        chunk goes out as it is decoded (:class:`_LiveAnswer` says what waits), and a client that hangs
+        up before the end aborts the engine's requests and the call is not recorded (the rule for
+        hung-up clients). Otherwise (HTTP engines) the chunks go out once the whole answer is in."""
+        kind = "chat.completion.chunk" if chat is not None else "text_completion"
+        head = {"id": f"{'chatcmpl' if chat is not None else 'cmpl'}-{uuid.uuid4().hex}", "object": kind,
+                "created": int(time.time()), "model": self.model_name}
+        markers = _markers(tool_names) if chat is not None else ()
+        special = set(self.tokenizer.all_special_ids) if markers else set()
+
+        def answers(stops: list[str]) -> list[_LiveAnswer]:
+            return [_LiveAnswer(self._text, stops, markers, special) for _ in range(body.n)]
+
+        if not self.engine.streams:
+            call, cut = await self._generate(request, s, prompt_ids, body, asked, chat, tool_names)
+            return sse(await asyncio.to_thread(self._replayed, head, body, call, cut, answers(_stops(body))))
+        stops, jobs = self._jobs(s, prompt_ids, body, asked)
+        queue: asyncio.Queue = asyncio.Queue()
+        rids = [f"proxy-{uuid.uuid4().hex}" for _ in jobs]
+
+        async def run(i: int, sampling: SamplingParams) -> None:
+            try:
+                out = await self.engine.generate(prompt_ids, sampling, affinity=s.id, request_id=rids[i],
+                                                 on_token=lambda *token: queue.put_nowait((i, token)))
+            except Exception as exc:  # (answered by the stream, in order after the tokens heard)
+                out = exc
+            queue.put_nowait((i, out))
+        tasks = [asyncio.ensure_future(run(i, p)) for i, p in enumerate(jobs)]
+        first = await queue.get()  # (before the status line: a request the engine refuses is still a 400)
+        if isinstance(first[1], BaseException):
+            for rid in rids:
+                await self.engine.abort(rid)
+            await asyncio.gather(*tasks)
+            self._generated(s)
+            self._engine_failed(s, first[1])
+        views = answers(stops)
+
+        async def chunks():
+            outs: list[Completion | None] = [None] * len(jobs)
+            generating, settled = True, False  # settled: the call was recorded, or its failure answered for
+            item = first
+            try:
+                if chat is not None:  # the role first, a chunk per choice
+                    for i in range(len(jobs)):
+                        yield {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                    "finish_reason": None}]}
+                while True:
+                    i, got = item
+                    if isinstance(got, BaseException):
+                        settled = True
+                        self._engine_failed(s, got)
+                    if isinstance(got, Completion):
+                        outs[i] = got
+                    else:
+                        for token, logprob, text in views[i].push(got[0], got[1]):
+                            yield self._token_chunk(head, body, chat, i, token, logprob, text)
+                    if all(out is not None for out in outs):
+                        break
+                    item = await queue.get()
+                generating = False
+                self._generated(s)
+                try:
+                    call, cut = await self._record(request, s, prompt_ids, outs, stops, chat, tool_names)
+                except (HTTPException, ClientGone):  # (each answered for there)
+                    settled = True
+                    raise
+                settled = True
+                for chunk in await asyncio.to_thread(self._ends, head, body, call, cut, views):
+                    yield chunk
+            finally:  # the client hung up (or the stream failed): nothing decodes for nobody
+                for i, rid in enumerate(rids):
+                    if outs[i] is None:
+                        await self.engine.abort(rid)
+                if generating:
+                    self._generated(s)
+                if not settled:  # a hung-up client's call is not recorded
+                    s.calls -= 1
+                    self.counts["agent_calls_client_gone"] += 1
+
+        return sse(chunks())
+
+    def _text(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)  # (the text cut_at_stops cuts)
+
+    def _token_chunk(self, head: dict, body: _Sampling, chat: ChatState | None, i: int, token: int,
+                     logprob: float, text: str) -> dict:
+        if chat is None:
+            return {**head, "choices": [{"index": i, "text": text, "finish_reason": None, "token_ids": [token],
+                                         "logprobs": {"token_logprobs": [logprob], "tokens": None, "top_logprobs": None}
+                                         if body.logprobs is not None else None}]}
+        entry = {"index": i, "delta": {"content": text}, "finish_reason": None, "token_ids": [token]}
+        if body.logprobs:
+            name = self.tokenizer.decode([token], skip_special_tokens=False)
+            entry["logprobs"] = {"content": [{"token": name, "logprob": logprob, "bytes": list(name.encode()),
+                                              "top_logprobs": []}]}
+        return {**head, "choices": [entry]}
+
+    def _ends(self, head: dict, body: _Sampling, call: Call, cut, views: list[_LiveAnswer]) -> list[dict]:
+        """Each choice's last chunks once its answer is recorded: the tokens not sent yet (past a held
+        tool-call marker), the text not shown yet, its tool calls, its finish reason; then the usage."""
         chunks = []
-        for i, content, calls, finish, lps, out in answers:
-            chunks.append({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                                "finish_reason": None}]})
-            if calls:  # the content left beside the calls, then the calls
-                if content:
-                    chunks.append({**head, "choices": [{"index": i, "delta": {"content": content}, "finish_reason": None}]})
+        for i, (choice, (out, text), view) in enumerate(zip(call.choices, cut, views)):
+            msg, calls = choice.message, []
+            if msg is not None:
+                calls = [{"id": c["id"], "type": "function",
+                          "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}}
+                         for c in msg.get("tool_calls", [])]
+                text = msg["content"] or ""
+            ids, sent = list(out.token_ids), view.sent_tokens
+            shown = view.shown
+            if ids[:sent] != view.ids[:sent] or not text.startswith(shown):  # (not with a prefix-stable tokenizer)
+                log.warning("agent proxy: a streamed answer's chunks sent so far differ from its whole answer; "
+                            "the stream ends with the answer's rest as far as it agrees")
+            for k in range(sent, len(ids)):
+                chunks.append(self._token_chunk(head, body, call.chat, i, ids[k], out.logprobs[k], ""))
+            rest = text[len(shown):] if text.startswith(shown) else ""
+            end = {"index": i, "finish_reason": "tool_calls" if calls else out.finish_reason,
+                   "weight_version": out.weight_version}
+            if msg is None:
+                chunks.append({**head, "choices": [{**end, "text": rest, "logprobs": None}]})
+                continue
+            if calls:  # the content not shown yet, then the calls
+                if rest:
+                    chunks.append({**head, "choices": [{"index": i, "delta": {"content": rest},
+                                                        "finish_reason": None}]})
                 chunks.append({**head, "choices": [{"index": i, "finish_reason": None, "delta": {"tool_calls": [
                     {"index": k, **c} for k, c in enumerate(calls)]}}]})
-                chunks.append({**head, "choices": [{"index": i, "delta": {}, "finish_reason": finish,
-                                                    "token_ids": out.token_ids}]})
-                continue
-            # a chunk per token: its text is what that token adds (nothing while a character is
-            # incomplete; never past the content, so a matched stop string is not shown)
-            ids, shown = list(out.token_ids), 0
-            for k, piece in enumerate(stream_pieces(self.tokenizer, ids, content or "")):
-                entry = {"index": i, "delta": {"content": piece}, "finish_reason": None, "token_ids": [ids[k]]}
-                if lps is not None:
-                    entry["logprobs"] = {"content": lps["content"][k: k + 1]}
-                chunks.append({**head, "choices": [entry]})
-                shown += len(piece)
-            rest = (content or "")[shown:]
-            chunks.append({**head, "choices": [{"index": i, "delta": {"content": rest} if rest else {},
-                                                "finish_reason": finish}]})
+                rest = ""
+            chunks.append({**head, "choices": [{**end, "delta": {"content": rest} if rest else {}}]})
         if _wants_usage(body):
             chunks.append({**head, "choices": [], "usage": self._usage(call)})
-        return sse(chunks)
+        return chunks
+
+    def _replayed(self, head: dict, body: _Sampling, call: Call, cut, views: list[_LiveAnswer]) -> list[dict]:
+        """A stream's chunks from an engine that answers whole (beside the loop: it decodes every token)."""
+        chat = call.chat
+        chunks = [{**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                        "finish_reason": None}]} for i in range(len(cut))] if chat is not None else []
+        for i, ((out, _), view) in enumerate(zip(cut, views)):
+            for token, logprob in zip(out.token_ids, out.logprobs):
+                chunks += [self._token_chunk(head, body, chat, i, *sent) for sent in view.push(token, logprob)]
+        return chunks + self._ends(head, body, call, cut, views)
 
 
+def _stops(body: _Sampling) -> list[str]:
+    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if any(not x for x in stops) or len(stops) > MAX_STOPS:
+        raise ChatInputError(f"stop: at most {MAX_STOPS} non-empty strings")
+    return stops
+
+
+def _markers(tool_names: set[str]) -> tuple[str, ...]:
+    """Where a tool call the proxy parses can start (:func:`strop.agents.chat.parse_reply`)."""
+    if not tool_names:
+        return ()
+    return ("<tool_call>", "```") if "python" in tool_names else ("<tool_call>",)
+
+
+class _LiveAnswer:
+    """One choice of a streamed call: which of its tokens and text may be sent as they are decoded,
+    so that the chunks join to the plain call's answer. Every token up to the one whose text
+    completes a stop string (none after: they are not the answer's), its text held while it may be
+    the start of one (:class:`StreamedText`). With tools, also held until the answer is whole and its
+    calls parsed: the text from where a tool-call marker starts (or what may still become one), and
+    the tokens from there (a turn cut after its calls drops the tokens past them) or from a special
+    token (whose text the shown text skips); space at the end (the content beside calls is stripped);
+    and all text of an answer that begins with space (stripped only if it calls a tool)."""
+
+    def __init__(self, decode, stops: list[str], markers: tuple[str, ...], special: set[int]):
+        self.text = StreamedText(decode, stops)
+        self.markers, self.special = markers, special
+        self.ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.ends: list[int] = []  # the text's length after each token
+        self.sent_tokens = self.sent_chars = 0
+        self.marker_at: int | None = None  # where the first whole marker starts
+        self.special_at: int | None = None  # the first special token's index
+
+    @property
+    def shown(self) -> str:
+        return self.text.text[: self.sent_chars]
+
+    def push(self, token: int, logprob: float) -> list[tuple[int, float, str]]:
+        """``token`` decoded: the (token, logprob, text) chunks that may go out now, in order."""
+        if self.text.stop_at is not None:
+            return []
+        before = len(self.text.text)
+        self.ids.append(token)
+        self.logprobs.append(logprob)
+        self.text.push(token)
+        text = self.text.text
+        self.ends.append(len(text))
+        tokens, chars = len(self.ids), self.text.ready
+        if self.markers:
+            if self.marker_at is None:  # (a marker first found now ends in the new text)
+                found = [k for m in self.markers if (k := text.find(m, max(before - len(m) + 1, 0))) >= 0]
+                self.marker_at = min(found) if found else None
+            if self.special_at is None and token in self.special:
+                self.special_at = len(self.ids) - 1
+            hold = self.marker_at if self.marker_at is not None else len(text) - _partial(text, self.markers)
+            tokens = bisect.bisect_right(self.ends, hold)  # the tokens whose text ends before the hold
+            if self.special_at is not None:
+                tokens = min(tokens, self.special_at)
+            chars = min(chars, hold)
+            chars = 0 if text[:1].isspace() else len(text[:chars].rstrip())
+        chars = min(chars, self.ends[tokens - 1] if tokens else 0)  # (text goes out with its tokens)
+        out = []
+        for k in range(self.sent_tokens, tokens):
+            upto = max(min(self.ends[k], chars), self.sent_chars)
+            out.append((self.ids[k], self.logprobs[k], text[self.sent_chars: upto]))
+            self.sent_chars = upto
+        self.sent_tokens = max(self.sent_tokens, tokens)
+        return out
+
+
+def _partial(text: str, markers: tuple[str, ...]) -> int:
+    """The length of the longest end of ``text`` that a marker starts with (it may become that marker)."""
+    return max((k for m in markers for k in range(1, len(m)) if text.endswith(m[:k])), default=0)
 def _wants_usage(body: _Sampling) -> bool:
     return bool((body.stream_options or {}).get("include_usage"))
 

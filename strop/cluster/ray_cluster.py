@@ -21,7 +21,6 @@ import os
 import secrets
 import socket
 import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -31,6 +30,7 @@ from strop.cluster.placement import Node, Plan, PlacementError, plan_placement
 LOG_GRACE_S = 1.0
 LOCAL_START_S = 120.0  # until `ray start --head` of a local cluster reports it runs
 ENGINE_START_S = {"strop": 180.0, "vllm": 600.0, "sglang": 600.0}  # until a launched server answers /health
+ENGINE_STOP_TIMEOUT_S = 30.0  # for the engine actors to stop their servers (SIGTERM, 10 s, SIGKILL) at the end
 PIN = 0.001  # of a node's own resource, in each bundle: it holds the bundle to the node the plan chose
 
 
@@ -77,32 +77,25 @@ class TrainerRank:
 class EngineServer:
     """An engine: a ``strop serve``, vLLM or SGLang server process on this actor's node (with the GPUs Ray gave
     the actor), started when the actor starts (again on the same port when Ray restarts it) and killed with the
-    actor (parent-death signal)."""
+    actor (parent-death signal). Every route on the node's address needs the run's token: strop serve checks
+    it itself; vLLM and SGLang are reached only through strop's token guard."""
 
     def __init__(self, index: int, spec: dict, port: int, token: str, cwd: str, marker: str):
-        from strop.engines.launch import LocalServer, sglang_command, vllm_command, write_sglang_config
+        from strop.engines.launch import LocalServer, engine_server
 
         _check_shared(cwd, marker, f"engine {index}")
         os.chdir(cwd)
         self.index, host = index, _node_ip()
-        if spec["kind"] == "vllm":
-            program = spec["command"] or [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
-            command = vllm_command(program, spec["model"], host, port, spec["args"])
-            env = {"VLLM_API_KEY": token, "VLLM_SERVER_DEV_MODE": "1"}
-        elif spec["kind"] == "sglang":  # its API key in a file of SGLang's --config, read once at start
-            program = spec["command"] or [sys.executable, "-m", "sglang.launch_server"]
-            keep = tempfile.TemporaryDirectory(prefix="strop-sglang-")
-            config = write_sglang_config(Path(keep.name) / "server.yaml", token)
-            command, env = sglang_command(program, spec["model"], host, port, config, spec["args"]), {}
-        else:
-            command, env = None, {"STROP_SERVE_TOKEN": token}
-        self.server = LocalServer(spec["model"], port, list(spec["args"]), env | spec["env"], host=host,
-                                  command=command)
-        try:
-            self.server.start().wait_healthy(spec["timeout_s"])
-        finally:
-            if spec["kind"] == "sglang":  # read by now (a killed actor never gets to delete it later)
-                keep.cleanup()
+        if spec["kind"] == "strop":  # its own token check covers every route
+            env = {"STROP_SERVE_TOKEN": token} | spec["env"]
+            self.server = LocalServer(spec["model"], port, list(spec["args"]), env, host=host, token=token)
+        else:  # vLLM's and SGLang's keys leave routes open: strop's token guard on the node's address, the engine
+            # where only this user's processes reach it (strop.engines.launch.engine_server)
+            program = spec["command"] or [sys.executable, "-m", {"vllm": "vllm.entrypoints.openai.api_server",
+                                                                 "sglang": "sglang.launch_server"}[spec["kind"]]]
+            self.server = engine_server(spec["kind"], program, spec["model"], host, port, token, spec["args"],
+                                        spec["env"])
+        self.server.start().wait_healthy(spec["timeout_s"])
 
     def __repr__(self) -> str:
         return f"engine{self.index}"
@@ -274,7 +267,7 @@ def launch(cfg, argv: list[str]) -> int:
                        "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}  # its head's and ours
     ray = import_ray()
     head, address = start_local_cluster() if c.address is None else (None, c.address)  # before ray.init reads it
-    pg, actors, marker = None, [], None
+    pg, actors, engines, marker = None, [], [], None
     try:
         connect(ray, address, c.connect_timeout_s, f"strop-{uuid.uuid4().hex[:12]}",
                 "the run's local cluster" if head else f"cluster.address={c.address!r}")
@@ -318,7 +311,7 @@ def launch(cfg, argv: list[str]) -> int:
         time.sleep(LOG_GRACE_S)  # Ray's log monitor delivers the actors' last lines before they are killed
         return code
     finally:
-        stop(ray, actors, pg, head, marker)
+        stop(ray, actors, pg, head, marker, engines)
 
 
 def start_engines(ray, cfg, plan: Plan, pg, token: str, run_dir: str, cwd: str, marker: str) -> tuple[list, list]:
@@ -399,8 +392,16 @@ def _outcome(ray, ref) -> tuple[int, str]:
     return code, f"exited with code {code}"
 
 
-def stop(ray, actors: list, pg, head, marker: Path | None) -> None:
-    """End the run's actors (their servers die with them), the placement group, and a local cluster."""
+def stop(ray, actors: list, pg, head, marker: Path | None, engines: list = ()) -> None:
+    """End the run's actors (their servers die with them), the placement group, and a local cluster. Each
+    engine actor first stops its server and waits for the server's process group to end: killing the actor
+    alone leaves that to the server's watchdog, which may finish after the run has returned."""
+    if engines:
+        try:
+            ray.get([e.stop.remote() for e in engines], timeout=ENGINE_STOP_TIMEOUT_S)
+        except Exception as exc:  # an actor already gone: its watchdog ends its server
+            print(f"strop: ray: an engine did not stop cleanly ({type(exc).__name__}); killing its actor",
+                  file=sys.stderr)
     for a in actors:
         try:
             ray.kill(a, no_restart=True)

@@ -1,29 +1,43 @@
-"""Start and stop local ``strop serve`` processes (``engine.launch: N``).
+"""Start and stop local servers: ``strop serve`` processes (``engine.launch: N``), and the vLLM and SGLang
+servers of Ray's engine actors (:func:`engine_server`).
 
 No server outlives the run that started it. Each runs in a session of its own, so stopping it
 ends its whole process group; and it is started through this module's ``__main__``, which asks
 the kernel to SIGKILL it when its parent dies (``PR_SET_PDEATHSIG``), so a trainer killed with
 SIGKILL takes its servers with it. The bearer token travels in the environment, never in argv
 (which ``ps`` shows every user).
+
+A vLLM or SGLang server is reached only through strop's token guard (:mod:`strop.engines.guard`), which
+listens on the advertised address and runs in the server's supervisor, so the two live and die together:
+their own API keys leave routes open (vLLM's all but ``/v1/*``, among them the weight-loading
+``/collective_rpc``), so the engine itself listens only where this user's processes reach it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 
+GUARD_TOKEN_ENV = "STROP_GUARD_TOKEN"  # the guard's token, from LocalServer to the supervisor
+GROUP_EXIT_S = 10.0  # for a killed server's process group to be gone
+
+
 @dataclass
 class LocalServer:
-    """One ``strop serve`` child process, on 127.0.0.1 unless ``host`` (another address needs a token)."""
+    """One ``strop serve`` child process, on 127.0.0.1 unless ``host`` (another address needs a token); or,
+    with ``command``, another server; with ``upstream`` too, that server listens there and strop's token guard
+    on ``host:port`` in front of it."""
 
     model_path: str
     port: int
@@ -33,6 +47,9 @@ class LocalServer:
     log_path: Path | None = None
     host: str = "127.0.0.1"
     command: list[str] | None = None  # another server's full command line (vllm_command); default strop serve
+    upstream: str | None = None  # where ``command`` listens (unix:/path, 127.0.0.1:port): guarded on host:port
+    token: str | None = field(default=None, repr=False)  # the guard's, sent with the health checks too
+    private_dir: Path | None = None  # 0700, this server's: start-up secrets (deleted once it answers), its socket
 
     @property
     def name(self) -> str:
@@ -48,23 +65,40 @@ class LocalServer:
         fd, log = tempfile.mkstemp(prefix=f"strop-serve-{self.port}-", suffix=".log")
         self.log_path = Path(log)
         tied = [sys.executable, "-m", "strop.engines.launch", str(os.getpid())]
-        cmd = [*tied, "serve", f"--model-path={self.model_path}", f"--host={self.host}", f"--port={self.port}",
-               *self.args] if self.command is None else [*tied, "exec", *self.command]
-        self.proc = subprocess.Popen(cmd, stdout=fd, stderr=fd, env={**os.environ, **self.env}, start_new_session=True)
+        env = {**os.environ, **self.env}
+        if self.command is None:
+            cmd = [*tied, "serve", f"--model-path={self.model_path}", f"--host={self.host}", f"--port={self.port}",
+                   *self.args]
+        elif self.upstream is None:
+            cmd = [*tied, "exec", *self.command]
+        else:
+            if not self.token:
+                raise ValueError(f"{self.name}: a guarded server (upstream={self.upstream!r}) needs a token")
+            cmd = [*tied, "guard", self.host, str(self.port), self.upstream, *self.command]
+            env[GUARD_TOKEN_ENV] = self.token
+        self.proc = subprocess.Popen(cmd, stdout=fd, stderr=fd, env=env, start_new_session=True)
         os.close(fd)
         return self
 
     def wait_healthy(self, timeout_s: float = 180.0) -> "LocalServer":
+        """Wait until /health answers 200; then the start-up files of ``private_dir`` (SGLang's key) are
+        deleted: read by now, and a killed process never gets to delete them later."""
         deadline = time.monotonic() + timeout_s
+        health = urllib.request.Request(self.url + "/health", headers={"Authorization": f"Bearer {self.token}"}
+                                        if self.token else {})
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                self.stop()  # what it started, and its private folder
                 raise RuntimeError(f"{self.name} on port {self.port} exited with code {self.proc.returncode}:\n"
                                    f"{self.log_tail()}")
             try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                with urllib.request.urlopen(health, timeout=2) as r:
                     if r.status == 200:
+                        for f in self.private_dir.iterdir() if self.private_dir else ():
+                            if f.is_file():  # (not the engine's socket)
+                                f.unlink()
                         return self
-            except OSError:
+            except OSError:  # (an HTTP error too: the guard's 502 while the engine starts)
                 time.sleep(0.3)
         self.stop()
         raise TimeoutError(f"{self.name} on port {self.port} not healthy within {timeout_s:.0f}s:\n{self.log_tail()}")
@@ -85,6 +119,24 @@ class LocalServer:
                 self._signal_group(signal.SIGKILL)
                 self.proc.wait()
         self._signal_group(signal.SIGKILL)
+        # a killed process lingers while the kernel frees its memory (GBs for an engine): return when the
+        # group is gone, so that "stopped" means no process of it is left
+        deadline = time.monotonic() + GROUP_EXIT_S
+        while time.monotonic() < deadline and self._group_alive():
+            time.sleep(0.05)
+        if self.private_dir is not None:
+            shutil.rmtree(self.private_dir, ignore_errors=True)
+
+    def _group_alive(self) -> bool:
+        """A process of the server's group is still running (not a zombie waiting to be reaped)."""
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:  # ended while being read
+                continue
+            if int(fields[2]) == self.proc.pid and fields[0] != "Z":
+                return True
+        return False
 
     def kill(self) -> None:
         """SIGKILL: the engine dies mid-request (failure tests)."""
@@ -102,14 +154,14 @@ class LocalServer:
 def launch_servers(n: int, model_path: str, *, args: list[str] = (), token: str | None = None,
                    timeout_s: float = 180.0) -> list[LocalServer]:
     """Start ``n`` local servers on free ports and wait until every one answers /health.
-    ``token``: required by their weight, group and abort routes (passed as STROP_SERVE_TOKEN)."""
+    ``token``: required on every route (passed as STROP_SERVE_TOKEN)."""
     from strop.cluster.process import free_port
 
     env = {"STROP_SERVE_TOKEN": token} if token else {}
     servers = []
     try:
         for _ in range(n):
-            servers.append(LocalServer(model_path, free_port(), list(args), dict(env)).start())
+            servers.append(LocalServer(model_path, free_port(), list(args), dict(env), token=token).start())
         for s in servers:
             s.wait_healthy(timeout_s)
     except BaseException:
@@ -119,16 +171,31 @@ def launch_servers(n: int, model_path: str, *, args: list[str] = (), token: str 
     return servers
 
 
-def supervise_group(parent: int, command: list[str]) -> int:
+def supervise_group(parent: int, command: list[str], guard: tuple[str, int, str] | None = None) -> int:
     """Run ``command`` in this process's group (LocalServer made it a session of its own) and end the whole
     group, the command's own children included, when ``parent`` dies or this process is told to stop: a
     parent-death signal reaches only a direct child, and vLLM's engine and worker processes would outlive it.
     Under Ray, an actor's death also SIGKILLs its direct children (this process); a watchdog that is not
-    its child then ends the group."""
+    its child then ends the group. ``guard``: (host, port, upstream): strop's token guard (token in
+    $STROP_GUARD_TOKEN) serves host:port in a thread of this process, forwarding to ``command`` at
+    ``upstream``; if it stops, the group is ended (an engine nobody can reach must not look alive)."""
     from strop.cluster.process import die_with_parent
 
     signal.signal(signal.SIGTERM, lambda *_: os.killpg(0, signal.SIGKILL))
     die_with_parent(parent, signal.SIGTERM)
+    if guard is not None:
+        from strop.engines import guard as token_guard
+
+        token = os.environ.pop(GUARD_TOKEN_ENV)  # (the command has its own copy where it needs one)
+        sock = token_guard.bind(guard[0], guard[1])
+
+        def serve():
+            try:
+                token_guard.serve(sock, token, guard[2])
+            finally:
+                os.killpg(0, signal.SIGKILL)
+
+        threading.Thread(target=serve, name="strop-engine-guard", daemon=True).start()
     child = subprocess.Popen(command)
     _watch(parent)
     code = child.wait()
@@ -153,12 +220,14 @@ def _watch(parent: int, every_s: float = 0.5) -> None:
     os.wait()
 
 
-def vllm_command(program: list[str], model_path: str, host: str, port: int, args: list[str] = ()) -> list[str]:
+def vllm_command(program: list[str], model_path: str, socket_path: str, args: list[str] = ()) -> list[str]:
     """One vLLM OpenAI server as strop drives it: sampled-token logprobs after temperature, and strop's worker
     extension for the broadcast (its API key, VLLM_API_KEY, and VLLM_SERVER_DEV_MODE=1 travel in the
-    environment). ``program``: what starts it, e.g. ``[".../bin/python", "-m", "vllm.entrypoints.openai.api_server"]``."""
-    return [*program, "--model", model_path, "--host", host, "--port", str(port), "--logprobs-mode",
-            "processed_logprobs", "--worker-extension-cls", "strop.engines.vllm_worker.StropWorkerExtension", *args]
+    environment), listening on the Unix socket ``socket_path`` only (its key guards /v1 alone: strop's token
+    guard stands in front). ``program``: what starts it, e.g.
+    ``[".../bin/python", "-m", "vllm.entrypoints.openai.api_server"]``."""
+    return [*program, "--model", model_path, "--uds", socket_path, "--logprobs-mode", "processed_logprobs",
+            "--worker-extension-cls", "strop.engines.vllm_worker.StropWorkerExtension", *args]
 
 
 def sglang_command(program: list[str], model_path: str, host: str, port: int, config: str, args: list[str] = ()
@@ -178,11 +247,43 @@ def write_sglang_config(path: Path, api_key: str) -> str:
     return str(path)
 
 
-if __name__ == "__main__":  # python -m strop.engines.launch PARENT_PID serve|exec ...: a server tied to its parent
+def engine_server(kind: str, program: list[str], model_path: str, host: str, port: int, token: str,
+                  args: list[str] = (), env: dict[str, str] | None = None) -> LocalServer:
+    """A vLLM or SGLang server as strop launches it (not started yet): strop's token guard on ``host:port``,
+    which refuses every request without ``token``, and the engine behind it where only this user's processes
+    reach it, with its own key set too. vLLM listens on a Unix socket in a 0700 folder of its own; SGLang,
+    which cannot, on a free port of 127.0.0.1, where its key guards every route but ``/health*``,
+    ``/metrics`` and OPTIONS. ``env``: more environment for the engine."""
+    from strop.cluster.process import free_port
+
+    private = Path(tempfile.mkdtemp(prefix=f"strop-{kind}-"))  # mode 0700: this user's alone
+    if kind == "vllm":
+        sock = private / "engine.sock"
+        if len(str(sock).encode()) > 107:  # sun_path's size on Linux, with its NUL
+            shutil.rmtree(private)
+            raise ValueError(f"vLLM's socket path {sock} is over the 107 bytes a Unix socket takes: set TMPDIR "
+                             "to a shorter folder")
+        command, upstream = vllm_command(program, model_path, str(sock), args), f"unix:{sock}"
+        own = {"VLLM_API_KEY": token, "VLLM_SERVER_DEV_MODE": "1"}
+    elif kind == "sglang":  # its API key in a file of SGLang's --config, deleted once it answers
+        inner = free_port()
+        config = write_sglang_config(private / "server.yaml", token)
+        command, upstream, own = sglang_command(program, model_path, "127.0.0.1", inner, config, args), \
+            f"127.0.0.1:{inner}", {}
+    else:
+        shutil.rmtree(private)
+        raise ValueError(f"engine kind {kind!r}: strop launches a guarded 'vllm' or 'sglang' server")
+    return LocalServer(model_path, port, list(args), own | dict(env or {}), host=host, command=command,
+                       upstream=upstream, token=token, private_dir=private)
+
+
+if __name__ == "__main__":  # python -m strop.engines.launch PARENT_PID serve|exec|guard ...: a server tied to a parent
     from strop.cluster.process import die_with_parent
 
     if sys.argv[2] == "exec":  # another program, which may start processes of its own (vLLM does)
         sys.exit(supervise_group(int(sys.argv[1]), sys.argv[3:]))
+    if sys.argv[2] == "guard":  # ... guard HOST PORT UPSTREAM COMMAND...: the same, behind strop's token guard
+        sys.exit(supervise_group(int(sys.argv[1]), sys.argv[6:], (sys.argv[3], int(sys.argv[4]), sys.argv[5])))
     die_with_parent(int(sys.argv[1]))
     from strop.cli import main
 

@@ -18,8 +18,8 @@ joins the trainer's broadcast on the group), end, continue. From begin to end no
 so no row decodes on half-updated weights.
 
 Concurrent requests are batched by the engine. Access: open on 127.0.0.1 without a token;
-with a token every route but /health needs ``Authorization: Bearer <token>`` (generation
-routes stay open with ``public_generate``); bound elsewhere it refuses to start without one.
+with a token every route, /health included, needs ``Authorization: Bearer <token>`` (generation
+routes and /health stay open with ``public_generate``); bound elsewhere it refuses to start without one.
 Weights load from disk only from inside ``weights_dir``. A bad request gets a 4xx with a
 message and fails alone (requests batched with it are answered); the server keeps serving. A
 request body over ``max_body_bytes`` (16 MiB) is refused with 413 before any of it is parsed.
@@ -45,6 +45,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from strop.engines.embedded import PAUSE_MODES, EmbeddedEngine, RequestError
 from strop.engines.http import EngineVersionError, parse_weight_version, state_checksum, tensor_digest
+from strop.engines.textstream import StreamedText
 from strop.openmp import release_threads, releasing
 from strop.types import Completion, SamplingParams
 
@@ -341,8 +342,8 @@ class BodyLimit:
 
 def create_app(engine: EmbeddedEngine, *, tokenizer=None, token: str | None = None, model_name: str = "strop",
                public_generate: bool = False, weights_dir: str | None = None, max_body_bytes: int = MAX_BODY_BYTES):
-    """The FastAPI application around ``engine``. ``token``: needed on every route but /health
-    (generation routes stay open with ``public_generate``). ``weights_dir``: the only folder
+    """The FastAPI application around ``engine``. ``token``: needed on every route, /health included
+    (generation routes and /health stay open with ``public_generate``). ``weights_dir``: the only folder
     /update_weights_from_disk reads (None: that route is refused). ``max_body_bytes``: a longer
     request body gets 413 on every route."""
     app = FastAPI(title="strop serve", docs_url=None, redoc_url=None, openapi_url=None)
@@ -365,7 +366,9 @@ def create_app(engine: EmbeddedEngine, *, tokenizer=None, token: str | None = No
     @app.middleware("http")
     async def _authorise(request: Request, call_next):
         path = request.url.path
-        if token is None or path == "/health" or (public_generate and path in GENERATION_ROUTES):
+        # /health too: it tells the weight version and whether an update runs (public_generate opens it with
+        # the generation routes)
+        if token is None or (public_generate and (path in GENERATION_ROUTES or path == "/health")):
             return await call_next(request)
         if not _token_matches(request.headers.get("authorization", ""), token):
             return _error(401, f"{path} needs the server's token: 'Authorization: Bearer <token>'")
@@ -785,9 +788,8 @@ def create_app(engine: EmbeddedEngine, *, tokenizer=None, token: str | None = No
             queue.put_nowait((j, out))
 
         tasks = [asyncio.ensure_future(run(j, prompts[p], s)) for j, (p, s) in enumerate(jobs)]
-        hold = max((len(s) for s in stops), default=1) - 1  # a stop string's start, not yet complete
-        decoded: list[list[int]] = [[] for _ in jobs]
-        sent = [""] * len(jobs)
+        texts = [StreamedText(decode, stops) for _ in jobs]  # each token decoded once (strop.engines.textstream)
+        sent = [0] * len(jobs)  # characters of each job's text sent so far
         running = set(range(len(jobs)))
         try:
             while running:
@@ -797,23 +799,26 @@ def create_app(engine: EmbeddedEngine, *, tokenizer=None, token: str | None = No
                 if isinstance(item, BaseException):
                     raise item
                 if isinstance(item, Completion):  # the request ended (every token was heard before)
-                    _, text, matched = cut_at_stops(item, stops, decode)
+                    # the whole answer decoded once, beside the loop: its text is the unstreamed answer's
+                    _, text, matched = await asyncio.to_thread(cut_at_stops, item, stops, decode)
                     running.discard(j)
-                    yield j, None, "stop" if matched else finish(item), None, text[len(sent[j]):]
+                    sent_text = texts[j].text[: sent[j]]
+                    if not text.startswith(sent_text):  # (a tokenizer whose decoding is not prefix-stable)
+                        log.warning("strop serve: a streamed answer's text, decoded token by token, is not a "
+                                    "prefix of its whole decoding: the stream's text differs from the answer's")
+                    yield j, None, "stop" if matched else finish(item), None, text[len(sent_text):]
                     continue
                 token, logprob, alternatives = item
-                decoded[j].append(token)
-                text = decode(decoded[j])
-                hits = [text.find(s) for s in stops if s in text]
-                if hits:  # as cut_at_stops cuts the whole answer: the text before the first stop string
+                texts[j].push(token)
+                ready = texts[j].ready
+                new = texts[j].text[sent[j]: ready]
+                sent[j] = max(sent[j], ready)
+                if texts[j].stop_at is not None:  # as cut_at_stops cuts the whole answer: before the stop string
                     running.discard(j)
                     await engine.abort(rids[j])
-                    yield j, token, logprob, alternatives, text[: min(hits)][len(sent[j]):]
+                    yield j, token, logprob, alternatives, new
                     yield j, None, "stop", None, ""
                     continue
-                ready = text[: max(len(text) - hold, 0)].rstrip("\ufffd")  # (an unfinished UTF-8 character)
-                new = ready[len(sent[j]):] if ready.startswith(sent[j]) else ""
-                sent[j] += new
                 yield j, token, logprob, alternatives, new
         finally:  # the client went away or the stream failed: nothing decodes for nobody
             for j in running:
@@ -1025,7 +1030,7 @@ def serve(model_path: str, *, host: str = "127.0.0.1", port: int = 30000, token:
 
     if host not in LOOPBACK and not token:
         raise ValueError(f"--host {host} is reachable from other machines: pass --token (or STROP_SERVE_TOKEN) so "
-                         "every route but /health needs it")
+                         "every route needs it")
     if public_generate and not token:
         raise ValueError("--public-generate needs --token (without one every route is open already)")
     path = resolve_model_path(model_path)

@@ -34,12 +34,18 @@ class GuardedEngine:
         self._engine = engine
         params = inspect.signature(engine.generate).parameters if engine is not None else {}  # train only: none
         self._takes_affinity = "affinity" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+        # the engine reports each token as it decodes it (the embedded engine's on_token): streams can be live
+        self.streams = "on_token" in params
 
     def __getattr__(self, name):
         return getattr(self._engine, name)
 
-    async def generate(self, prompt_ids, sampling, affinity: str | None = None):
+    async def generate(self, prompt_ids, sampling, affinity: str | None = None, *, request_id: str | None = None,
+                       on_token=None):
+        """``request_id`` and ``on_token`` (see :meth:`EmbeddedEngine.generate`) only where ``streams``."""
         kw = {"affinity": affinity} if affinity is not None and self._takes_affinity else {}
+        if on_token is not None:
+            kw.update(request_id=request_id, on_token=on_token)
         try:
             return await self._engine.generate(prompt_ids, sampling, **kw)
         except Exception as exc:

@@ -920,3 +920,176 @@ def test_a_standalone_session_closed_for_idleness_stays_readable_until_collected
     assert sorted(stand.proxy.by_id) == sorted(ids[3:]) and len(stand.proxy.sessions) == 3
     assert [httpx.get(base + f"/sessions/{i}", headers=admin).status_code for i in ids] == [404] * 3 + [200] * 3
     assert stand.proxy.take_counts()["agent_sessions_dropped_uncollected"] == 3
+
+
+# ---- live streams: each token's chunk as it is decoded ------------------------------------------------------
+
+class StreamingForcedEngine(ForcedEngine):
+    """A ForcedEngine that reports each token as it is "decoded" (the embedded engine's ``on_token``),
+    waits before token ``hold_after`` until ``gate`` is set (at most 30 s: ``timed_out`` then), and
+    honours ``abort``."""
+
+    def __init__(self, *args, hold_after: int | None = None):
+        super().__init__(*args)
+        self.gate, self.timed_out, self.hold_after = threading.Event(), False, hold_after
+        self.aborted: set[str] = set()
+
+    async def generate(self, prompt_ids, sampling, request_id=None, *, on_token=None):
+        import asyncio
+        import time
+
+        whole = await super().generate(prompt_ids, sampling)
+        for k, (token, logprob) in enumerate(zip(whole.token_ids, whole.logprobs)):
+            if k == self.hold_after:
+                deadline = time.monotonic() + 30
+                while not self.gate.is_set() and request_id not in self.aborted:
+                    if time.monotonic() > deadline:
+                        self.timed_out = True
+                        break
+                    await asyncio.sleep(0.01)
+            if request_id in self.aborted:
+                return Completion(whole.token_ids[:k], whole.logprobs[:k], "abort", self.weight_version)
+            if on_token is not None:
+                on_token(token, logprob, None)
+            await asyncio.sleep(0)
+        return whole
+
+    async def abort(self, request_id):
+        self.aborted.add(request_id)
+        return True
+
+
+def _joined(chunks, index=0):
+    """(token ids, content, logprobs, finish reason, tool calls as (name, arguments)) of one streamed choice."""
+    ids, text, lps, finish, calls = [], "", [], None, []
+    for chunk in chunks:
+        for c in chunk.choices:
+            if c.index != index:
+                continue
+            ids += (c.model_extra or {}).get("token_ids") or []
+            text += c.delta.content or ""
+            lps += [x.logprob for x in (c.logprobs.content if c.logprobs else [])]
+            calls += [(t.function.name, json.loads(t.function.arguments)) for t in c.delta.tool_calls or []]
+            finish = c.finish_reason or finish
+    return ids, text, lps, finish, calls
+
+
+def _recorded(stand, session):
+    return [(x.response_ids, x.rollout_logprobs, x.loss_mask) for x in stand.end(session)]
+
+
+@pytest.mark.parametrize("stop", [False, True], ids=["greedy", "stop-string"])
+def test_a_stream_on_the_embedded_engine_sends_each_token_as_it_is_decoded(model, tokenizer, stand_of, stop):
+    """The first token's chunk arrives while the engine is held before the generation's end (a hook in
+    its decode step: no timing); the chunks join to the plain call's tokens, text, logprobs and finish
+    (greedy; sampled with a seed and cut at a stop string, whose text no chunk shows), and the session
+    records what the plain call's session records."""
+    engine = EmbeddedEngine(model, pad_token_id=tokenizer.pad_token_id, default_stop_token_ids=[tokenizer.eos_token_id],
+                            context_window=256, seed=0)
+    sampling = SamplingParams(temperature=1.0 if stop else 0.0, max_new_tokens=64,
+                              stop_token_ids=[tokenizer.eos_token_id])
+    stand = stand_of(engine, sampling=sampling)
+    plain_session, stream_session, probe_session = stand.open(), stand.open(index=1), stand.open(index=2)
+    plain = openai.OpenAI(base_url=stand.proxy.base_url, api_key=plain_session.key, max_retries=0, timeout=60)
+    streamed = openai.OpenAI(base_url=stand.proxy.base_url, api_key=stream_session.key, max_retries=0, timeout=60)
+    kw = {"model": "m", "messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 40,
+          "logprobs": True, **({"seed": 1234} if stop else {})}
+    if stop:  # a word the answer writes after its start
+        probe = openai.OpenAI(base_url=stand.proxy.base_url, api_key=probe_session.key, max_retries=0)
+        answer = probe.chat.completions.create(**kw).choices[0]
+        words = [tokenizer.decode([t]).strip() for t in answer.model_extra["token_ids"][4:]]
+        kw["stop"] = [next(w for w in words if w and answer.message.content.index(w) > 4), "never!"]
+    release, timed_out, steps, step = threading.Event(), threading.Event(), 0, engine._advance
+
+    def held(*args, **kw):  # the 5th decode step waits until the client has read a token (at most 20 s)
+        nonlocal steps
+        steps += 1
+        if steps == 5 and not release.wait(20):
+            timed_out.set()
+        return step(*args, **kw)
+    engine._advance = held
+    try:
+        stream = iter(streamed.chat.completions.create(stream=True, **kw))
+        first = next(c for c in stream if c.choices and (c.choices[0].model_extra or {}).get("token_ids"))
+        assert not timed_out.is_set(), "the first token came only once the generation had ended"
+    finally:
+        release.set()
+    chunks = [first, *stream]
+    engine._advance = step
+    a = plain.chat.completions.create(**kw).choices[0]
+    ids, text, lps, finish, _ = _joined(chunks)
+    assert ids == a.model_extra["token_ids"] and len(ids) > 4 and steps >= 5  # (the hook held a step)
+    assert text == a.message.content and finish == a.finish_reason
+    assert lps == [x.logprob for x in a.logprobs.content]
+    if stop:
+        assert finish == "stop" and kw["stop"][0] not in text
+        assert kw["stop"][0] in tokenizer.decode(ids) and kw["stop"][0] not in tokenizer.decode(ids[:-1])
+    assert _recorded(stand, stream_session) == _recorded(stand, plain_session)
+
+
+@pytest.mark.parametrize("cut", [True, False], ids=["cut-after-calls", "kept"])
+@pytest.mark.parametrize("said", ["python", "hermes"])
+def test_a_streamed_tool_call_holds_its_text_and_ends_as_the_plain_call(model, tokenizer, stand_of, said, cut):
+    """With tools, the text before a call goes out live; the call's text (from its marker on) never
+    shows as content, the call comes as its own delta at the end, and the chunks join to the plain
+    call's tokens, content, calls and finish, with agent.cut_after_tool_calls on or off; the session
+    records what the plain call's records."""
+    text, tools = {"python": ("Let me run it.\n```python\nprint(17*23)\n```\nIt prints 999. \\boxed{999}",
+                              [{"type": "function", "function": {"name": "python", "parameters": {
+                                  "type": "object", "properties": {"code": {"type": "string"}}}}}]),
+                   "hermes": ("I will compute it. " + MODEL_CALL + " It is 999.", CALC)}[said]
+    engine = StreamingForcedEngine(model, tokenizer, [text], hold_after=4)
+    stand = stand_of(engine, cut_after_tool_calls=cut)
+    plain_session, stream_session = stand.open(), stand.open(index=1)
+    kw = {"model": "m", "messages": [{"role": "user", "content": "17*23?"}], "tools": tools, "logprobs": True}
+    streamed = openai.OpenAI(base_url=stand.proxy.base_url, api_key=stream_session.key, max_retries=0, timeout=60)
+    stream = iter(streamed.chat.completions.create(stream=True, **kw))
+    first = next(c for c in stream if c.choices and c.choices[0].delta.content)
+    assert not engine.timed_out, "the text before the call came only once the generation had ended"
+    engine.gate.set()
+    chunks = [first, *stream]
+    plain = openai.OpenAI(base_url=stand.proxy.base_url, api_key=plain_session.key, max_retries=0, timeout=60)
+    a = plain.chat.completions.create(**kw).choices[0]
+    ids, content, lps, finish, calls = _joined(chunks)
+    assert ids == a.model_extra["token_ids"] and lps == [x.logprob for x in a.logprobs.content]
+    assert content == a.message.content and finish == a.finish_reason == "tool_calls"
+    assert calls == [(c.function.name, json.loads(c.function.arguments)) for c in a.message.tool_calls]
+    assert all(m not in c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content
+               for m in ("<tool_call>", "```"))
+    assert ("999" in tokenizer.decode(ids)) == (not cut)
+    assert _recorded(stand, stream_session) == _recorded(stand, plain_session)
+
+
+def test_a_client_hanging_up_mid_stream_aborts_the_engine_request_and_the_call_is_not_recorded(
+        model, tokenizer, stand_of):
+    engine = EmbeddedEngine(model, pad_token_id=tokenizer.pad_token_id, default_stop_token_ids=[tokenizer.eos_token_id],
+                            context_window=512, seed=0)
+    ended, generate, advance = [], engine.generate, engine._advance
+
+    async def recorded(prompt_ids, sampling, request_id=None, *, on_token=None, top_logprobs=0):
+        ended.append(await generate(prompt_ids, sampling, request_id, on_token=on_token, top_logprobs=top_logprobs))
+        return ended[-1]
+
+    def slowed(*args):  # ~10 ms a step: the 200-token answer is still decoding when the client leaves
+        import time
+
+        time.sleep(0.01)
+        return advance(*args)
+    engine.generate, engine._advance = recorded, slowed
+    stand = stand_of(engine, limits=SessionLimits(max_calls=8, max_call_tokens=200, max_response_tokens=1024,
+                                                   context_window=2048),
+                     sampling=SamplingParams(temperature=1.0, max_new_tokens=200, stop_token_ids=[-1]))
+    session = stand.open()
+    url, auth = stand.proxy.base_url + "/chat/completions", {"Authorization": f"Bearer {session.key}"}
+    body = {"messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 200, "stream": True}
+    with httpx.stream("POST", url, json=body, headers=auth, timeout=30) as r:
+        assert r.status_code == 200
+        assert next(line for line in r.iter_lines() if '"token_ids"' in line)
+    wait_for(lambda: ended and stand.proxy.in_flight == 0, timeout=20)
+    assert ended[0].finish_reason == "abort" and len(ended[0].token_ids) < 200, ended
+    assert session.calls == 0 and stand.proxy.take_counts()["agent_calls_client_gone"] == 1
+    client = openai.OpenAI(base_url=stand.proxy.base_url, api_key=session.key, max_retries=0, timeout=60)
+    answer = client.chat.completions.create(model="m", messages=body["messages"], max_tokens=8)  # the session goes on
+    (sample,) = stand.end(session)
+    assert session.calls == 1 and [t for t, m in zip(sample.response_ids, sample.loss_mask) if m] == \
+        answer.choices[0].model_extra["token_ids"]

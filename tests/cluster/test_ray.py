@@ -182,9 +182,10 @@ def test_colocated_engine_shares_its_trainer_rank_bundle(nodes, tiny_model_dir, 
 @pytest.mark.timeout(300)
 def test_a_ray_engine_actor_starts_sglang_with_its_key_out_of_argv(nodes, tiny_model_dir, tmp_path):
     """engine.kind=sglang, engine.launch=1: the actor starts the SGLang command (here a stand-in running strop
-    serve, since SGLang's build needs a GPU) with the model, host and port, and the API key in a file of SGLang's
-    --config that only its owner can read, deleted once the server is up; the run's SGLang client trains through
-    it (weights by broadcast every step: its logprobs are the trainer's)."""
+    serve, since SGLang's build needs a GPU) with the model, 127.0.0.1 and a port behind strop's token guard, and
+    the API key in a file of SGLang's --config that only its owner can read, deleted once the server is up; the
+    run's SGLang client trains through the guard (weights by broadcast every step: its logprobs are the
+    trainer's)."""
     token, record = "sglang-key-7f3e", tmp_path / "stand_in.json"
     args = [*tiny(tiny_model_dir, tmp_path / "run", "--engine.kind=sglang", "--engine.launch=1",
                   "--engine.launch_args=[\"--threads=1\"]", "--engine.sync=broadcast",

@@ -143,6 +143,7 @@ def test_openai_routes_return_token_ids_and_logprobs(start_server):
 def test_a_launched_server_with_a_token_guards_its_routes(start_server):
     """The token policy end to end (every route in tests/serving/test_serve_hostile.py)."""
     server = start_server(None, "--token=s3cret")
-    assert httpx.get(server.url + "/health").status_code == 200
+    assert httpx.get(server.url + "/health").status_code == 401
+    assert httpx.get(server.url + "/health", headers={"Authorization": "Bearer s3cret"}).status_code == 200
     assert _post(server.url, "/generate", {"input_ids": [1, 2]}).status_code == 401
     assert _post(server.url, "/flush_cache", None, headers={"Authorization": "Bearer s3cret"}).status_code == 200

@@ -238,14 +238,16 @@ def _status(client, method, path, body, headers=None):
 
 
 @pytest.mark.parametrize("public_generate", [False, True])
-def test_with_a_token_every_route_but_health_needs_it(tokenizer, public_generate):
-    """--token: every route but /health needs it; --public-generate opens generation (and only that)."""
+def test_with_a_token_every_route_needs_it(tokenizer, public_generate):
+    """--token: every route, /health included, needs it; --public-generate opens generation and /health (and
+    only those)."""
     from fastapi.testclient import TestClient
 
     app = create_app(tiny_engine(), tokenizer=tokenizer, token="s3cret", public_generate=public_generate)
     auth = {"Authorization": "Bearer s3cret"}
     with TestClient(app) as client:
-        assert _status(client, "GET", "/health", None) == 200
+        assert _status(client, "GET", "/health", None) == (200 if public_generate else 401)
+        assert _status(client, "GET", "/health", None, auth) == 200
         for method, path, body in GENERATION:
             assert _status(client, method, path, body) == (200 if public_generate else 401), path
             assert _status(client, method, path, body, auth) == 200, path

@@ -305,3 +305,20 @@ def test_generate_accepts_sglang_sampling_fields_and_ignores_unknown_ones(url, c
     assert r.status_code == 422 and "repetition_penalty" in r.text  # would change the distribution: refused
     r = httpx.post(url + "/generate", json={"text": "a", "input_ids": [5, 6]})
     assert r.status_code == 400 and "exactly one" in r.text
+
+
+def test_a_streamed_answer_decodes_each_token_once(tokenizer):
+    """strop serve's stream decodes each token's text from the few tokens since the last piece (a
+    bounded number of token ids per token, plus one whole decode at the end), never the whole prefix
+    again per token (n * n / 2 ids); the text still equals the unstreamed answer's."""
+    from tests.agents.test_proxy import CountingTokenizer
+
+    counting = CountingTokenizer(tokenizer)
+    with serving(create_app(tiny_engine(), tokenizer=counting, model_name="tiny")) as base, _sdk(base) as client:
+        kw = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 200, "temperature": 0}
+        whole = client.completions.create(**kw).choices[0]
+        counting.decoded = 0
+        ids, text, _ = _streamed(list(client.completions.create(stream=True, **kw)))
+    n = len(ids)
+    assert ids == whole.model_extra["token_ids"] and text == whole.text and n > 100
+    assert counting.decoded <= 5 * n, (counting.decoded, n)  # the prefix each token: over 100 * n
