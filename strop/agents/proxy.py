@@ -5,8 +5,8 @@ is pointed at ``base_url`` with a session's API key; every call it makes is gene
 run's engine (the embedded engine or the router over strop serve / SGLang / vLLM servers) and
 recorded in that session as exact tokens (:mod:`strop.agents.session`).
 
-Routes (all but /health need ``Authorization: Bearer <session key>``; the /v1/sessions routes of a
-standalone proxy, ``strop proxy``, need its admin token instead, and /v1/models takes either):
+Routes (all need ``Authorization: Bearer <session key>``; the /v1/sessions routes of a standalone
+proxy, ``strop proxy``, need its admin token instead, and /v1/models and /health take either):
   POST /v1/chat/completions   messages, tools (Hermes ``<tool_call>`` parsed into tool_calls), n,
                               temperature, top_p, max_tokens / max_completion_tokens, stop, seed,
                               logprobs, stream (server-sent events: a chunk per token, sent as it is
@@ -516,7 +516,9 @@ class AgentProxy:
             return _error(502, f"{type(exc).__name__}: {exc}")
 
         @app.get("/health")
-        async def health():
+        async def health(request: Request):  # a key, as every route: it tells how busy the run is
+            if not self._is_admin(request):
+                self._session(request)
             return {"status": "ok", "sessions": len(self.sessions), "in_flight": self.in_flight}
 
         @app.get("/v1/models")

@@ -719,11 +719,14 @@ def test_an_engine_that_fails_or_is_misconfigured_still_stops_the_session(tokeni
     assert session.state == "aborted" and session.engine_error is not None
 
 
-def test_models_needs_a_key_and_any_model_name_is_the_runs_model(model, tokenizer, stand_of):
+def test_models_and_health_need_a_key_and_any_model_name_is_the_runs_model(model, tokenizer, stand_of):
     stand = stand_of(ForcedEngine(model, tokenizer, ["Four."]), model_name="the-run")
     session = stand.open()
-    assert httpx.get(stand.proxy.base_url + "/models").status_code == 401
-    assert httpx.get(stand.proxy.base_url + "/models", headers={"Authorization": "Bearer nope"}).status_code == 401
+    health = stand.proxy.base_url.removesuffix("/v1") + "/health"
+    for url in (stand.proxy.base_url + "/models", health):
+        assert httpx.get(url).status_code == 401, url
+        assert httpx.get(url, headers={"Authorization": "Bearer nope"}).status_code == 401, url
+    assert httpx.get(health, headers={"Authorization": f"Bearer {session.key}"}).json()["status"] == "ok"
     client = openai.OpenAI(base_url=stand.proxy.base_url, api_key=session.key, max_retries=0)
     assert [m.id for m in client.models.list()] == ["the-run"]
     # an agent written for another model is served by the run's (the answer names it)
@@ -871,7 +874,8 @@ def test_a_streamed_answer_is_decoded_once_per_token_off_the_event_loop(model, t
     def ping():  # the event loop's latency while the answer is decoded and sent
         while not stop.is_set():
             t = time.monotonic()
-            httpx.get(stand.proxy.base_url.removesuffix("/v1") + "/health", timeout=30)
+            httpx.get(stand.proxy.base_url.removesuffix("/v1") + "/health", timeout=30,
+                      headers={"Authorization": f"Bearer {session.key}"})
             health.append(time.monotonic() - t)
             time.sleep(0.01)
     pinger = threading.Thread(target=ping)
