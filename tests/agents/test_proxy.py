@@ -13,6 +13,7 @@ from strop.engines.embedded import EmbeddedEngine
 from strop.train.logprob import response_logprobs
 from strop.types import Completion, SamplingParams, Status
 from tests.agents.stand import ForcedEngine, Stand
+from tests.held import HeldStep
 from tests.tiny import make_tiny_model
 
 pytestmark = pytest.mark.timeout(120)
@@ -1003,26 +1004,15 @@ def test_a_stream_on_the_embedded_engine_sends_each_token_as_it_is_decoded(model
         answer = probe.chat.completions.create(**kw).choices[0]
         words = [tokenizer.decode([t]).strip() for t in answer.model_extra["token_ids"][4:]]
         kw["stop"] = [next(w for w in words if w and answer.message.content.index(w) > 4), "never!"]
-    release, timed_out, steps, step = threading.Event(), threading.Event(), 0, engine._advance
-
-    def held(*args, **kw):  # the 5th decode step waits until the client has read a token (at most 20 s)
-        nonlocal steps
-        steps += 1
-        if steps == 5 and not release.wait(20):
-            timed_out.set()
-        return step(*args, **kw)
-    engine._advance = held
-    try:
+    with HeldStep(engine, "_advance") as held:  # the 5th decode step waits until the client has read a token
         stream = iter(streamed.chat.completions.create(stream=True, **kw))
         first = next(c for c in stream if c.choices and (c.choices[0].model_extra or {}).get("token_ids"))
-        assert not timed_out.is_set(), "the first token came only once the generation had ended"
-    finally:
-        release.set()
-    chunks = [first, *stream]
-    engine._advance = step
+        assert not held.timed_out.is_set(), "the first token came only once the generation had ended"
+        held.release()
+        chunks = [first, *stream]
     a = plain.chat.completions.create(**kw).choices[0]
     ids, text, lps, finish, _ = _joined(chunks)
-    assert ids == a.model_extra["token_ids"] and len(ids) > 4 and steps >= 5  # (the hook held a step)
+    assert ids == a.model_extra["token_ids"] and len(ids) > 4 and held.calls >= 5  # (the hook held a step)
     assert text == a.message.content and finish == a.finish_reason
     assert lps == [x.logprob for x in a.logprobs.content]
     if stop:

@@ -3,13 +3,13 @@ models, stream=True, stop, n, top logprobs, echo) and SGLang-style /generate pay
 prompts, stop strings, SGLang sampling fields), on a real uvicorn server on 127.0.0.1."""
 
 import logging
-import threading
 
 import httpx
 import pytest
 import torch
 
 from strop.engines.server import create_app
+from tests.held import HeldStep
 from tests.serving.test_serve_hostile import serving, tiny_engine
 
 pytestmark = pytest.mark.timeout(120)
@@ -222,25 +222,15 @@ def test_stream_sends_each_token_as_it_is_decoded_and_the_same_tokens_as_a_plain
     """The first token arrives while the engine is held before the generation's end (a hook in the
     engine: no timing); streamed tokens, text, logprobs and finish equal the unstreamed answer's."""
     url, engine, _ = served
-    release, timed_out = threading.Event(), threading.Event()
-    steps = 0
     # a decode step: the kv decoder's (admit and step), or the fallback's model forward
     owner, name = (engine, "_advance") if engine.decode_path.startswith("kv-cache") else (engine.model, "forward")
-    step = getattr(owner, name)
-
-    def held(*args, **kw):  # the 5th decode step waits until the client has read a token (at most 20 s)
-        nonlocal steps
-        steps += 1
-        if steps == 5 and not release.wait(20):
-            timed_out.set()
-        return step(*args, **kw)
-    setattr(owner, name, held)
-    with _sdk(url) as client:
+    # the 5th decode step waits until the client has read a token
+    with HeldStep(owner, name) as held, _sdk(url) as client:
         kw = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 40, "temperature": 0, "logprobs": 2}
         stream = iter(client.completions.create(stream=True, **kw))
         first = next(c for c in stream if c.choices and c.choices[0].model_extra.get("token_ids"))
-        assert not timed_out.is_set(), "the first token came only once the generation had ended"
-        release.set()
+        assert not held.timed_out.is_set(), "the first token came only once the generation had ended"
+        held.release()
         chunks = [first, *stream]
         whole = client.completions.create(**kw).choices[0]
         ids, text, reasons = _streamed(chunks)
