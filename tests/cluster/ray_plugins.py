@@ -22,7 +22,7 @@ def _kill(name: str) -> dict:
 async def kill_engine_0_in_step_2(ctx, sample, sampling):
     """A generate hook: strop's own generate, but at step 2's first call, once its request is out, engine 0's
     actor is SIGKILLed (its requests in flight fail over); then wait until Ray has restarted it (another pid,
-    serving again) and write the old and new pids to ./engine_kill.json."""
+    serving again) and the router has seen it, and write the old and new pids to ./engine_kill.json."""
     import asyncio
 
     import ray
@@ -45,6 +45,12 @@ async def kill_engine_0_in_step_2(ctx, sample, sampling):
             await asyncio.sleep(0.5)
     else:
         raise TimeoutError("engine 0 was not restarted within 120 s")
+    # the step's weight update comes once this rollout returns: wait (at most 30 s) until the router's health loop
+    # has seen the restarted engine, so that update takes it in and it is back for step 3 (else which of the two
+    # comes first is a race between the health interval and the step's speed)
+    deadline = time.monotonic() + 30
+    while ctx.engine.state[0] == "down" and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
     with open("engine_kill.json", "w") as f:
         json.dump({"before": before, "after": after}, f)
     return result
