@@ -40,7 +40,6 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
-import hmac
 import json
 import logging
 import math
@@ -60,6 +59,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from strop.agents.chat import (ChatInputError, ChatRenderer, calls_end, check_messages, check_tools_schema,
                                parse_reply)
 from strop.agents.session import Call, ChatState, Choice, Session, SessionLimitError, SessionLimits
+from strop.engines.guard import bearer_token_matches
 from strop.engines.server import MAX_BODY_BYTES, BodyLimit, cut_at_stops, sse
 from strop.engines.textstream import StreamedText
 from strop.types import Completion, SamplingParams, Sample
@@ -333,8 +333,17 @@ class AgentProxy:
     # ---- generation ----------------------------------------------------------------------------
     def _is_admin(self, request: Request) -> bool:
         header = request.headers.get("authorization", "")
-        given = header[7:].strip() if header.lower().startswith("bearer ") else ""
-        return bool(self.admin_token) and hmac.compare_digest(given.encode(), self.admin_token.encode())
+        return bool(self.admin_token) and bearer_token_matches(header, self.admin_token)
+
+    def _authorise(self, request: Request) -> None:
+        """The admin token or a session's key (401 otherwise)."""
+        if not self._is_admin(request):
+            self._session(request)
+
+    def _drop_call(self, s: Session) -> None:
+        """A call whose client hung up before its answer: not recorded, not counted against the session."""
+        s.calls -= 1
+        self.counts["agent_calls_client_gone"] += 1
 
     def _session(self, request: Request) -> Session:
         header = request.headers.get("authorization", "")
@@ -426,8 +435,7 @@ class AgentProxy:
         # decoding a long answer takes a while: beside the event loop, which keeps serving
         cut, choices = await asyncio.to_thread(self._read_answers, outs, stops, chat is not None, tool_names)
         if await request.is_disconnected():  # nobody reads this answer: a retry (or nothing) replaces it
-            s.calls -= 1
-            self.counts["agent_calls_client_gone"] += 1
+            self._drop_call(s)
             raise ClientGone(f"session {s.id}: the client hung up before the answer was ready")
         call = Call(list(prompt_ids), choices, chat)
         s.attach(prompt_ids, call)
@@ -440,8 +448,7 @@ class AgentProxy:
         call's: the assistant message, its tool calls parsed)."""
         if chat and tool_names and self.cut_after_tool_calls:
             outs = [self._end_at_calls(out, tool_names) for out in outs]
-        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
-        cut = [cut_at_stops(out, stops, decode)[:2] for out in outs]
+        cut = [cut_at_stops(out, stops, self._text)[:2] for out in outs]
         choices = []
         for out, text in cut:
             msg = None
@@ -517,14 +524,12 @@ class AgentProxy:
 
         @app.get("/health")
         async def health(request: Request):  # a key, as every route: it tells how busy the run is
-            if not self._is_admin(request):
-                self._session(request)
+            self._authorise(request)
             return {"status": "ok", "sessions": len(self.sessions), "in_flight": self.in_flight}
 
         @app.get("/v1/models")
         async def models(request: Request):
-            if not self._is_admin(request):
-                self._session(request)
+            self._authorise(request)
             return {"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "strop"}]}
 
         def neutral(body: _Sampling) -> None:
@@ -746,8 +751,7 @@ class AgentProxy:
                 if generating:
                     self._generated(s)
                 if not settled:  # a hung-up client's call is not recorded
-                    s.calls -= 1
-                    self.counts["agent_calls_client_gone"] += 1
+                    self._drop_call(s)
 
         return sse(chunks())
 

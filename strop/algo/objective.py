@@ -74,14 +74,14 @@ def policy_objective(logprobs: torch.Tensor, entropy: torch.Tensor | None, *, ol
         # DPPO's ratio is against pi_rollout: it holds the behaviour weight pi_old/pi_rollout already, so the
         # weight is not applied again (it would make the gradient go as (pi/pi_rollout)^2); TIS (and IcePop's
         # cap) truncate that factor inside the ratio, MIS / IcePop / OPSM still mask through `kept`
+        capped = weight / corr["w"] if settings["tis_cap"] is not None else None  # min(w, C) / w, detached
         per_token, info = dppo_loss(logprobs, rollout_logprobs, advantages, mask_low=a.dppo_mask_low,
-                                    mask_high=a.dppo_mask_high, kl_coef=a.dppo_kl_coef, old_logprobs=old,
-                                    tis_cap=settings["tis_cap"])
-        weight = torch.ones_like(weight)
+                                    mask_high=a.dppo_mask_high, kl_coef=a.dppo_kl_coef, scale=capped)
+        weight = None
     else:
         raise ValueError(f"unknown policy loss {a.policy_loss!r}")
     # 3. the policy-gradient term
-    pg_loss = aggregate(per_token * weight, kept, a.loss_agg, **agg)
+    pg_loss = aggregate(per_token if weight is None else per_token * weight, kept, a.loss_agg, **agg)
     loss = pg_loss
     stats = {"clipped_low": info.get("clipped_low", torch.zeros_like(mask, dtype=torch.bool)).float(),
              "clipped_high": info.get("clipped_high", torch.zeros_like(mask, dtype=torch.bool)).float(),

@@ -46,8 +46,7 @@ def opsm_mask(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: to
 
 def dppo_loss(logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, advantages: torch.Tensor, *,
               mask_low: float = 0.2, mask_high: float = 0.2, kl_coef: float = 1e-3,
-              old_logprobs: torch.Tensor | None = None,
-              tis_cap: float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+              scale: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """DPPO, Binary-TV form (Qi et al. 2026, "Rethinking the Trust Region in LLM Reinforcement Learning",
     arXiv 2602.04879), as prime-rl's default loss computes it (``default_loss_fn`` in prime-rl's
     ``src/prime_rl/trainer/rl/loss.py``): the trust region is a bound on the *probability* change of
@@ -59,22 +58,18 @@ def dppo_loss(logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, advantag
     masked ones included, as prime-rl does).
 
     ``r`` already carries the behaviour weight ``pi_old / mu`` (``r = (pi / pi_old)(pi_old / mu)``), so a
-    correction must not multiply it in again (the gradient would go as ``r^2``). With ``tis_cap`` C (and
-    ``old_logprobs``, pi_old) truncated importance sampling acts on that factor inside the one ratio:
-    ``r = (pi / pi_old) min(pi_old / mu, C)``, i.e. ``r`` times the detached ``min(1, C mu / pi_old)``;
-    the squared-log term stays unweighted, as in prime-rl.
+    correction must not multiply it in again (the gradient would go as ``r^2``). Truncated importance
+    sampling with cap C acts on that factor inside the one ratio: ``r = (pi / pi_old) min(pi_old / mu, C)``,
+    i.e. ``r`` times ``scale`` = the detached ``min(w, C) / w`` (w = pi_old / mu, from
+    :func:`strop.algo.losses.rollout_correction`); the squared-log term stays unweighted, as in prime-rl.
 
     Deviation from prime-rl: its advantage scale ``adv_tau`` is left out (scale the rewards instead).
     Returns the per-token loss and the indicators ``clipped_low`` (A <= 0 masked) and ``clipped_high``.
     """
     log_ratio = logprobs - behaviour_logprobs
     ratio = torch.exp(log_ratio.clamp(-20.0, 20.0))  # (N, T), pi / mu with gradient
-    if tis_cap is not None:
-        if old_logprobs is None:
-            raise ValueError("dppo_loss: tis_cap truncates pi_old/mu and needs old_logprobs")
-        log_w = (old_logprobs - behaviour_logprobs).detach().clamp(-20.0, 20.0)  # log(pi_old / mu)
-        # min(w, C) / w: 1 below the cap, so an untruncated token keeps exactly prime-rl's pi/mu
-        ratio = ratio * (tis_cap * torch.exp(-log_w)).clamp(max=1.0)
+    if scale is not None:  # min(w, C) / w: 1 below the cap, so an untruncated token keeps prime-rl's pi/mu
+        ratio = ratio * scale
     d = (torch.exp(logprobs) - torch.exp(behaviour_logprobs)).detach()
     adv = advantages.expand_as(ratio)
     high = (adv > 0) & (d > mask_high)

@@ -87,8 +87,8 @@ class EngineServer:
         os.chdir(cwd)
         self.index, host = index, _node_ip()
         if spec["kind"] == "strop":  # its own token check covers every route
-            env = {"STROP_SERVE_TOKEN": token} | spec["env"]
-            self.server = LocalServer(spec["model"], port, list(spec["args"]), env, host=host, token=token)
+            self.server = LocalServer(spec["model"], port, list(spec["args"]), dict(spec["env"]), host=host,
+                                      token=token)
         else:  # vLLM's and SGLang's keys leave routes open: strop's token guard on the node's address, the engine
             # where only this user's processes reach it (strop.engines.launch.engine_server)
             program = spec["command"] or [sys.executable, "-m", {"vllm": "vllm.entrypoints.openai.api_server",

@@ -526,24 +526,10 @@ class EmbeddedEngine:
         self.check(ids, SamplingParams(temperature=temperature, max_new_tokens=1), top_logprobs)
         if len(ids) < 2:
             return [], []
-        t = 1.0 if temperature < GREEDY_BELOW else temperature
-        return await self._drained(self._prompt_logprobs, list(ids), t, top_logprobs)
+        from strop.engines.probe import prompt_logprobs
 
-    @torch.no_grad()
-    def _prompt_logprobs(self, ids: list[int], temperature: float, top_logprobs: int):
-        was_training = self.model.training
-        self.model.eval()  # (a shared model is the trainer's: its mode is put back)
-        try:
-            x = torch.tensor([ids], device=self.device)
-            logits = self.model(input_ids=x).logits[0, :-1].float()  # (P - 1, V): each predicts the next token
-        finally:
-            self.model.train(was_training)
-        lp = torch.log_softmax(logits / temperature, dim=-1)
-        picked = lp.gather(-1, x[0, 1:, None]).squeeze(-1).tolist()
-        if not top_logprobs:
-            return picked, [None] * len(picked)
-        values, top_ids = (t.tolist() for t in torch.topk(lp, min(top_logprobs, lp.shape[-1]), dim=-1))
-        return picked, [dict(zip(i, v)) for i, v in zip(top_ids, values)]
+        t = 1.0 if temperature < GREEDY_BELOW else temperature
+        return await self._drained(prompt_logprobs, self.model, list(ids), t, top_logprobs)
 
     async def weights_checksum(self) -> str:
         """:func:`strop.engines.http.state_checksum` of :meth:`weights`, in a thread, between decode steps."""

@@ -38,12 +38,18 @@ _NOT_FORWARDED = {b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-a
                   b"transfer-encoding", b"upgrade", b"content-length", b"expect"}
 
 
-def token_matches(headers: list[tuple[bytes, bytes]], token: bytes) -> bool:
-    """``Authorization: Bearer <token>`` among ASGI ``headers``, compared in constant time."""
+def bearer_token_matches(header: str, token: str) -> bool:
+    """``Bearer <token>``, compared in constant time on bytes (a header may hold any byte). strop serve, the
+    agent proxy and this guard all check their tokens with it."""
+    scheme, _, sent = header.partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(sent.strip().encode("latin-1"), token.encode())
+
+
+def token_matches(headers: list[tuple[bytes, bytes]], token: str) -> bool:
+    """``Authorization: Bearer <token>`` among ASGI ``headers`` (the first such header)."""
     for name, value in headers:
         if name.lower() == b"authorization":
-            scheme, _, sent = value.partition(b" ")
-            return scheme.lower() == b"bearer" and hmac.compare_digest(sent.strip(), token)
+            return bearer_token_matches(value.decode("latin-1"), token)
     return False
 
 
@@ -54,7 +60,7 @@ class TokenGuard:
     def __init__(self, token: str, upstream: str, max_body_bytes: int = MAX_BODY_BYTES):
         if not token:
             raise ValueError("the token guard needs a token (the run's engine token)")
-        self.token, self.upstream, self.max_body_bytes = token.encode(), upstream, max_body_bytes
+        self.token, self.upstream, self.max_body_bytes = token, upstream, max_body_bytes
         self._transport = None
         # (a Unix socket's requests still name a host: the client's own Host header is forwarded)
         self.base_url = httpx.URL("http://engine" if upstream.startswith("unix:") else f"http://{upstream}")

@@ -48,7 +48,7 @@ class LocalServer:
     host: str = "127.0.0.1"
     command: list[str] | None = None  # another server's full command line (vllm_command); default strop serve
     upstream: str | None = None  # where ``command`` listens (unix:/path, 127.0.0.1:port): guarded on host:port
-    token: str | None = field(default=None, repr=False)  # the guard's, sent with the health checks too
+    token: str | None = field(default=None, repr=False)  # strop serve's or the guard's (health checks send it)
     private_dir: Path | None = None  # 0700, this server's: start-up secrets (deleted once it answers), its socket
 
     @property
@@ -67,6 +67,8 @@ class LocalServer:
         tied = [sys.executable, "-m", "strop.engines.launch", str(os.getpid())]
         env = {**os.environ, **self.env}
         if self.command is None:
+            if self.token:  # strop serve's own check, on every route
+                env["STROP_SERVE_TOKEN"] = self.token
             cmd = [*tied, "serve", f"--model-path={self.model_path}", f"--host={self.host}", f"--port={self.port}",
                    *self.args]
         elif self.upstream is None:
@@ -154,14 +156,13 @@ class LocalServer:
 def launch_servers(n: int, model_path: str, *, args: list[str] = (), token: str | None = None,
                    timeout_s: float = 180.0) -> list[LocalServer]:
     """Start ``n`` local servers on free ports and wait until every one answers /health.
-    ``token``: required on every route (passed as STROP_SERVE_TOKEN)."""
+    ``token``: required on every route."""
     from strop.cluster.process import free_port
 
-    env = {"STROP_SERVE_TOKEN": token} if token else {}
     servers = []
     try:
         for _ in range(n):
-            servers.append(LocalServer(model_path, free_port(), list(args), dict(env), token=token).start())
+            servers.append(LocalServer(model_path, free_port(), list(args), token=token).start())
         for s in servers:
             s.wait_healthy(timeout_s)
     except BaseException:

@@ -20,16 +20,28 @@ from strop.engines.http import EngineReceiptError
 
 def reference_logprobs(model, ids: list[int]) -> list[float]:
     """The trainer's logprob of each token of ``ids`` after the first (temperature 1, fp32)."""
+    return prompt_logprobs(model, ids)[0]
+
+
+def prompt_logprobs(model, ids: list[int], temperature: float = 1.0,
+                    top: int = 0) -> tuple[list[float], list[dict[int, float] | None]]:
+    """Each token of ``ids`` after the first: its logprob under logits / ``temperature`` (fp32) given the
+    tokens before it, and with ``top`` the ``top`` most likely ``{token_id: logprob}`` there (else None).
+    The model's train/eval mode is put back (a shared model is the trainer's)."""
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            device = next(model.parameters()).device
-            x = torch.tensor([ids], device=device)
-            logits = model(input_ids=x).logits[0, :-1].float()
-            return torch.log_softmax(logits, dim=-1).gather(-1, x[0, 1:, None]).squeeze(-1).tolist()
+            x = torch.tensor([ids], device=next(model.parameters()).device)
+            logits = model(input_ids=x).logits[0, :-1].float()  # (P - 1, V): each predicts the next token
     finally:
         model.train(was_training)
+    lp = torch.log_softmax(logits / temperature, dim=-1)
+    picked = lp.gather(-1, x[0, 1:, None]).squeeze(-1).tolist()
+    if not top:
+        return picked, [None] * len(picked)
+    values, top_ids = (t.tolist() for t in torch.topk(lp, min(top, lp.shape[-1]), dim=-1))
+    return picked, [dict(zip(i, v)) for i, v in zip(top_ids, values)]
 
 
 async def check_probe(engines: list, ids: list[int], reference: list[float], tolerance: float,

@@ -28,7 +28,6 @@ request body over ``max_body_bytes`` (16 MiB) is refused with 413 before any of 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import time
@@ -44,6 +43,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_v
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from strop.engines.embedded import PAUSE_MODES, EmbeddedEngine, RequestError
+from strop.engines.guard import bearer_token_matches
 from strop.engines.http import EngineVersionError, parse_weight_version, state_checksum, tensor_digest
 from strop.engines.textstream import StreamedText
 from strop.openmp import release_threads, releasing
@@ -266,12 +266,6 @@ def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind, "code": status}})
 
 
-def _token_matches(header: str, token: str) -> bool:
-    """``Bearer <token>``, compared in constant time on bytes (a header may hold any byte)."""
-    scheme, _, sent = header.partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(sent.strip().encode("latin-1"), token.encode())
-
-
 def load_weights_dir(path: str, device, root: str | None = None) -> dict:
     """Every ``*.safetensors`` file of a folder (or one file) as one state dict, on ``device``.
     With ``root``, every file must resolve (symlinks and ``..`` followed) inside it."""
@@ -370,7 +364,7 @@ def create_app(engine: EmbeddedEngine, *, tokenizer=None, token: str | None = No
         # the generation routes)
         if token is None or (public_generate and (path in GENERATION_ROUTES or path == "/health")):
             return await call_next(request)
-        if not _token_matches(request.headers.get("authorization", ""), token):
+        if not bearer_token_matches(request.headers.get("authorization", ""), token):
             return _error(401, f"{path} needs the server's token: 'Authorization: Bearer <token>'")
         return await call_next(request)
 

@@ -66,7 +66,7 @@ class RemoteTeacher:
         gives :func:`probe_text` other ids than ``tokenizer``, the student's (named ``student``), or that cannot
         be asked (unreachable, or refusing strop's token)."""
         from strop.config import ConfigError
-        from strop.engines.http import EngineRequestError, EngineUnavailable
+        from strop.engines.http import EngineRefusedError, EngineRequestError, EngineUnavailable
 
         text = probe_text(tokenizer)
         mine = tokenizer.encode(text, add_special_tokens=False)
@@ -75,7 +75,7 @@ class RemoteTeacher:
             theirs = asyncio.run(self._tokenize(text))
         except (EngineUnavailable, EngineRequestError) as exc:
             hint = (": give its token as algo.distill_teacher_token (best as the environment variable "
-                    "STROP_TEACHER_TOKEN)" if "HTTP 401" in str(exc) or "HTTP 403" in str(exc) else "")
+                    "STROP_TEACHER_TOKEN)" if isinstance(exc, EngineRefusedError) and exc.status in (401, 403) else "")
             raise ConfigError(f"{where}: the teacher's tokenizer could not be compared with the student's "
                               f"({exc}){hint}") from None
         if theirs == mine:

@@ -296,7 +296,9 @@ def test_a_timed_out_async_agent_is_cancelled():
         worker = await runner.ready(timeout_s=1.0)
         future = runner.submit(worker, "http://127.0.0.1:9/v1", "key", {})
         await asyncio.sleep(0.3)  # it is waiting in its own event loop
+        assert not future.done()  # (still running when abandoned: else nothing below would be shown)
         runner.abandon(future)
+        assert runner.take_counts()["agent_threads_abandoned"] == 1
         for _ in range(100):
             if runner.take_counts()["agent_threads_abandoned_running"] == 0:
                 return
