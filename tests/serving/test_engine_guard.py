@@ -4,6 +4,7 @@ the guard. The real engine behind it: tests/serving/test_vllm_guard.py."""
 
 import asyncio
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -194,3 +195,44 @@ def test_a_guard_needs_a_token():
             TokenGuard(token, "127.0.0.1:1")
     with pytest.raises(ValueError, match=r"a guarded server \(upstream='unix:/x'\) needs a token"):
         LocalServer("", 1, command=["true"], upstream="unix:/x").start()
+
+
+def test_a_websocket_is_closed_before_it_is_accepted_token_or_not():
+    """strop uses no WebSocket: an upgrade is closed (policy violation) whatever it carries, and the engine
+    is never asked."""
+    guard = TokenGuard(TOKEN, "127.0.0.1:9")  # (nothing listens there: a forwarded request would fail)
+
+    async def upgrade(headers):
+        sent = []
+
+        async def receive():
+            return {"type": "websocket.connect"}
+
+        async def send(message):
+            sent.append(message)
+        await guard({"type": "websocket", "path": "/v1/realtime", "headers": headers, "query_string": b""},
+                    receive, send)
+        return sent
+    for headers in ([], [(b"authorization", f"Bearer {TOKEN}".encode())]):
+        assert asyncio.run(upgrade(headers)) == [{"type": "websocket.close", "code": 1008}]
+
+
+def test_a_vllm_socket_path_longer_than_a_unix_socket_takes_is_refused(tmp_path, monkeypatch):
+    """vLLM's socket lives in a private folder under the temporary directory: a path over the 107 bytes
+    a Unix socket address holds is refused naming it (and TMPDIR), and the folder made for it is removed."""
+    import tempfile
+
+    from strop.engines.launch import engine_server
+
+    deep = tmp_path / ("d" * 100)
+    deep.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    with pytest.raises(ValueError, match=r"over the 107 bytes a Unix socket takes: set TMPDIR"):
+        engine_server("vllm", ["vllm"], "MODEL", "127.0.0.1", 1, TOKEN)
+    assert list(deep.iterdir()) == []
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    server = engine_server("vllm", ["vllm"], "MODEL", "127.0.0.1", 1, TOKEN)  # a short one is taken (not started)
+    try:
+        assert server.upstream.startswith("unix:") and server.private_dir.stat().st_mode & 0o777 == 0o700
+    finally:
+        shutil.rmtree(server.private_dir)
