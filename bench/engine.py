@@ -196,7 +196,7 @@ def main() -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
-    from strop.engines.embedded import EmbeddedEngine
+    from strop.serving.embedded import EmbeddedEngine
     from strop.models import load_model, load_tokenizer, resolve_model_path
 
     tok = load_tokenizer(args.model)

@@ -116,7 +116,7 @@ def decode_linear_seconds(model, batch: int, dtype: str = "float32", rounds: int
     only ``batch`` times, and the kernels do not reach their large-matrix rate at that shape."""
     import torch.nn.functional as F
 
-    from strop.engines.kvdecode import LlamaDecoder
+    from strop.serving.kvdecode import LlamaDecoder
 
     model = model.to(getattr(torch, dtype))  # (in place: pass a model of its own)
     dec = LlamaDecoder(model)

@@ -36,7 +36,7 @@ def main() -> None:
 
     logging.disable(logging.WARNING)
     from strop.config import AlgoConfig, TrainConfig
-    from strop.engines.embedded import EmbeddedEngine
+    from strop.serving.embedded import EmbeddedEngine
     from strop.models import EMBEDDED_MODEL, load_model, load_tokenizer
     from strop.train.trainer import Trainer
     from strop.types import Sample, SamplingParams, Status

@@ -60,7 +60,7 @@ def main() -> None:
     import torch
 
     logging.disable(logging.WARNING)
-    from strop.engines.embedded import EmbeddedEngine
+    from strop.serving.embedded import EmbeddedEngine
     from strop.models import EMBEDDED_MODEL, load_model, load_tokenizer
     from strop.types import SamplingParams
 

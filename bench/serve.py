@@ -90,7 +90,7 @@ def main() -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
-    from strop.engines.embedded import EmbeddedEngine
+    from strop.serving.embedded import EmbeddedEngine
     from strop.engines.http import SGLangEngine
     from strop.engines.launch import launch_servers
     from strop.models import load_model, load_tokenizer

@@ -164,7 +164,7 @@ class VLLMServer:
                 [str(VLLM_PY), "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
                  "--port", str(self.port), "--dtype", "float32", "--max-model-len", "2048",
                  "--max-num-batched-tokens", "8192", "--logprobs-mode", "processed_logprobs",
-                 "--worker-extension-cls", "strop.engines.vllm_worker.StropWorkerExtension"],
+                 "--worker-extension-cls", "strop.serving.vllm_worker.StropWorkerExtension"],
                 stdout=out, stderr=out, env=env, cwd=work, start_new_session=True)
         deadline = time.monotonic() + 900
         while True:

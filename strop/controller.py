@@ -9,7 +9,7 @@ from pathlib import Path
 
 from strop import checkpoint
 from strop.config import Config, save_config
-from strop.engines.probe import reference_logprobs
+from strop.serving.probe import reference_logprobs
 from strop.observe.metrics import (MetricsLog, Progress, Timer, memory_metrics, plot_curves, rollout_metrics,
                                    run_summary, write_summary)
 from strop.observe.tracking import open_trackers, sample_rows

@@ -17,8 +17,8 @@ from strop.config import Config, ConfigError
 from strop.data.sources import (DataError, PromptRow, PromptSampler, PromptSet, _row_from_record, held_out,
                                 read_prompt_file, reasoning_gym_rows)
 from strop.engines.base import Engine
-from strop.engines.embedded import EmbeddedEngine
-from strop.engines.kvdecode import unsupported_reason
+from strop.serving.embedded import EmbeddedEngine
+from strop.serving.kvdecode import unsupported_reason
 from strop.parallel.collectives import resolve_bucket_bytes
 from strop.parallel.runtime import Control, device_mesh_groups, parallel_layout, tensor_parallel_mesh
 from strop.observe.tracking import require_trackers
@@ -426,7 +426,8 @@ def _router(cfg: Config, urls: list[str], token: str | None, run_dir: Path, prob
     ignore the temperature is refused, and one without strop's worker extension cannot take a broadcast."""
     import asyncio
 
-    from strop.engines.http import EngineRequestError, EngineUnavailable, SGLangEngine, WeightWriter
+    from strop.wire.errors import EngineRequestError, EngineUnavailable
+    from strop.engines.http import SGLangEngine, WeightWriter
     from strop.engines.router import Router
     from strop.engines.sync import BroadcastSync
     from strop.engines.vllm import VLLMEngine

@@ -20,7 +20,7 @@ import strop.checkpoint  # noqa: E402
 import strop.cluster.local  # noqa: E402
 import strop.train.trainer  # noqa: E402
 from strop.cli import main  # noqa: E402
-from strop.engines.embedded import EmbeddedEngine  # noqa: E402
+from strop.serving.embedded import EmbeddedEngine
 
 PHASE, _, STEP = os.environ.get("STROP_KILL_AT", "none:0").partition(":")
 STEP = int(STEP or 0)

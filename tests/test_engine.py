@@ -3,7 +3,7 @@ import asyncio
 import pytest
 import torch
 
-from strop.engines.embedded import EmbeddedEngine, PromptTooLongError
+from strop.serving.embedded import EmbeddedEngine, PromptTooLongError
 from strop.train.logprob import response_logprobs
 from strop.types import SamplingParams
 

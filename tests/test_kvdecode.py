@@ -6,9 +6,9 @@ import asyncio
 import pytest
 import torch
 
-from strop.engines import kvdecode
-from strop.engines.embedded import EmbeddedEngine, _blocks, _invert_cdf, _sample_blocks
-from strop.engines.kvdecode import Batch
+from strop.serving import kvdecode
+from strop.serving.embedded import EmbeddedEngine, _blocks, _invert_cdf, _sample_blocks
+from strop.serving.kvdecode import Batch
 from strop.train.logprob import response_logprobs
 from strop.types import SamplingParams
 
@@ -338,7 +338,7 @@ def test_the_engine_thread_and_the_waiting_caller_free_their_openmp_pools(tiny_m
     engine goes idle, and a thread waiting on the run's event loop frees its own before it waits."""
     import threading
 
-    from strop.engines import embedded
+    from strop.serving import embedded
     from strop.rollout import event_loop
 
     freed = []

@@ -1,4 +1,4 @@
-"""Reading weights a bucket at a time (strop.engines.weights): the streamed safetensors file, buckets, subsets."""
+"""Reading weights a bucket at a time (strop.wire.weights): the streamed safetensors file, buckets, subsets."""
 
 import json
 import struct
@@ -7,8 +7,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from strop.engines.http import state_checksum
-from strop.engines.weights import Subset, in_buckets, write_safetensors
+from strop.wire.digest import state_checksum
+from strop.wire.weights import Subset, in_buckets, write_safetensors
 
 
 class Counting(dict):
@@ -101,7 +101,7 @@ def test_sharded_weights_that_miss_a_tensor_leave_the_engine_as_it_was(tiny_mode
     import asyncio
     import copy
 
-    from strop.engines.embedded import EmbeddedEngine
+    from strop.serving.embedded import EmbeddedEngine
 
     engine = EmbeddedEngine(copy.deepcopy(tiny_model), pad_token_id=0)
     before = {k: v.clone() for k, v in engine.model.state_dict().items()}

@@ -59,9 +59,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from strop.agents.chat import (ChatInputError, ChatRenderer, calls_end, check_messages, check_tools_schema,
                                parse_reply)
 from strop.agents.session import Call, ChatState, Choice, Session, SessionLimitError, SessionLimits
-from strop.engines.guard import bearer_token_matches
-from strop.engines.server import MAX_BODY_BYTES, BodyLimit, cut_at_stops, sse
-from strop.engines.textstream import StreamedText
+from strop.wire.auth import bearer_token_matches
+from strop.serving.server import MAX_BODY_BYTES, BodyLimit, cut_at_stops, sse
+from strop.serving.textstream import StreamedText
 from strop.types import Completion, SamplingParams, Sample
 
 log = logging.getLogger("strop.agents")
@@ -187,8 +187,8 @@ def _read(raw: bytes, model: type[BaseModel]) -> BaseModel:
 def _refused(exc: BaseException) -> BaseException | None:
     """The engine's refusal of the request as malformed (the client's error, not the engine's), or None.
     (The engine reached through :class:`GuardedEngine` comes wrapped: its error is the cause.)"""
-    from strop.engines.embedded import RequestError, SessionError
-    from strop.engines.http import EngineRefusedError
+    from strop.serving.embedded import RequestError, SessionError
+    from strop.wire.errors import EngineRefusedError
 
     cause = exc.__cause__ if exc.__cause__ is not None else exc
     if isinstance(cause, RequestError) and not isinstance(cause, SessionError):

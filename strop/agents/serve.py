@@ -33,7 +33,7 @@ def build_engine(model_path: str, urls: list[str], kind: str, token: str | None,
 
     context = int(getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", 2048))
     if not urls:
-        from strop.engines.embedded import EmbeddedEngine
+        from strop.serving.embedded import EmbeddedEngine
 
         model = load_model(path, dtype=getattr(torch, dtype)).to(resolve_device(device)).requires_grad_(False)
         return EmbeddedEngine(model, pad_token_id=tokenizer.pad_token_id, default_stop_token_ids=stop,

@@ -12,7 +12,6 @@ re-issues the request elsewhere); a 4xx answer is the request's fault and raises
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import os
 import shutil
 import uuid
@@ -20,38 +19,9 @@ from pathlib import Path
 
 import torch
 
-from strop.engines.weights import tensor_bytes, write_safetensors
+from strop.wire.weights import write_safetensors
 from strop.types import Completion, SamplingParams
-
-
-class EngineUnavailable(RuntimeError):
-    """The engine did not answer (connection refused or reset, timeout, 5xx) after every retry."""
-
-
-class EngineRequestError(ValueError):
-    """The engine refused the request (4xx): retrying would not help."""
-
-
-class EngineRefusedError(EngineRequestError):
-    """The engine answered the request with HTTP 4xx (``status``): with 400, 413 or 422 the request itself
-    was malformed (the agent proxy answers its client so); the others say the client is misconfigured."""
-
-    def __init__(self, message: str, status: int):
-        super().__init__(message)
-        self.status = status
-
-
-class EngineVersionError(EngineRequestError):
-    """The engine reported a weight version strop cannot read, or none where one is needed."""
-
-
-class EngineReceiptError(EngineRequestError):
-    """An engine's receipt of an update (its version, checksum or probe) disagrees with what the trainer
-    sent: it must not serve, and the step fails naming it."""
-
-
-class EngineManifestError(EngineRequestError):
-    """The engine's tensors (names, shapes, dtypes) differ from the trainer's: refused before any byte moves."""
+from strop.wire.errors import EngineReceiptError, EngineRefusedError, EngineRequestError, EngineUnavailable, EngineVersionError, parse_weight_version
 
 
 MIN_SGLANG = "0.5.23"  # the first release with the weight-update session (begin/end_weight_update)
@@ -63,43 +33,6 @@ def _release(version: str) -> tuple[int, ...]:
 
     return tuple(int(p) for p in re.match(r"\d+(?:\.\d+)*", version.strip()).group(0).split(".")) \
         if re.match(r"\d", version.strip()) else ()
-
-
-# the label SGLang and vLLM report before any update (server flag --weight-version): the weights they started with
-INITIAL_VERSION_LABELS = ("default",)
-
-
-def parse_weight_version(value, where: str) -> int:
-    """The one place an engine's weight version is read: an integer (or its decimal string), or an
-    initial label (``"default"``: the weights the server started with, version 0). Anything else
-    (missing, another string, a float, a negative number) is an :class:`EngineVersionError` naming
-    the engine: a version strop cannot compare is never guessed."""
-    if isinstance(value, bool):
-        raise EngineVersionError(f"{where}: weight version {value!r} is not an integer")
-    if isinstance(value, int) and value >= 0:
-        return value
-    if isinstance(value, str):
-        if value in INITIAL_VERSION_LABELS:
-            return 0
-        if value.isascii() and value.isdigit():
-            return int(value)
-    raise EngineVersionError(f"{where}: weight version {value!r} is not an integer strop set (strop labels every "
-                             f"update with its integer version; {INITIAL_VERSION_LABELS[0]!r} means initial weights)")
-
-
-def tensor_digest(t: torch.Tensor) -> str:
-    """blake2b of one tensor's bytes (the delta form's per-tensor checksum)."""
-    return hashlib.blake2b(tensor_bytes(t), digest_size=16).hexdigest()
-
-
-def state_checksum(state: dict[str, torch.Tensor]) -> str:
-    """An order-independent checksum of a state dict: blake2b over sorted names, dtypes and bytes."""
-    h = hashlib.blake2b(digest_size=16)
-    for name in sorted(state):
-        h.update(name.encode())
-        h.update(str(state[name].dtype).encode())
-        h.update(tensor_bytes(state[name]))
-    return h.hexdigest()
 
 
 class WeightWriter:
@@ -117,7 +50,7 @@ class WeightWriter:
     def write(self, state: dict[str, torch.Tensor], version: int, tag: str = "") -> tuple[Path, str]:
         """Write ``state`` as version ``version`` (``tag`` tells apart several files of one version:
         the delta form writes one per set of changed tensors). Returns the folder and the checksum.
-        Read a bucket at a time (sharded weights are never gathered whole: strop.engines.weights)."""
+        Read a bucket at a time (sharded weights are never gathered whole: strop.wire.weights)."""
         final = self.dir / f"v{version}{tag}"
         tmp = self.dir / f".tmp-v{version}{tag}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)

@@ -7,7 +7,7 @@ the kernel to SIGKILL it when its parent dies (``PR_SET_PDEATHSIG``), so a train
 SIGKILL takes its servers with it. The bearer token travels in the environment, never in argv
 (which ``ps`` shows every user).
 
-A vLLM or SGLang server is reached only through strop's token guard (:mod:`strop.engines.guard`), which
+A vLLM or SGLang server is reached only through strop's token guard (:mod:`strop.serving.guard`), which
 listens on the advertised address and runs in the server's supervisor, so the two live and die together:
 their own API keys leave routes open (vLLM's all but ``/v1/*``, among them the weight-loading
 ``/collective_rpc``), so the engine itself listens only where this user's processes reach it.
@@ -185,7 +185,7 @@ def supervise_group(parent: int, command: list[str], guard: tuple[str, int, str]
     signal.signal(signal.SIGTERM, lambda *_: os.killpg(0, signal.SIGKILL))
     die_with_parent(parent, signal.SIGTERM)
     if guard is not None:
-        from strop.engines import guard as token_guard
+        from strop.serving import guard as token_guard
 
         token = os.environ.pop(GUARD_TOKEN_ENV)  # (the command has its own copy where it needs one)
         sock = token_guard.bind(guard[0], guard[1])
@@ -228,7 +228,7 @@ def vllm_command(program: list[str], model_path: str, socket_path: str, args: li
     guard stands in front). ``program``: what starts it, e.g.
     ``[".../bin/python", "-m", "vllm.entrypoints.openai.api_server"]``."""
     return [*program, "--model", model_path, "--uds", socket_path, "--logprobs-mode", "processed_logprobs",
-            "--worker-extension-cls", "strop.engines.vllm_worker.StropWorkerExtension", *args]
+            "--worker-extension-cls", "strop.serving.vllm_worker.StropWorkerExtension", *args]
 
 
 def sglang_command(program: list[str], model_path: str, host: str, port: int, config: str, args: list[str] = ()

@@ -29,7 +29,8 @@ import uuid
 from collections import Counter, OrderedDict, deque
 from pathlib import Path
 
-from strop.engines.http import EngineReceiptError, EngineRequestError, EngineUnavailable, WeightWriter
+from strop.wire.errors import EngineReceiptError, EngineRequestError, EngineUnavailable
+from strop.engines.http import WeightWriter
 from strop.types import Completion, SamplingParams
 
 DOWN, REJOINING, HEALTHY = "down", "rejoining", "healthy"
@@ -266,9 +267,9 @@ class Router:
             raise wrong
 
     async def _update_by_delta(self, state_dict, version: int) -> None:
-        from strop.engines.http import tensor_digest
-        from strop.engines.sync import manifest_of
-        from strop.engines.weights import Subset, in_buckets, nbytes
+        from strop.wire.digest import tensor_digest
+        from strop.wire.buckets import manifest_of
+        from strop.wire.weights import Subset, in_buckets, nbytes
 
         unique = [name for name, _, _ in manifest_of(state_dict)]
 
@@ -309,8 +310,8 @@ class Router:
 
     async def probe(self, ids: list[int], reference: list[float], tolerance: float) -> float:
         """Score ``ids`` on every healthy engine against the trainer's ``reference`` logprobs (see
-        :mod:`strop.engines.probe`); raises naming the first engine that differs."""
-        from strop.engines.probe import check_probe
+        :mod:`strop.serving.probe`); raises naming the first engine that differs."""
+        from strop.serving.probe import check_probe
 
         healthy = [e for i, e in enumerate(self.engines) if self.state[i] == HEALTHY]
         return await check_probe(healthy, ids, reference, tolerance, self.weight_version)

@@ -66,7 +66,7 @@ class RemoteTeacher:
         gives :func:`probe_text` other ids than ``tokenizer``, the student's (named ``student``), or that cannot
         be asked (unreachable, or refusing strop's token)."""
         from strop.config import ConfigError
-        from strop.engines.http import EngineRefusedError, EngineRequestError, EngineUnavailable
+        from strop.wire.errors import EngineRefusedError, EngineRequestError, EngineUnavailable
 
         text = probe_text(tokenizer)
         mine = tokenizer.encode(text, add_special_tokens=False)
@@ -91,7 +91,7 @@ class RemoteTeacher:
 
     async def _tokenize(self, text: str) -> list[int]:
         """The teacher's ids of ``text`` (``POST /tokenize``, the same request for strop serve, SGLang and vLLM)."""
-        from strop.engines.http import EngineRequestError
+        from strop.wire.errors import EngineRequestError
 
         client = self._client()
         try:

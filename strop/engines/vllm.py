@@ -14,7 +14,7 @@ labelled with its version (``/update_weight_version``) and the label read back
 (``/weight_info``), so the version strop trusts is the one the server reports holding: a
 restarted server says ``"default"`` (its initial weights), whatever strop loaded before.
 
-Broadcast (``engine.sync=broadcast``): strop's worker extension (:mod:`strop.engines.vllm_worker`,
+Broadcast (``engine.sync=broadcast``): strop's worker extension (:mod:`strop.serving.vllm_worker`,
 loaded with ``--worker-extension-cls``) joins a torch.distributed group with the trainer and receives
 its buckets, driven through ``/collective_rpc``; generation is paused around the update (``/pause``,
 ``/resume``), the prefix cache reset after it (retried while blocks are still held) and the version
@@ -29,12 +29,12 @@ import json
 import math
 from pathlib import Path
 
-from strop.engines.http import (EngineReceiptError, EngineRequestError, EngineUnavailable, EngineVersionError,
-                                SGLangEngine, parse_weight_version)
+from strop.wire.errors import EngineReceiptError, EngineRequestError, EngineUnavailable, EngineVersionError, parse_weight_version
+from strop.engines.http import SGLangEngine
 from strop.types import Completion, SamplingParams
 
 
-EXTENSION = "strop.engines.vllm_worker.StropWorkerExtension"
+EXTENSION = "strop.serving.vllm_worker.StropWorkerExtension"
 NO_EXTENSION_FALLBACK = f"start vLLM with --worker-extension-cls {EXTENSION}, or use engine.sync=disk"
 PAUSE_MODES = ("abort", "wait", "keep")
 
@@ -150,7 +150,7 @@ class VLLMEngine(SGLangEngine):
                                  f"{self.reset_cache_attempts} attempts (blocks still held by running requests): "
                                  "the old weights' KV cache would serve the new weights")
 
-    # --- broadcast through strop's worker extension (strop.engines.vllm_worker) ---
+    # --- broadcast through strop's worker extension (strop.serving.vllm_worker) ---
 
     async def _rpc(self, method: str, timeout: float | None = None, **kwargs) -> list:
         """Call the extension's ``method`` on every worker (``/collective_rpc``: its arguments are strings)

@@ -57,7 +57,7 @@ class ShardedWeights(Mapping):
 
     def manifest(self) -> list[tuple[str, str, tuple[int, ...]]]:
         """(name, dtype, shape) of every tensor once (an alias of an earlier name skipped), as
-        :func:`strop.engines.sync.manifest_of` describes a plain state dict."""
+        :func:`strop.wire.buckets.manifest_of` describes a plain state dict."""
         seen, out = set(), []
         for name in self.names:
             key = self.canonical.get(name, name)

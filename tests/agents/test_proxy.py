@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from strop.agents.session import SessionLimits
-from strop.engines.embedded import EmbeddedEngine
+from strop.serving.embedded import EmbeddedEngine
 from strop.train.logprob import response_logprobs
 from strop.types import Completion, SamplingParams, Status
 from tests.agents.stand import ForcedEngine, Stand
@@ -688,11 +688,11 @@ class RefusingEngine:
 @pytest.mark.parametrize("kind", ["embedded", "http"])
 def test_an_engine_refusing_the_request_is_the_clients_4xx_and_the_session_goes_on(tokenizer, stand_of, kind):
     if kind == "embedded":
-        from strop.engines.embedded import RequestError
+        from strop.serving.embedded import RequestError
 
         error = RequestError("empty prompt: a request needs at least one token")
     else:
-        from strop.engines.http import EngineRefusedError
+        from strop.wire.errors import EngineRefusedError
 
         error = EngineRefusedError("http://engine/generate: HTTP 400: input_ids[3] is outside the vocabulary", 400)
     stand = stand_of(RefusingEngine(error))
@@ -707,7 +707,7 @@ def test_an_engine_refusing_the_request_is_the_clients_4xx_and_the_session_goes_
 
 @pytest.mark.parametrize("status", [401, 404])
 def test_an_engine_that_fails_or_is_misconfigured_still_stops_the_session(tokenizer, stand_of, status):
-    from strop.engines.http import EngineRefusedError, EngineUnavailable
+    from strop.wire.errors import EngineRefusedError, EngineUnavailable
 
     error = EngineUnavailable("http://engine/generate failed after 4 attempts") if status == 404 else \
         EngineRefusedError("http://engine/generate: HTTP 401: a token is needed", 401)

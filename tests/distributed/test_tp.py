@@ -162,7 +162,7 @@ def test_a_mixture_of_experts_model_trains_under_fsdp_as_in_one_process(tmp_path
     by name (no plan for experts); the embedded engine names its fallback from the fast decoder."""
     from transformers import AutoConfig
 
-    from strop.engines import kvdecode
+    from strop.serving import kvdecode
     from strop.models import meta_model
     from strop.parallel.loading import unloadable
     from strop.parallel.tensor import check_tensor_parallel

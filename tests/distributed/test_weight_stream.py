@@ -17,9 +17,9 @@ def _sync(rank, world, mode, tp, folder):
     from safetensors.torch import load_file
 
     from strop.config import AlgoConfig, TrainConfig
-    from strop.engines.embedded import EmbeddedEngine
+    from strop.serving.embedded import EmbeddedEngine
     from strop.engines.http import WeightWriter
-    from strop.engines.sync import fill_bucket, manifest_of, plan_buckets
+    from strop.wire.buckets import fill_bucket, manifest_of, plan_buckets
     from strop.parallel.gather import ShardedWeights
     from strop.parallel.runtime import Control
     from strop.train.trainer import Trainer
@@ -85,7 +85,7 @@ def _sync(rank, world, mode, tp, folder):
 def test_a_sharded_trainer_syncs_a_bucket_at_a_time(world, mode, tp, tmp_path):
     import torch
 
-    from strop.engines.http import state_checksum
+    from strop.wire.digest import state_checksum
 
     out = run_on_ranks(_sync, world, mode, tp, str(tmp_path), timeout=200)[0]
     full = out["full"]

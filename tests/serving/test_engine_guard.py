@@ -1,4 +1,4 @@
-"""strop's token guard (strop.engines.guard) in front of a stand-in engine (tests/serving/guard_upstream.py),
+"""strop's token guard (strop.serving.guard) in front of a stand-in engine (tests/serving/guard_upstream.py),
 started as strop starts a guarded vLLM or SGLang server: a LocalServer with ``upstream``, whose supervisor runs
 the guard. The real engine behind it: tests/serving/test_vllm_guard.py."""
 
@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from strop.cluster.process import free_port
-from strop.engines.guard import TokenGuard
+from strop.serving.guard import TokenGuard
 from strop.engines.launch import LocalServer
 
 TOKEN = "guard-token-5be1"

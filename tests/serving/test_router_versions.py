@@ -7,7 +7,8 @@ import asyncio
 import pytest
 import torch
 
-from strop.engines.http import EngineRequestError, EngineUnavailable, EngineVersionError, WeightWriter, parse_weight_version
+from strop.wire.errors import EngineRequestError, EngineUnavailable, EngineVersionError, parse_weight_version
+from strop.engines.http import WeightWriter
 from strop.engines.router import Router
 from strop.types import Completion, SamplingParams
 
@@ -474,7 +475,7 @@ def test_a_restart_between_delta_updates_without_a_probe_still_sends_every_tenso
 
 
 def test_a_member_whose_broadcast_failed_does_not_serve_half_new_weights_and_the_others_do():
-    from strop.engines.http import EngineReceiptError
+    from strop.wire.errors import EngineReceiptError
 
     a, b, c = FakeEngine("a"), FakeEngine("b"), FakeEngine("c")
 
@@ -560,14 +561,14 @@ class ScoringEngine(FakeEngine):
         self.model = model
 
     async def score(self, ids):
-        from strop.engines.probe import reference_logprobs
+        from strop.serving.probe import reference_logprobs
 
         return reference_logprobs(self.model, ids)
 
 
 def test_the_probe_names_an_engine_that_computes_with_other_weights():
-    from strop.engines.probe import reference_logprobs
-    from strop.engines.sync import EngineReceiptError
+    from strop.serving.probe import reference_logprobs
+    from strop.wire.errors import EngineReceiptError
     from tests.tiny import make_tiny_model
 
     trainer = make_tiny_model(seed=1)

@@ -6,7 +6,8 @@ import httpx
 import pytest
 import torch
 
-from strop.engines.http import SGLangEngine, WeightWriter, state_checksum
+from strop.engines.http import SGLangEngine, WeightWriter
+from strop.wire.digest import state_checksum
 from strop.types import SamplingParams
 
 pytestmark = pytest.mark.timeout(240)
@@ -100,7 +101,7 @@ def test_weights_from_disk_change_generation_and_report_version_and_checksum(sta
     written = list((tmp_path / "weights").glob("v*"))
     assert [p.name for p in written] == ["v3"] and not list((tmp_path / "weights").glob(".tmp*"))
     r = _post(server.url, "/update_weights_from_disk", {"model_path": str(written[0]), "weight_version": 4})
-    from strop.engines.server import load_weights_dir
+    from strop.serving.server import load_weights_dir
 
     assert r.json()["checksum"] == state_checksum(load_weights_dir(str(written[0]), "cpu"))
 

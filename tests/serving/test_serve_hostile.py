@@ -10,8 +10,8 @@ import time
 import httpx
 import pytest
 
-from strop.engines.embedded import EmbeddedEngine
-from strop.engines.server import create_app
+from strop.serving.embedded import EmbeddedEngine
+from strop.serving.server import create_app
 from strop.types import SamplingParams
 
 pytestmark = pytest.mark.timeout(120)
@@ -117,7 +117,7 @@ def test_out_of_vocabulary_ids_and_huge_seeds_fail_alone_beside_good_requests():
 def test_an_engine_error_fails_only_the_request_it_concerns(monkeypatch, fast_decode):
     """An error raised while one request is admitted (here: its prefill) fails that request alone:
     the requests batched with it finish, and the engine keeps serving."""
-    from strop.engines import kvdecode
+    from strop.serving import kvdecode
 
     engine = tiny_engine(fast_decode=fast_decode)
     poison = [9, 9, 9]
@@ -259,7 +259,7 @@ def test_with_a_token_every_route_needs_it(tokenizer, public_generate):
 def test_without_a_token_every_route_is_open_on_loopback(tokenizer):
     from fastapi.testclient import TestClient
 
-    from strop.engines.server import serve
+    from strop.serving.server import serve
 
     with TestClient(create_app(tiny_engine(), tokenizer=tokenizer)) as client:
         for method, path, body in GENERATION + WEIGHTS[:2]:
@@ -271,7 +271,7 @@ def test_without_a_token_every_route_is_open_on_loopback(tokenizer):
 
 
 def test_the_serve_command_passes_its_flags(monkeypatch, tmp_path):
-    import strop.engines.server as server
+    import strop.serving.server as server
     from strop.cli import serve_main
 
     seen = {}
@@ -284,7 +284,7 @@ def test_the_serve_command_passes_its_flags(monkeypatch, tmp_path):
 
 def test_a_weight_load_leaves_the_event_loop_free(monkeypatch, tmp_path):
     """Loading and checksumming run in a thread: /health answers at once while a slow load runs."""
-    import strop.engines.server as server
+    import strop.serving.server as server
 
     path, _ = save_weights(tmp_path)
     real_load, real_sum = server.load_weights_dir, server.state_checksum
@@ -355,7 +355,7 @@ def test_a_new_group_tears_down_the_old_one_and_destroy_removes_it(monkeypatch, 
 
 _RANK_0 = """
 import sys
-from strop.engines.sync import make_group
+from strop.wire.group import make_group
 group = make_group("127.0.0.1", int(sys.argv[1]), 0, 2, "gloo", 30, name=sys.argv[2])
 print("joined", flush=True)
 sys.stdin.read()  # held until the test closes stdin
@@ -404,7 +404,7 @@ def _open_files() -> int:
 # ---- item 16: abort bookkeeping stays bounded -----------------------------------------------------
 
 def test_aborted_ids_of_requests_no_longer_queued_or_running_are_dropped(monkeypatch):
-    import strop.engines.embedded as embedded
+    import strop.serving.embedded as embedded
 
     engine = tiny_engine()
     sp = SamplingParams(temperature=1.0, max_new_tokens=3, stop_token_ids=[-1])
@@ -568,7 +568,7 @@ def test_a_mixed_load_over_every_route_answers_the_good_and_refuses_the_bad(tmp_
 
 
 def test_a_top_p_that_rounds_to_zero_samples_the_most_likely_token():
-    from strop.engines.embedded import EmbeddedEngine
+    from strop.serving.embedded import EmbeddedEngine
     from strop.types import SamplingParams
     from tests.tiny import make_tiny_model
 
@@ -598,7 +598,7 @@ def test_a_body_over_the_limit_gets_413_on_every_route_and_a_long_rid_is_refused
         assert r.status_code == 422 and "rid" in r.json()["error"]["message"] and len(r.content) < 500
         r = httpx.post(url + "/abort_request", json={"rid": "r" * 513}, timeout=30)
         assert r.status_code == 422 and "rid" in r.json()["error"]["message"]
-        from strop.engines.server import MAX_BODY_BYTES
+        from strop.serving.server import MAX_BODY_BYTES
 
         over = b'{"input_ids": [5, 6], "rid": "' + b"z" * MAX_BODY_BYTES + b'"}'
         r = httpx.post(url + "/generate", content=over, headers={"content-type": "application/json"}, timeout=60)

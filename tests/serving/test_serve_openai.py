@@ -8,7 +8,7 @@ import httpx
 import pytest
 import torch
 
-from strop.engines.server import create_app
+from strop.serving.server import create_app
 from tests.held import HeldStep
 from tests.serving.test_serve_hostile import serving, tiny_engine
 

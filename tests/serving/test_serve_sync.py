@@ -12,10 +12,11 @@ import httpx
 import pytest
 import torch
 
-from strop.engines.embedded import EmbeddedEngine
-from strop.engines.http import state_checksum
-from strop.engines.server import create_app
-from strop.engines.sync import close_group, make_group, manifest_of, plan_buckets, send_bucket
+from strop.serving.embedded import EmbeddedEngine
+from strop.wire.digest import state_checksum
+from strop.serving.server import create_app
+from strop.wire.group import close_group, make_group, send_bucket
+from strop.wire.buckets import manifest_of, plan_buckets
 from strop.cluster.process import free_port
 from tests.tiny import make_tiny_model
 
@@ -198,7 +199,7 @@ def test_a_bucket_that_does_not_match_the_model_is_refused_before_any_byte_moves
 
 _RANK_0 = """
 import sys
-from strop.engines.sync import make_group
+from strop.wire.group import make_group
 group = make_group("127.0.0.1", int(sys.argv[1]), 0, 2, "gloo", 30, name=sys.argv[2])
 print("joined", flush=True)
 sys.stdin.read()  # held until killed
@@ -399,7 +400,7 @@ def test_the_manifest_checker_and_version_label_describe_the_model():
 @pytest.mark.timeout(120)
 def test_the_sglang_client_scores_a_probe_on_strop_serve_as_the_trainer_does(start_server):
     from strop.engines.http import SGLangEngine
-    from strop.engines.probe import reference_logprobs
+    from strop.serving.probe import reference_logprobs
     from tests.tiny import make_tiny_model
 
     engine = SGLangEngine(start_server().url)

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from strop.engines.http import SGLangEngine
-from strop.engines.sync import Bucket
+from strop.wire.buckets import Bucket
 from strop.types import SamplingParams
 
 CONTRACT = json.loads((Path(__file__).parent / "sglang_0_5_23_requests.json").read_text())
@@ -177,7 +177,7 @@ def serving(routes: dict) -> SGLangEngine:
     ({"version": "0.5.23", "dp_size": 2}, r"SGLang 0.5.23 runs dp_size=2.*one server per replica.*engine.sync=disk"),
 ])
 def test_a_server_that_cannot_take_the_broadcast_is_refused_naming_it_its_version_and_the_fallback(info, why):
-    from strop.engines.http import EngineRequestError
+    from strop.wire.errors import EngineRequestError
 
     with pytest.raises(EngineRequestError, match=why):
         asyncio.run(serving({"/server_info": (200, info)}).check_broadcast())
@@ -192,7 +192,7 @@ def test_a_tensor_parallel_server_joins_with_one_rank_per_worker_and_strop_serve
 
 
 def test_a_server_without_the_update_session_is_named_with_the_fallback():
-    from strop.engines.http import EngineRequestError
+    from strop.wire.errors import EngineRequestError
 
     with pytest.raises(EngineRequestError, match=r"http://sglang.test has no /begin_weight_update .*engine.sync=disk"):
         asyncio.run(serving({}).begin_update())

@@ -4,7 +4,7 @@
 - the command line strop's Ray engine actor starts SGLang with uses SGLang's own flags, and SGLang's own
   ``--config`` merger reads the API key from strop's file;
 - SGLang's ``init_custom_process_group`` (the engine side of ``/init_weights_update_group``) and strop's
-  :func:`~strop.engines.sync.make_group` meet in one group, and a ``flattened_bucket`` broadcast by strop is
+  :func:`~strop.wire.group.make_group` meet in one group, and a ``flattened_bucket`` broadcast by strop is
   received and split the way SGLang's scheduler does it.
 
 The wheel is fetched by ``.ci/run`` (``pip download sglang==0.5.23 --no-deps``, 39 MB) into ``.sglang-wheel/``;
@@ -85,7 +85,8 @@ os._exit(0)
 
 @pytest.mark.timeout(90)
 def test_strops_trainer_side_meets_sglangs_own_group_and_bucket_code(sglang_src, tmp_path):
-    from strop.engines.sync import Bucket, close_group, make_group, plan_buckets, send_bucket
+    from strop.wire.buckets import Bucket, plan_buckets
+    from strop.wire.group import close_group, make_group, send_bucket
     from strop.cluster.process import free_port
 
     port, name = free_port(), "strop-sync-1-test"

@@ -6,7 +6,8 @@ import random
 import pytest
 import torch
 
-from strop.engines.sync import Bucket, BroadcastSync, first_mismatch, manifest_of, plan_buckets
+from strop.wire.buckets import Bucket, first_mismatch, manifest_of, plan_buckets
+from strop.engines.sync import BroadcastSync
 from strop.parallel.launch import run_on_ranks
 from tests.tiny import make_tiny_model
 
@@ -91,7 +92,8 @@ def _transfer(rank, world, port, bucket):
     # is read by glibc at start-up, before the launcher could set it in this process)
     ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD
 
-    from strop.engines.sync import StreamDigest, make_group, receive_bucket, send_bucket
+    from strop.wire.digest import StreamDigest
+    from strop.wire.group import make_group, receive_bucket, send_bucket
 
     group = make_group("127.0.0.1", port, rank, 2, "gloo", 60, name="strop-test")
     torch.manual_seed(0)
@@ -148,7 +150,7 @@ def test_a_server_receives_broadcast_weights(start_server):
     unique = {n: t for n, t in state.items() if n != "lm_head.weight"}  # tied to the embedding
     assert sent == sum(t.numel() * 4 for t in unique.values())
     # the server now generates with exactly these weights: same greedy logprobs as a local model
-    from strop.engines.embedded import EmbeddedEngine
+    from strop.serving.embedded import EmbeddedEngine
     from strop.types import SamplingParams
 
     local = make_tiny_model(seed=11)
@@ -161,8 +163,9 @@ def test_a_server_receives_broadcast_weights(start_server):
 
 @pytest.mark.timeout(240)
 def test_delta_sync_sends_only_changed_tensors_and_checks_them(start_server, tmp_path):
-    from strop.engines.embedded import EmbeddedEngine
-    from strop.engines.http import EngineRequestError, SGLangEngine, WeightWriter
+    from strop.serving.embedded import EmbeddedEngine
+    from strop.wire.errors import EngineRequestError
+    from strop.engines.http import SGLangEngine, WeightWriter
     from strop.engines.router import Router
     from strop.types import SamplingParams
     from tests.tiny import make_tiny_model
@@ -205,7 +208,8 @@ async def holds(engine) -> tuple[int, str]:
 @pytest.mark.timeout(120)
 def test_an_engine_that_leaves_the_set_has_its_group_torn_down_on_both_sides(start_server, monkeypatch):
     import strop.engines.sync as sync_module
-    from strop.engines.http import SGLangEngine, state_checksum
+    from strop.engines.http import SGLangEngine
+    from strop.wire.digest import state_checksum
 
     closed, left = [], []
     close = sync_module.close_group
@@ -235,7 +239,8 @@ def test_an_engine_killed_mid_broadcast_is_dropped_the_others_complete_and_it_re
         start_server):
     import time
 
-    from strop.engines.http import SGLangEngine, state_checksum
+    from strop.engines.http import SGLangEngine
+    from strop.wire.digest import state_checksum
     from strop.engines.router import DOWN, HEALTHY, REJOINING, Router
     from tests.tiny import make_tiny_model
 
@@ -281,7 +286,8 @@ def test_an_engine_that_answers_a_bucket_without_taking_its_broadcast_is_refused
     # whatever its buffer held. Here the client answers without the server ever joining the broadcast.
     import time
 
-    from strop.engines.http import EngineReceiptError, SGLangEngine
+    from strop.wire.errors import EngineReceiptError
+    from strop.engines.http import SGLangEngine
 
     engine = SGLangEngine(start_server().url, require_checksum=True)
 
@@ -305,7 +311,8 @@ def test_an_engine_that_answers_a_bucket_without_taking_its_broadcast_is_refused
 @pytest.mark.timeout(120)
 def test_bytes_changed_on_the_way_fail_the_receipt_naming_the_engine(start_server, monkeypatch):
     import strop.engines.sync as sync_module
-    from strop.engines.http import EngineReceiptError, SGLangEngine
+    from strop.wire.errors import EngineReceiptError
+    from strop.engines.http import SGLangEngine
 
     engine = SGLangEngine(start_server().url, require_checksum=True)
     send, corrupt = sync_module._broadcast, {"on": False}

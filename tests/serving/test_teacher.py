@@ -83,7 +83,7 @@ def test_a_run_distils_from_a_served_teacher(start_server, tiny_model_dir, tmp_p
 @pytest.mark.timeout(300)
 def test_a_served_teacher_started_with_a_token_gets_it(start_server, tokenizer):
     from strop.config import ConfigError
-    from strop.engines.http import EngineRequestError
+    from strop.wire.errors import EngineRequestError
     from tests.test_trainer import make_samples
 
     server = start_server(None, f"--token={TEACHER_TOKEN}")

@@ -33,7 +33,7 @@ def vllm_server(tokenizer_dir, tmp_path_factory):
     port = free_port()
     where = tmp_path_factory.mktemp("vllm")
     log = where / "server.log"
-    check = subprocess.run([str(VLLM_PY), "-c", "import strop.engines.vllm_worker"], cwd=where, capture_output=True,
+    check = subprocess.run([str(VLLM_PY), "-c", "import strop.serving.vllm_worker"], cwd=where, capture_output=True,
                            text=True)
     if check.returncode != 0:
         raise RuntimeError(f"strop is not importable in {VLLM_PY.parent.parent} (vLLM's worker imports the "
@@ -45,7 +45,7 @@ def vllm_server(tokenizer_dir, tmp_path_factory):
                                  "--host", "127.0.0.1", "--port", str(port),
                                  "--dtype", "float32", "--logprobs-mode", "processed_logprobs",
                                  "--max-num-batched-tokens", "8192", "--max-model-len", "2048",
-                                 "--worker-extension-cls", "strop.engines.vllm_worker.StropWorkerExtension",
+                                 "--worker-extension-cls", "strop.serving.vllm_worker.StropWorkerExtension",
                                  "--enforce-eager"],  # (compiling its graphs took 85 s of a 115 s start here)
                                 stdout=out, stderr=out, env=env, cwd=where)
     url = f"http://127.0.0.1:{port}"
@@ -142,7 +142,7 @@ def _trainer_logprobs(model, prompt, completion, temperature):
 
 async def _join(engine, name):
     """This process as the trainer (rank 0) and the engine (rank 1) in a new gloo group ``name``."""
-    from strop.engines.sync import make_group
+    from strop.wire.group import make_group
     from strop.cluster.process import free_port
 
     port = free_port()
@@ -154,7 +154,9 @@ async def _join(engine, name):
 async def _update(engine, group, name, named, version, send=True):
     """One update as the trainer drives it: pause, open, each bucket broadcast while the engine receives
     it, close (reset the prefix cache, label the version), resume. Returns the digest of the bytes sent."""
-    from strop.engines.sync import StreamDigest, manifest_of, plan_buckets, send_bucket
+    from strop.wire.digest import StreamDigest
+    from strop.wire.buckets import manifest_of, plan_buckets
+    from strop.wire.group import send_bucket
 
     plan = plan_buckets(manifest_of(named), BUDGET) if send else []
     digest = StreamDigest()
@@ -174,7 +176,7 @@ async def _update(engine, group, name, named, version, send=True):
 def test_broadcast_into_vllm_two_updates_match_the_trainers_logprobs_version_and_stream(vllm_server, tokenizer_dir):
     import torch
 
-    from strop.engines.sync import close_group
+    from strop.wire.group import close_group
     from strop.engines.vllm import VLLMEngine
     from strop.models import load_model
     from strop.types import SamplingParams
@@ -231,8 +233,8 @@ def test_broadcast_into_vllm_two_updates_match_the_trainers_logprobs_version_and
 def test_a_skipped_or_unlabelled_vllm_update_fails_the_receipt(vllm_server, tokenizer_dir):
     import torch
 
-    from strop.engines.http import EngineRequestError
-    from strop.engines.sync import close_group
+    from strop.wire.errors import EngineRequestError
+    from strop.wire.group import close_group
     from strop.engines.vllm import VLLMEngine
     from strop.models import load_model
     from strop.types import SamplingParams
@@ -283,8 +285,8 @@ def test_a_skipped_or_unlabelled_vllm_update_fails_the_receipt(vllm_server, toke
 
 @pytest.mark.timeout(120)
 def test_vllm_manifest_matches_the_trainers_and_a_wrong_shape_is_named(vllm_server, tokenizer_dir):
-    from strop.engines.http import EngineRequestError
-    from strop.engines.sync import first_mismatch, manifest_of
+    from strop.wire.errors import EngineRequestError
+    from strop.wire.buckets import first_mismatch, manifest_of
     from strop.engines.vllm import VLLMEngine
     from strop.models import load_model
 

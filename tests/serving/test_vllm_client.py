@@ -6,7 +6,7 @@ import json
 import httpx
 import pytest
 
-from strop.engines.http import EngineRequestError
+from strop.wire.errors import EngineRequestError
 from strop.engines.vllm import VLLMEngine
 from strop.types import SamplingParams
 
@@ -191,7 +191,7 @@ def test_a_vllm_engine_without_the_extension_is_refused_naming_it_its_version_an
         with pytest.raises(EngineRequestError) as err:
             asyncio.run(call)
         assert str(err.value).startswith("http://vllm.test: vLLM 0.32.0 has no strop worker extension")
-        assert ("start vLLM with --worker-extension-cls strop.engines.vllm_worker.StropWorkerExtension, "
+        assert ("start vLLM with --worker-extension-cls strop.serving.vllm_worker.StropWorkerExtension, "
                 "or use engine.sync=disk") in str(err.value)
     # with the extension every worker joins the group: the engine takes one rank per worker
     server, engine = _sync_engine()
@@ -205,7 +205,7 @@ def test_a_vllm_engine_without_the_extension_is_refused_naming_it_its_version_an
 
 
 def _bucket():
-    from strop.engines.sync import plan_buckets
+    from strop.wire.buckets import plan_buckets
 
     return plan_buckets([("w", "float32", (2, 2))], 1 << 20)[0]
 

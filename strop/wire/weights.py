@@ -70,7 +70,7 @@ def in_buckets(named: Mapping, names, bucket_bytes: int = DEFAULT_WRITE_BUCKET_B
 def write_safetensors(named: Mapping, path: str | Path, bucket_bytes: int = DEFAULT_WRITE_BUCKET_BYTES) -> str:
     """Write every tensor of ``named`` (each name, tied ones too) into the safetensors file ``path``, reading
     a bucket at a time: the header from :func:`describe`, then the tensors' bytes in name order. Returns
-    the checksum :func:`strop.engines.http.state_checksum` computes of the same tensors."""
+    the checksum :func:`strop.wire.digest.state_checksum` computes of the same tensors."""
     names = sorted(named)
     header, at = {}, 0
     for name in names:

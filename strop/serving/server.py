@@ -42,10 +42,11 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from strop.engines.embedded import PAUSE_MODES, EmbeddedEngine, RequestError
-from strop.engines.guard import bearer_token_matches
-from strop.engines.http import EngineVersionError, parse_weight_version, state_checksum, tensor_digest
-from strop.engines.textstream import StreamedText
+from strop.serving.embedded import PAUSE_MODES, EmbeddedEngine, RequestError
+from strop.wire.auth import bearer_token_matches
+from strop.wire.errors import EngineVersionError, parse_weight_version
+from strop.wire.digest import state_checksum, tensor_digest
+from strop.serving.textstream import StreamedText
 from strop.openmp import release_threads, releasing
 from strop.types import Completion, SamplingParams
 
@@ -527,7 +528,7 @@ def create_app(engine: EmbeddedEngine, *, tokenizer=None, token: str | None = No
     async def destroy(name: str) -> bool:
         """Forget a weight-sync group and tear it down (NCCL: abort; gloo frees its sockets when the
         last reference goes). A receive still blocked on it ends at the group's timeout."""
-        from strop.engines.sync import close_group
+        from strop.wire.group import close_group
 
         group = groups.pop(name, None)
         if group is None:
@@ -541,7 +542,7 @@ def create_app(engine: EmbeddedEngine, *, tokenizer=None, token: str | None = No
         joined), built as SGLang builds it. Groups joined before are torn down: one trainer, one
         live group (a reconnect); a weight-update session the previous trainer left open ends
         too (its buckets came through the old group), while a pause stays until /continue_generation."""
-        from strop.engines.sync import make_group
+        from strop.wire.group import make_group
 
         for name in list(groups):
             await destroy(name)
@@ -622,7 +623,7 @@ def create_app(engine: EmbeddedEngine, *, tokenizer=None, token: str | None = No
         bucket moves no byte. A broadcast that fails (the trainer died, the group timed out)
         answers 500 with the cause; the bucket's tensors may then be partly written, the version
         is unchanged and the session stays open until /end_weight_update (or a new group)."""
-        from strop.engines.sync import Bucket, first_mismatch, manifest_of
+        from strop.wire.buckets import Bucket, first_mismatch, manifest_of
 
         where = "update_weights_from_distributed"
         if not engine.updating:
@@ -681,7 +682,7 @@ def create_app(engine: EmbeddedEngine, *, tokenizer=None, token: str | None = No
     async def weights_manifest():
         """The model's tensors, each once (aliases dropped): a trainer compares its own before it
         sends anything."""
-        from strop.engines.sync import manifest_of
+        from strop.wire.buckets import manifest_of
 
         manifest = manifest_of(engine.model.state_dict())
         return {"names": [n for n, _, _ in manifest], "dtypes": [d for _, d, _ in manifest],
@@ -782,7 +783,7 @@ def create_app(engine: EmbeddedEngine, *, tokenizer=None, token: str | None = No
             queue.put_nowait((j, out))
 
         tasks = [asyncio.ensure_future(run(j, prompts[p], s)) for j, (p, s) in enumerate(jobs)]
-        texts = [StreamedText(decode, stops) for _ in jobs]  # each token decoded once (strop.engines.textstream)
+        texts = [StreamedText(decode, stops) for _ in jobs]  # each token decoded once (strop.serving.textstream)
         sent = [0] * len(jobs)  # characters of each job's text sent so far
         running = set(range(len(jobs)))
         try:

@@ -15,7 +15,7 @@ import asyncio
 
 import torch
 
-from strop.engines.http import EngineReceiptError
+from strop.wire.errors import EngineReceiptError
 
 
 def reference_logprobs(model, ids: list[int]) -> list[float]:

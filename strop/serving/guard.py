@@ -23,12 +23,12 @@ so it lives and dies with it.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import socket
 import sys
 
 import httpx
+from strop.wire.auth import bearer_token_matches
 
 MAX_BODY_BYTES = 64 << 20  # the largest request strop sends is a prompt or a bucket's tensor list: far below
 CONNECT_TIMEOUT_S = 30.0
@@ -36,13 +36,6 @@ CONNECT_TIMEOUT_S = 30.0
 # body as forwarded; expect: 100-continue was answered here
 _NOT_FORWARDED = {b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te", b"trailer",
                   b"transfer-encoding", b"upgrade", b"content-length", b"expect"}
-
-
-def bearer_token_matches(header: str, token: str) -> bool:
-    """``Bearer <token>``, compared in constant time on bytes (a header may hold any byte). strop serve, the
-    agent proxy and this guard all check their tokens with it."""
-    scheme, _, sent = header.partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(sent.strip().encode("latin-1"), token.encode())
 
 
 def token_matches(headers: list[tuple[bytes, bytes]], token: str) -> bool:

@@ -1,7 +1,7 @@
 """The embedded engine: in-process batched generation with a KV cache.
 
 For Llama-family models (the embedded default included) it runs
-:mod:`strop.engines.kvdecode`: a preallocated KV cache, the prompt of a group
+:mod:`strop.serving.kvdecode`: a preallocated KV cache, the prompt of a group
 prefilled once and shared by its samples, and continuous batching: requests
 that arrive while a batch decodes join it at the next step, rows that finish
 leave it, up to ``max_batch_size`` rows at once. Other models fall back to
@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.nn.functional as F
 
-from strop.engines.kvdecode import Batch, LlamaDecoder, Row, unsupported_reason
+from strop.serving.kvdecode import Batch, LlamaDecoder, Row, unsupported_reason
 from strop.openmp import release_threads
 from strop.types import Completion, SamplingParams
 
@@ -101,7 +101,7 @@ class EmbeddedEngine:
         """``batch_wait_s``: before a batch starts, wait while requests keep arriving (each wait this
         long, at most 40) so requests sent together over a network form one batch.
         ``fast_decode=False`` forces the fallback path (Hugging Face forward, static batches), the
-        engine as it was before :mod:`strop.engines.kvdecode`; benchmarks compare the two.
+        engine as it was before :mod:`strop.serving.kvdecode`; benchmarks compare the two.
         ``shared``: ``model`` is the trainer's own module (engine.share_weights): its train/eval mode
         stays the trainer's (the fast decoder, which ``shared`` needs, reads the weights, never the
         mode), and an update that hands back these very tensors copies nothing."""
@@ -429,15 +429,15 @@ class EmbeddedEngine:
                 state_dict = {k: t for k, t in state_dict.items() if k not in own or t.data_ptr() != own[k].data_ptr()}
             self.model.load_state_dict(state_dict, strict=False)
             return
-        from strop.engines.weights import in_buckets
+        from strop.wire.weights import in_buckets
 
         for part in in_buckets(state_dict, list(state_dict), self.update_bucket_bytes):
             self.model.load_state_dict(part, strict=False)
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The model's tensors by name, each once (an alias such as a tied lm_head dropped, as
-        :func:`strop.engines.sync.manifest_of` drops it): what a trainer sends."""
-        from strop.engines.sync import manifest_of
+        :func:`strop.wire.buckets.manifest_of` drops it): what a trainer sends."""
+        from strop.wire.buckets import manifest_of
 
         named = self.model.state_dict()
         return {name: named[name] for name, _, _ in manifest_of(named)}
@@ -490,13 +490,13 @@ class EmbeddedEngine:
             self._draining -= 1
             self._kick()
             raise
-        from strop.engines.sync import StreamDigest
+        from strop.wire.digest import StreamDigest
 
         self._session = "open"
         self._digest = StreamDigest()  # every byte the session receives, in order: the update's receipt
 
     async def receive_bucket(self, group, bucket) -> None:
-        """Receive one broadcast bucket (:class:`strop.engines.sync.Bucket`, checked against the
+        """Receive one broadcast bucket (:class:`strop.wire.buckets.Bucket`, checked against the
         model by the caller) into the model's tensors inside the open session; a lone tensor goes
         straight into its parameter. Buckets are received one at a time, in the trainer's order."""
         if self._session != "open":
@@ -513,7 +513,7 @@ class EmbeddedEngine:
     async def score(self, ids: list[int]) -> list[float]:
         """The logprob of each token of ``ids`` after the first, given the ones before it, under the current
         weights (temperature 1), between batches: the weight probe's engine side."""
-        from strop.engines.probe import reference_logprobs
+        from strop.serving.probe import reference_logprobs
 
         return await self._drained(reference_logprobs, self.model, list(ids)) if len(ids) > 1 else []
 
@@ -526,19 +526,19 @@ class EmbeddedEngine:
         self.check(ids, SamplingParams(temperature=temperature, max_new_tokens=1), top_logprobs)
         if len(ids) < 2:
             return [], []
-        from strop.engines.probe import prompt_logprobs
+        from strop.serving.probe import prompt_logprobs
 
         t = 1.0 if temperature < GREEDY_BELOW else temperature
         return await self._drained(prompt_logprobs, self.model, list(ids), t, top_logprobs)
 
     async def weights_checksum(self) -> str:
-        """:func:`strop.engines.http.state_checksum` of :meth:`weights`, in a thread, between decode steps."""
-        from strop.engines.http import state_checksum
+        """:func:`strop.wire.digest.state_checksum` of :meth:`weights`, in a thread, between decode steps."""
+        from strop.wire.digest import state_checksum
 
         return await self._off_loop(self._locked, state_checksum, self.weights())
 
     def _receive(self, group, bucket, into: dict[str, torch.Tensor]) -> None:
-        from strop.engines.sync import receive_bucket
+        from strop.wire.group import receive_bucket
 
         for name, t in receive_bucket(group, bucket, self.device, into=into, digest=self._digest):
             if t.data_ptr() != into[name].data_ptr():  # a view of the flat buffer (not received in place)
@@ -546,7 +546,7 @@ class EmbeddedEngine:
 
     def end_update(self) -> str:
         """Close the session: batches run again (on held and waiting requests once not paused). Returns the
-        digest of every byte the session received (:class:`strop.engines.sync.StreamDigest`)."""
+        digest of every byte the session received (:class:`strop.wire.digest.StreamDigest`)."""
         if self._session != "open":
             raise SessionError("no weight update is open (begin_weight_update first)")
         self._session = None

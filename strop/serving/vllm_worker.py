@@ -1,6 +1,6 @@
 """strop's vLLM worker extension: the engine side of broadcast weight sync into a vLLM server.
 
-Loaded into every vLLM worker with ``--worker-extension-cls strop.engines.vllm_worker.StropWorkerExtension``
+Loaded into every vLLM worker with ``--worker-extension-cls strop.serving.vllm_worker.StropWorkerExtension``
 (vLLM adds it to the worker's bases) and driven through ``POST /collective_rpc`` (needs
 ``VLLM_SERVER_DEV_MODE=1``) by :class:`strop.engines.vllm.VLLMEngine`. vLLM's own weight transfer has
 no CPU backend; this one joins a torch.distributed group of its own (gloo on CPU, NCCL on GPU) and
@@ -30,7 +30,9 @@ import time
 from pathlib import Path
 
 
-from strop.engines.sync import Bucket, StreamDigest, close_group, make_group, receive_bucket
+from strop.wire.buckets import Bucket
+from strop.wire.digest import StreamDigest
+from strop.wire.group import close_group, make_group, receive_bucket
 
 
 class _Session:
