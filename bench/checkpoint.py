@@ -38,11 +38,11 @@ def _reset_peak() -> int:
 def _trainer(model_path):
     from strop.config import AlgoConfig, TrainConfig
     from strop.models import load_model
-    from strop.train.trainer import Trainer
+    from strop.train.trainer import Sampling, Trainer
 
     torch.manual_seed(0)
     return Trainer(load_model(model_path), pad_token_id=0, train=TrainConfig(micro_batch_size=8, warmup_steps=0),
-                   algo=AlgoConfig(), max_new_tokens=16)
+                   algo=AlgoConfig(), rollout=Sampling(max_new_tokens=16))
 
 
 def main() -> None:

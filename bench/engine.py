@@ -234,7 +234,7 @@ def main() -> None:
             print(f"  {case}: {base} {got[0] / got[1]:.1f} tok/s", flush=True)
         engines.append(base)
     if not args.no_vllm and VLLM_PY.exists() and args.device == "cpu":
-        from strop.cluster.process import free_port
+        from strop.process import free_port
 
         del before, now
         server = VLLMServer(resolve_model_path(args.model), free_port(), args.dtype)

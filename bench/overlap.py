@@ -38,13 +38,13 @@ def main() -> None:
     from strop.config import AlgoConfig, TrainConfig
     from strop.serving.embedded import EmbeddedEngine
     from strop.models import EMBEDDED_MODEL, load_model, load_tokenizer
-    from strop.train.trainer import Trainer
+    from strop.train.trainer import Sampling, Trainer
     from strop.types import Sample, SamplingParams, Status
 
     cores = torch.get_num_threads()
     tok = load_tokenizer(EMBEDDED_MODEL)
     trainer = Trainer(load_model(EMBEDDED_MODEL), pad_token_id=tok.pad_token_id, train=TrainConfig(),
-                      algo=AlgoConfig(), temperature=0.8)
+                      algo=AlgoConfig(), rollout=Sampling(temperature=0.8))
     engine = EmbeddedEngine(load_model(EMBEDDED_MODEL).to(getattr(torch, args.dtype)), pad_token_id=tok.pad_token_id)
     g = torch.Generator().manual_seed(0)
     prompts, samples = [], []

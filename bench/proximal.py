@@ -31,7 +31,7 @@ def main() -> None:
     logging.disable(logging.WARNING)
     from strop.config import AlgoConfig, TrainConfig
     from strop.models import EMBEDDED_MODEL, load_model, load_tokenizer
-    from strop.train.trainer import Trainer
+    from strop.train.trainer import Sampling, Trainer
 
     from common import quickstart_samples
 
@@ -39,8 +39,8 @@ def main() -> None:
     model = load_model(EMBEDDED_MODEL)
     samples = quickstart_samples(tok, args.samples, args.response_tokens)  # every token one version old
     train = TrainConfig(mini_batches=2)
-    trainers = {name: Trainer(copy.deepcopy(model), pad_token_id=tok.pad_token_id, train=train, temperature=0.8,
-                              algo=AlgoConfig(proximal=name))
+    trainers = {name: Trainer(copy.deepcopy(model), pad_token_id=tok.pad_token_id, train=train,
+                              algo=AlgoConfig(proximal=name), rollout=Sampling(temperature=0.8))
                 for name in ("recompute", "loglinear")}
     for t in trainers.values():
         t.step(samples)  # warm-up (allocates AdamW state)

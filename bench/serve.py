@@ -48,7 +48,7 @@ async def weight_load_stall(url: str, model_path: str, poll_s: float = 0.01) -> 
 def stall_main(model: str, repeats: int) -> None:
     import tempfile
 
-    from strop.engines.http import WeightWriter
+    from strop.sync.disk import WeightWriter
     from strop.engines.launch import launch_servers
     from strop.models import load_model
 
@@ -91,7 +91,7 @@ def main() -> None:
 
     hf_logging.set_verbosity_error()
     from strop.serving.embedded import EmbeddedEngine
-    from strop.engines.http import SGLangEngine
+    from strop.engines.sglang import SGLangEngine
     from strop.engines.launch import launch_servers
     from strop.models import load_model, load_tokenizer
     from strop.types import SamplingParams

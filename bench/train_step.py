@@ -26,7 +26,7 @@ def child(args) -> None:
     logging.disable(logging.WARNING)
     from strop.config import AlgoConfig, TrainConfig
     from strop.models import EMBEDDED_MODEL, load_model, load_tokenizer
-    from strop.train.trainer import Trainer
+    from strop.train.trainer import Sampling, Trainer
 
     from common import quickstart_samples
 
@@ -34,7 +34,7 @@ def child(args) -> None:
     model = load_model(EMBEDDED_MODEL)
     samples = quickstart_samples(tok, args.samples, args.response_tokens)
     train = TrainConfig(micro_batch_size=args.micro_batch_size, logprob_chunk_size=args.chunk_size)
-    trainer = Trainer(model, pad_token_id=tok.pad_token_id, train=train, algo=AlgoConfig(), temperature=0.8)
+    trainer = Trainer(model, pad_token_id=tok.pad_token_id, train=train, algo=AlgoConfig(), rollout=Sampling(temperature=0.8))
     trainer.step(samples)  # warm-up (allocates AdamW state)
     times = []
     for _ in range(args.repeats):

@@ -1,4 +1,5 @@
-"""The ``strop`` command."""
+"""The ``strop`` command. Each command imports the layers it runs inside its function: ``strop train --help``,
+a config error and ``strop --help`` load no torch (seconds)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,10 @@ import logging
 import os
 import sys
 from pathlib import Path
+
+from strop.config import ConfigError, build_config, find_run_dir, parse_overrides, resume_config
+from strop.models import EMBEDDED_MODEL
+from strop.presets import PRESETS
 
 USAGE = """strop: RL post-training for LLMs
 
@@ -46,8 +51,6 @@ def export_main(argv: list[str]) -> int:
 
 
 def proxy_main(argv: list[str]) -> int:
-    from strop.models import EMBEDDED_MODEL
-
     parser = argparse.ArgumentParser(prog="strop proxy", description="The agent proxy on its own: OpenAI-compatible "
                                      "routes in front of an engine, recording sessions as exact tokens "
                                      "(docs/agents.md).")
@@ -112,8 +115,6 @@ def check_plugin_main(argv: list[str]) -> int:
 
 
 def serve_main(argv: list[str]) -> int:
-    from strop.models import EMBEDDED_MODEL
-
     parser = argparse.ArgumentParser(prog="strop serve", description="Serve a model with strop's engine over HTTP "
                                      "(SGLang's native /generate and OpenAI-compatible completions).")
     parser.add_argument("--model-path", default=EMBEDDED_MODEL, help="model folder, hub id, or the embedded default")
@@ -156,8 +157,6 @@ def serve_main(argv: list[str]) -> int:
 
 def rollout_main(argv: list[str]) -> int:
     """``strop rollout``: the samples a sync run would train on, written to a file; no training."""
-    from strop.config import ConfigError, build_config, parse_overrides
-
     out, argv = _take_option(argv, "--out")
     preset, argv = _take_option(argv, "--preset")
     yaml_path = None
@@ -233,11 +232,7 @@ def _take_option(argv: list[str], name: str) -> tuple[str | None, list[str]]:
 
 
 def train_main(argv: list[str]) -> int:
-    from strop.config import ConfigError, build_config, find_run_dir, parse_overrides, resume_config
-
     if "-h" in argv or "--help" in argv:
-        from strop.presets import PRESETS
-
         print(TRAIN_EXTRA_HELP.format(presets=", ".join(sorted(PRESETS))))
 
     yaml_path, preset, nproc = None, None, 1
@@ -276,12 +271,14 @@ def train_main(argv: list[str]) -> int:
     except ConfigError as exc:
         print(f"strop train: {exc}", file=sys.stderr)
         return 2
-    from strop.cluster import LaunchError, start
+    from strop.cluster.launcher import LaunchError, start
 
-    try:  # this process starts the run's ranks and waits for them (--nproc, Ray), or is a rank itself (None)
+    try:  # this process starts the run's ranks and waits for them (--nproc, Ray), or is a rank itself (None);
+        # each rank runs this command (a process of its own) or this function (in a Ray actor)
         code = start(cfg, ([yaml_path] if yaml_path else []) + (["--preset", preset] if preset else [])
                      + ([f"--resume={resume}"] if resume is not None else [])
-                     + ([f"--allow-change={allow}"] if allow else []) + argv, nproc)
+                     + ([f"--allow-change={allow}"] if allow else []) + argv, nproc,
+                     command=[sys.executable, "-m", "strop.cli", "train"], main=train_main)
     except LaunchError as exc:
         print(f"strop train: {exc}", file=sys.stderr)
         return 2

@@ -9,12 +9,21 @@ the result's type and shape. Used by ``strop check-plugin`` and tests/contracts.
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import dataclass
 
 import torch
 
-from strop.config import DataConfig
+from strop.agents.proxy import AgentProxy
+from strop.agents.rollout import _call_agent, prompt_row
+from strop.agents.session import SessionLimits
+from strop.data.config import DataConfig
+from strop.data.sources import _row_from_record
 from strop.plugins import HOOKS, _name, call_hook, call_hook_sync, check_result, load_hook
+from strop.rollout.generate import RolloutContext, score_group
+from strop.rollout.multiturn import TurnLimits, generate
+from strop.tools import ToolSet
+from strop.tools.config import ToolsConfig
 from strop.types import Completion, SamplingParams, Sample, Status
 
 
@@ -83,8 +92,6 @@ def synthetic_group(n: int = 4, group_id: int = 0, scored: bool = True) -> list[
 
 
 def make_context(reward=None, generate=None, filter=None):
-    from strop.rollout.generate import RolloutContext
-
     return RolloutContext(engine=FakeEngine(), tokenizer=CharTokenizer(), config=None, step=1,
                           generate=generate, reward=reward or (lambda sample: 1.0), filter=filter)
 
@@ -97,7 +104,6 @@ def run_contract(hook: str, fn) -> str:
         for s in group:
             s.reward = None
         ctx = make_context(reward=fn)
-        from strop.rollout.generate import score_group
 
         asyncio.run(score_group(ctx, group))
         return f"rewards {[s.reward for s in group]} for answers {[s.response_text for s in group]}"
@@ -133,8 +139,6 @@ def run_contract(hook: str, fn) -> str:
             raise ValueError("policy_loss hook: the loss has no finite gradient with respect to logprobs")
         return f"per-token loss of shape {tuple(loss.shape)}, extra metrics {sorted(info)}"
     if hook == "data_source":
-        from strop.data.sources import _row_from_record
-
         rows = call_hook_sync("data_source", fn, config=DataConfig(), split="train")
         for i, r in enumerate(rows[:100]):
             _row_from_record(r, f"data_source hook row {i}", "prompt", "label", [])
@@ -148,10 +152,6 @@ def run_contract(hook: str, fn) -> str:
 
 async def _run_agent(fn) -> str:
     """One session through a real agent proxy whose engine answers every call with a boxed 4."""
-    from strop.agents.proxy import AgentProxy
-    from strop.agents.rollout import _call_agent, prompt_row
-    from strop.agents.session import SessionLimits
-
     proxy = AgentProxy(FakeEngine("The answer is \\boxed{4}."), CharTokenizer(), limits=SessionLimits())
     await proxy.start()
     try:
@@ -206,13 +206,6 @@ class ScriptedEngine(FakeEngine):
 def _run_tools(fn) -> str:
     """Call the hook as setup does, then each tool once through the multi-turn rollout: the model
     (a scripted engine) calls it with synthetic arguments and then answers."""
-    import json
-
-    from strop.config import ToolsConfig
-    from strop.rollout.generate import RolloutContext
-    from strop.rollout.multiturn import TurnLimits, generate
-    from strop.tools import ToolSet
-
     tools = call_hook_sync("tools", fn, config=ToolsConfig())
     toolset, seen = ToolSet(tools, {t.name: f"tools hook {_name(fn)}" for t in tools}), []
     for tool in tools:

@@ -1,20 +1,48 @@
-"""The driver: rollout → rewards → advantages → train → sync weights → log → eval, per step."""
+"""The driver: the run's story, read top to bottom by every rank (slime's ``train.py``).
+
+Each step: rollout (rank 0 generates and scores, every rank receives the samples), the train step
+(every rank), engine sync, outputs, evaluation, checkpoints. Each is a role (strop.roles) whose class
+declares once where it works: rank 0 only, every rank, or rank 0 with its result handed to every rank
+through the control channel (strop.roles.placement). ``strop train --data.samples`` (train only) and
+``strop rollout`` (rollout only) are this same story with one side replaced by its stand-in: a
+rollout that reads the samples file, or a train side that trains nothing while the rollout writes it.
+"""
 
 from __future__ import annotations
 
 import sys
-import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from strop import checkpoint
-from strop.cluster.process import resolve_device, stop_on_signals
+from strop.process import resolve_device, stop_on_signals
 from strop.config import Config
-from strop.controller import Controller
 from strop.parallel.runtime import Control, process_group
-from strop.rollout.samples_file import write_header
+from strop.roles.checkpoints import CheckpointRecord, Checkpoints
+from strop.roles.evaluation import Evaluation
+from strop.roles.outputs import Outputs, SamplesOutputs
+from strop.roles.placement import Placed
+from strop.roles.rank0 import Rank0
+from strop.roles.rollout import Rollout, SamplesFileRollout
+from strop.roles.sync import EngineSync
+from strop.roles.train import TrainStep
+from strop.roles.untrained import FirstEvaluation, NoCheckpoints, NoSync, NoTraining
 from strop.setup import Components, build
+
+
+@dataclass
+class Roles:
+    """The cast of a run, each :class:`Placed` where its class says; ``desk``: what rank 0's roles
+    share (strop.roles.rank0), None on the other ranks."""
+
+    rollout: Placed
+    train: Placed
+    sync: Placed
+    outputs: Placed
+    evaluation: Placed
+    checkpoints: Placed
+    desk: Rank0 | None = None
 
 
 def train(cfg: Config, resume: bool = False) -> dict | None:
@@ -25,46 +53,112 @@ def train(cfg: Config, resume: bool = False) -> dict | None:
             torch.set_num_threads(cfg.run.threads)
         device = resolve_device(cfg.run.device)
         with process_group(device):
-            return _run(cfg, resume, device, closing)
+            control = Control(cfg.parallel.controller_timeout_s)
+            c = build(cfg, device, control, resume=resume)  # every input is checked before the run directory exists
+            return drive(cfg, c, control, closing, resume=resume)
 
 
-def _run(cfg: Config, resume: bool, device: torch.device, closing) -> dict | None:
-    control = Control(cfg.parallel.controller_timeout_s)
-    c = build(cfg, device, control, resume=resume)  # every input is checked before the run directory exists
-    return _train(cfg, resume, control, c, closing)
+def rollout_only(cfg: Config, out: Path | None = None) -> Path:
+    """``strop rollout``: what a sync run would generate and score, step by step, written to ``out``
+    (default <run dir>/rollout_samples.jsonl) with no training. The weights never change, so this is
+    the run's first step exactly (and later steps on the initial weights)."""
+    if cfg.rollout.mode != "sync":
+        raise ValueError(f"strop rollout generates without training: rollout.mode={cfg.rollout.mode!r} has "
+                         "no weight updates to be ahead of; use rollout.mode=sync")
+    with stop_on_signals() as closing:
+        if cfg.run.threads:
+            torch.set_num_threads(cfg.run.threads)
+        device = resolve_device(cfg.run.device)
+        control = Control()
+        c = build(cfg, device, control)
+        return drive(cfg, c, control, closing, samples_out=out, trains=False)
 
 
-def _train(cfg: Config, resume: bool, control: Control, c: Components, closing) -> dict | None:
-    run, error = None, None
+def story(cfg: Config, roles: Roles, resume: bool = False):
+    """The run, on every rank: start (or resume), then each step, then the end."""
+    roles.outputs.start()  # the config first: from here on the run can be resumed
+    roles.rollout.announce()
+    found = roles.checkpoints.latest(resume)  # the checkpoint to resume from, or None
+    roles.outputs.open_trackers(resume, found)
+    first = 1
+    if found is None:
+        roles.evaluation.at(0)
+    else:  # every rank loads its state, then the engine gets the checkpoint's weights
+        first = roles.checkpoints.restore(found) + 1
+    for step in range(first, cfg.train.steps + 1):
+        samples, metrics = roles.rollout.next(step)  # rank 0 generates, all receive
+        metrics |= roles.train.step(samples)  # every rank: advantages, loss, optimizer step(s)
+        weights = roles.train.weights()  # sharded (FSDP, TP): gathered a bucket at a time as rank 0 reads
+        roles.sync.update(step, weights, metrics)
+        roles.outputs.step(step, metrics)
+        roles.evaluation.after(step)
+        roles.checkpoints.after(step, weights)
+        del weights
+    return roles.outputs.finish(roles.train.final_weights())
+
+
+def drive(cfg: Config, c: Components, control: Control, closing, resume: bool = False,
+          samples_out: Path | None = None, trains: bool = True):
+    """Cast the roles (``trains=False``: the train side's stand-ins, the samples to ``samples_out``), tell
+    the story, and stop everything the run started however it ends."""
+    roles, error = None, None
     try:
-        run = control.on_controller(lambda: Controller(cfg, c), share=False)  # None on the other ranks
-        found = control.on_controller(lambda: run.start(resume))  # the checkpoint to resume from, or None
-        first = 1
-        if found is not None:  # every rank loads its state, then the engine gets the checkpoint's weights
-            control.on_every_rank(checkpoint.check_rank_file, found, control.rank)  # fail all ranks, not one
-            checkpoint.load_trainer(found, c.trainer)
-            weights = c.trainer.weights()
-            first = control.on_controller(lambda: run.restore(found, weights), serving=weights) + 1
-            del weights
-        for step in range(first, cfg.train.steps + 1):
-            samples, metrics = control.on_controller(lambda: run.rollout(step))  # rank 0 generates, all receive
-            metrics |= c.trainer.step(samples)  # every rank: advantages, loss, optimizer step(s)
-            weights = c.trainer.weights()  # sharded (FSDP, TP): gathered a bucket at a time as rank 0 reads
-            control.on_controller(lambda: run.after_step(step, weights, metrics), share=False,
-                                  serving=weights)  # sync engine, log, evaluate
-            if cfg.run.save_every and (step % cfg.run.save_every == 0 or step == cfg.train.steps):
-                save_checkpoint(control, run, c, step, weights)
-            del weights
-        weights = c.trainer.weights() if cfg.run.save_final else None
-        return control.on_controller(lambda: run.finish(weights), share=False, serving=weights)
+        roles = cast(cfg, c, control) if trains else cast_untrained(cfg, c, control, samples_out)
+        return story(cfg, roles, resume)
     except BaseException as exc:  # leave a summary that says the run did not finish, then re-raise
         error = exc
-        if run is not None:
-            after(error, run.failed, exc)
+        if roles is not None and roles.outputs.here is not None:
+            after(error, roles.outputs.here.failed, exc)
         raise
     finally:
         closing()
-        shut_down(run, c, error)
+        shut_down(roles, c, error)
+
+
+def cast(cfg: Config, c: Components, control: Control) -> Roles:
+    """The roles of a training run; train only (``data.samples``): the rollout reads the samples file."""
+    rollout = SamplesFileRollout if cfg.data.samples else Rollout
+    here = control.on_controller(_rank0_cast, cfg, c, rollout, share=False) or {}  # None on the other ranks
+    record = Placed(control, CheckpointRecord, here.get("record"))
+    return Roles(rollout=Placed(control, rollout, here.get("rollout")),
+                 train=Placed(control, TrainStep, TrainStep(cfg, c.trainer)),
+                 sync=Placed(control, EngineSync, here.get("sync")),
+                 outputs=Placed(control, Outputs, here.get("outputs")),
+                 evaluation=Placed(control, Evaluation, here.get("evaluation")),
+                 checkpoints=Placed(control, Checkpoints, Checkpoints(control, c.trainer, record, cfg.run.save_every,
+                                                                      cfg.train.steps)),
+                 desk=here.get("desk"))
+
+
+def _rank0_cast(cfg: Config, c: Components, rollout_role: type) -> dict:
+    desk = Rank0(cfg, c)
+    rollout = rollout_role(desk)
+    here = {"desk": desk, "rollout": rollout, "sync": EngineSync(desk, rollout), "outputs": Outputs(desk),
+            "evaluation": Evaluation(desk), "record": CheckpointRecord(desk, rollout)}
+    desk.start_loop()  # last: a failure above leaves nothing running
+    return here
+
+
+def cast_untrained(cfg: Config, c: Components, control: Control, samples_out: Path | None) -> Roles:
+    """The roles of ``strop rollout``: the train side's stand-ins (strop.roles.untrained); the rollout writes
+    every step's samples to ``samples_out``."""
+    here = control.on_controller(_rank0_untrained_cast, cfg, c, samples_out, share=False) or {}
+    return Roles(rollout=Placed(control, Rollout, here.get("rollout")),
+                 train=Placed(control, NoTraining, NoTraining()),
+                 sync=Placed(control, NoSync, NoSync()),
+                 outputs=Placed(control, SamplesOutputs, here.get("outputs")),
+                 evaluation=Placed(control, FirstEvaluation, here.get("evaluation")),
+                 checkpoints=Placed(control, NoCheckpoints, NoCheckpoints()),
+                 desk=here.get("desk"))
+
+
+def _rank0_untrained_cast(cfg: Config, c: Components, samples_out: Path | None) -> dict:
+    desk = Rank0(cfg, c)
+    out = Path(samples_out) if samples_out else desk.run_dir / "rollout_samples.jsonl"
+    here = {"desk": desk, "rollout": Rollout(desk, out), "outputs": SamplesOutputs(desk, out),
+            "evaluation": FirstEvaluation(desk)}
+    desk.start_loop()
+    return here
 
 
 def after(error: BaseException | None, fn, *args) -> None:
@@ -79,53 +173,8 @@ def after(error: BaseException | None, fn, *args) -> None:
               f"{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
 
 
-def shut_down(run, c: Components, error: BaseException | None = None) -> None:
-    """Stop everything the run started: the controller's loop, the engine, launched servers (what
-    build started, when the controller was never made)."""
-    after(error, run.close if run is not None else c.close)
-
-
-def rollout_only(cfg: Config, out: Path | None = None) -> Path:
-    """``strop rollout``: what a sync run would generate and score, step by step, written to ``out``
-    (default <run dir>/rollout_samples.jsonl) with no training. The weights never change, so this is
-    the run's first step exactly (and later steps on the initial weights)."""
-    if cfg.rollout.mode != "sync":
-        raise ValueError(f"strop rollout generates without training: rollout.mode={cfg.rollout.mode!r} has "
-                         "no weight updates to be ahead of; use rollout.mode=sync")
-    with stop_on_signals() as closing:
-        if cfg.run.threads:
-            torch.set_num_threads(cfg.run.threads)
-        device = resolve_device(cfg.run.device)
-        c = build(cfg, device, Control())
-        return _rollout_only(cfg, c, out, closing)
-
-
-def _rollout_only(cfg: Config, c: Components, out: Path | None, closing) -> Path:
-    run, error = None, None
-    try:
-        run = Controller(cfg, c)
-        run.samples_out = Path(out) if out else run.run_dir / "rollout_samples.jsonl"
-        write_header(run.samples_out, {"temperature": cfg.rollout.temperature, "top_p": cfg.rollout.top_p,
-                                       "top_k": cfg.rollout.top_k, "max_new_tokens": cfg.rollout.max_new_tokens,
-                                       "model": cfg.model.path})
-        run.start()
-        for step in range(1, cfg.train.steps + 1):
-            samples, metrics = run.rollout(step)
-            run.log.log(metrics | {"step": step, "step_seconds": time.perf_counter() - run.t_step})
-            run.progress.update(1, reward=metrics["reward_mean"])
-        print(f"strop: {cfg.train.steps} steps of scored samples -> {run.samples_out}", flush=True)
-        return run.samples_out
-    except BaseException as exc:
-        error = exc
-        raise
-    finally:
-        closing()
-        shut_down(run, c, error)
-
-
-def save_checkpoint(control: Control, run, c: Components, step: int, weights: dict) -> None:
-    """Every rank writes its trainer state into a temporary folder; rank 0 adds the rest and renames
-    it into place (strop.checkpoint)."""
-    tmp = control.on_controller(lambda: run.begin_checkpoint(step))
-    checkpoint.save_trainer(Path(tmp), c.trainer)  # collective: returns on rank 0 once every rank has written
-    control.on_controller(lambda: run.checkpoint(step, Path(tmp), weights), share=False, serving=weights)
+def shut_down(roles: Roles | None, c: Components, error: BaseException | None = None) -> None:
+    """Stop everything the run started: rank 0's event loop, the engine, launched servers (what
+    build started, when rank 0's roles were never made)."""
+    desk = roles.desk if roles is not None else None
+    after(error, desk.close if desk is not None else c.close)

@@ -22,6 +22,7 @@ from typing import Any, Callable, Protocol
 import torch
 
 from strop.callables import PluginError, is_async
+from strop.tools import check_tools
 from strop.types import SamplingParams, Sample, SampleInvariantError
 
 
@@ -270,7 +271,123 @@ async def call_hook(hook: str, fn: Callable, **kwargs) -> Any:
     return check_result(hook, fn, kwargs, result)
 
 
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _finite(x) -> bool:
+    return x == x and abs(x) != float("inf")
+
+
+def _reward(result, kwargs: dict, bad: Callable[[str], None]):
+    if "samples" in kwargs:
+        if not isinstance(result, (list, tuple)) or len(result) != len(kwargs["samples"]):
+            bad(f"returned {type(result).__name__}; expected a list of {len(kwargs['samples'])} floats")
+        if not all(_number(x) for x in result):
+            bad(f"returned {result!r}; every item must be a float")
+        nonfinite = [i for i, x in enumerate(result) if not _finite(x)]
+        if nonfinite:
+            i = nonfinite[0]
+            bad(f"returned {result[i]!r} for sample {i} ({_describe(kwargs['samples'][i])}); "
+                "rewards must be finite")
+        return [float(x) for x in result]
+    if not _number(result):
+        bad(f"returned {result!r} ({type(result).__name__}); expected a float")
+    if not _finite(result):
+        bad(f"returned {result!r}; rewards must be finite")
+    return float(result)
+
+
+def _generate(result, kwargs: dict, bad: Callable[[str], None]):
+    if not isinstance(result, Sample):
+        bad(f"returned {type(result).__name__}; expected the Sample")
+    try:
+        result.check()
+    except SampleInvariantError as exc:
+        bad(f"broke the Sample invariants: {exc}")
+    if result.status.value == "pending":
+        bad("left the sample PENDING; set COMPLETED, TRUNCATED, ABORTED or FAILED")
+    return result
+
+
+def _rollout(result, kwargs: dict, bad: Callable[[str], None]):
+    if not isinstance(result, list) or not all(isinstance(g, list) and all(isinstance(s, Sample) for s in g)
+                                               for g in result):
+        bad(f"returned {type(result).__name__}; expected a list of groups (lists of Samples)")
+    for g in result:
+        for s in g:
+            s.check()
+    return result
+
+
+def _filter(result, kwargs: dict, bad: Callable[[str], None]):
+    if not isinstance(result, bool):
+        bad(f"returned {result!r} ({type(result).__name__}); expected True (keep) or False (drop)")
+    return result
+
+
+def _postprocess(result, kwargs: dict, bad: Callable[[str], None]):
+    if result is None:
+        result = kwargs["samples"]
+    if not isinstance(result, list) or not all(isinstance(s, Sample) for s in result):
+        bad(f"returned {type(result).__name__}; expected None or a list of Samples")
+    for s in result:
+        try:
+            s.check()
+        except SampleInvariantError as exc:
+            bad(f"broke the Sample invariants: {exc}")
+    return result
+
+
+def _advantage(result, kwargs: dict, bad: Callable[[str], None]):
+    n, t = kwargs["mask"].shape
+    if not isinstance(result, torch.Tensor) or tuple(result.shape) not in ((n,), (n, t)):
+        got = tuple(result.shape) if isinstance(result, torch.Tensor) else type(result).__name__
+        bad(f"returned {got}; expected a tensor of shape ({n},) or ({n}, {t})")
+    if not torch.isfinite(result).all():
+        bad("returned non-finite advantages")
+    return result
+
+
+def _policy_loss(result, kwargs: dict, bad: Callable[[str], None]):
+    shape = tuple(kwargs["logprobs"].shape)
+    if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], torch.Tensor)
+            and isinstance(result[1], dict)):
+        bad(f"returned {type(result).__name__}; expected (per-token loss tensor, dict)")
+    if tuple(result[0].shape) != shape:
+        bad(f"per-token loss has shape {tuple(result[0].shape)}; expected {shape}")
+    return result
+
+
+def _data_source(result, kwargs: dict, bad: Callable[[str], None]):
+    if not isinstance(result, list):
+        bad(f"returned {type(result).__name__}; expected a list of row dicts")
+    return result
+
+
+def _agent(result, kwargs: dict, bad: Callable[[str], None]):
+    if result is not None and not (_number(result) and _finite(result)):
+        bad(f"returned {result!r} ({type(result).__name__}); expected a finite reward or None")
+    return None if result is None else float(result)
+
+
+def _tools(result, kwargs: dict, bad: Callable[[str], None]):
+    try:
+        check_tools(result)
+    except (TypeError, ValueError) as exc:
+        bad(str(exc))
+    return list(result)
+
+
+# each hook's check of what it returned: (result, the call's kwargs, bad(why) raising PluginError) -> the result
+_RESULT_CHECKS = {"reward": _reward, "generate": _generate, "rollout": _rollout, "filter": _filter,
+                  "postprocess": _postprocess, "advantage": _advantage, "policy_loss": _policy_loss,
+                  "data_source": _data_source, "agent": _agent, "tools": _tools}
+
+
 def check_result(hook: str, fn: Callable, kwargs: dict, result: Any) -> Any:
+    """What hook ``fn`` returned, checked against its contract (and normalised: floats, a list); a
+    PluginError naming the hook, the plugin and the samples it was called on if it broke it."""
     where = f"{hook} hook {_name(fn)}"
     subject = next((kwargs[k] for k in ("sample", "samples", "group", "groups", "logprobs", "rewards") if k in kwargs),
                    None)
@@ -279,95 +396,9 @@ def check_result(hook: str, fn: Callable, kwargs: dict, result: Any) -> Any:
     def bad(why: str):
         raise PluginError(f"{where}: {why}")
 
-    def number(x) -> bool:
-        return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-    def finite(x) -> bool:
-        return x == x and abs(x) != float("inf")
-
-    if hook == "reward":
-        if "samples" in kwargs:
-            if not isinstance(result, (list, tuple)) or len(result) != len(kwargs["samples"]):
-                bad(f"returned {type(result).__name__}; expected a list of {len(kwargs['samples'])} floats")
-            if not all(number(x) for x in result):
-                bad(f"returned {result!r}; every item must be a float")
-            nonfinite = [i for i, x in enumerate(result) if not finite(x)]
-            if nonfinite:
-                i = nonfinite[0]
-                bad(f"returned {result[i]!r} for sample {i} ({_describe(kwargs['samples'][i])}); "
-                    "rewards must be finite")
-            return [float(x) for x in result]
-        if not number(result):
-            bad(f"returned {result!r} ({type(result).__name__}); expected a float")
-        if not finite(result):
-            bad(f"returned {result!r}; rewards must be finite")
-        return float(result)
-    if hook == "generate":
-        if not isinstance(result, Sample):
-            bad(f"returned {type(result).__name__}; expected the Sample")
-        try:
-            result.check()
-        except SampleInvariantError as exc:
-            bad(f"broke the Sample invariants: {exc}")
-        if result.status.value == "pending":
-            bad("left the sample PENDING; set COMPLETED, TRUNCATED, ABORTED or FAILED")
-        return result
-    if hook == "rollout":
-        if not isinstance(result, list) or not all(isinstance(g, list) and all(isinstance(s, Sample) for s in g)
-                                                   for g in result):
-            bad(f"returned {type(result).__name__}; expected a list of groups (lists of Samples)")
-        for g in result:
-            for s in g:
-                s.check()
-        return result
-    if hook == "filter":
-        if not isinstance(result, bool):
-            bad(f"returned {result!r} ({type(result).__name__}); expected True (keep) or False (drop)")
-        return result
-    if hook == "postprocess":
-        if result is None:
-            result = kwargs["samples"]
-        if not isinstance(result, list) or not all(isinstance(s, Sample) for s in result):
-            bad(f"returned {type(result).__name__}; expected None or a list of Samples")
-        for s in result:
-            try:
-                s.check()
-            except SampleInvariantError as exc:
-                bad(f"broke the Sample invariants: {exc}")
-        return result
-    if hook == "advantage":
-        n, t = kwargs["mask"].shape
-        if not isinstance(result, torch.Tensor) or tuple(result.shape) not in ((n,), (n, t)):
-            got = tuple(result.shape) if isinstance(result, torch.Tensor) else type(result).__name__
-            bad(f"returned {got}; expected a tensor of shape ({n},) or ({n}, {t})")
-        if not torch.isfinite(result).all():
-            bad("returned non-finite advantages")
-        return result
-    if hook == "policy_loss":
-        shape = tuple(kwargs["logprobs"].shape)
-        if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], torch.Tensor)
-                and isinstance(result[1], dict)):
-            bad(f"returned {type(result).__name__}; expected (per-token loss tensor, dict)")
-        if tuple(result[0].shape) != shape:
-            bad(f"per-token loss has shape {tuple(result[0].shape)}; expected {shape}")
-        return result
-    if hook == "data_source":
-        if not isinstance(result, list):
-            bad(f"returned {type(result).__name__}; expected a list of row dicts")
-        return result
-    if hook == "agent":
-        if result is not None and not (number(result) and finite(result)):
-            bad(f"returned {result!r} ({type(result).__name__}); expected a finite reward or None")
-        return None if result is None else float(result)
-    if hook == "tools":
-        from strop.tools import check_tools
-
-        try:
-            check_tools(result)
-        except (TypeError, ValueError) as exc:
-            bad(str(exc))
-        return list(result)
-    raise AssertionError(hook)
+    if hook not in _RESULT_CHECKS:
+        raise AssertionError(hook)
+    return _RESULT_CHECKS[hook](result, kwargs, bad)
 
 
 def call_hook_sync(hook: str, fn: Callable, **kwargs) -> Any:

@@ -193,13 +193,13 @@ def test_trainer_state_round_trip_is_bitwise(tmp_path, algo):
     """Save after a step, load into a fresh trainer: the next two steps equal the original's, with the
     critic and its optimizer (PPO), the LR warm-up and the reference rebuilt from the initial weights."""
     from strop.config import AlgoConfig, TrainConfig
-    from strop.train.trainer import Trainer
+    from strop.train.trainer import Sampling, Trainer
     from tests.test_trainer import make_samples
     from tests.tiny import make_tiny_model
 
     def fresh():
         return Trainer(make_tiny_model(), pad_token_id=0, train=TrainConfig(lr=1e-3, warmup_steps=3, micro_batch_size=4),
-                       algo=AlgoConfig(**algo), max_new_tokens=8)
+                       algo=AlgoConfig(**algo), rollout=Sampling(max_new_tokens=8))
 
     a = fresh()
     a.step(make_samples(seed=1))

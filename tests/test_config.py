@@ -138,7 +138,7 @@ def test_launch_placement_and_parallel_combinations_that_cannot_run_are_refused(
 def test_a_model_whose_heads_do_not_divide_is_refused_naming_the_counts():
     from transformers import LlamaConfig, Qwen3Config
 
-    from strop.parallel.tensor import check_tensor_parallel
+    from strop.parallel.dims import check_tensor_parallel
 
     llama = LlamaConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3,
                         intermediate_size=1536)  # SmolLM2-135M's shape
@@ -184,8 +184,7 @@ def test_the_documented_tensor_parallel_gpu_config_validates_and_fits_qwen3_8b()
 
     from transformers import Qwen3Config
 
-    from strop.parallel.runtime import parallel_layout
-    from strop.parallel.tensor import check_tensor_parallel
+    from strop.parallel.dims import check_tensor_parallel, parallel_layout
 
     cfg = build_config(str(Path(__file__).resolve().parents[1] / "examples" / "configs" / "tp2_fsdp4_gpu.yaml"))
     assert (cfg.parallel.tensor_parallel_size, cfg.parallel.dp_mode) == (2, "fsdp")

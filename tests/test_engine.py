@@ -3,7 +3,8 @@ import asyncio
 import pytest
 import torch
 
-from strop.serving.embedded import EmbeddedEngine, PromptTooLongError
+from strop.serving.embedded import EmbeddedEngine
+from strop.serving.request import PromptTooLongError
 from strop.train.logprob import response_logprobs
 from strop.types import SamplingParams
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from strop.serving import kvdecode
-from strop.serving.embedded import EmbeddedEngine, _blocks, _invert_cdf, _sample_blocks
+from strop.serving.embedded import EmbeddedEngine
+from strop.serving.sampling import _blocks, _invert_cdf, _sample_blocks
 from strop.serving.kvdecode import Batch
 from strop.train.logprob import response_logprobs
 from strop.types import SamplingParams
@@ -338,11 +339,11 @@ def test_the_engine_thread_and_the_waiting_caller_free_their_openmp_pools(tiny_m
     engine goes idle, and a thread waiting on the run's event loop frees its own before it waits."""
     import threading
 
-    from strop.serving import embedded
+    from strop.serving import scheduler
     from strop.rollout import event_loop
 
     freed = []
-    monkeypatch.setattr(embedded, "release_threads", lambda: freed.append(("engine", threading.get_ident())))
+    monkeypatch.setattr(scheduler, "release_threads", lambda: freed.append(("engine", threading.get_ident())))
     monkeypatch.setattr(event_loop, "release_threads", lambda: freed.append(("caller", threading.get_ident())))
     e = engine(tiny_model, max_batch_size=4)
     steps = []

@@ -70,12 +70,13 @@ def test_a_model_on_the_meta_device_without_files_or_with_a_swapped_reference_is
         tiny_model, tmp_path, weights, ref_mode, match):
     from strop.config import AlgoConfig, TrainConfig
     from strop.models import meta_model
-    from strop.train.trainer import Trainer
+    from strop.parallel.strategy import SingleProcess
+    from strop.train.modules import build_modules
 
     tiny_model.save_pretrained(tmp_path / "m")
     with pytest.raises(ValueError, match=match):
-        Trainer(meta_model(str(tmp_path / "m")), pad_token_id=0, train=TrainConfig(),
-                algo=AlgoConfig(kl_coef=0.1, ref_mode=ref_mode), weights_path=str(tmp_path / "m") if weights else None)
+        build_modules(meta_model(str(tmp_path / "m")), SingleProcess(), AlgoConfig(kl_coef=0.1, ref_mode=ref_mode),
+                      TrainConfig(), weights_path=str(tmp_path / "m") if weights else None)
 
 
 def _guards(rank, world):
@@ -170,14 +171,15 @@ def test_loading_into_shards_gives_the_logits_and_buffers_of_from_pretrained(kin
 def _fsdp_logits(rank, world, path):
     """One rank: the policy built on the meta device, wrapped by FSDP2 (DTensor parameters: loading makes new
     parameter objects) and loaded by the trainer's own path; its logits."""
-    import torch.distributed as dist
-
     from strop.config import AlgoConfig, TrainConfig
     from strop.models import meta_model
+    from strop.parallel.dims import ParallelDims
     from strop.parallel.strategy import FullyShard
     from strop.train.modules import build_modules
 
-    out = build_modules(meta_model(path), FullyShard(dist.group.WORLD), AlgoConfig(), TrainConfig(), weights_path=path)
+    dims = ParallelDims(world, dp_mode="fsdp")
+    out = build_modules(meta_model(path), FullyShard(dims, dims.build_mesh()), AlgoConfig(), TrainConfig(),
+                        weights_path=path)
     out.policy.unshard()  # (the root's parameters, gathered: the layers gather their own when called)
     with torch.no_grad():
         logits = out.model(TOKENS).logits

@@ -286,12 +286,12 @@ def _teacher_logprobs(teacher, samples, temperature=1.0):
 
 def _distill_step(student, teacher, samples, *, advantage_fn=None, temperature=0.7, remote_teacher=None, **algo):
     from strop.config import AlgoConfig, TrainConfig
-    from strop.train.trainer import Trainer
+    from strop.train.trainer import Sampling, Trainer
 
     train = TrainConfig(lr=1e-3, warmup_steps=0, micro_batch_size=3)
-    trainer = Trainer(student, pad_token_id=0, train=train, algo=AlgoConfig(**algo), max_new_tokens=8,
-                      temperature=temperature, teacher=teacher, advantage_fn=advantage_fn,
-                      remote_teacher=remote_teacher)
+    trainer = Trainer(student, pad_token_id=0, train=train, algo=AlgoConfig(**algo),
+                      rollout=Sampling(temperature=temperature, max_new_tokens=8),
+                      teacher=teacher if teacher is not None else remote_teacher, hooks={"advantage": advantage_fn})
     return trainer, trainer.step(samples)
 
 

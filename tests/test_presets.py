@@ -14,7 +14,7 @@ from strop.presets import PRESETS
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_preset_runs_the_quickstart(preset, tmp_path):
-    if "python" in PRESETS[preset].get("tools", {}).get("enabled", []):
+    if "python" in PRESETS[preset]().get("tools", {}).get("enabled", []):
         from tests.test_e2e import _need_sandbox
 
         _need_sandbox()
@@ -34,14 +34,22 @@ def test_preset_runs_the_quickstart(preset, tmp_path):
         assert r["train_rollout_logprob_abs_diff"] < 1e-3
     if preset == "ppo":
         assert all("value_loss" in r for r in rows)
-    if PRESETS[preset]["algo"].get("kl_coef"):
+    if PRESETS[preset]()["algo"].get("kl_coef"):
         assert all("kl_ref" in r for r in rows)
-    if PRESETS[preset].get("tools", {}).get("enabled"):  # the multi-turn run reports its tool use
+    if PRESETS[preset]().get("tools", {}).get("enabled"):  # the multi-turn run reports its tool use
         steps = [r for r in rows if "reward_mean" in r]
         assert steps and all("tool_calls_mean" in r and "aborted_fraction" in r and "turns_mean" in r for r in steps)
 
 
 def test_presets_are_valid_configs():
-    for name in PRESETS:
+    for name, preset in PRESETS.items():
         cfg = build_config(preset=name)
-        assert cfg.algo.estimator == PRESETS[name]["algo"]["estimator"]
+        assert cfg.algo.estimator == preset()["algo"]["estimator"]
+
+
+def test_a_preset_is_a_function_of_its_name_returning_a_fresh_config():
+    for name, preset in PRESETS.items():
+        assert preset.__name__ == name and preset.__doc__
+        first = preset()
+        first["algo"]["estimator"] = "changed"
+        assert preset()["algo"]["estimator"] != "changed"

@@ -117,8 +117,8 @@ def test_launched_servers_get_a_fresh_token_when_none_is_set(tmp_path, monkeypat
 # ---- shutting down in process ---------------------------------------------------------------------
 @pytest.mark.timeout(120)
 def test_a_failure_building_the_controller_still_stops_what_build_started(tiny_model_dir, tmp_path, monkeypatch):
-    import strop.controller
     import strop.loop
+    import strop.roles.rollout
     from strop.setup import Components
 
     closed = []
@@ -128,7 +128,7 @@ def test_a_failure_building_the_controller_still_stops_what_build_started(tiny_m
         def __init__(self, *args):
             raise RuntimeError("manager could not start")
 
-    monkeypatch.setattr(strop.controller, "RolloutManager", Broken)
+    monkeypatch.setattr(strop.roles.rollout, "RolloutManager", Broken)
     with pytest.raises(RuntimeError, match="manager could not start"):
         strop.loop.train(build_config(overrides=tiny_overrides(tiny_model_dir, tmp_path / "run")))
     assert len(closed) == 1  # the launched servers (here: none) and the engine are stopped
@@ -136,8 +136,8 @@ def test_a_failure_building_the_controller_still_stops_what_build_started(tiny_m
 
 @pytest.mark.timeout(120)
 def test_a_failing_shutdown_never_hides_the_runs_own_error(tiny_model_dir, tmp_path, monkeypatch, capsys):
-    import strop.controller
     import strop.loop
+    import strop.roles.rollout
     from strop.setup import Components
 
     def rollout(self, step):
@@ -146,7 +146,7 @@ def test_a_failing_shutdown_never_hides_the_runs_own_error(tiny_model_dir, tmp_p
     def close(self, run=None):
         raise OSError("close failed too")
 
-    monkeypatch.setattr(strop.controller.Controller, "rollout", rollout)
+    monkeypatch.setattr(strop.roles.rollout.Rollout, "next", rollout)
     monkeypatch.setattr(Components, "close", close)
     with pytest.raises(RuntimeError, match="the run's own error"):
         strop.loop.train(build_config(overrides=tiny_overrides(tiny_model_dir, tmp_path / "run")))

@@ -10,7 +10,8 @@ import pytest
 from strop.config import build_config
 from strop.data.sources import PromptSampler
 from strop.rollout.generate import RolloutContext
-from strop.rollout.manager import RolloutManager, staleness
+from strop.rollout.manager import RolloutManager
+from strop.rollout.schedulers import staleness
 from strop.types import Completion, Sample, SamplingParams
 
 

@@ -298,8 +298,8 @@ def test_memory_across_the_calls_processes_is_bounded(box, enforcer, monkeypatch
     """Six processes of 64 MB each stay under the per-process limit (512 MB) but not under the
     call's total (128 MB): the call is stopped, and says why, long before its timeout."""
     if enforcer == "watchdog":
-        monkeypatch.setattr(sb, "_memory_cgroup", lambda: None)
-    elif sb._memory_cgroup() is None:
+        monkeypatch.setattr(sb, "memory_cgroup", lambda: None)
+    elif sb.memory_cgroup() is None:
         pytest.skip("no cgroup with a memory controller that this user may create children in here")
     limited = Sandbox(dataclasses.replace(LIMITS, memory_total_mb=128), isolation=box.isolation)
     assert (limited._cgroup is not None) == (enforcer == "cgroup")

@@ -98,7 +98,7 @@ def test_a_run_writes_sends_and_prints_no_secret(tiny_model_dir, tmp_path, capfd
 
 
 def test_nproc_ranks_get_secrets_by_environment_never_on_their_command_line(monkeypatch):
-    from strop.cluster import secrets_to_environment
+    from strop.cluster.launcher import secrets_to_environment
 
     monkeypatch.delenv("STROP_ENGINE_TOKEN", raising=False)
     cfg = build_config(overrides={"engine": {"kind": "strop", "urls": ["http://127.0.0.1:1"], "token": "t0p-s3cret"}})

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from strop.config import AlgoConfig, TrainConfig
-from strop.train.trainer import Trainer
+from strop.parallel.strategy import SingleProcess
+from strop.train.trainer import Sampling, Trainer
 from strop.types import Sample, Status
 
 
@@ -45,8 +46,8 @@ def run_step(model, samples, *, micro_batch_size=8, mini_batches=1, max_tokens=N
     train = TrainConfig(lr=1e-3, warmup_steps=0, micro_batch_size=micro_batch_size, mini_batches=mini_batches,
                         max_tokens_per_micro_batch=max_tokens, bf16_autocast=bf16_autocast,
                         logprob_chunk_size=logprob_chunk_size)
-    trainer = Trainer(model, pad_token_id=0, train=train, algo=AlgoConfig(**algo), max_new_tokens=8, device=device,
-                      exact_logprobs=exact_logprobs)
+    trainer = Trainer(model, pad_token_id=0, train=train, algo=AlgoConfig(**algo),
+                      rollout=Sampling(max_new_tokens=8, exact_logprobs=exact_logprobs), parallel=SingleProcess(device))
     metrics = trainer.step(samples)
     return trainer, metrics
 
@@ -137,7 +138,8 @@ def test_ppo_critic_value_loss_falls(tiny_model):
     samples = make_samples()
     train = TrainConfig(lr=1e-4, warmup_steps=0, micro_batch_size=4)
     trainer = Trainer(tiny_model, pad_token_id=0, train=train,
-                      algo=AlgoConfig(estimator="ppo", critic_lr=1e-2, kl_in_reward_coef=0.0), max_new_tokens=8)
+                      algo=AlgoConfig(estimator="ppo", critic_lr=1e-2, kl_in_reward_coef=0.0),
+                      rollout=Sampling(max_new_tokens=8))
     metrics = [trainer.step(samples) for _ in range(6)]
     losses = [m["value_loss"] for m in metrics]
     assert losses[-1] < 0.5 * losses[0], losses
@@ -243,7 +245,7 @@ def test_loss_metrics_are_means_over_mini_batches(tiny_model):
     def step(mini_batches, **algo):  # a tiny learning rate: the second mini-batch sees the same weights
         train = TrainConfig(lr=1e-12, warmup_steps=0, micro_batch_size=4, mini_batches=mini_batches)
         trainer = Trainer(copy.deepcopy(tiny_model), pad_token_id=0, train=train, algo=AlgoConfig(**algo),
-                          max_new_tokens=8)
+                          rollout=Sampling(max_new_tokens=8))
         return trainer.step(samples)
 
     for algo, names in (({}, ("policy_loss", "loss")), ({"estimator": "ppo", "critic_lr": 1e-12}, ("value_loss",))):
@@ -257,7 +259,7 @@ def test_non_finite_gradients_are_counted_then_stop_the_run(tiny_model):
     from strop.train.trainer import NonFiniteGradientError
 
     train = TrainConfig(lr=1e-3, warmup_steps=0, micro_batch_size=8, max_nonfinite_grad_steps=2)
-    trainer = Trainer(tiny_model, pad_token_id=0, train=train, algo=AlgoConfig(), max_new_tokens=8)
+    trainer = Trainer(tiny_model, pad_token_id=0, train=train, algo=AlgoConfig(), rollout=Sampling(max_new_tokens=8))
     before = [p.detach().clone() for p in trainer.model.parameters()]
     with torch.no_grad():
         trainer.model.model.norm.weight.fill_(float("nan"))  # every forward is NaN from here
@@ -272,14 +274,16 @@ def test_non_finite_gradients_are_counted_then_stop_the_run(tiny_model):
 def test_non_finite_reward_is_refused_by_the_trainer(tiny_model):
     samples = make_samples()
     samples[3].reward = float("nan")
-    trainer = Trainer(tiny_model, pad_token_id=0, train=TrainConfig(), algo=AlgoConfig(), max_new_tokens=8)
+    trainer = Trainer(tiny_model, pad_token_id=0, train=TrainConfig(), algo=AlgoConfig(),
+                      rollout=Sampling(max_new_tokens=8))
     with pytest.raises(ValueError, match=r"sample 3 .*reward nan; rewards must be finite"):
         trainer.step(samples)
 
 
 def test_full_weights_are_copies_not_live_aliases(tiny_model, device):
     train = TrainConfig(lr=1e-2, warmup_steps=0)
-    trainer = Trainer(tiny_model, pad_token_id=0, train=train, algo=AlgoConfig(), max_new_tokens=8, device=device)
+    trainer = Trainer(tiny_model, pad_token_id=0, train=train, algo=AlgoConfig(), rollout=Sampling(max_new_tokens=8),
+                      parallel=SingleProcess(device))
     weights = trainer.full_weights()
     snapshot = {k: v.clone() for k, v in weights.items()}
     assert all(v.device.type == torch.device(device).type for v in weights.values())  # stays on the device
@@ -318,7 +322,7 @@ def test_activation_checkpointing_recomputes_each_layer_and_changes_nothing():
         forward = act.forward  # (counted inside the module: forward hooks do not run again in a recompute)
         act.forward = lambda x: (calls.append(torch.is_grad_enabled()), forward(x))[1]
         train = TrainConfig(lr=1e-3, warmup_steps=0, micro_batch_size=4, activation_checkpointing=on)
-        trainer = Trainer(model, pad_token_id=0, train=train, algo=AlgoConfig(), max_new_tokens=8)
+        trainer = Trainer(model, pad_token_id=0, train=train, algo=AlgoConfig(), rollout=Sampling(max_new_tokens=8))
         metrics = trainer.step(samples)
         return metrics, [p.detach().clone() for p in trainer.model.parameters()], calls
 

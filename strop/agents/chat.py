@@ -23,6 +23,8 @@ import json
 import uuid
 from typing import Any
 
+from strop.tools import FENCED_PYTHON, HERMES_CALL, HERMES_ERRORS, hermes_body
+
 ROLES = ("system", "developer", "user", "assistant", "tool")
 _IGNORED_NULLS = ("refusal", "audio", "function_call", "annotations", "reasoning_content")
 
@@ -231,8 +233,6 @@ class ChatRenderer:
 
 def _call_spans(text: str, tool_names: set[str]) -> list[tuple[int, int, str, dict]]:
     """The well-formed tool calls in ``text``, in order: (start, end, name, arguments)."""
-    from strop.tools import FENCED_PYTHON, HERMES_CALL, HERMES_ERRORS, hermes_body
-
     found = []
     for m in HERMES_CALL.finditer(text):
         try:

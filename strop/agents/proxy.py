@@ -33,181 +33,35 @@ train as truncated). Bad input (and a request the engine refuses as malformed) g
 OpenAI's shape, ``{"error": {"message", "type", "param"}}``, naming the field and never quoting the
 input; it is not an engine failure, and the session goes on. A call whose client hung up before its
 answer was ready is not recorded (an SDK that times out and retries leaves one call, not one per try).
+
+This module holds the proxy's state (sessions, keys, holds, counts) and how a call is generated and
+recorded; :mod:`strop.agents.proxy_app` its routes, :mod:`strop.agents.proxy_stream` its streams,
+:mod:`strop.agents.proxy_requests` its request bodies and errors, :mod:`strop.agents.proxy_answers`
+the JSON it answers with.
 """
 
 from __future__ import annotations
 
 import asyncio
-import bisect
 import contextlib
 import json
-import logging
-import math
-import re
 import socket
 import time
-import uuid
 from collections import Counter, OrderedDict
-from typing import Any
 
-from fastapi import FastAPI, HTTPException, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from fastapi import HTTPException, Request
 
-from strop.agents.chat import (ChatInputError, ChatRenderer, calls_end, check_messages, check_tools_schema,
-                               parse_reply)
+from strop.agents.chat import ChatInputError, ChatRenderer, calls_end, parse_reply
+from strop.agents.proxy_app import create_app
+from strop.agents.proxy_requests import Busy, ClientGone, SamplingRequest, engine_refusal, error_response, stop_strings
 from strop.agents.session import Call, ChatState, Choice, Session, SessionLimitError, SessionLimits
-from strop.wire.auth import bearer_token_matches
-from strop.serving.server import MAX_BODY_BYTES, BodyLimit, cut_at_stops, sse
-from strop.serving.textstream import StreamedText
+from strop.rollout.generate import GuardedEngine
+from strop.rollout.multiturn import tokens_covering
+from strop.serving.openai import MAX_BODY_BYTES, BodyLimit, cut_at_stops
 from strop.types import Completion, SamplingParams, Sample
+from strop.wire.auth import bearer_token_matches
 
-log = logging.getLogger("strop.agents")
-MAX_N = 16
-MAX_STOPS = 16  # stop strings per call (OpenAI takes 4)
-MAX_NESTING = 64  # JSON objects and lists inside one another in a body (a tool schema: about 30 levels)
-MAX_ERROR_CHARS = 300  # an error message is cut here: whatever came in, the answer is short
 MAX_ENDED_SESSIONS = 1024  # ended sessions kept for collection (strop proxy); past it the oldest are freed
-
-
-class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)  # clients send many optional fields
-    model: str | None = None
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
-    n: int = Field(1, ge=1, le=MAX_N)
-    max_tokens: int | None = Field(None, gt=0)
-    stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=0, lt=2**63)
-    stream: bool = False
-    stream_options: dict | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    logit_bias: dict | None = None
-
-
-class ChatRequest(_Sampling):
-    messages: Any
-    tools: Any = None
-    tool_choice: Any = None
-    max_completion_tokens: int | None = Field(None, gt=0)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=0, description="only the sampled token's logprob is known")
-    response_format: dict | None = None
-
-
-class CompletionRequest(_Sampling):
-    prompt: str | list[int]
-    logprobs: int | None = Field(None, ge=0, le=0)
-    echo: bool = False
-
-
-class RewardBody(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-    reward: float
-
-
-def _error(status: int, message: str, code: str | None = None, headers: dict | None = None,
-           param: str | None = None) -> JSONResponse:
-    """Every error the proxy answers, in OpenAI's shape; the message cut short (it never carries the input)."""
-    kind = "rate_limit_exceeded" if status == 429 else "invalid_request_error" if status < 500 else "server_error"
-    if len(message) > MAX_ERROR_CHARS:
-        message = message[: MAX_ERROR_CHARS - 3] + "..."
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
-                        status_code=status, headers=headers)
-
-
-_FIELDS = {*ChatRequest.model_fields, *CompletionRequest.model_fields, *RewardBody.model_fields}
-
-
-def _param(exc: ChatInputError) -> str | None:
-    """The field a refusal names: its own, else its message's first word when that is a field path."""
-    if exc.param is not None:
-        return exc.param
-    head = re.match(r"[a-z_]+(\[\d+\])?(\.[a-z_]+(\[\d+\])?)*", str(exc))
-    return head.group(0) if head and head.group(0).split("[")[0].split(".")[0] in _FIELDS else None
-
-
-def _path(keys: tuple) -> str:
-    """``("messages", 0, "content")`` as ``messages[0].content`` (the first four keys: a deep path names its
-    top, which is the field the caller wrote)."""
-    out = ""
-    for k in keys[:4]:
-        out += f"[{k}]" if isinstance(k, int) else f".{str(k)[:40]}" if out else str(k)[:40]
-    return out
-
-
-def _check_json(data: Any) -> None:
-    """Refuse, naming the field, what would fail later as a server error: a body nested more than
-    MAX_NESTING deep (recursive checks and renderers overflow the stack) and text holding a lone
-    surrogate (JSON's ``\\ud800`` escapes can write one; it is no Unicode text, and no tokenizer reads it)."""
-    stack = [(data, ())]
-    while stack:  # (a loop, not recursion: the depth is what is being checked)
-        value, keys = stack.pop()
-        if isinstance(value, str):
-            try:
-                value.encode("utf-8")
-            except UnicodeEncodeError:
-                raise ChatInputError(f"{_path(keys)}: holds a lone surrogate (\\ud800-\\udfff), which is not "
-                                     "Unicode text", _path(keys)) from None
-        elif isinstance(value, (dict, list)):
-            if len(keys) >= MAX_NESTING:
-                raise ChatInputError(f"{_path(keys)}: nested more than {MAX_NESTING} levels deep", _path(keys))
-            items = list(value.items()) if isinstance(value, dict) else list(enumerate(value))
-            for k, v in reversed(items):  # (reversed: the first fault found is the first in the body)
-                stack.append((v, keys + (k,)))
-                if isinstance(k, str):
-                    stack.append((k, keys))
-
-
-def _read(raw: bytes, model: type[BaseModel]) -> BaseModel:
-    """A request body as ``model``: the one place JSON and validation errors become a ChatInputError
-    (a 400 naming the field, never quoting the body)."""
-    try:
-        data = json.loads(raw)
-    except RecursionError:
-        raise ChatInputError("the request body is nested too deeply") from None
-    except json.JSONDecodeError as exc:
-        raise ChatInputError(f"the request body is not valid JSON ({exc.msg} at character {exc.pos})") from None
-    except ValueError:  # (bytes that are not UTF-8)
-        raise ChatInputError("the request body is not valid JSON (not UTF-8 text)") from None
-    if not isinstance(data, dict):
-        raise ChatInputError("the request body must be a JSON object")
-    _check_json(data)
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        first = exc.errors(include_url=False, include_input=False, include_context=False)[0]
-        field = str(first["loc"][0]) if first["loc"] else None
-        raise ChatInputError(f"{field}: {first['msg']}" if field else first["msg"], field) from None
-
-
-def _refused(exc: BaseException) -> BaseException | None:
-    """The engine's refusal of the request as malformed (the client's error, not the engine's), or None.
-    (The engine reached through :class:`GuardedEngine` comes wrapped: its error is the cause.)"""
-    from strop.serving.embedded import RequestError, SessionError
-    from strop.wire.errors import EngineRefusedError
-
-    cause = exc.__cause__ if exc.__cause__ is not None else exc
-    if isinstance(cause, RequestError) and not isinstance(cause, SessionError):
-        return cause
-    if isinstance(cause, EngineRefusedError) and cause.status in (400, 413, 422):
-        return cause
-    return None
-
-
-class ClientGone(Exception):
-    """The call's client hung up before its answer was ready: the call is dropped."""
-
-
-class Busy(Exception):
-    """The proxy holds or is full: answered with 429 and Retry-After."""
-
-    def __init__(self, message: str, session: Session):
-        super().__init__(message)
-        self.session = session
 
 
 class AgentProxy:
@@ -222,8 +76,6 @@ class AgentProxy:
         sessions sample with ``sampling``. ``cut_after_tool_calls``: a chat turn ends where its tool
         calls end (what the model wrote after them is dropped, never trained or shown).
         ``describe_tools``: see :class:`ChatRenderer`."""
-        from strop.rollout.generate import GuardedEngine
-
         self.engine = engine if isinstance(engine, GuardedEngine) else GuardedEngine(engine)
         self.tokenizer, self.limits = tokenizer, limits
         self.renderer = ChatRenderer(tokenizer, describe_tools=describe_tools)
@@ -239,7 +91,7 @@ class AgentProxy:
         self.holds: Counter = Counter()  # reasons new calls wait (429)
         self.counts: Counter = Counter()  # since the last take_counts()
         self.server = self.serving = self.watchdog = None
-        self.app = self._create_app()
+        self.app = create_app(self)
 
     # ---- lifecycle ---------------------------------------------------------------------------
     @property
@@ -256,7 +108,7 @@ class AgentProxy:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.host, self.port))
         self.port = sock.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(BodyLimit(self.app, lambda: self.max_body_bytes, _error),
+        self.server = uvicorn.Server(uvicorn.Config(BodyLimit(self.app, lambda: self.max_body_bytes, error_response),
                                                     log_level="warning", lifespan="off",
                                                     timeout_graceful_shutdown=2))
         self.serving = asyncio.ensure_future(self.server.serve(sockets=[sock]))
@@ -330,22 +182,23 @@ class AgentProxy:
         out, self.counts = dict(self.counts), Counter()
         return out
 
-    # ---- generation ----------------------------------------------------------------------------
-    def _is_admin(self, request: Request) -> bool:
+    # ---- generation (what the routes, strop.agents.proxy_app and proxy_stream, call) --------------
+    def is_admin(self, request: Request) -> bool:
         header = request.headers.get("authorization", "")
         return bool(self.admin_token) and bearer_token_matches(header, self.admin_token)
 
-    def _authorise(self, request: Request) -> None:
+    def authorise(self, request: Request) -> None:
         """The admin token or a session's key (401 otherwise)."""
-        if not self._is_admin(request):
-            self._session(request)
+        if not self.is_admin(request):
+            self.session_for(request)
 
-    def _drop_call(self, s: Session) -> None:
+    def drop_call(self, s: Session) -> None:
         """A call whose client hung up before its answer: not recorded, not counted against the session."""
         s.calls -= 1
         self.counts["agent_calls_client_gone"] += 1
 
-    def _session(self, request: Request) -> Session:
+    def session_for(self, request: Request) -> Session:
+        """The session whose key the request bears (401 otherwise)."""
         header = request.headers.get("authorization", "")
         key = header[7:].strip() if header.lower().startswith("bearer ") else ""
         s = self.sessions.get(key)
@@ -366,11 +219,11 @@ class AgentProxy:
         if self.in_flight >= self.max_in_flight:
             raise Busy(f"{self.in_flight} calls are generating (agent.max_calls_in_flight={self.max_in_flight})", s)
 
-    def _jobs(self, s: Session, prompt_ids: list[int], body: _Sampling,
-              asked: int | None) -> tuple[list[str], list[SamplingParams]]:
+    def start_call(self, s: Session, prompt_ids: list[int], body: SamplingRequest,
+                   asked: int | None) -> tuple[list[str], list[SamplingParams]]:
         """The call's stop strings and a sampling per choice, once ``s`` admits the call (a refusal is
         answered before anything is generated), counted as a call generating from here."""
-        stops = _stops(body)
+        stops = stop_strings(body)
         self._admit(s)
         room = s.room(prompt_ids, asked)
         if (body.temperature is not None and body.temperature != s.sampling.temperature) or \
@@ -388,16 +241,16 @@ class AgentProxy:
         s.touch()
         return stops, jobs
 
-    def _generated(self, s: Session) -> None:
+    def generated(self, s: Session) -> None:
         """The call's engine requests ended (answered, failed or aborted)."""
         s.in_flight -= 1
         self.in_flight -= 1
         s.touch()
 
-    def _engine_failed(self, s: Session, exc: Exception) -> None:
+    def engine_failed(self, s: Session, exc: Exception) -> None:
         """Raise what an engine failure means for the call: the client's 400 where the engine refused the
         request as malformed (no call made), else the session ends (the run stops: generate re-raises it)."""
-        refused = _refused(exc)
+        refused = engine_refusal(exc)
         if refused is not None:
             s.calls -= 1
             raise ChatInputError(f"the engine refused this request: {refused}") from exc
@@ -405,23 +258,23 @@ class AgentProxy:
         self.end(s, "aborted", f"engine error: {exc}")
         raise exc
 
-    async def _generate(self, request: Request, s: Session, prompt_ids: list[int], body: _Sampling,
-                        asked: int | None, chat: ChatState | None,
-                        tool_names: set[str]) -> tuple[Call, list[tuple[Completion, str]]]:
+    async def generate(self, request: Request, s: Session, prompt_ids: list[int], body: SamplingRequest,
+                       asked: int | None, chat: ChatState | None,
+                       tool_names: set[str]) -> tuple[Call, list[tuple[Completion, str]]]:
         """Generate ``body.n`` choices for ``prompt_ids`` in session ``s`` and record the call (unless its
         client hung up meanwhile)."""
-        stops, jobs = self._jobs(s, prompt_ids, body, asked)
+        stops, jobs = self.start_call(s, prompt_ids, body, asked)
         try:
             outs = await asyncio.gather(*(self.engine.generate(prompt_ids, p, affinity=s.id) for p in jobs))
         except Exception as exc:
-            self._engine_failed(s, exc)
+            self.engine_failed(s, exc)
         finally:
-            self._generated(s)
-        return await self._record(request, s, prompt_ids, outs, stops, chat, tool_names)
+            self.generated(s)
+        return await self.record(request, s, prompt_ids, outs, stops, chat, tool_names)
 
-    async def _record(self, request: Request, s: Session, prompt_ids: list[int], outs: list[Completion],
-                      stops: list[str], chat: ChatState | None,
-                      tool_names: set[str]) -> tuple[Call, list[tuple[Completion, str]]]:
+    async def record(self, request: Request, s: Session, prompt_ids: list[int], outs: list[Completion],
+                     stops: list[str], chat: ChatState | None,
+                     tool_names: set[str]) -> tuple[Call, list[tuple[Completion, str]]]:
         """The engine's answers to a call, cut and parsed as the call asks, recorded in ``s`` (unless the
         client hung up meanwhile): what a plain call and a stream both record."""
         for out in outs:
@@ -435,7 +288,7 @@ class AgentProxy:
         # decoding a long answer takes a while: beside the event loop, which keeps serving
         cut, choices = await asyncio.to_thread(self._read_answers, outs, stops, chat is not None, tool_names)
         if await request.is_disconnected():  # nobody reads this answer: a retry (or nothing) replaces it
-            self._drop_call(s)
+            self.drop_call(s)
             raise ClientGone(f"session {s.id}: the client hung up before the answer was ready")
         call = Call(list(prompt_ids), choices, chat)
         s.attach(prompt_ids, call)
@@ -448,7 +301,7 @@ class AgentProxy:
         call's: the assistant message, its tool calls parsed)."""
         if chat and tool_names and self.cut_after_tool_calls:
             outs = [self._end_at_calls(out, tool_names) for out in outs]
-        cut = [cut_at_stops(out, stops, self._text)[:2] for out in outs]
+        cut = [cut_at_stops(out, stops, self.decode_text)[:2] for out in outs]
         choices = []
         for out, text in cut:
             msg = None
@@ -464,8 +317,6 @@ class AgentProxy:
     def _end_at_calls(self, out: Completion, tool_names: set[str]) -> Completion:
         """``out`` cut after the fewest tokens that hold its first tool calls (strop's multi-turn rule:
         a turn that calls a tool ends there, and the tool's answer comes next)."""
-        from strop.rollout.multiturn import tokens_covering
-
         end = calls_end(self.tokenizer.decode(out.token_ids, skip_special_tokens=False), tool_names)
         if end is None:
             return out
@@ -474,425 +325,5 @@ class AgentProxy:
             return out
         return Completion(list(out.token_ids[:keep]), list(out.logprobs[:keep]), "stop", out.weight_version)
 
-    # ---- HTTP ----------------------------------------------------------------------------------
-    def _create_app(self) -> FastAPI:
-        app = FastAPI(title="strop agent proxy", docs_url=None, redoc_url=None, openapi_url=None)
-
-        @app.exception_handler(RequestValidationError)
-        async def _bad(request: Request, exc: RequestValidationError):  # (a path parameter: bodies are _read's)
-            first = exc.errors()[0] if exc.errors() else {}
-            where = ".".join(str(x) for x in first.get("loc", ()) if x not in ("body", "path"))
-            self.counts["agent_bad_requests"] += 1
-            return _error(400, f"{where}: {first.get('msg', 'invalid')}", param=where or None)
-
-        @app.exception_handler(StarletteHTTPException)
-        async def _http(request: Request, exc: StarletteHTTPException):
-            if 400 <= exc.status_code < 500:
-                self.counts["agent_bad_requests"] += 1
-            return _error(exc.status_code, str(exc.detail))
-
-        @app.exception_handler(ChatInputError)
-        async def _input(request: Request, exc: ChatInputError):
-            self.counts["agent_bad_requests"] += 1
-            return _error(400, str(exc), param=_param(exc))
-
-        @app.exception_handler(ClientGone)
-        async def _gone(request: Request, exc: ClientGone):
-            return _error(499, str(exc))  # (nobody reads it)
-
-        @app.exception_handler(SessionLimitError)
-        async def _limit(request: Request, exc: SessionLimitError):
-            self.counts["agent_session_limit_calls"] += 1
-            return _error(400, f"{exc}; the session generates no more", code="session_limit")
-
-        @app.exception_handler(Busy)
-        async def _busy(request: Request, exc: Busy):
-            self.counts["agent_calls_rejected_busy"] += 1
-            exc.session.last_rejected = True  # an agent that gives up on it did not fail by its own work
-            wait = max(self.retry_after_s, 0.001)
-            return _error(429, f"{exc}: retry after {wait:g} s", headers={
-                "Retry-After": str(max(1, math.ceil(wait))), "retry-after-ms": str(int(wait * 1000))})
-
-        @app.exception_handler(Exception)
-        async def _fault(request: Request, exc: Exception):
-            if isinstance(exc, (RecursionError, UnicodeError)):  # what the input's depth or text did: its fault
-                self.counts["agent_bad_requests"] += 1
-                return _error(400, "the request is nested too deeply" if isinstance(exc, RecursionError) else
-                              "the request holds text that is not valid Unicode")
-            log.exception("agent proxy: %s %s failed", request.method, request.url.path)
-            return _error(502, f"{type(exc).__name__}: {exc}")
-
-        @app.get("/health")
-        async def health(request: Request):  # a key, as every route: it tells how busy the run is
-            self._authorise(request)
-            return {"status": "ok", "sessions": len(self.sessions), "in_flight": self.in_flight}
-
-        @app.get("/v1/models")
-        async def models(request: Request):
-            self._authorise(request)
-            return {"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "strop"}]}
-
-        def neutral(body: _Sampling) -> None:
-            for name in ("frequency_penalty", "presence_penalty", "logit_bias"):
-                if getattr(body, name) not in (None, 0, 0.0, {}):
-                    raise ChatInputError(f"{name} is not supported by the strop proxy (only its neutral value)")
-
-        @app.post("/v1/chat/completions")
-        async def chat(request: Request):
-            s = self._session(request)
-            body = _read(await request.body(), ChatRequest)
-            neutral(body)
-            messages = check_messages(body.messages)
-            tools = check_tools_schema(body.tools) if body.tools else None
-            if body.tool_choice not in (None, "auto", "none"):
-                raise ChatInputError("tool_choice: only 'auto' and 'none' (the proxy cannot force a call)")
-            if body.response_format not in (None, {"type": "text"}):
-                raise ChatInputError("response_format other than {'type': 'text'} is not supported")
-            # tool_choice='none': the tools stay in the prompt (as with OpenAI), the reply is not parsed for calls
-            callable_names = set() if body.tool_choice == "none" else {t["function"]["name"] for t in tools or []}
-            text = self.renderer.render(messages, tools)
-            ids = s.continuation(self.renderer, messages, tools, text) if s.segments else None
-            if ids is None:
-                ids = self.renderer.encode(text)
-            state, asked = ChatState(messages, tools, text), body.max_completion_tokens or body.max_tokens
-            if body.stream:
-                return await self._stream(request, s, ids, body, asked, state, callable_names)
-            call, cut = await self._generate(request, s, ids, body, asked, state, callable_names)
-            return await asyncio.to_thread(self._chat_answer, s, body, call, cut)  # (decoding: beside the loop)
-
-        @app.post("/v1/completions")
-        async def completions(request: Request):
-            s = self._session(request)
-            body = _read(await request.body(), CompletionRequest)
-            neutral(body)
-            if body.echo:
-                raise ChatInputError("echo is not supported by the strop proxy")
-            if isinstance(body.prompt, str):
-                ids = list(self.tokenizer(body.prompt, add_special_tokens=True)["input_ids"])
-                if not ids:  # (the engine would refuse it)
-                    raise ChatInputError("prompt: the text makes no tokens: give at least one")
-            else:
-                vocab = len(self.tokenizer)
-                if not body.prompt or any(t < 0 or t >= vocab for t in body.prompt):
-                    raise ChatInputError(f"prompt: token ids must be a non-empty list in [0, {vocab})")
-                ids = list(body.prompt)
-            if body.stream:
-                return await self._stream(request, s, ids, body, body.max_tokens or 16, None, set())
-            call, cut = await self._generate(request, s, ids, body, body.max_tokens or 16, None, set())
-            head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                    "model": self.model_name}
-            choices = [{"index": i, "text": text, "finish_reason": out.finish_reason,
-                        "logprobs": {"token_logprobs": out.logprobs, "tokens": None, "top_logprobs": None}
-                        if body.logprobs is not None else None, "token_ids": out.token_ids,
-                        "weight_version": out.weight_version} for i, (out, text) in enumerate(cut)]
-            return {**head, "choices": choices, "usage": self._usage(call), "prompt_token_ids": call.prompt_ids}
-
-        def admin(request: Request) -> None:
-            if not self._is_admin(request):
-                raise HTTPException(401 if self.admin_token else 404, "session management needs the proxy's admin "
-                                    "token" if self.admin_token else "sessions are opened by the training run here")
-
-        def record(sess: Session, samples: list[Sample] | None = None) -> dict:
-            out = {"id": sess.id, "state": sess.state, "reason": sess.reason, "reward": sess.reward,
-                   "calls": sess.calls, "forks": sess.forks}
-            if samples is not None:
-                out["samples"] = [{"prompt_ids": x.prompt_ids, "response_ids": x.response_ids,
-                                   "rollout_logprobs": x.rollout_logprobs, "loss_mask": x.loss_mask,
-                                   "weight_versions": x.weight_versions, "status": x.status.value,
-                                   "segment": x.metadata["segment"]} for x in samples]
-            return out
-
-        @app.post("/v1/sessions")
-        async def open_session(request: Request):
-            admin(request)
-            sess = self.open(Sample(prompt="", prompt_ids=[0]), self.sampling or SamplingParams())
-            return {"id": sess.id, "api_key": sess.key, "base_url": self.base_url}
-
-        def admin_session(request: Request, sid: str) -> Session:
-            admin(request)
-            if sid not in self.by_id:
-                raise HTTPException(404, f"session {sid}: no such session")
-            return self.by_id[sid]
-
-        @app.get("/v1/sessions/{sid}")
-        async def session_state(sid: str, request: Request):
-            sess = admin_session(request, sid)
-            return record(sess, sess.samples())  # (as if it closed now: the session goes on unchanged)
-
-        @app.post("/v1/sessions/{sid}/close")
-        async def close_session(sid: str, request: Request):
-            sess = admin_session(request, sid)
-            self.end(sess, "completed")  # (one that ended already, idle, keeps its ending)
-            out = record(sess, sess.samples())
-            self.forget(sess)  # collected: freed
-            return out
-
-        @app.post("/v1/sessions/{sid}/reward")
-        async def reward(sid: str, request: Request):
-            s = self._session(request)
-            body = _read(await request.body(), RewardBody)
-            if s.id != sid:
-                target = self.by_id.get(sid)
-                raise HTTPException(403 if target else 404, f"session {sid}: " + (
-                    "this API key belongs to another session" if target else "no such session"))
-            if s.state not in ("open", "capped"):
-                raise HTTPException(409, f"session {sid} is closed ({s.state}): its reward can no longer change")
-            s.reward = float(body.reward)
-            s.touch()
-            return {"session": sid, "reward": s.reward}
-
-        return app
-
-    def _usage(self, call: Call) -> dict:
-        done = sum(len(c.completion.token_ids) for c in call.choices)
-        return {"prompt_tokens": len(call.prompt_ids), "completion_tokens": done,
-                "total_tokens": len(call.prompt_ids) + done}
-
-    def _chat_answer(self, s: Session, body: ChatRequest, call: Call, cut):
-        head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.model_name}
-        answers = []
-        for i, (choice, (out, text)) in enumerate(zip(call.choices, cut)):
-            msg = choice.message
-            calls = [{"id": c["id"], "type": "function", "function": {"name": c["name"],
-                                                                      "arguments": json.dumps(c["arguments"])}}
-                     for c in msg.get("tool_calls", [])]
-            finish = "tool_calls" if calls else out.finish_reason
-            lps = None
-            if body.logprobs:
-                toks = [self.tokenizer.decode([t], skip_special_tokens=False) for t in out.token_ids]
-                lps = {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                                   for t, lp in zip(toks, out.logprobs)]}
-            answers.append((i, msg["content"] if (msg["content"] or not calls) else None, calls, finish, lps, out))
-        return {**head, "object": "chat.completion", "usage": self._usage(call), "prompt_token_ids": call.prompt_ids,
-                "choices": [{"index": i, "message": {"role": "assistant", "content": content,
-                                                     **({"tool_calls": calls} if calls else {})},
-                             "finish_reason": finish, "logprobs": lps, "token_ids": out.token_ids,
-                             "weight_version": out.weight_version}
-                            for i, content, calls, finish, lps, out in answers]}
-
-    # ---- streams -------------------------------------------------------------------------------
-    async def _stream(self, request: Request, s: Session, prompt_ids: list[int], body: _Sampling,
-                      asked: int | None, chat: ChatState | None, tool_names: set[str]) -> StreamingResponse:
-        """A streamed answer: per choice a chunk per token, then its end (tool calls, finish reason): the
-        tokens, text and logprobs of the plain call, and the same call recorded. Live where the engine
-        reports tokens as it decodes them (``GuardedEngine.streams``: the embedded engine): each token's
-        chunk goes out as it is decoded (:class:`_LiveAnswer` says what waits), and a client that hangs
-        up before the end aborts the engine's requests and the call is not recorded (the rule for
-        hung-up clients). Otherwise (HTTP engines) the chunks go out once the whole answer is in."""
-        kind = "chat.completion.chunk" if chat is not None else "text_completion"
-        head = {"id": f"{'chatcmpl' if chat is not None else 'cmpl'}-{uuid.uuid4().hex}", "object": kind,
-                "created": int(time.time()), "model": self.model_name}
-        markers = _markers(tool_names) if chat is not None else ()
-        special = set(self.tokenizer.all_special_ids) if markers else set()
-
-        def answers(stops: list[str]) -> list[_LiveAnswer]:
-            return [_LiveAnswer(self._text, stops, markers, special) for _ in range(body.n)]
-
-        if not self.engine.streams:
-            call, cut = await self._generate(request, s, prompt_ids, body, asked, chat, tool_names)
-            return sse(await asyncio.to_thread(self._replayed, head, body, call, cut, answers(_stops(body))))
-        stops, jobs = self._jobs(s, prompt_ids, body, asked)
-        queue: asyncio.Queue = asyncio.Queue()
-        rids = [f"proxy-{uuid.uuid4().hex}" for _ in jobs]
-
-        async def run(i: int, sampling: SamplingParams) -> None:
-            try:
-                out = await self.engine.generate(prompt_ids, sampling, affinity=s.id, request_id=rids[i],
-                                                 on_token=lambda *token: queue.put_nowait((i, token)))
-            except Exception as exc:  # (answered by the stream, in order after the tokens heard)
-                out = exc
-            queue.put_nowait((i, out))
-        tasks = [asyncio.ensure_future(run(i, p)) for i, p in enumerate(jobs)]
-        first = await queue.get()  # (before the status line: a request the engine refuses is still a 400)
-        if isinstance(first[1], BaseException):
-            for rid in rids:
-                await self.engine.abort(rid)
-            await asyncio.gather(*tasks)
-            self._generated(s)
-            self._engine_failed(s, first[1])
-        views = answers(stops)
-
-        async def chunks():
-            outs: list[Completion | None] = [None] * len(jobs)
-            generating, settled = True, False  # settled: the call was recorded, or its failure answered for
-            item = first
-            try:
-                if chat is not None:  # the role first, a chunk per choice
-                    for i in range(len(jobs)):
-                        yield {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                                    "finish_reason": None}]}
-                while True:
-                    i, got = item
-                    if isinstance(got, BaseException):
-                        settled = True
-                        self._engine_failed(s, got)
-                    if isinstance(got, Completion):
-                        outs[i] = got
-                    else:
-                        for token, logprob, text in views[i].push(got[0], got[1]):
-                            yield self._token_chunk(head, body, chat, i, token, logprob, text)
-                    if all(out is not None for out in outs):
-                        break
-                    item = await queue.get()
-                generating = False
-                self._generated(s)
-                try:
-                    call, cut = await self._record(request, s, prompt_ids, outs, stops, chat, tool_names)
-                except (HTTPException, ClientGone):  # (each answered for there)
-                    settled = True
-                    raise
-                settled = True
-                for chunk in await asyncio.to_thread(self._ends, head, body, call, cut, views):
-                    yield chunk
-            finally:  # the client hung up (or the stream failed): nothing decodes for nobody
-                for i, rid in enumerate(rids):
-                    if outs[i] is None:
-                        await self.engine.abort(rid)
-                if generating:
-                    self._generated(s)
-                if not settled:  # a hung-up client's call is not recorded
-                    self._drop_call(s)
-
-        return sse(chunks())
-
-    def _text(self, ids: list[int]) -> str:
+    def decode_text(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)  # (the text cut_at_stops cuts)
-
-    def _token_chunk(self, head: dict, body: _Sampling, chat: ChatState | None, i: int, token: int,
-                     logprob: float, text: str) -> dict:
-        if chat is None:
-            return {**head, "choices": [{"index": i, "text": text, "finish_reason": None, "token_ids": [token],
-                                         "logprobs": {"token_logprobs": [logprob], "tokens": None, "top_logprobs": None}
-                                         if body.logprobs is not None else None}]}
-        entry = {"index": i, "delta": {"content": text}, "finish_reason": None, "token_ids": [token]}
-        if body.logprobs:
-            name = self.tokenizer.decode([token], skip_special_tokens=False)
-            entry["logprobs"] = {"content": [{"token": name, "logprob": logprob, "bytes": list(name.encode()),
-                                              "top_logprobs": []}]}
-        return {**head, "choices": [entry]}
-
-    def _ends(self, head: dict, body: _Sampling, call: Call, cut, views: list[_LiveAnswer]) -> list[dict]:
-        """Each choice's last chunks once its answer is recorded: the tokens not sent yet (past a held
-        tool-call marker), the text not shown yet, its tool calls, its finish reason; then the usage."""
-        chunks = []
-        for i, (choice, (out, text), view) in enumerate(zip(call.choices, cut, views)):
-            msg, calls = choice.message, []
-            if msg is not None:
-                calls = [{"id": c["id"], "type": "function",
-                          "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}}
-                         for c in msg.get("tool_calls", [])]
-                text = msg["content"] or ""
-            ids, sent = list(out.token_ids), view.sent_tokens
-            shown = view.shown
-            if ids[:sent] != view.ids[:sent] or not text.startswith(shown):  # (not with a prefix-stable tokenizer)
-                log.warning("agent proxy: a streamed answer's chunks sent so far differ from its whole answer; "
-                            "the stream ends with the answer's rest as far as it agrees")
-            for k in range(sent, len(ids)):
-                chunks.append(self._token_chunk(head, body, call.chat, i, ids[k], out.logprobs[k], ""))
-            rest = text[len(shown):] if text.startswith(shown) else ""
-            end = {"index": i, "finish_reason": "tool_calls" if calls else out.finish_reason,
-                   "weight_version": out.weight_version}
-            if msg is None:
-                chunks.append({**head, "choices": [{**end, "text": rest, "logprobs": None}]})
-                continue
-            if calls:  # the content not shown yet, then the calls
-                if rest:
-                    chunks.append({**head, "choices": [{"index": i, "delta": {"content": rest},
-                                                        "finish_reason": None}]})
-                chunks.append({**head, "choices": [{"index": i, "finish_reason": None, "delta": {"tool_calls": [
-                    {"index": k, **c} for k, c in enumerate(calls)]}}]})
-                rest = ""
-            chunks.append({**head, "choices": [{**end, "delta": {"content": rest} if rest else {}}]})
-        if _wants_usage(body):
-            chunks.append({**head, "choices": [], "usage": self._usage(call)})
-        return chunks
-
-    def _replayed(self, head: dict, body: _Sampling, call: Call, cut, views: list[_LiveAnswer]) -> list[dict]:
-        """A stream's chunks from an engine that answers whole (beside the loop: it decodes every token)."""
-        chat = call.chat
-        chunks = [{**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                        "finish_reason": None}]} for i in range(len(cut))] if chat is not None else []
-        for i, ((out, _), view) in enumerate(zip(cut, views)):
-            for token, logprob in zip(out.token_ids, out.logprobs):
-                chunks += [self._token_chunk(head, body, chat, i, *sent) for sent in view.push(token, logprob)]
-        return chunks + self._ends(head, body, call, cut, views)
-
-
-def _stops(body: _Sampling) -> list[str]:
-    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    if any(not x for x in stops) or len(stops) > MAX_STOPS:
-        raise ChatInputError(f"stop: at most {MAX_STOPS} non-empty strings")
-    return stops
-
-
-def _markers(tool_names: set[str]) -> tuple[str, ...]:
-    """Where a tool call the proxy parses can start (:func:`strop.agents.chat.parse_reply`)."""
-    if not tool_names:
-        return ()
-    return ("<tool_call>", "```") if "python" in tool_names else ("<tool_call>",)
-
-
-class _LiveAnswer:
-    """One choice of a streamed call: which of its tokens and text may be sent as they are decoded,
-    so that the chunks join to the plain call's answer. Every token up to the one whose text
-    completes a stop string (none after: they are not the answer's), its text held while it may be
-    the start of one (:class:`StreamedText`). With tools, also held until the answer is whole and its
-    calls parsed: the text from where a tool-call marker starts (or what may still become one), and
-    the tokens from there (a turn cut after its calls drops the tokens past them) or from a special
-    token (whose text the shown text skips); space at the end (the content beside calls is stripped);
-    and all text of an answer that begins with space (stripped only if it calls a tool)."""
-
-    def __init__(self, decode, stops: list[str], markers: tuple[str, ...], special: set[int]):
-        self.text = StreamedText(decode, stops)
-        self.markers, self.special = markers, special
-        self.ids: list[int] = []
-        self.logprobs: list[float] = []
-        self.ends: list[int] = []  # the text's length after each token
-        self.sent_tokens = self.sent_chars = 0
-        self.marker_at: int | None = None  # where the first whole marker starts
-        self.special_at: int | None = None  # the first special token's index
-
-    @property
-    def shown(self) -> str:
-        return self.text.text[: self.sent_chars]
-
-    def push(self, token: int, logprob: float) -> list[tuple[int, float, str]]:
-        """``token`` decoded: the (token, logprob, text) chunks that may go out now, in order."""
-        if self.text.stop_at is not None:
-            return []
-        before = len(self.text.text)
-        self.ids.append(token)
-        self.logprobs.append(logprob)
-        self.text.push(token)
-        text = self.text.text
-        self.ends.append(len(text))
-        tokens, chars = len(self.ids), self.text.ready
-        if self.markers:
-            if self.marker_at is None:  # (a marker first found now ends in the new text)
-                found = [k for m in self.markers if (k := text.find(m, max(before - len(m) + 1, 0))) >= 0]
-                self.marker_at = min(found) if found else None
-            if self.special_at is None and token in self.special:
-                self.special_at = len(self.ids) - 1
-            hold = self.marker_at if self.marker_at is not None else len(text) - _partial(text, self.markers)
-            tokens = bisect.bisect_right(self.ends, hold)  # the tokens whose text ends before the hold
-            if self.special_at is not None:
-                tokens = min(tokens, self.special_at)
-            chars = min(chars, hold)
-            chars = 0 if text[:1].isspace() else len(text[:chars].rstrip())
-        chars = min(chars, self.ends[tokens - 1] if tokens else 0)  # (text goes out with its tokens)
-        out = []
-        for k in range(self.sent_tokens, tokens):
-            upto = max(min(self.ends[k], chars), self.sent_chars)
-            out.append((self.ids[k], self.logprobs[k], text[self.sent_chars: upto]))
-            self.sent_chars = upto
-        self.sent_tokens = max(self.sent_tokens, tokens)
-        return out
-
-
-def _partial(text: str, markers: tuple[str, ...]) -> int:
-    """The length of the longest end of ``text`` that a marker starts with (it may become that marker)."""
-    return max((k for m in markers for k in range(1, len(m)) if text.endswith(m[:k])), default=0)
-def _wants_usage(body: _Sampling) -> bool:
-    return bool((body.stream_options or {}).get("include_usage"))
-
-

@@ -37,6 +37,7 @@ from strop.agents.proxy import AgentProxy
 from strop.agents.session import ENDINGS, Session, SessionLimits
 from strop.agents.worker import call_agent as _call_agent, serve_agents
 from strop.plugins import PluginError, check_result
+from strop.rollout.generate import EngineError, _reward_one, fail_sample
 from strop.types import SamplingParams, Sample, Status
 
 
@@ -324,8 +325,6 @@ class AgentRollout:
             finally:
                 self.proxy.forget(session)
         if session.engine_error is not None:  # the engine failed, not the sample: the run stops
-            from strop.rollout.generate import EngineError
-
             raise EngineError(f"agent session {session.id}: {session.engine_error}") from session.engine_error
         return await self._finish(ctx, session, sample, result, error)
 
@@ -356,8 +355,6 @@ class AgentRollout:
             return None, exc
 
     async def _finish(self, ctx, session: Session, sample: Sample, result: Any, error: BaseException | None) -> Sample:
-        from strop.rollout.generate import fail_sample
-
         if error is not None and session.state == "open" and session.last_rejected:
             # it gave up on the proxy's 429: backpressure, not the sample's own failure
             self.proxy.end(session, "aborted", f"the agent stopped after the proxy answered 429: "
@@ -415,8 +412,6 @@ class AgentRollout:
         last = next(s for seg, s in zip(session.segments, samples) if seg is session.last_segment)
         if not last.status.trainable:
             return
-        from strop.rollout.generate import _reward_one
-
         await _reward_one(ctx, last)
         for s in samples:
             if s.status.trainable:

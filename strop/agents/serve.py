@@ -11,8 +11,18 @@ from __future__ import annotations
 
 import asyncio
 
+import torch
+from transformers import AutoConfig
+
 from strop.agents.proxy import AgentProxy
 from strop.agents.session import SessionLimits
+from strop.engines.base import Closable
+from strop.engines.router import Router
+from strop.engines.sglang import SGLangEngine
+from strop.engines.vllm import VLLMEngine
+from strop.models import load_model, load_tokenizer, resolve_model_path
+from strop.process import resolve_device
+from strop.serving.embedded import EmbeddedEngine
 from strop.types import SamplingParams
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -21,27 +31,14 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 def build_engine(model_path: str, urls: list[str], kind: str, token: str | None, *, device: str, dtype: str,
                  max_batch_size: int, seed: int):
     """(engine, tokenizer, context window, stop token ids) for the proxy."""
-    import torch
-
-    from strop.cluster.process import resolve_device
-    from strop.models import load_model, load_tokenizer, resolve_model_path
-
     path = resolve_model_path(model_path)
     tokenizer = load_tokenizer(path)
     stop = sorted({tokenizer.eos_token_id, tokenizer.pad_token_id} - {None})
-    from transformers import AutoConfig
-
     context = int(getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", 2048))
     if not urls:
-        from strop.serving.embedded import EmbeddedEngine
-
         model = load_model(path, dtype=getattr(torch, dtype)).to(resolve_device(device)).requires_grad_(False)
         return EmbeddedEngine(model, pad_token_id=tokenizer.pad_token_id, default_stop_token_ids=stop,
                               max_batch_size=max_batch_size, context_window=context, seed=seed), tokenizer, context, stop
-    from strop.engines.http import SGLangEngine
-    from strop.engines.router import Router
-    from strop.engines.vllm import VLLMEngine
-
     client = VLLMEngine if kind == "vllm" else SGLangEngine
     engines = [client(u, token=token) for u in urls]
     return (engines[0] if len(engines) == 1 else Router(engines)), tokenizer, context, stop
@@ -77,7 +74,7 @@ def serve_proxy(model_path: str, *, urls: list[str], kind: str = "strop", engine
             await proxy.serving
         finally:
             await proxy.close()
-            close = getattr(engine, "close", None)
+            close = engine.close if isinstance(engine, Closable) else None
             if close is not None:
                 await close()
 

@@ -14,7 +14,7 @@ import os
 import pickle
 from typing import Any, Callable
 
-from strop.cluster.process import die_with_parent
+from strop.process import die_with_parent
 
 
 def call_agent(fn: Callable, base_url: str, api_key: str, row: dict, started: Callable | None = None) -> Any:

@@ -161,7 +161,6 @@ def reinforce_pp_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, mask
 
 
 SCALAR_ESTIMATORS = ("grpo", "dr_grpo", "rloo")  # one advantage per sample, broadcast to its tokens
-GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")  # need groups of >= 2 samples
 
 
 def action_compaction(actions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,7 +6,7 @@ MASTER_ADDR / MASTER_PORT, stops the other ranks when one fails (SIGTERM, SIGKIL
 ``STOP_GRACE_S``), passes SIGTERM / SIGINT / SIGHUP on to the ranks, and sends each rank's streams to
 the terminal, a file (``redirects``) or nowhere (``local_ranks_filter``). strop adds what torch leaves
 out: the failed rank's stderr tail (torch's summary shows only ``@record`` error files) and an end of
-the ranks when the launcher is SIGKILLed (their parent-death signal: ``STROP_LAUNCHER_PID`` in cli.py).
+the ranks when the launcher is SIGKILLed (their parent-death signal: ``STROP_LAUNCHER_PID`` in strop.cluster).
 """
 
 from __future__ import annotations
@@ -19,13 +19,14 @@ import uuid
 STOP_GRACE_S = 5  # a rank stopped with SIGTERM is killed after this long
 
 
-def launch(nproc: int, argv: list[str], command: list[str] | None = None, poll_s: float = 0.5) -> int:
+def launch(nproc: int, argv: list[str], command: list[str], poll_s: float = 0.5) -> int:
     """``strop train --nproc N``: start N local ranks of ``strop train`` and wait for all; the exit code
     of the rank that failed first, 128 + the signal when the launcher was stopped, else 0.
 
     Rank 0 keeps the terminal; the other ranks' stdout is dropped and their stderr goes to files
-    (a pipe nobody drains blocks a worker that writes more than its buffer). ``command`` replaces
-    ``python -m strop.cli train`` (tests); ``poll_s`` is how often the ranks are checked.
+    (a pipe nobody drains blocks a worker that writes more than its buffer). ``command``: what a rank runs
+    (handed down from the front door: ``python -m strop.cli train``), followed by ``argv``; ``poll_s`` is how
+    often the ranks are checked.
     """
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -38,7 +39,6 @@ def launch(nproc: int, argv: list[str], command: list[str] | None = None, poll_s
             self.dest = super().reify(envs)
             return self.dest
 
-    command = command or [sys.executable, "-m", "strop.cli", "train"]
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # strop says what failed
     with tempfile.TemporaryDirectory(prefix="strop-ranks-") as tmp:
         logs = Logs(log_dir=tmp, redirects={r: Std.ERR if r else Std.NONE for r in range(nproc)},

@@ -24,8 +24,13 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from typing import Callable
 
 from strop.cluster.placement import Node, Plan, PlacementError, plan_placement
+from strop.config import secret_fields
+from strop.engines.launch import LocalServer, engine_server
+from strop.models import resolve_model_path
+from strop.process import free_port
 
 LOG_GRACE_S = 1.0
 LOCAL_START_S = 120.0  # until `ray start --head` of a local cluster reports it runs
@@ -47,7 +52,8 @@ def import_ray():
 
 
 class TrainerRank:
-    """A trainer rank: ``strop train`` with this rank's environment, in a Ray actor."""
+    """A trainer rank: ``strop train`` with this rank's environment, in a Ray actor (the program handed down
+    from the front door, run in the actor's process)."""
 
     def __init__(self, rank: int):
         self.rank = rank
@@ -61,7 +67,8 @@ class TrainerRank:
     def free_port(self) -> int:
         return free_port_here()
 
-    def run(self, argv: list[str], env: dict[str, str], cwd: str, marker: str) -> int:
+    def run(self, main: Callable[[list[str]], int], argv: list[str], env: dict[str, str], cwd: str, marker: str
+            ) -> int:
         _check_shared(cwd, marker, f"rank {self.rank}")
         os.chdir(cwd)
         os.environ.update(env)
@@ -69,9 +76,7 @@ class TrainerRank:
         for entry in [*env.get("PYTHONPATH", "").split(os.pathsep), cwd][::-1]:
             if entry and entry not in sys.path:
                 sys.path.insert(0, entry)
-        from strop.cli import main
-
-        return main(["train", *argv])
+        return main(argv)
 
 
 class EngineServer:
@@ -81,8 +86,6 @@ class EngineServer:
     it itself; vLLM and SGLang are reached only through strop's token guard."""
 
     def __init__(self, index: int, spec: dict, port: int, token: str, cwd: str, marker: str):
-        from strop.engines.launch import LocalServer, engine_server
-
         _check_shared(cwd, marker, f"engine {index}")
         os.chdir(cwd)
         self.index, host = index, _node_ip()
@@ -160,9 +163,6 @@ def start_local_cluster(timeout_s: float = LOCAL_START_S):
     when its driver is SIGKILLed). Ports are picked here and the auth token is the run's own (RAY_AUTH_TOKEN,
     which :func:`launch` sets before Ray is imported), so runs side by side never meet. Returns the head's
     process (``.stop()`` ends the cluster) and its GCS address."""
-    from strop.cluster.process import free_port
-    from strop.engines.launch import LocalServer
-
     gcs, dashboard, client, agent = (free_port() for _ in range(4))
     head = LocalServer("", gcs, command=[
         sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--node-ip-address=127.0.0.1",
@@ -258,9 +258,10 @@ def run_dir_of(cfg) -> Path:
     return path.resolve()
 
 
-def launch(cfg, argv: list[str]) -> int:
+def launch(cfg, argv: list[str], main: Callable[[list[str]], int]) -> int:
     """``strop train`` with ``cluster.launcher=ray``: place, start, watch and stop the run's actors.
-    ``argv``: the command line every trainer rank runs (the run directory is added here)."""
+    ``main``: the program every trainer rank runs in its actor (handed down from the front door), with
+    ``argv``, the command line of every rank (the run directory is added here)."""
     c = cfg.cluster
     if c.address is None:  # read when ray is imported
         os.environ |= {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # the local cluster binds 127.0.0.1 only
@@ -283,8 +284,6 @@ def launch(cfg, argv: list[str]) -> int:
         marker.write_text("a file every actor must see: the run directory is on shared storage\n")
         pg = reserve(ray, plan, c.placement_timeout_s)
         cwd = os.getcwd()
-        from strop.config import secret_fields
-
         env = {name: os.environ[name] for name in [*secret_fields().values(), "PYTHONPATH"] if name in os.environ}
         engines_at: list[dict] = []
         if cfg.engine.launch:
@@ -303,7 +302,7 @@ def launch(cfg, argv: list[str]) -> int:
         gpu = c.trainer_resources.get("GPU", 0) > 0
         common = {"WORLD_SIZE": str(c.trainer_ranks), "MASTER_ADDR": where[0]["ip"], "MASTER_PORT": str(master_port),
                   "STROP_NODE_IP": where[0]["ip"]} | env
-        runs = {ranks[r].run.remote([*argv, f"--run.dir={run_dir}"],
+        runs = {ranks[r].run.remote(main, [*argv, f"--run.dir={run_dir}"],
                                     # Ray shows each actor only its own GPU (CUDA_VISIBLE_DEVICES): cuda:0 there
                                     common | {"RANK": str(r), "LOCAL_RANK": "0" if gpu else str(plan.local_rank(r))},
                                     cwd, str(marker)): r for r in range(c.trainer_ranks)}
@@ -324,8 +323,6 @@ def start_engines(ray, cfg, plan: Plan, pg, token: str, run_dir: str, cwd: str, 
         args.append(f"--weights-dir={Path(e.sync_dir or Path(run_dir) / 'weights').resolve()}")
     model = cfg.model.path
     if e.kind != "strop":  # (strop serve resolves it itself; vLLM and SGLang need a folder or a hub id)
-        from strop.models import resolve_model_path
-
         model = resolve_model_path(model)
         model = str(Path(model).resolve()) if Path(model).exists() else model
     spec = {"kind": e.kind, "model": model, "args": args, "command": list(e.launch_command),

@@ -1,4 +1,7 @@
-"""The one interface every inference engine implements (embedded, HTTP clients)."""
+"""The one interface every inference engine implements (embedded, HTTP clients, the router), and the optional
+capabilities some engines add, each a protocol: code asks ``isinstance(engine, Capability)``, never ``getattr``.
+
+This module is the only one that reaches into an engine by attribute name (:class:`EngineWrapper`)."""
 
 from __future__ import annotations
 
@@ -18,8 +21,6 @@ class Engine(Protocol):
     temperature, computes the same numbers.
     """
 
-    weight_version: int
-
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Completion: ...
 
     async def update_weights(self, state_dict: dict[str, Any], version: int | None = None) -> int: ...
@@ -27,3 +28,71 @@ class Engine(Protocol):
     async def abort_all(self) -> None: ...
 
     async def health(self) -> bool: ...
+
+
+@runtime_checkable
+class Versioned(Protocol):
+    """Knows the weight version it serves: the version it last reported holding (never a count kept here)."""
+
+    weight_version: int
+
+
+@runtime_checkable
+class Closable(Protocol):
+    """Holds connections or tasks of the run's event loop, released by ``close``."""
+
+    async def close(self) -> None: ...
+
+
+@runtime_checkable
+class Seeded(Protocol):
+    """Samples with a generator of this process (the embedded engine), whose state a checkpoint keeps."""
+
+    generator: Any  # a torch.Generator
+
+
+@runtime_checkable
+class Counted(Protocol):
+    """Counts failovers and engine events (the router); ``take_counts`` hands those since the last call."""
+
+    def take_counts(self) -> dict[str, int]: ...
+
+
+@runtime_checkable
+class Probed(Protocol):
+    """Scores a probe against the trainer's logprobs after each update (the router, with engine.sync_probe):
+    ``probe_ids`` the probe's tokens (None: off), ``probe_tolerance`` the largest difference allowed."""
+
+    probe_ids: list[int] | None
+    probe_tolerance: float | None
+
+    async def probe(self, ids: list[int], reference: list[float], tolerance: float) -> float: ...
+
+
+@runtime_checkable
+class Metered(Protocol):
+    """Counts the bytes of its last weight update: ``bytes_sent`` reached engines, ``bytes_full`` a full sync
+    would have moved (0 where the transport does not measure it)."""
+
+    bytes_sent: int
+    bytes_full: int
+
+
+@runtime_checkable
+class GroupMember(Protocol):
+    """Joins the trainer's weight-update group with ``group_ranks`` ranks (SGLang: one per TP worker)."""
+
+    group_ranks: int
+
+
+class EngineWrapper:
+    """A wrapper that shows the wrapped engine (``self._engine``) through: an attribute it does not have
+    itself is the engine's, so hooks read ``ctx.engine.weight_version`` (or the router's state) through it,
+    and capability checks see the engine's capabilities."""
+
+    _engine: Any
+
+    def __getattr__(self, name):
+        if name == "_engine":  # (not set yet: no recursion)
+            raise AttributeError(name)
+        return getattr(self._engine, name)

@@ -1,89 +1,28 @@
-"""HTTP engines behind the :class:`~strop.engines.base.Engine` interface, and weight sync from disk.
+"""The HTTP side every engine client shares: one pooled async connection per engine, a timeout per request,
+retries with exponential backoff on connection failures and 5xx answers.
 
-:class:`SGLangEngine` speaks SGLang's native API (``/generate`` with token ids and
-``return_logprob``); the same payloads work against ``strop serve``. One pooled async
-connection per engine, a timeout per request, retries with exponential backoff on
-connection failures and 5xx answers, a request id per call so one request can be aborted.
-An error that retries do not cure raises :class:`EngineUnavailable` (the router then
-re-issues the request elsewhere); a 4xx answer is the request's fault and raises
-:class:`EngineRequestError` at once.
+An error that retries do not cure raises :class:`EngineUnavailable` (the router then re-issues the
+request elsewhere); a 4xx answer is the request's fault and raises :class:`EngineRefusedError` at once.
+The clients: :class:`strop.engines.sglang.SGLangEngine` (SGLang and ``strop serve``) and
+:class:`strop.engines.vllm.VLLMEngine`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
-import shutil
-import uuid
-from pathlib import Path
 
-import torch
-
-from strop.wire.weights import write_safetensors
-from strop.types import Completion, SamplingParams
-from strop.wire.errors import EngineReceiptError, EngineRefusedError, EngineRequestError, EngineUnavailable, EngineVersionError, parse_weight_version
+from strop.wire.errors import EngineRefusedError, EngineRequestError, EngineUnavailable
 
 
-MIN_SGLANG = "0.5.23"  # the first release with the weight-update session (begin/end_weight_update)
-
-
-def _release(version: str) -> tuple[int, ...]:
-    """"0.5.23.post1" -> (0, 5, 23): the numeric release, for comparing server versions."""
-    import re
-
-    return tuple(int(p) for p in re.match(r"\d+(?:\.\d+)*", version.strip()).group(0).split(".")) \
-        if re.match(r"\d", version.strip()) else ()
-
-
-class WeightWriter:
-    """Writes each weight version once, atomically, for engines to load from disk.
-
-    ``dir/v<version>/model.safetensors`` is written under a temporary name and renamed into
-    place, so a reader never sees half a file; only the newest ``keep`` versions stay.
-    """
-
-    def __init__(self, directory: str | Path, keep: int = 2, bucket_bytes: int = 64 << 20):
-        """``bucket_bytes``: the most of the weights read at once while writing (sharded: gathered)."""
-        # absolute: servers resolve a relative path against their own folders (strop serve: its --weights-dir)
-        self.dir, self.keep, self.bucket_bytes = Path(directory).resolve(), keep, bucket_bytes  # dir: at first write
-
-    def write(self, state: dict[str, torch.Tensor], version: int, tag: str = "") -> tuple[Path, str]:
-        """Write ``state`` as version ``version`` (``tag`` tells apart several files of one version:
-        the delta form writes one per set of changed tensors). Returns the folder and the checksum.
-        Read a bucket at a time (sharded weights are never gathered whole: strop.wire.weights)."""
-        final = self.dir / f"v{version}{tag}"
-        tmp = self.dir / f".tmp-v{version}{tag}-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)  # (and self.dir with it)
-        checksum = write_safetensors(state, tmp / "model.safetensors", self.bucket_bytes)  # (tied tensors under each name)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        versions = sorted({int(p.name[1:].split("-")[0]) for p in self.dir.glob("v*")})
-        for old in self.dir.glob("v*"):
-            if int(old.name[1:].split("-")[0]) in versions[: -self.keep]:
-                shutil.rmtree(old, ignore_errors=True)
-        return final, checksum
-
-
-class SGLangEngine:
-    """An SGLang (or ``strop serve``) server at ``url`` as an Engine."""
+class HTTPEngine:
+    """A server at ``url``: its pooled connection and the one way a request goes out (:meth:`_call`)."""
 
     def __init__(self, url: str, *, timeout_s: float = 600.0, retries: int = 3, backoff_s: float = 0.25,
-                 token: str | None = None, writer: WeightWriter | None = None, require_checksum: bool = False):
-        """``require_checksum``: a weight load must come back with the checksum of what the engine loaded
-        (strop serve reports it; SGLang does not, and proves receipt by the version it reports)."""
+                 token: str | None = None):
         self.url = url.rstrip("/")
         self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self.writer = writer
-        self.require_checksum = require_checksum
-        self.weight_version = 0  # the version the engine last reported holding (never a count kept here)
-        self.group_ranks = 1  # ranks the server joins a weight-update group with (SGLang: one per TP worker)
-        self._session_checksum = None  # strop serve's receipt of the last update session
         self._client = None
-
-    def __repr__(self) -> str:
-        return f"SGLangEngine({self.url})"
 
     def _http(self):
         import httpx
@@ -120,217 +59,7 @@ class SGLangEngine:
                 await asyncio.sleep(self.backoff_s * 2**attempt)
         raise EngineUnavailable(f"{self.url}{path} failed after {retries + 1} attempts: {last}")
 
-    async def generate(self, prompt_ids: list[int], sampling: SamplingParams,
-                       request_id: str | None = None) -> Completion:
-        sp = {"temperature": sampling.temperature, "top_p": sampling.top_p,
-              "top_k": sampling.top_k if sampling.top_k > 0 else -1, "max_new_tokens": sampling.max_new_tokens,
-              "no_stop_trim": True, "skip_special_tokens": False}
-        if sampling.stop_token_ids:
-            sp["stop_token_ids"] = list(sampling.stop_token_ids)
-        if sampling.seed is not None:
-            sp["sampling_seed"] = sampling.seed
-        body = {"input_ids": list(prompt_ids), "sampling_params": sp, "return_logprob": True,
-                "rid": request_id or uuid.uuid4().hex}
-        out = await self._call("POST", "/generate", json=body)
-        return parse_generate(out, self.url)
-
-    async def score(self, ids: list[int]) -> list[float]:
-        """The engine's logprob of each token of ``ids`` after the first, given the ones before it (SGLang's
-        ``input_token_logprobs`` from ``logprob_start_len: 0``, temperature 1)."""
-        body = {"input_ids": list(ids), "return_logprob": True, "logprob_start_len": 0, "rid": uuid.uuid4().hex,
-                "sampling_params": {"max_new_tokens": 1, "temperature": 1.0}}
-        out = await self._call("POST", "/generate", json=body)
-        try:
-            entries = out["meta_info"]["input_token_logprobs"]
-            scored = [float(e[0]) for e in entries if e[0] is not None]
-        except (KeyError, TypeError, ValueError, IndexError) as exc:
-            raise EngineRequestError(f"{self.url}: no input_token_logprobs in the /generate answer ({exc}): "
-                                     f"{str(out)[:300]}") from None
-        if len(scored) != len(ids) - 1:
-            raise EngineRequestError(f"{self.url}: scored {len(scored)} of the probe's {len(ids) - 1} tokens")
-        return scored
-
-    async def abort(self, request_id: str) -> bool:
-        await self._call("POST", "/abort_request", json={"rid": request_id}, timeout=10, retries=0)
-        return True
-
-    async def abort_all(self) -> None:
-        await self._call("POST", "/abort_request", json={"abort_all": True}, timeout=10, retries=0)
-
-    async def health(self) -> bool:
-        try:
-            await self._call("GET", "/health", timeout=5, retries=0)
-            return True
-        except (EngineUnavailable, EngineRequestError):
-            return False
-
-    async def get_weight_version(self) -> int:
-        """The version the engine reports holding: ``GET /model_info`` (SGLang 0.5.23 has no other route),
-        or ``GET /get_weight_version`` on servers without it (older SGLang and strop serve)."""
-        try:
-            out = await self._call("GET", "/model_info", timeout=10, retries=0)
-        except EngineRequestError as exc:
-            if "HTTP 404" not in str(exc):
-                raise
-            out = await self._call("GET", "/get_weight_version", timeout=10, retries=0)
-        if not isinstance(out, dict) or "weight_version" not in out:
-            raise EngineVersionError(f"{self.url}: reports no weight version: {str(out)[:200]}")
-        self.weight_version = parse_weight_version(out["weight_version"], self.url)
-        return self.weight_version
-
-    async def load_weights(self, path: str | Path, version: int, checksum: str | None = None,
-                           digests: dict[str, str] | None = None) -> int:
-        """Tell the engine to load ``path`` as ``version``; return the version it then reports holding.
-        Receipt: the checksum it reports must be the trainer's (required with ``require_checksum``),
-        and the version it reports (in the answer, else read back) must be ``version``. With
-        ``digests`` (the delta form) the file holds only those tensors and the engine checks each."""
-        body = {"model_path": str(path), "weight_version": str(version)}
-        if digests is not None:
-            body["digests"] = digests
-        out = await self._call("POST", "/update_weights_from_disk", json=body, retries=1)
-        if not out.get("success", False):
-            raise EngineRequestError(f"{self.url}: update_weights_from_disk failed: {out.get('message')}")
-        reported = out.get("checksum")
-        if checksum is not None and (reported is not None or self.require_checksum) and reported != checksum:
-            raise EngineRequestError(f"{self.url}: weights of version {version} arrived with checksum "
-                                     f"{reported}, the trainer's is {checksum}")
-        held = (parse_weight_version(out["weight_version"], self.url) if "weight_version" in out
-                else await self.get_weight_version())
-        self.weight_version = held
-        if held != version:
-            raise EngineVersionError(f"{self.url}: asked to load weight version {version}, reports {held}")
-        return held
-
-    # ---- broadcast sync, through SGLang's routes (strop serve answers the same ones) -------------------
-    async def join_group(self, host: str, port: int, rank: int, world: int, backend: str, name: str) -> None:
-        """Join the trainer's weight-update group as rank ``rank`` (returns once every rank joined)."""
-        await self._call("POST", "/init_weights_update_group",
-                         json={"master_address": host, "master_port": port, "rank_offset": rank, "world_size": world,
-                               "group_name": name, "backend": backend}, retries=0)
-
-    async def leave_group(self, name: str) -> None:
-        """Destroy this engine's side of the weight-update group ``name`` (SGLang's route)."""
-        await self._call("POST", "/destroy_weights_update_group", json={"group_name": name}, timeout=30, retries=0)
-
-    async def check_broadcast(self) -> None:
-        """Refuse, before a run starts, an SGLang server that cannot take strop's broadcast: one older than
-        the weight-update session (``begin_weight_update``, SGLang 0.5.23), or data parallel inside one
-        server (SGLang refuses its groups). A tensor-parallel server joins with one rank per TP worker.
-        strop serve has no ``/server_info``: it takes the broadcast as one rank."""
-        info = None
-        for route in ("/server_info", "/get_server_info"):
-            try:
-                info = await self._call("GET", route, timeout=10, retries=0)
-                break
-            except EngineRequestError as exc:
-                if "HTTP 404" not in str(exc):
-                    raise
-        if not isinstance(info, dict) or "version" not in info:
-            return
-        version = str(info["version"])
-        if () < _release(version) < _release(MIN_SGLANG):
-            raise EngineRequestError(f"{self.url}: SGLang {version} has no weight-update session (begin_weight_update, "
-                                     f"SGLang >= {MIN_SGLANG}), which strop's broadcast needs: upgrade the server, or "
-                                     "use engine.sync=disk")
-        if int(info.get("dp_size") or 1) > 1:
-            raise EngineRequestError(f"{self.url}: SGLang {version} runs dp_size={info['dp_size']}, and refuses "
-                                     "weight-update groups then: run one server per replica, or use engine.sync=disk")
-        self.group_ranks = int(info.get("tp_size") or 1)
-
-    async def weights_manifest(self) -> list[tuple[str, str, tuple[int, ...]]] | None:
-        """The (name, dtype, shape) of every tensor the engine expects (strop serve's ``/weights_manifest``);
-        None where the engine cannot say (SGLang has no such route: it checks each bucket as it arrives)."""
-        try:
-            out = await self._call("GET", "/weights_manifest", timeout=30, retries=0)
-        except EngineRequestError as exc:
-            if "HTTP 404" in str(exc):
-                return None
-            raise
-        try:
-            return [(n, d, tuple(s)) for n, d, s in zip(out["names"], out["dtypes"], out["shapes"], strict=True)]
-        except (KeyError, TypeError, ValueError) as exc:
-            raise EngineRequestError(f"{self.url}/weights_manifest: unreadable answer ({exc}): {str(out)[:200]}") from None
-
-    async def pause(self, mode: str) -> None:
-        """Stop generating for an update (SGLang's modes: abort, retract, in_place)."""
-        await self._call("POST", "/pause_generation", json={"mode": mode}, timeout=60, retries=0)
-
-    async def resume(self) -> None:
-        await self._call("POST", "/continue_generation", json={}, timeout=60, retries=1)
-
-    async def begin_update(self) -> None:
-        """Open the weight-update session SGLang 0.5.23 requires around tensor and distributed updates."""
-        try:
-            out = await self._call("POST", "/begin_weight_update", json={}, timeout=60, retries=0)
-        except EngineRequestError as exc:
-            if "HTTP 404" in str(exc):
-                raise EngineRequestError(f"{self.url} has no /begin_weight_update (SGLang before {MIN_SGLANG}?): "
-                                         "strop's broadcast needs it; upgrade the server, or use engine.sync=disk") from exc
-            raise
-        self._check(out, "begin_weight_update")
-
-    async def receive_bucket(self, bucket, group_name: str, version: int | None, last: bool) -> None:
-        """Post one bucket's names, dtypes and shapes; the engine then joins the trainer's broadcast of it.
-        The version labels the weights with the last bucket only (a failed update keeps the old label), and
-        the cache is flushed with it."""
-        body = bucket.payload() | {"group_name": group_name, "flush_cache": last,
-                                   "weight_version": str(version) if last and version is not None else None}
-        self._check(await self._call("POST", "/update_weights_from_distributed", json=body, retries=0),
-                    "update_weights_from_distributed")
-
-    async def end_update(self, version: int) -> None:
-        out = await self._call("POST", "/end_weight_update", json={}, timeout=300, retries=0)
-        self._check(out, "end_weight_update")
-        self._session_checksum = out.get("checksum")  # (strop serve: the digest of what the session received)
-
-    async def receipt(self) -> tuple[int, str | None, str | None]:
-        """The version the engine reports, and the checksum of the update where it computes one strop can
-        compare: strop serve's digest of every byte its session received (``stream``, the answer to
-        ``/end_weight_update``; required of strop serve). SGLang's checksums are of its own fused tensors,
-        so the version (and the probe) is its receipt."""
-        held = await self.get_weight_version()
-        if not self.require_checksum:
-            return held, None, None
-        checksum, self._session_checksum = self._session_checksum, None
-        if not isinstance(checksum, str):
-            raise EngineReceiptError(f"{self.url}: no checksum of the update from /end_weight_update")
-        return held, "stream", checksum
-
-    def _check(self, out: dict, what: str) -> None:
-        """SGLang answers update routes with ``{"success": bool, "message"}`` (a 200 may still say false)."""
-        if not out.get("success", False):
-            raise EngineRequestError(f"{self.url}: {what} failed: {out.get('message', out)}")
-
-    async def update_weights(self, state_dict, version: int | None = None) -> int:
-        if self.writer is None:
-            raise ValueError(f"{self}: weights go through disk; give the engine a WeightWriter")
-        version = self.weight_version + 1 if version is None else version
-        path, checksum = await asyncio.to_thread(self.writer.write, state_dict, version)  # off the event loop
-        return await self.load_weights(path, version, checksum)
-
     async def close(self) -> None:
         if self._client is not None:
             await self._client.aclose()
             self._client = None
-
-
-def parse_generate(out: dict, where: str) -> Completion:
-    """An SGLang ``/generate`` answer as a Completion (logprobs from ``meta_info.output_token_logprobs``)."""
-    try:
-        meta = out["meta_info"]
-        entries = meta.get("output_token_logprobs")
-        ids = [int(e[1]) for e in entries] if entries else list(out.get("output_ids", []))
-        logprobs = [float(e[0]) for e in entries] if entries is not None else None
-        reason = meta.get("finish_reason") or {}
-        kind = reason.get("type") if isinstance(reason, dict) else str(reason)
-        finish = {"stop": "stop", "length": "length", "abort": "abort"}.get(kind, "abort")
-        # the version that sampled the tokens, as the engine reports it; a request that spanned an update
-        # has per-span versions (SGLang's weight_versions): its oldest counts
-        spans = meta.get("weight_versions") or [{"version": meta.get("weight_version")}]
-        version = min(parse_weight_version(span["version"], where) for span in spans)
-        return Completion(ids, logprobs, finish, version)
-    except EngineVersionError:
-        raise
-    except (KeyError, TypeError, ValueError, IndexError) as exc:
-        raise EngineRequestError(f"{where}: unexpected /generate answer ({type(exc).__name__}: {exc}): "
-                                 f"{str(out)[:300]}") from None

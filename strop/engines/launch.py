@@ -2,10 +2,10 @@
 servers of Ray's engine actors (:func:`engine_server`).
 
 No server outlives the run that started it. Each runs in a session of its own, so stopping it
-ends its whole process group; and it is started through this module's ``__main__``, which asks
-the kernel to SIGKILL it when its parent dies (``PR_SET_PDEATHSIG``), so a trainer killed with
-SIGKILL takes its servers with it. The bearer token travels in the environment, never in argv
-(which ``ps`` shows every user).
+ends its whole process group; and it is started through the engine side's supervisor
+(``python -m strop.serving.supervisor``, handed the program to run), which asks the kernel to SIGKILL it
+when its parent dies (``PR_SET_PDEATHSIG``), so a trainer killed with SIGKILL takes its servers with it.
+The bearer token travels in the environment, never in argv (which ``ps`` shows every user).
 
 A vLLM or SGLang server is reached only through strop's token guard (:mod:`strop.serving.guard`), which
 listens on the advertised address and runs in the server's supervisor, so the two live and die together:
@@ -22,15 +22,17 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from strop.process import free_port
+from strop.wire.auth import GUARD_TOKEN_ENV
 
-GUARD_TOKEN_ENV = "STROP_GUARD_TOKEN"  # the guard's token, from LocalServer to the supervisor
 GROUP_EXIT_S = 10.0  # for a killed server's process group to be gone
+STROP_SERVE = (sys.executable, "-m", "strop.cli", "serve")  # the program of a LocalServer without ``command``
+SUPERVISOR = (sys.executable, "-m", "strop.serving.supervisor")  # what every server is started under
 
 
 @dataclass
@@ -64,13 +66,13 @@ class LocalServer:
         (Linux's rule): start servers from a thread that lives as long as they should."""
         fd, log = tempfile.mkstemp(prefix=f"strop-serve-{self.port}-", suffix=".log")
         self.log_path = Path(log)
-        tied = [sys.executable, "-m", "strop.engines.launch", str(os.getpid())]
+        tied = [*SUPERVISOR, str(os.getpid())]
         env = {**os.environ, **self.env}
         if self.command is None:
             if self.token:  # strop serve's own check, on every route
                 env["STROP_SERVE_TOKEN"] = self.token
-            cmd = [*tied, "serve", f"--model-path={self.model_path}", f"--host={self.host}", f"--port={self.port}",
-                   *self.args]
+            cmd = [*tied, "run", *STROP_SERVE, f"--model-path={self.model_path}", f"--host={self.host}",
+                   f"--port={self.port}", *self.args]
         elif self.upstream is None:
             cmd = [*tied, "exec", *self.command]
         else:
@@ -157,8 +159,6 @@ def launch_servers(n: int, model_path: str, *, args: list[str] = (), token: str 
                    timeout_s: float = 180.0) -> list[LocalServer]:
     """Start ``n`` local servers on free ports and wait until every one answers /health.
     ``token``: required on every route."""
-    from strop.cluster.process import free_port
-
     servers = []
     try:
         for _ in range(n):
@@ -170,55 +170,6 @@ def launch_servers(n: int, model_path: str, *, args: list[str] = (), token: str 
             s.stop()
         raise
     return servers
-
-
-def supervise_group(parent: int, command: list[str], guard: tuple[str, int, str] | None = None) -> int:
-    """Run ``command`` in this process's group (LocalServer made it a session of its own) and end the whole
-    group, the command's own children included, when ``parent`` dies or this process is told to stop: a
-    parent-death signal reaches only a direct child, and vLLM's engine and worker processes would outlive it.
-    Under Ray, an actor's death also SIGKILLs its direct children (this process); a watchdog that is not
-    its child then ends the group. ``guard``: (host, port, upstream): strop's token guard (token in
-    $STROP_GUARD_TOKEN) serves host:port in a thread of this process, forwarding to ``command`` at
-    ``upstream``; if it stops, the group is ended (an engine nobody can reach must not look alive)."""
-    from strop.cluster.process import die_with_parent
-
-    signal.signal(signal.SIGTERM, lambda *_: os.killpg(0, signal.SIGKILL))
-    die_with_parent(parent, signal.SIGTERM)
-    if guard is not None:
-        from strop.serving import guard as token_guard
-
-        token = os.environ.pop(GUARD_TOKEN_ENV)  # (the command has its own copy where it needs one)
-        sock = token_guard.bind(guard[0], guard[1])
-
-        def serve():
-            try:
-                token_guard.serve(sock, token, guard[2])
-            finally:
-                os.killpg(0, signal.SIGKILL)
-
-        threading.Thread(target=serve, name="strop-engine-guard", daemon=True).start()
-    child = subprocess.Popen(command)
-    _watch(parent)
-    code = child.wait()
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    os.killpg(0, signal.SIGTERM)  # whatever the command left behind, and the watchdog (this process ignores it)
-    return code
-
-
-def _watch(parent: int, every_s: float = 0.5) -> None:
-    """A grandchild of this process, in its group, re-parented away from it: once ``parent`` is gone, it
-    SIGKILLs the group (itself included)."""
-    if os.fork() == 0:
-        if os.fork() == 0:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            while True:
-                time.sleep(every_s)
-                try:
-                    os.kill(parent, 0)
-                except ProcessLookupError:
-                    os.killpg(0, signal.SIGKILL)
-        os._exit(0)
-    os.wait()
 
 
 def vllm_command(program: list[str], model_path: str, socket_path: str, args: list[str] = ()) -> list[str]:
@@ -255,8 +206,6 @@ def engine_server(kind: str, program: list[str], model_path: str, host: str, por
     reach it, with its own key set too. vLLM listens on a Unix socket in a 0700 folder of its own; SGLang,
     which cannot, on a free port of 127.0.0.1, where its key guards every route but ``/health*``,
     ``/metrics`` and OPTIONS. ``env``: more environment for the engine."""
-    from strop.cluster.process import free_port
-
     private = Path(tempfile.mkdtemp(prefix=f"strop-{kind}-"))  # mode 0700: this user's alone
     if kind == "vllm":
         sock = private / "engine.sock"
@@ -277,15 +226,3 @@ def engine_server(kind: str, program: list[str], model_path: str, host: str, por
     return LocalServer(model_path, port, list(args), own | dict(env or {}), host=host, command=command,
                        upstream=upstream, token=token, private_dir=private)
 
-
-if __name__ == "__main__":  # python -m strop.engines.launch PARENT_PID serve|exec|guard ...: a server tied to a parent
-    from strop.cluster.process import die_with_parent
-
-    if sys.argv[2] == "exec":  # another program, which may start processes of its own (vLLM does)
-        sys.exit(supervise_group(int(sys.argv[1]), sys.argv[3:]))
-    if sys.argv[2] == "guard":  # ... guard HOST PORT UPSTREAM COMMAND...: the same, behind strop's token guard
-        sys.exit(supervise_group(int(sys.argv[1]), sys.argv[6:], (sys.argv[3], int(sys.argv[4]), sys.argv[5])))
-    die_with_parent(int(sys.argv[1]))
-    from strop.cli import main
-
-    sys.exit(main(sys.argv[2:]))

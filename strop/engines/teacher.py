@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import asyncio
 
+from strop.config import ConfigError
+from strop.engines.sglang import SGLangEngine
+from strop.engines.vllm import VLLMEngine
 from strop.types import Sample
+from strop.wire.errors import EngineRefusedError, EngineRequestError, EngineUnavailable
 
 # the probe's fixed part: words, digits, code, runs of spaces and newlines, accents and other scripts
 PROBE_TEXT = ("The quick brown fox jumps over the lazy dog. 0123456789 3.14159 -42 1e-5\n"
@@ -44,9 +48,6 @@ class RemoteTeacher:
         return f"RemoteTeacher({self.kind} at {self.url})"
 
     def _client(self):
-        from strop.engines.http import SGLangEngine
-        from strop.engines.vllm import VLLMEngine
-
         return (VLLMEngine if self.kind == "vllm" else SGLangEngine)(self.url, timeout_s=self.timeout_s,
                                                                      token=self._token)
 
@@ -65,9 +66,6 @@ class RemoteTeacher:
         """Refuse (a ConfigError naming the teacher's URL and the first difference) a teacher whose tokenizer
         gives :func:`probe_text` other ids than ``tokenizer``, the student's (named ``student``), or that cannot
         be asked (unreachable, or refusing strop's token)."""
-        from strop.config import ConfigError
-        from strop.wire.errors import EngineRefusedError, EngineRequestError, EngineUnavailable
-
         text = probe_text(tokenizer)
         mine = tokenizer.encode(text, add_special_tokens=False)
         where = f"algo.distill_teacher_url={self.url}"
@@ -91,8 +89,6 @@ class RemoteTeacher:
 
     async def _tokenize(self, text: str) -> list[int]:
         """The teacher's ids of ``text`` (``POST /tokenize``, the same request for strop serve, SGLang and vLLM)."""
-        from strop.wire.errors import EngineRequestError
-
         client = self._client()
         try:
             out = await client._call("POST", "/tokenize", json={"prompt": text, "add_special_tokens": False},

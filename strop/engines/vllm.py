@@ -29,9 +29,9 @@ import json
 import math
 from pathlib import Path
 
-from strop.wire.errors import EngineReceiptError, EngineRequestError, EngineUnavailable, EngineVersionError, parse_weight_version
-from strop.engines.http import SGLangEngine
+from strop.engines.sglang import SGLangEngine
 from strop.types import Completion, SamplingParams
+from strop.wire.errors import EngineReceiptError, EngineRequestError, EngineUnavailable, EngineVersionError, parse_weight_version
 
 
 EXTENSION = "strop.serving.vllm_worker.StropWorkerExtension"

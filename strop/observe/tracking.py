@@ -91,7 +91,8 @@ class WandB:
 def redacted_argv():
     """``sys.argv`` with the value of every secret option (``--engine.token=...``) masked, while a
     tracker reads it."""
-    from strop.config import REDACTED, secret_fields
+    from strop.config import secret_fields
+    from strop.configbase import REDACTED
 
     options = {f"--{name}" for name in secret_fields()}
     argv, masked = sys.argv, []

@@ -103,7 +103,14 @@ class ContextParallelPlan:
         self.group = group  # ``size`` / ``rank`` stand in for the group's in single-process tests
         self.size = dist.get_world_size(group) if size is None else size
         self.rank = dist.get_rank(group) if rank is None else rank
-        cp, B, L = self.size, *segment_ids.shape
+        all_idx = self._slots(segment_ids, position_ids)
+        self._attention_mask(segment_ids, all_idx)
+        self._entries(all_idx, segment_ids.shape[1], response_positions, response_mask)
+
+    def _slots(self, segment_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """Every rank's slots (cp, B, m): the token index each holds, -1 for filler; this rank's own, with their
+        gather index and positions, are kept."""
+        cp, B = self.size, segment_ids.shape[0]
         # this rank's slots: an "early" block (piece r of every sequence in the row), then a
         # "late" block (piece 2cp-1-r); each block padded with filler (-1) to a common width
         early = [[[] for _ in range(B)] for _ in range(cp)]  # [rank][row]: token indices
@@ -126,6 +133,12 @@ class ContextParallelPlan:
         mine = self.slot_tokens = all_idx[self.rank]  # (B, m) token index of each slot, -1 for filler
         self.local_index = mine.clamp(min=0)  # (B, m) gather index into the full rows
         self.position_ids = position_ids.gather(1, self.local_index).masked_fill(mine < 0, 0)  # (B, m)
+        return all_idx
+
+    def _attention_mask(self, segment_ids: torch.Tensor, all_idx: torch.Tensor) -> None:
+        """The piece-major key order and this rank's (B, 1, m, cp*m) mask over it (see the module's docstring)."""
+        cp, B, m = all_idx.shape
+        me, ml, mine = self.early, all_idx.shape[2] - self.early, self.slot_tokens
         # Keys are gathered rank-major; attention reads them piece-major: piece p of every
         # sequence lives in the early block of rank p (p < cp) or the late block of rank
         # 2cp-1-p. In that order the keys an early query can see (pieces 0..r) and those a
@@ -149,6 +162,12 @@ class ContextParallelPlan:
         if bool(mask[:, :me, self.early_keys:].any()) or bool(mask[:, me:, self.late_keys:].any()):
             raise AssertionError("context parallel layout: a visible key outside its block's prefix")
         self.attention_mask = mask.unsqueeze(1)  # (B, 1, m, cp*m)
+
+    def _entries(self, all_idx: torch.Tensor, L: int, response_positions: torch.Tensor,
+                 response_mask: torch.Tensor | None) -> None:
+        """Which response entries this rank computes (those whose predicting position it holds, in row ``L``
+        long), where, and how the gathered entries of every rank go back to (B, T) order."""
+        cp, B, m = all_idx.shape
         # owner (rank, slot) of every token, then of every response entry's predicting position
         owner_rank = torch.full((B, L), -1, dtype=torch.long)
         owner_slot = torch.zeros((B, L), dtype=torch.long)

@@ -14,7 +14,7 @@ import time
 import traceback
 from typing import Any, Callable
 
-from strop.cluster.process import free_port
+from strop.process import free_port
 
 
 

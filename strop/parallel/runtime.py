@@ -43,43 +43,6 @@ def process_group(device: torch.device | None = None):
             dist.destroy_process_group()
 
 
-def parallel_layout(world: int, context_parallel_size: int, tensor_parallel_size: int = 1) -> tuple[int, int]:
-    """(data-parallel size, context-parallel size) for ``world`` processes, or a ValueError that says why not."""
-    cp, tp = context_parallel_size, tensor_parallel_size
-    hint = " (run with --nproc N)" if world == 1 else ""
-    if world % cp:
-        raise ValueError(f"parallel.context_parallel_size={cp} needs a multiple of {cp} processes, "
-                         f"got {world}{hint}")
-    if world % tp:
-        raise ValueError(f"parallel.tensor_parallel_size={tp} needs a multiple of {tp} processes, "
-                         f"got {world}{hint}")
-    return world // (cp * tp), cp
-
-
-def device_mesh_groups(context_parallel_size: int, device_type: str = "cpu"):
-    """This rank's (data-parallel, context-parallel) process groups from a 2D device mesh.
-
-    Ranks are laid out row-major over (dp, cp): the CP ranks of one DP rank are
-    neighbours (0-1, 2-3, ...), and rank 0, the controller, is DP 0 / CP 0.
-    """
-    from torch.distributed.device_mesh import init_device_mesh
-
-    dp, cp = parallel_layout(dist.get_world_size(), context_parallel_size)
-    mesh = init_device_mesh(device_type, (dp, cp), mesh_dim_names=("dp", "cp"))
-    return mesh["dp"].get_group(), mesh["cp"].get_group()
-
-
-def tensor_parallel_mesh(tensor_parallel_size: int, device_type: str = "cpu"):
-    """This rank's (data-parallel group, data-parallel mesh, tensor-parallel mesh) of a (dp, tp) device mesh,
-    row-major: the TP ranks of one DP rank are neighbours (on one node under any launcher that numbers a node's
-    ranks together), and rank 0, the controller, is DP 0 / TP 0."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    dp, _ = parallel_layout(dist.get_world_size(), 1, tensor_parallel_size)
-    mesh = init_device_mesh(device_type, (dp, tensor_parallel_size), mesh_dim_names=("dp", "tp"))
-    return mesh["dp"].get_group(), mesh["dp"], mesh["tp"]
-
-
 class ControllerError(RuntimeError):
     """Another rank failed; this one stops with its message."""
 

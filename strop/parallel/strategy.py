@@ -1,8 +1,11 @@
 """Data-parallel strategies: how one process takes part in a training step.
 
-The trainer asks its strategy five things and never calls torch.distributed itself:
+A strategy is built from the run's :class:`strop.parallel.dims.ParallelDims` and its mesh
+(:func:`make_strategy`); the modules it trains were split before the trainer got them
+(:func:`strop.parallel.parallelize.parallelize`). The trainer asks it five things and never calls
+torch.distributed itself:
 
-- ``wrap(module)``        shard a module (FSDP) or leave it whole;
+- ``track(module)``       note a split module's parameters whose gradients ranks hold parts of;
 - ``share(micro_batches)`` which micro-batches this rank runs, each flagged real or a
                           zero-weight balancing repeat (FSDP: every forward is a collective);
 - ``loss_scale(real)``    what this rank's loss is multiplied by before backward;
@@ -23,9 +26,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from strop.parallel.collectives import DEFAULT_BUCKET_BYTES, all_reduce_coalesced
-from strop.parallel.fsdp import full_weights, shard
+from strop.parallel.collectives import all_reduce_coalesced
+from strop.parallel.dims import ParallelDims
+from strop.parallel.fsdp import full_weights
 from strop.parallel.gather import ShardedWeights
+from strop.parallel.tensor import partial_gradient_parameters
 
 
 def _unaliased(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -49,9 +54,7 @@ class SingleProcess:
 
     def __init__(self, device: torch.device | str = "cpu"):
         self.device = torch.device(device)
-
-    def wrap(self, module: nn.Module, *, trainable: bool = True) -> nn.Module:
-        return module
+        self.dims, self.mesh = ParallelDims(), None  # what parallelize reads: one process, nothing split
 
     def track(self, module: nn.Module) -> nn.Module:
         return module
@@ -116,45 +119,28 @@ class Replicate(SingleProcess):
 
     mode = "replicate"
 
-    def __init__(self, dp_group, cp_group=None, *, device="cpu", bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 tp_mesh=None, dp_mesh=None, sequence_parallel: bool = True):
+    def __init__(self, dims: ParallelDims, mesh, device: torch.device | str = "cpu"):
+        """``mesh``: the named mesh ``dims`` built (:meth:`ParallelDims.build_mesh`), whose groups this reads."""
         super().__init__(device)
-        self.dp_group, self.cp_group, self.bucket_bytes = dp_group, cp_group, bucket_bytes
-        self.dp_rank = dist.get_rank(dp_group) if dp_group is not None else 0
-        self.dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
-        self.cp_size = dist.get_world_size(cp_group) if cp_group is not None else 1
-        self.tp_mesh, self.dp_mesh, self.sequence_parallel = tp_mesh, dp_mesh, sequence_parallel
-        self.tp_size = tp_mesh.size() if tp_mesh is not None else 1
-        self.tp_group = tp_mesh.get_group() if self.tp_size > 1 else None
+        self.dims, self.mesh, self.bucket_bytes = dims, mesh, dims.bucket_bytes
+        self.dp_group = mesh["dp"].get_group()
+        self.cp_group = mesh["cp"].get_group() if dims.tp == 1 else None
+        self.dp_rank, self.dp_size = dist.get_rank(self.dp_group), dist.get_world_size(self.dp_group)
+        self.cp_size = dist.get_world_size(self.cp_group) if self.cp_group is not None else 1
+        self.tp_size = dims.tp
+        self.tp_group = mesh["tp"].get_group() if self.tp_size > 1 else None
         self.world = self.dp_size * self.cp_size  # the ranks that see different tokens
-        if self.world * self.tp_size != dist.get_world_size():
-            raise ValueError(f"data parallel ({self.dp_size}) x context parallel ({self.cp_size}) x tensor parallel "
-                             f"({self.tp_size}) must cover all {dist.get_world_size()} processes")
-        if self.tp_size > 1 and self.cp_size > 1:
-            raise ValueError("tensor parallel with context parallel is not supported: use one of them")
         # every rank's gradients add up to the step's: DP ranks saw other micro-batches, CP ranks other tokens;
         # tensor-parallel ranks hold other slices of the same gradients
-        self.grad_group = dist.group.WORLD if self.tp_size == 1 else dp_group
+        self.grad_group = dist.group.WORLD if self.tp_size == 1 else self.dp_group
         # per wrapped module, the parameters whose gradients the TP ranks hold parts of (held, so that their ids
         # cannot be reused by other tensors)
         self.partial: dict[int, list[nn.Parameter]] = {}
-
-    def wrap(self, module, *, trainable=True):
-        return self.track(self._tensor_parallel(module))
-
-    def _tensor_parallel(self, module):
-        if self.tp_size > 1:
-            from strop.parallel.tensor import tensor_parallel
-
-            tensor_parallel(module, self.tp_mesh, self.sequence_parallel)
-        return module
 
     def track(self, module):
         """Note ``module``'s parameters whose gradients the TP ranks hold parts of (again after loading into
         shards, which may make new parameter objects)."""
         if self.tp_size > 1:
-            from strop.parallel.tensor import partial_gradient_parameters
-
             self.partial[id(module)] = partial_gradient_parameters(module)
         return module
 
@@ -222,18 +208,6 @@ class FullyShard(Replicate):
     mode = "fsdp"
     balance = True
 
-    def __init__(self, dp_group, cp_group=None, *, device="cpu", bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 mixed_precision: bool = False, tp_mesh=None, dp_mesh=None, sequence_parallel: bool = True):
-        super().__init__(dp_group, cp_group, device=device, bucket_bytes=bucket_bytes, tp_mesh=tp_mesh, dp_mesh=dp_mesh,
-                         sequence_parallel=sequence_parallel)
-        self.mixed_precision = mixed_precision
-
-    def wrap(self, module, *, trainable=True):
-        self._tensor_parallel(module)  # then FSDP over the data-parallel dimension: a (dp, tp) mesh
-        shard(module, self.grad_group, device_type=self.device.type, mixed_precision=self.mixed_precision,
-              mesh=self.dp_mesh if self.tp_size > 1 else None)
-        return self.track(module)
-
     def loss_scale(self, real):
         # FSDP averages gradients over ranks; strop's losses are globally normalised, so scale by the
         # world size to make that average the sum. A balancing repeat weighs 0.
@@ -246,21 +220,12 @@ class FullyShard(Replicate):
         return full_weights(model)
 
 
-def make_strategy(*, dp_group=None, cp_group=None, mode: str = "replicate", device="cpu",
-                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, mixed_precision: bool = False, tp_mesh=None,
-                  dp_mesh=None, sequence_parallel: bool = True) -> SingleProcess:
-    """The strategy for this process: one process when no group spans several ranks. ``tp_mesh`` / ``dp_mesh``:
-    the tensor- and data-parallel dimensions of a (dp, tp) mesh (tensor parallel; ``sequence_parallel``: with
-    the residual stream split over tokens)."""
-    if not dist.is_initialized() or (dp_group is None and cp_group is None) or dist.get_world_size() == 1:
+def make_strategy(dims: ParallelDims, mesh=None, device="cpu") -> SingleProcess:
+    """The strategy for this process from the run's ``dims`` and the ``mesh`` they built: one process when
+    there is no mesh (no process group) or one rank."""
+    if mesh is None or not dist.is_initialized() or dist.get_world_size() == 1:
         return SingleProcess(device)
-    if mode not in ("fsdp", "replicate"):
-        raise ValueError(f"parallel.dp_mode must be 'replicate' or 'fsdp', got {mode!r}")
-    if mode == "fsdp":
-        return FullyShard(dp_group, cp_group, device=device, bucket_bytes=bucket_bytes, mixed_precision=mixed_precision,
-                          tp_mesh=tp_mesh, dp_mesh=dp_mesh, sequence_parallel=sequence_parallel)
-    return Replicate(dp_group, cp_group, device=device, bucket_bytes=bucket_bytes, tp_mesh=tp_mesh, dp_mesh=dp_mesh,
-                     sequence_parallel=sequence_parallel)
+    return (FullyShard if dims.dp_mode == "fsdp" else Replicate)(dims, mesh, device)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ the group (:data:`PARTIAL_GRADIENTS`).
 
 Supported: the Llama family's layout (Llama, Mistral, Qwen2, Qwen3; attention through
 ``self_attn.{q,k,v,o}_proj``, MLP through ``mlp.{gate,up,down}_proj``). Anything else is refused
-before the model loads, as are head counts that do not divide.
+before the model loads, as are head counts that do not divide (:class:`strop.parallel.dims.ParallelDims`).
 """
 
 from __future__ import annotations
@@ -28,29 +28,10 @@ from torch import nn
 
 from strop.parallel.fsdp import decoder_layers
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 COLUMN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
 ROW = ("self_attn.o_proj", "mlp.down_proj")
 PARTIAL_GRADIENTS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")  # per-head: each rank sees its heads
 SEQUENCE_NORMS = ("input_layernorm", "post_attention_layernorm")  # on this rank's tokens under sequence parallel
-
-
-def check_tensor_parallel(config, size: int) -> None:
-    """A ValueError naming what does not divide (or the model type) when ``config`` (a transformers config)
-    cannot be split over ``size`` ranks; nothing is loaded to find out."""
-    if size == 1:
-        return
-    kind = getattr(config, "model_type", type(config).__name__)
-    if kind not in SUPPORTED:
-        raise ValueError(f"parallel.tensor_parallel_size={size}: model type {kind!r} has no tensor-parallel plan "
-                         f"in strop (supported: {', '.join(SUPPORTED)})")
-    heads = config.num_attention_heads
-    counts = {"attention heads": heads, "KV heads": getattr(config, "num_key_value_heads", None) or heads,
-              "MLP width (intermediate_size)": config.intermediate_size}
-    bad = [f"{n} {name}" for name, n in counts.items() if n % size]
-    if bad:
-        raise ValueError(f"parallel.tensor_parallel_size={size} must divide the model's {' and '.join(bad)} "
-                         f"({kind}): choose a size that divides {', '.join(str(n) for n in counts.values())}")
 
 
 def tensor_parallel(module: nn.Module, mesh, sequence_parallel: bool = False) -> nn.Module:

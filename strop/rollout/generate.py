@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from strop.engines.base import Engine
+from strop.engines.base import Engine, EngineWrapper
 from strop.plugins import PluginError, call_hook, call_hook_sync, check_signature, load_hook
 from strop.rollout.rewards import BUILTIN_REWARDS
 from strop.types import SampleInvariantError, SamplingParams, Sample, Status
@@ -24,7 +24,7 @@ class EngineError(RuntimeError):
     """The inference engine failed a request. Not a sample's fault: it stops the step."""
 
 
-class GuardedEngine:
+class GuardedEngine(EngineWrapper):
     """The engine as hooks see it: any error it raises becomes an :class:`EngineError`, so the
     rollout can tell an engine failure (stop) from a failure of the sample's own work (fail the sample).
     ``affinity`` (a key per sample: every turn of it goes to one engine) reaches engines that take
@@ -36,9 +36,6 @@ class GuardedEngine:
         self._takes_affinity = "affinity" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
         # the engine reports each token as it decodes it (the embedded engine's on_token): streams can be live
         self.streams = "on_token" in params
-
-    def __getattr__(self, name):
-        return getattr(self._engine, name)
 
     async def generate(self, prompt_ids, sampling, affinity: str | None = None, *, request_id: str | None = None,
                        on_token=None):

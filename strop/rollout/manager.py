@@ -6,18 +6,15 @@ follows step ``k``. A token's version is that of the weights that sampled it
 version ``v`` trained at step ``k`` has **staleness** ``k - 1 - v``: 0 in ``sync`` mode, 1 in
 ``one_step_off``, at most ``rollout.max_staleness`` in ``async`` (docs/rollout.md).
 
-Modes (``rollout.mode``):
+Modes (``rollout.mode``), each a scheduler of strop.rollout.schedulers behind one ``next(step)``:
 
 - ``sync``: a step's groups are generated, then trained on (today's path, unchanged, when there
   is no over-sampling or dynamic sampling);
 - ``one_step_off``: step k+1's groups are generated while step k trains;
 - ``async``: groups are generated continuously; each step takes the first ``prompts_per_step``
-  that finished. A group is started only if a step it can still be trained at is free: started
-  on weights of version ``w``, it is trained at step ``w + max_staleness + 1`` at the latest, so
-  the manager holds (finished or generating) at most ``prompts_per_step`` groups for each step
-  from the next one to that one (:meth:`RolloutManager._capacity`; AReaL bounds its rollouts the
-  same way). A group with a token staler than ``max_staleness`` all the same (it finished late,
-  behind groups started after it) is dropped or regenerated (``rollout.stale_groups``).
+  that finished, never more held than the staleness bound leaves room for
+  (:meth:`strop.rollout.schedulers.AsyncScheduler.capacity`); a group staler than
+  ``max_staleness`` all the same is dropped or regenerated (``rollout.stale_groups``).
 
 At a weight update, unfinished samples either finish on the old weights (``rollout.partial=finish``)
 or are aborted and resumed on the new ones from their prompt plus the tokens they have, with the
@@ -32,22 +29,21 @@ and waiting, or being generated) -- :meth:`RolloutManager.check_accounts` verifi
 from __future__ import annotations
 
 import asyncio
-import math
 from collections import Counter
 
-from strop.plugins import call_hook, call_hook_sync
+from strop.engines.base import Counted
+from strop.plugins import call_hook_sync
 from strop.rollout.generate import _generate_one, score_group, with_segments
+from strop.rollout.schedulers import SCHEDULERS, staleness
 from strop.types import Sample, Status
 
 DROP_REASONS = ("filter", "all_equal_reward", "stale", "over_sampled", "aborted_leftover", "no_trainable_sample")
 
 
-def staleness(sample: Sample, step: int) -> list[int]:
-    """Per-token staleness of ``sample`` if trained at ``step`` (trainer weights: version step - 1)."""
-    return [step - 1 - v for v in sample.weight_versions]
-
-
 class RolloutManager:
+    """Launches, counts and holds the groups its scheduler (``rollout.mode``) asks for; what a step
+    trains on, with its metrics; weight updates around what is generating; checkpoints of what it holds."""
+
     def __init__(self, cfg, c, ctx):
         self.cfg, self.r, self.c, self.ctx = cfg, cfg.rollout, c, ctx
         self.ready: list[list[Sample]] = []  # finished groups that passed the filters, in finishing order
@@ -55,8 +51,6 @@ class RolloutManager:
         self.resume_gate = asyncio.Event()  # cleared while aborted samples wait for new weights
         self.resume_gate.set()
         self.closing = False
-        self.prefetch: asyncio.Task | None = None  # one_step_off: the next step's groups
-        self.producer: asyncio.Task | None = None  # async: the continuous generation
         self.wake = asyncio.Event()  # async: a group finished or a step took groups
         self.generated = 0  # samples launched (each regeneration counts again)
         self.trained = 0
@@ -65,45 +59,24 @@ class RolloutManager:
         self.step, self.step_drawn = 0, 0
         self.version = 0  # the weight version the engine was last updated to (async: what a new group samples)
         self.taken = 0  # the last step whose groups were taken
-        self.collecting = 0  # async: groups the step being taken has collected so far
         self.round_held = 0  # samples of groups a round (sync / one_step_off) kept, until batch() takes them
         self.launched = 0  # launch order of groups (rounds count finished groups in this order)
         self.step_filtered_groups = 0  # async: groups a filter dropped while this step waited
-        self.step_stale_groups = 0  # async: groups dropped as stale while this step waited
-        self.stale_versions: Counter = Counter()  # async: the weight versions of stale tokens, for the error
         self.finished_lengths: list[int] = []  # response lengths of every sample finished since the last step
-        self.ready_event = asyncio.Event()
         self.paused = False  # async: no new groups while a checkpoint drains what is in flight
         self.error: BaseException | None = None  # a group's generation failed (engine error): the step says so
+        self.scheduler = SCHEDULERS[self.r.mode](self)
 
     # ---- what the driver calls -------------------------------------------------------------
-    @property
-    def simple(self) -> bool:
-        """Today's path: sync, no over-sampling, no dynamic sampling (the rollout hook sees whole steps)."""
-        return self.r.mode == "sync" and self.r.over_sample == 1.0 and not self.r.dynamic_sampling
-
     async def batch(self, step: int) -> tuple[list[list[Sample]], dict]:
         """The groups step ``step`` trains on, and the manager's metrics for it."""
         self.step = step  # the step counters run from the previous batch() (one_step_off: the prefetch)
-        if self.r.mode == "sync":
-            groups = await self._round_robin(step)
-        elif self.r.mode == "one_step_off":
-            if self.prefetch is None:
-                self.prefetch = asyncio.ensure_future(self._round_robin(step))
-            groups = await self.prefetch
-            self.prefetch = asyncio.ensure_future(self._round_robin(step + 1)) \
-                if step < self.cfg.train.steps else None
-        else:
-            groups = await self._take_async(step)
-        if self.r.mode != "async" and not self.simple:
-            self.round_held -= sum(len(g) for g in groups)
-        if self.r.mode == "sync":
-            self._check_current(step, groups)
+        groups = await self.scheduler.next(step)
         trained = [s for g in groups for s in g if s.status.trainable]
         for g in groups:
             for s in g:
                 if not s.status.trainable:
-                    self._drop([s], "no_trainable_sample" if s.status != Status.FAILED else "failed")
+                    self.drop([s], "no_trainable_sample" if s.status != Status.FAILED else "failed")
         self.trained += len(trained)
         if self.r.resumed_tokens == "mask":
             for s in trained:
@@ -111,7 +84,7 @@ class RolloutManager:
                     last = s.weight_versions[-1]
                     s.loss_mask = [m if v == last else 0 for m, v in zip(s.loss_mask, s.weight_versions)]
         metrics = self._metrics(step, groups, trained)
-        take_counts = getattr(self.c.engine, "take_counts", None)  # the router: failovers and engine events
+        take_counts = self.c.engine.take_counts if isinstance(self.c.engine, Counted) else None  # the router: failovers and engine events
         if take_counts is not None:
             metrics |= take_counts()
         if "agent" in self.ctx.extra:  # the proxy: calls, 429s, idle sessions, bad requests; agents stopped
@@ -119,19 +92,6 @@ class RolloutManager:
         self.step_dropped, self.step_drawn = Counter(), 0
         self.taken = step
         return groups, metrics
-
-    def _check_current(self, step: int, groups: list[list[Sample]]) -> None:
-        """Sync mode: every trained token comes from the weights the engine was last updated to. A token
-        of another version means an engine served weights it was never given: stop, never train on it."""
-        current = getattr(self.c.engine, "weight_version", None)
-        if current is None:
-            return
-        seen = Counter(v for g in groups for s in g if s.status.trainable
-                       for v, m in zip(s.weight_versions, s.loss_mask) if m and v != current)
-        if seen:
-            raise RuntimeError(f"step {step}: {sum(seen.values())} trained tokens were sampled by weight versions "
-                               f"{sorted(seen)}, but the engine's current version is {current}: an engine served "
-                               "weights it was not updated to (rollout.mode=sync trains only on current weights)")
 
     async def update_weights(self, update, version: int) -> None:
         """Run ``update()``, the engine's update to weight ``version``. With ``partial=resume`` outside
@@ -175,10 +135,10 @@ class RolloutManager:
     async def close(self) -> None:
         self.closing = True
         self.resume_gate.set()
-        for t in [self.producer, self.prefetch, *self.tasks]:
+        for t in [*self.scheduler.background(), *self.tasks]:
             if t is not None and not t.done():
                 t.cancel()
-        await asyncio.gather(*(t for t in [self.producer, self.prefetch, *self.tasks] if t is not None),
+        await asyncio.gather(*(t for t in [*self.scheduler.background(), *self.tasks] if t is not None),
                              return_exceptions=True)
 
     # ---- checkpoints -------------------------------------------------------------------------
@@ -189,7 +149,7 @@ class RolloutManager:
         if self.r.mode == "sync":
             return None
         self.paused = True
-        prefetched = await asyncio.shield(self.prefetch) if self.prefetch is not None else None
+        prefetched = await self.scheduler.prefetched()
         while self.tasks:
             await asyncio.gather(*self.tasks, return_exceptions=True)
         if self.error is not None:
@@ -210,9 +170,7 @@ class RolloutManager:
             return
         self.ready = state["ready"]
         if state["prefetched"] is not None:
-            self.prefetch = asyncio.get_running_loop().create_future()
-            self.prefetch.set_result(state["prefetched"])
-            self.round_held = sum(len(g) for g in state["prefetched"])
+            self.scheduler.load(state["prefetched"])
         self.generated, self.trained, self.dropped = state["generated"], state["trained"], Counter(state["dropped"])
         self.step_dropped, self.step_drawn = Counter(state["step_dropped"]), state["step_drawn"]
         self.finished_lengths = list(state["finished_lengths"])
@@ -222,7 +180,7 @@ class RolloutManager:
         """Samples being generated, and finished ones a round has kept for a step not yet taken."""
         return sum(len(t.group) for t in self.tasks) + self.round_held  # type: ignore[attr-defined]
 
-    def _launch(self, group: list[Sample]) -> asyncio.Task:
+    def launch(self, group: list[Sample]) -> asyncio.Task:
         """Start generating ``group``. The task stays in ``self.tasks`` (its samples count as held)
         until whoever waits for it has counted the outcome, in the same tick: nothing is ever
         uncounted in between."""
@@ -272,154 +230,16 @@ class RolloutManager:
             return group, "filter"
         return group, None
 
-    def _drop(self, samples: list[Sample], reason: str) -> None:
+    def drop(self, samples: list[Sample], reason: str) -> None:
         self.dropped[reason] += len(samples)
         self.step_dropped[reason] += len(samples)
         if reason in ("all_equal_reward", "filter"):
             self.step_filtered_groups += 1
 
-    def _draw(self, k: int) -> list[list[Sample]]:
+    def draw(self, k: int) -> list[list[Sample]]:
         n = self.r.n_samples_per_prompt
         self.step_drawn += k
         return [self.c.train_prompts.make_group(i, n, gid) for i, gid in self.c.sampler.draw(k)]
-
-    # ---- sync and one_step_off: rounds of over-sampled groups ---------------------------------
-    async def _round_robin(self, step: int) -> list[list[Sample]]:
-        """``prompts_per_step`` groups: draw ``over_sample`` times what is missing, keep groups that
-        pass the filters, top up for at most ``filter_max_rounds`` rounds. Once the step is full,
-        sync mode aborts the rest; one_step_off lets them finish (an abort would also stop the
-        evaluation that may be running beside them) and drops them as over_sampled."""
-        if self.simple:
-            return await self._simple_step(step)
-        want, kept = self.r.prompts_per_step, []
-        for _ in range(self.r.filter_max_rounds):
-            pending = {self._launch(g) for g in self._draw(math.ceil((want - len(kept)) * self.r.over_sample))}
-            while pending:
-                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                for task in sorted(done, key=lambda t: t.order):  # type: ignore[attr-defined]
-                    self.tasks.discard(task)
-                    group, reason = task.result()  # an engine error stops the step here
-                    if reason is not None:
-                        self._drop(group, reason)
-                    elif len(kept) < want:
-                        kept.append(group)
-                        self.round_held += len(group)
-                    else:
-                        self._drop(group, "over_sampled")
-                if len(kept) == want and pending and self.r.mode == "sync":  # enough: stop the rest
-                    for t in pending:
-                        for smp in t.group:  # type: ignore[attr-defined]
-                            smp.metadata["leftover"] = True
-                    await self.c.engine.abort_all()
-            if len(kept) >= want:
-                break
-        if not kept:
-            raise RuntimeError(f"step {step}: no group passed the filters in {self.r.filter_max_rounds} rounds "
-                               f"({dict(self.step_dropped)} samples dropped)")
-        return kept
-
-    async def _simple_step(self, step: int) -> list[list[Sample]]:
-        """Exactly the path strop always had: the rollout hook on the step's groups (refilled when its
-        filter drops some, for at most ``filter_max_rounds`` rounds)."""
-        groups = []
-        for _ in range(self.r.filter_max_rounds if self.ctx.filter is not None else 1):
-            new = self._draw(self.r.prompts_per_step - len(groups))
-            self.generated += sum(len(g) for g in new)
-            got = await call_hook("rollout", self.c.hooks["rollout"], ctx=self.ctx, groups=new, sampling=self.c.sampling)
-            forks = sum(s.metadata.get("segment", 0) > 0 for g in got for s in g)  # agent sessions' extra samples
-            self.generated += forks
-            self.finished_lengths += [s.response_length for g in got for s in g]
-            filtered = sum(len(g) for g in new) + forks - sum(len(g) for g in got)
-            if filtered > 0:  # the hook's filter dropped whole groups
-                self.dropped["filter"] += filtered
-                self.step_dropped["filter"] += filtered
-            groups += got
-            if len(groups) >= self.r.prompts_per_step:
-                break
-        return groups
-
-    # ---- async: continuous generation -----------------------------------------------------------
-    def _capacity(self) -> int:
-        """Groups the manager may hold (finished, generating, or collected by the step being taken) now:
-        ``prompts_per_step`` (times ``over_sample``) for each step a group started on the engine's weights
-        can still be trained at, from the first step not yet taken to ``version + max_staleness + 1``.
-        After a step is taken and before its update that is one step fewer, so a group started then
-        never waits two steps for its turn; and none is started for a step after the run's last."""
-        steps = min(self.version + self.r.max_staleness + 1, self.cfg.train.steps) - self.taken
-        return max(0, math.ceil(self.r.prompts_per_step * steps * self.r.over_sample))
-
-    async def _produce(self) -> None:
-        while not self.closing:
-            held = len(self.ready) + len(self.tasks) + self.collecting
-            if held < self._capacity() and not self.paused:
-                for group in self._draw(self._capacity() - held):
-                    self._launch(group).add_done_callback(self._finished)
-            self.wake.clear()
-            await self.wake.wait()
-
-    def _finished(self, task: asyncio.Task) -> None:
-        """Async mode: count a finished group (ready, or dropped with its reason) as it leaves ``tasks``."""
-        self.tasks.discard(task)
-        if task.cancelled():
-            self.dropped["cancelled"] += len(task.group)  # type: ignore[attr-defined]  (only at close)
-            return
-        if task.exception() is not None:
-            self.error = self.error or task.exception()
-            self.dropped["error"] += len(task.group)  # type: ignore[attr-defined]
-        else:
-            group, reason = task.result()
-            if reason is not None:
-                self._drop(group, reason)
-            else:
-                self.ready.append(group)
-        self.wake.set()
-        self.ready_event.set()
-
-    async def _take_async(self, step: int) -> list[list[Sample]]:
-        if self.producer is None:
-            self.producer = asyncio.ensure_future(self._produce())
-        out, self.step_filtered_groups, self.step_stale_groups = [], 0, 0
-        self.stale_versions.clear()
-        limit = math.ceil(self.r.prompts_per_step * self.r.over_sample * self.r.filter_max_rounds)
-        while len(out) < self.r.prompts_per_step:
-            if self.error is not None:
-                raise self.error
-            if self.producer.done():  # it failed: say why
-                self.producer.result()
-            while self.ready and len(out) < self.r.prompts_per_step:
-                group = self.ready.pop(0)
-                if max(max(staleness(s, step), default=0) for s in group) > self.r.max_staleness:
-                    self._drop(group, "stale")
-                    self.step_stale_groups += 1
-                    self.stale_versions.update(v for s in group for v in s.weight_versions
-                                               if step - 1 - v > self.r.max_staleness)
-                    if self.r.stale_groups == "regenerate":  # the same prompts, on the current weights
-                        self._launch(group).add_done_callback(self._finished)
-                    continue
-                out.append(group)
-            self.collecting = len(out)
-            if self.step_stale_groups > self._capacity() + limit:
-                # more than every group held before this step could be: new groups come back stale too
-                raise RuntimeError(
-                    f"step {step}: {self.step_stale_groups} groups dropped as stale (tokens of weight versions "
-                    f"{sorted(self.stale_versions)[:8]}, the trainer is at version {step - 1}, "
-                    f"rollout.max_staleness={self.r.max_staleness}): the engines do not serve the new weights, "
-                    f"so the step cannot fill ({dict(self.step_dropped)} samples dropped)")
-            if len(out) < self.r.prompts_per_step and self.step_filtered_groups >= limit:
-                if out:  # as the rounds of sync mode: a short step rather than no step
-                    break
-                raise RuntimeError(f"step {step}: no group passed the filters in {self.step_filtered_groups} "
-                                   f"groups (rollout.filter_max_rounds={self.r.filter_max_rounds}; "
-                                   f"{dict(self.step_dropped)} samples dropped)")
-            self.wake.set()
-            if len(out) < self.r.prompts_per_step:
-                self.ready_event.clear()
-                if not self.ready and self.error is None:
-                    waiting = asyncio.ensure_future(self.ready_event.wait())
-                    await asyncio.wait([waiting, self.producer], return_when=asyncio.FIRST_COMPLETED)
-                    waiting.cancel()
-        self.collecting = 0
-        return out
 
     # ---- metrics ----------------------------------------------------------------------------------
     def _metrics(self, step: int, groups, trained: list[Sample]) -> dict:

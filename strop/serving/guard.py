@@ -16,7 +16,7 @@ time), refuses WebSocket upgrades (strop uses none), and forwards what passes as
 - a client that leaves ends the guard's connection to the engine at once, before or during the
   response: vLLM and SGLang abort a request whose connection closed, which strop's abort relies on.
 
-It runs in the process that supervises the engine (:func:`strop.engines.launch.supervise_group`),
+It runs in the process that supervises the engine (:func:`strop.serving.supervisor.supervise_group`),
 so it lives and dies with it.
 """
 

@@ -7,15 +7,14 @@ It sees what moves a short sequence's logprobs by more than the tolerance: an en
 weights while the trainer moved on (verl #7495, an adapter that never reached vLLM), one serving another
 model, one whose load went wrong. A single small optimizer step may move them by less: there the
 version read back and the checksums are the receipt.
+
+The engine side and the reference are here; the comparison (:func:`strop.wire.probe.check_probe`) is the
+trainer's.
 """
 
 from __future__ import annotations
 
-import asyncio
-
 import torch
-
-from strop.wire.errors import EngineReceiptError
 
 
 def reference_logprobs(model, ids: list[int]) -> list[float]:
@@ -42,20 +41,3 @@ def prompt_logprobs(model, ids: list[int], temperature: float = 1.0,
         return picked, [None] * len(picked)
     values, top_ids = (t.tolist() for t in torch.topk(lp, min(top, lp.shape[-1]), dim=-1))
     return picked, [dict(zip(i, v)) for i, v in zip(top_ids, values)]
-
-
-async def check_probe(engines: list, ids: list[int], reference: list[float], tolerance: float,
-                      version: int) -> float:
-    """Score ``ids`` on every engine; raise naming the first whose logprobs differ from ``reference`` by
-    more than ``tolerance``. Returns the largest difference seen."""
-    scored = await asyncio.gather(*(e.score(ids) for e in engines))
-    worst = 0.0
-    for engine, got in zip(engines, scored):
-        diff = max((abs(a - b) for a, b in zip(got, reference)), default=0.0)
-        if diff > tolerance:
-            raise EngineReceiptError(
-                f"{engine!r} at weight version {version}: its logprobs of the probe differ from the trainer's by "
-                f"{diff:.2e} > engine.sync_probe_tolerance={tolerance} (a stale or partly updated engine? a "
-                "bfloat16 engine of an fp32 trainer needs a larger tolerance, e.g. 0.05)")
-        worst = max(worst, diff)
-    return worst

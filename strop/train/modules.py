@@ -1,6 +1,6 @@
-"""The trainer's modules: the policy, its frozen reference and PPO's critic, each split like the policy by the
-data-parallel strategy (FSDP2, tensor parallel), and each filled with its own slices of the weights' files when
-the model arrives on the meta device (strop.parallel.loading)."""
+"""The trainer's modules: the policy, its frozen reference and PPO's critic, each split like the policy over the
+run's mesh (strop.parallel.parallelize: tensor parallel, then FSDP2) before the trainer gets them, and each filled
+with its own slices of the weights' files when the model arrives on the meta device (strop.parallel.loading)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from torch import nn
 
 from strop.parallel import context as context_parallel
 from strop.parallel.loading import load_shards
+from strop.parallel.parallelize import parallelize
 from strop.train.critic import ValueModel
 from strop.train.logprob import LogprobModule
 
@@ -29,8 +30,9 @@ class Modules:
 def build_modules(model: nn.Module, strategy, algo, train, weights_path: str | None = None,
                   teacher: nn.Module | None = None) -> Modules:
     """The modules for ``model`` (whole, or on the meta device with ``weights_path``): copies first (reference,
-    critic), from the whole model or its skeleton, then each wrapped by ``strategy`` and, from meta, loaded.
-    ``teacher`` (whole, loaded by the caller) is frozen and wrapped like the reference."""
+    critic), from the whole model or its skeleton, then each split over ``strategy``'s mesh as its dims say
+    (:func:`strop.parallel.parallelize.parallelize`), noted by ``strategy`` and, from meta, loaded.
+    ``teacher`` (whole, loaded by the caller) is frozen and split like the reference."""
     device, meta = strategy.device, any(p.is_meta for p in model.parameters())
     kl = algo.kl_coef + algo.kl_in_reward_coef > 0
     if kl and algo.ref_mode == "swap" and (strategy.mode == "fsdp" or strategy.tp_size > 1 or meta):
@@ -48,8 +50,11 @@ def build_modules(model: nn.Module, strategy, algo, train, weights_path: str | N
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
+    def split(module: nn.Module) -> nn.Module:
+        return strategy.track(parallelize(module, strategy.dims, strategy.mesh, device.type))
+
     def wrap(module: nn.Module, rename) -> nn.Module:
-        module = strategy.wrap(module)
+        module = split(module)
         if meta:
             load_shards(module, weights_path, device, rename)
             strategy.track(module)  # loading may have made new parameter objects
@@ -67,7 +72,7 @@ def build_modules(model: nn.Module, strategy, algo, train, weights_path: str | N
     if teacher is not None:  # (never from the policy's files: wrapped, not loaded)
         if strategy.cp_size > 1:
             context_parallel.enable(teacher)
-        out.teacher = strategy.wrap(LogprobModule(teacher.to(device).eval().requires_grad_(False)))
+        out.teacher = split(LogprobModule(teacher.to(device).eval().requires_grad_(False)))
     out.policy = wrap(LogprobModule(out.model), _under("lm."))
     return out
 

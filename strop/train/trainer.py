@@ -12,53 +12,60 @@ from __future__ import annotations
 
 import contextlib
 import time
+from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from strop.algo.advantages import compute_advantages, explained_variance
 from strop.algo.objective import Normalisers, policy_objective
 from strop.algo.offpolicy import loglinear_proximal
 from strop.observe.metrics import StepStats
 from strop.parallel import context as context_parallel
-from strop.parallel.collectives import DEFAULT_BUCKET_BYTES
 from strop.parallel.packing import collate_packed, unpack
-from strop.parallel.strategy import make_strategy
+from strop.parallel.strategy import SingleProcess
 from strop.plugins import call_hook_sync
 from strop.train.batch import StepBatch, collate, pad_rows, split_micro_batches, swapped_weights, to_device
 from strop.train.critic import train_critic
-from strop.train.modules import build_modules
+from strop.train.modules import Modules, build_modules
 from strop.train.optim import GuardedOptimizer, NonFiniteGradientError
 from strop.types import Sample
 
-__all__ = ["Trainer", "NonFiniteGradientError", "collate", "swapped_weights"]
+__all__ = ["Trainer", "Sampling", "NonFiniteGradientError", "collate", "swapped_weights"]
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """What the trainer needs of the rollout (the rollout config section has these fields too)."""
+
+    temperature: float = 1.0  # the logits are scaled by it
+    max_new_tokens: int = 1024  # the response length limit (overlong shaping, the constant loss normaliser)
+    exact_logprobs: bool = False  # report the trainer's logprobs as the sampler's (StepBatch.take_trainer_logprobs)
 
 
 class Trainer:
-    def __init__(self, model, *, pad_token_id: int, train, algo, temperature: float = 1.0, teacher=None,
-                 remote_teacher=None, max_new_tokens: int = 1024, advantage_fn=None, policy_loss_fn=None, dp_group=None,
-                 cp_group=None, bucket_bytes: int = DEFAULT_BUCKET_BYTES, dp_mode: str = "replicate",
-                 fsdp_mixed_precision: bool = False, device: str | torch.device = "cpu",
-                 bf16_autocast: bool = False, strategy=None, exact_logprobs: bool = False, tp_mesh=None,
-                 dp_mesh=None, weights_path: str | None = None, sequence_parallel: bool = True):
-        """``train`` and ``algo`` are the config sections (TrainConfig, AlgoConfig); the two
-        optional hooks replace the advantage estimator and the policy loss (strop.plugins).
-        ``dp_group`` / ``cp_group`` (this rank's data- and context-parallel groups) and ``dp_mode``
-        choose the strategy, unless one is given (``exact_logprobs``: StepBatch.take_trainer_logprobs);
-        ``tp_mesh`` / ``dp_mesh``: the dimensions of a (dp, tp) mesh under tensor parallel (``sequence_parallel``:
-        the residual stream split over tokens too, strop.parallel.tensor). A ``model`` on the
-        meta device is split first, then each rank reads its own slices from ``weights_path`` (safetensors).
-        On-policy distillation's teacher: ``teacher`` (a model, frozen here) or ``remote_teacher`` (a server's)."""
-        self.dp = strategy or make_strategy(dp_group=dp_group, cp_group=cp_group, mode=dp_mode, device=device,
-                                            bucket_bytes=bucket_bytes, mixed_precision=fsdp_mixed_precision,
-                                            tp_mesh=tp_mesh, dp_mesh=dp_mesh, sequence_parallel=sequence_parallel)
+    def __init__(self, model, *, pad_token_id: int, train, algo, rollout=None, parallel=None, hooks=None,
+                 teacher=None):
+        """``model``: the :class:`strop.train.modules.Modules` to step, split over the run's mesh before they came
+        (build_modules), or a whole model, built into them here. ``train``, ``algo``: the config sections;
+        ``rollout``: the rollout section or a :class:`Sampling`. ``parallel``: the data-parallel strategy
+        (strop.parallel.strategy.make_strategy; default one process on the CPU). ``hooks``: plugins by hook name
+        ('advantage' and 'policy_loss' replace the estimator and the policy loss). On-policy distillation's
+        ``teacher``: a model (frozen here; beside a whole ``model`` only) or a server's (RemoteTeacher)."""
+        self.dp = parallel or SingleProcess()
         self.device = self.dp.device
-        self.advantage_fn, self.policy_loss_fn = advantage_fn, policy_loss_fn
-        self.pad_token_id, self.cfg, self.algo, self.max_new_tokens = pad_token_id, train, algo, max_new_tokens
-        self.temperature = temperature if temperature > 0 else 1.0
-        self.autocast, self.exact_logprobs = bf16_autocast, exact_logprobs
-        m = build_modules(model, self.dp, algo, train, weights_path, teacher)
+        rollout, hooks = rollout or Sampling(), hooks or {}
+        self.advantage_fn, self.policy_loss_fn = hooks.get("advantage"), hooks.get("policy_loss")
+        self.pad_token_id, self.cfg, self.algo, self.max_new_tokens = pad_token_id, train, algo, rollout.max_new_tokens
+        self.temperature = rollout.temperature if rollout.temperature > 0 else 1.0
+        self.autocast, self.exact_logprobs = train.bf16_autocast, rollout.exact_logprobs
+        local = isinstance(teacher, nn.Module)
+        if isinstance(model, Modules) and local:
+            raise ValueError("a teacher model is built into the modules (build_modules), not given beside them")
+        m = model if isinstance(model, Modules) else build_modules(model, self.dp, algo, train,
+                                                                   teacher=teacher if local else None)
         self.model, self.policy, self.ref, self.ref_state, self.critic = m.model, m.policy, m.ref, m.ref_state, m.critic
-        self.teacher, self.remote_teacher = m.teacher, remote_teacher  # on-policy distillation's, either
+        self.teacher, self.remote_teacher = m.teacher, None if local else teacher  # on-policy distillation's, either
         if self.critic is not None:
             self.critic_opt = GuardedOptimizer("critic", self.critic, algo.critic_lr, train, self.dp)
         self.policy_opt = GuardedOptimizer("policy", self.model, train.lr, train, self.dp)

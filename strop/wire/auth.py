@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import hmac
 
+GUARD_TOKEN_ENV = "STROP_GUARD_TOKEN"  # the guard's token, from the launcher (strop.engines.launch) to the engine's
+# supervisor (strop.serving.supervisor), which starts the guard
+
 
 def bearer_token_matches(header: str, token: str) -> bool:
     """``Bearer <token>``, compared in constant time on bytes (a header may hold any byte). strop serve, the

@@ -688,7 +688,7 @@ class RefusingEngine:
 @pytest.mark.parametrize("kind", ["embedded", "http"])
 def test_an_engine_refusing_the_request_is_the_clients_4xx_and_the_session_goes_on(tokenizer, stand_of, kind):
     if kind == "embedded":
-        from strop.serving.embedded import RequestError
+        from strop.serving.request import RequestError
 
         error = RequestError("empty prompt: a request needs at least one token")
     else:

@@ -6,7 +6,7 @@ import httpx
 import openai
 import pytest
 
-from strop.cluster.process import free_port
+from strop.process import free_port
 from strop.engines.launch import LocalServer
 
 pytestmark = pytest.mark.timeout(240)

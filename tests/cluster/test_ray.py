@@ -297,7 +297,7 @@ def test_a_sigkilled_driver_of_a_local_cluster_leaves_nothing(tiny_model_dir, tm
 
 @pytest.mark.timeout(60)
 def test_a_bad_address_fails_within_seconds(tiny_model_dir, tmp_path):
-    from strop.cluster.process import free_port
+    from strop.process import free_port
 
     t0 = time.monotonic()
     run = strop([*tiny(tiny_model_dir, tmp_path / "r"), *on_ray(f"127.0.0.1:{free_port()}", 1,

@@ -143,7 +143,7 @@ def test_tools_call_site_makes_the_rollout_multi_turn(tiny_model_dir, tmp_path, 
 
 
 def test_tools_hook_refusals(tmp_path):
-    from strop.setup import make_tools
+    from strop.rollout.toolbox import make_tools
 
     with pytest.raises(ValueError, match=r"plugins.tools='x:y' uses strop's multi-turn generate function"):
         build_config(overrides={"plugins": {"tools": "x:y", "generate": "a:b"}})

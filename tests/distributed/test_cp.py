@@ -175,7 +175,9 @@ def _cp_step(rank, world, algo_name, packed, mode="replicate", cp=2, samples=Non
     import torch.distributed as dist
 
     from strop.config import AlgoConfig, TrainConfig
-    from strop.train.trainer import Trainer
+    from strop.parallel.dims import ParallelDims
+    from strop.parallel.strategy import SingleProcess, make_strategy
+    from strop.train.trainer import Sampling, Trainer
     from tests.test_trainer import make_samples, near_policy
     from tests.tiny import make_tiny_model
 
@@ -187,15 +189,12 @@ def _cp_step(rank, world, algo_name, packed, mode="replicate", cp=2, samples=Non
         samples = near_policy(model, make_samples(10))
     train = TrainConfig(lr=1e-3, warmup_steps=0, micro_batch_size=3, mini_batches=MINI_BATCHES.get(algo_name, 1),
                         max_tokens_per_micro_batch=20 if packed else None)
-    dp_group = cp_group = None
+    device, strategy = rank_device(rank, world), SingleProcess(rank_device(rank, world))
     if world > 1:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh(torch.device(rank_device(rank, world)).type, (world // cp, cp), mesh_dim_names=("dp", "cp"))
-        dp_group, cp_group = mesh["dp"].get_group(), mesh["cp"].get_group()
-    trainer = Trainer(model, pad_token_id=0, train=train, algo=AlgoConfig(**ALGOS[algo_name]), max_new_tokens=8,
-                      dp_group=dp_group, cp_group=cp_group, bucket_bytes=1 << 20, dp_mode=mode, device=rank_device(rank, world),
-                      teacher=teacher)
+        dims = ParallelDims(world, cp=cp, dp_mode=mode, bucket_bytes=1 << 20)
+        strategy = make_strategy(dims, dims.build_mesh(torch.device(device).type), device)
+    trainer = Trainer(model, pad_token_id=0, train=train, algo=AlgoConfig(**ALGOS[algo_name]),
+                      rollout=Sampling(max_new_tokens=8), parallel=strategy, teacher=teacher)
     samples = samples or make_samples(10)
     counts = trainer._collate(samples)["cp"].counts if trainer.cp_size > 1 else None
     metrics = trainer.step(samples)

@@ -26,11 +26,21 @@ def _full(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def _step(rank, world, algo_name, packed, mode="replicate"):
-    import torch.distributed as dist
+def _strategy(rank, world, mode, bucket_bytes=1 << 30):
+    """The data-parallel strategy of ``world`` ranks (one process when 1) on this rank's device."""
+    from strop.parallel.dims import ParallelDims
+    from strop.parallel.strategy import SingleProcess, make_strategy
 
+    device = rank_device(rank, world)
+    if world == 1:
+        return SingleProcess(device)
+    dims = ParallelDims(world, dp_mode=mode, bucket_bytes=bucket_bytes)
+    return make_strategy(dims, dims.build_mesh(torch.device(device).type), device)
+
+
+def _step(rank, world, algo_name, packed, mode="replicate"):
     from strop.config import AlgoConfig, TrainConfig
-    from strop.train.trainer import Trainer
+    from strop.train.trainer import Sampling, Trainer
     from tests.test_trainer import make_samples, near_policy
     from tests.tiny import make_tiny_model
 
@@ -41,9 +51,8 @@ def _step(rank, world, algo_name, packed, mode="replicate"):
         samples = near_policy(model, samples)
     train = TrainConfig(lr=1e-3, warmup_steps=0, micro_batch_size=3,
                         max_tokens_per_micro_batch=20 if packed else None)
-    group = dist.group.WORLD if world > 1 else None
-    trainer = Trainer(model, pad_token_id=0, train=train, algo=AlgoConfig(**ALGOS[algo_name]), max_new_tokens=8,
-                      dp_group=group, bucket_bytes=1 << 20, dp_mode=mode, device=rank_device(rank, world),
+    trainer = Trainer(model, pad_token_id=0, train=train, algo=AlgoConfig(**ALGOS[algo_name]),
+                      rollout=Sampling(max_new_tokens=8), parallel=_strategy(rank, world, mode, bucket_bytes=1 << 20),
                       teacher=teacher)
     metrics = trainer.step(samples)
     grads = [_full(trainer.optimizer.state[p]["exp_avg"]).cpu() for p in trainer.optimizer.param_groups[0]["params"]]
@@ -91,17 +100,14 @@ def assert_same_update(results, single, grad_tol=1e-5):
 
 
 def _param_bytes(rank, world, mode):
-    import torch.distributed as dist
-
     from strop.config import AlgoConfig, TrainConfig
     from strop.parallel.fsdp import local_parameter_bytes
     from strop.train.trainer import Trainer
     from tests.tiny import make_tiny_model
 
-    group = dist.group.WORLD if world > 1 else None
     algo = AlgoConfig(estimator="ppo", kl_coef=0.1)  # policy + reference + critic
-    trainer = Trainer(make_tiny_model(), pad_token_id=0, train=TrainConfig(), algo=algo, dp_group=group, dp_mode=mode,
-                      device=rank_device(rank, world))
+    trainer = Trainer(make_tiny_model(), pad_token_id=0, train=TrainConfig(), algo=algo,
+                      parallel=_strategy(rank, world, mode))
     parts = {"policy": local_parameter_bytes(trainer.model), "reference": local_parameter_bytes(trainer.ref),
              "critic": local_parameter_bytes(trainer.critic)}
     return parts

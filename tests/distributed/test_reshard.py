@@ -9,19 +9,18 @@ from strop.parallel.launch import run_on_ranks
 
 def _trainer(world, tp, mode):
     from strop.config import AlgoConfig, TrainConfig
-    from strop.train.trainer import Trainer
+    from strop.parallel.dims import ParallelDims
+    from strop.parallel.strategy import SingleProcess, make_strategy
+    from strop.train.trainer import Sampling, Trainer
     from tests.tiny import make_tiny_qwen3
 
-    groups = {}
+    strategy = SingleProcess()
     if world > 1:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))
-        groups = {"dp_group": mesh["dp"].get_group(), "tp_mesh": mesh["tp"] if tp > 1 else None,
-                  "dp_mesh": mesh["dp"]}
+        dims = ParallelDims(world, tp=tp, dp_mode=mode, bucket_bytes=1 << 20)
+        strategy = make_strategy(dims, dims.build_mesh("cpu"))
     return Trainer(make_tiny_qwen3(1024), pad_token_id=0, train=TrainConfig(lr=1e-4, warmup_steps=0,
                                                                              micro_batch_size=3),
-                   algo=AlgoConfig(), max_new_tokens=8, bucket_bytes=1 << 20, dp_mode=mode, **groups)
+                   algo=AlgoConfig(), rollout=Sampling(max_new_tokens=8), parallel=strategy)
 
 
 def _state(trainer):

@@ -10,7 +10,7 @@ import uuid
 
 import pytest
 
-from strop.cluster.process import free_port
+from strop.process import free_port
 from strop.observe.metrics import reproducible
 
 

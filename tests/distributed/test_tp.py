@@ -16,15 +16,16 @@ def _model(kind):
 
 def _tp_step(rank, world, algo_name, kind, tp=1, mode="replicate", path=None, checkpointing=False, sequence=True):
     from strop.config import AlgoConfig, TrainConfig
-    from strop.train.trainer import Trainer
+    from strop.parallel.dims import ParallelDims
+    from strop.parallel.strategy import SingleProcess, make_strategy
+    from strop.train.modules import build_modules
+    from strop.train.trainer import Sampling, Trainer
     from tests.test_trainer import make_samples
 
-    groups = {}
+    strategy = SingleProcess()
     if world > 1:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))
-        groups = {"dp_group": mesh["dp"].get_group(), "tp_mesh": mesh["tp"], "dp_mesh": mesh["dp"]}
+        dims = ParallelDims(world, tp=tp, dp_mode=mode, sequence_parallel=sequence, bucket_bytes=1 << 20)
+        strategy = make_strategy(dims, dims.build_mesh("cpu"))
     train = TrainConfig(lr=1e-3, warmup_steps=0, micro_batch_size=3, activation_checkpointing=checkpointing)
     if path is not None:  # built on the meta device; each rank reads its own slices of the saved model
         from strop.models import meta_model
@@ -32,9 +33,9 @@ def _tp_step(rank, world, algo_name, kind, tp=1, mode="replicate", path=None, ch
         model = meta_model(path)
     else:
         model = _model(kind)
-    trainer = Trainer(model, pad_token_id=0, train=train, algo=AlgoConfig(**ALGOS[algo_name]),
-                      max_new_tokens=8, bucket_bytes=1 << 20, dp_mode=mode, weights_path=path,
-                      sequence_parallel=sequence, **groups)
+    algo = AlgoConfig(**ALGOS[algo_name])
+    trainer = Trainer(build_modules(model, strategy, algo, train, weights_path=path), pad_token_id=0, train=train,
+                      algo=algo, rollout=Sampling(max_new_tokens=8), parallel=strategy)
     rows = []  # (tokens in the residual stream after layer 0, tokens after the final norm) per forward
     backbone = trainer.model.model
     backbone.layers[0].register_forward_hook(lambda m, a, out: rows.append([_local(out).shape[1]]))
@@ -165,7 +166,7 @@ def test_a_mixture_of_experts_model_trains_under_fsdp_as_in_one_process(tmp_path
     from strop.serving import kvdecode
     from strop.models import meta_model
     from strop.parallel.loading import unloadable
-    from strop.parallel.tensor import check_tensor_parallel
+    from strop.parallel.dims import check_tensor_parallel
 
     model = _model("qwen3_moe")
     model.save_pretrained(tmp_path / "model")

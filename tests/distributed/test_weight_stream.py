@@ -18,26 +18,20 @@ def _sync(rank, world, mode, tp, folder):
 
     from strop.config import AlgoConfig, TrainConfig
     from strop.serving.embedded import EmbeddedEngine
-    from strop.engines.http import WeightWriter
+    from strop.sync.disk import WeightWriter
     from strop.wire.buckets import fill_bucket, manifest_of, plan_buckets
     from strop.parallel.gather import ShardedWeights
     from strop.parallel.runtime import Control
-    from strop.train.trainer import Trainer
+    from strop.parallel.dims import ParallelDims
+    from strop.parallel.strategy import make_strategy
+    from strop.train.trainer import Sampling, Trainer
     from tests.test_trainer import make_samples
     from tests.tiny import make_tiny_qwen3
 
-    groups = {}
-    if tp > 1:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))
-        groups = {"dp_group": mesh["dp"].get_group(), "tp_mesh": mesh["tp"], "dp_mesh": mesh["dp"]}
-    else:
-        import torch.distributed as dist
-
-        groups = {"dp_group": dist.group.WORLD}
+    dims = ParallelDims(world, tp=tp, dp_mode=mode, bucket_bytes=1 << 20)
     trainer = Trainer(make_tiny_qwen3(1024, tie=True), pad_token_id=0, train=TrainConfig(lr=1e-3, warmup_steps=0),
-                      algo=AlgoConfig(), max_new_tokens=8, bucket_bytes=1 << 20, dp_mode=mode, **groups)
+                      algo=AlgoConfig(), rollout=Sampling(max_new_tokens=8),
+                      parallel=make_strategy(dims, dims.build_mesh("cpu")))
     trainer.step(make_samples(6))  # (weights that moved from their initial values)
     from strop.parallel import gather
 
@@ -103,15 +97,16 @@ def test_a_sharded_trainer_syncs_a_bucket_at_a_time(world, mode, tp, tmp_path):
 
 
 def _failing_read(rank, world):
-    import torch.distributed as dist
-
     from strop.config import AlgoConfig, TrainConfig
+    from strop.parallel.dims import ParallelDims
     from strop.parallel.runtime import Control, ControllerError
+    from strop.parallel.strategy import make_strategy
     from strop.train.trainer import Trainer
     from tests.tiny import make_tiny_qwen3
 
+    dims = ParallelDims(world, dp_mode="fsdp")
     trainer = Trainer(make_tiny_qwen3(1024), pad_token_id=0, train=TrainConfig(), algo=AlgoConfig(),
-                      dp_group=dist.group.WORLD, dp_mode="fsdp")
+                      parallel=make_strategy(dims, dims.build_mesh("cpu")))
     weights, control = trainer.weights(), Control(60)
 
     def read_then_fail():

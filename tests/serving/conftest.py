@@ -1,7 +1,7 @@
 import pytest
 
 from strop.engines.launch import LocalServer
-from strop.cluster.process import free_port
+from strop.process import free_port
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from strop.cluster.process import free_port
+from strop.process import free_port
 from strop.serving.guard import TokenGuard
 from strop.engines.launch import LocalServer
 

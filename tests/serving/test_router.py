@@ -4,9 +4,10 @@ import asyncio
 
 import pytest
 
-from strop.engines.http import SGLangEngine, WeightWriter
 from strop.engines.router import Router
-from strop.cluster.process import free_port
+from strop.engines.sglang import SGLangEngine
+from strop.process import free_port
+from strop.sync.disk import DiskSync, WeightWriter
 from strop.types import SamplingParams
 
 pytestmark = pytest.mark.timeout(300)
@@ -22,7 +23,7 @@ def test_an_engine_killed_mid_rollout_loses_nothing_and_is_readmitted(start_serv
     # small batches: 64 long requests keep both servers busy for several seconds
     a, b = start_server(None, "--max-batch-size=4"), start_server(None, "--max-batch-size=4")
     writer = WeightWriter(tmp_path / "weights")
-    router = Router([_client(a.url, writer), _client(b.url, writer)], writer=writer, health_interval_s=0.3)
+    router = Router([_client(a.url, writer), _client(b.url, writer)], sync=DiskSync(writer), health_interval_s=0.3)
     port_b = b.port
 
     async def main():

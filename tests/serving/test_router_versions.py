@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from strop.wire.errors import EngineRequestError, EngineUnavailable, EngineVersionError, parse_weight_version
-from strop.engines.http import WeightWriter
 from strop.engines.router import Router
+from strop.sync.broadcast import BroadcastSync
+from strop.sync.delta import DeltaSync
+from strop.sync.disk import DiskSync, WeightWriter
 from strop.types import Completion, SamplingParams
 
 pytestmark = pytest.mark.timeout(30)
@@ -90,18 +92,19 @@ class FakeEngine:
         pass
 
 
-class FakeBroadcast:
-    """BroadcastSync's interface; copies the weights into the members, pausing at ``gate`` first. As the real
+class FakeBroadcast(BroadcastSync):
+    """BroadcastSync with a fake send: copies the weights into the members, pausing at ``gate`` first. As the real
     one, it keeps a group per engine until ``drop``: a group joined by an engine's earlier process fails."""
 
     def __init__(self):
+        super().__init__()
         self.gate, self.entered, self.members = None, asyncio.Event(), []
         self.links: dict = {}  # engine -> the boot of its process that joined the group
 
     async def drop(self, engine):
         self.links.pop(engine, None)
 
-    async def update(self, engines, named, version):
+    async def send(self, engines, named, version):
         """Per engine, the version it then holds, or the error that took it out of the update (an engine
         that is down fails alone: the others complete the update)."""
         self.members.append([e.name for e in engines])
@@ -142,13 +145,13 @@ async def _until(predicate, timeout=10.0):
 def test_an_engine_returning_during_a_broadcast_is_not_admitted_with_weights_it_never_received():
     a, b = FakeEngine("a"), FakeEngine("b")
     broadcast = FakeBroadcast()
-    router = Router([a, b], broadcast=broadcast)
+    router = Router([a, b], sync=broadcast)
 
     async def main():
         for v in range(1, 4):
             await router.update_weights(_weights(v), version=v)
         b.up = False
-        router._mark_down(1, "killed")
+        router.mark_down(1, "killed")
         b.restart()  # back at version 0, before the router noticed
         broadcast.gate, broadcast.entered = asyncio.Event(), asyncio.Event()
         update = asyncio.ensure_future(router.update_weights(_weights(4), version=4))
@@ -176,13 +179,13 @@ def test_an_engine_returning_during_a_broadcast_is_not_admitted_with_weights_it_
 @pytest.mark.parametrize("old_version", [0, 4])
 def test_an_engine_readmitted_during_a_disk_update_holds_the_new_version(tmp_path, old_version):
     a, b = FakeEngine("a"), FakeEngine("b")
-    router = Router([a, b], writer=WeightWriter(tmp_path))
+    router = Router([a, b], sync=DiskSync(WeightWriter(tmp_path)))
 
     async def main():
         if old_version:
             await router.update_weights(_weights(old_version), version=old_version)
         b.up = False
-        router._mark_down(1, "killed")
+        router.mark_down(1, "killed")
         b.restart()
         a.gate["load_weights"] = asyncio.Event()
         update = asyncio.ensure_future(router.update_weights(_weights(old_version + 1), version=old_version + 1))
@@ -213,11 +216,11 @@ def test_an_unreadable_weight_version_is_an_engine_error_naming_the_engine(value
 
 def test_an_unreadable_version_does_not_kill_the_health_loop(tmp_path):
     a, b = FakeEngine("a"), FakeEngine("b")
-    router = Router([a, b], writer=WeightWriter(tmp_path), health_interval_s=0.02)
+    router = Router([a, b], sync=DiskSync(WeightWriter(tmp_path)), health_interval_s=0.02)
 
     async def main():
         await router.update_weights(_weights(1), version=1)
-        router._mark_down(1, "killed")
+        router.mark_down(1, "killed")
         b.restart()
         b.report = "step-42"  # SGLang's labels are strings
         await router.generate([1, 2], SamplingParams(max_new_tokens=1))  # starts the health loop
@@ -237,8 +240,8 @@ def test_an_unreadable_version_does_not_kill_the_health_loop(tmp_path):
 def test_an_engine_restarted_between_updates_is_reloaded_before_it_serves_again(tmp_path, sync):
     """Under delta and broadcast sync the restarted engine must get every tensor, not only the changed ones."""
     a, b = FakeEngine("a"), FakeEngine("b")
-    kw = {"broadcast": FakeBroadcast()} if sync == "broadcast" else {"delta": sync == "delta"}
-    router = Router([a, b], writer=WeightWriter(tmp_path), **kw)
+    transport = {"broadcast": FakeBroadcast, "delta": DeltaSync, "disk": DiskSync}[sync]
+    router = Router([a, b], sync=transport() if sync == "broadcast" else transport(WeightWriter(tmp_path)))
     later = dict(_weights(2), **{"b.weight": _weights(1)["b.weight"]})  # only a.weight changes in version 2
 
     async def main():
@@ -262,7 +265,7 @@ def test_an_engine_that_reports_another_version_after_a_load_is_not_healthy(tmp_
         return 0  # claims success but holds its initial weights
 
     b.load_weights = lying_load
-    router = Router([a, b], writer=WeightWriter(tmp_path))
+    router = Router([a, b], sync=DiskSync(WeightWriter(tmp_path)))
     asyncio.run(router.update_weights(_weights(1), version=1))
     assert router.healthy == [True, False]
     assert any("reports weight version 0" in e for e in router.events)
@@ -271,11 +274,11 @@ def test_an_engine_that_reports_another_version_after_a_load_is_not_healthy(tmp_
 def test_no_probe_readmits_an_engine_while_an_update_is_in_flight(tmp_path):
     """The lock: a re-admission waits for the running update, then sees its version."""
     a, b = FakeEngine("a"), FakeEngine("b")
-    router = Router([a, b], writer=WeightWriter(tmp_path))
+    router = Router([a, b], sync=DiskSync(WeightWriter(tmp_path)))
 
     async def main():
         await router.update_weights(_weights(1), version=1)
-        router._mark_down(1, "killed")
+        router.mark_down(1, "killed")
         a.gate["load_weights"] = asyncio.Event()
         update = asyncio.ensure_future(router.update_weights(_weights(2), version=2))
         await _until(lambda: "load_weights" in a.entered)
@@ -321,7 +324,7 @@ def test_requests_go_to_the_engine_with_the_fewest_in_flight():
 # ---- item 23: failovers and engine events reach the step's metrics ----------------------------------------
 def test_failovers_and_engine_events_are_counted_per_step(tmp_path, capsys):
     a, b = FakeEngine("a"), FakeEngine("b")
-    router = Router([b, a], writer=WeightWriter(tmp_path))
+    router = Router([b, a], sync=DiskSync(WeightWriter(tmp_path)))
 
     async def main():
         sp = SamplingParams(max_new_tokens=1)
@@ -384,7 +387,7 @@ class _SGLangServer:
 def _sglang(require_checksum=False):
     import httpx
 
-    from strop.engines.http import SGLangEngine
+    from strop.engines.sglang import SGLangEngine
 
     server = _SGLangServer()
     engine = SGLangEngine("http://sglang.test", retries=0, **({"require_checksum": True} if require_checksum else {}))
@@ -421,7 +424,7 @@ def test_a_request_issued_during_a_load_waits_and_is_served_by_the_new_weights(t
     # (before issue 22 such a request went out during the load; one failing on the loading engine then
     # marked it down mid-load. Now no request goes out while weights change: the case cannot arise)
     a, b = FakeEngine("a"), FakeEngine("b")
-    router = Router([a, b], writer=WeightWriter(tmp_path))
+    router = Router([a, b], sync=DiskSync(WeightWriter(tmp_path)))
 
     async def main():
         await router.generate([1], SamplingParams(max_new_tokens=1))  # the router has started
@@ -444,7 +447,7 @@ def test_a_request_issued_during_a_load_waits_and_is_served_by_the_new_weights(t
 def test_an_engine_holding_another_runs_weights_starts_down_and_is_loaded_at_the_first_update(tmp_path):
     a, b = FakeEngine("a"), FakeEngine("b")
     b.version, b.weights = 7, _weights(7)  # a server reused from an earlier run
-    router = Router([a, b], writer=WeightWriter(tmp_path))
+    router = Router([a, b], sync=DiskSync(WeightWriter(tmp_path)))
 
     async def main():
         out = await router.generate([1], SamplingParams(max_new_tokens=1))
@@ -461,7 +464,7 @@ def test_an_engine_holding_another_runs_weights_starts_down_and_is_loaded_at_the
 
 def test_a_restart_between_delta_updates_without_a_probe_still_sends_every_tensor(tmp_path):
     a, b = FakeEngine("a"), FakeEngine("b")
-    router = Router([a, b], writer=WeightWriter(tmp_path), delta=True)
+    router = Router([a, b], sync=DeltaSync(WeightWriter(tmp_path)))
     later = dict(_weights(2), **{"b.weight": _weights(1)["b.weight"]})  # b.weight unchanged in version 2
 
     async def main():
@@ -480,14 +483,14 @@ def test_a_member_whose_broadcast_failed_does_not_serve_half_new_weights_and_the
     a, b, c = FakeEngine("a"), FakeEngine("b"), FakeEngine("c")
 
     class Failing(FakeBroadcast):
-        async def update(self, engines, named, version):
-            sent, results = await super().update(engines, named, version)
+        async def send(self, engines, named, version):
+            sent, results = await super().send(engines, named, version)
             engines[0].weights["a.weight"] = _weights(9)["a.weight"]  # a: the first bucket landed, then it broke
             results[0] = EngineUnavailable("gloo: connection reset")
             results[2] = EngineReceiptError("c: checksum differs")  # c took the bytes but holds something else
             return sent, results
 
-    router = Router([a, b, c], broadcast=Failing())
+    router = Router([a, b, c], sync=Failing())
 
     async def main():
         with pytest.raises(EngineReceiptError, match="c: checksum differs"):  # the step fails naming c
@@ -501,7 +504,7 @@ def test_a_member_whose_broadcast_failed_does_not_serve_half_new_weights_and_the
 def test_sglangs_empty_answers_are_not_errors_and_garbage_is_an_engine_error():
     import httpx
 
-    from strop.engines.http import SGLangEngine
+    from strop.engines.sglang import SGLangEngine
 
     def answer(request):
         if request.url.path == "/health":
@@ -530,7 +533,7 @@ def test_the_weight_writer_hands_out_absolute_paths(tmp_path, monkeypatch):
 def test_requests_in_flight_finish_on_the_old_weights_and_new_ones_wait_for_the_new(tmp_path, form):
     a = FakeEngine("a")
     writer = WeightWriter(tmp_path / "w")
-    router = Router([a], writer=writer, broadcast=FakeBroadcast() if form == "broadcast" else None)
+    router = Router([a], sync=FakeBroadcast() if form == "broadcast" else DiskSync(writer))
     a.gate["generate"] = asyncio.Event()
     weights = _weights(1)
 
@@ -578,10 +581,10 @@ def test_the_probe_names_an_engine_that_computes_with_other_weights():
         same.model.model.norm.weight.mul_(1.5)
     ids = [3, 5, 7, 11, 2, 9]
     reference = reference_logprobs(trainer, ids)
-    router = Router([same, stale], writer=WeightWriter("/tmp/unused"))
+    router = Router([same, stale], sync=DiskSync(WeightWriter("/tmp/unused")))
 
     async def main():
-        ok = await Router([same], writer=router.writer).probe(ids, reference, 1e-3)
+        ok = await Router([same], sync=DiskSync(router.sync.writer)).probe(ids, reference, 1e-3)
         with pytest.raises(EngineReceiptError, match=r"Fake\(stale\) at weight version 0: its logprobs of the probe "
                                                      r"differ from the trainer's by .* > engine.sync_probe_tolerance"):
             await router.probe(ids, reference, 1e-3)
@@ -596,7 +599,7 @@ def test_a_version_probe_spanning_a_weight_update_does_not_mark_the_updated_engi
     """The health loop asks a for its version; a answers 0 (or the call fails), but the answer arrives only
     after an update loaded version 1 into a. That answer describes a before the update: a stays healthy."""
     a, b = FakeEngine("a"), FakeEngine("b")
-    router = Router([a, b], writer=WeightWriter(tmp_path), health_interval_s=3600)
+    router = Router([a, b], sync=DiskSync(WeightWriter(tmp_path)), health_interval_s=3600)
     asked, answer_arrives = asyncio.Event(), asyncio.Event()
     real_probe = a.get_weight_version
 
@@ -634,7 +637,7 @@ def test_an_engine_whose_request_fails_during_its_load_stays_down_until_the_heal
     and the load that then succeeds does not bring it back; the next health check does (a answers and holds
     the router's version), and the request was served by b."""
     a, b = FakeEngine("a"), FakeEngine("b")
-    router = Router([a, b], writer=WeightWriter(tmp_path), delta=sync == "delta", drain_timeout_s=0.0,
+    router = Router([a, b], sync=(DeltaSync if sync == "delta" else DiskSync)(WeightWriter(tmp_path)), drain_timeout_s=0.0,
                     health_interval_s=3600)
     a.gate["generate"], a.gate["load_weights"] = asyncio.Event(), asyncio.Event()
 

@@ -6,7 +6,8 @@ import httpx
 import pytest
 import torch
 
-from strop.engines.http import SGLangEngine, WeightWriter
+from strop.engines.sglang import SGLangEngine
+from strop.sync.disk import WeightWriter
 from strop.wire.digest import state_checksum
 from strop.types import SamplingParams
 
@@ -101,7 +102,7 @@ def test_weights_from_disk_change_generation_and_report_version_and_checksum(sta
     written = list((tmp_path / "weights").glob("v*"))
     assert [p.name for p in written] == ["v3"] and not list((tmp_path / "weights").glob(".tmp*"))
     r = _post(server.url, "/update_weights_from_disk", {"model_path": str(written[0]), "weight_version": 4})
-    from strop.serving.server import load_weights_dir
+    from strop.serving.routes_weights import load_weights_dir
 
     assert r.json()["checksum"] == state_checksum(load_weights_dir(str(written[0]), "cpu"))
 

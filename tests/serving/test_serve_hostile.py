@@ -24,7 +24,7 @@ def serving(app):
     """``app`` under a real uvicorn server on 127.0.0.1 (a thread of this process); stopped on exit."""
     import uvicorn
 
-    from strop.cluster.process import free_port
+    from strop.process import free_port
 
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
@@ -51,7 +51,7 @@ def save_weights(folder, model=None, seed=7):
     """A whole state dict as ``folder/model.safetensors`` (what the router's WeightWriter writes)."""
     from tests.tiny import make_tiny_model
 
-    from strop.engines.http import WeightWriter
+    from strop.sync.disk import WeightWriter
 
     path, checksum = WeightWriter(folder).write((model or make_tiny_model(seed=seed)).state_dict(), 1)
     return path, checksum
@@ -284,7 +284,7 @@ def test_the_serve_command_passes_its_flags(monkeypatch, tmp_path):
 
 def test_a_weight_load_leaves_the_event_loop_free(monkeypatch, tmp_path):
     """Loading and checksumming run in a thread: /health answers at once while a slow load runs."""
-    import strop.serving.server as server
+    import strop.serving.routes_weights as server
 
     path, _ = save_weights(tmp_path)
     real_load, real_sum = server.load_weights_dir, server.state_checksum
@@ -329,7 +329,7 @@ class _FakeGroup:
 def test_a_new_group_tears_down_the_old_one_and_destroy_removes_it(monkeypatch, tmp_path):
     from fastapi.testclient import TestClient
 
-    import strop.engines.sync as sync
+    import strop.wire.group as sync
 
     made = []
     monkeypatch.setattr(sync, "make_group", lambda *a, **kw: made.append(_FakeGroup(*a, kw)) or made[-1])
@@ -372,7 +372,7 @@ def test_a_real_gloo_group_is_shut_down_by_destroy():
 
     from fastapi.testclient import TestClient
 
-    from strop.cluster.process import free_port
+    from strop.process import free_port
 
     port = free_port()
     rank_0 = subprocess.Popen([sys.executable, "-c", _RANK_0, str(port), "g"], stdin=subprocess.PIPE,
@@ -598,7 +598,7 @@ def test_a_body_over_the_limit_gets_413_on_every_route_and_a_long_rid_is_refused
         assert r.status_code == 422 and "rid" in r.json()["error"]["message"] and len(r.content) < 500
         r = httpx.post(url + "/abort_request", json={"rid": "r" * 513}, timeout=30)
         assert r.status_code == 422 and "rid" in r.json()["error"]["message"]
-        from strop.serving.server import MAX_BODY_BYTES
+        from strop.serving.openai import MAX_BODY_BYTES
 
         over = b'{"input_ids": [5, 6], "rid": "' + b"z" * MAX_BODY_BYTES + b'"}'
         r = httpx.post(url + "/generate", content=over, headers={"content-type": "application/json"}, timeout=60)

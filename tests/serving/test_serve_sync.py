@@ -17,7 +17,7 @@ from strop.wire.digest import state_checksum
 from strop.serving.server import create_app
 from strop.wire.group import close_group, make_group, send_bucket
 from strop.wire.buckets import manifest_of, plan_buckets
-from strop.cluster.process import free_port
+from strop.process import free_port
 from tests.tiny import make_tiny_model
 
 SMALL_BUCKET = 16 << 10  # the tiny model's embedding (6 MiB) travels alone, the other tensors flattened
@@ -334,7 +334,7 @@ def test_update_calls_out_of_a_session_are_refused_and_a_session_holds_every_bat
     """update_weights_from_distributed outside begin/end: SGLang's 400; a second begin, an end
     without begin: 400; while a session is open (not paused) a request waits for its end; a new
     group ends a session its previous trainer left open."""
-    import strop.engines.sync as sync
+    import strop.wire.group as sync
 
     monkeypatch.setattr(sync, "make_group", lambda *a, **kw: object())
     monkeypatch.setattr(sync, "close_group", lambda group: None)
@@ -399,7 +399,7 @@ def test_the_manifest_checker_and_version_label_describe_the_model():
 
 @pytest.mark.timeout(120)
 def test_the_sglang_client_scores_a_probe_on_strop_serve_as_the_trainer_does(start_server):
-    from strop.engines.http import SGLangEngine
+    from strop.engines.sglang import SGLangEngine
     from strop.serving.probe import reference_logprobs
     from tests.tiny import make_tiny_model
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from strop.engines.http import SGLangEngine
+from strop.engines.sglang import SGLangEngine
 from strop.wire.buckets import Bucket
 from strop.types import SamplingParams
 

@@ -87,7 +87,7 @@ os._exit(0)
 def test_strops_trainer_side_meets_sglangs_own_group_and_bucket_code(sglang_src, tmp_path):
     from strop.wire.buckets import Bucket, plan_buckets
     from strop.wire.group import close_group, make_group, send_bucket
-    from strop.cluster.process import free_port
+    from strop.process import free_port
 
     port, name = free_port(), "strop-sync-1-test"
     script = tmp_path / "engine_side.py"

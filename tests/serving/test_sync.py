@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from strop.wire.buckets import Bucket, first_mismatch, manifest_of, plan_buckets
-from strop.engines.sync import BroadcastSync
+from strop.sync.broadcast import BroadcastSync
 from strop.parallel.launch import run_on_ranks
 from tests.tiny import make_tiny_model
 
@@ -118,7 +118,7 @@ def _transfer(rank, world, port, bucket):
 
 @pytest.mark.timeout(120)
 def test_broadcast_moves_every_weight_with_one_bucket_of_extra_memory():
-    from strop.cluster.process import free_port
+    from strop.process import free_port
 
     bucket = 2 * MiB
     (extra0, sums0, digest0), (extra1, sums1, digest1) = run_on_ranks(_transfer, 2, free_port(), bucket, timeout=100)
@@ -131,7 +131,7 @@ def test_broadcast_moves_every_weight_with_one_bucket_of_extra_memory():
 
 @pytest.mark.timeout(240)
 def test_a_server_receives_broadcast_weights(start_server):
-    from strop.engines.http import SGLangEngine
+    from strop.engines.sglang import SGLangEngine
     from tests.tiny import make_tiny_model
 
     server = start_server()
@@ -140,7 +140,7 @@ def test_a_server_receives_broadcast_weights(start_server):
     state = make_tiny_model(seed=11).state_dict()
 
     async def main():
-        sent, reported = await sync.update([engine], state, version=4)
+        sent, reported = await sync.send([engine], state, version=4)
         version = await engine.get_weight_version()
         await engine.close()
         return sent, reported, version
@@ -165,14 +165,16 @@ def test_a_server_receives_broadcast_weights(start_server):
 def test_delta_sync_sends_only_changed_tensors_and_checks_them(start_server, tmp_path):
     from strop.serving.embedded import EmbeddedEngine
     from strop.wire.errors import EngineRequestError
-    from strop.engines.http import SGLangEngine, WeightWriter
+    from strop.engines.sglang import SGLangEngine
+    from strop.sync.delta import DeltaSync
+    from strop.sync.disk import WeightWriter
     from strop.engines.router import Router
     from strop.types import SamplingParams
     from tests.tiny import make_tiny_model
 
     server = start_server()
     writer = WeightWriter(tmp_path / "w")
-    router = Router([SGLangEngine(server.url, writer=writer)], writer=writer, delta=True)
+    router = Router([SGLangEngine(server.url, writer=writer)], sync=DeltaSync(writer))
     model = make_tiny_model(seed=5)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=4, stop_token_ids=[-1])
 
@@ -207,8 +209,8 @@ async def holds(engine) -> tuple[int, str]:
 
 @pytest.mark.timeout(120)
 def test_an_engine_that_leaves_the_set_has_its_group_torn_down_on_both_sides(start_server, monkeypatch):
-    import strop.engines.sync as sync_module
-    from strop.engines.http import SGLangEngine
+    import strop.sync.broadcast as sync_module
+    from strop.engines.sglang import SGLangEngine
     from strop.wire.digest import state_checksum
 
     closed, left = [], []
@@ -222,9 +224,9 @@ def test_an_engine_that_leaves_the_set_has_its_group_torn_down_on_both_sides(sta
     state = make_tiny_model(seed=3).state_dict()
 
     async def main():
-        first = await sync.update([a, b], state, version=1)
+        first = await sync.send([a, b], state, version=1)
         links = dict(sync.links)
-        second = await sync.update([a], state, version=2)  # b left the set
+        second = await sync.send([a], state, version=2)  # b left the set
         return first, second, links, await holds(a)
 
     first, second, links, receipt = asyncio.run(main())
@@ -239,14 +241,15 @@ def test_an_engine_killed_mid_broadcast_is_dropped_the_others_complete_and_it_re
         start_server):
     import time
 
-    from strop.engines.http import SGLangEngine
+    from strop.engines.sglang import SGLangEngine
     from strop.wire.digest import state_checksum
-    from strop.engines.router import DOWN, HEALTHY, REJOINING, Router
+    from strop.engines.health import DOWN, HEALTHY, REJOINING
+    from strop.engines.router import Router
     from tests.tiny import make_tiny_model
 
     servers = [start_server() for _ in range(3)]
     engines = [SGLangEngine(s.url, require_checksum=True, timeout_s=60) for s in servers]
-    router = Router(engines, broadcast=BroadcastSync(bucket_bytes=64 * 1024, timeout_s=20), print_events=False)
+    router = Router(engines, sync=BroadcastSync(bucket_bytes=64 * 1024, timeout_s=20), print_events=False)
     victim, calls = engines[1], []
     receive = victim.receive_bucket
 
@@ -287,7 +290,7 @@ def test_an_engine_that_answers_a_bucket_without_taking_its_broadcast_is_refused
     import time
 
     from strop.wire.errors import EngineReceiptError
-    from strop.engines.http import SGLangEngine
+    from strop.engines.sglang import SGLangEngine
 
     engine = SGLangEngine(start_server().url, require_checksum=True)
 
@@ -300,7 +303,7 @@ def test_an_engine_that_answers_a_bucket_without_taking_its_broadcast_is_refused
 
     async def main():
         t0 = time.monotonic()
-        sent, results = await sync.update([engine], state, version=1)
+        sent, results = await sync.send([engine], state, version=1)
         return time.monotonic() - t0, results
 
     seconds, results = asyncio.run(main())
@@ -310,9 +313,9 @@ def test_an_engine_that_answers_a_bucket_without_taking_its_broadcast_is_refused
 
 @pytest.mark.timeout(120)
 def test_bytes_changed_on_the_way_fail_the_receipt_naming_the_engine(start_server, monkeypatch):
-    import strop.engines.sync as sync_module
+    import strop.sync.broadcast as sync_module
     from strop.wire.errors import EngineReceiptError
-    from strop.engines.http import SGLangEngine
+    from strop.engines.sglang import SGLangEngine
 
     engine = SGLangEngine(start_server().url, require_checksum=True)
     send, corrupt = sync_module._broadcast, {"on": False}
@@ -328,9 +331,9 @@ def test_bytes_changed_on_the_way_fail_the_receipt_naming_the_engine(start_serve
     state = make_tiny_model(seed=5).state_dict()
 
     async def main():
-        clean = await sync.update([engine], state, version=1)
+        clean = await sync.send([engine], state, version=1)
         corrupt["on"] = True
-        return clean, await sync.update([engine], state, version=2)
+        return clean, await sync.send([engine], state, version=2)
 
     (_, clean), (_, corrupted) = asyncio.run(main())
     assert clean == [1]

@@ -126,7 +126,7 @@ def test_a_served_teacher_with_another_tokenizer_is_refused_at_start(start_serve
     the first token id that differs."""
     import torch
 
-    from strop.cluster.process import free_port
+    from strop.process import free_port
     from strop.config import ConfigError, build_config
     from strop.engines.launch import LocalServer
     from strop.engines.teacher import probe_text

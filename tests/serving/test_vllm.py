@@ -28,7 +28,7 @@ pytestmark = [
 def vllm_server(tokenizer_dir, tmp_path_factory):
     """One server for the module (start-up takes about a minute), with strop's worker extension. It runs
     outside the checkout, so the extension is imported as scripts/setup_vllm.sh installed it."""
-    from strop.cluster.process import free_port
+    from strop.process import free_port
 
     port = free_port()
     where = tmp_path_factory.mktemp("vllm")
@@ -143,7 +143,7 @@ def _trainer_logprobs(model, prompt, completion, temperature):
 async def _join(engine, name):
     """This process as the trainer (rank 0) and the engine (rank 1) in a new gloo group ``name``."""
     from strop.wire.group import make_group
-    from strop.cluster.process import free_port
+    from strop.process import free_port
 
     port = free_port()
     group, _ = await asyncio.gather(asyncio.to_thread(make_group, "127.0.0.1", port, 0, 2, "gloo", 120, name=name),
@@ -351,14 +351,14 @@ def test_rl_steps_with_vllm_rollouts_match_the_trainer_after_every_update(vllm_s
         assert json.loads(r.read())["weight_version"] == "2"  # the trainer's last version
     # back to the initial weights (and label) for the tests after this one
     from strop.engines.vllm import VLLMEngine
-    from strop.engines.sync import BroadcastSync
+    from strop.sync.broadcast import BroadcastSync
 
     async def restore():
         engine = VLLMEngine(vllm_server)
         await engine.check_broadcast()
         sync_ = BroadcastSync(bucket_bytes=64 << 20, timeout_s=120)
-        await sync_.update([engine], load_model(str(tokenizer_dir)).state_dict(), 1)
-        await sync_.disconnect()
+        await sync_.send([engine], load_model(str(tokenizer_dir)).state_dict(), 1)
+        await sync_.close()
         await engine.close()
     asyncio.run(restore())
     _label(vllm_server, "0")
@@ -366,12 +366,12 @@ def test_rl_steps_with_vllm_rollouts_match_the_trainer_after_every_update(vllm_s
 
 def test_a_run_whose_update_is_skipped_on_one_step_fails_the_receipt_naming_the_engine(vllm_server, tmp_path,
                                                                                        monkeypatch):
-    import strop.engines.sync as sync_module
+    import strop.sync.broadcast as sync_module
     from strop.engines.vllm import VLLMEngine
     from strop.loop import train
 
     skipping = {"on": False}
-    update, send, receive = sync_module.BroadcastSync.update, sync_module._broadcast, VLLMEngine.receive_bucket
+    update, send, receive = sync_module.BroadcastSync.send, sync_module._broadcast, VLLMEngine.receive_bucket
 
     async def update_skipping_step_2(self, engines, named, version):
         skipping["on"] = version == 2  # step 2's update: the trainer believes it sent it; nothing moves
@@ -381,7 +381,7 @@ def test_a_run_whose_update_is_skipped_on_one_step_fails_the_receipt_naming_the_
         if not skipping["on"]:
             await receive(self, bucket, group_name, version, last)
 
-    monkeypatch.setattr(sync_module.BroadcastSync, "update", update_skipping_step_2)
+    monkeypatch.setattr(sync_module.BroadcastSync, "send", update_skipping_step_2)
     monkeypatch.setattr(sync_module, "_broadcast", lambda group, buf: None if skipping["on"] else send(group, buf))
     monkeypatch.setattr(VLLMEngine, "receive_bucket", receive_unless_skipping)
     try:

@@ -41,7 +41,7 @@ pytestmark = [
 def engine(tokenizer_dir, tmp_path_factory):
     """engine.kind=vllm's engine actor, as strop.cluster.ray_cluster starts it, on the node address 127.0.0.1."""
     from strop.cluster import ray_cluster
-    from strop.cluster.process import free_port
+    from strop.process import free_port
 
     marker = tmp_path_factory.mktemp("vllm-guard") / "shared"
     marker.write_text("the run directory is shared\n")

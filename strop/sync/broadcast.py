@@ -8,20 +8,24 @@ uint8 buffer (``flattened_bucket``), announced by an ``update_weights_from_distr
 carrying its names, dtypes and shapes; a tensor larger than a bucket travels alone, as itself.
 The extra memory on either side is one bucket, or that one tensor where it is larger (strop
 serve receives a lone tensor straight into its parameter: no extra memory at all).
-
-The delta form (only tensors whose bytes changed, each checked by its digest on arrival)
-lives in the router, :meth:`strop.engines.router.Router._update_by_delta`.
 """
 
 from __future__ import annotations
 
+import asyncio
+import secrets
+import time
 from dataclasses import dataclass
 
 import torch
 
-from strop.wire.errors import EngineManifestError, EngineReceiptError
+from strop.engines.base import GroupMember
+from strop.engines.health import HEALTHY, REJOINING
+from strop.process import free_port
+from strop.sync.base import Receipt, WeightSync
 from strop.wire.buckets import Bucket, fill_bucket, first_mismatch, manifest_of, plan_buckets
 from strop.wire.digest import StreamDigest
+from strop.wire.errors import EngineManifestError, EngineReceiptError, EngineUnavailable
 from strop.wire.group import _broadcast, close_group, make_group
 
 DEFAULT_SYNC_BUCKET_BYTES = 64 << 20
@@ -37,7 +41,7 @@ class _Link:
     inflight: object = None
 
 
-class BroadcastSync:
+class BroadcastSync(WeightSync):
     """The trainer's side of broadcast sync, driving each engine through SGLang's update protocol
     (strop serve answers the same routes; vLLM through strop's worker extension):
 
@@ -65,12 +69,7 @@ class BroadcastSync:
     async def _connect(self, engine) -> _Link:
         """A new group of this process (rank 0) and ``engine`` (ranks 1 .. its workers). An engine that refuses
         to join ends the wait at once (this side's rendezvous is left to time out alone, then closed)."""
-        import asyncio
-        import secrets
-
-        from strop.cluster.process import free_port
-
-        port, world = free_port(), 1 + getattr(engine, "group_ranks", 1)
+        port, world = free_port(), 1 + (engine.group_ranks if isinstance(engine, GroupMember) else 1)
         self.generation += 1
         name = f"strop-sync-{self.generation}-{secrets.token_hex(4)}"  # unique: torch refuses a name twice
         own = asyncio.ensure_future(asyncio.to_thread(make_group, self.host, port, 0, world, self.backend,
@@ -91,8 +90,6 @@ class BroadcastSync:
         then the engine's side, if it still answers. A send still in its collective gets ``grace_s`` to fail (as
         it does once a dead peer's connection is gone); a group is never torn down under a running collective:
         then it closes when that send ends, at the group's timeout."""
-        import asyncio
-
         link = self.links.pop(engine, None)
         if link is None:
             return
@@ -104,29 +101,51 @@ class BroadcastSync:
             await asyncio.to_thread(close_group, link.group)
         await asyncio.gather(engine.leave_group(link.name), return_exceptions=True)
 
-    async def disconnect(self) -> None:
-        import asyncio
-
+    async def close(self) -> None:
+        """Leave every engine's group."""
         await asyncio.gather(*(self.drop(e) for e in list(self.links)))
 
     async def check(self, engines: list, manifest) -> None:
         """Refuse, before any bytes move, an engine whose tensors differ from the trainer's (naming the first
         difference). An engine that cannot list its tensors (SGLang) checks each bucket as it arrives."""
-        import asyncio
-
         held = await asyncio.gather(*(e.weights_manifest() for e in engines))
         for engine, theirs in zip(engines, held):
             if theirs is not None and (why := first_mismatch(manifest, theirs, repr(engine))) is not None:
                 raise EngineManifestError(f"weight broadcast refused before sending: {why}")
 
-    async def update(self, engines: list, named: dict[str, torch.Tensor],
-                     version: int) -> tuple[int, list[int | BaseException]]:
+    async def update(self, weights, version: int) -> Receipt:
+        """Broadcast to every healthy engine and every engine waiting to rejoin, in one pass: one that fails
+        leaves the update (down if it no longer answers, else rejoining: it serves again only after a whole
+        update), the others complete it. A receipt that disagrees with what was sent fails the step."""
+        pool = self.pool
+        members = pool.members(HEALTHY, REJOINING)
+        if not members:
+            raise EngineUnavailable("no engine is healthy to receive the weights")
+        sent, results = await self.send([pool.engines[i] for i in members], weights, version)
+        pool.weight_version = version
+        wrong = None
+        for i, result in zip(members, results):
+            if not isinstance(result, BaseException):  # healthy only at the version its receipt shows
+                pool.move(i, HEALTHY, "received the broadcast", result)
+            elif not await pool.engines[i].health():
+                pool.mark_down(i, f"weight broadcast of version {version} failed: {result}")
+            else:
+                pool.move(i, REJOINING, f"weight broadcast of version {version} failed: {result}")
+                if isinstance(result, EngineReceiptError):
+                    wrong = wrong or result
+        if wrong is not None:  # an engine that took the bytes but holds something else: never silently served
+            raise wrong
+        return Receipt(version, sent)
+
+    rejoins = True
+
+    async def forget(self, i: int) -> None:
+        await self.drop(self.pool.engines[i])  # a group joined before it went down is gone with its old process
+
+    async def send(self, engines: list, named: dict[str, torch.Tensor],
+                   version: int) -> tuple[int, list[int | BaseException]]:
         """Broadcast ``named`` to ``engines`` as ``version``. Returns the bytes that reached engines and, per
         engine, the version its receipt shows, or the error that took it out of this update."""
-        import asyncio
-
-        import time
-
         clock = [time.perf_counter()]
 
         def lap(phase):  # seconds per phase of the last update (bench/sync.py prints them)
@@ -186,8 +205,6 @@ class BroadcastSync:
     async def _send(self, engine, buf: torch.Tensor, bucket: Bucket, version: int, last: bool) -> None:
         """One bucket to one engine: its update call and this side's broadcast of ``buf`` together. If the call
         fails first (refused, or the engine died), the send may stay in its collective: it is not waited for."""
-        import asyncio
-
         link = self.links[engine]
         send = asyncio.ensure_future(asyncio.to_thread(_broadcast, link.group, buf))
         call = asyncio.ensure_future(engine.receive_bucket(bucket, link.name, version, last))

@@ -1,6 +1,6 @@
-"""Process utilities the launchers share: free ports, the device a process is bound to, children that
-cannot outlive the process that started them (Linux), and SIGTERM / SIGHUP turned into an orderly end of
-a run."""
+"""Process utilities every layer shares (the ground floor: imports no strop module): free ports, the device a
+process is bound to, children that cannot outlive the process that started them (Linux), and SIGTERM / SIGHUP
+turned into an orderly end of a run."""
 
 from __future__ import annotations
 
@@ -79,7 +79,7 @@ def resolve_device(name: str = "auto") -> "torch.device":
     Binds the CUDA device (``torch.cuda.set_device``) before any process group exists,
     so NCCL's collectives and every ``.to(device)`` use this rank's own GPU.
     """
-    import torch
+    import torch  # (only here: the ground floor loads without torch)
 
     if name not in ("auto", "cpu", "cuda"):
         raise ValueError(f"run.device must be 'auto', 'cpu' or 'cuda', got {name!r}")

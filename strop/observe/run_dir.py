@@ -1,0 +1,38 @@
+"""The run directory, where every output of a run goes: named (``runs/<timestamp>`` unless ``run.dir``),
+refused when another run's outputs are there, created once every rank is ready (strop.setup)."""
+
+from __future__ import annotations
+
+import datetime as _dt
+from pathlib import Path
+
+from strop.config import Config
+
+
+def check_run_dir(cfg: Config) -> None:
+    """Refuse an existing, non-empty run directory: a run never writes over another's outputs."""
+    if cfg.run.dir and Path(cfg.run.dir).exists() and any(Path(cfg.run.dir).iterdir()):
+        raise FileExistsError(f"run.dir={cfg.run.dir!r} already exists and is not empty; choose a new one")
+
+
+def make_run_dir(cfg: Config, create: bool = True, resume: bool = False) -> Path:
+    """The run directory (``runs/<timestamp>`` unless run.dir is set); ``create=False`` only names it.
+    ``resume``: the existing run.dir, written into again."""
+    if resume:
+        if not cfg.run.dir or not (Path(cfg.run.dir) / "config.yaml").is_file():
+            raise FileNotFoundError(f"resume: {cfg.run.dir!r} is not a strop run directory (no config.yaml)")
+        return Path(cfg.run.dir)
+    check_run_dir(cfg)
+    if cfg.run.dir:
+        run_dir = Path(cfg.run.dir)
+    else:
+        stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+        run_dir = Path("runs") / stamp
+        n = 1
+        while run_dir.exists():
+            run_dir, n = Path("runs") / f"{stamp}-{n}", n + 1
+        if not create:
+            cfg.run.dir = str(run_dir)  # the same name when it is created
+    if create:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    return run_dir

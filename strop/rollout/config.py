@@ -1,0 +1,58 @@
+"""The ``rollout`` and ``eval`` sections: generation, rewards and the schedule of rollouts against training
+(strop/rollout/), and the held-out evaluation that generates through it. Torch-free: ``strop train --help``
+reads it."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from strop.configbase import Section
+
+
+class RolloutConfig(Section):
+    prompts_per_step: int = Field(8, gt=0, description="prompts drawn per RL step")
+    n_samples_per_prompt: int = Field(8, gt=0, description="responses sampled per prompt (group size)")
+    temperature: float = Field(0.8, ge=0, description="sampling temperature (also applied to training logits)")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling mass")
+    top_k: int = Field(0, ge=0, description="top-k sampling (0 = off)")
+    max_new_tokens: int = Field(48, gt=0, description="response length limit")
+    max_batch_size: int = Field(64, gt=0, description="embedded engine: most sequences decoded together")
+    reward: str = Field(
+        "math",
+        description="reward function: 'math' (math-verify), 'exact_match', 'reasoning_gym', "
+        "or an import path 'pkg.module:function'",
+    )
+    seed: int = Field(0, description="sampling seed")
+    filter_max_rounds: int = Field(
+        3, gt=0, description="with plugins.filter or dynamic_sampling: most rollout rounds per step to refill "
+        "dropped groups")
+    mode: Literal["sync", "one_step_off", "async"] = Field(
+        "sync", description="'sync': generate a step's groups, then train; 'one_step_off': generate step k+1's "
+        "groups while step k trains; 'async': generate continuously, each step takes the groups that finished "
+        "first (docs/rollout.md)")
+    max_staleness: int = Field(1, ge=0, description="async: a token sampled more than this many weight versions "
+                               "before the trainer's current weights is never trained on")
+    stale_groups: Literal["drop", "regenerate"] = Field(
+        "drop", description="async: a group with a too-stale token is dropped, or regenerated from its prompts")
+    partial: Literal["finish", "resume"] = Field(
+        "finish", description="one_step_off / async, at a weight update: unfinished samples finish on the old "
+        "weights, or are aborted and resumed on the new ones from the tokens they have")
+    resumed_tokens: Literal["correct", "mask"] = Field(
+        "correct", description="partial=resume: tokens sampled before the update are trained with the importance "
+        "correction against their own logprobs (needs algo.use_rollout_logprobs, tis_cap or mis_*), or masked")
+    exact_logprobs: bool = Field(
+        False, description="report as the rollout's logprobs the trainer's own forward on the sampling weights "
+        "(bitwise what the trainer computes: train_rollout_logprob_abs_diff is 0); costs one no-grad forward "
+        "when no pre-pass runs anyway; sync mode only (docs/rollout.md)")
+    over_sample: float = Field(1.0, ge=1.0, description="draw this many times the groups a step still needs; "
+                               "once the step is full the rest are aborted")
+    dynamic_sampling: bool = Field(False, description="drop groups whose rewards are all equal (no learning "
+                                   "signal under group baselines) and top up, at most filter_max_rounds rounds")
+
+
+
+class EvalConfig(Section):
+    every: int = Field(5, ge=0, description="evaluate every this many steps (0 = only first and last)")
+    max_new_tokens: int | None = Field(None, description="eval response limit (default: rollout.max_new_tokens)")

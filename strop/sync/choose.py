@@ -1,0 +1,75 @@
+"""The one place the weight transport is chosen: from ``engine.sync`` ('auto' resolved against the servers)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+from strop.config import Config
+from strop.sync.base import WeightSync
+from strop.sync.broadcast import BroadcastSync
+from strop.sync.delta import DeltaSync
+from strop.sync.disk import DiskSync, WeightWriter
+from strop.sync.inprocess import InProcessSync
+from strop.wire.errors import EngineRequestError, EngineUnavailable
+
+
+def choose_sync(cfg: Config, clients: list, run_dir: Path, probe_ids: list[int], device=None) -> WeightSync:
+    """The transport of the engines ``clients`` (the run's engine.kind): in-process for the embedded engine;
+    for servers broadcast or through disk (engine.sync, 'auto' resolved here and printed with its reason).
+    vLLM servers are probed first: one whose logprobs ignore the temperature is refused, and one without
+    strop's worker extension cannot take a broadcast."""
+    e = cfg.engine
+    if e.kind == "embedded":
+        return InProcessSync()
+    writer = WeightWriter(e.sync_dir or run_dir / "weights", bucket_bytes=e.sync_bucket_bytes)
+    sync, why = e.sync, "engine.sync"
+
+    async def probe():
+        nonlocal sync, why
+        try:
+            if e.kind == "vllm":
+                for c in clients:
+                    await c.check_logprobs(cfg.rollout.temperature, probe_ids)
+            if sync in ("auto", "broadcast") and e.kind != "strop":  # (strop serve always takes one)
+                try:
+                    for c in clients:
+                        await c.check_broadcast()
+                except EngineRequestError as exc:
+                    if sync == "broadcast":
+                        raise
+                    sync, why = "disk", f"auto: {exc}"
+                except EngineUnavailable:  # down at start: the router takes it in when it answers; an SGLang
+                    if e.kind == "vllm":  # server too old for the broadcast is named at its first update
+                        raise
+            if sync == "auto":
+                sync, why = "broadcast", f"auto: every {e.kind} server takes a broadcast"
+        finally:
+            for c in clients:
+                await c.close()  # connections belong to the run's event loop, made later
+    asyncio.run(probe())
+    print(f"strop: weight sync: {sync} ({why}); receipt: {weight_receipt(e.kind, sync)}", flush=True)
+    if sync == "broadcast":
+        backend = e.sync_backend if e.sync_backend != "auto" else (
+            "nccl" if device is not None and device.type == "cuda" else "gloo")
+        return BroadcastSync(bucket_bytes=e.sync_bucket_bytes, backend=backend, timeout_s=e.timeout_s,
+                             pause_mode=e.sync_pause, dtype=e.sync_dtype,
+                             host=os.environ.get("STROP_NODE_IP", "127.0.0.1"))  # where engines reach rank 0
+    return DeltaSync(writer) if sync == "delta" else DiskSync(writer)
+
+
+def weight_receipt(kind: str, sync: str) -> str:
+    """How each engine kind proves it holds the weights it was sent (printed at start)."""
+    if sync == "broadcast":
+        return {"strop": "the checksum of the tensors each server holds (/weights_checker), and the version it reports",
+                "vllm": "the checksum of every byte strop's worker extension received, that every parameter was "
+                        "written, and the version each server reports (/weight_info)",
+                "sglang": "the version each server reports (/model_info) after the update; SGLang's own checksums "
+                          "cover its fused tensors, which the trainer cannot reproduce, so no byte-for-byte check"}[kind]
+    if kind == "strop":
+        return {"disk": "the checksum of the file each server loaded, and the version it reports",
+                "delta": "each changed tensor's digest, checked by the server, and the version it reports"}[sync]
+    route = "/model_info" if kind == "sglang" else "/weight_info"
+    return (f"the version each server reports ({route}), read back after every load; {kind} reports no checksum "
+            "strop can compare, so a load is not checked byte for byte")

@@ -1,0 +1,51 @@
+"""The ``model`` and ``train`` sections: the policy the trainer loads and how it is optimized
+(strop/train/, strop/models.py). Torch-free: ``strop train --help`` reads it."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from strop.configbase import Section
+from strop.models import EMBEDDED_MODEL
+
+
+class ModelConfig(Section):
+    path: str = Field(
+        EMBEDDED_MODEL,
+        description=f"the policy: {EMBEDDED_MODEL!r} (packaged SmolLM2-135M-Instruct), "
+        "a local Hugging Face model folder, or a hub id (needs network)",
+    )
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="parameter dtype for engine and trainer (fp32 is faster on most CPUs)"
+    )
+
+
+
+class TrainConfig(Section):
+    steps: int = Field(15, gt=0, description="RL steps (rollout + one optimizer step each)")
+    lr: float = Field(3e-5, gt=0, description="AdamW learning rate")
+    warmup_steps: int = Field(2, ge=0, description="linear learning-rate warm-up steps")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    betas: tuple[float, float] = Field((0.9, 0.99), description="AdamW betas")
+    grad_clip: float = Field(1.0, gt=0, description="clip the global gradient norm to this")
+    micro_batch_size: int = Field(16, gt=0, description="samples per forward/backward (gradient accumulation)")
+    mini_batches: int = Field(1, gt=0, description="optimizer steps per rollout batch (PPO-style reuse)")
+    max_tokens_per_micro_batch: int | None = Field(
+        None, gt=0, description="pack samples into micro-batches of at most this many tokens, with no padding "
+        "(replaces micro_batch_size)")
+    logprob_chunk_size: int = Field(
+        1024, ge=0, description="tokens per lm_head chunk when computing logprobs (0 = full logits, more memory)")
+    seed: int = Field(0, description="torch seed")
+    bf16_autocast: bool = Field(
+        False, description="run the trainer's forward passes under bf16 autocast (fp32 master weights and "
+        "optimizer state): on GPUs, and on CPUs with bf16 matmul (avx512_bf16, AMX; 2.2x the quickstart's train "
+        "step here), slow on CPUs without it")
+    max_nonfinite_grad_steps: int = Field(
+        3, gt=0, description="stop the run after this many optimizer steps in a row with a NaN/inf gradient "
+        "norm (each such step is skipped and counted in nonfinite_grad_norm_steps)")
+    activation_checkpointing: bool = Field(
+        False, description="recompute each decoder layer's activations in backward instead of keeping them "
+        "(transformers' gradient checkpointing, non-reentrant): activation memory drops to the layers' inputs "
+        "plus one layer's, for about one more forward pass per step; policy and critic; not with context parallel")
