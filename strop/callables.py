@@ -13,4 +13,4 @@ class PluginError(ValueError):
 
 def is_async(fn: Callable) -> bool:
     """An ``async def`` function, or an object whose ``__call__`` is one."""
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))  # noqa: B004 (the method itself)

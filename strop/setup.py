@@ -37,6 +37,8 @@ from strop.rollout.toolbox import make_tools
 from strop.models import load_model, load_tokenizer, meta_model, resolve_model_path
 from strop.parallel.loading import unloadable
 from strop.train.modules import build_modules
+from strop.sync.base import WeightSync
+from strop.sync.choose import choose_sync
 from strop.tools import describe_tools
 from strop.train.trainer import Trainer
 from strop.types import SamplingParams
@@ -61,6 +63,13 @@ class Components:
     servers: list = field(default_factory=list)  # strop serve processes this run started (engine.launch)
     replay: dict | None = None  # train only (data.samples): the file's samples by step
     rollout_extra: dict = field(default_factory=dict)  # RolloutContext.extra: tools and turn limits (tools.enabled)
+    weight_sync: WeightSync | None = None  # the embedded engine's transport (a router holds its own)
+
+    def weight_update(self) -> Callable:
+        """The engine's update, ``(weights, version=...)``: through the embedded engine's transport
+        (strop.sync.inprocess), or a router's own ``update_weights``, which hands it to the transport
+        strop.sync.choose picked for its servers."""
+        return self.weight_sync.update if self.weight_sync is not None else self.engine.update_weights
 
     def close(self, run=None) -> None:
         """Stop what the run started: the router's health checks and connections (``run(coroutine)``
@@ -271,9 +280,12 @@ def _controller_parts(cfg: Config, p: _Prepared, trainer: Trainer, device: torch
                                          context_window=context_window, seed=r.seed,
                                          fast_decode=cfg.engine.fast_decode,
                                          shared=p.engine_model is p.policy), []
+        weight_sync = choose_sync(cfg, [engine], run_dir, [], device)
+        weight_sync.connect(engine)
     else:
         engine, servers = remote_engine(cfg, p.model_path, run_dir, probe_ids=train_prompts.prompt_ids[0],
                                         device=device)
+        weight_sync = None  # the router's transport is its own
     sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                               max_new_tokens=r.max_new_tokens, stop_token_ids=stop_ids)
     extra = dict(p.tools or {})
@@ -291,7 +303,8 @@ def _controller_parts(cfg: Config, p: _Prepared, trainer: Trainer, device: torch
     return Components(trainer=trainer, tokenizer=tokenizer, train_prompts=train_prompts, eval_prompts=eval_prompts,
                       sampler=PromptSampler(len(train_prompts), cfg.data.seed, cfg.data.shuffle),
                       reward_fn=p.reward_fn, hooks=p.hooks, engine=engine, sampling=sampling,
-                      eval_sampling=eval_sampling, run_dir=run_dir, servers=servers, rollout_extra=extra)
+                      eval_sampling=eval_sampling, run_dir=run_dir, servers=servers, rollout_extra=extra,
+                      weight_sync=weight_sync)
 
 
 def remote_engine(cfg: Config, model_path: str, run_dir: Path, probe_ids: list[int], device=None):
@@ -324,8 +337,6 @@ def _router(cfg: Config, urls: list[str], token: str | None, run_dir: Path, prob
     from strop.engines.router import Router
     from strop.engines.sglang import SGLangEngine
     from strop.engines.vllm import VLLMEngine
-    from strop.sync.choose import choose_sync
-
     e = cfg.engine
     kind = VLLMEngine if e.kind == "vllm" else SGLangEngine
     clients = [kind(u, timeout_s=e.timeout_s, retries=e.retries, token=token,

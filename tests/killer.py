@@ -9,7 +9,6 @@
 Workers of ``--nproc N`` run this file too, so the point can be on any rank.
 """
 
-import functools
 import os
 import signal
 import sys
@@ -85,8 +84,14 @@ if PHASE == "save" and ME:
     strop.checkpoint._fsync_tree = fsync
 
 # workers of --nproc run this file as well
-strop.cluster.local.launch = functools.partial(strop.cluster.local.launch,
-                                                  command=[sys.executable, os.path.abspath(__file__), "train"])
+_launch = strop.cluster.local.launch
+
+
+def launch(nproc, argv, command, *args, **kwargs):  # the front door hands down its own program: run this file
+    return _launch(nproc, argv, [sys.executable, os.path.abspath(__file__), "train"], *args, **kwargs)
+
+
+strop.cluster.local.launch = launch
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

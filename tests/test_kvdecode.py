@@ -40,7 +40,7 @@ def test_fast_path_matches_the_transformers_path(tiny_model, max_batch_size):
     """Greedy tokens identical, logprobs within 1e-4, also when rows join a running batch (2 at once)."""
     fast = engine(tiny_model, max_batch_size=max_batch_size).generate_batch(PROMPTS, GREEDY)
     slow = engine(tiny_model, fast_decode=False).generate_batch(PROMPTS, GREEDY)
-    for prompt, a, b in zip(PROMPTS, fast, slow):
+    for _prompt, a, b in zip(PROMPTS, fast, slow):
         assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-4)
 

@@ -139,7 +139,7 @@ def test_async_starts_no_group_that_would_be_too_stale_when_its_turn_comes(max_s
     assert manager.dropped["stale"] == 0
     assert accounts["trained"] == 6 * 4 * 4
     # still ahead by the most it may be: from step max_staleness + 1 on, every token is that many versions old
-    for step, groups, metrics in seen[max_staleness:]:
+    for step, groups, _metrics in seen[max_staleness:]:
         assert {st for g in groups for s in g for st in staleness(s, step)} == {max_staleness}, step
     # and nothing is started for a step after the last: every group generated was trained
     assert accounts["generated"] == accounts["trained"]
@@ -166,7 +166,7 @@ def test_partial_rollout_resumes_aborted_samples_keeping_per_token_versions(resu
     seen, _ = asyncio.run(_drive(manager, engine, steps=4, train_seconds=0.01))
     resumed = [(step, s) for step, groups, _ in seen for g in groups for s in g if s.metadata.get("resumed")]
     assert resumed, "no sample was resumed"
-    for step, s in resumed:
+    for _step, s in resumed:
         versions = s.weight_versions
         assert len(set(versions)) >= 2 and versions == sorted(versions)  # old tokens first, then the new weights
         assert len(versions) == s.response_length <= 12  # the budget counts the tokens from before the abort

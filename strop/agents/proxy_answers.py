@@ -13,17 +13,17 @@ import logging
 import time
 import uuid
 
-from strop.agents.proxy_requests import ChatRequest, CompletionRequest, SamplingRequest, wants_usage
+from strop.agents.proxy_requests import ChatRequest, CompletionRequest, SamplingRequest
 from strop.agents.session import Call, ChatState
+from strop.serving.openai import include_usage, usage
 from strop.serving.textstream import StreamedText
 
 log = logging.getLogger("strop.agents")
 
 
-def usage(call: Call) -> dict:
-    done = sum(len(c.completion.token_ids) for c in call.choices)
-    return {"prompt_tokens": len(call.prompt_ids), "completion_tokens": done,
-            "total_tokens": len(call.prompt_ids) + done}
+def call_usage(call: Call) -> dict:
+    """The call's usage (:func:`strop.serving.openai.usage`): its prompt and every choice's tokens."""
+    return usage([call.prompt_ids], sum(len(c.completion.token_ids) for c in call.choices))
 
 
 def _tool_calls(msg: dict) -> list[dict]:
@@ -45,7 +45,7 @@ def chat_answer(tokenizer, model_name: str, body: ChatRequest, call: Call, cut) 
             lps = {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
                                for t, lp in zip(toks, out.logprobs)]}
         answers.append((i, msg["content"] if (msg["content"] or not calls) else None, calls, finish, lps, out))
-    return {**head, "object": "chat.completion", "usage": usage(call), "prompt_token_ids": call.prompt_ids,
+    return {**head, "object": "chat.completion", "usage": call_usage(call), "prompt_token_ids": call.prompt_ids,
             "choices": [{"index": i, "message": {"role": "assistant", "content": content,
                                                  **({"tool_calls": calls} if calls else {})},
                          "finish_reason": finish, "logprobs": lps, "token_ids": out.token_ids,
@@ -60,7 +60,7 @@ def completion_answer(model_name: str, body: CompletionRequest, call: Call, cut)
                 "logprobs": {"token_logprobs": out.logprobs, "tokens": None, "top_logprobs": None}
                 if body.logprobs is not None else None, "token_ids": out.token_ids,
                 "weight_version": out.weight_version} for i, (out, text) in enumerate(cut)]
-    return {**head, "choices": choices, "usage": usage(call), "prompt_token_ids": call.prompt_ids}
+    return {**head, "choices": choices, "usage": call_usage(call), "prompt_token_ids": call.prompt_ids}
 
 
 def stream_head(chat: ChatState | None, model_name: str) -> dict:
@@ -119,8 +119,8 @@ def end_chunks(tokenizer, head: dict, body: SamplingRequest, call: Call, cut, vi
                 {"index": k, **c} for k, c in enumerate(calls)]}}]})
             rest = ""
         chunks.append({**head, "choices": [{**end, "delta": {"content": rest} if rest else {}}]})
-    if wants_usage(body):
-        chunks.append({**head, "choices": [], "usage": usage(call)})
+    if include_usage(body):
+        chunks.append({**head, "choices": [], "usage": call_usage(call)})
     return chunks
 
 

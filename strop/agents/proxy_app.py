@@ -17,6 +17,7 @@ from strop.agents.proxy_requests import (Busy, ChatRequest, ClientGone, Completi
                                          error_response, input_param, read_body)
 from strop.agents.proxy_stream import stream
 from strop.agents.session import ChatState, Session, SessionLimitError
+from strop.serving.openai import models_answer
 from strop.types import Sample, SamplingParams
 
 log = logging.getLogger("strop.agents")
@@ -91,7 +92,7 @@ def _call_routes(app: FastAPI, proxy) -> None:
     @app.get("/v1/models")
     async def models(request: Request):
         proxy.authorise(request)
-        return {"object": "list", "data": [{"id": proxy.model_name, "object": "model", "owned_by": "strop"}]}
+        return models_answer(proxy.model_name, owned_by="strop")
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):

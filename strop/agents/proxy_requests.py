@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from strop.agents.chat import ChatInputError
 from strop.agents.session import Session
+from strop.serving.openai import error_json, non_neutral, stops_of
 from strop.serving.request import RequestError, SessionError
 from strop.wire.errors import EngineRefusedError
 
@@ -23,7 +24,6 @@ MAX_N = 16
 MAX_STOPS = 16  # stop strings per call (OpenAI takes 4)
 MAX_NESTING = 64  # JSON objects and lists inside one another in a body (a tool schema: about 30 levels)
 MAX_ERROR_CHARS = 300  # an error message is cut here: whatever came in, the answer is short
-NEUTRAL_ONLY = ("frequency_penalty", "presence_penalty", "logit_bias")  # accepted at their neutral value only
 
 
 class SamplingRequest(BaseModel):
@@ -83,8 +83,7 @@ def error_response(status: int, message: str, code: str | None = None, headers: 
     kind = "rate_limit_exceeded" if status == 429 else "invalid_request_error" if status < 500 else "server_error"
     if len(message) > MAX_ERROR_CHARS:
         message = message[: MAX_ERROR_CHARS - 3] + "..."
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
-                        status_code=status, headers=headers)
+    return error_json(status, message, kind, code, headers, param=param)
 
 
 _FIELDS = {*ChatRequest.model_fields, *CompletionRequest.model_fields, *RewardBody.model_fields}
@@ -154,22 +153,17 @@ def read_body(raw: bytes, model: type[BaseModel]) -> BaseModel:
 
 def check_neutral(body: SamplingRequest) -> None:
     """Refuse a penalty or logit bias other than its neutral value (the proxy samples as the rollout does)."""
-    for name in NEUTRAL_ONLY:
-        if getattr(body, name) not in (None, 0, 0.0, {}):
-            raise ChatInputError(f"{name} is not supported by the strop proxy (only its neutral value)")
+    name = non_neutral(body)
+    if name is not None:
+        raise ChatInputError(f"{name} is not supported by the strop proxy (only its neutral value)")
 
 
 def stop_strings(body: SamplingRequest) -> list[str]:
     """The call's stop strings (``stop``: one string or a list), at most MAX_STOPS, none empty."""
-    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    stops = stops_of(body)
     if any(not x for x in stops) or len(stops) > MAX_STOPS:
         raise ChatInputError(f"stop: at most {MAX_STOPS} non-empty strings")
     return stops
-
-
-def wants_usage(body: SamplingRequest) -> bool:
-    """A stream that asked for the usage chunk at its end (``stream_options.include_usage``)."""
-    return bool((body.stream_options or {}).get("include_usage"))
 
 
 def engine_refusal(exc: BaseException) -> BaseException | None:

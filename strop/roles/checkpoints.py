@@ -84,7 +84,7 @@ class CheckpointRecord:
                   "the run continues, but not bitwise as it would have", flush=True)
         d.clock.start -= state["elapsed_seconds"]
         if c.engine is not None:
-            d.loop.run(c.engine.update_weights(weights, version=state["weight_version"]))
+            d.loop.run(c.weight_update()(weights, version=state["weight_version"]))
         d.progress.update(state["step"])
         print(f"strop: resumed from {found} at step {state['step']} of {d.cfg.train.steps}", flush=True)
         return state["step"]

@@ -28,7 +28,7 @@ class EngineSync:
         t = time.perf_counter()
         if c.engine is not None:  # (train only has none)
             # (partial=resume: what is generating is aborted around the update and continues after it)
-            self.rollout.update_weights(functools.partial(c.engine.update_weights, weights, version=step), step)
+            self.rollout.update_weights(functools.partial(c.weight_update(), weights, version=step), step)
             if isinstance(c.engine, Probed) and c.engine.probe_ids:  # every engine computes with the trainer's weights
                 ids = c.engine.probe_ids
                 reference = reference_logprobs(c.trainer.model, ids)

@@ -1,17 +1,27 @@
-"""The OpenAI-compatible surface shared by strop serve and the agent proxy (:mod:`strop.agents.proxy`).
+"""The one OpenAI-compatible module strop serve and the agent proxy (:mod:`strop.agents.proxy`) both build on.
 
-strop serve mounts its ``/v1`` routes from :mod:`strop.serving.routes_openai`; what another server can
-reuse without strop serve's engine lives here, as plain classes and functions:
+strop serve mounts its ``/v1`` routes from :mod:`strop.serving.routes_openai`; the agent proxy mounts its own
+(:mod:`strop.agents.proxy_app`: a session's calls, recorded token by token). What both answer alike lives here,
+as plain classes and functions, so the two servers' OpenAI surface is written once:
 
-- request bodies: :class:`OpenAIBody` (the sampling fields both endpoints share, with the refusals of
-  fields strop does not implement), :class:`CompletionBody`, :class:`ChatBody`; the field types
-  ``Seed`` and ``StopString``; the limits ``MAX_N``, ``MAX_LOGPROBS``, ``MAX_BODY_BYTES``;
-- the error shape: :func:`error` (OpenAI's ``{"error": {message, type, code}}``) and :class:`BodyLimit`
-  (an ASGI wrapper refusing an over-long body with 413 before anything parses it);
+- request bodies (strop serve's; the proxy keeps its own, with its tighter bounds and wording):
+  :class:`OpenAIBody` (the sampling fields both endpoints share, with the refusals of fields strop does not
+  implement), :class:`CompletionBody`, :class:`ChatBody`; the field types ``Seed`` and ``StopString``; the
+  limits ``MAX_N``, ``MAX_LOGPROBS``, ``MAX_BODY_BYTES``;
+- the fields accepted at their neutral value only: ``NEUTRAL_ONLY`` and :func:`non_neutral` (each server
+  words its own refusal);
+- the error shape: :func:`error_json` (OpenAI's ``{"error": {message, type, ..., code}}``), :func:`error`
+  (strop serve's, over it) and :class:`BodyLimit` (an ASGI wrapper refusing an over-long body with 413
+  before anything parses it);
+- the ``/v1/models`` answer: :func:`models_answer`;
 - SSE framing: :func:`sse` (one event per chunk, ``[DONE]``, an error event when the stream fails);
 - helpers over a finished completion: :func:`cut_at_stops`, :func:`finish`, :func:`usage`,
   :func:`stops_of`, :func:`include_usage`, :func:`at_most_max_logprobs`, :func:`completion_logprobs`,
   :func:`chat_logprobs`, :func:`text_message`, :func:`json_logprob`.
+
+strop serve uses all of it. The agent proxy uses :func:`error_json`, :class:`BodyLimit`, ``MAX_BODY_BYTES``,
+:func:`models_answer`, :func:`non_neutral`, :func:`sse`, :func:`cut_at_stops`, :func:`usage`,
+:func:`stops_of` and :func:`include_usage`.
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ from strop.types import Completion
 MAX_N = 128  # choices per request
 MAX_LOGPROBS = 20  # most likely tokens per position a request may ask for (vLLM's default max_logprobs)
 MAX_BODY_BYTES = 16 << 20  # a request body; a longer one gets 413 (strop serve and the agent proxy)
+NEUTRAL_ONLY = ("frequency_penalty", "presence_penalty", "logit_bias")  # accepted at their neutral value only
 log = logging.getLogger("strop.serve")
 
 Seed = Annotated[int, Field(ge=0, lt=2**64)]  # what a torch.Generator takes (negative seeds refused)
@@ -54,9 +65,9 @@ class OpenAIBody(BaseModel):
 
     @model_validator(mode="after")
     def _only_neutral(self):
-        for name in ("frequency_penalty", "presence_penalty", "logit_bias"):
-            if getattr(self, name) not in (None, 0, 0.0, {}):
-                raise ValueError(f"{name}={getattr(self, name)!r} is not supported by strop serve")
+        name = non_neutral(self)
+        if name is not None:
+            raise ValueError(f"{name}={getattr(self, name)!r} is not supported by strop serve")
         return self
 
 
@@ -96,10 +107,30 @@ class ChatBody(OpenAIBody):
         return self
 
 
+def non_neutral(body) -> str | None:
+    """The first of ``NEUTRAL_ONLY`` a body (strop serve's or the proxy's) sets to other than its
+    neutral value, or None: strop samples without penalties or logit bias."""
+    for name in NEUTRAL_ONLY:
+        if getattr(body, name) not in (None, 0, 0.0, {}):
+            return name
+    return None
+
+
+def error_json(status: int, message: str, kind: str, code, headers: dict | None = None, **fields) -> JSONResponse:
+    """OpenAI's error shape, ``{"error": {"message", "type", **fields, "code"}}`` (the openai SDK reads
+    ``error.message``), with ``status``: strop serve's and the agent proxy's errors alike."""
+    return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind, **fields,
+                                                               "code": code}}, headers=headers)
+
+
 def error(status: int, message: str) -> JSONResponse:
-    """OpenAI's error shape (the openai SDK reads ``error.message``); SGLang clients read the text."""
-    kind = "invalid_request_error" if status < 500 else "internal_error"
-    return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind, "code": status}})
+    """strop serve's errors in OpenAI's shape, the status as the code; SGLang clients read the text."""
+    return error_json(status, message, "invalid_request_error" if status < 500 else "internal_error", status)
+
+
+def models_answer(name: str, **fields) -> dict:
+    """The ``/v1/models`` answer: the one model served, as ``name``, with the server's ``fields``."""
+    return {"object": "list", "data": [{"id": name, "object": "model", **fields}]}
 
 
 class BodyLimit:
@@ -150,6 +181,7 @@ def usage(prompts, completion_tokens: int) -> dict:
 
 
 def include_usage(body: OpenAIBody) -> bool:
+    """A stream that asked for the usage chunk at its end (``stream_options.include_usage``)."""
     return bool((body.stream_options or {}).get("include_usage"))
 
 

@@ -2,8 +2,8 @@
   GET  /v1/models
   POST /v1/completions, /v1/chat/completions  (token ids, logprobs and up to 20 top logprobs included;
                                               echo; stream (a chunk per decoded token), stop, n)
-The request bodies, error shape, SSE framing and completion helpers are :mod:`strop.serving.openai`'s,
-which the agent proxy reuses."""
+The request bodies, error shape, /v1/models answer, SSE framing and completion helpers are
+:mod:`strop.serving.openai`'s, the OpenAI-compatible module the agent proxy builds on too."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import StreamingResponse
 
 from strop.serving.openai import (ChatBody, CompletionBody, OpenAIBody, at_most_max_logprobs, chat_logprobs,
-                                  completion_logprobs, cut_at_stops, finish, include_usage, sse, stops_of,
-                                  text_message, usage)
+                                  completion_logprobs, cut_at_stops, finish, include_usage, models_answer, sse,
+                                  stops_of, text_message, usage)
 from strop.serving.service import ServeService, sampling_of, seeds, service_of
 from strop.serving.textstream import StreamedText
 from strop.types import Completion, SamplingParams
@@ -29,8 +29,7 @@ router = APIRouter()
 @router.get("/v1/models")
 async def models(request: Request):
     svc = service_of(request)
-    return {"object": "list", "data": [{"id": svc.model_name, "object": "model", "created": 0, "owned_by": "strop",
-                                        "max_model_len": svc.engine.context_window}]}
+    return models_answer(svc.model_name, created=0, owned_by="strop", max_model_len=svc.engine.context_window)
 
 
 def openai_jobs(prompts: list[list[int]], body: OpenAIBody, max_tokens: int) -> list[tuple[int, SamplingParams]]:

@@ -64,7 +64,7 @@ def test_torchrun_on_two_nodes_equals_nproc_2(tiny_model_dir, tmp_path):
                 *_args(tiny_model_dir, tmp_path / "torchrun")]
     nproc = [sys.executable, *strop, "--nproc=2", *_args(tiny_model_dir, tmp_path / "nproc")]
     runs = _run_all([nproc, torchrun, torchrun], tmp_path, timeout_s=200)
-    for code, out, err in runs:
+    for code, _out, err in runs:
         assert code == 0, err[-3000:]
     talking = [out for _, out, _ in runs[1:] if "strop: run directory" in out]
     assert len(talking) == 1 and "2 processes = data parallel 2 (replicate) x context parallel 1" in talking[0]

@@ -13,7 +13,6 @@ BUCKET = 16 << 10  # the tied embedding (1024 x 32 fp32 = 128 KiB) travels alone
 def _sync(rank, world, mode, tp, folder):
     import asyncio
 
-    import torch
     from safetensors.torch import load_file
 
     from strop.config import AlgoConfig, TrainConfig
