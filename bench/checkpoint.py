@@ -41,8 +41,13 @@ def _trainer(model_path):
     from strop.train.trainer import Sampling, Trainer
 
     torch.manual_seed(0)
-    return Trainer(load_model(model_path), pad_token_id=0, train=TrainConfig(micro_batch_size=8, warmup_steps=0),
-                   algo=AlgoConfig(), rollout=Sampling(max_new_tokens=16))
+    return Trainer(
+        load_model(model_path),
+        pad_token_id=0,
+        train=TrainConfig(micro_batch_size=8, warmup_steps=0),
+        algo=AlgoConfig(),
+        rollout=Sampling(max_new_tokens=16),
+    )
 
 
 def main() -> None:
@@ -60,8 +65,12 @@ def main() -> None:
     trainer = _trainer(path)
     trainer.step(synthetic_samples())
     params = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
-    optim = sum(t.numel() * t.element_size() for s in trainer.policy_opt.optimizer.state.values()
-                for t in s.values() if torch.is_tensor(t))
+    optim = sum(
+        t.numel() * t.element_size()
+        for s in trainer.policy_opt.optimizer.state.values()
+        for t in s.values()
+        if torch.is_tensor(t)
+    )
     work = Path(tempfile.mkdtemp(prefix="strop-ckpt-bench-"))
     try:
         weights = trainer.full_weights()  # the run has this copy already (it synced the engine with it)
@@ -70,12 +79,22 @@ def main() -> None:
         tmp = checkpoint.begin(work, 1)
         checkpoint.save_trainer(tmp, trainer)
         t_trainer = time.perf_counter() - t0
-        final = checkpoint.finish(work, tmp, 1, controller_state={"step": 1}, weights=weights, model=trainer.model,
-                                  tokenizer=tokenizer, keep=1)
+        final = checkpoint.finish(
+            work,
+            tmp,
+            1,
+            controller_state={"step": 1},
+            weights=weights,
+            model=trainer.model,
+            tokenizer=tokenizer,
+            keep=1,
+        )
         t_save = time.perf_counter() - t0
         save_extra = (_kib("VmHWM") - before) / 1024
-        sizes = {part: sum(f.stat().st_size for f in (final / part).rglob("*") if f.is_file())
-                 for part in ("trainer", "policy")}
+        sizes = {
+            part: sum(f.stat().st_size for f in (final / part).rglob("*") if f.is_file())
+            for part in ("trainer", "policy")
+        }
         total = sum(f.stat().st_size for f in final.rglob("*") if f.is_file())
         del weights
 
@@ -93,15 +112,22 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
 
     mib = 2**20
-    print(f"model {args.model}: parameters {params / mib:.0f} MiB, AdamW state {optim / mib:.0f} MiB, "
-          f"torch threads {torch.get_num_threads()}")
+    print(
+        f"model {args.model}: parameters {params / mib:.0f} MiB, AdamW state {optim / mib:.0f} MiB, "
+        f"torch threads {torch.get_num_threads()}"
+    )
     print(f"{'':34}{'value':>12}")
-    for name, value in (("save: trainer state (DCP) s", t_trainer), ("save: whole checkpoint s", t_save),
-                        ("load: trainer state s", t_load),
-                        ("size: trainer/ MiB", sizes["trainer"] / mib), ("size: policy/ (HF) MiB", sizes["policy"] / mib),
-                        ("size: checkpoint MiB", total / mib),
-                        ("save: peak RSS rise MiB", save_extra), ("load: peak RSS rise MiB", load_extra),
-                        ("save rise / optimizer state", save_extra * mib / optim)):
+    for name, value in (
+        ("save: trainer state (DCP) s", t_trainer),
+        ("save: whole checkpoint s", t_save),
+        ("load: trainer state s", t_load),
+        ("size: trainer/ MiB", sizes["trainer"] / mib),
+        ("size: policy/ (HF) MiB", sizes["policy"] / mib),
+        ("size: checkpoint MiB", total / mib),
+        ("save: peak RSS rise MiB", save_extra),
+        ("load: peak RSS rise MiB", load_extra),
+        ("save rise / optimizer state", save_extra * mib / optim),
+    ):
         print(f"{name:34}{value:12.2f}")
     print(f"loaded weights and optimizer state bitwise equal: {same}")
 

@@ -12,8 +12,12 @@ def synthetic_samples(n: int = 16, prompt_len: int = 24, response_len: int = 16,
     g = torch.Generator().manual_seed(seed)
     out = []
     for i in range(n):
-        s = Sample(prompt="p", prompt_ids=torch.randint(3, 40000, (prompt_len,), generator=g).tolist(),
-                   group_id=i // group, index=i % group)
+        s = Sample(
+            prompt="p",
+            prompt_ids=torch.randint(3, 40000, (prompt_len,), generator=g).tolist(),
+            group_id=i // group,
+            index=i % group,
+        )
         s.append(torch.randint(3, 40000, (response_len,), generator=g).tolist(), [-3.0] * response_len)
         s.status, s.reward = Status.COMPLETED, float(i % 2)
         out.append(s)
@@ -30,8 +34,12 @@ def quickstart_samples(tok, n: int = 64, response_tokens: int = 48, weight_versi
     g = torch.Generator().manual_seed(0)
     samples = []
     for i in range(n):
-        prompt = tok.apply_chat_template([{"role": "user", "content": f"Calculate {i % 9} + {(i * 7) % 9}."}],
-                                         add_generation_prompt=True, tokenize=True, return_dict=False)
+        prompt = tok.apply_chat_template(
+            [{"role": "user", "content": f"Calculate {i % 9} + {(i * 7) % 9}."}],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+        )
         s = Sample(prompt="q", prompt_ids=list(prompt), group_id=i // 8, index=i % 8)
         ids = torch.randint(0, 49152, (response_tokens,), generator=g).tolist()
         s.append(ids, [-1.0] * len(ids), weight_version=weight_version)
@@ -50,8 +58,9 @@ def timed_train(args: list[str], run_dir, what: str) -> tuple[float, list[dict]]
     from pathlib import Path
 
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "strop.cli", "train", *args, f"--run.dir={run_dir}"],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "strop.cli", "train", *args, f"--run.dir={run_dir}"], capture_output=True, text=True
+    )
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         raise SystemExit(f"{what}: strop train failed:\n{proc.stderr[-3000:]}")

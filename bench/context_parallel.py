@@ -33,9 +33,18 @@ def _model():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                         num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
-                         tie_word_embeddings=True, rms_norm_eps=1e-5, rope_theta=100000.0)
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-5,
+        rope_theta=100000.0,
+    )
     return LlamaForCausalLM(config).float().train()
 
 
@@ -51,8 +60,12 @@ def _step_fn(rank, world, length, threads):
     input_ids = torch.randint(3, 49000, (1, length), generator=g)
     attention_mask = torch.ones(1, length, dtype=torch.long)
     positions = torch.arange(length // 2, length).unsqueeze(0)  # the second half is the response
-    batch = {"input_ids": input_ids, "attention_mask": attention_mask, "positions": positions,
-             "response_mask": torch.ones(1, positions.shape[1])}
+    batch = {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "positions": positions,
+        "response_mask": torch.ones(1, positions.shape[1]),
+    }
     plan = None
     if world > 1:
         context.enable(model)
@@ -96,14 +109,19 @@ def main() -> None:
     cores = os.cpu_count() or 2
     env = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}  # freed big buffers leave RSS, so peaks are the step's own
     print(f"SmolLM2-135M architecture (random init), one row, response = second half, fp32, {cores} cores")
-    print(f"{'tokens':>7} | {'cp=1 s':>7} | {'cp=2 s':>7} | {'time ratio':>10} | {'cp=1 peak MiB':>13} | "
-          f"{'cp=2 peak MiB/rank':>18} | {'memory ratio':>12}")
+    print(
+        f"{'tokens':>7} | {'cp=1 s':>7} | {'cp=2 s':>7} | {'time ratio':>10} | {'cp=1 peak MiB':>13} | "
+        f"{'cp=2 peak MiB/rank':>18} | {'memory ratio':>12}"
+    )
     for length in args.lengths:
-        (p1, t1), = run_on_ranks(_measure, 1, length, cores, args.repeats, timeout=1800, env=env)
+        ((p1, t1),) = run_on_ranks(_measure, 1, length, cores, args.repeats, timeout=1800, env=env)
         two = run_on_ranks(_measure, 2, length, max(cores // 2, 1), args.repeats, timeout=1800, env=env)
         p2, t2 = max(p for p, _ in two), max(t for _, t in two)
-        print(f"{length:>7} | {t1:>7.2f} | {t2:>7.2f} | {t2 / t1:>9.2f}x | {p1 / MiB:>13.0f} | "
-              f"{p2 / MiB:>18.0f} | {p2 / p1:>11.2f}x", flush=True)
+        print(
+            f"{length:>7} | {t1:>7.2f} | {t2:>7.2f} | {t2 / t1:>9.2f}x | {p1 / MiB:>13.0f} | "
+            f"{p2 / MiB:>18.0f} | {p2 / p1:>11.2f}x",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -42,12 +42,21 @@ def hf_generate(model, tok, prompts, new_tokens, *, eos, n=1):
     kw = dict(min_new_tokens=new_tokens) if eos is None else dict(eos_token_id=eos)
     t = time.perf_counter()
     with torch.no_grad():
-        out = model.generate(**enc, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new_tokens,
-                             pad_token_id=tok.pad_token_id, num_return_sequences=n, **kw)
+        out = model.generate(
+            **enc,
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=new_tokens,
+            pad_token_id=tok.pad_token_id,
+            num_return_sequences=n,
+            **kw,
+        )
     if model.device.type == "cuda":
         torch.cuda.synchronize(model.device)
     dt = time.perf_counter() - t
-    gen = out[:, enc["input_ids"].shape[1]:]
+    gen = out[:, enc["input_ids"].shape[1] :]
     if eos is None:
         tokens = gen.numel()
     else:  # up to and including the first end-of-turn
@@ -61,8 +70,12 @@ def hf_generate(model, tok, prompts, new_tokens, *, eos, n=1):
 def strop_generate(engine, prompts, new_tokens, *, eos, seed0=0):
     from strop.types import SamplingParams
 
-    sps = [SamplingParams(temperature=1.0, max_new_tokens=new_tokens, seed=seed0 + i,
-                          stop_token_ids=[-1] if eos is None else [eos]) for i in range(len(prompts))]
+    sps = [
+        SamplingParams(
+            temperature=1.0, max_new_tokens=new_tokens, seed=seed0 + i, stop_token_ids=[-1] if eos is None else [eos]
+        )
+        for i in range(len(prompts))
+    ]
     t = time.perf_counter()
     outs = engine.generate_batch(prompts, sps)
     return sum(len(o.token_ids) for o in outs), time.perf_counter() - t
@@ -71,13 +84,34 @@ def strop_generate(engine, prompts, new_tokens, *, eos, seed0=0):
 class VLLMServer:
     def __init__(self, model_dir: str, port: int, dtype: str = "float32"):
         self.url = f"http://127.0.0.1:{port}"
-        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_OMP_THREADS_BIND="0-1",
-                   VLLM_LOGGING_LEVEL="WARNING")
+        env = dict(
+            os.environ, VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_OMP_THREADS_BIND="0-1", VLLM_LOGGING_LEVEL="WARNING"
+        )
         self.log = open(f"/tmp/bench-vllm-{port}.log", "wb")
-        self.proc = subprocess.Popen([str(VLLM_PY), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-                                      "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
-                                      "--max-num-batched-tokens", "8192", "--max-model-len", "2048",
-                                      "--max-num-seqs", "128"], stdout=self.log, stderr=self.log, env=env)
+        self.proc = subprocess.Popen(
+            [
+                str(VLLM_PY),
+                "-m",
+                "vllm.entrypoints.openai.api_server",
+                "--model",
+                model_dir,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--dtype",
+                dtype,
+                "--max-num-batched-tokens",
+                "8192",
+                "--max-model-len",
+                "2048",
+                "--max-num-seqs",
+                "128",
+            ],
+            stdout=self.log,
+            stderr=self.log,
+            env=env,
+        )
         import urllib.request
 
         deadline = time.monotonic() + 300
@@ -125,11 +159,21 @@ class VLLMServer:
 
 
 def make_cases(tok, args):
-    chat = lambda q: list(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,  # noqa: E731
-                                                  tokenize=True, return_dict=False))
+    def chat(q):
+        return list(
+            tok.apply_chat_template(
+                [{"role": "user", "content": q}],
+                add_generation_prompt=True,  # noqa: E731
+                tokenize=True,
+                return_dict=False,
+            )
+        )
+
     fixed = [chat(f"What is {3 + 7 * i} plus {11 + 13 * i}? Explain step by step.") for i in range(max(args.batch))]
-    grpo = [chat(f"A shop sells {4 + i} apples for {12 + 3 * i} dollars. How much do {7 + 2 * i} apples cost?")
-            for i in range(8)]
+    grpo = [
+        chat(f"A shop sells {4 + i} apples for {12 + 3 * i} dollars. How much do {7 + 2 * i} apples cost?")
+        for i in range(8)
+    ]
     eos = tok.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tok.get_vocab() else tok.eos_token_id
     cases = [(f"batch {b}", fixed[:b], None, 1) for b in args.batch]
     cases.append(("GRPO 8 prompts x 8", grpo, eos, 8))
@@ -157,19 +201,40 @@ def run_baseline(args) -> dict:
     import sys
     import tempfile
 
-    rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", args.baseline], check=True,
-                         capture_output=True, text=True).stdout.strip()
+    rev = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--short", args.baseline], check=True, capture_output=True, text=True
+    ).stdout.strip()
     tree = Path(tempfile.gettempdir()) / f"strop-engine-{rev}"
     if not tree.exists():
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), rev], check=True,
-                       capture_output=True)
+        subprocess.run(
+            ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), rev], check=True, capture_output=True
+        )
     out = tree / "engine-only.json"
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--model", args.model, "--new-tokens", str(args.new_tokens),
-           "--dtype", args.dtype,
-           "--repeats", str(args.repeats), "--batch", *map(str, args.batch), "--engine-only", str(out)]
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--model",
+        args.model,
+        "--new-tokens",
+        str(args.new_tokens),
+        "--dtype",
+        args.dtype,
+        "--repeats",
+        str(args.repeats),
+        "--batch",
+        *map(str, args.batch),
+        "--engine-only",
+        str(out),
+    ]
     env = dict(os.environ, PYTHONPATH=str(tree) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    check = subprocess.run([sys.executable, "-c", "import strop, sys; print(strop.__file__)"], env=env, cwd=tree,
-                           capture_output=True, text=True, check=True).stdout.strip()
+    check = subprocess.run(
+        [sys.executable, "-c", "import strop, sys; print(strop.__file__)"],
+        env=env,
+        cwd=tree,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     if not check.startswith(str(tree)):
         raise SystemExit(f"the baseline run would import strop from {check}, not from {tree}")
     subprocess.run(cmd, env=env, cwd=tree, check=True)
@@ -183,13 +248,25 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--no-vllm", action="store_true", help="skip the vLLM column even when it is installed")
-    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                    help="every engine's precision (HF generate, strop, vllm-cpu); the bound uses its matmul rate")
-    ap.add_argument("--device", default="cpu", help="cpu, or cuda: HF generate and strop's engine on the GPU, the "
-                    "bound from the GPU's own matmul rate and bandwidth (no vllm-cpu column there)")
-    ap.add_argument("--baseline", metavar="REV", default=None,
-                    help="add a column for strop's engine as it was at git revision REV (e.g. 0a93335, the engine "
-                         "when the speed issue was filed), run from a worktree in a subprocess")
+    ap.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="every engine's precision (HF generate, strop, vllm-cpu); the bound uses its matmul rate",
+    )
+    ap.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu, or cuda: HF generate and strop's engine on the GPU, the "
+        "bound from the GPU's own matmul rate and bandwidth (no vllm-cpu column there)",
+    )
+    ap.add_argument(
+        "--baseline",
+        metavar="REV",
+        default=None,
+        help="add a column for strop's engine as it was at git revision REV (e.g. 0a93335, the engine "
+        "when the speed issue was filed), run from a worktree in a subprocess",
+    )
     ap.add_argument("--engine-only", metavar="JSON", default=None, help=argparse.SUPPRESS)  # the baseline's side
     args = ap.parse_args()
     logging.disable(logging.WARNING)
@@ -211,8 +288,11 @@ def main() -> None:
     from limits import decode_bound, measure, model_shape
 
     limits = [measure(args.device)]  # (and again at the end: the bound is the better of the two)
-    print(f"prompt tokens: fixed {min(map(len, fixed))}-{max(map(len, fixed))}, GRPO {min(map(len, grpo))}-"
-          f"{max(map(len, grpo))}; new tokens up to {args.new_tokens}; best of {args.repeats}; {args.dtype}", flush=True)
+    print(
+        f"prompt tokens: fixed {min(map(len, fixed))}-{max(map(len, fixed))}, GRPO {min(map(len, grpo))}-"
+        f"{max(map(len, grpo))}; new tokens up to {args.new_tokens}; best of {args.repeats}; {args.dtype}",
+        flush=True,
+    )
     results: dict[str, dict[str, tuple[int, float]]] = {}
 
     def best(name, case, fn):
@@ -242,14 +322,25 @@ def main() -> None:
             server.generate(fixed[:2], 8, eos=None)  # warm-up
             for case, prompts, stop, n in cases:
                 best("vllm-cpu", case, lambda: server.generate(prompts, args.new_tokens, eos=stop, n=n))
-                print(f"  {case}: vllm-cpu {results[case]['vllm-cpu'][0] / results[case]['vllm-cpu'][1]:.1f} tok/s",
-                      flush=True)
+                print(
+                    f"  {case}: vllm-cpu {results[case]['vllm-cpu'][0] / results[case]['vllm-cpu'][1]:.1f} tok/s",
+                    flush=True,
+                )
         finally:
             server.stop()
         engines.append("vllm-cpu")
     else:
-        print("(vllm-cpu column skipped: " + ("--no-vllm" if args.no_vllm else f"--device {args.device}"
-              if args.device != "cpu" else f"{VLLM_PY} missing; run `bash scripts/setup_vllm.sh`") + ")")
+        print(
+            "(vllm-cpu column skipped: "
+            + (
+                "--no-vllm"
+                if args.no_vllm
+                else f"--device {args.device}"
+                if args.device != "cpu"
+                else f"{VLLM_PY} missing; run `bash scripts/setup_vllm.sh`"
+            )
+            + ")"
+        )
 
     limits.append(measure(args.device))
     best_limits = max(limits, key=lambda lim: lim.flops[args.dtype])
@@ -261,9 +352,14 @@ def main() -> None:
         bounds[case] = decode_bound(shape, rows, int(context), best_limits, str(model.dtype).removeprefix("torch."))
     print()
     base = f"strop at {args.baseline}" if args.baseline else None
-    print("| case | " + " | ".join(f"{e} tok/s (tokens, s)" for e in engines)
-          + " | now / HF | now / before | " + (f"now / {args.baseline} | " if base else "")
-          + ("now / vllm | " if "vllm-cpu" in engines else "") + "bound tok/s | now / bound |")
+    print(
+        "| case | "
+        + " | ".join(f"{e} tok/s (tokens, s)" for e in engines)
+        + " | now / HF | now / before | "
+        + (f"now / {args.baseline} | " if base else "")
+        + ("now / vllm | " if "vllm-cpu" in engines else "")
+        + "bound tok/s | now / bound |"
+    )
     print("|---" * (len(engines) + 5 + bool(base) + ("vllm-cpu" in engines)) + "|")
     for case, _, _, _ in cases:
         r = results[case]
@@ -276,8 +372,10 @@ def main() -> None:
             ratios.append(f"{rate['strop now'] / rate['vllm-cpu']:.2f}")
         ratios += [f"{bounds[case]:.0f}", f"{rate['strop now'] / bounds[case]:.2f}"]
         print(f"| {case} | " + " | ".join(cells + ratios) + " |")
-    print("(bound: what this machine's measured matmul throughput and memory read bandwidth allow a decoder at "
-          "that batch, bench/limits.py; now / bound: the fraction strop's engine reaches)")
+    print(
+        "(bound: what this machine's measured matmul throughput and memory read bandwidth allow a decoder at "
+        "that batch, bench/limits.py; now / bound: the fraction strop's engine reaches)"
+    )
 
 
 if __name__ == "__main__":

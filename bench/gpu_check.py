@@ -23,13 +23,15 @@ def run(device: str, bf16: bool, steps: int, eval_size: int, root: Path, model: 
     from strop.loop import train
 
     run_dir = root / f"{device}-{'bf16' if bf16 else 'fp32'}"
-    cfg = build_config(overrides={
-        **({"model": {"path": model}} if model else {}),
-        "run": {"device": device, "dir": str(run_dir), "progress": False, "plot": False, "save_final": False},
-        "train": {"steps": steps, "bf16_autocast": bf16},
-        "data": {"eval_size": eval_size},
-        "eval": {"every": 0},
-    })
+    cfg = build_config(
+        overrides={
+            **({"model": {"path": model}} if model else {}),
+            "run": {"device": device, "dir": str(run_dir), "progress": False, "plot": False, "save_final": False},
+            "train": {"steps": steps, "bf16_autocast": bf16},
+            "data": {"eval_size": eval_size},
+            "eval": {"every": 0},
+        }
+    )
     t0 = time.perf_counter()
     train(cfg)
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -42,9 +44,12 @@ def main() -> int:
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--eval-size", type=int, default=64)
-    parser.add_argument("--model", default=None,
-                        help="model.path (a folder: e.g. random weights in SmolLM2's shape where the embedded "
-                             "package is not installed)")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="model.path (a folder: e.g. random weights in SmolLM2's shape where the embedded "
+        "package is not installed)",
+    )
     args = parser.parse_args()
     import torch
 
@@ -66,9 +71,11 @@ def main() -> int:
             print("| step | logprob gap | step s | rollout s | train s | reward | peak GiB |")
             print("|---|---|---|---|---|---|---|")
             for r in steps:
-                print(f"| {r['step']} | {r['train_rollout_logprob_abs_diff']:.2e} | {r['step_seconds']:.2f} | "
-                      f"{r['rollout_seconds']:.2f} | {r['train_seconds']:.2f} | {r['reward_mean']:.3f} | "
-                      f"{r[mem_key]:.2f} |")
+                print(
+                    f"| {r['step']} | {r['train_rollout_logprob_abs_diff']:.2e} | {r['step_seconds']:.2f} | "
+                    f"{r['rollout_seconds']:.2f} | {r['train_seconds']:.2f} | {r['reward_mean']:.3f} | "
+                    f"{r[mem_key]:.2f} |"
+                )
             print(f"held-out accuracy: {' -> '.join(f'{a:.1%}' for a in evals)}", flush=True)
     return 0
 

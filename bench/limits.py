@@ -32,8 +32,10 @@ class Limits:
 
     def describe(self) -> str:
         where = f"this machine ({self.threads} torch threads)" if self.device == "cpu" else f"this {self.device}"
-        return (f"{where}: matmul {self.flops['float32'] / 1e9:.0f} GFLOP/s fp32, "
-                f"{self.flops['bfloat16'] / 1e9:.0f} GFLOP/s bf16; memory read {self.read_bytes_per_s / 1e9:.1f} GB/s")
+        return (
+            f"{where}: matmul {self.flops['float32'] / 1e9:.0f} GFLOP/s fp32, "
+            f"{self.flops['bfloat16'] / 1e9:.0f} GFLOP/s bf16; memory read {self.read_bytes_per_s / 1e9:.1f} GB/s"
+        )
 
 
 def _now(device: torch.device) -> float:
@@ -57,7 +59,7 @@ def matmul_flops(dtype: torch.dtype, n: int = 1024, rounds: int = 5, seconds: fl
         t = _now(device)
         for _ in range(reps):
             torch.mm(a, b, out=out)
-        best = max(best, 2 * n ** 3 * reps / (_now(device) - t))
+        best = max(best, 2 * n**3 * reps / (_now(device) - t))
     return best
 
 
@@ -77,9 +79,15 @@ def read_bandwidth(mib: int = 512, rounds: int = 5, device="cpu") -> float:
 
 def measure(device="cpu") -> Limits:
     """Matmul rates and read bandwidth of ``device`` (this CPU by default, or a GPU)."""
-    return Limits({"float32": matmul_flops(torch.float32, device=device),
-                   "bfloat16": matmul_flops(torch.bfloat16, device=device)},
-                  read_bandwidth(device=device), torch.get_num_threads(), str(device))
+    return Limits(
+        {
+            "float32": matmul_flops(torch.float32, device=device),
+            "bfloat16": matmul_flops(torch.bfloat16, device=device),
+        },
+        read_bandwidth(device=device),
+        torch.get_num_threads(),
+        str(device),
+    )
 
 
 def model_shape(model) -> dict:
@@ -88,17 +96,21 @@ def model_shape(model) -> dict:
     params = sum(p.numel() for p in model.parameters())
     tied = model.get_output_embeddings() is not None and model.get_output_embeddings().weight is embed
     matmul_params = params - embed.numel() + (embed.numel() if tied else 0)  # the lookup is no matmul; the head is
-    return {"matmul_params": matmul_params,
-            "weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
-            "layers": model.config.num_hidden_layers, "hidden": model.config.hidden_size}
+    return {
+        "matmul_params": matmul_params,
+        "weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "layers": model.config.num_hidden_layers,
+        "hidden": model.config.hidden_size,
+    }
 
 
 def flops_per_token(shape: dict, context: int) -> float:
     return 2 * shape["matmul_params"] + 4 * shape["layers"] * context * shape["hidden"]
 
 
-def decode_bound(shape: dict, batch: int, context: int, limits: Limits, dtype: str = "float32",
-                 weight_bytes: int | None = None) -> float:
+def decode_bound(
+    shape: dict, batch: int, context: int, limits: Limits, dtype: str = "float32", weight_bytes: int | None = None
+) -> float:
     """Tokens/s no decoder can beat here at ``batch`` rows of about ``context`` tokens (see the module's text)."""
     compute = flops_per_token(shape, context) * batch / limits.flops[dtype]
     memory = (weight_bytes or shape["weight_bytes"]) / limits.read_bytes_per_s
@@ -149,8 +161,12 @@ if __name__ == "__main__":
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("device", nargs="?", default="cpu")
-    ap.add_argument("--linears", type=int, metavar="BATCH", help="also time the embedded model's decode linears at "
-                    "this batch, in fp32 and bf16 (CPU)")
+    ap.add_argument(
+        "--linears",
+        type=int,
+        metavar="BATCH",
+        help="also time the embedded model's decode linears at this batch, in fp32 and bf16 (CPU)",
+    )
     args = ap.parse_args()
     lim = measure(args.device)
     print(lim.describe())
@@ -162,6 +178,11 @@ if __name__ == "__main__":
             shape = model_shape(model)
             secs = decode_linear_seconds(model, args.linears, dtype)
             flops = 2 * shape["matmul_params"] * args.linears
-            print(f"{dtype} decode linears at batch {args.linears}: " + ", ".join(
-                f"{k} {v * 1e3:.1f} ms/step ({flops / v / 1e9:.0f} GFLOP/s, {flops / v / lim.flops[dtype]:.2f} of the "
-                f"square matmul's rate)" for k, v in secs.items()))
+            print(
+                f"{dtype} decode linears at batch {args.linears}: "
+                + ", ".join(
+                    f"{k} {v * 1e3:.1f} ms/step ({flops / v / 1e9:.0f} GFLOP/s, {flops / v / lim.flops[dtype]:.2f} of the "
+                    f"square matmul's rate)"
+                    for k, v in secs.items()
+                )
+            )

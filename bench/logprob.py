@@ -45,30 +45,35 @@ def _child(args) -> None:
 
     dtype = getattr(torch, args.dtype)
     if args.variant == "naive":
+
         def fn(h, w, t):
             return naive_logprobs(h, w, t)
     else:
+
         def fn(h, w, t):
             return chunked_logprobs(h, w, t, chunk_size=args.chunk_size)
 
     torch.manual_seed(0)
     hidden = torch.randn(args.tokens, args.hidden, dtype=dtype).requires_grad_()
     # in place: no transient second (V, H) copy that would raise the peak RSS before the step
-    weight = torch.randn(args.vocab, args.hidden).mul_(args.hidden ** -0.5).to(dtype).requires_grad_()
+    weight = torch.randn(args.vocab, args.hidden).mul_(args.hidden**-0.5).to(dtype).requires_grad_()
     targets = torch.randint(0, args.vocab, (args.tokens,))
     adv = torch.randn(args.tokens)
 
     def step(h, w, t):
         h.grad = w.grad = None
         lp, ent = fn(h, w, t)
-        loss = (lp * adv[:len(t)]).sum() + 0.01 * ent.sum()
+        loss = (lp * adv[: len(t)]).sum() + 0.01 * ent.sum()
         loss.backward()
 
     # warm-up on a small copy (64 tokens, 1024 vocab rows): loads kernels and thread pools without
     # allocating anything near full size, so the RSS high-water mark stays at the current RSS
     n_small, v_small = min(64, args.tokens), min(1024, args.vocab)
-    step(hidden.detach()[:n_small].clone().requires_grad_(), weight.detach()[:v_small].clone().requires_grad_(),
-         targets[:n_small] % v_small)
+    step(
+        hidden.detach()[:n_small].clone().requires_grad_(),
+        weight.detach()[:v_small].clone().requires_grad_(),
+        targets[:n_small] % v_small,
+    )
     rss_before = _rss_kib()
     maxrss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     times = []
@@ -77,9 +82,17 @@ def _child(args) -> None:
         step(hidden, weight, targets)
         times.append(time.perf_counter() - t)
     maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(json.dumps({"variant": args.variant, "time_s": min(times), "times": times,
-                      "peak_extra_mib": (maxrss - rss_before) / 1024,
-                      "slack_mib": max(0, maxrss_before - rss_before) / 1024}))
+    print(
+        json.dumps(
+            {
+                "variant": args.variant,
+                "time_s": min(times),
+                "times": times,
+                "peak_extra_mib": (maxrss - rss_before) / 1024,
+                "slack_mib": max(0, maxrss_before - rss_before) / 1024,
+            }
+        )
+    )
 
 
 def main() -> None:
@@ -97,25 +110,46 @@ def main() -> None:
         return
     results = {}
     for variant in ("naive", "chunked"):
-        cmd = [sys.executable, os.path.abspath(__file__), "--variant", variant, "--tokens", str(args.tokens),
-               "--hidden", str(args.hidden), "--vocab", str(args.vocab), "--chunk-size", str(args.chunk_size),
-               "--repeats", str(args.repeats), "--dtype", args.dtype]
+        cmd = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--variant",
+            variant,
+            "--tokens",
+            str(args.tokens),
+            "--hidden",
+            str(args.hidden),
+            "--vocab",
+            str(args.vocab),
+            "--chunk-size",
+            str(args.chunk_size),
+            "--repeats",
+            str(args.repeats),
+            "--dtype",
+            args.dtype,
+        ]
         out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout
         results[variant] = json.loads(out.strip().splitlines()[-1])
-    print(f"tokens={args.tokens} hidden={args.hidden} vocab={args.vocab} chunk_size={args.chunk_size} "
-          f"repeats={args.repeats} dtype={args.dtype}")
+    print(
+        f"tokens={args.tokens} hidden={args.hidden} vocab={args.vocab} chunk_size={args.chunk_size} "
+        f"repeats={args.repeats} dtype={args.dtype}"
+    )
     print("| variant | time s | peak extra memory MiB |")
     print("|---|---|---|")
     for variant, r in results.items():
         name = variant if variant == "naive" else f"chunked ({args.chunk_size})"
         print(f"| {name} | {r['time_s']:.2f} | {r['peak_extra_mib']:.0f} |")
     n, c = results["naive"], results["chunked"]
-    print(f"\nchunked / naive: time {c['time_s'] / n['time_s']:.2f}x, "
-          f"memory {c['peak_extra_mib'] / n['peak_extra_mib']:.3f}x")
+    print(
+        f"\nchunked / naive: time {c['time_s'] / n['time_s']:.2f}x, "
+        f"memory {c['peak_extra_mib'] / n['peak_extra_mib']:.3f}x"
+    )
     for variant, r in results.items():
         if r["slack_mib"] >= r["peak_extra_mib"]:
-            print(f"(warning: {variant}: peak RSS was already {r['slack_mib']:.0f} MiB above RSS before the step, "
-                  "so its memory figure is only a lower bound)")
+            print(
+                f"(warning: {variant}: peak RSS was already {r['slack_mib']:.0f} MiB above RSS before the step, "
+                "so its memory figure is only a lower bound)"
+            )
 
 
 if __name__ == "__main__":

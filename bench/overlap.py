@@ -43,14 +43,23 @@ def main() -> None:
 
     cores = torch.get_num_threads()
     tok = load_tokenizer(EMBEDDED_MODEL)
-    trainer = Trainer(load_model(EMBEDDED_MODEL), pad_token_id=tok.pad_token_id, train=TrainConfig(),
-                      algo=AlgoConfig(), rollout=Sampling(temperature=0.8))
+    trainer = Trainer(
+        load_model(EMBEDDED_MODEL),
+        pad_token_id=tok.pad_token_id,
+        train=TrainConfig(),
+        algo=AlgoConfig(),
+        rollout=Sampling(temperature=0.8),
+    )
     engine = EmbeddedEngine(load_model(EMBEDDED_MODEL).to(getattr(torch, args.dtype)), pad_token_id=tok.pad_token_id)
     g = torch.Generator().manual_seed(0)
     prompts, samples = [], []
     for i in range(64):
-        prompt = tok.apply_chat_template([{"role": "user", "content": f"Calculate {i // 8} + {(i // 8) * 7 % 9}."}],
-                                         add_generation_prompt=True, tokenize=True, return_dict=False)
+        prompt = tok.apply_chat_template(
+            [{"role": "user", "content": f"Calculate {i // 8} + {(i // 8) * 7 % 9}."}],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+        )
         prompts.append(list(prompt))
         s = Sample(prompt="q", prompt_ids=list(prompt), group_id=i // 8, index=i % 8)
         ids = torch.randint(0, 49152, (args.new_tokens,), generator=g).tolist()

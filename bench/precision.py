@@ -37,14 +37,26 @@ def main() -> None:
     for seed in args.seeds:
         for arm in args.arms:
             name = f"{arm} seed {seed}"
-            wall, rows = timed_train([*ARMS[arm], f"--train.seed={seed}", f"--rollout.seed={seed}",
-                                      "--run.progress=false", *extra], root / f"{arm}-{seed}", name)
+            wall, rows = timed_train(
+                [*ARMS[arm], f"--train.seed={seed}", f"--rollout.seed={seed}", "--run.progress=false", *extra],
+                root / f"{arm}-{seed}",
+                name,
+            )
             steps = [r for r in rows if "reward_mean" in r]
             evals = [r["eval_accuracy"] for r in rows if "eval_accuracy" in r]
             gaps = [r["train_rollout_logprob_abs_diff"] for r in steps if "train_rollout_logprob_abs_diff" in r]
-            results.append({"arm": arm, "seed": seed, "wall": wall, "train": sum(r["step_seconds"] for r in steps),
-                            "evals": evals, "gain": evals[-1] - evals[0], "best": max(evals),
-                            "gap": statistics.fmean(gaps) if gaps else float("nan")})
+            results.append(
+                {
+                    "arm": arm,
+                    "seed": seed,
+                    "wall": wall,
+                    "train": sum(r["step_seconds"] for r in steps),
+                    "evals": evals,
+                    "gain": evals[-1] - evals[0],
+                    "best": max(evals),
+                    "gap": statistics.fmean(gaps) if gaps else float("nan"),
+                }
+            )
             r = results[-1]
             print(f"  {name}: {r['train']:.0f} s of training, gain {r['gain']:+.1%}", flush=True)
     print(f"strop train (quickstart) {' '.join(extra)}; runs in {root}")
@@ -52,12 +64,16 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     for r in results:
         curve = " → ".join(f"{x:.1%}" for x in r["evals"])
-        print(f"| {r['arm']} | {r['seed']} | {r['train']:.0f} | {r['wall']:.0f} | {curve} | {r['gain']:+.1%} | "
-              f"{r['best']:.1%} | {r['gap']:.2e} |")
+        print(
+            f"| {r['arm']} | {r['seed']} | {r['train']:.0f} | {r['wall']:.0f} | {curve} | {r['gain']:+.1%} | "
+            f"{r['best']:.1%} | {r['gap']:.2e} |"
+        )
     for arm in args.arms:
         mine = [r for r in results if r["arm"] == arm]
-        print(f"{arm}: mean training {statistics.fmean(r['train'] for r in mine):.0f} s, mean gain "
-              f"{statistics.fmean(r['gain'] for r in mine):+.1%} over {len(mine)} seeds")
+        print(
+            f"{arm}: mean training {statistics.fmean(r['train'] for r in mine):.0f} s, mean gain "
+            f"{statistics.fmean(r['gain'] for r in mine):+.1%} over {len(mine)} seeds"
+        )
 
 
 if __name__ == "__main__":

@@ -39,9 +39,16 @@ def main() -> None:
     model = load_model(EMBEDDED_MODEL)
     samples = quickstart_samples(tok, args.samples, args.response_tokens)  # every token one version old
     train = TrainConfig(mini_batches=2)
-    trainers = {name: Trainer(copy.deepcopy(model), pad_token_id=tok.pad_token_id, train=train,
-                              algo=AlgoConfig(proximal=name), rollout=Sampling(temperature=0.8))
-                for name in ("recompute", "loglinear")}
+    trainers = {
+        name: Trainer(
+            copy.deepcopy(model),
+            pad_token_id=tok.pad_token_id,
+            train=train,
+            algo=AlgoConfig(proximal=name),
+            rollout=Sampling(temperature=0.8),
+        )
+        for name in ("recompute", "loglinear")
+    }
     for t in trainers.values():
         t.step(samples)  # warm-up (allocates AdamW state)
     times = {name: [] for name in trainers}

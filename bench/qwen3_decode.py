@@ -18,8 +18,16 @@ import torch
 def models():
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    shape = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                 num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048, tie_word_embeddings=True)
+    shape = dict(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     llama = LlamaForCausalLM(LlamaConfig(**shape)).eval()
     torch.manual_seed(0)
@@ -51,8 +59,10 @@ def main() -> None:
             seconds = time.perf_counter() - t
             tokens = sum(len(o.token_ids) for o in outs)
             rates[name].append(tokens / seconds)
-            print(f"round {r + 1} {name:<6} {tokens} tokens in {seconds:.2f} s: {tokens / seconds:.0f} tokens/s",
-                  flush=True)
+            print(
+                f"round {r + 1} {name:<6} {tokens} tokens in {seconds:.2f} s: {tokens / seconds:.0f} tokens/s",
+                flush=True,
+            )
     for r in range(args.rounds):
         print(f"round {r + 1}: qwen3 / llama = {rates['qwen3'][r] / rates['llama'][r]:.3f}")
 

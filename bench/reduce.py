@@ -32,8 +32,17 @@ MiB = 1 << 20
 def model_like_shapes(layers: int = 30, hidden: int = 576, inter: int = 1536, vocab: int = 49152, kv: int = 192):
     shapes = [(vocab, hidden)]
     for _ in range(layers):
-        shapes += [(hidden, hidden), (kv, hidden), (kv, hidden), (hidden, hidden),
-                   (inter, hidden), (inter, hidden), (hidden, inter), (hidden,), (hidden,)]
+        shapes += [
+            (hidden, hidden),
+            (kv, hidden),
+            (kv, hidden),
+            (hidden, hidden),
+            (inter, hidden),
+            (inter, hidden),
+            (hidden, inter),
+            (hidden,),
+            (hidden,),
+        ]
     return shapes + [(hidden,)]
 
 
@@ -94,7 +103,9 @@ def main() -> None:
     args = ap.parse_args()
     total = sum(torch.Size(s).numel() * 4 for s in model_like_shapes())
     largest = max(torch.Size(s).numel() * 4 for s in model_like_shapes())
-    print(f"{len(model_like_shapes())} tensors, {total / MiB:.0f} MiB in all, largest {largest / MiB:.0f} MiB; 2 gloo ranks")
+    print(
+        f"{len(model_like_shapes())} tensors, {total / MiB:.0f} MiB in all, largest {largest / MiB:.0f} MiB; 2 gloo ranks"
+    )
     print("| variant | budget | median time s | peak extra MiB (max over ranks) | time vs flat |")
     print("|---|---|---|---|---|")
     env = {"MALLOC_MMAP_THRESHOLD_": "131072"}

@@ -48,10 +48,18 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--churn", type=float, default=0.0, metavar="GB",
-                    help="after the first round, allocate and free this much memory three times, then measure again")
-    ap.add_argument("--second-pool", action="store_true",
-                    help="also measure generate_batch beside a second idle OpenMP pool, then with it freed")
+    ap.add_argument(
+        "--churn",
+        type=float,
+        default=0.0,
+        metavar="GB",
+        help="after the first round, allocate and free this much memory three times, then measure again",
+    )
+    ap.add_argument(
+        "--second-pool",
+        action="store_true",
+        help="also measure generate_batch beside a second idle OpenMP pool, then with it freed",
+    )
     args = ap.parse_args()
 
     import logging
@@ -68,10 +76,21 @@ def main() -> None:
     model = load_model(EMBEDDED_MODEL).to(getattr(torch, args.dtype)).eval()
     eos = tok.convert_tokens_to_ids("<|im_end|>")
     engine = EmbeddedEngine(model, pad_token_id=tok.pad_token_id, default_stop_token_ids=[eos], max_batch_size=64)
-    chat = lambda q: list(tok.apply_chat_template([{"role": "user", "content": q}],  # noqa: E731
-                                                  add_generation_prompt=True, tokenize=True, return_dict=False))
-    prompts = [chat(f"A shop sells {4 + i} apples for {12 + 3 * i} dollars. How much do {7 + 2 * i} apples cost?")
-               for i in range(8)]
+
+    def chat(q):
+        return list(
+            tok.apply_chat_template(
+                [{"role": "user", "content": q}],  # noqa: E731
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=False,
+            )
+        )
+
+    prompts = [
+        chat(f"A shop sells {4 + i} apples for {12 + 3 * i} dollars. How much do {7 + 2 * i} apples cost?")
+        for i in range(8)
+    ]
     rows = [p for p in prompts for _ in range(8)]
     own = engine._off_loop
 
@@ -79,7 +98,9 @@ def main() -> None:
         return await asyncio.to_thread(fn, *a)
 
     def sampling(seed0):
-        return [SamplingParams(temperature=0.8, max_new_tokens=args.new_tokens, seed=seed0 + i) for i in range(len(rows))]
+        return [
+            SamplingParams(temperature=0.8, max_new_tokens=args.new_tokens, seed=seed0 + i) for i in range(len(rows))
+        ]
 
     def batch(seed0):
         return engine.generate_batch(rows, sampling(seed0))
@@ -99,8 +120,11 @@ def main() -> None:
         finally:
             engine._off_loop = own
 
-    columns = {"generate_batch": batch, "generate, engine thread": lambda s: concurrent(s, own),
-               "generate, pool": lambda s: concurrent(s, pool)}
+    columns = {
+        "generate_batch": batch,
+        "generate, engine thread": lambda s: concurrent(s, own),
+        "generate, pool": lambda s: concurrent(s, pool),
+    }
     batch(10_000)  # warm-up
     results: dict[str, dict[str, list]] = {}
 
@@ -114,8 +138,11 @@ def main() -> None:
                 tokens = sum(len(o.token_ids) for o in outs)
                 d = [(a - b) / os.sysconf("SC_CLK_TCK") for a, b in zip(after, before)] if before and after else None
                 got[name].append((tokens / secs, secs, d[3] if d else float("nan"), d[7] if d else float("nan")))
-                print(f"  {phase} {name}: {tokens} tokens in {secs:.2f} s, {tokens / secs:.0f} tok/s"
-                      + (f" (idle {d[3]:.1f} s, stolen {d[7]:.1f} s)" if d else ""), flush=True)
+                print(
+                    f"  {phase} {name}: {tokens} tokens in {secs:.2f} s, {tokens / secs:.0f} tok/s"
+                    + (f" (idle {d[3]:.1f} s, stolen {d[7]:.1f} s)" if d else ""),
+                    flush=True,
+                )
 
     if args.second_pool:
         import threading
@@ -151,8 +178,10 @@ def main() -> None:
             del held
         measure(f"after {args.churn:g} GB churn x3")
 
-    print(f"\n{args.dtype}, 8 prompts x 8 samples, up to {args.new_tokens} new tokens; mean of {args.repeats}, "
-          "interleaved; CPU idle and stolen seconds of the whole machine during each rollout\n")
+    print(
+        f"\n{args.dtype}, 8 prompts x 8 samples, up to {args.new_tokens} new tokens; mean of {args.repeats}, "
+        "interleaved; CPU idle and stolen seconds of the whole machine during each rollout\n"
+    )
     print("| phase | column | tok/s | seconds | idle s | stolen s | time vs the phase's first column |")
     print("|---|---|---|---|---|---|---|")
     for phase, got in results.items():

@@ -1,6 +1,6 @@
 """Sandbox start-up latency per call, per isolation, and 32 calls at once.
 
-    python bench/sandbox.py [--calls 20]
+python bench/sandbox.py [--calls 20]
 """
 
 from __future__ import annotations
@@ -17,7 +17,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--calls", type=int, default=20)
     args = ap.parse_args()
-    print("| isolation | seconds per trivial call (median of %d, one at a time) | 32 calls at once, 8 running: wall s |" % args.calls)
+    print(
+        "| isolation | seconds per trivial call (median of %d, one at a time) | 32 calls at once, 8 running: wall s |"
+        % args.calls
+    )
     print("|---|---|---|")
     for mode in ("bwrap", "namespaces", "none"):
         try:

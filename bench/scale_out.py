@@ -23,13 +23,21 @@ from common import timed_train
 
 def run(how: str, run_dir: Path, steps: int, extra: list[str]) -> dict:
     launcher = ["--nproc=2"] if how == "local" else ["--cluster.launcher=ray", "--cluster.trainer_ranks=2"]
-    wall, rows = timed_train([f"--train.steps={steps}", "--run.progress=false", "--run.threads=1", "--eval.every=0",
-                              *launcher, *extra], run_dir, how)
+    wall, rows = timed_train(
+        [f"--train.steps={steps}", "--run.progress=false", "--run.threads=1", "--eval.every=0", *launcher, *extra],
+        run_dir,
+        how,
+    )
     train = [r for r in rows if "reward_mean" in r]
     # the steps span from step 1's start to the last step's end (the run's own clock)
     steps_span = train[-1]["elapsed_seconds"] - train[0]["elapsed_seconds"] + train[0]["step_seconds"]
-    return {"how": how, "wall": wall, "step": statistics.fmean(r["step_seconds"] for r in train[1:]),
-            "start_up": wall - steps_span, "steps": len(train)}
+    return {
+        "how": how,
+        "wall": wall,
+        "step": statistics.fmean(r["step_seconds"] for r in train[1:]),
+        "start_up": wall - steps_span,
+        "steps": len(train),
+    }
 
 
 def main() -> None:
@@ -44,18 +52,25 @@ def main() -> None:
             for how in ("local", "ray"):  # interleaved: the machine's drift hits both columns alike
                 res = run(how, Path(tmp) / f"{how}-{r}", args.steps, extra)
                 results.append(res)
-                print(f"round {r + 1} {how:5s}: {res['step']:.2f} s/step (steps 2..{res['steps']}), start-up "
-                      f"{res['start_up']:.1f} s, wall {res['wall']:.1f} s", flush=True)
+                print(
+                    f"round {r + 1} {how:5s}: {res['step']:.2f} s/step (steps 2..{res['steps']}), start-up "
+                    f"{res['start_up']:.1f} s, wall {res['wall']:.1f} s",
+                    flush=True,
+                )
     mean = lambda how, key: statistics.fmean(x[key] for x in results if x["how"] == how)  # noqa: E731
     print(f"\n{'':10s}{'s/step':>10s}{'start-up s':>12s}  (start-up: wall minus the steps)")
     for how in ("local", "ray"):
         print(f"{how:10s}{mean(how, 'step'):10.2f}{mean(how, 'start_up'):12.1f}")
     for r in range(args.rounds):
         local, ray = results[2 * r], results[2 * r + 1]
-        print(f"round {r + 1}: ray/local step time {ray['step'] / local['step']:.3f}x (goal <= 1.15x), "
-              f"start-up {ray['start_up'] - local['start_up']:+.1f} s")
-    print(f"mean: ray/local step time {mean('ray', 'step') / mean('local', 'step'):.3f}x, start-up "
-          f"{mean('ray', 'start_up'):.1f} s vs {mean('local', 'start_up'):.1f} s")
+        print(
+            f"round {r + 1}: ray/local step time {ray['step'] / local['step']:.3f}x (goal <= 1.15x), "
+            f"start-up {ray['start_up'] - local['start_up']:+.1f} s"
+        )
+    print(
+        f"mean: ray/local step time {mean('ray', 'step') / mean('local', 'step'):.3f}x, start-up "
+        f"{mean('ray', 'start_up'):.1f} s vs {mean('local', 'start_up'):.1f} s"
+    )
     print(f"({time.strftime('%Y-%m-%d %H:%M')}, {args.steps} steps per run, {' '.join(extra) or 'the quickstart'})")
 
 

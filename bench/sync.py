@@ -108,10 +108,16 @@ def child(form: str, kind: str, model: str, url: str, pid: int, bucket: int, wor
     from strop.models import load_model
 
     writer = WeightWriter(Path(work) / "weights")
-    engine = (VLLMEngine if kind == "vllm" else SGLangEngine)(url, writer=writer, timeout_s=1800,
-                                                              require_checksum=kind == "strop")
-    sync = (BroadcastSync(bucket_bytes=bucket, timeout_s=1800) if form == "broadcast" else
-            DeltaSync(writer) if form == "delta" else DiskSync(writer))
+    engine = (VLLMEngine if kind == "vllm" else SGLangEngine)(
+        url, writer=writer, timeout_s=1800, require_checksum=kind == "strop"
+    )
+    sync = (
+        BroadcastSync(bucket_bytes=bucket, timeout_s=1800)
+        if form == "broadcast"
+        else DeltaSync(writer)
+        if form == "delta"
+        else DiskSync(writer)
+    )
     router = Router([engine], sync=sync, print_events=False)
     weights = load_model(model).state_dict()
     loop = asyncio.new_event_loop()
@@ -141,15 +147,24 @@ def child(form: str, kind: str, model: str, url: str, pid: int, bucket: int, wor
         w = loop.run_until_complete(engine._rpc("strop_receipt", timeout=30))[0]["seconds"]
         split = f"receive {w['receive']:.1f} / load {w['load']:.1f} / finish {w['finish']:.1f}"
         engine_work_s = w["load"] + w["finish"]  # what vLLM does with the weights, whatever carried them
-    server_peak = (loop.run_until_complete(engine.worker_memory())[0]["peak_mib"] if kind == "vllm"
-                   else _status_kib(pid, "VmHWM") / 1024)
+    server_peak = (
+        loop.run_until_complete(engine.worker_memory())[0]["peak_mib"]
+        if kind == "vllm"
+        else _status_kib(pid, "VmHWM") / 1024
+    )
     full = sum(t.numel() * t.element_size() for n, t in weights.items() if n != "lm_head.weight")
     loop.run_until_complete(router.close())
     phases = " / ".join(f"{v:.1f}" for v in router.sync.timings.values()) if form == "broadcast" else ""
-    return {"seconds": seconds, "full_mib": full / 2**20, "stall_ms": stall * 1000, "phases": phases, "split": split,
-            "engine_work_s": engine_work_s,
-            "server_extra_mib": server_peak - server_before,
-            "trainer_extra_mib": (_status_kib("self", "VmHWM") - own_before) / 1024}
+    return {
+        "seconds": seconds,
+        "full_mib": full / 2**20,
+        "stall_ms": stall * 1000,
+        "phases": phases,
+        "split": split,
+        "engine_work_s": engine_work_s,
+        "server_extra_mib": server_peak - server_before,
+        "trainer_extra_mib": (_status_kib("self", "VmHWM") - own_before) / 1024,
+    }
 
 
 class VLLMServer:
@@ -164,11 +179,33 @@ class VLLMServer:
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", VLLM_SERVER_DEV_MODE="1", VLLM_LOGGING_LEVEL="WARNING")
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(
-                [str(VLLM_PY), "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
-                 "--port", str(self.port), "--dtype", "float32", "--max-model-len", "2048",
-                 "--max-num-batched-tokens", "8192", "--logprobs-mode", "processed_logprobs",
-                 "--worker-extension-cls", "strop.serving.vllm_worker.StropWorkerExtension"],
-                stdout=out, stderr=out, env=env, cwd=work, start_new_session=True)
+                [
+                    str(VLLM_PY),
+                    "-m",
+                    "vllm.entrypoints.openai.api_server",
+                    "--model",
+                    model,
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(self.port),
+                    "--dtype",
+                    "float32",
+                    "--max-model-len",
+                    "2048",
+                    "--max-num-batched-tokens",
+                    "8192",
+                    "--logprobs-mode",
+                    "processed_logprobs",
+                    "--worker-extension-cls",
+                    "strop.serving.vllm_worker.StropWorkerExtension",
+                ],
+                stdout=out,
+                stderr=out,
+                env=env,
+                cwd=work,
+                start_new_session=True,
+            )
         deadline = time.monotonic() + 900
         while True:
             if self.proc.poll() is not None:
@@ -202,8 +239,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="times each form runs, alternating with the others")
     ap.add_argument("--bucket-mib", type=int, default=64)
     ap.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "strop-bench-sync"))
-    ap.add_argument("--child", nargs=6, metavar=("FORM", "KIND", "URL", "PID", "WORK", "VERSION"),
-                    help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--child", nargs=6, metavar=("FORM", "KIND", "URL", "PID", "WORK", "VERSION"), help=argparse.SUPPRESS
+    )
     ap.add_argument("--model", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -216,9 +254,11 @@ def main() -> None:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     print(f"broadcast bucket {args.bucket_mib} MiB; one full update after a warm-up, per row")
-    print("| model | engine | form | round | seconds | broadcast phases: prepare / buckets / finish / receipt s | "
-          "split s (disk: trainer's write / engine's reload; vLLM broadcast: its worker's receive / load / finish) | "
-          "server peak extra MiB | trainer peak extra MiB | trainer loop stall ms |")
+    print(
+        "| model | engine | form | round | seconds | broadcast phases: prepare / buckets / finish / receipt s | "
+        "split s (disk: trainer's write / engine's reload; vLLM broadcast: its worker's receive / load / finish) | "
+        "server peak extra MiB | trainer peak extra MiB | trainer loop stall ms |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name in args.models:
         model = random_1b(work) if name == "random-1b" else resolve_model_path(name)
@@ -236,9 +276,25 @@ def main() -> None:
                     seconds: dict[str, list[float]] = {}
                     for k in range(args.rounds):
                         for form in forms:  # A B A B
-                            out = subprocess.run([sys.executable, __file__, "--model", model, "--bucket-mib",
-                                                  str(args.bucket_mib), "--child", form, kind, url, str(pid), run,
-                                                  str(version + 1)], capture_output=True, text=True)
+                            out = subprocess.run(
+                                [
+                                    sys.executable,
+                                    __file__,
+                                    "--model",
+                                    model,
+                                    "--bucket-mib",
+                                    str(args.bucket_mib),
+                                    "--child",
+                                    form,
+                                    kind,
+                                    url,
+                                    str(pid),
+                                    run,
+                                    str(version + 1),
+                                ],
+                                capture_output=True,
+                                text=True,
+                            )
                             if out.returncode:
                                 raise RuntimeError(f"{name} {kind} {form}: {out.stderr[-3000:]}")
                             version += 2
@@ -246,18 +302,27 @@ def main() -> None:
                             seconds.setdefault(form, []).append(r["seconds"])
                             if r["engine_work_s"] is not None:
                                 seconds.setdefault("engine work", []).append(r["engine_work_s"])
-                            print(f"| {Path(name).name} ({r['full_mib']:.0f} MiB) | {kind} | {form} | {k + 1} | "
-                                  f"{r['seconds']:.2f} | {r['phases']} | {r['split']} | {r['server_extra_mib']:.0f} | "
-                                  f"{r['trainer_extra_mib']:.0f} | "
-                                  f"{r['stall_ms']:.0f} |", flush=True)
+                            print(
+                                f"| {Path(name).name} ({r['full_mib']:.0f} MiB) | {kind} | {form} | {k + 1} | "
+                                f"{r['seconds']:.2f} | {r['phases']} | {r['split']} | {r['server_extra_mib']:.0f} | "
+                                f"{r['trainer_extra_mib']:.0f} | "
+                                f"{r['stall_ms']:.0f} |",
+                                flush=True,
+                            )
                     if "disk" in seconds and "broadcast" in seconds:
                         ratios = [d / b for d, b in zip(seconds["disk"], seconds["broadcast"])]
-                        print(f"| {Path(name).name} | {kind} | disk / broadcast | | "
-                              f"{' and '.join(f'{x:.2f}x' for x in ratios)} | | | | | |", flush=True)
+                        print(
+                            f"| {Path(name).name} | {kind} | disk / broadcast | | "
+                            f"{' and '.join(f'{x:.2f}x' for x in ratios)} | | | | | |",
+                            flush=True,
+                        )
                     if "disk" in seconds and "engine work" in seconds:  # the most any transport could gain
                         bounds = [d / w for d, w in zip(seconds["disk"], seconds["engine work"])]
-                        print(f"| {Path(name).name} | {kind} | disk / (worker load + finish): the ceiling | | "
-                              f"{' and '.join(f'{x:.2f}x' for x in bounds)} | | | | | |", flush=True)
+                        print(
+                            f"| {Path(name).name} | {kind} | disk / (worker load + finish): the ceiling | | "
+                            f"{' and '.join(f'{x:.2f}x' for x in bounds)} | | | | | |",
+                            flush=True,
+                        )
                 finally:
                     server.stop()
 

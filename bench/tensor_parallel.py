@@ -26,8 +26,13 @@ from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 
-LAYOUTS = [("tp=1", 1, 1, "replicate", True), ("fsdp dp=2", 2, 1, "fsdp", True), ("tp=2", 2, 2, "replicate", True),
-           ("tp=2, no SP", 2, 2, "replicate", False), ("dp=2 x tp=2 (fsdp)", 4, 2, "fsdp", True)]
+LAYOUTS = [
+    ("tp=1", 1, 1, "replicate", True),
+    ("fsdp dp=2", 2, 1, "fsdp", True),
+    ("tp=2", 2, 2, "replicate", True),
+    ("tp=2, no SP", 2, 2, "replicate", False),
+    ("dp=2 x tp=2 (fsdp)", 4, 2, "fsdp", True),
+]
 
 
 def _gib() -> float:
@@ -41,9 +46,17 @@ def _save(rank, world, path, layers):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=layers,
-                         num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
-                         max_position_embeddings=4096)
+    config = Qwen3Config(
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=layers,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=True,
+        max_position_embeddings=4096,
+    )
     model = Qwen3ForCausalLM(config)
     model.save_pretrained(path)
     return sum(p.numel() * p.element_size() for p in model.parameters())
@@ -64,6 +77,7 @@ def _added_peak(fn) -> float:
         while not done.is_set():
             top[0] = max(top[0], _rss_gib())
             done.wait(0.002)
+
     thread = threading.Thread(target=watch)
     thread.start()
     try:
@@ -83,12 +97,14 @@ def _sync_peaks(trainer, folder) -> tuple[float, float]:
 
     control, writer = Control(600), WeightWriter(folder)
     weights = trainer.weights()
-    streamed = _added_peak(lambda: control.on_controller(lambda: writer.write(weights, 1), share=False,
-                                                         serving=weights))
+    streamed = _added_peak(
+        lambda: control.on_controller(lambda: writer.write(weights, 1), share=False, serving=weights)
+    )
 
     def whole():
         full = trainer.full_weights()
         control.on_controller(lambda: writer.write(full, 2), share=False)
+
     return streamed, _added_peak(whole)
 
 
@@ -115,8 +131,9 @@ def _layout(rank, world, path, tp, mode, sequence, steps, n, lengths):
     model = meta_model(path) if world > 1 else load_model(path)
     train, algo = TrainConfig(lr=1e-6, warmup_steps=0, micro_batch_size=4), AlgoConfig()
     modules = build_modules(model, strategy, algo, train, weights_path=path if world > 1 else None)
-    trainer = Trainer(modules, pad_token_id=0, train=train, algo=algo, rollout=Sampling(max_new_tokens=16),
-                      parallel=strategy)
+    trainer = Trainer(
+        modules, pad_token_id=0, train=train, algo=algo, rollout=Sampling(max_new_tokens=16), parallel=strategy
+    )
     load_s, load_peak = time.perf_counter() - t0, _gib()
     times = []
     for k in range(steps):
@@ -125,8 +142,15 @@ def _layout(rank, world, path, tp, mode, sequence, steps, n, lengths):
         times.append(time.perf_counter() - t)
     peak = _gib()  # (before the sync below: its transient is reported on its own)
     sync = _sync_peaks(trainer, str(Path(path).parent / "sync")) if world > 1 else (float("nan"),) * 2
-    return {"base": base, "load": load_peak, "load_s": load_s, "peak": peak, "step_s": min(times),
-            "sync": sync[0], "sync_whole": sync[1]}
+    return {
+        "base": base,
+        "load": load_peak,
+        "load_s": load_s,
+        "peak": peak,
+        "step_s": min(times),
+        "sync": sync[0],
+        "sync_whole": sync[1],
+    }
 
 
 def main() -> None:
@@ -144,33 +168,51 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="strop-tp-bench-") as tmp:
         path = str(Path(tmp) / "model")
         weights = run_on_ranks(_save, 1, path, args.layers, timeout=1800)[0]
-        print(f"model: Qwen3-0.6B shape, {args.layers} layers, {weights / 2**30:.2f} GiB of fp32 weights; "
-              f"{args.samples} samples of {args.prompt_len} + {args.response_len} tokens per step, {args.steps} steps",
-              flush=True)
+        print(
+            f"model: Qwen3-0.6B shape, {args.layers} layers, {weights / 2**30:.2f} GiB of fp32 weights; "
+            f"{args.samples} samples of {args.prompt_len} + {args.response_len} tokens per step, {args.steps} steps",
+            flush=True,
+        )
         rows = []
         for name, world, tp, mode, sequence in layouts:
-            found = run_on_ranks(_layout, world, path, tp, mode, sequence, args.steps, args.samples,
-                                 (args.prompt_len, args.response_len), timeout=3600)
+            found = run_on_ranks(
+                _layout,
+                world,
+                path,
+                tp,
+                mode,
+                sequence,
+                args.steps,
+                args.samples,
+                (args.prompt_len, args.response_len),
+                timeout=3600,
+            )
             rows.append((name, world, found))
             print(f"  done: {name}", flush=True)
     ref = max(r["peak"] for r in rows[0][2])
-    print(f"\n{'layout':<20} {'ranks':>5} {'base GiB':>9} {'load peak':>10} {'x weights':>10} {'net x w':>8} "
-          f"{'peak GiB':>9} {'x first':>7} {'step GiB':>8} {'load s':>7} {'step s':>7} {'sync x w':>9} {'gather x w':>11}")
+    print(
+        f"\n{'layout':<20} {'ranks':>5} {'base GiB':>9} {'load peak':>10} {'x weights':>10} {'net x w':>8} "
+        f"{'peak GiB':>9} {'x first':>7} {'step GiB':>8} {'load s':>7} {'step s':>7} {'sync x w':>9} {'gather x w':>11}"
+    )
     for name, world, found in rows:
         base, load, peak = (max(r[k] for r in found) for k in ("base", "load", "peak"))
         net = max(r["load"] - r["base"] for r in found)
-        print(f"{name:<20} {world:>5} {base:>9.2f} {load:>10.2f} {load * 2**30 / weights:>10.2f} "
-              f"{net * 2**30 / weights:>8.2f} {peak:>9.2f} {peak / ref:>7.2f} {max(r['peak'] - r['load'] for r in found):>8.2f} "
-              f"{max(r['load_s'] for r in found):>7.1f} "
-              f"{max(r['step_s'] for r in found):>7.1f} {max(r['sync'] for r in found) * 2**30 / weights:>9.2f} "
-              f"{max(r['sync_whole'] for r in found) * 2**30 / weights:>11.2f}")
-    print("(per-rank maxima of peak RSS; x first: over the first layout's; step GiB: what the steps added above "
-          "the load peak (gradients, AdamW state, activations). base: the process with torch, the modelling code and its process group, "
-          "before the model; net x w: what loading added, over the whole weights' bytes. tp=1 loads through "
-          "transformers' memory map, whose untouched pages are not resident until the first step. sync x w: "
-          "the most memory a weight sync through disk added on any rank, streamed a bucket at a time (64 MiB) "
-          "from the shards; gather x w: the same sync after gathering the whole model first, as before; both "
-          "over the whole weights' bytes, measured after the steps)")
+        print(
+            f"{name:<20} {world:>5} {base:>9.2f} {load:>10.2f} {load * 2**30 / weights:>10.2f} "
+            f"{net * 2**30 / weights:>8.2f} {peak:>9.2f} {peak / ref:>7.2f} {max(r['peak'] - r['load'] for r in found):>8.2f} "
+            f"{max(r['load_s'] for r in found):>7.1f} "
+            f"{max(r['step_s'] for r in found):>7.1f} {max(r['sync'] for r in found) * 2**30 / weights:>9.2f} "
+            f"{max(r['sync_whole'] for r in found) * 2**30 / weights:>11.2f}"
+        )
+    print(
+        "(per-rank maxima of peak RSS; x first: over the first layout's; step GiB: what the steps added above "
+        "the load peak (gradients, AdamW state, activations). base: the process with torch, the modelling code and its process group, "
+        "before the model; net x w: what loading added, over the whole weights' bytes. tp=1 loads through "
+        "transformers' memory map, whose untouched pages are not resident until the first step. sync x w: "
+        "the most memory a weight sync through disk added on any rank, streamed a bucket at a time (64 MiB) "
+        "from the shards; gather x w: the same sync after gathering the whole model first, as before; both "
+        "over the whole weights' bytes, measured after the steps)"
+    )
 
 
 if __name__ == "__main__":

@@ -34,7 +34,9 @@ def child(args) -> None:
     model = load_model(EMBEDDED_MODEL)
     samples = quickstart_samples(tok, args.samples, args.response_tokens)
     train = TrainConfig(micro_batch_size=args.micro_batch_size, logprob_chunk_size=args.chunk_size)
-    trainer = Trainer(model, pad_token_id=tok.pad_token_id, train=train, algo=AlgoConfig(), rollout=Sampling(temperature=0.8))
+    trainer = Trainer(
+        model, pad_token_id=tok.pad_token_id, train=train, algo=AlgoConfig(), rollout=Sampling(temperature=0.8)
+    )
     trainer.step(samples)  # warm-up (allocates AdamW state)
     times = []
     for _ in range(args.repeats):
@@ -43,8 +45,9 @@ def child(args) -> None:
         times.append(time.perf_counter() - t)
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
-    print(json.dumps({"seconds": min(times), "peak_rss_mib": peak_mib, "trained": m["trained_samples"],
-                      "tokens": tokens}))
+    print(
+        json.dumps({"seconds": min(times), "peak_rss_mib": peak_mib, "trained": m["trained_samples"], "tokens": tokens})
+    )
 
 
 def main() -> None:
@@ -61,9 +64,20 @@ def main() -> None:
 
     limits, rows = [measure()], {}
     for name, chunk in (("full logits (before)", 0), ("chunked 1024 (after)", 1024)):
-        cmd = [sys.executable, __file__, "--chunk-size", str(chunk), "--samples", str(args.samples),
-               "--response-tokens", str(args.response_tokens), "--micro-batch-size", str(args.micro_batch_size),
-               "--repeats", str(args.repeats)]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--chunk-size",
+            str(chunk),
+            "--samples",
+            str(args.samples),
+            "--response-tokens",
+            str(args.response_tokens),
+            "--micro-batch-size",
+            str(args.micro_batch_size),
+            "--repeats",
+            str(args.repeats),
+        ]
         out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
         rows[name] = json.loads(out)
     limits.append(measure())
@@ -78,7 +92,9 @@ def main() -> None:
         bound = train_bound_seconds(shape, r["tokens"], best)
         print(f"| {name} | {r['seconds']:.2f} | {r['peak_rss_mib']:.0f} | {bound / r['seconds']:.2f} |")
     a, b = rows.values()
-    print(f"\nafter / before: time {b['seconds'] / a['seconds']:.2f}x, peak RSS {b['peak_rss_mib'] / a['peak_rss_mib']:.2f}x")
+    print(
+        f"\nafter / before: time {b['seconds'] / a['seconds']:.2f}x, peak RSS {b['peak_rss_mib'] / a['peak_rss_mib']:.2f}x"
+    )
 
 
 if __name__ == "__main__":

@@ -64,12 +64,22 @@ from strop.types import SamplingParams
 TASK, TASK_OPTIONS = "basic_arithmetic", {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
 TEMPERATURE = 0.8
 LR, BETAS, GRAD_CLIP = 3e-5, (0.9, 0.99), 1.0
-METRICS = ("step", "reward", "groups_with_signal", "loss", "grad_norm", "response_tokens", "clip_frac",
-           "engine_logprob_diff", "seconds")
+METRICS = (
+    "step",
+    "reward",
+    "groups_with_signal",
+    "loss",
+    "grad_norm",
+    "response_tokens",
+    "clip_frac",
+    "engine_logprob_diff",
+    "seconds",
+)
 
 
-def make_batch(engine: EmbeddedEngine, tokenizer, prompts: PromptSet, rows: range, n: int,
-               sampling: SamplingParams, reward) -> dict[str, torch.Tensor]:
+def make_batch(
+    engine: EmbeddedEngine, tokenizer, prompts: PromptSet, rows: range, n: int, sampling: SamplingParams, reward
+) -> dict[str, torch.Tensor]:
     """Prompts -> sampled groups -> rewards -> advantages -> padded tensors.
 
     ``rows``: the prompts' indices in ``prompts`` (each one's group id is its index); ``n`` answers each.
@@ -92,8 +102,11 @@ def make_batch(engine: EmbeddedEngine, tokenizer, prompts: PromptSet, rows: rang
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="GRPO in one file, from strop's pieces (see the module docstring).")
-    p.add_argument("--model", default=EMBEDDED_MODEL,
-                   help=f"a local Hugging Face model folder, a hub id, or {EMBEDDED_MODEL!r} (default)")
+    p.add_argument(
+        "--model",
+        default=EMBEDDED_MODEL,
+        help=f"a local Hugging Face model folder, a hub id, or {EMBEDDED_MODEL!r} (default)",
+    )
     p.add_argument("--steps", type=int, default=15, help="RL steps: one batch and one optimiser step each")
     p.add_argument("--prompts", type=int, default=8, help="prompts per step (groups)")
     p.add_argument("--samples", type=int, default=8, help="answers sampled per prompt (group size)")
@@ -117,8 +130,14 @@ def main(argv: list[str] | None = None, reward=math_reward):
     rows = reasoning_gym_rows(TASK, seed=args.seed, size=args.steps * args.prompts, options=TASK_OPTIONS)
     prompts = PromptSet(rows, tokenizer, max_prompt_tokens=context_window - args.max_new_tokens, name=TASK)
     stop = sorted({tokenizer.eos_token_id, tokenizer.pad_token_id} - {None})
-    engine = EmbeddedEngine(model, pad_token_id=tokenizer.pad_token_id, default_stop_token_ids=stop,
-                            context_window=context_window, seed=args.seed, shared=True)
+    engine = EmbeddedEngine(
+        model,
+        pad_token_id=tokenizer.pad_token_id,
+        default_stop_token_ids=stop,
+        context_window=context_window,
+        seed=args.seed,
+        shared=True,
+    )
     sampling = SamplingParams(temperature=TEMPERATURE, max_new_tokens=args.max_new_tokens, stop_token_ids=stop)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=0.0)
     model.train()
@@ -126,11 +145,11 @@ def main(argv: list[str] | None = None, reward=math_reward):
     for step in range(1, args.steps + 1):
         start = time.perf_counter()
         first = (step - 1) * args.prompts
-        b = make_batch(engine, tokenizer, prompts, range(first, first + args.prompts), args.samples, sampling,
-                       reward)
+        b = make_batch(engine, tokenizer, prompts, range(first, first + args.prompts), args.samples, sampling, reward)
         mask = b["loss_mask"]
-        logprobs, _ = response_logprobs(model, b["input_ids"], b["attention_mask"], b["positions"],
-                                        temperature=TEMPERATURE)
+        logprobs, _ = response_logprobs(
+            model, b["input_ids"], b["attention_mask"], b["positions"], temperature=TEMPERATURE
+        )
         # on-policy: the old policy is this one, so the ratio is 1 and only its gradient remains (departure 3)
         per_token, info = ppo_clip_loss(logprobs, logprobs.detach(), b["advantages"])
         loss = aggregate(per_token, mask, "token_mean", num_sequences=len(mask), total_tokens=mask.sum().item())

@@ -108,8 +108,12 @@ def field_entry(node: ast.AnnAssign, declared_in: str) -> dict:
                 default = f"<factory {ast.unparse(keywords['default_factory'])}>"
         else:
             default = ast.unparse(value)
-    return {"annotation": ast.unparse(node.annotation), "default": default, "required": node.value is None,
-            "declared_in": declared_in}
+    return {
+        "annotation": ast.unparse(node.annotation),
+        "default": default,
+        "required": node.value is None,
+        "declared_in": declared_in,
+    }
 
 
 def class_fields(classes: dict[str, ast.ClassDef], name: str) -> dict[str, dict]:
@@ -137,9 +141,15 @@ def route_handlers(tree: ast.Module) -> dict[str, list[dict]]:
             continue
         params = [ast.unparse(a.annotation) for a in fn.args.args + fn.args.kwonlyargs if a.annotation is not None]
         for dec in fn.decorator_list:
-            if not (isinstance(dec, ast.Call) and isinstance(dec.func, ast.Attribute)
-                    and isinstance(dec.func.value, ast.Name) and dec.func.value.id == "app"
-                    and dec.func.attr in ROUTE_DECORATORS and dec.args and isinstance(dec.args[0], ast.Constant)):
+            if not (
+                isinstance(dec, ast.Call)
+                and isinstance(dec.func, ast.Attribute)
+                and isinstance(dec.func.value, ast.Name)
+                and dec.func.value.id == "app"
+                and dec.func.attr in ROUTE_DECORATORS
+                and dec.args
+                and isinstance(dec.args[0], ast.Constant)
+            ):
                 continue
             if dec.func.attr == "api_route":
                 methods_kw = next((k.value for k in dec.keywords if k.arg == "methods"), None)
@@ -178,11 +188,19 @@ def build_contract(root: Path, wheel: Path | None) -> dict:
         handler = next(((h, body) for h in routes.get(route, []) if (body := body_param(h, cls))), None)
         if handler is None:
             raise ContractError(f"{HTTP_SERVER}: no handler for {route} takes a {cls} body")
-        out[cls] = {"source": IO_STRUCT, "route": route, "methods": handler[0]["methods"],
-                    "handler": f"{HTTP_SERVER}:{handler[0]['handler']}", "body": handler[1], "fields": fields}
-    return {"sglang_version": wheel_version(root),
-            "wheel_sha256": hashlib.sha256(wheel.read_bytes()).hexdigest() if wheel else None,
-            "classes": out}
+        out[cls] = {
+            "source": IO_STRUCT,
+            "route": route,
+            "methods": handler[0]["methods"],
+            "handler": f"{HTTP_SERVER}:{handler[0]['handler']}",
+            "body": handler[1],
+            "fields": fields,
+        }
+    return {
+        "sglang_version": wheel_version(root),
+        "wheel_sha256": hashlib.sha256(wheel.read_bytes()).hexdigest() if wheel else None,
+        "classes": out,
+    }
 
 
 def first_difference(expected, actual, where: str = "") -> str | None:
@@ -229,8 +247,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.json}: differs from {args.sglang_src}: {diff}", file=sys.stderr)
         return 1
     n_fields = sum(len(c["fields"]) for c in contract["classes"].values())
-    print(f"ok: {len(contract['classes'])} classes, {n_fields} fields match sglang {contract['sglang_version']}"
-          + ("" if args.wheel else " (wheel sha256 not checked: no --wheel)"))
+    print(
+        f"ok: {len(contract['classes'])} classes, {n_fields} fields match sglang {contract['sglang_version']}"
+        + ("" if args.wheel else " (wheel sha256 not checked: no --wheel)")
+    )
     return 0
 
 

@@ -128,10 +128,13 @@ def load_trainer(folder: Path, trainer) -> None:
 
 
 def _process_state(trainer) -> dict:
-    out = {"torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
-           "steps_done": trainer.steps_done,
-           "scheduler": {name: opt.scheduler.state_dict() for name, opt in _optimizers(trainer)},
-           "nonfinite_streak": {name: opt.nonfinite_streak for name, opt in _optimizers(trainer)}}
+    out = {
+        "torch_rng": torch.get_rng_state(),
+        "python_rng": random.getstate(),
+        "steps_done": trainer.steps_done,
+        "scheduler": {name: opt.scheduler.state_dict() for name, opt in _optimizers(trainer)},
+        "nonfinite_streak": {name: opt.nonfinite_streak for name, opt in _optimizers(trainer)},
+    }
     if torch.cuda.is_available():
         out["cuda_rng"] = torch.cuda.get_rng_state_all()
     return out
@@ -164,8 +167,9 @@ def begin(run_dir: Path, step: int) -> Path:
     return tmp
 
 
-def finish(run_dir: Path, tmp: Path, step: int, *, controller_state: dict, weights: dict | None, model,
-           tokenizer, keep: int) -> Path:
+def finish(
+    run_dir: Path, tmp: Path, step: int, *, controller_state: dict, weights: dict | None, model, tokenizer, keep: int
+) -> Path:
     """Rank 0 completes the checkpoint in ``tmp`` (after every rank's :func:`save_trainer`): the
     policy in Hugging Face format, the controller's state and ``meta.json``; renames it into place
     and removes all but the newest ``keep`` checkpoints.
@@ -232,13 +236,16 @@ def _fsync_dir(folder: Path) -> None:
 
 def check_rank_file(folder: Path, rank: int) -> None:
     if not (Path(folder) / f"rank{rank}.pt").is_file():
-        raise CheckpointError(f"{folder}: no rank{rank}.pt; the checkpoint was written by fewer processes "
-                              "than this run has (resume with the same --nproc)")
+        raise CheckpointError(
+            f"{folder}: no rank{rank}.pt; the checkpoint was written by fewer processes "
+            "than this run has (resume with the same --nproc)"
+        )
 
 
 def log_sizes(run_dir: Path) -> dict[str, int]:
-    return {name: (Path(run_dir) / name).stat().st_size if (Path(run_dir) / name).exists() else 0
-            for name in APPEND_LOGS}
+    return {
+        name: (Path(run_dir) / name).stat().st_size if (Path(run_dir) / name).exists() else 0 for name in APPEND_LOGS
+    }
 
 
 def cut_logs(run_dir: Path, sizes: dict[str, int]) -> None:
@@ -268,8 +275,10 @@ def _safe_load(path: Path) -> dict:
             return torch.load(path, weights_only=True)
     except pickle.UnpicklingError as exc:
         why = next((line.strip() for line in str(exc).splitlines() if "WeightsUnpickler error" in line), str(exc))
-        raise CheckpointError(f"{path}: holds objects strop does not write (loading them could run code), so "
-                              f"it is not loaded: {why.split('. Please use')[0]}") from exc
+        raise CheckpointError(
+            f"{path}: holds objects strop does not write (loading them could run code), so "
+            f"it is not loaded: {why.split('. Please use')[0]}"
+        ) from exc
 
 
 def export_policy(folder: Path, out: Path) -> Path:

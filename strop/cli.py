@@ -37,8 +37,11 @@ commands:
 def export_main(argv: list[str]) -> int:
     from strop.checkpoint import CheckpointError, export_policy
 
-    parser = argparse.ArgumentParser(prog="strop export", description="Write a checkpoint's policy in Hugging Face "
-                                     "format (from its trainer state; any layout of ranks) into a new folder.")
+    parser = argparse.ArgumentParser(
+        prog="strop export",
+        description="Write a checkpoint's policy in Hugging Face "
+        "format (from its trainer state; any layout of ranks) into a new folder.",
+    )
     parser.add_argument("checkpoint", help="a checkpoint folder, e.g. runs/X/checkpoints/step_000010")
     parser.add_argument("out", help="the folder to create")
     args = parser.parse_args(argv)
@@ -51,19 +54,32 @@ def export_main(argv: list[str]) -> int:
 
 
 def proxy_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="strop proxy", description="The agent proxy on its own: OpenAI-compatible "
-                                     "routes in front of an engine, recording sessions as exact tokens "
-                                     "(docs/agents.md).")
-    parser.add_argument("--model-path", default=EMBEDDED_MODEL, help="the model (its tokenizer and chat template; "
-                        "without --engine-url also the engine, in this process)")
-    parser.add_argument("--engine-url", action="append", default=[], help="a running server to generate with "
-                        "(repeat for several, behind strop's router)")
+    parser = argparse.ArgumentParser(
+        prog="strop proxy",
+        description="The agent proxy on its own: OpenAI-compatible "
+        "routes in front of an engine, recording sessions as exact tokens "
+        "(docs/agents.md).",
+    )
+    parser.add_argument(
+        "--model-path",
+        default=EMBEDDED_MODEL,
+        help="the model (its tokenizer and chat template; without --engine-url also the engine, in this process)",
+    )
+    parser.add_argument(
+        "--engine-url",
+        action="append",
+        default=[],
+        help="a running server to generate with (repeat for several, behind strop's router)",
+    )
     parser.add_argument("--engine-kind", default="strop", choices=["strop", "sglang", "vllm"])
     parser.add_argument("--engine-token", default=os.environ.get("STROP_ENGINE_TOKEN"))
     parser.add_argument("--host", default="127.0.0.1", help="bind address")
     parser.add_argument("--port", type=int, default=8100)
-    parser.add_argument("--token", default=os.environ.get("STROP_PROXY_TOKEN"),
-                        help="admin token: opens and reads sessions (env STROP_PROXY_TOKEN)")
+    parser.add_argument(
+        "--token",
+        default=os.environ.get("STROP_PROXY_TOKEN"),
+        help="admin token: opens and reads sessions (env STROP_PROXY_TOKEN)",
+    )
     parser.add_argument("--temperature", type=float, default=1.0, help="sessions sample at this temperature")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
@@ -71,8 +87,12 @@ def proxy_main(argv: list[str]) -> int:
     parser.add_argument("--max-call-tokens", type=int, default=1024, help="new tokens per call")
     parser.add_argument("--max-response-tokens", type=int, default=8192, help="tokens of a segment after its prompt")
     parser.add_argument("--idle-timeout-s", type=float, default=600.0)
-    parser.add_argument("--no-describe-tools", action="store_true", help="leave the request's tools out of the "
-                        "prompt (the agent's own system prompt describes them); calls are still parsed")
+    parser.add_argument(
+        "--no-describe-tools",
+        action="store_true",
+        help="leave the request's tools out of the "
+        "prompt (the agent's own system prompt describes them); calls are still parsed",
+    )
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args(argv)
@@ -80,11 +100,25 @@ def proxy_main(argv: list[str]) -> int:
     from strop.agents.serve import serve_proxy
 
     try:
-        serve_proxy(args.model_path, urls=args.engine_url, kind=args.engine_kind, engine_token=args.engine_token,
-                    host=args.host, port=args.port, token=args.token, temperature=args.temperature, top_p=args.top_p,
-                    top_k=args.top_k, max_calls=args.max_calls, max_call_tokens=args.max_call_tokens,
-                    max_response_tokens=args.max_response_tokens, idle_timeout_s=args.idle_timeout_s,
-                    describe_tools=not args.no_describe_tools, device=args.device, dtype=args.dtype)
+        serve_proxy(
+            args.model_path,
+            urls=args.engine_url,
+            kind=args.engine_kind,
+            engine_token=args.engine_token,
+            host=args.host,
+            port=args.port,
+            token=args.token,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            max_calls=args.max_calls,
+            max_call_tokens=args.max_call_tokens,
+            max_response_tokens=args.max_response_tokens,
+            idle_timeout_s=args.idle_timeout_s,
+            describe_tools=not args.no_describe_tools,
+            device=args.device,
+            dtype=args.dtype,
+        )
     except (FileNotFoundError, ValueError) as exc:
         print(f"strop proxy: error: {exc}", file=sys.stderr)
         return 1
@@ -94,8 +128,9 @@ def proxy_main(argv: list[str]) -> int:
 def check_plugin_main(argv: list[str]) -> int:
     from strop.plugins import HOOKS, PluginError
 
-    parser = argparse.ArgumentParser(prog="strop check-plugin",
-                                     description="Check a plugin's signature and run it on synthetic samples.")
+    parser = argparse.ArgumentParser(
+        prog="strop check-plugin", description="Check a plugin's signature and run it on synthetic samples."
+    )
     parser.add_argument("--hook", required=True, choices=sorted(HOOKS), help="which extension point")
     parser.add_argument("path", help="import path, 'package.module:function'")
     args = parser.parse_args(argv)
@@ -108,34 +143,57 @@ def check_plugin_main(argv: list[str]) -> int:
         print(f"strop check-plugin: FAILED\n{exc}", file=sys.stderr)
         return 1
     except Exception as exc:  # the plugin itself raised on synthetic input
-        print(f"strop check-plugin: FAILED\n{args.hook} hook {args.path!r} raised on synthetic samples: "
-              f"{type(exc).__name__}: {exc}", file=sys.stderr)
+        print(
+            f"strop check-plugin: FAILED\n{args.hook} hook {args.path!r} raised on synthetic samples: "
+            f"{type(exc).__name__}: {exc}",
+            file=sys.stderr,
+        )
         return 1
     return 0
 
 
 def serve_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="strop serve", description="Serve a model with strop's engine over HTTP "
-                                     "(SGLang's native /generate and OpenAI-compatible completions).")
+    parser = argparse.ArgumentParser(
+        prog="strop serve",
+        description="Serve a model with strop's engine over HTTP "
+        "(SGLang's native /generate and OpenAI-compatible completions).",
+    )
     parser.add_argument("--model-path", default=EMBEDDED_MODEL, help="model folder, hub id, or the embedded default")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (anything but loopback needs --token)")
     parser.add_argument("--port", type=int, default=30000)
-    parser.add_argument("--token", default=os.environ.get("STROP_SERVE_TOKEN"),
-                        help="bearer token required on every route, /health included (env STROP_SERVE_TOKEN)")
-    parser.add_argument("--public-generate", action="store_true",
-                        help="with --token: leave the generation routes (/generate, /v1/*) open to all")
-    parser.add_argument("--weights-dir", default=os.environ.get("STROP_SERVE_WEIGHTS_DIR"),
-                        help="the only folder /update_weights_from_disk loads from (unset: that route is refused; "
-                        "env STROP_SERVE_WEIGHTS_DIR)")
+    parser.add_argument(
+        "--token",
+        default=os.environ.get("STROP_SERVE_TOKEN"),
+        help="bearer token required on every route, /health included (env STROP_SERVE_TOKEN)",
+    )
+    parser.add_argument(
+        "--public-generate",
+        action="store_true",
+        help="with --token: leave the generation routes (/generate, /v1/*) open to all",
+    )
+    parser.add_argument(
+        "--weights-dir",
+        default=os.environ.get("STROP_SERVE_WEIGHTS_DIR"),
+        help="the only folder /update_weights_from_disk loads from (unset: that route is refused; "
+        "env STROP_SERVE_WEIGHTS_DIR)",
+    )
     parser.add_argument("--max-batch-size", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0, help="sampling seed of the engine")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    parser.add_argument("--batch-wait-ms", type=float, default=5.0,
-                        help="before a batch starts, wait while requests keep arriving (up to 40 such waits)")
-    parser.add_argument("--no-fast-decode", dest="fast_decode", action="store_false",
-                        help="decode with transformers' forward and static batches instead of strop's KV-cache decoder")
+    parser.add_argument(
+        "--batch-wait-ms",
+        type=float,
+        default=5.0,
+        help="before a batch starts, wait while requests keep arriving (up to 40 such waits)",
+    )
+    parser.add_argument(
+        "--no-fast-decode",
+        dest="fast_decode",
+        action="store_false",
+        help="decode with transformers' forward and static batches instead of strop's KV-cache decoder",
+    )
     args = parser.parse_args(argv)
     _quiet_libraries()
     if args.threads:
@@ -145,10 +203,20 @@ def serve_main(argv: list[str]) -> int:
     from strop.serving.server import serve
 
     try:
-        serve(args.model_path, host=args.host, port=args.port, token=args.token, public_generate=args.public_generate,
-              weights_dir=args.weights_dir, max_batch_size=args.max_batch_size,
-              seed=args.seed, device=args.device, dtype=args.dtype, batch_wait_ms=args.batch_wait_ms,
-              fast_decode=args.fast_decode)
+        serve(
+            args.model_path,
+            host=args.host,
+            port=args.port,
+            token=args.token,
+            public_generate=args.public_generate,
+            weights_dir=args.weights_dir,
+            max_batch_size=args.max_batch_size,
+            seed=args.seed,
+            device=args.device,
+            dtype=args.dtype,
+            batch_wait_ms=args.batch_wait_ms,
+            fast_decode=args.fast_decode,
+        )
     except (FileNotFoundError, ValueError) as exc:
         print(f"strop serve: error: {exc}", file=sys.stderr)
         return 1
@@ -181,11 +249,17 @@ def rollout_main(argv: list[str]) -> int:
 
 
 def plot_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="strop plot", description="Draw the metrics of one or several runs "
-                                     "side by side (one panel per metric, one line per run).")
+    parser = argparse.ArgumentParser(
+        prog="strop plot",
+        description="Draw the metrics of one or several runs side by side (one panel per metric, one line per run).",
+    )
     parser.add_argument("run_dirs", nargs="+", help="run directories (each with a metrics.jsonl)")
-    parser.add_argument("--metrics", default=None, help="comma-separated metric names (default: reward, "
-                        "held-out accuracy, length, entropy, gradient norm, logprob gap, KL, step time)")
+    parser.add_argument(
+        "--metrics",
+        default=None,
+        help="comma-separated metric names (default: reward, "
+        "held-out accuracy, length, entropy, gradient norm, logprob gap, KL, step time)",
+    )
     parser.add_argument("--out", default="runs.png", help="image to write (default: runs.png)")
     args = parser.parse_args(argv)
     from strop.observe.metrics import plot_runs
@@ -262,8 +336,9 @@ def train_main(argv: list[str]) -> int:
     try:
         if resume is not None:
             run_dir = find_run_dir(resume)
-            cfg = resume_config(run_dir, yaml_path, parse_overrides(argv), preset,
-                                allow=[k for k in (allow or "").split(",") if k])
+            cfg = resume_config(
+                run_dir, yaml_path, parse_overrides(argv), preset, allow=[k for k in (allow or "").split(",") if k]
+            )
         else:
             if allow is not None:
                 raise ConfigError("--allow-change only applies with --resume")
@@ -275,10 +350,17 @@ def train_main(argv: list[str]) -> int:
 
     try:  # this process starts the run's ranks and waits for them (--nproc, Ray), or is a rank itself (None);
         # each rank runs this command (a process of its own) or this function (in a Ray actor)
-        code = start(cfg, ([yaml_path] if yaml_path else []) + (["--preset", preset] if preset else [])
-                     + ([f"--resume={resume}"] if resume is not None else [])
-                     + ([f"--allow-change={allow}"] if allow else []) + argv, nproc,
-                     command=[sys.executable, "-m", "strop.cli", "train"], main=train_main)
+        code = start(
+            cfg,
+            ([yaml_path] if yaml_path else [])
+            + (["--preset", preset] if preset else [])
+            + ([f"--resume={resume}"] if resume is not None else [])
+            + ([f"--allow-change={allow}"] if allow else [])
+            + argv,
+            nproc,
+            command=[sys.executable, "-m", "strop.cli", "train"],
+            main=train_main,
+        )
     except LaunchError as exc:
         print(f"strop train: {exc}", file=sys.stderr)
         return 2
@@ -297,8 +379,17 @@ def train_main(argv: list[str]) -> int:
 
     try:
         train(cfg, resume=resume is not None)
-    except (FileNotFoundError, FileExistsError, DataError, PluginError, ValueError, ControllerError,
-            NonFiniteGradientError, CheckpointError, MissingExtra) as exc:
+    except (
+        FileNotFoundError,
+        FileExistsError,
+        DataError,
+        PluginError,
+        ValueError,
+        ControllerError,
+        NonFiniteGradientError,
+        CheckpointError,
+        MissingExtra,
+    ) as exc:
         print(f"strop train: error: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -40,11 +40,15 @@ class PluginsConfig(Section):
     advantage: str | None = Field(None, description="advantage estimator hook (replaces algo.estimator)")
     policy_loss: str | None = Field(None, description="policy loss hook (replaces algo.policy_loss)")
     data_source: str | None = Field(None, description="data source hook (replaces data.source)")
-    tools: str | None = Field(None, description="tools hook: your own tools for multi-turn rollouts, next to "
-                              "tools.enabled (docs/tools.md)")
-    agent: str | None = Field(None, description="agent hook 'pkg.module:run': your agent program, called per sample "
-                              "with the proxy's base_url, a session api_key and the prompt row; it talks to the run's "
-                              "engines through the OpenAI-compatible agent proxy (docs/agents.md)")
+    tools: str | None = Field(
+        None, description="tools hook: your own tools for multi-turn rollouts, next to tools.enabled (docs/tools.md)"
+    )
+    agent: str | None = Field(
+        None,
+        description="agent hook 'pkg.module:run': your agent program, called per sample "
+        "with the proxy's base_url, a session api_key and the prompt row; it talks to the run's "
+        "engines through the OpenAI-compatible agent proxy (docs/agents.md)",
+    )
 
 
 class Config(Section):
@@ -55,17 +59,22 @@ class Config(Section):
     train: TrainConfig = Field(default_factory=TrainConfig, description="optimizer and batching")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="held-out evaluation")
     run: RunConfig = Field(default_factory=RunConfig, description="outputs")
-    engine: EngineConfig = Field(default_factory=EngineConfig, description="the rollout engine: in process or "
-                                 "HTTP servers behind a router")
-    parallel: ParallelConfig = Field(default_factory=ParallelConfig,
-                                     description="multi-process training (strop train --nproc N)")
+    engine: EngineConfig = Field(
+        default_factory=EngineConfig, description="the rollout engine: in process or HTTP servers behind a router"
+    )
+    parallel: ParallelConfig = Field(
+        default_factory=ParallelConfig, description="multi-process training (strop train --nproc N)"
+    )
     plugins: PluginsConfig = Field(default_factory=PluginsConfig, description="hooks by import path (docs/plugins.md)")
-    cluster: ClusterConfig = Field(default_factory=ClusterConfig, description="where processes run: the local "
-                                   "machine or a Ray cluster (docs/scale-out.md)")
-    tools: ToolsConfig = Field(default_factory=ToolsConfig, description="tools for multi-turn rollouts "
-                               "(docs/tools.md)")
-    agent: AgentConfig = Field(default_factory=AgentConfig, description="agent programs behind the OpenAI-"
-                               "compatible proxy (plugins.agent; docs/agents.md)")
+    cluster: ClusterConfig = Field(
+        default_factory=ClusterConfig,
+        description="where processes run: the local machine or a Ray cluster (docs/scale-out.md)",
+    )
+    tools: ToolsConfig = Field(default_factory=ToolsConfig, description="tools for multi-turn rollouts (docs/tools.md)")
+    agent: AgentConfig = Field(
+        default_factory=AgentConfig,
+        description="agent programs behind the OpenAI-compatible proxy (plugins.agent; docs/agents.md)",
+    )
 
     @model_validator(mode="after")
     def _check_rules(self):
@@ -113,8 +122,9 @@ def parse_overrides(args: list[str], prog: str = "strop train") -> dict:
     if "-h" in args or "--help" in args:  # the full usage, on request only
         return CliSettingsSource(Config, cli_parse_args=args, cli_prog_name=prog, cli_implicit_flags=False)()
     try:
-        return CliSettingsSource(Config, cli_parse_args=args, cli_prog_name=prog, cli_implicit_flags=False,
-                                 cli_exit_on_error=False)()
+        return CliSettingsSource(
+            Config, cli_parse_args=args, cli_prog_name=prog, cli_implicit_flags=False, cli_exit_on_error=False
+        )()
     except SettingsError as exc:
         why = str(exc).removeprefix("error parsing CLI: ")
         raise ConfigError(f"{why}\n  (`{prog} --help` lists every option)") from None
@@ -188,8 +198,11 @@ def _without(d: dict, keys) -> dict:
 def find_run_dir(which: str, runs: Path = Path("runs")) -> Path:
     """``--resume`` target: a run directory, or ``latest`` (the newest under ./runs with a config)."""
     if which == "latest":
-        found = sorted((p for p in runs.iterdir() if (p / "config.yaml").is_file()), key=lambda p: p.stat().st_mtime) \
-            if runs.is_dir() else []
+        found = (
+            sorted((p for p in runs.iterdir() if (p / "config.yaml").is_file()), key=lambda p: p.stat().st_mtime)
+            if runs.is_dir()
+            else []
+        )
         if not found:
             raise ConfigError(f"--resume latest: no run directory with a config.yaml under {str(runs)!r}")
         return found[-1]
@@ -199,8 +212,13 @@ def find_run_dir(which: str, runs: Path = Path("runs")) -> Path:
     return run_dir
 
 
-def resume_config(run_dir: Path, yaml_path: str | None = None, overrides: dict | None = None,
-                  preset: str | None = None, allow: list[str] = ()) -> Config:
+def resume_config(
+    run_dir: Path,
+    yaml_path: str | None = None,
+    overrides: dict | None = None,
+    preset: str | None = None,
+    allow: list[str] = (),
+) -> Config:
     """The config of a resumed run: the saved one (or the given file / preset) plus ``overrides``.
     A field that differs from the saved config is refused unless named in ``allow``."""
     saved = load_yaml(run_dir / "config.yaml")
@@ -226,10 +244,15 @@ def resume_config(run_dir: Path, yaml_path: str | None = None, overrides: dict |
     except ValidationError as err:
         raise ConfigError(_format_validation_error(err, str(run_dir / "config.yaml"))) from None
     after = _flat(json.loads(cfg.model_dump_json()))
-    changed = [k for k in sorted(set(before) | set(after))
-               if before.get(k) != after.get(k) and k not in RESUME_FREE and k not in allow and k not in secrets]
+    changed = [
+        k
+        for k in sorted(set(before) | set(after))
+        if before.get(k) != after.get(k) and k not in RESUME_FREE and k not in allow and k not in secrets
+    ]
     if changed:
         lines = "\n".join(f"  {k}: {before.get(k)!r} -> {after.get(k)!r}" for k in changed)
-        raise ConfigError(f"--resume {run_dir}: the config differs from the saved one:\n{lines}\n"
-                          f"  (allow on purpose with --allow-change {','.join(changed)})")
+        raise ConfigError(
+            f"--resume {run_dir}: the config differs from the saved one:\n{lines}\n"
+            f"  (allow on purpose with --allow-change {','.join(changed)})"
+        )
     return cfg

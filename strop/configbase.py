@@ -21,9 +21,12 @@ REDACTED = "**********"  # a secret as written anywhere (pydantic's SecretStr ma
 def secret(env: str, description: str):
     """A secret field (a SecretStr): redacted wherever the config is written, printed or sent;
     unset, it comes from the environment variable ``env``."""
-    return Field(None, validate_default=True, json_schema_extra={"env": env},
-                 description=f"{description} (a secret: never written or logged; default: the environment "
-                 f"variable {env})")
+    return Field(
+        None,
+        validate_default=True,
+        json_schema_extra={"env": env},
+        description=f"{description} (a secret: never written or logged; default: the environment variable {env})",
+    )
 
 
 class Section(BaseModel):
@@ -43,6 +46,8 @@ class Section(BaseModel):
         if raw == REDACTED:
             if os.environ.get(env):
                 return os.environ[env]
-            raise ValueError(f"holds the redacted mask {REDACTED!r} (a saved config never holds the secret): "
-                             f"set the environment variable {env}")
+            raise ValueError(
+                f"holds the redacted mask {REDACTED!r} (a saved config never holds the secret): "
+                f"set the environment variable {env}"
+            )
         return value

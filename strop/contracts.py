@@ -81,8 +81,9 @@ def synthetic_group(n: int = 4, group_id: int = 0, scored: bool = True) -> list[
     group = []
     for i in range(n):
         text = f"The answer is {[4, 5, 4, 7][i % 4]}."
-        s = Sample(prompt="What is 2+2?", prompt_ids=[ord(c) for c in "What is 2+2?"], label="4",
-                   group_id=group_id, index=i)
+        s = Sample(
+            prompt="What is 2+2?", prompt_ids=[ord(c) for c in "What is 2+2?"], label="4", group_id=group_id, index=i
+        )
         if scored:
             s.append([ord(c) for c in text], [-0.5] * len(text))
             s.response_text, s.status = text, Status.COMPLETED
@@ -92,8 +93,15 @@ def synthetic_group(n: int = 4, group_id: int = 0, scored: bool = True) -> list[
 
 
 def make_context(reward=None, generate=None, filter=None):
-    return RolloutContext(engine=FakeEngine(), tokenizer=CharTokenizer(), config=None, step=1,
-                          generate=generate, reward=reward or (lambda sample: 1.0), filter=filter)
+    return RolloutContext(
+        engine=FakeEngine(),
+        tokenizer=CharTokenizer(),
+        config=None,
+        step=1,
+        generate=generate,
+        reward=reward or (lambda sample: 1.0),
+        filter=filter,
+    )
 
 
 def run_contract(hook: str, fn) -> str:
@@ -125,15 +133,22 @@ def run_contract(hook: str, fn) -> str:
         return f"{len(out)} samples"
     if hook == "advantage":
         mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
-        out = call_hook_sync("advantage", fn, rewards=torch.tensor([1.0, 0.0, 1.0, 0.0]),
-                             group_ids=torch.tensor([0, 0, 1, 1]), mask=mask)
+        out = call_hook_sync(
+            "advantage", fn, rewards=torch.tensor([1.0, 0.0, 1.0, 0.0]), group_ids=torch.tensor([0, 0, 1, 1]), mask=mask
+        )
         return f"advantages of shape {tuple(out.shape)}"
     if hook == "policy_loss":
         g = torch.Generator().manual_seed(0)
         logprobs = (-torch.rand(3, 5, generator=g)).requires_grad_(True)
         old = logprobs.detach() + 0.05 * torch.randn(3, 5, generator=g)
-        loss, info = call_hook_sync("policy_loss", fn, logprobs=logprobs, old_logprobs=old,
-                                    advantages=torch.tensor([[1.0], [-1.0], [0.5]]), mask=torch.ones(3, 5))
+        loss, info = call_hook_sync(
+            "policy_loss",
+            fn,
+            logprobs=logprobs,
+            old_logprobs=old,
+            advantages=torch.tensor([[1.0], [-1.0], [0.5]]),
+            mask=torch.ones(3, 5),
+        )
         loss.sum().backward()
         if logprobs.grad is None or not torch.isfinite(logprobs.grad).all():
             raise ValueError("policy_loss hook: the loss has no finite gradient with respect to logprobs")
@@ -158,15 +173,18 @@ async def _run_agent(fn) -> str:
         sample = synthetic_group(1, scored=False)[0]
         session = proxy.open(sample, SamplingParams(temperature=1.0, max_new_tokens=64))
         row = prompt_row(sample, "You answer briefly.") | {"session_id": session.id}
-        result = await asyncio.get_running_loop().run_in_executor(None, _call_agent, fn, proxy.base_url,
-                                                                  session.key, row)
+        result = await asyncio.get_running_loop().run_in_executor(
+            None, _call_agent, fn, proxy.base_url, session.key, row
+        )
         reward = check_result("agent", fn, {"row": row}, result)
         reward = reward if reward is not None else session.reward
         if not session.calls:
-            raise ValueError("agent hook: the agent made no call through the proxy (give base_url and api_key to "
-                             "its OpenAI client)")
-        return (f"{session.calls} call(s) through the proxy, reward {reward}"
-                + (" (none given: needs agent.reward='hook')" if reward is None else ""))
+            raise ValueError(
+                "agent hook: the agent made no call through the proxy (give base_url and api_key to its OpenAI client)"
+            )
+        return f"{session.calls} call(s) through the proxy, reward {reward}" + (
+            " (none given: needs agent.reward='hook')" if reward is None else ""
+        )
     finally:
         await proxy.close()
 
@@ -212,13 +230,18 @@ def _run_tools(fn) -> str:
         args = synthetic_arguments(tool.parameters)
         call = json.dumps({"name": tool.name, "arguments": args})
         engine = ScriptedEngine([f"Let me check. <tool_call>{call}</tool_call>", "The answer is 4."])
-        ctx = RolloutContext(engine=engine, tokenizer=CharTokenizer(),
-                             extra={"tools": toolset, "turn_limits": TurnLimits(observation_template="\n{output}\n")})
+        ctx = RolloutContext(
+            engine=engine,
+            tokenizer=CharTokenizer(),
+            extra={"tools": toolset, "turn_limits": TurnLimits(observation_template="\n{output}\n")},
+        )
         sample = synthetic_group(1, scored=False)[0]
         out = asyncio.run(generate(ctx, sample, SamplingParams(max_new_tokens=4096)))
         if out.metadata["tool_calls"] != 1 or out.status != Status.COMPLETED:
-            raise ValueError(f"tools hook: tool {tool.name!r} was not called once in a two-turn rollout "
-                             f"(status {out.status.value}, {out.metadata['tool_calls']} calls)")
+            raise ValueError(
+                f"tools hook: tool {tool.name!r} was not called once in a two-turn rollout "
+                f"(status {out.status.value}, {out.metadata['tool_calls']} calls)"
+            )
         shown = out.metadata["transcript"].split("</tool_call>", 1)[1].strip().split("\n")[0]
         note = " (an error, shown to the model: check the arguments)" if out.metadata["tool_errors"] else ""
         seen.append(f"{tool.name}({json.dumps(args)}) -> {shown[:60]!r}{note}")
@@ -233,8 +256,10 @@ class CheckReport:
     result: str
 
     def __str__(self) -> str:
-        return (f"ok: {self.path} satisfies the {self.hook} hook contract\n"
-                f"  contract: {self.signature}\n  synthetic run: {self.result}")
+        return (
+            f"ok: {self.path} satisfies the {self.hook} hook contract\n"
+            f"  contract: {self.signature}\n  synthetic run: {self.result}"
+        )
 
 
 def check_plugin(hook: str, path: str) -> CheckReport:

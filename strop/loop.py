@@ -63,8 +63,10 @@ def rollout_only(cfg: Config, out: Path | None = None) -> Path:
     (default <run dir>/rollout_samples.jsonl) with no training. The weights never change, so this is
     the run's first step exactly (and later steps on the initial weights)."""
     if cfg.rollout.mode != "sync":
-        raise ValueError(f"strop rollout generates without training: rollout.mode={cfg.rollout.mode!r} has "
-                         "no weight updates to be ahead of; use rollout.mode=sync")
+        raise ValueError(
+            f"strop rollout generates without training: rollout.mode={cfg.rollout.mode!r} has "
+            "no weight updates to be ahead of; use rollout.mode=sync"
+        )
     with stop_on_signals() as closing:
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
@@ -97,8 +99,15 @@ def story(cfg: Config, roles: Roles, resume: bool = False):
     return roles.outputs.finish(roles.train.final_weights())
 
 
-def drive(cfg: Config, c: Components, control: Control, closing, resume: bool = False,
-          samples_out: Path | None = None, trains: bool = True):
+def drive(
+    cfg: Config,
+    c: Components,
+    control: Control,
+    closing,
+    resume: bool = False,
+    samples_out: Path | None = None,
+    trains: bool = True,
+):
     """Cast the roles (``trains=False``: the train side's stand-ins, the samples to ``samples_out``), tell
     the story, and stop everything the run started however it ends."""
     roles, error = None, None
@@ -120,21 +129,30 @@ def cast(cfg: Config, c: Components, control: Control) -> Roles:
     rollout = SamplesFileRollout if cfg.data.samples else Rollout
     here = control.on_controller(_rank0_cast, cfg, c, rollout, share=False) or {}  # None on the other ranks
     record = Placed(control, CheckpointRecord, here.get("record"))
-    return Roles(rollout=Placed(control, rollout, here.get("rollout")),
-                 train=Placed(control, TrainStep, TrainStep(cfg, c.trainer)),
-                 sync=Placed(control, EngineSync, here.get("sync")),
-                 outputs=Placed(control, Outputs, here.get("outputs")),
-                 evaluation=Placed(control, Evaluation, here.get("evaluation")),
-                 checkpoints=Placed(control, Checkpoints, Checkpoints(control, c.trainer, record, cfg.run.save_every,
-                                                                      cfg.train.steps)),
-                 desk=here.get("desk"))
+    return Roles(
+        rollout=Placed(control, rollout, here.get("rollout")),
+        train=Placed(control, TrainStep, TrainStep(cfg, c.trainer)),
+        sync=Placed(control, EngineSync, here.get("sync")),
+        outputs=Placed(control, Outputs, here.get("outputs")),
+        evaluation=Placed(control, Evaluation, here.get("evaluation")),
+        checkpoints=Placed(
+            control, Checkpoints, Checkpoints(control, c.trainer, record, cfg.run.save_every, cfg.train.steps)
+        ),
+        desk=here.get("desk"),
+    )
 
 
 def _rank0_cast(cfg: Config, c: Components, rollout_role: type) -> dict:
     desk = Rank0(cfg, c)
     rollout = rollout_role(desk)
-    here = {"desk": desk, "rollout": rollout, "sync": EngineSync(desk, rollout), "outputs": Outputs(desk),
-            "evaluation": Evaluation(desk), "record": CheckpointRecord(desk, rollout)}
+    here = {
+        "desk": desk,
+        "rollout": rollout,
+        "sync": EngineSync(desk, rollout),
+        "outputs": Outputs(desk),
+        "evaluation": Evaluation(desk),
+        "record": CheckpointRecord(desk, rollout),
+    }
     desk.start_loop()  # last: a failure above leaves nothing running
     return here
 
@@ -143,20 +161,26 @@ def cast_untrained(cfg: Config, c: Components, control: Control, samples_out: Pa
     """The roles of ``strop rollout``: the train side's stand-ins (strop.roles.untrained); the rollout writes
     every step's samples to ``samples_out``."""
     here = control.on_controller(_rank0_untrained_cast, cfg, c, samples_out, share=False) or {}
-    return Roles(rollout=Placed(control, Rollout, here.get("rollout")),
-                 train=Placed(control, NoTraining, NoTraining()),
-                 sync=Placed(control, NoSync, NoSync()),
-                 outputs=Placed(control, SamplesOutputs, here.get("outputs")),
-                 evaluation=Placed(control, FirstEvaluation, here.get("evaluation")),
-                 checkpoints=Placed(control, NoCheckpoints, NoCheckpoints()),
-                 desk=here.get("desk"))
+    return Roles(
+        rollout=Placed(control, Rollout, here.get("rollout")),
+        train=Placed(control, NoTraining, NoTraining()),
+        sync=Placed(control, NoSync, NoSync()),
+        outputs=Placed(control, SamplesOutputs, here.get("outputs")),
+        evaluation=Placed(control, FirstEvaluation, here.get("evaluation")),
+        checkpoints=Placed(control, NoCheckpoints, NoCheckpoints()),
+        desk=here.get("desk"),
+    )
 
 
 def _rank0_untrained_cast(cfg: Config, c: Components, samples_out: Path | None) -> dict:
     desk = Rank0(cfg, c)
     out = Path(samples_out) if samples_out else desk.run_dir / "rollout_samples.jsonl"
-    here = {"desk": desk, "rollout": Rollout(desk, out), "outputs": SamplesOutputs(desk, out),
-            "evaluation": FirstEvaluation(desk)}
+    here = {
+        "desk": desk,
+        "rollout": Rollout(desk, out),
+        "outputs": SamplesOutputs(desk, out),
+        "evaluation": FirstEvaluation(desk),
+    }
     desk.start_loop()
     return here
 
@@ -169,8 +193,12 @@ def after(error: BaseException | None, fn, *args) -> None:
     except Exception as exc:
         if error is None:
             raise
-        print(f"strop: after {type(error).__name__}: {error}: {getattr(fn, '__qualname__', fn)} failed too: "
-              f"{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        print(
+            f"strop: after {type(error).__name__}: {error}: {getattr(fn, '__qualname__', fn)} failed too: "
+            f"{type(exc).__name__}: {exc}",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def shut_down(roles: Roles | None, c: Components, error: BaseException | None = None) -> None:

@@ -47,9 +47,7 @@ def embedded_model_path() -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(
-        str(gguf_dir), gguf_file=_GGUF_NAME, dtype=torch.float32
-    )
+    model = AutoModelForCausalLM.from_pretrained(str(gguf_dir), gguf_file=_GGUF_NAME, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_dir), gguf_file=_GGUF_NAME)
     if getattr(model, "hf_quantizer", None) is not None:
         # save_pretrained refuses a GGUF-loaded model while it carries the quantizer config

@@ -86,8 +86,9 @@ class AdvantageFn(Protocol):
 
 
 class PolicyLossFn(Protocol):
-    def __call__(self, logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                 mask: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    def __call__(
+        self, logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor
+    ) -> tuple[torch.Tensor, dict]:
         """Replace the policy loss. Sync. All inputs (N, T); advantages may be (N, 1).
 
         Returns the per-token loss (N, T) (strop aggregates it with
@@ -153,18 +154,21 @@ class HookSpec:
         return f"{prefix}def {self.name}{sig.replace(parameters=params)}".replace("'", "")
 
 
-HOOKS: dict[str, HookSpec] = {spec.name: spec for spec in (
-    HookSpec("rollout", RolloutFn, "plugins.rollout", "async"),
-    HookSpec("generate", GenerateFn, "plugins.generate", "async"),
-    HookSpec("reward", RewardFn, "rollout.reward", "either", alt_params=("samples",)),
-    HookSpec("filter", FilterFn, "plugins.filter", "sync"),
-    HookSpec("postprocess", PostprocessFn, "plugins.postprocess", "sync"),
-    HookSpec("advantage", AdvantageFn, "plugins.advantage", "sync"),
-    HookSpec("policy_loss", PolicyLossFn, "plugins.policy_loss", "sync"),
-    HookSpec("data_source", DataSourceFn, "plugins.data_source", "sync"),
-    HookSpec("tools", ToolsFn, "plugins.tools", "sync"),
-    HookSpec("agent", AgentFn, "plugins.agent", "either"),
-)}
+HOOKS: dict[str, HookSpec] = {
+    spec.name: spec
+    for spec in (
+        HookSpec("rollout", RolloutFn, "plugins.rollout", "async"),
+        HookSpec("generate", GenerateFn, "plugins.generate", "async"),
+        HookSpec("reward", RewardFn, "rollout.reward", "either", alt_params=("samples",)),
+        HookSpec("filter", FilterFn, "plugins.filter", "sync"),
+        HookSpec("postprocess", PostprocessFn, "plugins.postprocess", "sync"),
+        HookSpec("advantage", AdvantageFn, "plugins.advantage", "sync"),
+        HookSpec("policy_loss", PolicyLossFn, "plugins.policy_loss", "sync"),
+        HookSpec("data_source", DataSourceFn, "plugins.data_source", "sync"),
+        HookSpec("tools", ToolsFn, "plugins.tools", "sync"),
+        HookSpec("agent", AgentFn, "plugins.agent", "either"),
+    )
+}
 
 
 # ---- loading and checking --------------------------------------------------------------------
@@ -180,8 +184,9 @@ def import_path(path: str, hook: str = "plugin") -> Callable:
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:  # ImportError, or the module itself failing on import
-        raise PluginError(f"{hook} hook {path!r}: cannot import module {module_name!r}: "
-                          f"{type(exc).__name__}: {exc}") from None
+        raise PluginError(
+            f"{hook} hook {path!r}: cannot import module {module_name!r}: {type(exc).__name__}: {exc}"
+        ) from None
     if not hasattr(module, attr):
         raise PluginError(f"{hook} hook {path!r}: module {module_name!r} has no attribute {attr!r}")
     fn = getattr(module, attr)
@@ -210,8 +215,9 @@ def check_signature(hook: str, fn: Callable, path: str = "") -> str:
     if any(p.kind == p.POSITIONAL_ONLY for p in params.values()):
         fail("has positional-only parameters; strop passes arguments by keyword")
     takes_any_keyword = any(p.kind == p.VAR_KEYWORD for p in params.values())
-    required = tuple(n for n, p in params.items()
-                     if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
+    required = tuple(
+        n for n, p in params.items() if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    )
     form = None
     for contract in [spec.params] + ([spec.alt_params] if spec.alt_params else []):
         # every argument strop passes must be accepted by name, and nothing else may be required
@@ -220,8 +226,10 @@ def check_signature(hook: str, fn: Callable, path: str = "") -> str:
             break
     if form is None:
         if len(required) != len(spec.params):
-            fail(f"requires {len(required)} parameter(s) {required}; the contract passes "
-                 f"{len(spec.params)}: {spec.params}")
+            fail(
+                f"requires {len(required)} parameter(s) {required}; the contract passes "
+                f"{len(spec.params)}: {spec.params}"
+            )
         fail(f"parameter names {required} differ from the contract's {spec.params} (strop passes them by name)")
     if spec.mode == "async" and not is_async(fn):
         fail("must be an async function (async def); strop awaits it")
@@ -258,8 +266,9 @@ def _check_call_site(hook: str, kwargs: dict) -> None:
     spec = HOOKS[hook]
     if tuple(kwargs) not in (spec.params, spec.alt_params):
         # the call site drifted from the contract: fail loudly in strop's own tests
-        raise TypeError(f"strop bug: call site of the {hook} hook passes {tuple(kwargs)}, "
-                        f"the contract is {spec.params}")
+        raise TypeError(
+            f"strop bug: call site of the {hook} hook passes {tuple(kwargs)}, the contract is {spec.params}"
+        )
 
 
 async def call_hook(hook: str, fn: Callable, **kwargs) -> Any:
@@ -288,8 +297,7 @@ def _reward(result, kwargs: dict, bad: Callable[[str], None]):
         nonfinite = [i for i, x in enumerate(result) if not _finite(x)]
         if nonfinite:
             i = nonfinite[0]
-            bad(f"returned {result[i]!r} for sample {i} ({_describe(kwargs['samples'][i])}); "
-                "rewards must be finite")
+            bad(f"returned {result[i]!r} for sample {i} ({_describe(kwargs['samples'][i])}); rewards must be finite")
         return [float(x) for x in result]
     if not _number(result):
         bad(f"returned {result!r} ({type(result).__name__}); expected a float")
@@ -311,8 +319,9 @@ def _generate(result, kwargs: dict, bad: Callable[[str], None]):
 
 
 def _rollout(result, kwargs: dict, bad: Callable[[str], None]):
-    if not isinstance(result, list) or not all(isinstance(g, list) and all(isinstance(s, Sample) for s in g)
-                                               for g in result):
+    if not isinstance(result, list) or not all(
+        isinstance(g, list) and all(isinstance(s, Sample) for s in g) for g in result
+    ):
         bad(f"returned {type(result).__name__}; expected a list of groups (lists of Samples)")
     for g in result:
         for s in g:
@@ -351,8 +360,12 @@ def _advantage(result, kwargs: dict, bad: Callable[[str], None]):
 
 def _policy_loss(result, kwargs: dict, bad: Callable[[str], None]):
     shape = tuple(kwargs["logprobs"].shape)
-    if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], torch.Tensor)
-            and isinstance(result[1], dict)):
+    if not (
+        isinstance(result, tuple)
+        and len(result) == 2
+        and isinstance(result[0], torch.Tensor)
+        and isinstance(result[1], dict)
+    ):
         bad(f"returned {type(result).__name__}; expected (per-token loss tensor, dict)")
     if tuple(result[0].shape) != shape:
         bad(f"per-token loss has shape {tuple(result[0].shape)}; expected {shape}")
@@ -380,17 +393,27 @@ def _tools(result, kwargs: dict, bad: Callable[[str], None]):
 
 
 # each hook's check of what it returned: (result, the call's kwargs, bad(why) raising PluginError) -> the result
-_RESULT_CHECKS = {"reward": _reward, "generate": _generate, "rollout": _rollout, "filter": _filter,
-                  "postprocess": _postprocess, "advantage": _advantage, "policy_loss": _policy_loss,
-                  "data_source": _data_source, "agent": _agent, "tools": _tools}
+_RESULT_CHECKS = {
+    "reward": _reward,
+    "generate": _generate,
+    "rollout": _rollout,
+    "filter": _filter,
+    "postprocess": _postprocess,
+    "advantage": _advantage,
+    "policy_loss": _policy_loss,
+    "data_source": _data_source,
+    "agent": _agent,
+    "tools": _tools,
+}
 
 
 def check_result(hook: str, fn: Callable, kwargs: dict, result: Any) -> Any:
     """What hook ``fn`` returned, checked against its contract (and normalised: floats, a list); a
     PluginError naming the hook, the plugin and the samples it was called on if it broke it."""
     where = f"{hook} hook {_name(fn)}"
-    subject = next((kwargs[k] for k in ("sample", "samples", "group", "groups", "logprobs", "rewards") if k in kwargs),
-                   None)
+    subject = next(
+        (kwargs[k] for k in ("sample", "samples", "group", "groups", "logprobs", "rewards") if k in kwargs), None
+    )
     where += f" on {_describe(subject)}" if subject is not None else ""  # tools and data_source get no samples
 
     def bad(why: str):
@@ -411,5 +434,13 @@ def call_hook_sync(hook: str, fn: Callable, **kwargs) -> Any:
     return check_result(hook, fn, kwargs, result)
 
 
-__all__ = ["HOOKS", "HookSpec", "PluginError", "load_hook", "check_signature", "call_hook", "call_hook_sync",
-           "import_path"]
+__all__ = [
+    "HOOKS",
+    "HookSpec",
+    "PluginError",
+    "load_hook",
+    "check_signature",
+    "call_hook",
+    "call_hook_sync",
+    "import_path",
+]

@@ -86,8 +86,10 @@ def resolve_device(name: str = "auto") -> "torch.device":
     if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise ValueError(f"run.device='cuda' but this torch ({torch.__version__}) sees no CUDA device; "
-                         "use run.device=cpu or install a CUDA build of torch")
+        raise ValueError(
+            f"run.device='cuda' but this torch ({torch.__version__}) sees no CUDA device; "
+            "use run.device=cpu or install a CUDA build of torch"
+        )
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if local_rank >= torch.cuda.device_count():
         raise ValueError(f"local rank {local_rank} has no GPU: this host has {torch.cuda.device_count()}")

@@ -32,13 +32,14 @@ def why_not_shared(cfg, world: int = 1) -> str | None:
     if e.kind != "embedded":
         return f"engine.kind={e.kind!r} runs in servers of its own"
     if cfg.rollout.mode != "sync":
-        return (f"rollout.mode={cfg.rollout.mode!r} generates while the trainer changes its weights: the engine "
-                "needs a copy that changes only at an update")
+        return (
+            f"rollout.mode={cfg.rollout.mode!r} generates while the trainer changes its weights: the engine "
+            "needs a copy that changes only at an update"
+        )
     if e.dtype not in ("auto", cfg.model.dtype):
         return f"engine.dtype={e.dtype!r} decodes from a {e.dtype} copy of the {cfg.model.dtype} weights"
     if not e.fast_decode:
-        return ("engine.fast_decode=false runs the model's own forward, which would run in the trainer's "
-                "train mode")
+        return "engine.fast_decode=false runs the model's own forward, which would run in the trainer's train mode"
     if cfg.data.samples:
         return f"data.samples={cfg.data.samples!r} replays samples: there is no engine"
     if world > 1:
@@ -48,15 +49,23 @@ def why_not_shared(cfg, world: int = 1) -> str | None:
 
 def _tools(c) -> str:
     """The multi-turn tools a config turns on, as the setting that names them ('' for none)."""
-    return (f"tools.enabled={c.tools.enabled}" if c.tools.enabled else
-            f"plugins.tools={c.plugins.tools!r}" if c.plugins.tools else "")
+    return (
+        f"tools.enabled={c.tools.enabled}"
+        if c.tools.enabled
+        else f"plugins.tools={c.plugins.tools!r}"
+        if c.plugins.tools
+        else ""
+    )
 
 
 def _other_generation(c) -> str:
     """What generates a sample other than the agent proxy, as the setting that names it ('' for nothing)."""
     p = c.plugins
-    return (_tools(c) or (f"plugins.generate={p.generate!r}" if p.generate else "")
-            or (f"plugins.rollout={p.rollout!r}" if p.rollout else ""))
+    return (
+        _tools(c)
+        or (f"plugins.generate={p.generate!r}" if p.generate else "")
+        or (f"plugins.rollout={p.rollout!r}" if p.rollout else "")
+    )
 
 
 def _corrected(a) -> bool:
@@ -64,142 +73,266 @@ def _corrected(a) -> bool:
 
 
 RULES: tuple[Rule, ...] = (
-    Rule("launched vllm/sglang servers need ray",
-         lambda c: bool(c.engine.launch and c.engine.kind in ("vllm", "sglang") and c.cluster.launcher != "ray"),
-         lambda c: f"engine.launch with engine.kind={c.engine.kind!r} starts {c.engine.kind} servers as Ray engine "
-         "actors: set cluster.launcher='ray', or start the servers yourself and give engine.urls"),
-    Rule("colocated engines need as many trainer ranks",
-         lambda c: c.cluster.launcher != "local" and c.cluster.placement == "colocated"
-         and c.engine.launch > c.cluster.trainer_ranks,
-         lambda c: f"cluster.placement='colocated' puts engine i in trainer rank i's bundle: engine.launch="
-         f"{c.engine.launch} engines need as many trainer ranks (cluster.trainer_ranks={c.cluster.trainer_ranks})"),
-    Rule("colocated placement needs launched engines",
-         lambda c: c.cluster.launcher != "local" and c.cluster.placement == "colocated" and not c.engine.launch,
-         lambda c: "cluster.placement='colocated' shares the trainer ranks' bundles with engine actors: "
-         "set engine.launch=N, or use placement='disaggregated'"),
-    Rule("group estimators need groups",
-         lambda c: c.rollout.n_samples_per_prompt == 1 and c.algo.estimator in GROUP_ESTIMATORS
-         and not c.plugins.advantage,
-         lambda c: f"algo.estimator={c.algo.estimator!r} compares the samples of one prompt, and "
-         "rollout.n_samples_per_prompt=1 makes every advantage 0 (nothing is learned): sample "
-         "2 or more per prompt, or use estimator 'reinforce_pp' or 'ppo'"),
-    Rule("one_step_off needs staleness",
-         lambda c: c.rollout.mode == "one_step_off" and c.rollout.max_staleness < 1,
-         lambda c: "rollout.mode='one_step_off' trains on tokens one weight version old: it needs "
-         "rollout.max_staleness >= 1"),
-    Rule("stale tokens need a correction",
-         lambda c: c.rollout.mode != "sync" and c.algo.off_policy_correction == "auto" and not c.algo.corrections(),
-         lambda c: f"rollout.mode={c.rollout.mode!r} trains on tokens sampled by older weights, and no off-policy "
-         "correction is set, so they would train as if on-policy. Choose one:\n  "
-         + "\n  ".join(OFF_POLICY_CORRECTIONS)),
-    Rule("a teacher server scores at temperature 1",
-         lambda c: bool(c.algo.distill_teacher_url) and c.rollout.temperature != 1.0
-         and c.algo.distill_temperature != 1.0,
-         lambda c: f"algo.distill_teacher_url scores the student's tokens at temperature 1 (the servers' "
-         f"input-token logprobs ignore sampling temperature), and the student samples and is "
-         f"scored at rollout.temperature={c.rollout.temperature}: set algo.distill_temperature=1.0 to "
-         "accept the mismatch, sample at rollout.temperature=1.0, or load the teacher here "
-         "(algo.distill_teacher), which scores at the student's temperature"),
-    Rule("a loaded teacher is not split by tensor parallel",
-         lambda c: bool(c.algo.distill_teacher) and c.parallel.tensor_parallel_size > 1,
-         lambda c: f"algo.distill_teacher is loaded whole into each trainer process, and "
-         f"parallel.tensor_parallel_size={c.parallel.tensor_parallel_size} would need it split "
-         "across ranks like the policy, which strop does not do yet: distil without tensor parallel"),
-    Rule("the overlong buffer fits the response limit",
-         lambda c: c.algo.overlong_buffer is not None and c.algo.overlong_buffer > c.rollout.max_new_tokens,
-         lambda c: f"algo.overlong_buffer={c.algo.overlong_buffer} is longer than rollout.max_new_tokens="
-         f"{c.rollout.max_new_tokens}: the shaping covers the last tokens before that limit"),
-    Rule("scheduled rollouts take no rollout hook",
-         lambda c: c.rollout.mode != "sync" and bool(c.plugins.rollout),
-         lambda c: f"rollout.mode={c.rollout.mode!r} schedules groups one by one and cannot use a rollout hook "
-         f"(plugins.rollout={c.plugins.rollout!r}), which generates whole steps; use "
-         "plugins.generate / reward / filter, or rollout.mode='sync'"),
-    Rule("over-sampling needs the default rollout",
-         lambda c: (c.rollout.over_sample > 1 or c.rollout.dynamic_sampling) and bool(c.plugins.rollout),
-         lambda c: "rollout.over_sample / dynamic_sampling need the default rollout (plugins.rollout "
-         "generates whole steps its own way)"),
-    Rule("tools take no generate hook",
-         lambda c: bool(_tools(c) and c.plugins.generate),
-         lambda c: f"{_tools(c)} uses strop's multi-turn generate function; "
-         f"plugins.generate={c.plugins.generate!r} would replace it: use one or the other"),
-    Rule("tools take no overlong shaping",
-         lambda c: bool(_tools(c)) and c.algo.overlong_buffer is not None,
-         lambda c: f"algo.overlong_buffer shapes a single response by its length against "
-         f"rollout.max_new_tokens; a multi-turn sample ({_tools(c)}) also holds tool output and "
-         "several turns' budgets: shape its reward in the reward function instead"),
-    Rule("tools restart a sample clean",
-         lambda c: bool(_tools(c)) and c.rollout.partial == "resume",
-         lambda c: "rollout.partial='resume' continues a sample from its tokens, but a multi-turn sample "
-         f"restarts clean ({_tools(c)}): use rollout.partial='finish'"),
-    Rule("an agent generates alone",
-         lambda c: bool(c.plugins.agent and _other_generation(c)),
-         lambda c: f"plugins.agent={c.plugins.agent!r} generates each sample through the agent "
-         f"proxy, and {_other_generation(c)} generates it another way: use one of them"),
-    Rule("an agent session restarts clean",
-         lambda c: bool(c.plugins.agent) and c.rollout.partial == "resume",
-         lambda c: "rollout.partial='resume' continues a sample from its tokens, but an agent session "
-         f"(plugins.agent={c.plugins.agent!r}) restarts clean: use rollout.partial='finish'"),
-    Rule("an agent session takes no overlong shaping",
-         lambda c: bool(c.plugins.agent) and c.algo.overlong_buffer is not None,
-         lambda c: "algo.overlong_buffer shapes a single response by its length; an agent session "
-         "holds several calls and what the agent added between them: shape its reward in "
-         "the agent or the reward function instead"),
-    Rule("exact logprobs need sync generation here",
-         lambda c: c.rollout.exact_logprobs and (c.rollout.mode != "sync" or bool(c.data.samples)),
-         lambda c: "rollout.exact_logprobs scores samples with the trainer's current weights, which are the "
-         "weights that sampled them only when this run generates each step in sync mode: "
-         + (f"rollout.mode={c.rollout.mode!r}" if c.rollout.mode != "sync" else
-            f"data.samples={c.data.samples!r} replays samples generated elsewhere")
-         + "; use rollout.mode='sync' without data.samples, or turn exact_logprobs off"),
-    Rule("activation checkpointing is not with context parallel",
-         lambda c: c.train.activation_checkpointing and c.parallel.context_parallel_size > 1,
-         lambda c: "train.activation_checkpointing with parallel.context_parallel_size > 1: strop's "
-         "context-parallel attention reads the running plan when it is called, and a recompute "
-         "in backward would run outside it; use one of them"),
-    Rule("engine.dtype is the embedded engine's",
-         lambda c: c.engine.dtype != "auto" and c.engine.kind != "embedded",
-         lambda c: f"engine.dtype={c.engine.dtype!r} sets the embedded engine's weights; a "
-         f"{c.engine.kind} server chooses its own (engine.launch_args, and engine.sync_dtype "
-         "for what a broadcast sends): leave engine.dtype='auto'"),
-    Rule("exact logprobs need the engine's dtype",
-         lambda c: c.rollout.exact_logprobs and c.engine.dtype not in ("auto", c.model.dtype),
-         lambda c: f"rollout.exact_logprobs reports the trainer's logprobs as the sampler's, which holds only "
-         f"when both compute with the same weights: engine.dtype={c.engine.dtype!r} samples "
-         f"from other numbers than the {c.model.dtype} trainer; turn one off"),
-    Rule("shared weights need one sync process",
-         lambda c: bool(c.engine.share_weights and why_not_shared(c)),
-         lambda c: f"engine.share_weights=true: {why_not_shared(c)}"),
-    Rule("exact logprobs are not with bf16 autocast",
-         lambda c: c.rollout.exact_logprobs and c.train.bf16_autocast,
-         lambda c: "rollout.exact_logprobs reports the trainer's logprobs as the sampler's, which holds only "
-         "when both compute with the same numbers: train.bf16_autocast computes the trainer's "
-         f"forward in bf16 while the engine samples from {c.model.dtype} weights; turn one off"),
-    Rule("tensor parallel is not with context parallel",
-         lambda c: c.parallel.tensor_parallel_size > 1 and c.parallel.context_parallel_size > 1,
-         lambda c: f"parallel.tensor_parallel_size={c.parallel.tensor_parallel_size} with "
-         f"parallel.context_parallel_size={c.parallel.context_parallel_size}: tensor parallel and strop's context "
-         "parallel do not compose yet (a (dp, cp, tp) mesh is not built); use one of them"),
-    Rule("exact logprobs are not with tensor parallel",
-         lambda c: c.parallel.tensor_parallel_size > 1 and c.rollout.exact_logprobs,
-         lambda c: f"rollout.exact_logprobs gives 0 only when the trainer runs the engine's kernels; "
-         f"parallel.tensor_parallel_size={c.parallel.tensor_parallel_size} sums every layer in two halves: "
-         "turn one off"),
-    Rule("a swapped reference is not split by tensor parallel",
-         lambda c: c.parallel.tensor_parallel_size > 1 and bool(c.algo.kl_coef or c.algo.kl_in_reward_coef)
-         and c.algo.ref_mode == "swap",
-         lambda c: f"algo.ref_mode='swap' cannot swap into weights split by parallel.tensor_parallel_size="
-         f"{c.parallel.tensor_parallel_size}; use ref_mode='copy'"),
-    Rule("resumed samples need the default generate",
-         lambda c: c.rollout.partial == "resume" and bool(c.plugins.generate),
-         lambda c: "rollout.partial='resume' continues a sample from the tokens it has, which the default "
-         f"generate function does; plugins.generate={c.plugins.generate!r} may not: use partial='finish'"),
-    Rule("corrected resumed tokens need a correction",
-         lambda c: c.rollout.partial == "resume" and c.rollout.resumed_tokens == "correct"
-         and c.rollout.mode != "sync" and not _corrected(c.algo),
-         lambda c: "rollout.resumed_tokens='correct' trains tokens of older weights with an importance "
-         "correction: set algo.use_rollout_logprobs=true (the ratio against the rollout's own "
-         "logprobs), or algo.tis_cap / mis_low / mis_high (each with algo.proximal='recompute'); "
-         "or resumed_tokens='mask'"),
+    Rule(
+        "launched vllm/sglang servers need ray",
+        lambda c: bool(c.engine.launch and c.engine.kind in ("vllm", "sglang") and c.cluster.launcher != "ray"),
+        lambda c: (
+            f"engine.launch with engine.kind={c.engine.kind!r} starts {c.engine.kind} servers as Ray engine "
+            "actors: set cluster.launcher='ray', or start the servers yourself and give engine.urls"
+        ),
+    ),
+    Rule(
+        "colocated engines need as many trainer ranks",
+        lambda c: (
+            c.cluster.launcher != "local"
+            and c.cluster.placement == "colocated"
+            and c.engine.launch > c.cluster.trainer_ranks
+        ),
+        lambda c: (
+            f"cluster.placement='colocated' puts engine i in trainer rank i's bundle: engine.launch="
+            f"{c.engine.launch} engines need as many trainer ranks (cluster.trainer_ranks={c.cluster.trainer_ranks})"
+        ),
+    ),
+    Rule(
+        "colocated placement needs launched engines",
+        lambda c: c.cluster.launcher != "local" and c.cluster.placement == "colocated" and not c.engine.launch,
+        lambda c: (
+            "cluster.placement='colocated' shares the trainer ranks' bundles with engine actors: "
+            "set engine.launch=N, or use placement='disaggregated'"
+        ),
+    ),
+    Rule(
+        "group estimators need groups",
+        lambda c: (
+            c.rollout.n_samples_per_prompt == 1 and c.algo.estimator in GROUP_ESTIMATORS and not c.plugins.advantage
+        ),
+        lambda c: (
+            f"algo.estimator={c.algo.estimator!r} compares the samples of one prompt, and "
+            "rollout.n_samples_per_prompt=1 makes every advantage 0 (nothing is learned): sample "
+            "2 or more per prompt, or use estimator 'reinforce_pp' or 'ppo'"
+        ),
+    ),
+    Rule(
+        "one_step_off needs staleness",
+        lambda c: c.rollout.mode == "one_step_off" and c.rollout.max_staleness < 1,
+        lambda c: (
+            "rollout.mode='one_step_off' trains on tokens one weight version old: it needs rollout.max_staleness >= 1"
+        ),
+    ),
+    Rule(
+        "stale tokens need a correction",
+        lambda c: c.rollout.mode != "sync" and c.algo.off_policy_correction == "auto" and not c.algo.corrections(),
+        lambda c: (
+            f"rollout.mode={c.rollout.mode!r} trains on tokens sampled by older weights, and no off-policy "
+            "correction is set, so they would train as if on-policy. Choose one:\n  "
+            + "\n  ".join(OFF_POLICY_CORRECTIONS)
+        ),
+    ),
+    Rule(
+        "a teacher server scores at temperature 1",
+        lambda c: (
+            bool(c.algo.distill_teacher_url) and c.rollout.temperature != 1.0 and c.algo.distill_temperature != 1.0
+        ),
+        lambda c: (
+            f"algo.distill_teacher_url scores the student's tokens at temperature 1 (the servers' "
+            f"input-token logprobs ignore sampling temperature), and the student samples and is "
+            f"scored at rollout.temperature={c.rollout.temperature}: set algo.distill_temperature=1.0 to "
+            "accept the mismatch, sample at rollout.temperature=1.0, or load the teacher here "
+            "(algo.distill_teacher), which scores at the student's temperature"
+        ),
+    ),
+    Rule(
+        "a loaded teacher is not split by tensor parallel",
+        lambda c: bool(c.algo.distill_teacher) and c.parallel.tensor_parallel_size > 1,
+        lambda c: (
+            f"algo.distill_teacher is loaded whole into each trainer process, and "
+            f"parallel.tensor_parallel_size={c.parallel.tensor_parallel_size} would need it split "
+            "across ranks like the policy, which strop does not do yet: distil without tensor parallel"
+        ),
+    ),
+    Rule(
+        "the overlong buffer fits the response limit",
+        lambda c: c.algo.overlong_buffer is not None and c.algo.overlong_buffer > c.rollout.max_new_tokens,
+        lambda c: (
+            f"algo.overlong_buffer={c.algo.overlong_buffer} is longer than rollout.max_new_tokens="
+            f"{c.rollout.max_new_tokens}: the shaping covers the last tokens before that limit"
+        ),
+    ),
+    Rule(
+        "scheduled rollouts take no rollout hook",
+        lambda c: c.rollout.mode != "sync" and bool(c.plugins.rollout),
+        lambda c: (
+            f"rollout.mode={c.rollout.mode!r} schedules groups one by one and cannot use a rollout hook "
+            f"(plugins.rollout={c.plugins.rollout!r}), which generates whole steps; use "
+            "plugins.generate / reward / filter, or rollout.mode='sync'"
+        ),
+    ),
+    Rule(
+        "over-sampling needs the default rollout",
+        lambda c: (c.rollout.over_sample > 1 or c.rollout.dynamic_sampling) and bool(c.plugins.rollout),
+        lambda c: (
+            "rollout.over_sample / dynamic_sampling need the default rollout (plugins.rollout "
+            "generates whole steps its own way)"
+        ),
+    ),
+    Rule(
+        "tools take no generate hook",
+        lambda c: bool(_tools(c) and c.plugins.generate),
+        lambda c: (
+            f"{_tools(c)} uses strop's multi-turn generate function; "
+            f"plugins.generate={c.plugins.generate!r} would replace it: use one or the other"
+        ),
+    ),
+    Rule(
+        "tools take no overlong shaping",
+        lambda c: bool(_tools(c)) and c.algo.overlong_buffer is not None,
+        lambda c: (
+            f"algo.overlong_buffer shapes a single response by its length against "
+            f"rollout.max_new_tokens; a multi-turn sample ({_tools(c)}) also holds tool output and "
+            "several turns' budgets: shape its reward in the reward function instead"
+        ),
+    ),
+    Rule(
+        "tools restart a sample clean",
+        lambda c: bool(_tools(c)) and c.rollout.partial == "resume",
+        lambda c: (
+            "rollout.partial='resume' continues a sample from its tokens, but a multi-turn sample "
+            f"restarts clean ({_tools(c)}): use rollout.partial='finish'"
+        ),
+    ),
+    Rule(
+        "an agent generates alone",
+        lambda c: bool(c.plugins.agent and _other_generation(c)),
+        lambda c: (
+            f"plugins.agent={c.plugins.agent!r} generates each sample through the agent "
+            f"proxy, and {_other_generation(c)} generates it another way: use one of them"
+        ),
+    ),
+    Rule(
+        "an agent session restarts clean",
+        lambda c: bool(c.plugins.agent) and c.rollout.partial == "resume",
+        lambda c: (
+            "rollout.partial='resume' continues a sample from its tokens, but an agent session "
+            f"(plugins.agent={c.plugins.agent!r}) restarts clean: use rollout.partial='finish'"
+        ),
+    ),
+    Rule(
+        "an agent session takes no overlong shaping",
+        lambda c: bool(c.plugins.agent) and c.algo.overlong_buffer is not None,
+        lambda c: (
+            "algo.overlong_buffer shapes a single response by its length; an agent session "
+            "holds several calls and what the agent added between them: shape its reward in "
+            "the agent or the reward function instead"
+        ),
+    ),
+    Rule(
+        "exact logprobs need sync generation here",
+        lambda c: c.rollout.exact_logprobs and (c.rollout.mode != "sync" or bool(c.data.samples)),
+        lambda c: (
+            "rollout.exact_logprobs scores samples with the trainer's current weights, which are the "
+            "weights that sampled them only when this run generates each step in sync mode: "
+            + (
+                f"rollout.mode={c.rollout.mode!r}"
+                if c.rollout.mode != "sync"
+                else f"data.samples={c.data.samples!r} replays samples generated elsewhere"
+            )
+            + "; use rollout.mode='sync' without data.samples, or turn exact_logprobs off"
+        ),
+    ),
+    Rule(
+        "activation checkpointing is not with context parallel",
+        lambda c: c.train.activation_checkpointing and c.parallel.context_parallel_size > 1,
+        lambda c: (
+            "train.activation_checkpointing with parallel.context_parallel_size > 1: strop's "
+            "context-parallel attention reads the running plan when it is called, and a recompute "
+            "in backward would run outside it; use one of them"
+        ),
+    ),
+    Rule(
+        "engine.dtype is the embedded engine's",
+        lambda c: c.engine.dtype != "auto" and c.engine.kind != "embedded",
+        lambda c: (
+            f"engine.dtype={c.engine.dtype!r} sets the embedded engine's weights; a "
+            f"{c.engine.kind} server chooses its own (engine.launch_args, and engine.sync_dtype "
+            "for what a broadcast sends): leave engine.dtype='auto'"
+        ),
+    ),
+    Rule(
+        "exact logprobs need the engine's dtype",
+        lambda c: c.rollout.exact_logprobs and c.engine.dtype not in ("auto", c.model.dtype),
+        lambda c: (
+            f"rollout.exact_logprobs reports the trainer's logprobs as the sampler's, which holds only "
+            f"when both compute with the same weights: engine.dtype={c.engine.dtype!r} samples "
+            f"from other numbers than the {c.model.dtype} trainer; turn one off"
+        ),
+    ),
+    Rule(
+        "shared weights need one sync process",
+        lambda c: bool(c.engine.share_weights and why_not_shared(c)),
+        lambda c: f"engine.share_weights=true: {why_not_shared(c)}",
+    ),
+    Rule(
+        "exact logprobs are not with bf16 autocast",
+        lambda c: c.rollout.exact_logprobs and c.train.bf16_autocast,
+        lambda c: (
+            "rollout.exact_logprobs reports the trainer's logprobs as the sampler's, which holds only "
+            "when both compute with the same numbers: train.bf16_autocast computes the trainer's "
+            f"forward in bf16 while the engine samples from {c.model.dtype} weights; turn one off"
+        ),
+    ),
+    Rule(
+        "tensor parallel is not with context parallel",
+        lambda c: c.parallel.tensor_parallel_size > 1 and c.parallel.context_parallel_size > 1,
+        lambda c: (
+            f"parallel.tensor_parallel_size={c.parallel.tensor_parallel_size} with "
+            f"parallel.context_parallel_size={c.parallel.context_parallel_size}: tensor parallel and strop's context "
+            "parallel do not compose yet (a (dp, cp, tp) mesh is not built); use one of them"
+        ),
+    ),
+    Rule(
+        "exact logprobs are not with tensor parallel",
+        lambda c: c.parallel.tensor_parallel_size > 1 and c.rollout.exact_logprobs,
+        lambda c: (
+            f"rollout.exact_logprobs gives 0 only when the trainer runs the engine's kernels; "
+            f"parallel.tensor_parallel_size={c.parallel.tensor_parallel_size} sums every layer in two halves: "
+            "turn one off"
+        ),
+    ),
+    Rule(
+        "a swapped reference is not split by tensor parallel",
+        lambda c: (
+            c.parallel.tensor_parallel_size > 1
+            and bool(c.algo.kl_coef or c.algo.kl_in_reward_coef)
+            and c.algo.ref_mode == "swap"
+        ),
+        lambda c: (
+            f"algo.ref_mode='swap' cannot swap into weights split by parallel.tensor_parallel_size="
+            f"{c.parallel.tensor_parallel_size}; use ref_mode='copy'"
+        ),
+    ),
+    Rule(
+        "resumed samples need the default generate",
+        lambda c: c.rollout.partial == "resume" and bool(c.plugins.generate),
+        lambda c: (
+            "rollout.partial='resume' continues a sample from the tokens it has, which the default "
+            f"generate function does; plugins.generate={c.plugins.generate!r} may not: use partial='finish'"
+        ),
+    ),
+    Rule(
+        "corrected resumed tokens need a correction",
+        lambda c: (
+            c.rollout.partial == "resume"
+            and c.rollout.resumed_tokens == "correct"
+            and c.rollout.mode != "sync"
+            and not _corrected(c.algo)
+        ),
+        lambda c: (
+            "rollout.resumed_tokens='correct' trains tokens of older weights with an importance "
+            "correction: set algo.use_rollout_logprobs=true (the ratio against the rollout's own "
+            "logprobs), or algo.tis_cap / mis_low / mis_high (each with algo.proximal='recompute'); "
+            "or resumed_tokens='mask'"
+        ),
+    ),
 )
 
 

@@ -131,9 +131,11 @@ def prepare(cfg: Config, device: torch.device, controller: bool = True, resume: 
             tools = make_tools(cfg, hooks.get("tools"))
         if "agent" in hooks:  # each sample is a run of the user's agent against the agent proxy
             if cfg.agent.reward == "hook" and check_signature("reward", reward_fn) == "group":
-                raise ConfigError(f"agent.reward='hook' scores each session's last answer alone; rollout.reward="
-                                  f"{cfg.rollout.reward!r} scores whole groups: use a per-sample reward, or post "
-                                  "rewards from the agent (agent.reward='session')")
+                raise ConfigError(
+                    f"agent.reward='hook' scores each session's last answer alone; rollout.reward="
+                    f"{cfg.rollout.reward!r} scores whole groups: use a per-sample reward, or post "
+                    "rewards from the agent (agent.reward='session')"
+                )
             hooks["generate"] = agent_generate
         hooks.setdefault("rollout", default_rollout)
         train_rows, eval_rows = prompt_rows(cfg, hooks.get("data_source"))
@@ -153,12 +155,21 @@ def prepare(cfg: Config, device: torch.device, controller: bool = True, resume: 
     if not weights:
         policy = load_model(model_path, dtype=dtype)  # same weights on every rank
     if (weights or why) and dist.get_rank() == 0:  # (split: several ranks, so a process group)
-        print("strop: trainer weights: " + (f"each rank reads only its own slices of {weights}" if weights else
-                                            f"every rank loads the whole model before it is split: {why}"), flush=True)
+        print(
+            "strop: trainer weights: "
+            + (
+                f"each rank reads only its own slices of {weights}"
+                if weights
+                else f"every rank loads the whole model before it is split: {why}"
+            ),
+            flush=True,
+        )
     world = dist.get_world_size() if dist.is_initialized() else 1
     why_not = why_not_shared(cfg, world) or (  # (one process from here on: the policy is loaded whole)
         f"strop's fast decoder cannot run this model ({reason}), and the fallback runs the model's own forward"
-        if (reason := unsupported_reason(policy)) else None)
+        if (reason := unsupported_reason(policy))
+        else None
+    )
     if cfg.engine.share_weights and why_not:
         raise ConfigError(f"engine.share_weights=true: {why_not}")
     if controller and cfg.engine.share_weights is not False and why_not is None:  # the trainer's own module
@@ -168,8 +179,19 @@ def prepare(cfg: Config, device: torch.device, controller: bool = True, resume: 
         if cfg.engine.dtype != "auto":  # (bf16 decoding beside an fp32 trainer: updates are cast as they load)
             engine_model.to(dtype=getattr(torch, cfg.engine.dtype))
         engine_model.requires_grad_(False)
-    return _Prepared(policy, model_path, tokenizer, hooks, reward_fn, train_rows, eval_rows or None, engine_model,
-                     replay, tools, weights)
+    return _Prepared(
+        policy,
+        model_path,
+        tokenizer,
+        hooks,
+        reward_fn,
+        train_rows,
+        eval_rows or None,
+        engine_model,
+        replay,
+        tools,
+        weights,
+    )
 
 
 def shard_source(dims: ParallelDims, model_path: str) -> tuple[str | None, str | None]:
@@ -192,13 +214,17 @@ def _read_replay(cfg: Config) -> dict:
     """``data.samples``: the samples of each step; the rollout settings must match the file's."""
     rollout, steps = read_samples(cfg.data.samples)
     if rollout.get("temperature") != cfg.rollout.temperature:
-        raise DataError(f"data.samples={cfg.data.samples!r} was sampled at rollout.temperature="
-                        f"{rollout.get('temperature')}, this run has {cfg.rollout.temperature}: the trainer scales "
-                        "logits by it, so the logprobs would not compare; set --rollout.temperature to match")
+        raise DataError(
+            f"data.samples={cfg.data.samples!r} was sampled at rollout.temperature="
+            f"{rollout.get('temperature')}, this run has {cfg.rollout.temperature}: the trainer scales "
+            "logits by it, so the logprobs would not compare; set --rollout.temperature to match"
+        )
     missing = [k for k in range(1, cfg.train.steps + 1) if k not in steps]
     if missing:
-        raise DataError(f"data.samples={cfg.data.samples!r} has samples for steps {sorted(steps)}, but "
-                        f"train.steps={cfg.train.steps} needs step {missing[0]}")
+        raise DataError(
+            f"data.samples={cfg.data.samples!r} has samples for steps {sorted(steps)}, but "
+            f"train.steps={cfg.train.steps} needs step {missing[0]}"
+        )
     return steps
 
 
@@ -210,37 +236,56 @@ def load_teacher(cfg: Config, tokenizer):
     mine_vocab, their_vocab = tokenizer.get_vocab(), theirs.get_vocab()
     if mine_vocab != their_vocab:
         diff = sorted(set(mine_vocab.items()) ^ set(their_vocab.items()), key=lambda kv: (kv[1], kv[0]))[0]
-        raise ConfigError(f"algo.distill_teacher={cfg.algo.distill_teacher!r} has another tokenizer than the student "
-                          f"model.path={cfg.model.path!r} ({len(their_vocab)} against {len(mine_vocab)} tokens; first "
-                          f"difference: token {diff[0]!r} = id {diff[1]} in one only): a teacher scores the student's "
-                          "token ids, so both must share a tokenizer")
+        raise ConfigError(
+            f"algo.distill_teacher={cfg.algo.distill_teacher!r} has another tokenizer than the student "
+            f"model.path={cfg.model.path!r} ({len(their_vocab)} against {len(mine_vocab)} tokens; first "
+            f"difference: token {diff[0]!r} = id {diff[1]} in one only): a teacher scores the student's "
+            "token ids, so both must share a tokenizer"
+        )
     return load_model(path, dtype=getattr(torch, cfg.model.dtype))
 
 
-def make_trainer(cfg: Config, policy, tokenizer, hooks: dict, device: torch.device, weights: str | None = None
-                 ) -> Trainer:
+def make_trainer(
+    cfg: Config, policy, tokenizer, hooks: dict, device: torch.device, weights: str | None = None
+) -> Trainer:
     """The trainer over this run's mesh (a collective under several ranks): its modules split by
     strop.parallel.parallelize before it gets them."""
-    dims = ParallelDims.from_config(cfg.parallel, bucket_bytes=resolve_bucket_bytes(cfg.parallel.grad_reduce_bucket_bytes))
+    dims = ParallelDims.from_config(
+        cfg.parallel, bucket_bytes=resolve_bucket_bytes(cfg.parallel.grad_reduce_bucket_bytes)
+    )
     strategy = make_strategy(dims, dims.build_mesh(device.type), device)
     teacher = load_teacher(cfg, tokenizer) if cfg.algo.distill_teacher else None
     remote_teacher = None
     if cfg.algo.distill_teacher_url:
         if dist.is_initialized() and dist.get_world_size() > 1:
-            raise ConfigError("algo.distill_teacher_url is asked by the trainer process for the step's samples; with "
-                              f"{dist.get_world_size()} trainer processes every one would ask for all of them: run one "
-                              "process, or load the teacher (algo.distill_teacher), which is split like the policy")
+            raise ConfigError(
+                "algo.distill_teacher_url is asked by the trainer process for the step's samples; with "
+                f"{dist.get_world_size()} trainer processes every one would ask for all of them: run one "
+                "process, or load the teacher (algo.distill_teacher), which is split like the policy"
+            )
         token = cfg.algo.distill_teacher_token
-        remote_teacher = RemoteTeacher(cfg.algo.distill_teacher_url, cfg.algo.distill_teacher_kind,
-                                       token=token.get_secret_value() if token else None)
+        remote_teacher = RemoteTeacher(
+            cfg.algo.distill_teacher_url,
+            cfg.algo.distill_teacher_kind,
+            token=token.get_secret_value() if token else None,
+        )
         remote_teacher.check_tokenizer(tokenizer, f"the student model.path={cfg.model.path!r}")  # as load_teacher
     modules = build_modules(policy, strategy, cfg.algo, cfg.train, weights, teacher)
-    return Trainer(modules, pad_token_id=tokenizer.pad_token_id, train=cfg.train, algo=cfg.algo, rollout=cfg.rollout,
-                   parallel=strategy, hooks=hooks, teacher=remote_teacher)
+    return Trainer(
+        modules,
+        pad_token_id=tokenizer.pad_token_id,
+        train=cfg.train,
+        algo=cfg.algo,
+        rollout=cfg.rollout,
+        parallel=strategy,
+        hooks=hooks,
+        teacher=remote_teacher,
+    )
 
 
-def build(cfg: Config, device: torch.device | None = None, control: Control | None = None,
-          resume: bool = False) -> Components:
+def build(
+    cfg: Config, device: torch.device | None = None, control: Control | None = None, resume: bool = False
+) -> Components:
     """Everything a run needs, on every rank. Set-up failures on any rank stop every rank before
     the first collective; rank 0 creates the run directory only once every rank is ready."""
     device = device or torch.device("cpu")
@@ -252,59 +297,103 @@ def build(cfg: Config, device: torch.device | None = None, control: Control | No
     return parts if controller else Components(trainer=trainer, hooks=p.hooks)
 
 
-def _controller_parts(cfg: Config, p: _Prepared, trainer: Trainer, device: torch.device,
-                      resume: bool = False) -> Components:
+def _controller_parts(
+    cfg: Config, p: _Prepared, trainer: Trainer, device: torch.device, resume: bool = False
+) -> Components:
     tokenizer, r = p.tokenizer, cfg.rollout
     if p.replay is not None:  # train only: no prompts, no engine
-        return Components(trainer=trainer, tokenizer=tokenizer, hooks=p.hooks, replay=p.replay,
-                          run_dir=make_run_dir(cfg, resume=resume))
+        return Components(
+            trainer=trainer,
+            tokenizer=tokenizer,
+            hooks=p.hooks,
+            replay=p.replay,
+            run_dir=make_run_dir(cfg, resume=resume),
+        )
     context_window = _context_window(p.model_path)
     max_new = max(r.max_new_tokens, cfg.eval.max_new_tokens or 0)
     max_prompt = context_window - max_new
     if max_prompt <= 0:
-        raise ValueError(f"rollout.max_new_tokens={max_new} leaves no room in the {context_window}-token context window")
+        raise ValueError(
+            f"rollout.max_new_tokens={max_new} leaves no room in the {context_window}-token context window"
+        )
     system_prompt = cfg.data.system_prompt
     if p.tools and cfg.tools.describe:  # the model is told which tools exist and how to call them
         system_prompt = describe_tools(system_prompt, p.tools["tools"])
-    prompt_kw = dict(template=cfg.data.prompt_template, system_prompt=system_prompt,
-                     apply_chat_template=cfg.data.apply_chat_template, max_prompt_tokens=max_prompt)
+    prompt_kw = dict(
+        template=cfg.data.prompt_template,
+        system_prompt=system_prompt,
+        apply_chat_template=cfg.data.apply_chat_template,
+        max_prompt_tokens=max_prompt,
+    )
     train_rows, eval_rows = p.train_rows, p.eval_rows
     train_prompts = PromptSet(train_rows, tokenizer, name=cfg.data.path or f"{cfg.data.task} (train)", **prompt_kw)
-    eval_prompts = PromptSet(eval_rows, tokenizer, name=cfg.data.eval_path or f"{cfg.data.task} (eval)",
-                             **prompt_kw) if eval_rows else None
-    stop_ids = sorted({tokenizer.eos_token_id, *([tokenizer.pad_token_id] if tokenizer.pad_token_id is not None else [])} - {None})
+    eval_prompts = (
+        PromptSet(eval_rows, tokenizer, name=cfg.data.eval_path or f"{cfg.data.task} (eval)", **prompt_kw)
+        if eval_rows
+        else None
+    )
+    stop_ids = sorted(
+        {tokenizer.eos_token_id, *([tokenizer.pad_token_id] if tokenizer.pad_token_id is not None else [])} - {None}
+    )
     run_dir = make_run_dir(cfg, create=False, resume=resume)
     if cfg.engine.kind == "embedded":
-        engine, servers = EmbeddedEngine(p.engine_model, pad_token_id=tokenizer.pad_token_id,
-                                         default_stop_token_ids=stop_ids, max_batch_size=r.max_batch_size,
-                                         context_window=context_window, seed=r.seed,
-                                         fast_decode=cfg.engine.fast_decode,
-                                         shared=p.engine_model is p.policy), []
+        engine, servers = (
+            EmbeddedEngine(
+                p.engine_model,
+                pad_token_id=tokenizer.pad_token_id,
+                default_stop_token_ids=stop_ids,
+                max_batch_size=r.max_batch_size,
+                context_window=context_window,
+                seed=r.seed,
+                fast_decode=cfg.engine.fast_decode,
+                shared=p.engine_model is p.policy,
+            ),
+            [],
+        )
         weight_sync = choose_sync(cfg, [engine], run_dir, [], device)
         weight_sync.connect(engine)
     else:
-        engine, servers = remote_engine(cfg, p.model_path, run_dir, probe_ids=train_prompts.prompt_ids[0],
-                                        device=device)
+        engine, servers = remote_engine(
+            cfg, p.model_path, run_dir, probe_ids=train_prompts.prompt_ids[0], device=device
+        )
         weight_sync = None  # the router's transport is its own
-    sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                              max_new_tokens=r.max_new_tokens, stop_token_ids=stop_ids)
+    sampling = SamplingParams(
+        temperature=r.temperature,
+        top_p=r.top_p,
+        top_k=r.top_k,
+        max_new_tokens=r.max_new_tokens,
+        stop_token_ids=stop_ids,
+    )
     extra = dict(p.tools or {})
     if "agent" in p.hooks:
-        extra["agent"] = AgentRollout(cfg, engine, tokenizer, p.hooks["agent"], context_window=context_window,
-                                      stop_token_ids=stop_ids)
-    eval_sampling = SamplingParams(temperature=0.0, max_new_tokens=cfg.eval.max_new_tokens or r.max_new_tokens,
-                                   stop_token_ids=stop_ids)
+        extra["agent"] = AgentRollout(
+            cfg, engine, tokenizer, p.hooks["agent"], context_window=context_window, stop_token_ids=stop_ids
+        )
+    eval_sampling = SamplingParams(
+        temperature=0.0, max_new_tokens=cfg.eval.max_new_tokens or r.max_new_tokens, stop_token_ids=stop_ids
+    )
     try:
         run_dir = make_run_dir(cfg, resume=resume)
     except BaseException:
         for server in servers:
             server.stop()
         raise
-    return Components(trainer=trainer, tokenizer=tokenizer, train_prompts=train_prompts, eval_prompts=eval_prompts,
-                      sampler=PromptSampler(len(train_prompts), cfg.data.seed, cfg.data.shuffle),
-                      reward_fn=p.reward_fn, hooks=p.hooks, engine=engine, sampling=sampling,
-                      eval_sampling=eval_sampling, run_dir=run_dir, servers=servers, rollout_extra=extra,
-                      weight_sync=weight_sync)
+    return Components(
+        trainer=trainer,
+        tokenizer=tokenizer,
+        train_prompts=train_prompts,
+        eval_prompts=eval_prompts,
+        sampler=PromptSampler(len(train_prompts), cfg.data.seed, cfg.data.shuffle),
+        reward_fn=p.reward_fn,
+        hooks=p.hooks,
+        engine=engine,
+        sampling=sampling,
+        eval_sampling=eval_sampling,
+        run_dir=run_dir,
+        servers=servers,
+        rollout_extra=extra,
+        weight_sync=weight_sync,
+    )
 
 
 def remote_engine(cfg: Config, model_path: str, run_dir: Path, probe_ids: list[int], device=None):
@@ -317,12 +406,16 @@ def remote_engine(cfg: Config, model_path: str, run_dir: Path, probe_ids: list[i
 
     e = cfg.engine
     if e.launch and "STROP_ENGINE_URLS" in os.environ:  # the Ray launcher's engine actors (strop.cluster), not ours
-        return _router(cfg, json.loads(os.environ["STROP_ENGINE_URLS"]), e.token.get_secret_value(), run_dir,
-                       probe_ids, device), []
+        return _router(
+            cfg, json.loads(os.environ["STROP_ENGINE_URLS"]), e.token.get_secret_value(), run_dir, probe_ids, device
+        ), []
     token = e.token.get_secret_value() if e.token else secrets.token_urlsafe(32) if e.launch else None
     weights_dir = Path(e.sync_dir or run_dir / "weights").resolve()  # the only folder the servers may load from
-    servers = launch_servers(e.launch, model_path, args=[*e.launch_args, f"--weights-dir={weights_dir}"],
-                             token=token) if e.launch else []
+    servers = (
+        launch_servers(e.launch, model_path, args=[*e.launch_args, f"--weights-dir={weights_dir}"], token=token)
+        if e.launch
+        else []
+    )
     try:
         return _router(cfg, [s.url for s in servers] or e.urls, token, run_dir, probe_ids, device), servers
     except BaseException:
@@ -337,17 +430,23 @@ def _router(cfg: Config, urls: list[str], token: str | None, run_dir: Path, prob
     from strop.engines.router import Router
     from strop.engines.sglang import SGLangEngine
     from strop.engines.vllm import VLLMEngine
+
     e = cfg.engine
     kind = VLLMEngine if e.kind == "vllm" else SGLangEngine
-    clients = [kind(u, timeout_s=e.timeout_s, retries=e.retries, token=token,
-                    require_checksum=e.kind == "strop") for u in urls]
+    clients = [
+        kind(u, timeout_s=e.timeout_s, retries=e.retries, token=token, require_checksum=e.kind == "strop") for u in urls
+    ]
     sync = choose_sync(cfg, clients, run_dir, probe_ids, device)
-    router = Router(clients, sync=sync, health_interval_s=e.health_interval_s, affinity=e.affinity,
-                    drain_timeout_s=e.timeout_s)
+    router = Router(
+        clients, sync=sync, health_interval_s=e.health_interval_s, affinity=e.affinity, drain_timeout_s=e.timeout_s
+    )
     sharded = ParallelDims.from_config(cfg.parallel).sharded
     if e.sync_probe and sharded:  # the trainer's forward is a collective of every rank there, the probe rank 0's
-        print("strop: weight probe: off under parallel.dp_mode=fsdp and tensor parallel (receipt: versions and "
-              "checksums)", flush=True)
+        print(
+            "strop: weight probe: off under parallel.dp_mode=fsdp and tensor parallel (receipt: versions and "
+            "checksums)",
+            flush=True,
+        )
     router.probe_ids = list(probe_ids[:PROBE_TOKENS]) if e.sync_probe and not sharded else None
     router.probe_tolerance = e.sync_probe_tolerance
     return router

@@ -48,8 +48,9 @@ def checkpointable(value: Any, where: str) -> Any:
     if numpy is not None and isinstance(value, (numpy.generic, numpy.ndarray)):
         plain = value.tolist()
         if type(plain) is kind or isinstance(plain, (numpy.generic, numpy.ndarray)):  # (an object it cannot convert)
-            raise SampleInvariantError(f"{where}: {kind.__module__}.{kind.__qualname__} cannot be saved in a "
-                                       f"checkpoint; {_CONVERTS}")
+            raise SampleInvariantError(
+                f"{where}: {kind.__module__}.{kind.__qualname__} cannot be saved in a checkpoint; {_CONVERTS}"
+            )
         return checkpointable(plain, where)
     torch = sys.modules.get("torch")
     if torch is not None and kind is torch.Tensor:
@@ -66,8 +67,9 @@ def checkpointable(value: Any, where: str) -> Any:
     for base in (bool, int, float, complex, str, bytes):
         if isinstance(value, base):  # a subclass: its plain value
             return base(value) if base is not str else str.__str__(value)
-    raise SampleInvariantError(f"{where}: {kind.__module__}.{kind.__qualname__} cannot be saved in a checkpoint; "
-                               f"{_CONVERTS}")
+    raise SampleInvariantError(
+        f"{where}: {kind.__module__}.{kind.__qualname__} cannot be saved in a checkpoint; {_CONVERTS}"
+    )
 
 
 @dataclass
@@ -138,12 +140,7 @@ class Sample:
         return len(self.prompt_ids) + len(self.response_ids)
 
     def append(
-        self,
-        ids: list[int],
-        logprobs: list[float] | None = None,
-        *,
-        trainable: bool = True,
-        weight_version: int = -1,
+        self, ids: list[int], logprobs: list[float] | None = None, *, trainable: bool = True, weight_version: int = -1
     ) -> None:
         """Append response tokens, keeping every per-token list in step.
 
@@ -160,8 +157,7 @@ class Sample:
             logprobs = [0.0] * len(ids)
         if len(logprobs) != len(ids):
             raise SampleInvariantError(
-                f"sample group={self.group_id} index={self.index}: "
-                f"{len(ids)} token ids but {len(logprobs)} logprobs"
+                f"sample group={self.group_id} index={self.index}: {len(ids)} token ids but {len(logprobs)} logprobs"
             )
         self.response_ids.extend(ids)
         self.rollout_logprobs.extend(float(x) for x in logprobs)

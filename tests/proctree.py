@@ -60,8 +60,14 @@ class Run:
     """``strop train`` in a subprocess, watched: its output, and every descendant it ever had."""
 
     def __init__(self, args: list[str], env: dict[str, str] | None = None):
-        self.proc = subprocess.Popen([sys.executable, "-m", "strop.cli", "train", *args], cwd=ROOT, text=True,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "strop.cli", "train", *args],
+            cwd=ROOT,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
         self.lines, self.seen = [], {}
         self.reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)
         self.reader.start()

@@ -5,8 +5,16 @@ import math
 import pytest
 import torch
 
-from strop.algo.advantages import (discounted_cumsum, discounted_returns, gae, grpo_advantages,
-                                   outcome_token_rewards, reinforce_pp_advantages, rloo_advantages, whiten)
+from strop.algo.advantages import (
+    discounted_cumsum,
+    discounted_returns,
+    gae,
+    grpo_advantages,
+    outcome_token_rewards,
+    reinforce_pp_advantages,
+    rloo_advantages,
+    whiten,
+)
 from strop.algo.kl import importance_weighted_kl, kl_estimate
 from strop.algo.losses import aggregate, cispo_loss, gspo_loss, ppo_clip_loss, rollout_correction, value_loss
 
@@ -55,8 +63,9 @@ def serial_discounted(x, factor):
 @pytest.mark.parametrize("factor", [1.0, 0.99, 0.5])
 def test_chunked_discounted_cumsum_equals_the_serial_loop(T, chunk, factor):
     x = torch.randn(3, T, generator=torch.Generator().manual_seed(T))
-    torch.testing.assert_close(discounted_cumsum(x, factor, chunk_size=chunk).double(), serial_discounted(x, factor),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        discounted_cumsum(x, factor, chunk_size=chunk).double(), serial_discounted(x, factor), rtol=1e-5, atol=1e-5
+    )
 
 
 def test_discounted_returns_by_hand():
@@ -209,11 +218,13 @@ def test_aggregation_modes_by_hand():
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
     assert aggregate(per_token, mask, "token_mean", num_sequences=2, total_tokens=4).item() == pytest.approx(10 / 4)
     assert aggregate(per_token, mask, "seq_mean_token_mean", num_sequences=2).item() == pytest.approx((2 + 4) / 2)
-    assert aggregate(per_token, mask, "seq_mean_token_sum_norm", num_sequences=2,
-                     constant_normalizer=8).item() == pytest.approx(10 / 16)
+    assert aggregate(
+        per_token, mask, "seq_mean_token_sum_norm", num_sequences=2, constant_normalizer=8
+    ).item() == pytest.approx(10 / 16)
     # per-rollout denominators: sample 0 belongs to a rollout of 6 loss tokens
-    assert aggregate(per_token, mask, "seq_mean_token_mean", num_sequences=2,
-                     sequence_tokens=torch.tensor([6.0, 1.0])).item() == pytest.approx((1 + 4) / 2)
+    assert aggregate(
+        per_token, mask, "seq_mean_token_mean", num_sequences=2, sequence_tokens=torch.tensor([6.0, 1.0])
+    ).item() == pytest.approx((1 + 4) / 2)
     with pytest.raises(ValueError):
         aggregate(per_token, mask, "nope", num_sequences=2)
 
@@ -286,10 +297,19 @@ def test_tool_tokens_are_not_actions_for_any_estimator(estimator):
     lengths = [6, 4, 5, 3]
     resp = torch.tensor([[1.0] * n + [0.0] * (T - n) for n in lengths])
     pol, ref, val = (torch.randn(N, T, generator=g) for _ in range(3))
-    algo = AlgoConfig(estimator=estimator, kl_in_reward_coef=0.1 if estimator in ("reinforce_pp", "ppo") else 0.0,
-                      gamma=0.9, lam=0.8)
-    plain_adv, plain_ret = compute_advantages(algo, rewards=rewards, group_ids=groups, response_mask=resp,
-                                              loss_mask=resp, policy_logprobs=pol, ref_logprobs=ref, old_values=val)
+    algo = AlgoConfig(
+        estimator=estimator, kl_in_reward_coef=0.1 if estimator in ("reinforce_pp", "ppo") else 0.0, gamma=0.9, lam=0.8
+    )
+    plain_adv, plain_ret = compute_advantages(
+        algo,
+        rewards=rewards,
+        group_ids=groups,
+        response_mask=resp,
+        loss_mask=resp,
+        policy_logprobs=pol,
+        ref_logprobs=ref,
+        old_values=val,
+    )
     # the same responses with 3 tool tokens inserted after each one's second token
     tool = 3
     T2 = T + tool
@@ -300,8 +320,16 @@ def test_tool_tokens_are_not_actions_for_any_estimator(estimator):
         resp2[i, : lengths[i] + tool] = 1.0
         loss2[i, pos] = 1.0
         pol2[i, pos], ref2[i, pos], val2[i, pos] = pol[i, : lengths[i]], ref[i, : lengths[i]], val[i, : lengths[i]]
-    adv, ret = compute_advantages(algo, rewards=rewards, group_ids=groups, response_mask=resp2, loss_mask=loss2,
-                                  policy_logprobs=pol2, ref_logprobs=ref2, old_values=val2)
+    adv, ret = compute_advantages(
+        algo,
+        rewards=rewards,
+        group_ids=groups,
+        response_mask=resp2,
+        loss_mask=loss2,
+        policy_logprobs=pol2,
+        ref_logprobs=ref2,
+        old_values=val2,
+    )
     for i, pos in enumerate(where):
         torch.testing.assert_close(adv[i, pos], plain_adv[i, : lengths[i]], rtol=0, atol=1e-6)
         assert bool((adv[i][loss2[i] == 0] == 0).all())

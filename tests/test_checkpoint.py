@@ -23,12 +23,27 @@ KILLER = [sys.executable, str(ROOT / "tests" / "killer.py"), "train"]
 
 
 def _args(model_dir, run_dir, *extra):
-    return [f"--model.path={model_dir}", "--data.size=16", "--data.eval_size=4", "--rollout.prompts_per_step=2",
-            "--rollout.n_samples_per_prompt=4", "--rollout.max_new_tokens=8",
-            "--rollout.reward=tests.plugins:even_token_reward", "--rollout.temperature=1.5", "--train.steps=5",
-            "--train.lr=1e-3", "--train.warmup_steps=2", "--train.micro_batch_size=2", "--eval.every=2",
-            "--run.progress=false", "--run.save_every=2", "--run.keep_checkpoints=2",
-            "--parallel.grad_reduce_bucket_bytes=1048576", f"--run.dir={run_dir}", *extra]
+    return [
+        f"--model.path={model_dir}",
+        "--data.size=16",
+        "--data.eval_size=4",
+        "--rollout.prompts_per_step=2",
+        "--rollout.n_samples_per_prompt=4",
+        "--rollout.max_new_tokens=8",
+        "--rollout.reward=tests.plugins:even_token_reward",
+        "--rollout.temperature=1.5",
+        "--train.steps=5",
+        "--train.lr=1e-3",
+        "--train.warmup_steps=2",
+        "--train.micro_batch_size=2",
+        "--eval.every=2",
+        "--run.progress=false",
+        "--run.save_every=2",
+        "--run.keep_checkpoints=2",
+        "--parallel.grad_reduce_bucket_bytes=1048576",
+        f"--run.dir={run_dir}",
+        *extra,
+    ]
 
 
 def _strop(args, kill_at=None, rank=0, timeout=240):
@@ -84,8 +99,7 @@ def test_sigkill_anywhere_then_resume_is_bitwise_an_uninterrupted_run(tiny_model
     # checkpoints at steps 2 and 4: killed in the rollout of step 3 (resumes from 2), while saving
     # step 4 (files written, folder not renamed: resumes from 2 again), in the backward of step 5
     # (resumes from 4); killed while saving step 2 at first, the run starts again from step 0
-    run = _kill_chain(tiny_model_dir, tmp_path, [],
-                      [("save:2", 0), ("rollout:3", 0), ("save:4", 0), ("backward:5", 0)])
+    run = _kill_chain(tiny_model_dir, tmp_path, [], [("save:2", 0), ("rollout:3", 0), ("save:4", 0), ("backward:5", 0)])
     assert [p.name for _, p in checkpoint.complete(run)] == ["step_000004", "step_000005"]  # keep_checkpoints=2
     from transformers import AutoModelForCausalLM
 
@@ -96,8 +110,9 @@ def test_sigkill_anywhere_then_resume_is_bitwise_an_uninterrupted_run(tiny_model
 
 @pytest.mark.timeout(600)
 def test_sigkill_under_fsdp_nproc_2_then_resume_is_bitwise(tiny_model_dir, tmp_path):
-    run = _kill_chain(tiny_model_dir, tmp_path, ["--nproc=2", "--parallel.dp_mode=fsdp"],
-                      [("backward:3", 1), ("save:4", 0)])
+    run = _kill_chain(
+        tiny_model_dir, tmp_path, ["--nproc=2", "--parallel.dp_mode=fsdp"], [("backward:3", 1), ("save:4", 0)]
+    )
     shards = sorted(p.name for p in (run / "checkpoints" / "step_000004" / "trainer").iterdir())
     assert shards == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # each rank wrote its own shards
 
@@ -112,8 +127,14 @@ def test_random_moment_sigkill_then_resume(tiny_model_dir, tmp_path):
     assert _strop(_args(tiny_model_dir, ref)).returncode == 0
     args = _args(tiny_model_dir, run)
     for attempt in range(2):
-        proc = subprocess.Popen(KILLER + (args if attempt == 0 else [f"--resume={run}"]), cwd=ROOT, text=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True)
+        proc = subprocess.Popen(
+            KILLER + (args if attempt == 0 else [f"--resume={run}"]),
+            cwd=ROOT,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         try:
             for line in proc.stdout:  # the run is under way once it names its directory
                 if line.startswith("strop: run directory"):
@@ -157,8 +178,12 @@ def test_resume_cli_errors(tmp_path, capsys):
 
 def test_latest_ignores_unfinished_folders_and_cut_logs_restores_lengths(tmp_path):
     root = tmp_path / "checkpoints"
-    for name, complete_ in (("step_000002", True), ("step_000004", True), ("step_000006", False),
-                            (".tmp-step_000008", True)):
+    for name, complete_ in (
+        ("step_000002", True),
+        ("step_000004", True),
+        ("step_000006", False),
+        (".tmp-step_000008", True),
+    ):
         (root / name).mkdir(parents=True)
         if complete_:
             (root / name / "meta.json").write_text("{}")
@@ -187,8 +212,11 @@ def test_resume_latest_is_the_newest_run_with_a_config(tmp_path, monkeypatch):
     assert find_run_dir("latest").name == "20260102-000000"
 
 
-@pytest.mark.parametrize("algo", [dict(estimator="ppo", kl_coef=0.1, ref_mode="copy"),
-                                  dict(estimator="grpo", kl_coef=0.1, ref_mode="swap")], ids=["ppo-critic", "grpo-swap-ref"])
+@pytest.mark.parametrize(
+    "algo",
+    [dict(estimator="ppo", kl_coef=0.1, ref_mode="copy"), dict(estimator="grpo", kl_coef=0.1, ref_mode="swap")],
+    ids=["ppo-critic", "grpo-swap-ref"],
+)
 def test_trainer_state_round_trip_is_bitwise(tmp_path, algo):
     """Save after a step, load into a fresh trainer: the next two steps equal the original's, with the
     critic and its optimizer (PPO), the LR warm-up and the reference rebuilt from the initial weights."""
@@ -198,8 +226,13 @@ def test_trainer_state_round_trip_is_bitwise(tmp_path, algo):
     from tests.tiny import make_tiny_model
 
     def fresh():
-        return Trainer(make_tiny_model(), pad_token_id=0, train=TrainConfig(lr=1e-3, warmup_steps=3, micro_batch_size=4),
-                       algo=AlgoConfig(**algo), rollout=Sampling(max_new_tokens=8))
+        return Trainer(
+            make_tiny_model(),
+            pad_token_id=0,
+            train=TrainConfig(lr=1e-3, warmup_steps=3, micro_batch_size=4),
+            algo=AlgoConfig(**algo),
+            rollout=Sampling(max_new_tokens=8),
+        )
 
     a = fresh()
     a.step(make_samples(seed=1))
@@ -209,8 +242,10 @@ def test_trainer_state_round_trip_is_bitwise(tmp_path, algo):
     checkpoint.load_trainer(tmp_path, b)
     later_b = [b.step(make_samples(seed=s)) for s in (2, 3)]
     assert [reproducible(m) for m in later_a] == [reproducible(m) for m in later_b]
-    for x, y in zip([*a.model.parameters(), *(a.critic.parameters() if a.critic else ())],
-                    [*b.model.parameters(), *(b.critic.parameters() if b.critic else ())]):
+    for x, y in zip(
+        [*a.model.parameters(), *(a.critic.parameters() if a.critic else ())],
+        [*b.model.parameters(), *(b.critic.parameters() if b.critic else ())],
+    ):
         assert torch.equal(x, y)
     assert later_a[0]["lr"] < later_a[1]["lr"]  # still warming up: the scheduler's position came back
 
@@ -244,16 +279,28 @@ def test_controller_state_with_samples_and_rng_round_trips_through_the_safe_load
     the prompt sampler) loads back equal under the safe loader."""
     from strop.types import Sample, Status
 
-    s = Sample(prompt=[{"role": "user", "content": "1+1?"}], prompt_ids=[1, 2], label="2", group_id=3, index=1,
-               metadata={"row_index": 4, "tool_calls": 1})
+    s = Sample(
+        prompt=[{"role": "user", "content": "1+1?"}],
+        prompt_ids=[1, 2],
+        label="2",
+        group_id=3,
+        index=1,
+        metadata={"row_index": 4, "tool_calls": 1},
+    )
     s.append([5, 6], [-0.5, -0.25], weight_version=2)
     s.status, s.reward = Status.COMPLETED, 1.0
-    state = {"step": 2, "weight_version": 2, "world": 1, "sampler": {"epoch": 0, "offset": 4, "next_group_id": 4},
-             "engine_rng": torch.Generator().manual_seed(5).get_state(), "elapsed_seconds": 1.5,
-             "logs": {"metrics.jsonl": 10}, "rollout": {"ready": [[s]], "prefetched": None, "dropped": {"stale": 1}}}
+    state = {
+        "step": 2,
+        "weight_version": 2,
+        "world": 1,
+        "sampler": {"epoch": 0, "offset": 4, "next_group_id": 4},
+        "engine_rng": torch.Generator().manual_seed(5).get_state(),
+        "elapsed_seconds": 1.5,
+        "logs": {"metrics.jsonl": 10},
+        "rollout": {"ready": [[s]], "prefetched": None, "dropped": {"stale": 1}},
+    }
     tmp = checkpoint.begin(tmp_path, 2)
-    path = checkpoint.finish(tmp_path, tmp, 2, controller_state=state, weights=None, model=None, tokenizer=None,
-                             keep=1)
+    path = checkpoint.finish(tmp_path, tmp, 2, controller_state=state, weights=None, model=None, tokenizer=None, keep=1)
     back = checkpoint.load_controller_state(path)
     got = back["rollout"]["ready"][0][0]
     assert got == s and got.status is Status.COMPLETED
@@ -262,8 +309,16 @@ def test_controller_state_with_samples_and_rng_round_trips_through_the_safe_load
 
 def _save(run_dir, step, held, keep=1):
     tmp = checkpoint.begin(run_dir, step)
-    return checkpoint.finish(run_dir, tmp, step, controller_state={"step": step, "rollout": {"ready": [[held]]}},
-                             weights=None, model=None, tokenizer=None, keep=keep)
+    return checkpoint.finish(
+        run_dir,
+        tmp,
+        step,
+        controller_state={"step": step, "rollout": {"ready": [[held]]}},
+        weights=None,
+        model=None,
+        tokenizer=None,
+        keep=keep,
+    )
 
 
 def _assert_only(run_dir, step):
@@ -314,8 +369,11 @@ def test_a_checkpoint_that_fails_its_round_trip_is_not_published_and_prunes_noth
     monkeypatch.setattr(types, "checkpointable", lambda value, where: value, raising=False)
     held = Sample(prompt="p", prompt_ids=[1, 2])
     held.metadata["score"] = np.float64(0.5)
-    with pytest.raises(checkpoint.CheckpointError, match=r"checkpoint of step 4 not saved \(it could not be "
-                                                         r"resumed\): .*controller.pt.*numpy"):
+    with pytest.raises(
+        checkpoint.CheckpointError,
+        match=r"checkpoint of step 4 not saved \(it could not be "
+        r"resumed\): .*controller.pt.*numpy",
+    ):
         _save(tmp_path, 4, held)
     _assert_only(tmp_path, 2)
 
@@ -331,7 +389,8 @@ def _samples(x) -> list:
 
 @pytest.mark.timeout(300)
 def test_a_knights_and_knaves_run_one_step_off_resumes_bitwise_from_a_checkpoint_holding_its_samples(
-        tiny_model_dir, tmp_path):
+    tiny_model_dir, tmp_path
+):
     """The shipped reasoning-gym task knights_knaves (numpy strings in its entries) in one_step_off: the
     checkpoint of step 1 holds the samples generated ahead, loads through the safe loader, and a run
     resumed from it ends with the uninterrupted run's weights."""
@@ -339,11 +398,25 @@ def test_a_knights_and_knaves_run_one_step_off_resumes_bitwise_from_a_checkpoint
     import shutil
 
     run = tmp_path / "run"
-    args = [f"--model.path={tiny_model_dir}", "--data.task=knights_knaves", "--data.task_options={}", "--data.size=16",
-            "--data.eval_size=0", "--rollout.reward=reasoning_gym", "--rollout.mode=one_step_off",
-            "--algo.off_policy_correction=none", "--rollout.prompts_per_step=2", "--rollout.n_samples_per_prompt=2",
-            "--rollout.max_new_tokens=8", "--train.steps=2", "--train.micro_batch_size=2", "--run.save_every=1",
-            "--run.keep_checkpoints=2", "--run.progress=false", f"--run.dir={run}"]
+    args = [
+        f"--model.path={tiny_model_dir}",
+        "--data.task=knights_knaves",
+        "--data.task_options={}",
+        "--data.size=16",
+        "--data.eval_size=0",
+        "--rollout.reward=reasoning_gym",
+        "--rollout.mode=one_step_off",
+        "--algo.off_policy_correction=none",
+        "--rollout.prompts_per_step=2",
+        "--rollout.n_samples_per_prompt=2",
+        "--rollout.max_new_tokens=8",
+        "--train.steps=2",
+        "--train.micro_batch_size=2",
+        "--run.save_every=1",
+        "--run.keep_checkpoints=2",
+        "--run.progress=false",
+        f"--run.dir={run}",
+    ]
     done = _strop(args)
     assert done.returncode == 0, done.stderr[-3000:]
     final = _weights(run / "final")
@@ -359,7 +432,8 @@ def test_a_knights_and_knaves_run_one_step_off_resumes_bitwise_from_a_checkpoint
 
 @pytest.mark.timeout(240)
 def test_without_the_policy_copy_a_checkpoint_is_smaller_and_export_writes_it_from_the_trainer_state(
-        tiny_model_dir, tmp_path, capsys):
+    tiny_model_dir, tmp_path, capsys
+):
     """run.checkpoint_policy=false: no policy/ in the checkpoints (the weights are stored once); `strop export`
     writes the policy from the trainer state, equal to the run's final policy, and refuses to overwrite."""
     from strop.cli import main

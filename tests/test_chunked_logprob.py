@@ -39,8 +39,9 @@ def test_values_and_grads_both_outputs(chunk_size, temperature):
     for name, r, o in zip(["logprobs", "entropy", "grad hidden", "grad weight"], ref, out):
         torch.testing.assert_close(o, r, **TOL, msg=lambda m: f"{name}: {m}")
     # the entropy term really contributes to the gradient (so the check above covers it)
-    assert not torch.allclose(ref[2], _grads(naive_logprobs, hidden, weight, targets, a, None,
-                                             temperature=temperature)[2], **TOL)
+    assert not torch.allclose(
+        ref[2], _grads(naive_logprobs, hidden, weight, targets, a, None, temperature=temperature)[2], **TOL
+    )
 
 
 @pytest.mark.parametrize("chunk_size", [64, 7])
@@ -123,8 +124,9 @@ def test_response_logprobs_chunked_equals_full_logits_through_a_model():
     weights = torch.randn(3, 4, generator=g)
     results = []
     for m, chunk in ((model, 5), (other, 0)):
-        lp, ent = response_logprobs(m, ids, mask, positions, temperature=0.7, with_entropy=True,
-                                    entropy_grad=True, chunk_size=chunk)
+        lp, ent = response_logprobs(
+            m, ids, mask, positions, temperature=0.7, with_entropy=True, entropy_grad=True, chunk_size=chunk
+        )
         ((lp * weights).sum() + 0.3 * ent.sum()).backward()
         results.append((lp.detach(), ent.detach()))
     torch.testing.assert_close(results[0][0], results[1][0], rtol=0, atol=1e-5)

@@ -112,24 +112,41 @@ def test_preset_on_the_command_line_and_in_yaml(tmp_path):
         build_config(preset="nope")
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (["--cluster.launcher=ray", "--cluster.placement=colocated"], "shares the trainer ranks' bundles with engine"),
-    (["--cluster.launcher=ray", "--cluster.placement=colocated", "--cluster.trainer_ranks=1", "--engine.kind=strop",
-      "--engine.launch=2"], "engine.launch=2 engines need as many trainer ranks"),
-    (["--engine.kind=vllm", "--engine.launch=1"], "starts vllm servers as Ray engine actors"),
-    (["--engine.kind=sglang", "--engine.launch=1"], "starts sglang servers as Ray engine actors"),
-    (["--engine.kind=strop", "--engine.launch=1", '--engine.launch_command=["python", "-m", "x"]'],
-     "launch_command is the program of launched vLLM or SGLang servers"),
-    (["--parallel.tensor_parallel_size=2", "--parallel.context_parallel_size=2"], "do not compose yet"),
-    (["--parallel.tensor_parallel_size=2", "--rollout.exact_logprobs=true"], "sums every layer in two halves"),
-    (["--parallel.tensor_parallel_size=2", "--algo.kl_coef=0.1", "--algo.ref_mode=swap"],
-     "cannot swap into weights split by parallel.tensor_parallel_size=2"),
-    (["--train.activation_checkpointing=true", "--parallel.context_parallel_size=2"],
-     "a recompute in backward would run outside it"),
-    (["--engine.kind=strop", "--engine.launch=1", "--engine.dtype=bfloat16"], "a strop server chooses its own"),
-    (["--engine.dtype=bfloat16", "--rollout.exact_logprobs=true"], "samples from other numbers than the float32"),
-    (["--train.bf16_autocast=true", "--rollout.exact_logprobs=true"], "forward in bf16 while the engine samples"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["--cluster.launcher=ray", "--cluster.placement=colocated"], "shares the trainer ranks' bundles with engine"),
+        (
+            [
+                "--cluster.launcher=ray",
+                "--cluster.placement=colocated",
+                "--cluster.trainer_ranks=1",
+                "--engine.kind=strop",
+                "--engine.launch=2",
+            ],
+            "engine.launch=2 engines need as many trainer ranks",
+        ),
+        (["--engine.kind=vllm", "--engine.launch=1"], "starts vllm servers as Ray engine actors"),
+        (["--engine.kind=sglang", "--engine.launch=1"], "starts sglang servers as Ray engine actors"),
+        (
+            ["--engine.kind=strop", "--engine.launch=1", '--engine.launch_command=["python", "-m", "x"]'],
+            "launch_command is the program of launched vLLM or SGLang servers",
+        ),
+        (["--parallel.tensor_parallel_size=2", "--parallel.context_parallel_size=2"], "do not compose yet"),
+        (["--parallel.tensor_parallel_size=2", "--rollout.exact_logprobs=true"], "sums every layer in two halves"),
+        (
+            ["--parallel.tensor_parallel_size=2", "--algo.kl_coef=0.1", "--algo.ref_mode=swap"],
+            "cannot swap into weights split by parallel.tensor_parallel_size=2",
+        ),
+        (
+            ["--train.activation_checkpointing=true", "--parallel.context_parallel_size=2"],
+            "a recompute in backward would run outside it",
+        ),
+        (["--engine.kind=strop", "--engine.launch=1", "--engine.dtype=bfloat16"], "a strop server chooses its own"),
+        (["--engine.dtype=bfloat16", "--rollout.exact_logprobs=true"], "samples from other numbers than the float32"),
+        (["--train.bf16_autocast=true", "--rollout.exact_logprobs=true"], "forward in bf16 while the engine samples"),
+    ],
+)
 def test_launch_placement_and_parallel_combinations_that_cannot_run_are_refused(overrides, message):
     with pytest.raises(ConfigError, match=message):
         build_config(None, parse_overrides(overrides))
@@ -140,15 +157,20 @@ def test_a_model_whose_heads_do_not_divide_is_refused_naming_the_counts():
 
     from strop.parallel.dims import check_tensor_parallel
 
-    llama = LlamaConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3,
-                        intermediate_size=1536)  # SmolLM2-135M's shape
+    llama = LlamaConfig(
+        hidden_size=576, num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536
+    )  # SmolLM2-135M's shape
     check_tensor_parallel(llama, 3)  # 9, 3 and 1536 all divide by 3
-    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 must divide the model's 9 attention heads and "
-                                         r"3 KV heads \(llama\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"tensor_parallel_size=2 must divide the model's 9 attention heads and "
+        r"3 KV heads \(llama\)",
+    ):
         check_tensor_parallel(llama, 2)
     with pytest.raises(ValueError, match=r"4 KV heads and 100 MLP width \(intermediate_size\) \(qwen3\)"):
-        check_tensor_parallel(Qwen3Config(hidden_size=64, num_attention_heads=8, num_key_value_heads=4,
-                                          intermediate_size=100), 8)
+        check_tensor_parallel(
+            Qwen3Config(hidden_size=64, num_attention_heads=8, num_key_value_heads=4, intermediate_size=100), 8
+        )
     from transformers import GPT2Config
 
     with pytest.raises(ValueError, match="model type 'gpt2' has no tensor-parallel plan"):
@@ -166,14 +188,19 @@ def test_a_decoder_layer_without_a_planned_projection_is_refused_naming_it():
         tensor_parallel(model, None)  # refused before the mesh is used
 
 
-@pytest.mark.parametrize("remove,message", [("input_layernorm", "LlamaDecoderLayer has no input_layernorm"),
-                                            ("norm", "LlamaModel has no final norm named 'norm'")])
+@pytest.mark.parametrize(
+    "remove,message",
+    [
+        ("input_layernorm", "LlamaDecoderLayer has no input_layernorm"),
+        ("norm", "LlamaModel has no final norm named 'norm'"),
+    ],
+)
 def test_sequence_parallel_without_the_norms_it_splits_is_refused_naming_them(remove, message):
     from strop.parallel.tensor import tensor_parallel
     from tests.tiny import make_tiny_model
 
     model = make_tiny_model()
-    for owner in (model.model.layers if remove == "input_layernorm" else [model.model]):
+    for owner in model.model.layers if remove == "input_layernorm" else [model.model]:
         delattr(owner, remove)
     with pytest.raises(ValueError, match=message):
         tensor_parallel(model, None, sequence_parallel=True)  # refused before the mesh is used
@@ -189,6 +216,12 @@ def test_the_documented_tensor_parallel_gpu_config_validates_and_fits_qwen3_8b()
     cfg = build_config(str(Path(__file__).resolve().parents[1] / "examples" / "configs" / "tp2_fsdp4_gpu.yaml"))
     assert (cfg.parallel.tensor_parallel_size, cfg.parallel.dp_mode) == (2, "fsdp")
     assert parallel_layout(8, cfg.parallel.context_parallel_size, cfg.parallel.tensor_parallel_size) == (4, 1)
-    qwen3_8b = Qwen3Config(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                           intermediate_size=12288, num_hidden_layers=36)  # Qwen/Qwen3-8B's config.json
+    qwen3_8b = Qwen3Config(
+        hidden_size=4096,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+    )  # Qwen/Qwen3-8B's config.json
     check_tensor_parallel(qwen3_8b, cfg.parallel.tensor_parallel_size)

@@ -9,7 +9,11 @@ def test_jsonl_text_and_chat_prompts_with_keys(tmp_path, tokenizer):
     f = tmp_path / "d.jsonl"
     rows = [
         {"question": "What is 2+2?", "answer": "4", "src": "a"},
-        {"question": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "3+3?"}], "answer": "6", "src": "b"},
+        {
+            "question": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "3+3?"}],
+            "answer": "6",
+            "src": "b",
+        },
     ]
     f.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
     data = read_prompt_file(str(f), prompt_key="question", label_key="answer", metadata_keys=["src"])
@@ -34,11 +38,14 @@ def test_parquet(tmp_path):
         read_prompt_file(str(f))
 
 
-@pytest.mark.parametrize("line,message", [
-    ('["not", "an", "object"]', "expected a JSON object"),
-    ('{"prompt": 5}', "prompt must be a string"),
-    ('{"prompt": [{"role": "user"}]}', "chat message 0 must be an object"),
-])
+@pytest.mark.parametrize(
+    "line,message",
+    [
+        ('["not", "an", "object"]', "expected a JSON object"),
+        ('{"prompt": 5}', "prompt must be a string"),
+        ('{"prompt": [{"role": "user"}]}', "chat message 0 must be an object"),
+    ],
+)
 def test_bad_rows_name_file_and_line(tmp_path, line, message):
     f = tmp_path / "d.jsonl"
     f.write_text('{"prompt": "ok"}\n' + line + "\n")
@@ -128,8 +135,16 @@ def test_too_few_held_out_prompts_left_is_refused(tmp_path, tiny_model_dir):
     rows = [json.dumps({"prompt": f"{i} + 1?", "label": str(i + 1)}) for i in range(40)]
     (tmp_path / "train.jsonl").write_text("\n".join(rows))
     (tmp_path / "eval.jsonl").write_text("\n".join(rows[:35] + [json.dumps({"prompt": "new?", "label": "1"})]))
-    cfg = build_config(overrides={"model": {"path": str(tiny_model_dir)}, "data": {
-        "source": "file", "path": str(tmp_path / "train.jsonl"), "eval_path": str(tmp_path / "eval.jsonl")}})
+    cfg = build_config(
+        overrides={
+            "model": {"path": str(tiny_model_dir)},
+            "data": {
+                "source": "file",
+                "path": str(tmp_path / "train.jsonl"),
+                "eval_path": str(tmp_path / "eval.jsonl"),
+            },
+        }
+    )
     with pytest.raises(DataError, match=r"only 1 held-out prompts remain after removing 35"):
         prepare(cfg, torch.device("cpu"))
 

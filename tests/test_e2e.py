@@ -15,8 +15,12 @@ def tiny_overrides(model_dir, run_dir, **extra):
     cfg = {
         "model": {"path": str(model_dir)},
         "data": {"size": 16, "eval_size": 4},
-        "rollout": {"prompts_per_step": 2, "n_samples_per_prompt": 4, "max_new_tokens": 8,
-                    "reward": "tests.plugins:even_token_reward"},
+        "rollout": {
+            "prompts_per_step": 2,
+            "n_samples_per_prompt": 4,
+            "max_new_tokens": 8,
+            "reward": "tests.plugins:even_token_reward",
+        },
         "train": {"steps": 2, "lr": 1e-3, "warmup_steps": 0, "micro_batch_size": 3},
         "eval": {"every": 1},
         "run": {"dir": str(run_dir), "progress": False, "save_every": 0},  # checkpoint tests set it
@@ -40,8 +44,18 @@ def test_two_rl_steps_change_every_parameter(tiny_model_dir, tmp_path):
     steps = [r for r in rows if "reward_mean" in r]
     assert [r["step"] for r in steps] == [1, 2]
     for r in steps:
-        for key in ("reward_mean", "accuracy", "response_length_mean", "entropy", "clip_fraction", "grad_norm",
-                    "train_rollout_logprob_abs_diff", "rollout_tokens_per_s", "train_tokens_per_s", "step_seconds"):
+        for key in (
+            "reward_mean",
+            "accuracy",
+            "response_length_mean",
+            "entropy",
+            "clip_fraction",
+            "grad_norm",
+            "train_rollout_logprob_abs_diff",
+            "rollout_tokens_per_s",
+            "train_tokens_per_s",
+            "step_seconds",
+        ):
             assert math.isfinite(r[key]), (key, r[key])
         assert r["train_rollout_logprob_abs_diff"] < 1e-3
         assert r["trained_samples"] > 0
@@ -52,8 +66,13 @@ def test_two_rl_steps_change_every_parameter(tiny_model_dir, tmp_path):
 
 
 def test_async_reward_function_works(tiny_model_dir, tmp_path):
-    cfg = tiny_overrides(tiny_model_dir, tmp_path / "run", rollout={"reward": "tests.plugins:async_even_token_reward"},
-                         train={"steps": 1}, run={"save_final": False, "plot": False})
+    cfg = tiny_overrides(
+        tiny_model_dir,
+        tmp_path / "run",
+        rollout={"reward": "tests.plugins:async_even_token_reward"},
+        train={"steps": 1},
+        run={"save_final": False, "plot": False},
+    )
     assert train(build_config(overrides=cfg))["steps"] == 1
 
 
@@ -73,13 +92,15 @@ def test_malformed_jsonl_row_names_file_and_line(tiny_model_dir, tmp_path, capsy
     data = tmp_path / "prompts.jsonl"
     data.write_text('{"prompt": "1+1?", "label": "2"}\n{"prompt": "2+2?", "label": "4"\n')
     run_dir = tmp_path / "run"
-    code, err = _cli([f"--model.path={tiny_model_dir}", "--data.source=file", f"--data.path={data}",
-                      f"--run.dir={run_dir}"], capsys)
+    code, err = _cli(
+        [f"--model.path={tiny_model_dir}", "--data.source=file", f"--data.path={data}", f"--run.dir={run_dir}"], capsys
+    )
     assert code == 1 and f"{data}:2: not valid JSON" in err
     assert not run_dir.exists()
     data.write_text('{"question": "1+1?"}\n')
-    code, err = _cli([f"--model.path={tiny_model_dir}", "--data.source=file", f"--data.path={data}",
-                      f"--run.dir={run_dir}"], capsys)
+    code, err = _cli(
+        [f"--model.path={tiny_model_dir}", "--data.source=file", f"--data.path={data}", f"--run.dir={run_dir}"], capsys
+    )
     assert code == 1 and f"{data}:1: missing prompt key 'prompt'" in err
 
 
@@ -93,9 +114,21 @@ def test_unknown_config_key_fails_before_anything_loads(tmp_path, capsys):
 
 def test_prompt_longer_than_context_window(tiny_model_dir, tmp_path, capsys):
     data = tmp_path / "prompts.jsonl"
-    data.write_text(json.dumps({"prompt": "short", "label": "1"}) + "\n" + json.dumps({"prompt": "word " * 400, "label": "1"}) + "\n")
-    code, err = _cli([f"--model.path={tiny_model_dir}", "--data.source=file", f"--data.path={data}",
-                      f"--run.dir={tmp_path / 'run'}"], capsys)
+    data.write_text(
+        json.dumps({"prompt": "short", "label": "1"})
+        + "\n"
+        + json.dumps({"prompt": "word " * 400, "label": "1"})
+        + "\n"
+    )
+    code, err = _cli(
+        [
+            f"--model.path={tiny_model_dir}",
+            "--data.source=file",
+            f"--data.path={data}",
+            f"--run.dir={tmp_path / 'run'}",
+        ],
+        capsys,
+    )
     # the tiny model's window is 256 tokens; row 1 is about 400
     assert code == 1 and "row 1: prompt has" in err and "context window" in err
     assert not (tmp_path / "run").exists()
@@ -123,8 +156,12 @@ def test_a_reward_that_is_not_a_number_stops_the_run_cleanly(tiny_model_dir, tmp
 
 
 def test_packed_micro_batches_run_end_to_end(tiny_model_dir, tmp_path):
-    cfg = tiny_overrides(tiny_model_dir, tmp_path / "run", train={"max_tokens_per_micro_batch": 200},
-                         run={"save_final": False, "plot": False})
+    cfg = tiny_overrides(
+        tiny_model_dir,
+        tmp_path / "run",
+        train={"max_tokens_per_micro_batch": 200},
+        run={"save_final": False, "plot": False},
+    )
     summary = train(build_config(overrides=cfg))
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "reward_mean" in r]
@@ -136,9 +173,14 @@ def test_packed_micro_batches_run_end_to_end(tiny_model_dir, tmp_path):
 def test_exact_logprobs_end_to_end_on_both_decode_paths(tiny_model_dir, tmp_path, fast_decode):
     """rollout.exact_logprobs through the real loop: the gap the trainer measures is exactly 0 and
     the engine's own gap (either decode path) is reported, small but not zero."""
-    cfg = tiny_overrides(tiny_model_dir, tmp_path / "run", rollout={"exact_logprobs": True},
-                         engine={"fast_decode": fast_decode}, eval={"every": 0},
-                         run={"save_final": False, "plot": False})
+    cfg = tiny_overrides(
+        tiny_model_dir,
+        tmp_path / "run",
+        rollout={"exact_logprobs": True},
+        engine={"fast_decode": fast_decode},
+        eval={"every": 0},
+        run={"save_final": False, "plot": False},
+    )
     assert train(build_config(overrides=cfg))["steps"] == 2
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "reward_mean" in r]
@@ -152,8 +194,13 @@ def test_a_bf16_engine_beside_an_fp32_trainer_reports_its_gap(tiny_model_dir, tm
     through the cast updates and the logprob gap each step reports is bf16's, far above an fp32 engine's."""
     gaps = {}
     for dtype in ("float32", "bfloat16"):
-        cfg = tiny_overrides(tiny_model_dir, tmp_path / dtype, engine={"dtype": dtype}, eval={"every": 0},
-                             run={"save_final": False, "plot": False})
+        cfg = tiny_overrides(
+            tiny_model_dir,
+            tmp_path / dtype,
+            engine={"dtype": dtype},
+            eval={"every": 0},
+            run={"save_final": False, "plot": False},
+        )
         assert train(build_config(overrides=cfg))["steps"] == 2
         rows = [json.loads(x) for x in (tmp_path / dtype / "metrics.jsonl").read_text().splitlines()]
         steps = [r for r in rows if "reward_mean" in r]
@@ -181,8 +228,13 @@ def test_tools_make_the_run_multi_turn_end_to_end(tiny_model_dir, tmp_path, caps
     test_multiturn.py script the calls): the sandbox is chosen and announced, and every step
     reports tool use and the aborted fraction."""
     _need_sandbox()
-    cfg = tiny_overrides(tiny_model_dir, tmp_path / "run", tools={"enabled": ["python", "calculator"]},
-                         eval={"every": 0}, run={"save_final": False, "plot": False})
+    cfg = tiny_overrides(
+        tiny_model_dir,
+        tmp_path / "run",
+        tools={"enabled": ["python", "calculator"]},
+        eval={"every": 0},
+        run={"save_final": False, "plot": False},
+    )
     assert train(build_config(overrides=cfg))["steps"] == 2
     assert "strop: tools: python in sandbox:" in capsys.readouterr().out
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -205,7 +257,9 @@ def test_a_nan_reward_stops_the_run_naming_hook_and_sample(tiny_model_dir, tmp_p
 
     run_dir = tmp_path / "run"
     cfg = tiny_overrides(tiny_model_dir, run_dir, rollout={"reward": "tests.plugins:nan_reward"})
-    with pytest.raises(PluginError, match=r"nan_reward on sample group=-?\d+ index=\d+: returned nan; rewards must be finite"):
+    with pytest.raises(
+        PluginError, match=r"nan_reward on sample group=-?\d+ index=\d+: returned nan; rewards must be finite"
+    ):
         train(build_config(overrides=cfg))
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "failed"
 
@@ -248,25 +302,33 @@ def test_an_engine_decoding_from_the_trainers_own_weights_changes_no_number(tiny
     finally:
         c.close()
     for share in (False, None):
-        cfg = tiny_overrides(tiny_model_dir, tmp_path / str(share), engine={"share_weights": share},
-                             run={"plot": False})
+        cfg = tiny_overrides(
+            tiny_model_dir, tmp_path / str(share), engine={"share_weights": share}, run={"plot": False}
+        )
         assert train(build_config(overrides=cfg))["steps"] == 2
     assert "from the trainer's own weights" in capsys.readouterr().out
     copied, shared = _step_numbers(tmp_path / "False"), _step_numbers(tmp_path / "None")
     assert copied == shared and len(copied) == 5  # evaluations at 0, 1, 2 and two steps
     from safetensors.torch import load_file
 
-    a, b = load_file(tmp_path / "False" / "final" / "model.safetensors"), \
-        load_file(tmp_path / "None" / "final" / "model.safetensors")
+    a, b = (
+        load_file(tmp_path / "False" / "final" / "model.safetensors"),
+        load_file(tmp_path / "None" / "final" / "model.safetensors"),
+    )
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.parametrize("overrides,message", [
-    ({"rollout": {"mode": "one_step_off", "max_staleness": 1}, "algo": {"use_rollout_logprobs": True}},
-     "generates while the trainer changes its weights"),
-    ({"engine": {"dtype": "bfloat16"}}, "decodes from a bfloat16 copy"),
-    ({"engine": {"fast_decode": False}}, "train mode"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (
+            {"rollout": {"mode": "one_step_off", "max_staleness": 1}, "algo": {"use_rollout_logprobs": True}},
+            "generates while the trainer changes its weights",
+        ),
+        ({"engine": {"dtype": "bfloat16"}}, "decodes from a bfloat16 copy"),
+        ({"engine": {"fast_decode": False}}, "train mode"),
+    ],
+)
 def test_sharing_the_trainers_weights_where_it_cannot_work_is_refused(tiny_model_dir, tmp_path, overrides, message):
     from strop.config import ConfigError
 
@@ -288,8 +350,9 @@ def test_a_model_the_fast_decoder_cannot_run_keeps_its_copy_and_refuses_sharing(
     tokenizer.save_pretrained(path)
     c = build(build_config(overrides=tiny_overrides(path, tmp_path / "auto")))
     try:
-        assert not {p.data_ptr() for p in c.engine.model.parameters()} & \
-            {p.data_ptr() for p in c.trainer.model.parameters()}
+        assert not {p.data_ptr() for p in c.engine.model.parameters()} & {
+            p.data_ptr() for p in c.trainer.model.parameters()
+        }
         assert not c.engine.model.training and c.trainer.model.training
     finally:
         c.close()

@@ -41,8 +41,9 @@ def test_length_stop_and_seeded_sampling(tiny_model):
             assert len(out.token_ids) == 6
     # make the first greedy token a stop token: generation ends after one token with "stop"
     greedy = engine.generate_batch(PROMPTS[:1], SamplingParams(temperature=0, max_new_tokens=5))[0]
-    stopped = engine.generate_batch(PROMPTS[:1], SamplingParams(temperature=0, max_new_tokens=5,
-                                                               stop_token_ids=[greedy.token_ids[0]]))[0]
+    stopped = engine.generate_batch(
+        PROMPTS[:1], SamplingParams(temperature=0, max_new_tokens=5, stop_token_ids=[greedy.token_ids[0]])
+    )[0]
     assert stopped.token_ids == greedy.token_ids[:1] and stopped.finish_reason == "stop"
 
 
@@ -133,7 +134,9 @@ def test_cancelling_a_request_cancels_and_the_engine_still_works(tiny_model):
         with pytest.raises(asyncio.CancelledError):
             await task
         # a new request runs: no lock was left held, no abort flag left set
-        out = await asyncio.wait_for(engine.generate(PROMPTS[1], SamplingParams(max_new_tokens=3, stop_token_ids=[-1])), 30)
+        out = await asyncio.wait_for(
+            engine.generate(PROMPTS[1], SamplingParams(max_new_tokens=3, stop_token_ids=[-1])), 30
+        )
         assert out.finish_reason == "length" and len(out.token_ids) == 3
         await asyncio.wait_for(engine.update_weights(tiny_model.state_dict(), version=5), 30)
         return engine.weight_version
@@ -154,7 +157,9 @@ def test_a_cancelled_abort_all_leaves_nothing_held(tiny_model):
         out = await asyncio.wait_for(running, 30)
         assert out.finish_reason == "abort"
         # later requests are not aborted and not blocked
-        nxt = await asyncio.wait_for(engine.generate(PROMPTS[1], SamplingParams(max_new_tokens=4, stop_token_ids=[-1])), 30)
+        nxt = await asyncio.wait_for(
+            engine.generate(PROMPTS[1], SamplingParams(max_new_tokens=4, stop_token_ids=[-1])), 30
+        )
         assert nxt.finish_reason == "length" and len(nxt.token_ids) == 4
 
     asyncio.run(main())

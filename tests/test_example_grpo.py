@@ -60,8 +60,12 @@ def test_equal_rewards_leave_the_weights_alone(tiny_model_dir):
 @pytest.mark.timeout(180)
 def test_the_script_runs_from_the_command_line(tiny_model_dir):
     """As a user runs it, with the default (math) reward: one line of metrics per step, rewards in [0, 1]."""
-    out = subprocess.run([sys.executable, str(SCRIPT), "--model", str(tiny_model_dir), *SMALL],
-                         capture_output=True, text=True, timeout=170)
+    out = subprocess.run(
+        [sys.executable, str(SCRIPT), "--model", str(tiny_model_dir), *SMALL],
+        capture_output=True,
+        text=True,
+        timeout=170,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     lines = [dict(kv.split("=") for kv in line.split()) for line in out.stdout.splitlines() if line.startswith("step=")]
     assert [tuple(m) for m in lines] == [grpo_one_file.METRICS] * 2
@@ -82,6 +86,10 @@ def test_the_script_stays_one_readable_file():
     long = [f.name for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.end_lineno - f.lineno + 1 > 80]
     assert long == []
     doc = ast.get_docstring(tree)
-    for departure in ("Token-level loss aggregation", "No KL term, no reference model", "one optimiser step",
-                      "sample std"):
+    for departure in (
+        "Token-level loss aggregation",
+        "No KL term, no reference model",
+        "one optimiser step",
+        "sample std",
+    ):
         assert departure in doc

@@ -13,7 +13,13 @@ from strop.serving.kvdecode import Batch
 from strop.train.logprob import response_logprobs
 from strop.types import SamplingParams
 
-PROMPTS = [[5, 17, 230, 9], [44, 3], [8, 8, 8, 8, 8, 8, 1], [5, 17, 230, 9], [300, 301, 302, 303, 304, 305, 306, 307, 308]]
+PROMPTS = [
+    [5, 17, 230, 9],
+    [44, 3],
+    [8, 8, 8, 8, 8, 8, 1],
+    [5, 17, 230, 9],
+    [300, 301, 302, 303, 304, 305, 306, 307, 308],
+]
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12, stop_token_ids=[-1])
 
 
@@ -48,11 +54,14 @@ def test_fast_path_matches_the_transformers_path(tiny_model, max_batch_size):
 def test_sampled_logprobs_equal_a_full_forward_with_joining_rows(tiny_model):
     """Rows admitted mid-decode sit at other cache columns; their logprobs still match a full forward."""
     prompts = PROMPTS * 3
-    outs = engine(tiny_model, max_batch_size=4, seed=3).generate_batch(prompts, [
-        SamplingParams(temperature=0.8, max_new_tokens=5 + 3 * i, stop_token_ids=[-1]) for i in range(len(prompts))])
+    outs = engine(tiny_model, max_batch_size=4, seed=3).generate_batch(
+        prompts,
+        [SamplingParams(temperature=0.8, max_new_tokens=5 + 3 * i, stop_token_ids=[-1]) for i in range(len(prompts))],
+    )
     for prompt, out in zip(prompts, outs):
-        torch.testing.assert_close(torch.tensor(out.logprobs), full_forward_logprobs(tiny_model, prompt, out, 0.8),
-                                   rtol=0, atol=1e-4)
+        torch.testing.assert_close(
+            torch.tensor(out.logprobs), full_forward_logprobs(tiny_model, prompt, out, 0.8), rtol=0, atol=1e-4
+        )
 
 
 def test_a_groups_prompt_is_prefilled_once(tiny_model):
@@ -83,7 +92,7 @@ def test_a_long_request_does_not_hold_up_short_ones(tiny_model):
 
     joined = []
     real = e._advance
-    e._advance = lambda batch, prompts, rows: (joined.append((len(rows), batch.live)) or real(batch, prompts, rows))
+    e._advance = lambda batch, prompts, rows: joined.append((len(rows), batch.live)) or real(batch, prompts, rows)
 
     async def main():
         await asyncio.gather(ask("long", [5, 6, 7], 200, 0.0), ask("short", [9, 10], 3, 0.05))
@@ -184,8 +193,9 @@ def test_an_engine_error_reaches_every_request_and_the_engine_recovers(tiny_mode
     sps = [SamplingParams(max_new_tokens=3 if i == 0 else 20, stop_token_ids=[-1]) for i in range(len(PROMPTS))]
 
     async def main():
-        got = await asyncio.wait_for(asyncio.gather(*(e.generate(p, sp) for p, sp in zip(PROMPTS, sps)),
-                                                    return_exceptions=True), timeout=30)
+        got = await asyncio.wait_for(
+            asyncio.gather(*(e.generate(p, sp) for p, sp in zip(PROMPTS, sps)), return_exceptions=True), timeout=30
+        )
         again = await asyncio.wait_for(e.generate(PROMPTS[0], sps[1]), timeout=30)
         return got, again
 
@@ -201,7 +211,7 @@ def test_slot_count_changes_only_at_bucket_boundaries(tiny_model):
     e = engine(tiny_model)
     sizes = []
     real = e._fast.step
-    e._fast.step = lambda tokens, *a: (sizes.append(len(tokens)) or real(tokens, *a))
+    e._fast.step = lambda tokens, *a: sizes.append(len(tokens)) or real(tokens, *a)
     prompts = [[5, 6, 7 + i] for i in range(40)]
     outs = e.generate_batch(prompts, [SamplingParams(max_new_tokens=1 + i, stop_token_ids=[-1]) for i in range(40)])
     assert [len(o.token_ids) for o in outs] == [1 + i for i in range(40)]
@@ -219,8 +229,9 @@ def test_the_fused_norm_is_bitwise_the_models_own(tiny_model):
         norm.weight.normal_()
         x = torch.randn(5, 3, norm.weight.shape[0]) * 3
         assert torch.equal(kvdecode.LlamaDecoder._norm(norm, x), norm(x))
-        assert torch.equal(kvdecode.LlamaDecoder._norm(norm, x.double()).float(),
-                           norm.double()(x.double()).float())  # other dtypes: the module's formula
+        assert torch.equal(
+            kvdecode.LlamaDecoder._norm(norm, x.double()).float(), norm.double()(x.double()).float()
+        )  # other dtypes: the module's formula
 
 
 @pytest.fixture(scope="module")
@@ -242,11 +253,14 @@ def test_qwen3_decodes_on_the_fast_path_as_the_transformers_path_does(tiny_qwen3
         assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-4)
     sampled = PROMPTS * 2
-    outs = engine(tiny_qwen3, max_batch_size=4, seed=3).generate_batch(sampled, [
-        SamplingParams(temperature=0.8, max_new_tokens=5 + 3 * i, stop_token_ids=[-1]) for i in range(len(sampled))])
+    outs = engine(tiny_qwen3, max_batch_size=4, seed=3).generate_batch(
+        sampled,
+        [SamplingParams(temperature=0.8, max_new_tokens=5 + 3 * i, stop_token_ids=[-1]) for i in range(len(sampled))],
+    )
     for prompt, out in zip(sampled, outs):
-        torch.testing.assert_close(torch.tensor(out.logprobs), full_forward_logprobs(tiny_qwen3, prompt, out, 0.8),
-                                   rtol=0, atol=1e-5)  # the trainer-vs-engine gap of issue 23
+        torch.testing.assert_close(
+            torch.tensor(out.logprobs), full_forward_logprobs(tiny_qwen3, prompt, out, 0.8), rtol=0, atol=1e-5
+        )  # the trainer-vs-engine gap of issue 23
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -262,8 +276,10 @@ def test_prepacked_weights_change_no_token_and_no_logprob(tiny_model, dtype, mon
     real = kvdecode._Linear.pack
     monkeypatch.setattr(kvdecode._Linear, "pack", lambda self, rows: packs.append(rows) or real(self, rows))
     prompts = PROMPTS * 2
-    sps = [SamplingParams(temperature=0.9, max_new_tokens=4 + 3 * i, seed=i, stop_token_ids=[-1])
-           for i in range(len(prompts))]
+    sps = [
+        SamplingParams(temperature=0.9, max_new_tokens=4 + 3 * i, seed=i, stop_token_ids=[-1])
+        for i in range(len(prompts))
+    ]
     outs = {}
     for prepack in (True, False):
         e = engine(model, max_batch_size=4)
@@ -292,8 +308,12 @@ def test_all_of_an_engines_model_work_runs_on_its_one_thread(tiny_model):
 
     async def main():
         for round in range(3):
-            await asyncio.gather(*[e.generate(p, SamplingParams(max_new_tokens=6 + i, seed=i, stop_token_ids=[-1]))
-                                   for i, p in enumerate(PROMPTS * 3)])
+            await asyncio.gather(
+                *[
+                    e.generate(p, SamplingParams(max_new_tokens=6 + i, seed=i, stop_token_ids=[-1]))
+                    for i, p in enumerate(PROMPTS * 3)
+                ]
+            )
             await e.update_weights(new, version=round + 1)
 
     asyncio.run(main())
@@ -349,6 +369,7 @@ def test_the_engine_thread_and_the_waiting_caller_free_their_openmp_pools(tiny_m
     steps = []
     real_step = e._fast.step
     e._fast.step = lambda *a: steps.append(threading.get_ident()) or real_step(*a)
+
     async def rollout():
         return await asyncio.gather(*[e.generate(p, GREEDY) for p in PROMPTS])
 

@@ -28,10 +28,19 @@ FLOORS = (
     ("agents", ("strop.agents",)),
     ("rollout", ("strop.rollout",)),
     ("sides of the wire", ("strop.train", "strop.engines", "strop.sync", "strop.serving", "strop.cluster")),
-    ("parts", ("strop.parallel", "strop.checkpoint", "strop.plugins", "strop.observe", "strop.data",
-               "strop.tools")),
-    ("the wire and the config", ("strop.wire", "strop.algo", "strop.models", "strop.config", "strop.rules",
-                                 "strop.presets", "strop.configbase")),
+    ("parts", ("strop.parallel", "strop.checkpoint", "strop.plugins", "strop.observe", "strop.data", "strop.tools")),
+    (
+        "the wire and the config",
+        (
+            "strop.wire",
+            "strop.algo",
+            "strop.models",
+            "strop.config",
+            "strop.rules",
+            "strop.presets",
+            "strop.configbase",
+        ),
+    ),
     ("ground", ("strop.types", "strop.callables", "strop.process", "strop.openmp")),
 )
 # a config section lives beside the code it configures but sits with the config: it names, it builds nothing
@@ -106,7 +115,7 @@ def cycle(edges) -> list[str] | None:
         state[node] = 1
         for nxt in graph.get(node, ()):
             if state.get(nxt) == 1:
-                return path[path.index(nxt):] + [node, nxt] if nxt in path else [node, nxt]
+                return path[path.index(nxt) :] + [node, nxt] if nxt in path else [node, nxt]
             if nxt not in state and (found := visit(nxt, path + [node])):
                 return found
         state[node] = 2
@@ -155,8 +164,13 @@ def probes(root: Path) -> list[str]:
         if where == PROTOCOLS:
             continue
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-                    and node.func.id in ("getattr", "hasattr") and node.args and _names_an_engine(node.args[0])):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in ("getattr", "hasattr")
+                and node.args
+                and _names_an_engine(node.args[0])
+            ):
                 found.append(f"{where}:{node.lineno}: {ast.unparse(node)}")
     return found
 
@@ -165,8 +179,12 @@ def test_no_import_cycles():
     """Arrows point one way: no module needs, even lazily, a module that needs it."""
     edges = arrows(ROOT)
     found = cycle(edges)
-    assert found is None, "import cycle " + " -> ".join(found) + "; " + "; ".join(
-        f"{a} -> {b} at {', '.join(edges[a, b])}" for a, b in zip(found, found[1:]))
+    assert found is None, (
+        "import cycle "
+        + " -> ".join(found)
+        + "; "
+        + "; ".join(f"{a} -> {b} at {', '.join(edges[a, b])}" for a, b in zip(found, found[1:]))
+    )
 
 
 def test_the_cycle_finder_finds_a_cycle():
@@ -181,11 +199,15 @@ def test_no_arrow_points_up():
 
 
 def test_the_floor_check_finds_an_upward_arrow():
-    edges = {("strop.types", "strop.cli"): ["strop/types.py:1"], ("strop.cli", "strop.types"): ["strop/cli.py:1"],
-             ("strop.algo.config", "strop.configbase"): ["strop/algo/config.py:1"]}
+    edges = {
+        ("strop.types", "strop.cli"): ["strop/types.py:1"],
+        ("strop.cli", "strop.types"): ["strop/cli.py:1"],
+        ("strop.algo.config", "strop.configbase"): ["strop/algo/config.py:1"],
+    }
     assert upward(edges) == ["strop.types (ground) -> strop.cli (front door) at strop/types.py:1"]
     assert upward({("strop.nowhere", "strop.types"): ["x"]}) == [
-        "strop.nowhere is on no floor of tests/test_layout.py FLOORS (add it where it belongs)"]
+        "strop.nowhere is on no floor of tests/test_layout.py FLOORS (add it where it belongs)"
+    ]
 
 
 def test_the_two_sides_of_the_wire_never_import_each_other():
@@ -193,7 +215,8 @@ def test_the_two_sides_of_the_wire_never_import_each_other():
     wrong = across_the_wire(arrows(ROOT))
     assert not wrong, "\n".join(wrong)
     assert across_the_wire({("strop.engines.router", "strop.serving.probe"): ["r:1"]}) == [
-        "strop.engines.router -> strop.serving.probe at r:1"]
+        "strop.engines.router -> strop.serving.probe at r:1"
+    ]
 
 
 def test_nothing_imports_the_front_door():
@@ -216,8 +239,13 @@ def test_the_probe_finder_finds_a_probe(tmp_path):
 @pytest.mark.timeout(60)
 def test_the_config_loads_without_torch():
     """``strop train --help`` and a config check need no torch (seconds of import)."""
-    out = subprocess.run([sys.executable, "-c", "import strop.config, sys; print('torch' in sys.modules)"],
-                         capture_output=True, text=True, check=True, cwd=ROOT.parent)
+    out = subprocess.run(
+        [sys.executable, "-c", "import strop.config, sys; print('torch' in sys.modules)"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT.parent,
+    )
     assert out.stdout.strip() == "False", out.stdout + out.stderr
 
 
@@ -238,8 +266,13 @@ def oversized(root: Path) -> list[str]:
         if (n := len(text.splitlines())) > LIMITS["file"]:
             found.append(f"{where}: {n} lines")
         for node in ast.walk(ast.parse(text)):
-            kind = ("class" if isinstance(node, ast.ClassDef) else
-                    "function" if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) else None)
+            kind = (
+                "class"
+                if isinstance(node, ast.ClassDef)
+                else "function"
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                else None
+            )
             if kind and (n := node.end_lineno - node.lineno + 1) > LIMITS[kind]:
                 found.append(f"{where}:{node.lineno}: {kind} {node.name} has {n} lines")
     return found

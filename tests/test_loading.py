@@ -14,17 +14,31 @@ from strop.parallel.loading import SafetensorsFile
 @pytest.fixture
 def stored(tmp_path):
     g = torch.Generator().manual_seed(0)
-    tensors = {"w": torch.randn(13, 7, generator=g), "b16": torch.randn(9, 5, generator=g).bfloat16(),
-               "v": torch.randn(11, generator=g), "s": torch.tensor(3.5), "i": torch.arange(12).reshape(3, 4)}
+    tensors = {
+        "w": torch.randn(13, 7, generator=g),
+        "b16": torch.randn(9, 5, generator=g).bfloat16(),
+        "v": torch.randn(11, generator=g),
+        "s": torch.tensor(3.5),
+        "i": torch.arange(12).reshape(3, 4),
+    }
     save_file(tensors, tmp_path / "m.safetensors", metadata={"format": "pt"})
     return tmp_path / "m.safetensors", tensors
 
 
-@pytest.mark.parametrize("key,start,shape,dtype", [
-    ("w", (0, 0), (13, 7), torch.float32), ("w", (7, 0), (6, 7), torch.float32),  # whole rows: read in place
-    ("w", (0, 4), (13, 3), torch.float32), ("w", (5, 2), (4, 3), torch.float64),  # a column block, through a buffer
-    ("b16", (3, 0), (6, 5), torch.float32), ("b16", (0, 0), (9, 5), torch.bfloat16),  # bf16 file: cast, or not
-    ("v", (6, ), (5, ), torch.float32), ("s", (), (), torch.float32), ("i", (1, 1), (2, 3), torch.int64)])
+@pytest.mark.parametrize(
+    "key,start,shape,dtype",
+    [
+        ("w", (0, 0), (13, 7), torch.float32),
+        ("w", (7, 0), (6, 7), torch.float32),  # whole rows: read in place
+        ("w", (0, 4), (13, 3), torch.float32),
+        ("w", (5, 2), (4, 3), torch.float64),  # a column block, through a buffer
+        ("b16", (3, 0), (6, 5), torch.float32),
+        ("b16", (0, 0), (9, 5), torch.bfloat16),  # bf16 file: cast, or not
+        ("v", (6,), (5,), torch.float32),
+        ("s", (), (), torch.float32),
+        ("i", (1, 1), (2, 3), torch.int64),
+    ],
+)
 @pytest.mark.parametrize("block_bytes", [1 << 20, 40])  # one read, or a read per row or two
 def test_a_block_read_into_a_shard_is_the_librarys_slice(stored, key, start, shape, dtype, block_bytes):
     path, tensors = stored
@@ -47,7 +61,9 @@ def test_a_shape_that_differs_from_the_model_is_named(stored):
 
 
 def test_a_stored_dtype_it_cannot_read_a_short_file_and_a_split_third_dimension_are_refused(tmp_path):
-    save_file({"c": torch.zeros(2, 2, dtype=torch.float8_e4m3fn), "t": torch.zeros(4, 3, 2)}, tmp_path / "m.safetensors")
+    save_file(
+        {"c": torch.zeros(2, 2, dtype=torch.float8_e4m3fn), "t": torch.zeros(4, 3, 2)}, tmp_path / "m.safetensors"
+    )
     f = SafetensorsFile(tmp_path / "m.safetensors")
     with pytest.raises(ValueError, match="'c' is stored as F8_E4M3, which strop cannot load"):
         f.read_into("c", (0, 0), torch.empty(2, 2), expect=(2, 2))
@@ -63,11 +79,16 @@ def test_a_stored_dtype_it_cannot_read_a_short_file_and_a_split_third_dimension_
     f.close()
 
 
-@pytest.mark.parametrize("weights,ref_mode,match", [
-    (False, "copy", "a model on the meta device needs weights_path"),
-    (True, "swap", "ref_mode='swap' cannot swap into sharded weights")])
+@pytest.mark.parametrize(
+    "weights,ref_mode,match",
+    [
+        (False, "copy", "a model on the meta device needs weights_path"),
+        (True, "swap", "ref_mode='swap' cannot swap into sharded weights"),
+    ],
+)
 def test_a_model_on_the_meta_device_without_files_or_with_a_swapped_reference_is_refused(
-        tiny_model, tmp_path, weights, ref_mode, match):
+    tiny_model, tmp_path, weights, ref_mode, match
+):
     from strop.config import AlgoConfig, TrainConfig
     from strop.models import meta_model
     from strop.parallel.strategy import SingleProcess
@@ -75,8 +96,13 @@ def test_a_model_on_the_meta_device_without_files_or_with_a_swapped_reference_is
 
     tiny_model.save_pretrained(tmp_path / "m")
     with pytest.raises(ValueError, match=match):
-        build_modules(meta_model(str(tmp_path / "m")), SingleProcess(), AlgoConfig(kl_coef=0.1, ref_mode=ref_mode),
-                      TrainConfig(), weights_path=str(tmp_path / "m") if weights else None)
+        build_modules(
+            meta_model(str(tmp_path / "m")),
+            SingleProcess(),
+            AlgoConfig(kl_coef=0.1, ref_mode=ref_mode),
+            TrainConfig(),
+            weights_path=str(tmp_path / "m") if weights else None,
+        )
 
 
 def _guards(rank, world):
@@ -126,9 +152,21 @@ def _tiny(kind: str):
     from transformers import GemmaConfig, GemmaForCausalLM
 
     torch.manual_seed(0)
-    model = GemmaForCausalLM(GemmaConfig(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                         max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0))
+    model = GemmaForCausalLM(
+        GemmaConfig(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=256,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
+        )
+    )
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:  # (Gemma's norms scale by 1 + weight, which starts at 0)
@@ -178,8 +216,9 @@ def _fsdp_logits(rank, world, path):
     from strop.train.modules import build_modules
 
     dims = ParallelDims(world, dp_mode="fsdp")
-    out = build_modules(meta_model(path), FullyShard(dims, dims.build_mesh()), AlgoConfig(), TrainConfig(),
-                        weights_path=path)
+    out = build_modules(
+        meta_model(path), FullyShard(dims, dims.build_mesh()), AlgoConfig(), TrainConfig(), weights_path=path
+    )
     out.policy.unshard()  # (the root's parameters, gathered: the layers gather their own when called)
     with torch.no_grad():
         logits = out.model(TOKENS).logits

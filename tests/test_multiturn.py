@@ -33,14 +33,16 @@ class TextEngine:
 
 def make(tokenizer, texts, tools=(CALCULATOR,), limits=None, **kw):
     engine = TextEngine(tokenizer, texts, **kw)
-    ctx = RolloutContext(engine=engine, tokenizer=tokenizer,
-                         extra={"tools": ToolSet(list(tools)), "turn_limits": limits or TurnLimits()})
+    ctx = RolloutContext(
+        engine=engine, tokenizer=tokenizer, extra={"tools": ToolSet(list(tools)), "turn_limits": limits or TurnLimits()}
+    )
     return engine, ctx
 
 
 def sample(tokenizer):
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is 17 * 23?"}], add_generation_prompt=True,
-                                        tokenize=True, return_dict=False)
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 17 * 23?"}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     return Sample(prompt="What is 17 * 23?", prompt_ids=list(ids), label="391")
 
 
@@ -58,12 +60,14 @@ def test_a_tool_call_then_an_answer_token_in_token_out(tokenizer):
     # the second turn's prompt is exactly the prompt + every response token so far
     assert engine.prompts[1] == s.prompt_ids + s.response_ids[: len(engine.prompts[1]) - len(s.prompt_ids)]
     text = tokenizer.decode(s.response_ids, skip_special_tokens=False)
-    assert "391" in text.split("<tool_response>")[1] and "ramble" not in text  # the turn's tail after the call is dropped
+    assert (
+        "391" in text.split("<tool_response>")[1] and "ramble" not in text
+    )  # the turn's tail after the call is dropped
     # model tokens trainable with their logprobs; the observation (one block) masked with logprob 0
     m = s.loss_mask
     first, last = m.index(0), len(m) - 1 - m[::-1].index(0)
-    assert set(m[:first]) == {1} and set(m[first: last + 1]) == {0} and set(m[last + 1:]) == {1}
-    assert tokenizer.decode(s.response_ids[first: last + 1]).count("391") == 1
+    assert set(m[:first]) == {1} and set(m[first : last + 1]) == {0} and set(m[last + 1 :]) == {1}
+    assert tokenizer.decode(s.response_ids[first : last + 1]).count("391") == 1
     assert all(lp == 0.0 for lp, m in zip(s.rollout_logprobs, s.loss_mask) if m == 0)
     assert all(lp == -0.5 for lp, m in zip(s.rollout_logprobs, s.loss_mask) if m == 1)
 
@@ -94,7 +98,7 @@ def test_missing_logprobs_abort_the_sample(tokenizer):
     s = run(ctx, sample(tokenizer))
     assert s.status == Status.ABORTED and "no logprobs" in s.metadata["abort_reason"]
     assert not s.status.trainable and len(engine.prompts) == 2
-    assert all(m == 1 for m in s.loss_mask[: 5])  # the first turn's tokens stay; the bad turn's never enter
+    assert all(m == 1 for m in s.loss_mask[:5])  # the first turn's tokens stay; the bad turn's never enter
     assert s.metadata["turns"] == 2
 
 
@@ -122,8 +126,11 @@ def test_a_huge_tool_output_is_capped_with_a_marker_then_cut_to_the_budget(token
 
 def test_tool_errors_go_back_to_the_model(tokenizer):
     bad = '<tool_call>{"name": "calculator", "arguments": {"expression": "import os"}}</tool_call>'
-    engine, ctx = make(tokenizer, [bad, '<tool_call>{"name": "nope"}</tool_call>', "<tool_call>{not json</tool_call>",
-                                   "I give up<|im_end|>"], limits=TurnLimits(max_turns=4))
+    engine, ctx = make(
+        tokenizer,
+        [bad, '<tool_call>{"name": "nope"}</tool_call>', "<tool_call>{not json</tool_call>", "I give up<|im_end|>"],
+        limits=TurnLimits(max_turns=4),
+    )
     s = run(ctx, sample(tokenizer))
     text = tokenizer.decode(s.response_ids, skip_special_tokens=False)
     assert "Error: SyntaxError" in text and "unknown tool 'nope'" in text and "could not parse the tool call" in text
@@ -140,7 +147,7 @@ def test_parse_tool_call_forms():
     assert parse_tool_call("no call here") is None
     text = 'x <tool_call>{"name": "calculator", "arguments": "{\\"expression\\": \\"1+1\\"}"}</tool_call> y'
     c = parse_tool_call(text)
-    assert c.name == "calculator" and c.arguments == {"expression": "1+1"} and text[c.end:] == " y"
+    assert c.name == "calculator" and c.arguments == {"expression": "1+1"} and text[c.end :] == " y"
     f = parse_tool_call("Let me run:\n```python\nprint(2**10)\n```\nresult")
     assert f.name == "python" and f.arguments == {"code": "print(2**10)\n"}
     assert parse_tool_call("<tool_call>[1, 2]</tool_call>").name == "invalid"
@@ -151,7 +158,7 @@ def test_a_deeply_nested_tool_call_is_an_invalid_call_not_a_crash():
     """json.loads recurses per bracket: a turn of brackets must reach the model as an error."""
     text = "<tool_call>" + "[" * 5000 + "</tool_call> rest"
     call = parse_tool_call(text)
-    assert call.name == "invalid" and "RecursionError" in call.arguments["error"] and text[call.end:] == " rest"
+    assert call.name == "invalid" and "RecursionError" in call.arguments["error"] and text[call.end :] == " rest"
 
 
 def test_calculator_is_arithmetic_only():
@@ -246,12 +253,18 @@ def test_check_tools_names_the_broken_tool():
         ([_tool("t", lambda y: y)], "does not take the schema's properties ['x']"),
         ([_tool("t", lambda x, y: y)], "requires ['y'], which the schema does not give"),
         ([ok, ok], "['fine'] occur twice"),
-        ([Tool("abs", "d", {"type": "object", "properties": {"x": {"type": "number"}}}, abs)],
-         "does not take the schema's properties ['x'] by keyword"),  # abs(x, /) is positional-only
-        ([Tool("t", "d", {"type": "object", "properties": {"x": "string"}}, lambda x: x)],
-         "properties ['x'] must each be a schema object"),
-        ([Tool("t", "d", {"type": "object", "properties": {"x": {}}, "required": "x"}, lambda x: x)],
-         "'required' must be a list of property names"),
+        (
+            [Tool("abs", "d", {"type": "object", "properties": {"x": {"type": "number"}}}, abs)],
+            "does not take the schema's properties ['x'] by keyword",
+        ),  # abs(x, /) is positional-only
+        (
+            [Tool("t", "d", {"type": "object", "properties": {"x": "string"}}, lambda x: x)],
+            "properties ['x'] must each be a schema object",
+        ),
+        (
+            [Tool("t", "d", {"type": "object", "properties": {"x": {}}, "required": "x"}, lambda x: x)],
+            "'required' must be a list of property names",
+        ),
     ]:
         with pytest.raises((TypeError, ValueError), match=re.escape(message)):
             check_tools(bad)
@@ -283,9 +296,14 @@ def test_a_turn_bookkeeping_bug_stops_the_run_and_never_fails_the_sample(tokeniz
         self.prompt_ids = self.prompt_ids[:-1] + [self.prompt_ids[-1] + 1]
 
     monkeypatch.setattr(Sample, "append", buggy_append)
-    ctx = RolloutContext(engine=TextEngine(tokenizer, ["391<|im_end|>"]), tokenizer=tokenizer, generate=generate,
-                         reward=lambda sample: 1.0, run_dir=tmp_path,
-                         extra={"tools": ToolSet([CALCULATOR]), "turn_limits": TurnLimits()})
+    ctx = RolloutContext(
+        engine=TextEngine(tokenizer, ["391<|im_end|>"]),
+        tokenizer=tokenizer,
+        generate=generate,
+        reward=lambda sample: 1.0,
+        run_dir=tmp_path,
+        extra={"tools": ToolSet([CALCULATOR]), "turn_limits": TurnLimits()},
+    )
     with pytest.raises(TurnError, match="no longer a prefix"):
         asyncio.run(rollout_groups(ctx, [[sample(tokenizer)]], SamplingParams(max_new_tokens=40)))
     assert not (tmp_path / "failed_samples.jsonl").exists()
@@ -329,8 +347,9 @@ def test_engine_affinity_keeps_every_turn_of_a_sample_on_one_engine(tokenizer):
     n = len(samples[0].prompt_ids)
     slow, fast = TwoTurnEngine(tokenizer, n, 0.3), TwoTurnEngine(tokenizer, n, 0.01)
     router = Router([slow, fast], affinity=True, print_events=False)
-    ctx = RolloutContext(engine=router, tokenizer=tokenizer,
-                         extra={"tools": ToolSet([CALCULATOR]), "turn_limits": TurnLimits()})
+    ctx = RolloutContext(
+        engine=router, tokenizer=tokenizer, extra={"tools": ToolSet([CALCULATOR]), "turn_limits": TurnLimits()}
+    )
 
     async def main():
         try:

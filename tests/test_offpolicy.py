@@ -5,8 +5,14 @@ import math
 import pytest
 import torch
 
-from strop.algo.offpolicy import (distillation_advantages, dppo_loss, loglinear_proximal, opsm_mask,
-                                  overlong_penalty, sequence_mean)
+from strop.algo.offpolicy import (
+    distillation_advantages,
+    dppo_loss,
+    loglinear_proximal,
+    opsm_mask,
+    overlong_penalty,
+    sequence_mean,
+)
 
 L = math.log
 
@@ -103,8 +109,9 @@ CORRECTIONS = {  # each with the metric that shows it acted on tests.test_traine
 
 @pytest.mark.parametrize("name", sorted(CORRECTIONS))
 @pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
-def test_each_correction_acts_and_does_not_depend_on_the_micro_batch_split_packing_or_logit_chunks(tiny_model, name,
-                                                                                                  mode):
+def test_each_correction_acts_and_does_not_depend_on_the_micro_batch_split_packing_or_logit_chunks(
+    tiny_model, name, mode
+):
     import copy
 
     from tests.test_trainer import assert_same_update, make_samples, near_policy, run_step
@@ -138,7 +145,8 @@ def test_overlong_shaping_equals_the_same_penalty_added_to_the_rewards_by_hand(t
         s.reward += -0.5 * max(s.response_length - 4, 0) / 4
     assert_same_update(shaped, run_step(copy.deepcopy(tiny_model), by_hand))
     assert shaped[1]["overlong_penalty_mean"] == pytest.approx(
-        sum(-0.5 * max(n - 4, 0) / 4 for n in lengths) / len(lengths))
+        sum(-0.5 * max(n - 4, 0) / 4 for n in lengths) / len(lengths)
+    )
 
 
 def test_an_off_policy_run_without_a_correction_is_refused_with_the_list():
@@ -147,26 +155,53 @@ def test_an_off_policy_run_without_a_correction_is_refused_with_the_list():
     for mode in ("async", "one_step_off"):
         with pytest.raises(ConfigError) as e:
             build_config(overrides={"rollout": {"mode": mode}})
-        for name in ("icepop", "geo_mask", "tis_cap", "mis_low", "opsm_delta", "dppo", "use_rollout_logprobs",
-                     "off_policy_correction='none'"):
+        for name in (
+            "icepop",
+            "geo_mask",
+            "tis_cap",
+            "mis_low",
+            "opsm_delta",
+            "dppo",
+            "use_rollout_logprobs",
+            "off_policy_correction='none'",
+        ):
             assert name in str(e.value), name
         build_config(overrides={"rollout": {"mode": mode}, "algo": {"off_policy_correction": "none"}})
         # a resumed run reads back every field of its saved config, unset ones as null: still accepted
-        build_config(overrides={"rollout": {"mode": mode}, "algo": {
-            "off_policy_correction": "icepop", "tis_cap": None, "mis_level": "token", "distill_temperature": None,
-            "distill_teacher": None, "opsm_delta": None}})
-        for algo in (dict(off_policy_correction="icepop"), dict(off_policy_correction="geo_mask"), dict(tis_cap=2.0),
-                     dict(mis_high=2.0), dict(opsm_delta=1e-4), dict(policy_loss="dppo"),
-                     dict(use_rollout_logprobs=True)):
+        build_config(
+            overrides={
+                "rollout": {"mode": mode},
+                "algo": {
+                    "off_policy_correction": "icepop",
+                    "tis_cap": None,
+                    "mis_level": "token",
+                    "distill_temperature": None,
+                    "distill_teacher": None,
+                    "opsm_delta": None,
+                },
+            }
+        )
+        for algo in (
+            dict(off_policy_correction="icepop"),
+            dict(off_policy_correction="geo_mask"),
+            dict(tis_cap=2.0),
+            dict(mis_high=2.0),
+            dict(opsm_delta=1e-4),
+            dict(policy_loss="dppo"),
+            dict(use_rollout_logprobs=True),
+        ):
             build_config(overrides={"rollout": {"mode": mode}, "algo": algo})
     build_config(overrides={})  # sync needs none
 
 
-@pytest.mark.parametrize("algo,message", [
-    (dict(off_policy_correction="none", tis_cap=2.0), "says no correction, but algo.tis_cap=2.0"),
-    (dict(off_policy_correction="icepop", tis_cap=2.0), "leave algo.tis_cap unset"),
-    (dict(off_policy_correction="icepop", use_rollout_logprobs=True), "nothing would ever be masked"),
-])
+@pytest.mark.parametrize(
+    "algo,message",
+    [
+        (dict(off_policy_correction="none", tis_cap=2.0), "says no correction, but algo.tis_cap=2.0"),
+        (dict(off_policy_correction="icepop", tis_cap=2.0), "leave algo.tis_cap unset"),
+        (dict(off_policy_correction="icepop", use_rollout_logprobs=True), "nothing would ever be masked"),
+    ],
+)
 def test_contradictory_corrections_are_refused(algo, message):
     from strop.config import AlgoConfig
 
@@ -188,21 +223,28 @@ def test_the_presets_resolve_to_their_published_bounds():
     from strop.config import AlgoConfig
 
     assert correction_settings(AlgoConfig(off_policy_correction="icepop")) == dict(
-        tis_cap=5.0, mis_low=0.5, mis_high=5.0, mis_level="token")
+        tis_cap=5.0, mis_low=0.5, mis_high=5.0, mis_level="token"
+    )
     assert correction_settings(AlgoConfig(off_policy_correction="icepop", mis_low=0.8, mis_high=2.0)) == dict(
-        tis_cap=2.0, mis_low=0.8, mis_high=2.0, mis_level="token")
+        tis_cap=2.0, mis_low=0.8, mis_high=2.0, mis_level="token"
+    )
     assert correction_settings(AlgoConfig(off_policy_correction="geo_mask")) == dict(
-        tis_cap=None, mis_low=0.99, mis_high=1.01, mis_level="sequence")
+        tis_cap=None, mis_low=0.99, mis_high=1.01, mis_level="sequence"
+    )
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("algo,metric", [
-    (dict(off_policy_correction="icepop"), "mis_masked_fraction"),
-    (dict(off_policy_correction="geo_mask"), "mis_masked_fraction"),
-    (dict(opsm_delta=1e-4), "opsm_masked_fraction"),
-    (dict(policy_loss="dppo"), "clip_fraction"),
-    (dict(off_policy_correction="none"), "importance_weight_mean"),
-], ids=["icepop", "geo_mask", "opsm", "dppo", "none"])
+@pytest.mark.parametrize(
+    "algo,metric",
+    [
+        (dict(off_policy_correction="icepop"), "mis_masked_fraction"),
+        (dict(off_policy_correction="geo_mask"), "mis_masked_fraction"),
+        (dict(opsm_delta=1e-4), "opsm_masked_fraction"),
+        (dict(policy_loss="dppo"), "clip_fraction"),
+        (dict(off_policy_correction="none"), "importance_weight_mean"),
+    ],
+    ids=["icepop", "geo_mask", "opsm", "dppo", "none"],
+)
 def test_an_async_run_trains_with_each_correction(tiny_model_dir, tmp_path, algo, metric):
     import json
 
@@ -211,8 +253,14 @@ def test_an_async_run_trains_with_each_correction(tiny_model_dir, tmp_path, algo
     from tests.test_e2e import tiny_overrides
 
     run_dir = tmp_path / "run"
-    cfg = tiny_overrides(tiny_model_dir, run_dir, rollout={"mode": "async", "max_staleness": 1}, train={"steps": 3},
-                         algo=algo, run={"save_every": 0, "plot": False})
+    cfg = tiny_overrides(
+        tiny_model_dir,
+        run_dir,
+        rollout={"mode": "async", "max_staleness": 1},
+        train={"steps": 3},
+        algo=algo,
+        run={"save_every": 0, "plot": False},
+    )
     assert train(build_config(overrides=cfg))["steps"] == 3
     steps = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
     assert len(steps) == 3 and all(metric in r and math.isfinite(r["loss"]) for r in steps)
@@ -239,8 +287,9 @@ def test_loglinear_proximal_in_the_trainer_needs_no_forward_and_is_the_rollout_p
     models = [copy.deepcopy(tiny_model) for _ in range(3)]
     counts = [_forwards(m) for m in models]
     loglinear = run_step(models[0], fresh, mini_batches=2, micro_batch_size=4, proximal="loglinear")
-    assert_same_update(loglinear, run_step(models[1], fresh, mini_batches=2, micro_batch_size=4,
-                                           use_rollout_logprobs=True))
+    assert_same_update(
+        loglinear, run_step(models[1], fresh, mini_batches=2, micro_batch_size=4, use_rollout_logprobs=True)
+    )
     recompute = run_step(models[2], fresh, mini_batches=2, micro_batch_size=4)
     # 8 samples, 2 mini-batches of 4, one micro-batch each; recompute adds a no-grad pass over all 8 (2 forwards)
     assert len(counts[0]) == len(counts[1]) == 2 and len(counts[2]) == 4
@@ -252,11 +301,16 @@ def test_loglinear_proximal_in_the_trainer_needs_no_forward_and_is_the_rollout_p
         run_step(copy.deepcopy(tiny_model), samples, proximal="loglinear", use_rollout_logprobs=True)
 
 
-@pytest.mark.parametrize("algo,field", [
-    (dict(tis_cap=2.0), "algo.tis_cap"), (dict(mis_low=0.5), "algo.mis_low"), (dict(mis_high=2.0), "algo.mis_high"),
-    (dict(off_policy_correction="icepop"), "algo.off_policy_correction='icepop'"),
-    (dict(off_policy_correction="geo_mask"), "algo.off_policy_correction='geo_mask'"),
-])
+@pytest.mark.parametrize(
+    "algo,field",
+    [
+        (dict(tis_cap=2.0), "algo.tis_cap"),
+        (dict(mis_low=0.5), "algo.mis_low"),
+        (dict(mis_high=2.0), "algo.mis_high"),
+        (dict(off_policy_correction="icepop"), "algo.off_policy_correction='icepop'"),
+        (dict(off_policy_correction="geo_mask"), "algo.off_policy_correction='geo_mask'"),
+    ],
+)
 def test_loglinear_proximal_with_a_correction_of_pi_old_against_the_rollout_is_refused(algo, field):
     from strop.config import AlgoConfig
 
@@ -279,7 +333,7 @@ def _teacher_logprobs(teacher, samples, temperature=1.0):
         for i, s in enumerate(samples):
             logits = teacher(input_ids=torch.tensor([s.prompt_ids + s.response_ids])).logits[0].float() / temperature
             P = len(s.prompt_ids)
-            lp = logits[P - 1: -1].log_softmax(-1).gather(-1, torch.tensor(s.response_ids).unsqueeze(-1)).squeeze(-1)
+            lp = logits[P - 1 : -1].log_softmax(-1).gather(-1, torch.tensor(s.response_ids).unsqueeze(-1)).squeeze(-1)
             out[i, : len(lp)] = lp
     return out
 
@@ -289,9 +343,15 @@ def _distill_step(student, teacher, samples, *, advantage_fn=None, temperature=0
     from strop.train.trainer import Sampling, Trainer
 
     train = TrainConfig(lr=1e-3, warmup_steps=0, micro_batch_size=3)
-    trainer = Trainer(student, pad_token_id=0, train=train, algo=AlgoConfig(**algo),
-                      rollout=Sampling(temperature=temperature, max_new_tokens=8),
-                      teacher=teacher if teacher is not None else remote_teacher, hooks={"advantage": advantage_fn})
+    trainer = Trainer(
+        student,
+        pad_token_id=0,
+        train=train,
+        algo=AlgoConfig(**algo),
+        rollout=Sampling(temperature=temperature, max_new_tokens=8),
+        teacher=teacher if teacher is not None else remote_teacher,
+        hooks={"advantage": advantage_fn},
+    )
     return trainer, trainer.step(samples)
 
 
@@ -314,15 +374,24 @@ def test_pure_distillation_trains_on_the_teachers_reverse_kl_as_the_advantage(te
     teacher_lp = _teacher_logprobs(teacher, samples, temperature or 0.7)
     want = -0.5 * (rollout - teacher_lp) * mask
     extra = {"distill_temperature": temperature} if temperature else {}
-    distilled = _distill_step(copy.deepcopy(student), copy.deepcopy(teacher), samples, distill_teacher="t",
-                              distill_coef=0.5, distill_only=True, **extra)
-    assert distilled[1]["distill_reverse_kl"] == pytest.approx(float((rollout - teacher_lp).mul(mask).sum() / mask.sum()),
-                                                               rel=1e-5)
+    distilled = _distill_step(
+        copy.deepcopy(student),
+        copy.deepcopy(teacher),
+        samples,
+        distill_teacher="t",
+        distill_coef=0.5,
+        distill_only=True,
+        **extra,
+    )
+    assert distilled[1]["distill_reverse_kl"] == pytest.approx(
+        float((rollout - teacher_lp).mul(mask).sum() / mask.sum()), rel=1e-5
+    )
     by_hand = _distill_step(copy.deepcopy(student), None, samples, advantage_fn=lambda **_: want)
     assert_same_update(distilled, by_hand)
     # with the task's advantages: the sum (the default GRPO advantages + the same term)
-    both = _distill_step(copy.deepcopy(student), copy.deepcopy(teacher), samples, distill_teacher="t", distill_coef=0.5,
-                         **extra)
+    both = _distill_step(
+        copy.deepcopy(student), copy.deepcopy(teacher), samples, distill_teacher="t", distill_coef=0.5, **extra
+    )
     task = _distill_step(copy.deepcopy(student), None, samples)
     assert not math.isclose(both[1]["grad_norm"], task[1]["grad_norm"], rel_tol=1e-4)
     assert not math.isclose(both[1]["grad_norm"], distilled[1]["grad_norm"], rel_tol=1e-4)
@@ -340,14 +409,18 @@ def test_a_teacher_with_another_tokenizer_is_refused_naming_both(tmp_path, tiny_
     changed = tokenizer.__class__.from_pretrained(str(tiny_model_dir))
     changed.add_tokens(["<strop-teacher-only>"])
     changed.save_pretrained(other)
-    cfg = build_config(overrides={"model": {"path": str(tiny_model_dir)},
-                                  "algo": {"distill_teacher": str(other)}})
+    cfg = build_config(overrides={"model": {"path": str(tiny_model_dir)}, "algo": {"distill_teacher": str(other)}})
     with pytest.raises(ConfigError, match=r"another tokenizer than the student.*'<strop-teacher-only>'"):
         load_teacher(cfg, tokenizer)
     same = tmp_path / "same"
     shutil.copytree(tiny_model_dir, same)
-    assert load_teacher(build_config(overrides={"model": {"path": str(tiny_model_dir)},
-                                                "algo": {"distill_teacher": str(same)}}), tokenizer) is not None
+    assert (
+        load_teacher(
+            build_config(overrides={"model": {"path": str(tiny_model_dir)}, "algo": {"distill_teacher": str(same)}}),
+            tokenizer,
+        )
+        is not None
+    )
     with pytest.raises(ConfigError, match="need a teacher"):
         build_config(overrides={"algo": {"distill_only": True}})
     with pytest.raises(ConfigError, match="distill_teacher is loaded whole"):
@@ -365,11 +438,15 @@ def test_a_run_distils_from_a_teacher_on_disk(tiny_model_dir, tmp_path):
     from tests.test_e2e import tiny_overrides
 
     run_dir = tmp_path / "run"
-    cfg = tiny_overrides(tiny_model_dir, run_dir, train={"steps": 3},
-                         algo={"distill_teacher": str(tiny_model_dir), "distill_coef": 1.0})
+    cfg = tiny_overrides(
+        tiny_model_dir, run_dir, train={"steps": 3}, algo={"distill_teacher": str(tiny_model_dir), "distill_coef": 1.0}
+    )
     assert train(build_config(overrides=cfg))["steps"] == 3
-    kl = [r["distill_reverse_kl"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
-          if "loss" in r]
+    kl = [
+        r["distill_reverse_kl"]
+        for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+        if "loss" in r
+    ]
     assert len(kl) == 3 and abs(kl[0]) < 1e-4 and abs(kl[-1]) > 10 * abs(kl[0])
 
 
@@ -387,8 +464,17 @@ def test_an_all_masked_sequence_and_an_empty_step_give_no_nan(name):
     adv = torch.tensor([[1.0], [-1.0], [0.5]])
     for mask in (torch.tensor([[1.0, 1, 1, 0], [0, 0, 0, 0], [1, 1, 0, 0]]), torch.zeros(3, 4)):
         norms = Normalisers(num_sequences=3.0, total_tokens=float(mask.sum()), constant=4.0)
-        loss, pg, stats = policy_objective(logprobs, None, old_logprobs=logprobs.detach(), rollout_logprobs=rollout,
-                                           ref_logprobs=None, advantages=adv, loss_mask=mask, norms=norms, algo=algo)
+        loss, pg, stats = policy_objective(
+            logprobs,
+            None,
+            old_logprobs=logprobs.detach(),
+            rollout_logprobs=rollout,
+            ref_logprobs=None,
+            advantages=adv,
+            loss_mask=mask,
+            norms=norms,
+            algo=algo,
+        )
         assert torch.isfinite(loss) and all(torch.isfinite(v).all() for v in stats.values())
         (grad,) = torch.autograd.grad(loss, logprobs)
         assert torch.isfinite(grad).all() and grad[1].abs().sum() == 0  # the all-masked row: no gradient
@@ -403,8 +489,17 @@ def _objective(logprobs, old, rollout, adv, mask, **algo):
     from strop.config import AlgoConfig
 
     norms = Normalisers(num_sequences=float(mask.shape[0]), total_tokens=float(mask.sum()), constant=1.0)
-    return policy_objective(logprobs, None, old_logprobs=old, rollout_logprobs=rollout, ref_logprobs=None,
-                            advantages=adv, loss_mask=mask, norms=norms, algo=AlgoConfig(loss_agg="token_mean", **algo))
+    return policy_objective(
+        logprobs,
+        None,
+        old_logprobs=old,
+        rollout_logprobs=rollout,
+        ref_logprobs=None,
+        advantages=adv,
+        loss_mask=mask,
+        norms=norms,
+        algo=AlgoConfig(loss_agg="token_mean", **algo),
+    )
 
 
 def test_dppo_with_icepop_weighs_each_kept_token_by_its_ratio_once_as_prime_rl_does():
@@ -415,8 +510,16 @@ def test_dppo_with_icepop_weighs_each_kept_token_by_its_ratio_once_as_prime_rl_d
     probs = [0.55, 0.6, 0.1, 0.45]
     pi = torch.tensor([[L(p) for p in probs]], requires_grad=True)
     adv = torch.tensor([[1.0, 1.0, 1.0, -1.0]])
-    loss, pg, stats = _objective(pi, pi.detach(), mu, adv, torch.ones(1, 4), policy_loss="dppo",
-                                 off_policy_correction="icepop", dppo_kl_coef=0.01)
+    loss, pg, stats = _objective(
+        pi,
+        pi.detach(),
+        mu,
+        adv,
+        torch.ones(1, 4),
+        policy_loss="dppo",
+        off_policy_correction="icepop",
+        dppo_kl_coef=0.01,
+    )
     # IcePop keeps w in [0.5, 5]: token 2 (w = 0.2) leaves; DPPO's own mask (|pi - mu| <= 0.2 on the others) keeps all
     assert stats["mis_dropped"].tolist() == [[0.0, 0.0, 1.0, 0.0]]
     kl = lambda p: 0.01 * L(p / 0.5) ** 2  # noqa: E731
@@ -437,8 +540,7 @@ def test_dppo_with_tis_truncates_the_behaviour_factor_of_its_one_ratio():
     probs = [0.66, 0.55, 0.4, 0.8]
     pi = torch.tensor([[L(p) for p in probs]], requires_grad=True)
     adv = torch.tensor([[1.0, 1.0, -1.0, -1.0]])
-    loss, _, stats = _objective(pi, old, mu, adv, torch.ones(1, 4), policy_loss="dppo", tis_cap=1.1,
-                                dppo_kl_coef=0.01)
+    loss, _, stats = _objective(pi, old, mu, adv, torch.ones(1, 4), policy_loss="dppo", tis_cap=1.1, dppo_kl_coef=0.01)
     assert stats["importance_weight"][0].tolist() == pytest.approx([1.2, 1.0, 0.8, 1.6], rel=1e-6)
     r = [1.21, 1.1, 0.8, 1.1]
     kl = [0.01 * L(p / 0.5) ** 2 for p in probs]  # the squared-log term: no importance weight, as in prime-rl
@@ -450,8 +552,16 @@ def test_dppo_with_tis_truncates_the_behaviour_factor_of_its_one_ratio():
     assert pi.grad[0].tolist() == pytest.approx(want_grad, rel=1e-6)
     # on the first mini-batch (pi_old = pi) an untruncated token's gradient is -A pi/mu, exactly prime-rl's
     pi2 = torch.tensor([[L(0.52), L(0.45)]], requires_grad=True)
-    loss2, _, _ = _objective(pi2, pi2.detach(), torch.full((1, 2), L(0.5)), torch.tensor([[1.0, -1.0]]),
-                             torch.ones(1, 2), policy_loss="dppo", tis_cap=1.1, dppo_kl_coef=0.0)
+    loss2, _, _ = _objective(
+        pi2,
+        pi2.detach(),
+        torch.full((1, 2), L(0.5)),
+        torch.tensor([[1.0, -1.0]]),
+        torch.ones(1, 2),
+        policy_loss="dppo",
+        tis_cap=1.1,
+        dppo_kl_coef=0.0,
+    )
     loss2.backward()
     assert pi2.grad[0].tolist() == pytest.approx([-1.04 / 2, 0.9 / 2], rel=1e-6)
 
@@ -463,8 +573,17 @@ def test_under_opsm_and_dppo_a_zero_advantage_sequence_past_delta_keeps_its_kl_t
     pi = torch.tensor([[L(0.3), L(0.2)], [L(0.3), L(0.2)]], requires_grad=True)
     adv = torch.tensor([[0.0], [-1.0]])
     # KL_i = mean(log mu - log pi) = (log(5/3) + log(5/2)) / 2 = 0.71 > delta = 0.1 in both rows
-    loss, _, stats = _objective(pi, pi.detach(), mu, adv, torch.ones(2, 2), policy_loss="dppo", opsm_delta=0.1,
-                                dppo_kl_coef=0.01, dppo_mask_low=0.5)
+    loss, _, stats = _objective(
+        pi,
+        pi.detach(),
+        mu,
+        adv,
+        torch.ones(2, 2),
+        policy_loss="dppo",
+        opsm_delta=0.1,
+        dppo_kl_coef=0.01,
+        dppo_mask_low=0.5,
+    )
     loss.backward()
     # row 0: no policy term (A = 0); d/dlog pi of c (log pi/mu)^2 = 2 c log(pi/mu), over the step's 4 loss tokens
     assert pi.grad[0].tolist() == pytest.approx([0.02 * L(0.6) / 4, 0.02 * L(0.4) / 4], rel=1e-6)

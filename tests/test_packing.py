@@ -25,18 +25,27 @@ def test_packed_logprobs_equal_padded_logprobs(tiny_model):
     packed = collate_packed(samples)
     assert packed["input_ids"].shape == (1, sum(s.total_length for s in samples))  # no padding at all
     with torch.no_grad():
-        lp_pad, ent_pad = response_logprobs(tiny_model, padded["input_ids"], padded["attention_mask"],
-                                            padded["positions"], with_entropy=True)
-        lp_pack, ent_pack = response_logprobs(tiny_model, packed["input_ids"], packed["attention_mask"],
-                                              packed["positions"], with_entropy=True,
-                                              position_ids=packed["position_ids"])
+        lp_pad, ent_pad = response_logprobs(
+            tiny_model, padded["input_ids"], padded["attention_mask"], padded["positions"], with_entropy=True
+        )
+        lp_pack, ent_pack = response_logprobs(
+            tiny_model,
+            packed["input_ids"],
+            packed["attention_mask"],
+            packed["positions"],
+            with_entropy=True,
+            position_ids=packed["position_ids"],
+        )
     mask = padded["response_mask"]
     torch.testing.assert_close(unpack(lp_pack, packed) * mask, lp_pad * mask, rtol=0, atol=1e-5)
     torch.testing.assert_close(unpack(ent_pack, packed) * mask, ent_pad * mask, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("algo", [dict(), dict(loss_agg="seq_mean_token_mean", kl_coef=0.1),
-                                  dict(estimator="ppo", kl_in_reward_coef=0.01)], ids=["grpo", "kl", "ppo"])
+@pytest.mark.parametrize(
+    "algo",
+    [dict(), dict(loss_agg="seq_mean_token_mean", kl_coef=0.1), dict(estimator="ppo", kl_in_reward_coef=0.01)],
+    ids=["grpo", "kl", "ppo"],
+)
 def test_packed_update_equals_padded_update(tiny_model, algo):
     samples = make_samples(8)
     padded = run_step(copy.deepcopy(tiny_model), samples, micro_batch_size=3, **algo)

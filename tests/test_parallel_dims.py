@@ -7,11 +7,18 @@ from strop.config import build_config
 from strop.parallel.dims import ParallelDims
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    (dict(world=3, cp=2), "parallel.context_parallel_size=2 needs a multiple of 2 processes, got 3"),
-    (dict(world=1, tp=2), r"parallel.tensor_parallel_size=2 needs a multiple of 2 processes, got 1 \(run with --nproc N\)"),
-    (dict(world=4, cp=2, tp=2), "tensor parallel with context parallel is not supported: use one of them"),
-    (dict(world=2, dp_mode="zero3"), "parallel.dp_mode must be 'replicate' or 'fsdp', got 'zero3'")])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(world=3, cp=2), "parallel.context_parallel_size=2 needs a multiple of 2 processes, got 3"),
+        (
+            dict(world=1, tp=2),
+            r"parallel.tensor_parallel_size=2 needs a multiple of 2 processes, got 1 \(run with --nproc N\)",
+        ),
+        (dict(world=4, cp=2, tp=2), "tensor parallel with context parallel is not supported: use one of them"),
+        (dict(world=2, dp_mode="zero3"), "parallel.dp_mode must be 'replicate' or 'fsdp', got 'zero3'"),
+    ],
+)
 def test_a_layout_that_does_not_divide_or_compose_is_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         ParallelDims(**kwargs)
@@ -42,8 +49,11 @@ def test_the_mesh_is_named_and_covers_every_process():
     dist.init_process_group("gloo", store=HashStore(), rank=0, world_size=1)
     try:
         assert ParallelDims(1).build_mesh().mesh_dim_names == ("dp", "cp")
-        with pytest.raises(ValueError, match=r"data parallel \(1\) x context parallel \(2\) x tensor parallel \(1\) "
-                                             "must cover all 1 processes"):
+        with pytest.raises(
+            ValueError,
+            match=r"data parallel \(1\) x context parallel \(2\) x tensor parallel \(1\) "
+            "must cover all 1 processes",
+        ):
             ParallelDims(2, cp=2).build_mesh()
     finally:
         dist.destroy_process_group()

@@ -18,13 +18,21 @@ def test_preset_runs_the_quickstart(preset, tmp_path):
         from tests.test_e2e import _need_sandbox
 
         _need_sandbox()
-    cfg = build_config(overrides={
-        "data": {"eval_size": 0, "size": 64},
-        "rollout": {"prompts_per_step": 2, "n_samples_per_prompt": 4, "max_new_tokens": 24},
-        "train": {"steps": 2, "micro_batch_size": 8},
-        "run": {"dir": str(tmp_path / "run"), "progress": False, "save_final": False, "plot": False,
-                "save_every": 0},
-    }, preset=preset)
+    cfg = build_config(
+        overrides={
+            "data": {"eval_size": 0, "size": 64},
+            "rollout": {"prompts_per_step": 2, "n_samples_per_prompt": 4, "max_new_tokens": 24},
+            "train": {"steps": 2, "micro_batch_size": 8},
+            "run": {
+                "dir": str(tmp_path / "run"),
+                "progress": False,
+                "save_final": False,
+                "plot": False,
+                "save_every": 0,
+            },
+        },
+        preset=preset,
+    )
     summary = train(cfg)
     assert summary["steps"] == 2
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

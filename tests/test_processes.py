@@ -17,12 +17,27 @@ SECRET = "s3cret-launch-9c1e"
 
 
 def _run_args(model_dir, run_dir, steps, *extra):
-    return [f"--model.path={model_dir}", "--data.size=16", "--data.eval_size=0", "--rollout.prompts_per_step=2",
-            "--rollout.n_samples_per_prompt=2", "--rollout.max_new_tokens=4",
-            "--rollout.reward=tests.plugins:even_token_reward", f"--train.steps={steps}", "--train.micro_batch_size=4",
-            "--run.progress=false", "--run.save_every=0", "--run.save_final=false", "--run.plot=false",
-            "--run.threads=1", f"--run.dir={run_dir}", "--engine.kind=strop", "--engine.launch=1",
-            '--engine.launch_args=["--threads=1"]', *extra]
+    return [
+        f"--model.path={model_dir}",
+        "--data.size=16",
+        "--data.eval_size=0",
+        "--rollout.prompts_per_step=2",
+        "--rollout.n_samples_per_prompt=2",
+        "--rollout.max_new_tokens=4",
+        "--rollout.reward=tests.plugins:even_token_reward",
+        f"--train.steps={steps}",
+        "--train.micro_batch_size=4",
+        "--run.progress=false",
+        "--run.save_every=0",
+        "--run.save_final=false",
+        "--run.plot=false",
+        "--run.threads=1",
+        f"--run.dir={run_dir}",
+        "--engine.kind=strop",
+        "--engine.launch=1",
+        '--engine.launch_args=["--threads=1"]',
+        *extra,
+    ]
 
 
 @pytest.mark.timeout(240)
@@ -65,20 +80,35 @@ def test_a_launched_server_requires_the_runs_token_which_never_shows_in_ps(tiny_
     from strop.setup import remote_engine
 
     monkeypatch.delenv("STROP_ENGINE_TOKEN", raising=False)
-    cfg = build_config(overrides=tiny_overrides(tiny_model_dir, tmp_path / "run", engine={
-        "kind": "strop", "launch": 1, "launch_args": ["--threads=1"], "token": SECRET}))
+    cfg = build_config(
+        overrides=tiny_overrides(
+            tiny_model_dir,
+            tmp_path / "run",
+            engine={"kind": "strop", "launch": 1, "launch_args": ["--threads=1"], "token": SECRET},
+        )
+    )
     router, servers = remote_engine(cfg, str(tiny_model_dir), tmp_path / "run", probe_ids=[1, 2])
     try:
         (server,) = servers
         assert SECRET not in _cmdline(server.proc.pid) and SECRET not in repr(servers)  # `ps` shows argv to all
         url = server.url
-        for route, body in [("/update_weights_from_disk", {"model_path": str(tiny_model_dir)}),
-                            ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1,
-                                                            "rank_offset": 1, "world_size": 2,
-                                                            "group_name": "g", "backend": "gloo"}),
-                            ("/update_weights_from_distributed", {"names": [], "dtypes": [], "shapes": [],
-                                                                  "group_name": "g"}),
-                            ("/abort_request", {"abort_all": True}), ("/flush_cache", {})]:
+        for route, body in [
+            ("/update_weights_from_disk", {"model_path": str(tiny_model_dir)}),
+            (
+                "/init_weights_update_group",
+                {
+                    "master_address": "127.0.0.1",
+                    "master_port": 1,
+                    "rank_offset": 1,
+                    "world_size": 2,
+                    "group_name": "g",
+                    "backend": "gloo",
+                },
+            ),
+            ("/update_weights_from_distributed", {"names": [], "dtypes": [], "shapes": [], "group_name": "g"}),
+            ("/abort_request", {"abort_all": True}),
+            ("/flush_cache", {}),
+        ]:
             for auth in ({}, {"Authorization": "Bearer wrong"}):
                 r = httpx.post(url + route, json=body, headers=auth, timeout=30)
                 assert r.status_code == 401, (route, auth, r.status_code, r.text)

@@ -15,13 +15,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _shortened_quickstart(run_dir):
-    return build_config(overrides={
-        "data": {"eval_size": 16},
-        "rollout": {"prompts_per_step": 4, "n_samples_per_prompt": 4},
-        "train": {"steps": 2},
-        "eval": {"every": 0},
-        "run": {"dir": str(run_dir), "progress": False, "save_every": 0},
-    })
+    return build_config(
+        overrides={
+            "data": {"eval_size": 16},
+            "rollout": {"prompts_per_step": 4, "n_samples_per_prompt": 4},
+            "train": {"steps": 2},
+            "eval": {"every": 0},
+            "run": {"dir": str(run_dir), "progress": False, "save_every": 0},
+        }
+    )
 
 
 @pytest.mark.slow
@@ -61,15 +63,21 @@ def test_ci_runs_the_readme_test_command():
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_quickstart_with_example_reward_and_generate(tmp_path):
-    cfg = build_config(overrides={
-        "data": {"eval_size": 8},
-        "rollout": {"prompts_per_step": 2, "n_samples_per_prompt": 4, "max_new_tokens": 24,
-                    "reward": "examples.plugins.rewards:concise_math_reward"},
-        "train": {"steps": 2},
-        "eval": {"every": 0},
-        "run": {"dir": str(tmp_path / "run"), "progress": False, "save_final": False, "save_every": 0},
-        "plugins": {"generate": "examples.plugins.generate:answer_prefix_generate"},
-    })
+    cfg = build_config(
+        overrides={
+            "data": {"eval_size": 8},
+            "rollout": {
+                "prompts_per_step": 2,
+                "n_samples_per_prompt": 4,
+                "max_new_tokens": 24,
+                "reward": "examples.plugins.rewards:concise_math_reward",
+            },
+            "train": {"steps": 2},
+            "eval": {"every": 0},
+            "run": {"dir": str(tmp_path / "run"), "progress": False, "save_final": False, "save_every": 0},
+            "plugins": {"generate": "examples.plugins.generate:answer_prefix_generate"},
+        }
+    )
     summary = train(cfg)
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "reward_mean" in r]

@@ -6,17 +6,20 @@ from strop.rollout.rewards import exact_match_reward, extract_answer, math_equal
 from strop.types import Sample
 
 
-@pytest.mark.parametrize("response,gold,ok", [
-    ("So 4 - 1 - 7 = -4", "-4", True),
-    ("The answer is \\boxed{\\frac{1}{2}}.", "0.5", True),
-    ("\\boxed{0.5} but earlier I said 3", "1/2", True),      # the box wins over later numbers
-    ("Total: 1,234.", "1234", True),                         # thousands separator
-    ("It is 3, no wait, 5", "3", False),                     # the last number counts
-    ("\\boxed{x^2 + 2x}", "2x + x^2", True),                 # algebraic equality
-    ("no number here", "4", False),
-    ("7.0", "7", True),
-    ("\\boxed{\\frac{1}{3}}", "0.33", False),
-])
+@pytest.mark.parametrize(
+    "response,gold,ok",
+    [
+        ("So 4 - 1 - 7 = -4", "-4", True),
+        ("The answer is \\boxed{\\frac{1}{2}}.", "0.5", True),
+        ("\\boxed{0.5} but earlier I said 3", "1/2", True),  # the box wins over later numbers
+        ("Total: 1,234.", "1234", True),  # thousands separator
+        ("It is 3, no wait, 5", "3", False),  # the last number counts
+        ("\\boxed{x^2 + 2x}", "2x + x^2", True),  # algebraic equality
+        ("no number here", "4", False),
+        ("7.0", "7", True),
+        ("\\boxed{\\frac{1}{3}}", "0.33", False),
+    ],
+)
 def test_math_equal_on_tricky_answers(response, gold, ok):
     assert math_equal(response, gold) is ok
 
@@ -43,7 +46,9 @@ def test_reasoning_gym_scorer():
 
     entry = reasoning_gym.create_dataset("chain_sum", seed=3, size=1)[0]
     meta = {"reasoning_gym_task": "chain_sum", "reasoning_gym_entry": entry}
-    good = Sample(prompt="q", prompt_ids=[1], label=entry["answer"], metadata=meta, response_text=f"It is {entry['answer']}")
+    good = Sample(
+        prompt="q", prompt_ids=[1], label=entry["answer"], metadata=meta, response_text=f"It is {entry['answer']}"
+    )
     bad = Sample(prompt="q", prompt_ids=[1], label=entry["answer"], metadata=meta, response_text="It is 100000")
     assert reasoning_gym_reward(good) == 1.0 and reasoning_gym_reward(bad) == 0.0
     with pytest.raises(ValueError, match="reasoning_gym_entry"):

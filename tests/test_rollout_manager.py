@@ -68,11 +68,20 @@ async def slow_or_fast_reward(sample: Sample) -> float:
 
 
 def _manager(engine, reward=slow_or_fast_reward, **rollout):
-    cfg = build_config(overrides={"rollout": {"prompts_per_step": 4, "n_samples_per_prompt": 4, "max_new_tokens": 12,
-                                              **rollout},
-                                  "algo": {"use_rollout_logprobs": True}, "train": {"steps": 6}})
-    c = SimpleNamespace(train_prompts=Prompts(), sampler=PromptSampler(50, 0), engine=engine, hooks={},
-                        sampling=SamplingParams(temperature=1.0, max_new_tokens=12))
+    cfg = build_config(
+        overrides={
+            "rollout": {"prompts_per_step": 4, "n_samples_per_prompt": 4, "max_new_tokens": 12, **rollout},
+            "algo": {"use_rollout_logprobs": True},
+            "train": {"steps": 6},
+        }
+    )
+    c = SimpleNamespace(
+        train_prompts=Prompts(),
+        sampler=PromptSampler(50, 0),
+        engine=engine,
+        hooks={},
+        sampling=SamplingParams(temperature=1.0, max_new_tokens=12),
+    )
     ctx = RolloutContext(engine=engine, tokenizer=Tok(), config=cfg, reward=reward)
     return RolloutManager(cfg, c, ctx), cfg
 
@@ -101,17 +110,19 @@ async def _drive(manager, engine, steps, train_seconds=0.02):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("max_staleness,stale_groups,partial", [(1, "drop", "finish"), (2, "regenerate", "finish"),
-                                                                (0, "drop", "finish"), (2, "drop", "resume")])
+@pytest.mark.parametrize(
+    "max_staleness,stale_groups,partial",
+    [(1, "drop", "finish"), (2, "regenerate", "finish"), (0, "drop", "finish"), (2, "drop", "resume")],
+)
 def test_async_never_trains_a_token_staler_than_max_staleness(max_staleness, stale_groups, partial):
     engine = ScriptedEngine(delay=0.002)
-    manager, _ = _manager(engine, mode="async", max_staleness=max_staleness, stale_groups=stale_groups,
-                          partial=partial)
+    manager, _ = _manager(engine, mode="async", max_staleness=max_staleness, stale_groups=stale_groups, partial=partial)
     seen, accounts = asyncio.run(_drive(manager, engine, steps=6))
     if partial == "resume":  # aborted at an update, resumed: both versions kept, token by token, in order
         resumed = [s for _, groups, _ in seen for g in groups for s in g if s.metadata.get("resumed")]
-        assert resumed and all(len(set(s.weight_versions)) >= 2 and s.weight_versions == sorted(s.weight_versions)
-                               for s in resumed)
+        assert resumed and all(
+            len(set(s.weight_versions)) >= 2 and s.weight_versions == sorted(s.weight_versions) for s in resumed
+        )
     worst = 0
     for step, groups, metrics in seen:
         assert len(groups) == 4
@@ -216,7 +227,8 @@ def test_response_length_of_trained_and_generated_samples_are_both_reported():
     seen, _ = asyncio.run(_drive(manager, engine, steps=3))
     for _, groups, m in seen:
         assert m["response_length_trained_mean"] == pytest.approx(
-            sum(s.response_length for g in groups for s in g) / sum(len(g) for g in groups))
+            sum(s.response_length for g in groups for s in g) / sum(len(g) for g in groups)
+        )
         assert m["response_length_generated_mean"] > 0
 
 
@@ -255,10 +267,15 @@ def _rows(run_dir):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("rollout", [{"mode": "one_step_off"},
-                                     {"mode": "async", "max_staleness": 2, "partial": "resume"},
-                                     {"mode": "sync", "dynamic_sampling": True, "over_sample": 1.5}],
-                         ids=["one_step_off", "async-resume", "sync-dynamic"])
+@pytest.mark.parametrize(
+    "rollout",
+    [
+        {"mode": "one_step_off"},
+        {"mode": "async", "max_staleness": 2, "partial": "resume"},
+        {"mode": "sync", "dynamic_sampling": True, "over_sample": 1.5},
+    ],
+    ids=["one_step_off", "async-resume", "sync-dynamic"],
+)
 def test_modes_train_end_to_end(tiny_model_dir, tmp_path, rollout):
     import json
 
@@ -266,8 +283,14 @@ def test_modes_train_end_to_end(tiny_model_dir, tmp_path, rollout):
     from tests.test_e2e import tiny_overrides
 
     run_dir = tmp_path / "run"
-    cfg = tiny_overrides(tiny_model_dir, run_dir, rollout=rollout, train={"steps": 3},
-                         algo={"use_rollout_logprobs": True}, run={"save_every": 2, "plot": False})
+    cfg = tiny_overrides(
+        tiny_model_dir,
+        run_dir,
+        rollout=rollout,
+        train={"steps": 3},
+        algo={"use_rollout_logprobs": True},
+        run={"save_every": 2, "plot": False},
+    )
     summary = train(build_config(overrides=cfg))
     assert summary["steps"] == 3
     steps = [r for r in _rows(run_dir) if "reward_mean" in r]
@@ -288,10 +311,21 @@ def test_modes_train_end_to_end(tiny_model_dir, tmp_path, rollout):
 def test_rollout_only_then_train_only_reproduces_the_first_step(tiny_model_dir, tmp_path, capsys):
     from strop.cli import main
 
-    args = [f"--model.path={tiny_model_dir}", "--data.size=16", "--data.eval_size=4", "--rollout.prompts_per_step=2",
-            "--rollout.n_samples_per_prompt=4", "--rollout.max_new_tokens=8", "--rollout.temperature=1.3",
-            "--rollout.reward=tests.plugins:even_token_reward", "--train.lr=1e-3", "--train.warmup_steps=0",
-            "--run.progress=false", "--run.save_every=0", "--run.plot=false"]
+    args = [
+        f"--model.path={tiny_model_dir}",
+        "--data.size=16",
+        "--data.eval_size=4",
+        "--rollout.prompts_per_step=2",
+        "--rollout.n_samples_per_prompt=4",
+        "--rollout.max_new_tokens=8",
+        "--rollout.temperature=1.3",
+        "--rollout.reward=tests.plugins:even_token_reward",
+        "--train.lr=1e-3",
+        "--train.warmup_steps=0",
+        "--run.progress=false",
+        "--run.save_every=0",
+        "--run.plot=false",
+    ]
     assert main(["train", *args, "--train.steps=1", f"--run.dir={tmp_path / 'sync'}"]) == 0
     out = tmp_path / "samples.jsonl"
     assert main(["rollout", *args, "--train.steps=1", f"--out={out}", f"--run.dir={tmp_path / 'ro'}"]) == 0
@@ -303,8 +337,19 @@ def test_rollout_only_then_train_only_reproduces_the_first_step(tiny_model_dir, 
     assert sync["grad_norm"] > 0
     capsys.readouterr()
     # the file's temperature must match: the trainer scales logits by it
-    assert main(["train", *args, "--train.steps=1", f"--data.samples={out}", "--rollout.temperature=1.0",
-                 f"--run.dir={tmp_path / 'bad'}"]) == 1
+    assert (
+        main(
+            [
+                "train",
+                *args,
+                "--train.steps=1",
+                f"--data.samples={out}",
+                "--rollout.temperature=1.0",
+                f"--run.dir={tmp_path / 'bad'}",
+            ]
+        )
+        == 1
+    )
     assert "rollout.temperature=1.3" in capsys.readouterr().err
     assert main(["train", *args, "--train.steps=2", f"--data.samples={out}", f"--run.dir={tmp_path / 'bad2'}"]) == 1
     assert "needs step 2" in capsys.readouterr().err
@@ -321,8 +366,14 @@ def test_a_killed_run_resumes_with_what_the_rollout_manager_held(tiny_model_dir,
     from tests.test_checkpoint import _args, _strop
 
     run = tmp_path / "run"
-    args = _args(tiny_model_dir, run, f"--rollout.mode={mode}", "--rollout.max_staleness=2", "--run.save_every=1",
-                 "--algo.use_rollout_logprobs=true")
+    args = _args(
+        tiny_model_dir,
+        run,
+        f"--rollout.mode={mode}",
+        "--rollout.max_staleness=2",
+        "--run.save_every=1",
+        "--algo.use_rollout_logprobs=true",
+    )
     killed = _strop(args, kill_at="rollout:4")
     assert killed.returncode != 0 and "SIGKILL at rollout" in killed.stderr, killed.stderr[-2000:]
     state = torch.load(run / "checkpoints" / "step_000003" / "controller.pt", weights_only=False)["rollout"]
@@ -435,9 +486,14 @@ def _multi_turn_manager(engine, **rollout):
     manager.c.train_prompts = UniquePrompts()
     manager.c.sampling = SamplingParams(temperature=1.0, max_new_tokens=300)  # room for the call and its output
     limits = TurnLimits(max_turn_tokens=12, observation_template="{output}")  # the scripted turns: up to 12 tokens
-    manager.ctx = RolloutContext(engine=engine, tokenizer=TextTok(), config=cfg, reward=slow_or_fast_reward,
-                                 generate=multiturn_generate,
-                                 extra={"tools": ToolSet([CALCULATOR]), "turn_limits": limits})
+    manager.ctx = RolloutContext(
+        engine=engine,
+        tokenizer=TextTok(),
+        config=cfg,
+        reward=slow_or_fast_reward,
+        generate=multiturn_generate,
+        extra={"tools": ToolSet([CALCULATOR]), "turn_limits": limits},
+    )
     return manager
 
 
@@ -457,8 +513,13 @@ def test_aborted_multi_turn_samples_are_requeued_in_off_policy_modes(mode):
     requeued = [s for s in samples if s.metadata.get("requeued") and s.status != Status.ABORTED]
     fine = {s.prompt for s in samples if s.prompt_ids[-1] % 5}
     assert sorted(s.prompt for s in requeued if s.metadata["requeued"] == 1) == sorted(fine)  # one per group
-    assert all(s.metadata["tool_calls"] == 0 and s.metadata["turns"] == 1 and s.response_length >= 1
-               and max(s.response_ids) < 10 for s in requeued)  # it starts clean: the call and the tool's
+    assert all(
+        s.metadata["tool_calls"] == 0
+        and s.metadata["turns"] == 1
+        and s.response_length >= 1
+        and max(s.response_ids) < 10
+        for s in requeued
+    )  # it starts clean: the call and the tool's
     # output of the aborted attempt are gone (the scripted engine's own tokens are 3..9)
     hopeless = [s for s in samples if s.prompt_ids[-1] % 5 == 0]
     assert all(s.status == Status.ABORTED and s.metadata["requeued"] == 3 for s in hopeless)
@@ -466,7 +527,8 @@ def test_aborted_multi_turn_samples_are_requeued_in_off_policy_modes(mode):
     assert accounts["generated"] == accounts["trained"] + accounts["dropped"] + accounts["held"]
     assert hopeless, "no group of an always-aborting prompt was drawn"
     assert [rollout_metrics(groups, 1.0)["aborted_fraction"] for _, groups, _ in seen] == [
-        sum(s.status == Status.ABORTED for g in groups for s in g) / 16 for _, groups, _ in seen]
+        sum(s.status == Status.ABORTED for g in groups for s in g) / 16 for _, groups, _ in seen
+    ]
 
 
 @pytest.mark.timeout(60)
@@ -481,8 +543,10 @@ def test_sync_mode_does_not_requeue_aborted_multi_turn_samples_and_counts_them()
     samples = [s for _, groups, _ in seen for g in groups for s in g]
     aborted = [s for s in samples if s.status == Status.ABORTED]
     assert len(aborted) == 8 and not any(s.metadata.get("requeued") for s in samples)  # one per group
-    assert all(s.response_ids[:len(CALL)] == CALL and s.metadata["tool_calls"] == 1 and s.metadata["turns"] == 2
-               for s in aborted)  # aborted in its second turn, after the tool ran
+    assert all(
+        s.response_ids[: len(CALL)] == CALL and s.metadata["tool_calls"] == 1 and s.metadata["turns"] == 2
+        for s in aborted
+    )  # aborted in its second turn, after the tool ran
     assert [rollout_metrics(groups, 1.0)["aborted_fraction"] for _, groups, _ in seen] == [4 / 16, 4 / 16]
 
 
@@ -506,8 +570,11 @@ def test_async_stale_drops_count_toward_giving_up_and_the_error_names_the_reason
             await manager.update_weights(lambda: engine.update_weights(None, version=step), step)
 
     try:
-        with pytest.raises(RuntimeError, match=r"dropped as stale \(tokens of weight versions \[0\], the trainer is "
-                                               r"at version 2"):
+        with pytest.raises(
+            RuntimeError,
+            match=r"dropped as stale \(tokens of weight versions \[0\], the trainer is "
+            r"at version 2",
+        ):
             asyncio.run(main())
     finally:
         asyncio.run(asyncio.wait_for(manager.close(), 20)) if manager.tasks else None

@@ -13,74 +13,108 @@ AGENT = {"agent": "my.agent:run"}
 # rule name -> (overrides that break it, a piece of its message)
 CASES = {
     "launched vllm/sglang servers need ray": (
-        {"engine": {"kind": "vllm", "launch": 1}}, "starts vllm servers as Ray engine actors"),
+        {"engine": {"kind": "vllm", "launch": 1}},
+        "starts vllm servers as Ray engine actors",
+    ),
     "colocated engines need as many trainer ranks": (
         {"cluster": {**RAY, "placement": "colocated", "trainer_ranks": 1}, "engine": {"kind": "strop", "launch": 2}},
-        "engine.launch=2 engines need as many trainer ranks (cluster.trainer_ranks=1)"),
+        "engine.launch=2 engines need as many trainer ranks (cluster.trainer_ranks=1)",
+    ),
     "colocated placement needs launched engines": (
-        {"cluster": {**RAY, "placement": "colocated"}}, "shares the trainer ranks' bundles with engine actors"),
-    "group estimators need groups": (
-        {"rollout": {"n_samples_per_prompt": 1}}, "makes every advantage 0"),
+        {"cluster": {**RAY, "placement": "colocated"}},
+        "shares the trainer ranks' bundles with engine actors",
+    ),
+    "group estimators need groups": ({"rollout": {"n_samples_per_prompt": 1}}, "makes every advantage 0"),
     "one_step_off needs staleness": (
-        {"rollout": {"mode": "one_step_off", "max_staleness": 0}}, "it needs rollout.max_staleness >= 1"),
-    "stale tokens need a correction": (
-        {"rollout": {"mode": "async"}}, "no off-policy correction is set"),
+        {"rollout": {"mode": "one_step_off", "max_staleness": 0}},
+        "it needs rollout.max_staleness >= 1",
+    ),
+    "stale tokens need a correction": ({"rollout": {"mode": "async"}}, "no off-policy correction is set"),
     "a teacher server scores at temperature 1": (
-        {"algo": {"distill_teacher_url": "http://127.0.0.1:1"}}, "scored at rollout.temperature=0.8"),
+        {"algo": {"distill_teacher_url": "http://127.0.0.1:1"}},
+        "scored at rollout.temperature=0.8",
+    ),
     "a loaded teacher is not split by tensor parallel": (
         {"algo": {"distill_teacher": "teacher"}, "parallel": {"tensor_parallel_size": 2}},
-        "distil without tensor parallel"),
+        "distil without tensor parallel",
+    ),
     "the overlong buffer fits the response limit": (
-        {"algo": {"overlong_buffer": 100}}, "algo.overlong_buffer=100 is longer than rollout.max_new_tokens=48"),
+        {"algo": {"overlong_buffer": 100}},
+        "algo.overlong_buffer=100 is longer than rollout.max_new_tokens=48",
+    ),
     "scheduled rollouts take no rollout hook": (
         {"rollout": {"mode": "async"}, "algo": {"off_policy_correction": "none"}, "plugins": {"rollout": "my.r:f"}},
-        "schedules groups one by one and cannot use a rollout hook"),
+        "schedules groups one by one and cannot use a rollout hook",
+    ),
     "over-sampling needs the default rollout": (
         {"rollout": {"over_sample": 2.0}, "plugins": {"rollout": "my.r:f"}},
-        "rollout.over_sample / dynamic_sampling need the default rollout"),
+        "rollout.over_sample / dynamic_sampling need the default rollout",
+    ),
     "tools take no generate hook": (
-        {**TOOLS, "plugins": {"generate": "my.g:f"}}, "uses strop's multi-turn generate function"),
+        {**TOOLS, "plugins": {"generate": "my.g:f"}},
+        "uses strop's multi-turn generate function",
+    ),
     "tools take no overlong shaping": (
-        {**TOOLS, "algo": {"overlong_buffer": 8}}, "a multi-turn sample (tools.enabled=['calculator'])"),
-    "tools restart a sample clean": (
-        {**TOOLS, "rollout": {"partial": "resume"}}, "a multi-turn sample restarts clean"),
+        {**TOOLS, "algo": {"overlong_buffer": 8}},
+        "a multi-turn sample (tools.enabled=['calculator'])",
+    ),
+    "tools restart a sample clean": ({**TOOLS, "rollout": {"partial": "resume"}}, "a multi-turn sample restarts clean"),
     "an agent generates alone": (
-        {"plugins": {**AGENT, "generate": "my.g:f"}}, "and plugins.generate='my.g:f' generates it another way"),
+        {"plugins": {**AGENT, "generate": "my.g:f"}},
+        "and plugins.generate='my.g:f' generates it another way",
+    ),
     "an agent session restarts clean": (
-        {"plugins": AGENT, "rollout": {"partial": "resume"}}, "an agent session (plugins.agent='my.agent:run')"),
+        {"plugins": AGENT, "rollout": {"partial": "resume"}},
+        "an agent session (plugins.agent='my.agent:run')",
+    ),
     "an agent session takes no overlong shaping": (
-        {"plugins": AGENT, "algo": {"overlong_buffer": 8}}, "an agent session holds several calls"),
+        {"plugins": AGENT, "algo": {"overlong_buffer": 8}},
+        "an agent session holds several calls",
+    ),
     "exact logprobs need sync generation here": (
         {"rollout": {"exact_logprobs": True}, "data": {"samples": "s.jsonl"}},
-        "data.samples='s.jsonl' replays samples generated elsewhere"),
+        "data.samples='s.jsonl' replays samples generated elsewhere",
+    ),
     "activation checkpointing is not with context parallel": (
         {"train": {"activation_checkpointing": True}, "parallel": {"context_parallel_size": 2}},
-        "a recompute in backward would run outside it"),
+        "a recompute in backward would run outside it",
+    ),
     "engine.dtype is the embedded engine's": (
-        {"engine": {"kind": "strop", "launch": 1, "dtype": "bfloat16"}}, "a strop server chooses its own"),
+        {"engine": {"kind": "strop", "launch": 1, "dtype": "bfloat16"}},
+        "a strop server chooses its own",
+    ),
     "exact logprobs need the engine's dtype": (
         {"engine": {"dtype": "bfloat16"}, "rollout": {"exact_logprobs": True}},
-        "samples from other numbers than the float32 trainer"),
+        "samples from other numbers than the float32 trainer",
+    ),
     "shared weights need one sync process": (
         {"engine": {"share_weights": True, "fast_decode": False}},
-        "engine.share_weights=true: engine.fast_decode=false runs the model's own forward"),
+        "engine.share_weights=true: engine.fast_decode=false runs the model's own forward",
+    ),
     "exact logprobs are not with bf16 autocast": (
         {"train": {"bf16_autocast": True}, "rollout": {"exact_logprobs": True}},
-        "forward in bf16 while the engine samples"),
+        "forward in bf16 while the engine samples",
+    ),
     "tensor parallel is not with context parallel": (
-        {"parallel": {"tensor_parallel_size": 2, "context_parallel_size": 2}}, "do not compose yet"),
+        {"parallel": {"tensor_parallel_size": 2, "context_parallel_size": 2}},
+        "do not compose yet",
+    ),
     "exact logprobs are not with tensor parallel": (
         {"parallel": {"tensor_parallel_size": 2}, "rollout": {"exact_logprobs": True}},
-        "sums every layer in two halves"),
+        "sums every layer in two halves",
+    ),
     "a swapped reference is not split by tensor parallel": (
         {"parallel": {"tensor_parallel_size": 2}, "algo": {"kl_coef": 0.1, "ref_mode": "swap"}},
-        "cannot swap into weights split by parallel.tensor_parallel_size=2"),
+        "cannot swap into weights split by parallel.tensor_parallel_size=2",
+    ),
     "resumed samples need the default generate": (
         {"rollout": {"partial": "resume"}, "plugins": {"generate": "my.g:f"}},
-        "plugins.generate='my.g:f' may not: use partial='finish'"),
+        "plugins.generate='my.g:f' may not: use partial='finish'",
+    ),
     "corrected resumed tokens need a correction": (
         {"rollout": {"mode": "async", "partial": "resume"}, "algo": {"opsm_delta": 0.1}},
-        "trains tokens of older weights with an importance correction"),
+        "trains tokens of older weights with an importance correction",
+    ),
 }
 
 
@@ -92,8 +126,12 @@ def test_every_rule_has_a_case_and_every_case_a_rule():
 
 def _unchecked(overrides: dict) -> Config:
     """``overrides`` over the defaults, each section validated, the rules not checked."""
-    return Config.model_construct(**{name: field.annotation.model_validate(overrides.get(name, {}))
-                                     for name, field in Config.model_fields.items()})
+    return Config.model_construct(
+        **{
+            name: field.annotation.model_validate(overrides.get(name, {}))
+            for name, field in Config.model_fields.items()
+        }
+    )
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -112,5 +150,6 @@ def test_the_rule_fires_first_with_its_message(name):
 def test_the_defaults_break_no_rule():
     assert not [r.name for r in RULES if r.broken(Config())]
     assert why_not_shared(Config()) is None
-    assert why_not_shared(Config(), world=2) == ("2 processes split or replicate the trainer's weights; the engine "
-                                                 "on rank 0 needs them whole")
+    assert why_not_shared(Config(), world=2) == (
+        "2 processes split or replicate the trainer's weights; the engine on rank 0 needs them whole"
+    )

@@ -45,7 +45,9 @@ def test_loss_mask_values_are_checked():
         Sample(prompt="q", prompt_ids=[1], response_ids=[5], rollout_logprobs=[0.0], loss_mask=[2], weight_versions=[0])
 
 
-@pytest.mark.parametrize("reason,status", [("stop", Status.COMPLETED), ("length", Status.TRUNCATED), ("abort", Status.ABORTED)])
+@pytest.mark.parametrize(
+    "reason,status", [("stop", Status.COMPLETED), ("length", Status.TRUNCATED), ("abort", Status.ABORTED)]
+)
 def test_completion_sets_status(reason, status):
     s = make()
     s.apply_completion(Completion([5, 6], [-1.0, -2.0], reason, weight_version=4))
@@ -70,14 +72,38 @@ def test_numpy_values_in_label_and_metadata_become_the_python_values_a_checkpoin
 
     from strop.checkpoint import _safe_load
 
-    s = Sample(prompt="q", prompt_ids=[1], label=np.str_("Amelia"), metadata={
-        "score": np.float64(0.5), "names": [np.str_("Amelia"), "Ben"], "solution": (np.bool_(True), False),
-        "grid": np.arange(4, dtype=np.int32).reshape(2, 2), "nested": {np.str_("k"): np.int64(3)}, "kept": (1, "a")})
-    expected = {"score": 0.5, "names": ["Amelia", "Ben"], "solution": (True, False), "grid": [[0, 1], [2, 3]],
-                "nested": {"k": 3}, "kept": (1, "a")}
+    s = Sample(
+        prompt="q",
+        prompt_ids=[1],
+        label=np.str_("Amelia"),
+        metadata={
+            "score": np.float64(0.5),
+            "names": [np.str_("Amelia"), "Ben"],
+            "solution": (np.bool_(True), False),
+            "grid": np.arange(4, dtype=np.int32).reshape(2, 2),
+            "nested": {np.str_("k"): np.int64(3)},
+            "kept": (1, "a"),
+        },
+    )
+    expected = {
+        "score": 0.5,
+        "names": ["Amelia", "Ben"],
+        "solution": (True, False),
+        "grid": [[0, 1], [2, 3]],
+        "nested": {"k": 3},
+        "kept": (1, "a"),
+    }
     assert s.metadata == expected and s.label == "Amelia" and type(s.label) is str
-    assert [type(x) for x in (s.metadata["score"], s.metadata["names"][0], s.metadata["solution"][0],
-                              s.metadata["grid"][0][0], s.metadata["nested"]["k"])] == [float, str, bool, int, int]
+    assert [
+        type(x)
+        for x in (
+            s.metadata["score"],
+            s.metadata["names"][0],
+            s.metadata["solution"][0],
+            s.metadata["grid"][0][0],
+            s.metadata["nested"]["k"],
+        )
+    ] == [float, str, bool, int, int]
     assert type(next(iter(s.metadata["nested"]))) is str
     torch.save({"ready": [[s]]}, tmp_path / "controller.pt")
     back = _safe_load(tmp_path / "controller.pt")["ready"][0][0]
@@ -86,13 +112,20 @@ def test_numpy_values_in_label_and_metadata_become_the_python_values_a_checkpoin
     assert Sample(prompt="q", prompt_ids=[1], metadata=plain).metadata is plain  # nothing to convert: not copied
 
 
-@pytest.mark.parametrize("metadata,where,kind", [
-    ({"entry": {"when": __import__("datetime").date(2024, 1, 1)}}, "metadata['entry']['when']", "datetime.date"),
-    ({"xs": [1, object()]}, "metadata['xs'][1]", "builtins.object"),
-    ({"a": __import__("numpy").array([1, object()], dtype=object)}, "metadata['a'][1]", "builtins.object")])
+@pytest.mark.parametrize(
+    "metadata,where,kind",
+    [
+        ({"entry": {"when": __import__("datetime").date(2024, 1, 1)}}, "metadata['entry']['when']", "datetime.date"),
+        ({"xs": [1, object()]}, "metadata['xs'][1]", "builtins.object"),
+        ({"a": __import__("numpy").array([1, object()], dtype=object)}, "metadata['a'][1]", "builtins.object"),
+    ],
+)
 def test_a_metadata_value_a_checkpoint_cannot_hold_is_refused_at_the_sample_with_its_path(metadata, where, kind):
-    with pytest.raises(SampleInvariantError, match=rf"sample group=7 index=1 {re.escape(where)}: {kind} cannot be "
-                                                   "saved in a checkpoint; use Python numbers"):
+    with pytest.raises(
+        SampleInvariantError,
+        match=rf"sample group=7 index=1 {re.escape(where)}: {kind} cannot be "
+        "saved in a checkpoint; use Python numbers",
+    ):
         Sample(prompt="q", prompt_ids=[1], group_id=7, index=1, metadata=metadata)
     with pytest.raises(SampleInvariantError, match=r"sample group=0 index=0 label: builtins.object cannot be saved"):
         Sample(prompt="q", prompt_ids=[1], label=object())

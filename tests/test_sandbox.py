@@ -50,13 +50,18 @@ def test_at_least_one_isolation_is_available_here():
     """CI's machine has namespaces (and bubblewrap where .ci/run could install it): never zero
     there. Elsewhere (a container that forbids namespaces) the security tests skip, saying why."""
     if not AVAILABLE and not os.environ.get("CI"):
-        pytest.skip("neither bubblewrap nor unshare namespaces work here: install bubblewrap "
-                    "(bash scripts/setup_sandbox.sh) or allow user namespaces to run the sandbox tests")
+        pytest.skip(
+            "neither bubblewrap nor unshare namespaces work here: install bubblewrap "
+            "(bash scripts/setup_sandbox.sh) or allow user namespaces to run the sandbox tests"
+        )
     assert AVAILABLE, "neither bubblewrap nor unshare namespaces work here"
 
 
 def test_a_normal_program_runs_and_can_use_its_directory(box):
-    r = run(box, "import math, os\nopen('a.txt','w').write('hi')\nprint(math.factorial(10), open('a.txt').read(), os.getcwd())")
+    r = run(
+        box,
+        "import math, os\nopen('a.txt','w').write('hi')\nprint(math.factorial(10), open('a.txt').read(), os.getcwd())",
+    )
     assert r.exit_code == 0 and r.output.split() == ["3628800", "hi", "/tmp"], r.message()
     assert not r.timed_out and not r.truncated
 
@@ -65,7 +70,9 @@ def test_reading_host_secrets_and_the_users_home_fails(box, tmp_path):
     home_file = Path.home() / ".bashrc"
     secret = tmp_path / "secret.txt"
     secret.write_text("TOPSECRET")
-    r = run(box, f"""
+    r = run(
+        box,
+        f"""
 for p in ['/etc/shadow', '/etc/passwd', {str(home_file)!r}, {str(secret)!r}]:
     try:
         print(p, 'READ', open(p).read()[:20])
@@ -73,20 +80,24 @@ for p in ['/etc/shadow', '/etc/passwd', {str(home_file)!r}, {str(secret)!r}]:
         print(p, 'DENIED', type(e).__name__)
 import os
 print('home listing', os.path.exists({str(Path.home())!r}))
-""")
+""",
+    )
     assert "READ" not in r.output and r.output.count("DENIED") == 4, r.output
     assert "home listing False" in r.output and "TOPSECRET" not in r.output
 
 
 def test_writing_outside_the_work_directory_fails(box, tmp_path):
     target = tmp_path / "pwned.txt"
-    r = run(box, f"""
+    r = run(
+        box,
+        f"""
 for p in ['/usr/pwned', '/pwned', '/etc/pwned', {str(target)!r}, '/proc/pwned', '/dev/pwned']:
     try:
         open(p, 'w').write('x'); print(p, 'WROTE')
     except OSError as e:
         print(p, 'DENIED', type(e).__name__)
-""")
+""",
+    )
     assert "WROTE" not in r.output and r.output.count("DENIED") == 6, r.output
     assert not target.exists() and not Path("/usr/pwned").exists() and not Path("/pwned").exists()
 
@@ -98,7 +109,9 @@ def test_network_is_unreachable_even_to_a_host_listener(box):
     server.settimeout(0.5)
     port = server.getsockname()[1]
     try:
-        r = run(box, f"""
+        r = run(
+            box,
+            f"""
 import socket
 for host, port in [('127.0.0.1', {port}), ('1.1.1.1', 53), ('93.184.216.34', 80)]:
     s = socket.socket(); s.settimeout(2)
@@ -106,7 +119,8 @@ for host, port in [('127.0.0.1', {port}), ('1.1.1.1', 53), ('93.184.216.34', 80)
         s.connect((host, port)); print(host, 'CONNECTED')
     except OSError as e:
         print(host, 'BLOCKED', type(e).__name__, e.errno)
-""")
+""",
+        )
         with pytest.raises(socket.timeout):
             server.accept()  # nothing ever reached the host's listener
     finally:
@@ -146,7 +160,9 @@ def test_a_flood_of_output_is_capped_while_read(box):
 
 def test_the_parents_environment_is_invisible(box, monkeypatch):
     monkeypatch.setenv("STROP_TEST_SECRET", "hunter2")
-    r = run(box, f"""
+    r = run(
+        box,
+        f"""
 import os
 print(sorted(os.environ))
 for p in ['/proc/{os.getpid()}/environ', '/proc/1/environ', '/proc/self/environ']:
@@ -154,21 +170,25 @@ for p in ['/proc/{os.getpid()}/environ', '/proc/1/environ', '/proc/self/environ'
         print(p, open(p, 'rb').read())
     except OSError as e:
         print(p, 'DENIED', type(e).__name__)
-""")
+""",
+    )
     assert "hunter2" not in r.output and "STROP_TEST_SECRET" not in r.output, r.output
 
 
 def test_signalling_the_parent_or_host_processes_fails(box):
     victim = subprocess.Popen(["sleep", "60"])
     try:
-        r = run(box, f"""
+        r = run(
+            box,
+            f"""
 import os, signal
 for pid in [os.getppid(), {os.getpid()}, {victim.pid}, -1]:
     try:
         os.kill(pid, signal.SIGKILL); print(pid, 'SENT')
     except OSError as e:
         print(pid, 'DENIED', type(e).__name__)
-""")
+""",
+        )
         assert victim.poll() is None, "the sandbox killed a host process"
         assert f"{victim.pid} SENT" not in r.output and f"{os.getpid()} SENT" not in r.output, r.output
     finally:
@@ -190,7 +210,9 @@ def _processes_with(marker: str) -> list[int]:
 
 def test_no_background_process_outlives_the_call(box):
     marker = "317.25"
-    r = run(box, f"""
+    r = run(
+        box,
+        f"""
 import os, subprocess
 subprocess.Popen(['sleep', '{marker}'], start_new_session=True)
 if os.fork() == 0:
@@ -199,7 +221,8 @@ if os.fork() == 0:
         os.execvp('sleep', ['sleep', '{marker}'])
     os._exit(0)
 print('spawned')
-""")
+""",
+    )
     assert "spawned" in r.output
     deadline = time.monotonic() + 5
     while _processes_with(f"sleep {marker}") and time.monotonic() < deadline:
@@ -209,15 +232,18 @@ print('spawned')
 
 def test_symlinks_cannot_reach_out_of_the_work_directory(box, tmp_path):
     (tmp_path / "outside.txt").write_text("OUTSIDE")
-    r = run(box, f"""
+    r = run(
+        box,
+        f"""
 import os
-for i, target in enumerate(['/etc/shadow', {str(tmp_path / 'outside.txt')!r}, {str(Path.home())!r}, '../../..']):
+for i, target in enumerate(['/etc/shadow', {str(tmp_path / "outside.txt")!r}, {str(Path.home())!r}, '../../..']):
     os.symlink(target, f'link{{i}}')
     try:
         print(target, 'READ', open(f'link{{i}}').read()[:20] if not os.path.isdir(f'link{{i}}') else os.listdir(f'link{{i}}'))
     except OSError as e:
         print(target, 'DENIED', type(e).__name__)
-""")
+""",
+    )
     assert "OUTSIDE" not in r.output and "shadow READ" not in r.output, r.output
     assert r.output.count("DENIED") >= 3, r.output
 
@@ -265,11 +291,14 @@ def test_without_isolation_the_same_attacks_succeed(tmp_path):
     server.bind(("127.0.0.1", 0))
     server.listen(5)
     try:
-        r = run(Sandbox(LIMITS, isolation="none"), f"""
+        r = run(
+            Sandbox(LIMITS, isolation="none"),
+            f"""
 import socket
 print(open({str(secret)!r}).read())
 socket.create_connection(('127.0.0.1', {server.getsockname()[1]}), timeout=2); print('CONNECTED')
-""")
+""",
+        )
     finally:
         server.close()
     assert "TOPSECRET" in r.output and "CONNECTED" in r.output
@@ -316,7 +345,9 @@ def test_memory_across_the_calls_processes_is_bounded(box, enforcer, monkeypatch
 
 def test_bytes_written_to_tmp_are_bounded(box):
     """Forty files of 1 MB (each under the 4 MB file limit) against a /tmp of 8 MB."""
-    r = run(Sandbox(dataclasses.replace(LIMITS, tmp_mb=8), isolation=box.isolation), """
+    r = run(
+        Sandbox(dataclasses.replace(LIMITS, tmp_mb=8), isolation=box.isolation),
+        """
 n = 0
 try:
     for i in range(40):
@@ -325,13 +356,16 @@ try:
         n += 1
 finally:
     print('wrote', n, 'MB')
-""")
+""",
+    )
     assert "wrote 40 MB" not in r.output, r.message()
     assert "No space left on device" in r.output or "[/tmp limit reached" in r.message(), r.message()
 
 
 def test_files_written_to_tmp_are_bounded(box):
-    r = run(Sandbox(dataclasses.replace(LIMITS, tmp_files=500), isolation=box.isolation), """
+    r = run(
+        Sandbox(dataclasses.replace(LIMITS, tmp_files=500), isolation=box.isolation),
+        """
 n = 0
 try:
     while n < 100_000:
@@ -339,7 +373,8 @@ try:
         n += 1
 finally:
     print('made', n, 'files')
-""")
+""",
+    )
     assert "made 100000 files" not in r.output, r.message()
     assert "No space left on device" in r.output or "[/tmp limit reached" in r.message(), r.message()
     made = [int(w) for w in r.output.split() if w.isdigit()]
@@ -396,8 +431,13 @@ def test_the_host_keyring_is_out_of_reach(box):
     """A key in the session keyring of the process that starts the sandbox (every process
     inherits it) can be neither read nor added to from inside. Run in a child process, whose
     session keyring is its own, so the test's key never reaches the user's keyring."""
-    out = subprocess.run([sys.executable, "-c", KEYRING_PROBE, box.isolation], capture_output=True, text=True,
-                         timeout=60, cwd=Path(__file__).parents[1])
+    out = subprocess.run(
+        [sys.executable, "-c", KEYRING_PROBE, box.isolation],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=Path(__file__).parents[1],
+    )
     if any(f"AssertionError: {why}" in out.stderr for why in ("Function not implemented", "Operation not permitted")):
         pytest.skip(f"this machine has no keyrings to protect: {out.stderr.strip().splitlines()[-1]}")
     assert out.returncode == 0, out.stderr
@@ -407,12 +447,15 @@ def test_the_host_keyring_is_out_of_reach(box):
 
 
 def test_nested_user_namespaces_are_refused(box):
-    r = run(box, """
+    r = run(
+        box,
+        """
 import ctypes, os, subprocess
 print('tool', subprocess.run(['unshare', '-U', 'true'], capture_output=True).returncode)
 libc = ctypes.CDLL(None, use_errno=True)
 print('call', libc.unshare(0x10000000), os.strerror(ctypes.get_errno()))  # CLONE_NEWUSER
-""")
+""",
+    )
     assert "tool 0" not in r.output and "call -1 " in r.output, r.message()
 
 
@@ -421,16 +464,19 @@ def test_a_call_in_flight_dies_with_its_trainer(box):
     """SIGKILL of the process that started a call leaves none of the call's processes behind."""
     from tests.proctree import _alive, _cmdline, _descendants
 
-    script = (f"import asyncio, dataclasses\n"
-              f"from strop.tools.sandbox import Sandbox\n"
-              f"from tests.test_sandbox import LIMITS\n"
-              f"box = Sandbox(dataclasses.replace(LIMITS, timeout_s=60.0, cpu_s=60), isolation={box.isolation!r})\n"
-              f"asyncio.run(box.run_python('import time; print(\"started\", flush=True); time.sleep(50)'))\n")
+    script = (
+        f"import asyncio, dataclasses\n"
+        f"from strop.tools.sandbox import Sandbox\n"
+        f"from tests.test_sandbox import LIMITS\n"
+        f"box = Sandbox(dataclasses.replace(LIMITS, timeout_s=60.0, cpu_s=60), isolation={box.isolation!r})\n"
+        f"asyncio.run(box.run_python('import time; print(\"started\", flush=True); time.sleep(50)'))\n"
+    )
     trainer = subprocess.Popen([sys.executable, "-c", script], cwd=Path(__file__).resolve().parents[1])
     seen: dict = {}
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and not any("sleep" in _cmdline(p) or "python" in _cmdline(p)
-                                                    for p in _descendants(trainer.pid)):
+    while time.monotonic() < deadline and not any(
+        "sleep" in _cmdline(p) or "python" in _cmdline(p) for p in _descendants(trainer.pid)
+    ):
         time.sleep(0.1)
     time.sleep(1.0)  # the call's python is up and sleeping
     seen = _descendants(trainer.pid)

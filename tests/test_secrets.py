@@ -82,12 +82,18 @@ def test_a_run_writes_sends_and_prints_no_secret(tiny_model_dir, tmp_path, capfd
     from strop.loop import train
 
     monkeypatch.delenv("STROP_ENGINE_TOKEN", raising=False)
-    monkeypatch.setattr(sys, "argv", ["strop", "train", f"--engine.token={SECRET}",
-                                             "--engine.token", SECRET])  # wandb records argv
+    monkeypatch.setattr(
+        sys, "argv", ["strop", "train", f"--engine.token={SECRET}", "--engine.token", SECRET]
+    )  # wandb records argv
     run_dir = tmp_path / "run"
-    cfg = tiny_overrides(tiny_model_dir, run_dir, engine={"token": SECRET},
-                         run={"trackers": ["wandb"], "save_final": False, "plot": False},
-                         train={"steps": 1}, data={"eval_size": 0})
+    cfg = tiny_overrides(
+        tiny_model_dir,
+        run_dir,
+        engine={"token": SECRET},
+        run={"trackers": ["wandb"], "save_final": False, "plot": False},
+        train={"steps": 1},
+        data={"eval_size": 0},
+    )
     train(build_config(overrides=cfg))
     out = capfd.readouterr()
     assert SECRET not in out.out + out.err

@@ -19,7 +19,9 @@ def _imports(path: Path) -> set[str]:
 
 
 def test_parallel_never_imports_train():
-    offenders = {p.name: m for p in (ROOT / "parallel").glob("*.py") for m in _imports(p) if m.startswith("strop.train")}
+    offenders = {
+        p.name: m for p in (ROOT / "parallel").glob("*.py") for m in _imports(p) if m.startswith("strop.train")
+    }
     assert not offenders, offenders
 
 

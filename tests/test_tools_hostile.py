@@ -17,16 +17,51 @@ TIMEOUT_S = 2.0  # the tool timeout of these tests (the default is 10 s)
 pytestmark = pytest.mark.timeout(120)
 
 WORST = [  # known to stall an evaluator that computes first and checks after
-    "((9**999)**999)**9", "((9**999)**999)**999", "9**999**999", "2**2**2**2**2**2", "(10**999)**(10**999)",
+    "((9**999)**999)**9",
+    "((9**999)**999)**999",
+    "9**999**999",
+    "2**2**2**2**2**2",
+    "(10**999)**(10**999)",
     "(9**999)*(9**999)*(9**999)*(9**999)*(9**999)*(9**999)*(9**999)*(9**999)*(9**999)*(9**999)",
-    "((2**999)**999)//3", "((2**999)**999)%7", "-((7**999)**999)", "abs((7**999)**999)", "round(7, -10**8)",
-    "round(2**999, -999999)", "sqrt((9**999)**999)", "log((9**999)**999)", "floor(1e308)**999",
-    "9" * 197 + "**9", "(" * 94 + "9**999" + ")" * 94 + "**999", "-" * 190 + "9**999**9",
-    "1+" * 99 + "1", "2*" * 99 + "2", "2**" * 66 + "2", "(2**" * 39 + "2" + ")" * 39,
-    "1e308**999", "1e308*1e308", "exp(1e308)", "(-8)**0.5", "((-8)**0.5)**999", "((-8)**0.5)**(9**999)",
-    "10**-10**10", "0**-1", "1/0", "1**9**999", "(-1)**9**999", "0**9**999",
-    "1<<10**9", "9**999<<9**9", "٣**٣**٣", "９**９**９", "[9]*9**9", "'9'*9**9", "(lambda: 9)()",
-    "__import__('os')", "9 if 1 else 9**9**9", "sum(range(9**9))", "pow(9, 9**9, 7)",
+    "((2**999)**999)//3",
+    "((2**999)**999)%7",
+    "-((7**999)**999)",
+    "abs((7**999)**999)",
+    "round(7, -10**8)",
+    "round(2**999, -999999)",
+    "sqrt((9**999)**999)",
+    "log((9**999)**999)",
+    "floor(1e308)**999",
+    "9" * 197 + "**9",
+    "(" * 94 + "9**999" + ")" * 94 + "**999",
+    "-" * 190 + "9**999**9",
+    "1+" * 99 + "1",
+    "2*" * 99 + "2",
+    "2**" * 66 + "2",
+    "(2**" * 39 + "2" + ")" * 39,
+    "1e308**999",
+    "1e308*1e308",
+    "exp(1e308)",
+    "(-8)**0.5",
+    "((-8)**0.5)**999",
+    "((-8)**0.5)**(9**999)",
+    "10**-10**10",
+    "0**-1",
+    "1/0",
+    "1**9**999",
+    "(-1)**9**999",
+    "0**9**999",
+    "1<<10**9",
+    "9**999<<9**9",
+    "٣**٣**٣",
+    "９**９**９",
+    "[9]*9**9",
+    "'9'*9**9",
+    "(lambda: 9)()",
+    "__import__('os')",
+    "9 if 1 else 9**9**9",
+    "sum(range(9**9))",
+    "pow(9, 9**9, 7)",
 ]
 
 
@@ -37,8 +72,19 @@ def _generated(n: int, seed: int = 20261201) -> list[str]:
     funcs = ["sqrt", "abs", "round", "floor", "ceil", "log", "exp", "sin", "cos", "tan"]
 
     def atom() -> str:
-        return rng.choice([str(rng.randint(0, 9)), str(rng.randint(2, 10**rng.randint(1, 40))), "9" * rng.randint(1, 60),
-                           f"{rng.random():.3g}e{rng.randint(-330, 330)}", "pi", "e", "0", "-1", "1"])
+        return rng.choice(
+            [
+                str(rng.randint(0, 9)),
+                str(rng.randint(2, 10 ** rng.randint(1, 40))),
+                "9" * rng.randint(1, 60),
+                f"{rng.random():.3g}e{rng.randint(-330, 330)}",
+                "pi",
+                "e",
+                "0",
+                "-1",
+                "1",
+            ]
+        )
 
     def expr(depth: int) -> str:
         if depth <= 0 or rng.random() < 0.2:
@@ -150,8 +196,11 @@ def _isolation() -> str:
 def test_no_python_program_stalls_the_event_loop_or_outlives_its_timeout():
     from strop.tools.sandbox import Limits, Sandbox
 
-    box = Sandbox(Limits(timeout_s=TIMEOUT_S, cpu_s=2, memory_mb=256, processes=16, output_bytes=4096),
-                  isolation=_isolation(), max_concurrency=len(PROGRAMS))
+    box = Sandbox(
+        Limits(timeout_s=TIMEOUT_S, cpu_s=2, memory_mb=256, processes=16, output_bytes=4096),
+        isolation=_isolation(),
+        max_concurrency=len(PROGRAMS),
+    )
     toolset = ToolSet([python_tool(box)])
     assert all(len(p) <= 200 for p in PROGRAMS)
     calls = [ToolCall("python", {"code": p}, 0) for p in PROGRAMS]

@@ -44,8 +44,11 @@ def test_tensorboard_and_offline_wandb_get_every_step_metric(tiny_model_dir, tmp
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     run_dir = tmp_path / "run"
-    cfg = tiny_overrides(tiny_model_dir, run_dir, run={"trackers": ["tensorboard", "wandb"], "log_samples": 2,
-                                                       "save_final": False, "plot": False})
+    cfg = tiny_overrides(
+        tiny_model_dir,
+        run_dir,
+        run={"trackers": ["tensorboard", "wandb"], "log_samples": 2, "save_final": False, "plot": False},
+    )
     train(build_config(overrides=cfg))
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "reward_mean" in r]

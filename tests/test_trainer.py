@@ -16,8 +16,12 @@ def make_samples(n=8, seed=0, group_size=4):
     for i in range(n):
         P = int(torch.randint(2, 6, (1,), generator=g))
         R = int(torch.randint(1, 7, (1,), generator=g))
-        s = Sample(prompt="p", prompt_ids=torch.randint(3, 500, (P,), generator=g).tolist(),
-                   group_id=i // group_size, index=i % group_size)
+        s = Sample(
+            prompt="p",
+            prompt_ids=torch.randint(3, 500, (P,), generator=g).tolist(),
+            group_id=i // group_size,
+            index=i % group_size,
+        )
         s.append(torch.randint(3, 500, (R,), generator=g).tolist(), (-torch.rand(R, generator=g) - 5).tolist())
         if i % 3 == 0 and R > 1:
             s.loss_mask[-1] = 0  # a masked (tool-output-like) token
@@ -35,19 +39,42 @@ def near_policy(model, samples, noise=0.3, seed=1):
         for s in samples:
             logits = model(input_ids=torch.tensor([s.prompt_ids + s.response_ids])).logits[0].float()
             P = len(s.prompt_ids)
-            own = logits[P - 1: -1].log_softmax(-1).gather(-1, torch.tensor(s.response_ids).unsqueeze(-1)).squeeze(-1)
+            own = logits[P - 1 : -1].log_softmax(-1).gather(-1, torch.tensor(s.response_ids).unsqueeze(-1)).squeeze(-1)
             s.rollout_logprobs = (own + noise * torch.randn(len(own), generator=g)).tolist()
     return samples
 
 
-def run_step(model, samples, *, micro_batch_size=8, mini_batches=1, max_tokens=None, device="cpu",
-             bf16_autocast=False, exact_logprobs=False, logprob_chunk_size=1024, **algo):
+def run_step(
+    model,
+    samples,
+    *,
+    micro_batch_size=8,
+    mini_batches=1,
+    max_tokens=None,
+    device="cpu",
+    bf16_autocast=False,
+    exact_logprobs=False,
+    logprob_chunk_size=1024,
+    **algo,
+):
     # Adam divides by |grad|: near-zero gradients amplify rounding, so keep lr small for 1e-6 checks
-    train = TrainConfig(lr=1e-3, warmup_steps=0, micro_batch_size=micro_batch_size, mini_batches=mini_batches,
-                        max_tokens_per_micro_batch=max_tokens, bf16_autocast=bf16_autocast,
-                        logprob_chunk_size=logprob_chunk_size)
-    trainer = Trainer(model, pad_token_id=0, train=train, algo=AlgoConfig(**algo),
-                      rollout=Sampling(max_new_tokens=8, exact_logprobs=exact_logprobs), parallel=SingleProcess(device))
+    train = TrainConfig(
+        lr=1e-3,
+        warmup_steps=0,
+        micro_batch_size=micro_batch_size,
+        mini_batches=mini_batches,
+        max_tokens_per_micro_batch=max_tokens,
+        bf16_autocast=bf16_autocast,
+        logprob_chunk_size=logprob_chunk_size,
+    )
+    trainer = Trainer(
+        model,
+        pad_token_id=0,
+        train=train,
+        algo=AlgoConfig(**algo),
+        rollout=Sampling(max_new_tokens=8, exact_logprobs=exact_logprobs),
+        parallel=SingleProcess(device),
+    )
     metrics = trainer.step(samples)
     return trainer, metrics
 
@@ -127,8 +154,9 @@ def test_aborted_failed_and_zero_advantage_samples_do_not_change_the_update(tiny
 
 
 def test_mini_batches_take_several_optimizer_steps_and_clip(tiny_model):
-    trainer, m = run_step(tiny_model, make_samples(16), micro_batch_size=4, mini_batches=4, clip_high=0.001,
-                          clip_low=0.001)
+    trainer, m = run_step(
+        tiny_model, make_samples(16), micro_batch_size=4, mini_batches=4, clip_high=0.001, clip_low=0.001
+    )
     assert trainer.scheduler.last_epoch == 4  # four optimizer steps in one trainer step
     # later mini-batches see a moved policy: ratios leave the tiny clip range
     assert m["clip_fraction"] > 0 and m["approx_kl_old"] > 0
@@ -137,9 +165,13 @@ def test_mini_batches_take_several_optimizer_steps_and_clip(tiny_model):
 def test_ppo_critic_value_loss_falls(tiny_model):
     samples = make_samples()
     train = TrainConfig(lr=1e-4, warmup_steps=0, micro_batch_size=4)
-    trainer = Trainer(tiny_model, pad_token_id=0, train=train,
-                      algo=AlgoConfig(estimator="ppo", critic_lr=1e-2, kl_in_reward_coef=0.0),
-                      rollout=Sampling(max_new_tokens=8))
+    trainer = Trainer(
+        tiny_model,
+        pad_token_id=0,
+        train=train,
+        algo=AlgoConfig(estimator="ppo", critic_lr=1e-2, kl_in_reward_coef=0.0),
+        rollout=Sampling(max_new_tokens=8),
+    )
     metrics = [trainer.step(samples) for _ in range(6)]
     losses = [m["value_loss"] for m in metrics]
     assert losses[-1] < 0.5 * losses[0], losses
@@ -164,8 +196,9 @@ def _exact_rollout_logprobs(model, samples, temperature=1.0):
 
     batch = collate(samples, 0)
     with torch.no_grad():
-        lp, _ = response_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["positions"],
-                                  temperature=temperature)
+        lp, _ = response_logprobs(
+            model, batch["input_ids"], batch["attention_mask"], batch["positions"], temperature=temperature
+        )
     return [lp[i, : s.response_length].tolist() for i, s in enumerate(samples)]
 
 
@@ -215,11 +248,17 @@ def test_exact_logprobs_make_the_gap_exactly_zero(tiny_model, mini_batches, micr
     g = torch.Generator().manual_seed(5)
     for s, lp in zip(samples, exact):  # an engine a few 1e-6 off, as a real one is
         s.rollout_logprobs = [x + float(torch.randn(1, generator=g)) * 3e-6 for x in lp]
-    _, plain = run_step(copy.deepcopy(tiny_model), copy.deepcopy(samples), mini_batches=mini_batches,
-                        micro_batch_size=micro_batch_size)
+    _, plain = run_step(
+        copy.deepcopy(tiny_model), copy.deepcopy(samples), mini_batches=mini_batches, micro_batch_size=micro_batch_size
+    )
     assert plain["train_rollout_logprob_abs_diff"] > 0 and "engine_logprob_abs_diff" not in plain
-    _, m = run_step(copy.deepcopy(tiny_model), samples, mini_batches=mini_batches,
-                    micro_batch_size=micro_batch_size, exact_logprobs=True)
+    _, m = run_step(
+        copy.deepcopy(tiny_model),
+        samples,
+        mini_batches=mini_batches,
+        micro_batch_size=micro_batch_size,
+        exact_logprobs=True,
+    )
     assert m["train_rollout_logprob_abs_diff"] == 0.0
     assert 1e-7 < m["engine_logprob_abs_diff"] < 1e-4
     for s, lp in zip(samples, exact):  # the samples now carry the trainer's numbers
@@ -230,8 +269,9 @@ def test_exact_logprobs_are_refused_where_the_trainer_did_not_sample():
     from strop.config import Config
 
     with pytest.raises(ValueError, match="exact_logprobs.*sync mode.*rollout.mode='async'"):
-        Config.model_validate({"rollout": {"exact_logprobs": True, "mode": "async"},
-                               "algo": {"off_policy_correction": "none"}})
+        Config.model_validate(
+            {"rollout": {"exact_logprobs": True, "mode": "async"}, "algo": {"off_policy_correction": "none"}}
+        )
     with pytest.raises(ValueError, match="exact_logprobs.*data.samples"):
         Config.model_validate({"rollout": {"exact_logprobs": True}, "data": {"samples": "s.jsonl"}})
     assert Config.model_validate({"rollout": {"exact_logprobs": True}}).rollout.exact_logprobs
@@ -244,8 +284,13 @@ def test_loss_metrics_are_means_over_mini_batches(tiny_model):
 
     def step(mini_batches, **algo):  # a tiny learning rate: the second mini-batch sees the same weights
         train = TrainConfig(lr=1e-12, warmup_steps=0, micro_batch_size=4, mini_batches=mini_batches)
-        trainer = Trainer(copy.deepcopy(tiny_model), pad_token_id=0, train=train, algo=AlgoConfig(**algo),
-                          rollout=Sampling(max_new_tokens=8))
+        trainer = Trainer(
+            copy.deepcopy(tiny_model),
+            pad_token_id=0,
+            train=train,
+            algo=AlgoConfig(**algo),
+            rollout=Sampling(max_new_tokens=8),
+        )
         return trainer.step(samples)
 
     for algo, names in (({}, ("policy_loss", "loss")), ({"estimator": "ppo", "critic_lr": 1e-12}, ("value_loss",))):
@@ -274,16 +319,23 @@ def test_non_finite_gradients_are_counted_then_stop_the_run(tiny_model):
 def test_non_finite_reward_is_refused_by_the_trainer(tiny_model):
     samples = make_samples()
     samples[3].reward = float("nan")
-    trainer = Trainer(tiny_model, pad_token_id=0, train=TrainConfig(), algo=AlgoConfig(),
-                      rollout=Sampling(max_new_tokens=8))
+    trainer = Trainer(
+        tiny_model, pad_token_id=0, train=TrainConfig(), algo=AlgoConfig(), rollout=Sampling(max_new_tokens=8)
+    )
     with pytest.raises(ValueError, match=r"sample 3 .*reward nan; rewards must be finite"):
         trainer.step(samples)
 
 
 def test_full_weights_are_copies_not_live_aliases(tiny_model, device):
     train = TrainConfig(lr=1e-2, warmup_steps=0)
-    trainer = Trainer(tiny_model, pad_token_id=0, train=train, algo=AlgoConfig(), rollout=Sampling(max_new_tokens=8),
-                      parallel=SingleProcess(device))
+    trainer = Trainer(
+        tiny_model,
+        pad_token_id=0,
+        train=train,
+        algo=AlgoConfig(),
+        rollout=Sampling(max_new_tokens=8),
+        parallel=SingleProcess(device),
+    )
     weights = trainer.full_weights()
     snapshot = {k: v.clone() for k, v in weights.items()}
     assert all(v.device.type == torch.device(device).type for v in weights.values())  # stays on the device

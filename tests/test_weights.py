@@ -24,9 +24,16 @@ class Counting(dict):
 def _state():
     g = torch.Generator().manual_seed(0)
     shared = torch.randn(7, 3, generator=g)
-    return Counting({"b.weight": torch.randn(4, 5, generator=g).to(torch.bfloat16), "a.bias": torch.randn(5, generator=g),
-                     "emb.weight": shared, "head.weight": shared, "count": torch.arange(6, dtype=torch.int64),
-                     "empty": torch.zeros(0, 2)})
+    return Counting(
+        {
+            "b.weight": torch.randn(4, 5, generator=g).to(torch.bfloat16),
+            "a.bias": torch.randn(5, generator=g),
+            "emb.weight": shared,
+            "head.weight": shared,
+            "count": torch.arange(6, dtype=torch.int64),
+            "empty": torch.zeros(0, 2),
+        }
+    )
 
 
 def test_the_streamed_file_is_a_safetensors_file_of_every_tensor(tmp_path):
@@ -39,7 +46,7 @@ def test_the_streamed_file_is_a_safetensors_file_of_every_tensor(tmp_path):
     assert checksum == state_checksum(state)
     raw = (tmp_path / "m.safetensors").read_bytes()
     size = struct.unpack("<Q", raw[:8])[0]
-    assert size % 8 == 0 and json.loads(raw[8:8 + size])["__metadata__"] == {"format": "pt"}
+    assert size % 8 == 0 and json.loads(raw[8 : 8 + size])["__metadata__"] == {"format": "pt"}
     # read in name order, at most 64 bytes a bucket unless a tensor is larger on its own
     assert [n for r in state.reads for n in r] == sorted(state)
     assert all(len(r) == 1 or sum(state[n].numel() * state[n].element_size() for n in r) <= 64 for r in state.reads)

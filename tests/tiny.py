@@ -8,9 +8,19 @@ def make_tiny_model(vocab_size: int = 49152, seed: int = 0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
     model = LlamaForCausalLM(config).float()
     # a larger init than the default makes the random policy's samples differ visibly
     with torch.no_grad():
@@ -23,9 +33,20 @@ def make_tiny_qwen3(vocab_size: int = 49152, seed: int = 0, tie: bool = False):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
-    config = Qwen3Config(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
-                         tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    config = Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=256,
+        tie_word_embeddings=tie,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
     model = Qwen3ForCausalLM(config).float()
     with torch.no_grad():
         model.model.embed_tokens.weight.normal_(0, 0.5)
@@ -40,10 +61,23 @@ def make_tiny_qwen3_moe(vocab_size: int = 49152, seed: int = 0):
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(seed)
-    config = Qwen3MoeConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-                            num_experts=4, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
-                            num_key_value_heads=2, head_dim=8, max_position_embeddings=256, tie_word_embeddings=False,
-                            bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    config = Qwen3MoeConfig(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
     model = Qwen3MoeForCausalLM(config).float()
     with torch.no_grad():
         model.model.embed_tokens.weight.normal_(0, 0.5)

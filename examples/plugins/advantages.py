@@ -1,6 +1,6 @@
 """Advantage estimator hooks.
 
-    strop train --plugins.advantage=examples.plugins.advantages:median_baseline
+strop train --plugins.advantage=examples.plugins.advantages:median_baseline
 """
 
 import torch

@@ -20,13 +20,20 @@ import threading
 
 import openai
 
-TOOLS = [{"type": "function", "function": {
-    "name": "python",
-    "description": "Run Python code in a sandbox and return what it prints.",
-    "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]},
-}}]
-SYSTEM = ("You can run Python: write a ```python code block and you will see what it prints. "
-          "Use it for arithmetic. End with the final answer as \\boxed{ANSWER}.")
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "python",
+            "description": "Run Python code in a sandbox and return what it prints.",
+            "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]},
+        },
+    }
+]
+SYSTEM = (
+    "You can run Python: write a ```python code block and you will see what it prints. "
+    "Use it for arithmetic. End with the final answer as \\boxed{ANSWER}."
+)
 MAX_TURNS = 3
 OUTPUT_CHARS = 500  # what the model is shown of a run's output (a long traceback would eat its token budget)
 PRINTED_CREDIT = 0.5  # a wrong final answer after a run of the model's code printed the right number
@@ -106,8 +113,11 @@ def calculator_agent(base_url: str, api_key: str, row: dict) -> float:
     reply, credit = None, 0.0
     for turn in range(MAX_TURNS):
         try:
-            reply = client.chat.completions.create(
-                model="policy", messages=messages, tools=TOOLS, max_tokens=128).choices[0].message
+            reply = (
+                client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, max_tokens=128)
+                .choices[0]
+                .message
+            )
         except openai.BadRequestError:  # the session's token budget is spent (the proxy's caps): the last reply stands
             break
         messages.append(reply.model_dump(exclude_none=True))

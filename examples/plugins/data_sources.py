@@ -1,6 +1,6 @@
 """Data source hooks: prompt rows from anywhere.
 
-    strop train --plugins.data_source=examples.plugins.data_sources:two_digit_sums
+strop train --plugins.data_source=examples.plugins.data_sources:two_digit_sums
 """
 
 import random

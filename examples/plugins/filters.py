@@ -1,6 +1,6 @@
 """Dynamic sampling filters (keep or drop one scored group).
 
-    strop train --plugins.filter=examples.plugins.filters:drop_uniform_groups
+strop train --plugins.filter=examples.plugins.filters:drop_uniform_groups
 """
 
 from strop.types import Sample

@@ -1,6 +1,6 @@
 """Generate hooks: one sample's response, possibly in several parts.
 
-    strop train --plugins.generate=examples.plugins.generate:answer_prefix_generate
+strop train --plugins.generate=examples.plugins.generate:answer_prefix_generate
 """
 
 from strop.types import SamplingParams, Sample

@@ -1,6 +1,6 @@
 """Rollout-data postprocess hooks, called just before training.
 
-    strop train --plugins.postprocess=examples.plugins.postprocess:overlong_penalty
+strop train --plugins.postprocess=examples.plugins.postprocess:overlong_penalty
 """
 
 from strop.types import Sample, Status

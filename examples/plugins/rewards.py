@@ -20,5 +20,7 @@ def rank_in_group_reward(samples: list[Sample]) -> list[float]:
     """Group form: correct answers share 1, and among them the shorter ones get a little more."""
     correct = [math_equal(s.response_text, s.label) for s in samples]
     lengths = sorted(s.response_length for s, ok in zip(samples, correct) if ok)
-    return [(1.0 + 0.1 * (1 - lengths.index(s.response_length) / max(len(lengths), 1))) if ok else 0.0
-            for s, ok in zip(samples, correct)]
+    return [
+        (1.0 + 0.1 * (1 - lengths.index(s.response_length) / max(len(lengths), 1))) if ok else 0.0
+        for s, ok in zip(samples, correct)
+    ]

@@ -1,6 +1,6 @@
 """Rollout hooks: a whole step's rollout.
 
-    strop train --plugins.rollout=examples.plugins.rollout:rollout_with_best_of_group
+strop train --plugins.rollout=examples.plugins.rollout:rollout_with_best_of_group
 """
 
 from strop.rollout.generate import rollout_groups

@@ -34,8 +34,16 @@ def number_theory_tools(config) -> list[Tool]:
     """Prime factorisation and greatest common divisor (``config`` is the tools section; unused here)."""
     integer = {"type": "integer"}
     return [
-        Tool("factorize", "Prime factors of an integer n (2 <= n <= 10**12), e.g. '2 * 2 * 3' for 12.",
-             {"type": "object", "properties": {"n": integer}, "required": ["n"]}, factorize),
-        Tool("gcd", "Greatest common divisor of two integers.",
-             {"type": "object", "properties": {"a": integer, "b": integer}, "required": ["a", "b"]}, gcd),
+        Tool(
+            "factorize",
+            "Prime factors of an integer n (2 <= n <= 10**12), e.g. '2 * 2 * 3' for 12.",
+            {"type": "object", "properties": {"n": integer}, "required": ["n"]},
+            factorize,
+        ),
+        Tool(
+            "gcd",
+            "Greatest common divisor of two integers.",
+            {"type": "object", "properties": {"a": integer, "b": integer}, "required": ["a", "b"]},
+            gcd,
+        ),
     ]

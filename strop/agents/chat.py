@@ -48,10 +48,10 @@ def _text(i: int, content: Any, role: str) -> str:
     if isinstance(content, list):
         if all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
             return "".join(p["text"] for p in content)
-        raise ChatInputError(f"messages[{i}].content: only text parts ({{'type': 'text', 'text': ...}}) are "
-                             "supported")
-    raise ChatInputError(f"messages[{i}].content ({role}) must be a string, a list of text parts or null, "
-                         f"not {type(content).__name__}")
+        raise ChatInputError(f"messages[{i}].content: only text parts ({{'type': 'text', 'text': ...}}) are supported")
+    raise ChatInputError(
+        f"messages[{i}].content ({role}) must be a string, a list of text parts or null, not {type(content).__name__}"
+    )
 
 
 def _tool_calls(i: int, calls: Any) -> list[dict]:
@@ -140,17 +140,23 @@ def check_tools_schema(tools: Any) -> list[dict]:
             raise ChatInputError(f"{where} is not a valid JSON Schema: {at} fails {exc.validator!r}") from exc
         except RecursionError as exc:
             raise ChatInputError(f"{where} is nested too deeply to check") from exc
-        out.append({"type": "function", "function": {"name": fn["name"], "description": fn.get("description", ""),
-                                                     "parameters": params}})
+        out.append(
+            {
+                "type": "function",
+                "function": {"name": fn["name"], "description": fn.get("description", ""), "parameters": params},
+            }
+        )
     return out
 
 
 def describe_schemas(schemas: list[dict]) -> str:
     """The tools and the call format, for templates that do not take tools (strop's multi-turn wording)."""
     lines = "\n".join(json.dumps(s) for s in schemas)
-    text = ("You may call tools. The available tools, as JSON schemas:\n<tools>\n" + lines + "\n</tools>\n"
-            'To call one, write <tool_call>{"name": <tool name>, "arguments": <arguments object>}</tool_call> and '
-            "stop; its output comes back inside <tool_response></tool_response>.")
+    text = (
+        "You may call tools. The available tools, as JSON schemas:\n<tools>\n" + lines + "\n</tools>\n"
+        'To call one, write <tool_call>{"name": <tool name>, "arguments": <arguments object>}</tool_call> and '
+        "stop; its output comes back inside <tool_response></tool_response>."
+    )
     if any(s["function"]["name"] == "python" for s in schemas):
         text += " The python tool can also be called by writing a ```python code block."
     return text
@@ -202,9 +208,10 @@ class ChatRenderer:
         for m in messages:
             m = dict(m)
             if m.get("tool_calls"):  # HF templates take arguments as a dict
-                m["tool_calls"] = [{"id": c["id"], "type": "function",
-                                    "function": {"name": c["name"], "arguments": c["arguments"]}}
-                                   for c in m["tool_calls"]]
+                m["tool_calls"] = [
+                    {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+                    for c in m["tool_calls"]
+                ]
             out.append(m)
         return out
 
@@ -215,17 +222,19 @@ class ChatRenderer:
         else:
             msgs, kw = self._framed(messages, tools), {}
         try:
-            return self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=generation_prompt,
-                                                      **kw)
+            return self.tokenizer.apply_chat_template(
+                msgs, tokenize=False, add_generation_prompt=generation_prompt, **kw
+            )
         except Exception as exc:  # the template rejected these messages (e.g. roles out of order)
-            raise ChatInputError(f"messages: the model's chat template rejected them: {type(exc).__name__}: "
-                                 f"{exc}") from exc
+            raise ChatInputError(
+                f"messages: the model's chat template rejected them: {type(exc).__name__}: {exc}"
+            ) from exc
 
     def closing(self, messages: list[dict], tools: list[dict] | None) -> str:
         """What the template writes after an assistant message's content (ChatML: ``<|im_end|>\\n``)."""
         probe = messages + [{"role": "assistant", "content": self.SENTINEL}]
         text = self.render(probe, tools, generation_prompt=False)
-        return text[text.rindex(self.SENTINEL) + len(self.SENTINEL):]
+        return text[text.rindex(self.SENTINEL) + len(self.SENTINEL) :]
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -240,8 +249,11 @@ def _call_spans(text: str, tool_names: set[str]) -> list[tuple[int, int, str, di
         except HERMES_ERRORS:
             continue
     if "python" in tool_names:
-        found += [(m.start(), m.end(), "python", {"code": m.group(1)}) for m in FENCED_PYTHON.finditer(text)
-                  if not any(a <= m.start() < b for a, b, _, _ in found)]
+        found += [
+            (m.start(), m.end(), "python", {"code": m.group(1)})
+            for m in FENCED_PYTHON.finditer(text)
+            if not any(a <= m.start() < b for a, b, _, _ in found)
+        ]
     return sorted(found, key=lambda f: f[0])
 
 
@@ -272,8 +284,13 @@ def parse_reply(text: str, tool_names: set[str]) -> tuple[str | None, list[dict]
     for start, end, name, args in found:
         kept.append(text[last:start])
         last = end
-        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                      "function": {"name": name, "arguments": json.dumps(args)}})
+        calls.append(
+            {
+                "id": f"call_{uuid.uuid4().hex[:24]}",
+                "type": "function",
+                "function": {"name": name, "arguments": json.dumps(args)},
+            }
+        )
     content = ("".join(kept) + text[last:]).strip()
     return content or None, calls
 

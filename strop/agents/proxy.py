@@ -67,11 +67,24 @@ MAX_ENDED_SESSIONS = 1024  # ended sessions kept for collection (strop proxy); p
 class AgentProxy:
     """The proxy's sessions, limits and HTTP server, in the run's event loop."""
 
-    def __init__(self, engine, tokenizer, *, limits: SessionLimits, max_calls_in_flight: int = 64,
-                 retry_after_s: float = 1.0, idle_timeout_s: float = 60.0, stop_token_ids: list[int] | None = None,
-                 model_name: str = "strop", port: int = 0, host: str = "127.0.0.1",
-                 admin_token: str | None = None, sampling: SamplingParams | None = None,
-                 cut_after_tool_calls: bool = True, describe_tools: bool = True):
+    def __init__(
+        self,
+        engine,
+        tokenizer,
+        *,
+        limits: SessionLimits,
+        max_calls_in_flight: int = 64,
+        retry_after_s: float = 1.0,
+        idle_timeout_s: float = 60.0,
+        stop_token_ids: list[int] | None = None,
+        model_name: str = "strop",
+        port: int = 0,
+        host: str = "127.0.0.1",
+        admin_token: str | None = None,
+        sampling: SamplingParams | None = None,
+        cut_after_tool_calls: bool = True,
+        describe_tools: bool = True,
+    ):
         """``admin_token`` (a standalone proxy): opens the /v1/sessions routes to holders of it, whose
         sessions sample with ``sampling``. ``cut_after_tool_calls``: a chat turn ends where its tool
         calls end (what the model wrote after them is dropped, never trained or shown).
@@ -108,9 +121,14 @@ class AgentProxy:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.host, self.port))
         self.port = sock.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(BodyLimit(self.app, lambda: self.max_body_bytes, error_response),
-                                                    log_level="warning", lifespan="off",
-                                                    timeout_graceful_shutdown=2))
+        self.server = uvicorn.Server(
+            uvicorn.Config(
+                BodyLimit(self.app, lambda: self.max_body_bytes, error_response),
+                log_level="warning",
+                lifespan="off",
+                timeout_graceful_shutdown=2,
+            )
+        )
         self.serving = asyncio.ensure_future(self.server.serve(sockets=[sock]))
         while not self.server.started:
             if self.serving.done():
@@ -219,21 +237,31 @@ class AgentProxy:
         if self.in_flight >= self.max_in_flight:
             raise Busy(f"{self.in_flight} calls are generating (agent.max_calls_in_flight={self.max_in_flight})", s)
 
-    def start_call(self, s: Session, prompt_ids: list[int], body: SamplingRequest,
-                   asked: int | None) -> tuple[list[str], list[SamplingParams]]:
+    def start_call(
+        self, s: Session, prompt_ids: list[int], body: SamplingRequest, asked: int | None
+    ) -> tuple[list[str], list[SamplingParams]]:
         """The call's stop strings and a sampling per choice, once ``s`` admits the call (a refusal is
         answered before anything is generated), counted as a call generating from here."""
         stops = stop_strings(body)
         self._admit(s)
         room = s.room(prompt_ids, asked)
-        if (body.temperature is not None and body.temperature != s.sampling.temperature) or \
-                (body.top_p is not None and body.top_p != s.sampling.top_p):
+        if (body.temperature is not None and body.temperature != s.sampling.temperature) or (
+            body.top_p is not None and body.top_p != s.sampling.top_p
+        ):
             s.sampling_overridden += 1
             self.counts["agent_sampling_overridden"] += 1
         seed = body.seed if body.seed is not None else s.sampling.seed
-        jobs = [SamplingParams(temperature=s.sampling.temperature, top_p=s.sampling.top_p, top_k=s.sampling.top_k,
-                               max_new_tokens=room, stop_token_ids=list(s.sampling.stop_token_ids or self.stop_token_ids),
-                               seed=None if seed is None else (seed + i) % 2**63) for i in range(body.n)]
+        jobs = [
+            SamplingParams(
+                temperature=s.sampling.temperature,
+                top_p=s.sampling.top_p,
+                top_k=s.sampling.top_k,
+                max_new_tokens=room,
+                stop_token_ids=list(s.sampling.stop_token_ids or self.stop_token_ids),
+                seed=None if seed is None else (seed + i) % 2**63,
+            )
+            for i in range(body.n)
+        ]
         s.calls += 1
         s.last_rejected = False
         s.in_flight += 1
@@ -258,9 +286,16 @@ class AgentProxy:
         self.end(s, "aborted", f"engine error: {exc}")
         raise exc
 
-    async def generate(self, request: Request, s: Session, prompt_ids: list[int], body: SamplingRequest,
-                       asked: int | None, chat: ChatState | None,
-                       tool_names: set[str]) -> tuple[Call, list[tuple[Completion, str]]]:
+    async def generate(
+        self,
+        request: Request,
+        s: Session,
+        prompt_ids: list[int],
+        body: SamplingRequest,
+        asked: int | None,
+        chat: ChatState | None,
+        tool_names: set[str],
+    ) -> tuple[Call, list[tuple[Completion, str]]]:
         """Generate ``body.n`` choices for ``prompt_ids`` in session ``s`` and record the call (unless its
         client hung up meanwhile)."""
         stops, jobs = self.start_call(s, prompt_ids, body, asked)
@@ -272,17 +307,28 @@ class AgentProxy:
             self.generated(s)
         return await self.record(request, s, prompt_ids, outs, stops, chat, tool_names)
 
-    async def record(self, request: Request, s: Session, prompt_ids: list[int], outs: list[Completion],
-                     stops: list[str], chat: ChatState | None,
-                     tool_names: set[str]) -> tuple[Call, list[tuple[Completion, str]]]:
+    async def record(
+        self,
+        request: Request,
+        s: Session,
+        prompt_ids: list[int],
+        outs: list[Completion],
+        stops: list[str],
+        chat: ChatState | None,
+        tool_names: set[str],
+    ) -> tuple[Call, list[tuple[Completion, str]]]:
         """The engine's answers to a call, cut and parsed as the call asks, recorded in ``s`` (unless the
         client hung up meanwhile): what a plain call and a stream both record."""
         for out in outs:
             lps = out.logprobs
             if out.finish_reason == "abort" or lps is None or len(lps) != len(out.token_ids):
-                why = ("the engine aborted the request" if out.finish_reason == "abort" else
-                       "the engine returned no logprobs" if lps is None else
-                       f"the engine returned {len(lps)} logprobs for {len(out.token_ids)} tokens")
+                why = (
+                    "the engine aborted the request"
+                    if out.finish_reason == "abort"
+                    else "the engine returned no logprobs"
+                    if lps is None
+                    else f"the engine returned {len(lps)} logprobs for {len(out.token_ids)} tokens"
+                )
                 self.end(s, "aborted", why)
                 raise HTTPException(503, f"session {s.id}: {why}; the session has ended")
         # decoding a long answer takes a while: beside the event loop, which keeps serving
@@ -295,8 +341,9 @@ class AgentProxy:
         self.counts["agent_calls"] += 1
         return call, cut
 
-    def _read_answers(self, outs: list[Completion], stops: list[str], chat: bool,
-                      tool_names: set[str]) -> tuple[list[tuple[Completion, str]], list[Choice]]:
+    def _read_answers(
+        self, outs: list[Completion], stops: list[str], chat: bool, tool_names: set[str]
+    ) -> tuple[list[tuple[Completion, str]], list[Choice]]:
         """The engine's completions as (completion cut at a stop string, its text) and as choices (a chat
         call's: the assistant message, its tool calls parsed)."""
         if chat and tool_names and self.cut_after_tool_calls:
@@ -309,8 +356,14 @@ class AgentProxy:
                 content, calls = parse_reply(text, tool_names)
                 msg = {"role": "assistant", "content": content or ""}
                 if calls:
-                    msg["tool_calls"] = [{"id": c["id"], "name": c["function"]["name"],
-                                          "arguments": json.loads(c["function"]["arguments"])} for c in calls]
+                    msg["tool_calls"] = [
+                        {
+                            "id": c["id"],
+                            "name": c["function"]["name"],
+                            "arguments": json.loads(c["function"]["arguments"]),
+                        }
+                        for c in calls
+                    ]
             choices.append(Choice(out, msg))
         return cut, choices
 

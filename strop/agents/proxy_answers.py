@@ -28,8 +28,10 @@ def call_usage(call: Call) -> dict:
 
 def _tool_calls(msg: dict) -> list[dict]:
     """A recorded assistant message's tool calls as OpenAI writes them (the arguments as JSON text)."""
-    return [{"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}}
-            for c in msg.get("tool_calls", [])]
+    return [
+        {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}}
+        for c in msg.get("tool_calls", [])
+    ]
 
 
 def chat_answer(tokenizer, model_name: str, body: ChatRequest, call: Call, cut) -> dict:
@@ -42,51 +44,98 @@ def chat_answer(tokenizer, model_name: str, body: ChatRequest, call: Call, cut) 
         lps = None
         if body.logprobs:
             toks = [tokenizer.decode([t], skip_special_tokens=False) for t in out.token_ids]
-            lps = {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                               for t, lp in zip(toks, out.logprobs)]}
+            lps = {
+                "content": [
+                    {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+                    for t, lp in zip(toks, out.logprobs)
+                ]
+            }
         answers.append((i, msg["content"] if (msg["content"] or not calls) else None, calls, finish, lps, out))
-    return {**head, "object": "chat.completion", "usage": call_usage(call), "prompt_token_ids": call.prompt_ids,
-            "choices": [{"index": i, "message": {"role": "assistant", "content": content,
-                                                 **({"tool_calls": calls} if calls else {})},
-                         "finish_reason": finish, "logprobs": lps, "token_ids": out.token_ids,
-                         "weight_version": out.weight_version}
-                        for i, content, calls, finish, lps, out in answers]}
+    return {
+        **head,
+        "object": "chat.completion",
+        "usage": call_usage(call),
+        "prompt_token_ids": call.prompt_ids,
+        "choices": [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})},
+                "finish_reason": finish,
+                "logprobs": lps,
+                "token_ids": out.token_ids,
+                "weight_version": out.weight_version,
+            }
+            for i, content, calls, finish, lps, out in answers
+        ],
+    }
 
 
 def completion_answer(model_name: str, body: CompletionRequest, call: Call, cut) -> dict:
-    head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-            "model": model_name}
-    choices = [{"index": i, "text": text, "finish_reason": out.finish_reason,
-                "logprobs": {"token_logprobs": out.logprobs, "tokens": None, "top_logprobs": None}
-                if body.logprobs is not None else None, "token_ids": out.token_ids,
-                "weight_version": out.weight_version} for i, (out, text) in enumerate(cut)]
+    head = {
+        "id": f"cmpl-{uuid.uuid4().hex}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model_name,
+    }
+    choices = [
+        {
+            "index": i,
+            "text": text,
+            "finish_reason": out.finish_reason,
+            "logprobs": {"token_logprobs": out.logprobs, "tokens": None, "top_logprobs": None}
+            if body.logprobs is not None
+            else None,
+            "token_ids": out.token_ids,
+            "weight_version": out.weight_version,
+        }
+        for i, (out, text) in enumerate(cut)
+    ]
     return {**head, "choices": choices, "usage": call_usage(call), "prompt_token_ids": call.prompt_ids}
 
 
 def stream_head(chat: ChatState | None, model_name: str) -> dict:
     """The fields every chunk of one streamed call repeats."""
     kind = "chat.completion.chunk" if chat is not None else "text_completion"
-    return {"id": f"{'chatcmpl' if chat is not None else 'cmpl'}-{uuid.uuid4().hex}", "object": kind,
-            "created": int(time.time()), "model": model_name}
+    return {
+        "id": f"{'chatcmpl' if chat is not None else 'cmpl'}-{uuid.uuid4().hex}",
+        "object": kind,
+        "created": int(time.time()),
+        "model": model_name,
+    }
 
 
 def role_chunks(head: dict, n: int) -> list[dict]:
     """A chat stream's first chunks: the role, a chunk per choice."""
-    return [{**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
-            for i in range(n)]
+    return [
+        {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
+        for i in range(n)
+    ]
 
 
-def token_chunk(tokenizer, head: dict, body: SamplingRequest, chat: ChatState | None, i: int, token: int,
-                logprob: float, text: str) -> dict:
+def token_chunk(
+    tokenizer, head: dict, body: SamplingRequest, chat: ChatState | None, i: int, token: int, logprob: float, text: str
+) -> dict:
     if chat is None:
-        return {**head, "choices": [{"index": i, "text": text, "finish_reason": None, "token_ids": [token],
-                                     "logprobs": {"token_logprobs": [logprob], "tokens": None, "top_logprobs": None}
-                                     if body.logprobs is not None else None}]}
+        return {
+            **head,
+            "choices": [
+                {
+                    "index": i,
+                    "text": text,
+                    "finish_reason": None,
+                    "token_ids": [token],
+                    "logprobs": {"token_logprobs": [logprob], "tokens": None, "top_logprobs": None}
+                    if body.logprobs is not None
+                    else None,
+                }
+            ],
+        }
     entry = {"index": i, "delta": {"content": text}, "finish_reason": None, "token_ids": [token]}
     if body.logprobs:
         name = tokenizer.decode([token], skip_special_tokens=False)
-        entry["logprobs"] = {"content": [{"token": name, "logprob": logprob, "bytes": list(name.encode()),
-                                          "top_logprobs": []}]}
+        entry["logprobs"] = {
+            "content": [{"token": name, "logprob": logprob, "bytes": list(name.encode()), "top_logprobs": []}]
+        }
     return {**head, "choices": [entry]}
 
 
@@ -102,21 +151,36 @@ def end_chunks(tokenizer, head: dict, body: SamplingRequest, call: Call, cut, vi
         ids, sent = list(out.token_ids), view.sent_tokens
         shown = view.shown
         if ids[:sent] != view.ids[:sent] or not text.startswith(shown):  # (not with a prefix-stable tokenizer)
-            log.warning("agent proxy: a streamed answer's chunks sent so far differ from its whole answer; "
-                        "the stream ends with the answer's rest as far as it agrees")
+            log.warning(
+                "agent proxy: a streamed answer's chunks sent so far differ from its whole answer; "
+                "the stream ends with the answer's rest as far as it agrees"
+            )
         for k in range(sent, len(ids)):
             chunks.append(token_chunk(tokenizer, head, body, call.chat, i, ids[k], out.logprobs[k], ""))
-        rest = text[len(shown):] if text.startswith(shown) else ""
-        end = {"index": i, "finish_reason": "tool_calls" if calls else out.finish_reason,
-               "weight_version": out.weight_version}
+        rest = text[len(shown) :] if text.startswith(shown) else ""
+        end = {
+            "index": i,
+            "finish_reason": "tool_calls" if calls else out.finish_reason,
+            "weight_version": out.weight_version,
+        }
         if msg is None:
             chunks.append({**head, "choices": [{**end, "text": rest, "logprobs": None}]})
             continue
         if calls:  # the content not shown yet, then the calls
             if rest:
                 chunks.append({**head, "choices": [{"index": i, "delta": {"content": rest}, "finish_reason": None}]})
-            chunks.append({**head, "choices": [{"index": i, "finish_reason": None, "delta": {"tool_calls": [
-                {"index": k, **c} for k, c in enumerate(calls)]}}]})
+            chunks.append(
+                {
+                    **head,
+                    "choices": [
+                        {
+                            "index": i,
+                            "finish_reason": None,
+                            "delta": {"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]},
+                        }
+                    ],
+                }
+            )
             rest = ""
         chunks.append({**head, "choices": [{**end, "delta": {"content": rest} if rest else {}}]})
     if include_usage(body):
@@ -124,8 +188,9 @@ def end_chunks(tokenizer, head: dict, body: SamplingRequest, call: Call, cut, vi
     return chunks
 
 
-def replayed_chunks(tokenizer, head: dict, body: SamplingRequest, call: Call, cut,
-                    views: list[LiveAnswer]) -> list[dict]:
+def replayed_chunks(
+    tokenizer, head: dict, body: SamplingRequest, call: Call, cut, views: list[LiveAnswer]
+) -> list[dict]:
     """A stream's chunks from an engine that answers whole (beside the loop: it decodes every token)."""
     chat = call.chat
     chunks = role_chunks(head, len(cut)) if chat is not None else []
@@ -193,7 +258,7 @@ class LiveAnswer:
         out = []
         for k in range(self.sent_tokens, tokens):
             upto = max(min(self.ends[k], chars), self.sent_chars)
-            out.append((self.ids[k], self.logprobs[k], text[self.sent_chars: upto]))
+            out.append((self.ids[k], self.logprobs[k], text[self.sent_chars : upto]))
             self.sent_chars = upto
         self.sent_tokens = max(self.sent_tokens, tokens)
         return out

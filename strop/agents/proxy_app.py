@@ -13,8 +13,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from strop.agents.chat import ChatInputError, check_messages, check_tools_schema
 from strop.agents.proxy_answers import chat_answer, completion_answer
-from strop.agents.proxy_requests import (Busy, ChatRequest, ClientGone, CompletionRequest, RewardBody, check_neutral,
-                                         error_response, input_param, read_body)
+from strop.agents.proxy_requests import (
+    Busy,
+    ChatRequest,
+    ClientGone,
+    CompletionRequest,
+    RewardBody,
+    check_neutral,
+    error_response,
+    input_param,
+    read_body,
+)
 from strop.agents.proxy_stream import stream
 from strop.agents.session import ChatState, Session, SessionLimitError
 from strop.serving.openai import models_answer
@@ -68,15 +77,22 @@ def _answer_errors(app: FastAPI, proxy) -> None:
         proxy.counts["agent_calls_rejected_busy"] += 1
         exc.session.last_rejected = True  # an agent that gives up on it did not fail by its own work
         wait = max(proxy.retry_after_s, 0.001)
-        return error_response(429, f"{exc}: retry after {wait:g} s", headers={
-            "Retry-After": str(max(1, math.ceil(wait))), "retry-after-ms": str(int(wait * 1000))})
+        return error_response(
+            429,
+            f"{exc}: retry after {wait:g} s",
+            headers={"Retry-After": str(max(1, math.ceil(wait))), "retry-after-ms": str(int(wait * 1000))},
+        )
 
     @app.exception_handler(Exception)
     async def _fault(request: Request, exc: Exception):
         if isinstance(exc, (RecursionError, UnicodeError)):  # what the input's depth or text did: its fault
             proxy.counts["agent_bad_requests"] += 1
-            return error_response(400, "the request is nested too deeply" if isinstance(exc, RecursionError) else
-                                  "the request holds text that is not valid Unicode")
+            return error_response(
+                400,
+                "the request is nested too deeply"
+                if isinstance(exc, RecursionError)
+                else "the request holds text that is not valid Unicode",
+            )
         log.exception("agent proxy: %s %s failed", request.method, request.url.path)
         return error_response(502, f"{type(exc).__name__}: {exc}")
 
@@ -150,13 +166,27 @@ async def _completions(proxy, request: Request):
 
 def _record(sess: Session, samples: list[Sample] | None = None) -> dict:
     """A session's state, as the admin routes answer it; with ``samples``, its segments as samples."""
-    out = {"id": sess.id, "state": sess.state, "reason": sess.reason, "reward": sess.reward,
-           "calls": sess.calls, "forks": sess.forks}
+    out = {
+        "id": sess.id,
+        "state": sess.state,
+        "reason": sess.reason,
+        "reward": sess.reward,
+        "calls": sess.calls,
+        "forks": sess.forks,
+    }
     if samples is not None:
-        out["samples"] = [{"prompt_ids": x.prompt_ids, "response_ids": x.response_ids,
-                           "rollout_logprobs": x.rollout_logprobs, "loss_mask": x.loss_mask,
-                           "weight_versions": x.weight_versions, "status": x.status.value,
-                           "segment": x.metadata["segment"]} for x in samples]
+        out["samples"] = [
+            {
+                "prompt_ids": x.prompt_ids,
+                "response_ids": x.response_ids,
+                "rollout_logprobs": x.rollout_logprobs,
+                "loss_mask": x.loss_mask,
+                "weight_versions": x.weight_versions,
+                "status": x.status.value,
+                "segment": x.metadata["segment"],
+            }
+            for x in samples
+        ]
     return out
 
 
@@ -165,8 +195,12 @@ def _session_routes(app: FastAPI, proxy) -> None:
 
     def admin(request: Request) -> None:
         if not proxy.is_admin(request):
-            raise HTTPException(401 if proxy.admin_token else 404, "session management needs the proxy's admin "
-                                "token" if proxy.admin_token else "sessions are opened by the training run here")
+            raise HTTPException(
+                401 if proxy.admin_token else 404,
+                "session management needs the proxy's admin token"
+                if proxy.admin_token
+                else "sessions are opened by the training run here",
+            )
 
     @app.post("/v1/sessions")
     async def open_session(request: Request):
@@ -199,8 +233,10 @@ def _session_routes(app: FastAPI, proxy) -> None:
         body = read_body(await request.body(), RewardBody)
         if s.id != sid:
             target = proxy.by_id.get(sid)
-            raise HTTPException(403 if target else 404, f"session {sid}: " + (
-                "this API key belongs to another session" if target else "no such session"))
+            raise HTTPException(
+                403 if target else 404,
+                f"session {sid}: " + ("this API key belongs to another session" if target else "no such session"),
+            )
         if s.state not in ("open", "capped"):
             raise HTTPException(409, f"session {sid} is closed ({s.state}): its reward can no longer change")
         s.reward = float(body.reward)

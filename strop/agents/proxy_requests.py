@@ -77,8 +77,9 @@ class Busy(Exception):
         self.session = session
 
 
-def error_response(status: int, message: str, code: str | None = None, headers: dict | None = None,
-                   param: str | None = None) -> JSONResponse:
+def error_response(
+    status: int, message: str, code: str | None = None, headers: dict | None = None, param: str | None = None
+) -> JSONResponse:
     """Every error the proxy answers, in OpenAI's shape; the message cut short (it never carries the input)."""
     kind = "rate_limit_exceeded" if status == 429 else "invalid_request_error" if status < 500 else "server_error"
     if len(message) > MAX_ERROR_CHARS:
@@ -117,8 +118,9 @@ def _check_json(data: Any) -> None:
             try:
                 value.encode("utf-8")
             except UnicodeEncodeError:
-                raise ChatInputError(f"{_path(keys)}: holds a lone surrogate (\\ud800-\\udfff), which is not "
-                                     "Unicode text", _path(keys)) from None
+                raise ChatInputError(
+                    f"{_path(keys)}: holds a lone surrogate (\\ud800-\\udfff), which is not Unicode text", _path(keys)
+                ) from None
         elif isinstance(value, (dict, list)):
             if len(keys) >= MAX_NESTING:
                 raise ChatInputError(f"{_path(keys)}: nested more than {MAX_NESTING} levels deep", _path(keys))

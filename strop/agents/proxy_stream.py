@@ -14,16 +14,31 @@ import uuid
 from fastapi import HTTPException, Request
 from fastapi.responses import StreamingResponse
 
-from strop.agents.proxy_answers import (LiveAnswer, end_chunks, markers, replayed_chunks, role_chunks, stream_head,
-                                        token_chunk)
+from strop.agents.proxy_answers import (
+    LiveAnswer,
+    end_chunks,
+    markers,
+    replayed_chunks,
+    role_chunks,
+    stream_head,
+    token_chunk,
+)
 from strop.agents.proxy_requests import ClientGone, SamplingRequest, stop_strings
 from strop.agents.session import ChatState, Session
 from strop.serving.openai import sse
 from strop.types import Completion, SamplingParams
 
 
-async def stream(proxy, request: Request, s: Session, prompt_ids: list[int], body: SamplingRequest,
-                 asked: int | None, chat: ChatState | None, tool_names: set[str]) -> StreamingResponse:
+async def stream(
+    proxy,
+    request: Request,
+    s: Session,
+    prompt_ids: list[int],
+    body: SamplingRequest,
+    asked: int | None,
+    chat: ChatState | None,
+    tool_names: set[str],
+) -> StreamingResponse:
     """A streamed answer of ``proxy`` (an :class:`strop.agents.proxy.AgentProxy`): per choice a chunk
     per token, then its end (tool calls, finish reason): the tokens, text and logprobs of the plain
     call, and the same call recorded."""
@@ -36,8 +51,11 @@ async def stream(proxy, request: Request, s: Session, prompt_ids: list[int], bod
 
     if not proxy.engine.streams:
         call, cut = await proxy.generate(request, s, prompt_ids, body, asked, chat, tool_names)
-        return sse(await asyncio.to_thread(replayed_chunks, proxy.tokenizer, head, body, call, cut,
-                                           answers(stop_strings(body))))
+        return sse(
+            await asyncio.to_thread(
+                replayed_chunks, proxy.tokenizer, head, body, call, cut, answers(stop_strings(body))
+            )
+        )
     stops, jobs = proxy.start_call(s, prompt_ids, body, asked)
     live = _LiveCall(proxy, request, s, prompt_ids, body, chat, tool_names, head, stops, jobs)
     first = await live.begin()
@@ -48,9 +66,19 @@ class _LiveCall:
     """One call streamed as the engine decodes it: its engine requests, their tokens and answers as
     they come (one queue, in order), and the chunks they make."""
 
-    def __init__(self, proxy, request: Request, s: Session, prompt_ids: list[int], body: SamplingRequest,
-                 chat: ChatState | None, tool_names: set[str], head: dict, stops: list[str],
-                 jobs: list[SamplingParams]):
+    def __init__(
+        self,
+        proxy,
+        request: Request,
+        s: Session,
+        prompt_ids: list[int],
+        body: SamplingRequest,
+        chat: ChatState | None,
+        tool_names: set[str],
+        head: dict,
+        stops: list[str],
+        jobs: list[SamplingParams],
+    ):
         self.proxy, self.request, self.s, self.prompt_ids, self.body = proxy, request, s, prompt_ids, body
         self.chat, self.tool_names, self.head, self.stops, self.jobs = chat, tool_names, head, stops, jobs
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -59,9 +87,13 @@ class _LiveCall:
 
     async def _run(self, i: int, sampling: SamplingParams) -> None:
         try:
-            out = await self.proxy.engine.generate(self.prompt_ids, sampling, affinity=self.s.id,
-                                                   request_id=self.rids[i],
-                                                   on_token=lambda *token: self.queue.put_nowait((i, token)))
+            out = await self.proxy.engine.generate(
+                self.prompt_ids,
+                sampling,
+                affinity=self.s.id,
+                request_id=self.rids[i],
+                on_token=lambda *token: self.queue.put_nowait((i, token)),
+            )
         except Exception as exc:  # (answered by the stream, in order after the tokens heard)
             out = exc
         self.queue.put_nowait((i, out))
@@ -105,8 +137,9 @@ class _LiveCall:
             generating = False
             proxy.generated(s)
             try:
-                call, cut = await proxy.record(self.request, s, self.prompt_ids, outs, self.stops, chat,
-                                               self.tool_names)
+                call, cut = await proxy.record(
+                    self.request, s, self.prompt_ids, outs, self.stops, chat, self.tool_names
+                )
             except (HTTPException, ClientGone):  # (each answered for there)
                 settled = True
                 raise

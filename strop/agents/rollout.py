@@ -87,7 +87,8 @@ class ThreadRunner:
                     f"agent hook {self.path}: {self._abandoned_running()} agent threads still run after their "
                     f"sessions ended (agent.timeout_s={timeout_s:g}, or idle), more than agent.concurrency="
                     f"{self.concurrency}, and none ended within agent.timeout_s; a thread cannot be stopped: "
-                    "find why the agent hangs, or set agent.workers=processes, where it is killed")
+                    "find why the agent hangs, or set agent.workers=processes, where it is killed"
+                )
             await asyncio.sleep(0.05)
 
     def submit(self, worker: None, base_url: str, api_key: str, row: dict) -> asyncio.Future:
@@ -214,8 +215,9 @@ class ProcessRunner:
         except BaseException as exc:
             worker.kill()
             if isinstance(exc, asyncio.TimeoutError):
-                raise TimeoutError(f"agent hook {self.path}: a worker process did not import it within "
-                                   f"agent.timeout_s={timeout_s:g}") from None
+                raise TimeoutError(
+                    f"agent hook {self.path}: a worker process did not import it within agent.timeout_s={timeout_s:g}"
+                ) from None
             raise
         return worker
 
@@ -274,7 +276,8 @@ def prompt_row(sample: Sample, system_prompt: str | None, template: str = "{prom
         messages = [dict(m) for m in sample.prompt]
     else:
         messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
-            {"role": "user", "content": template.format(prompt=sample.prompt)}]
+            {"role": "user", "content": template.format(prompt=sample.prompt)}
+        ]
     meta = {k: v for k, v in sample.metadata.items() if isinstance(v, (str, int, float, bool, type(None)))}
     return {"prompt": sample.prompt, "messages": messages, "label": sample.label, "metadata": meta}
 
@@ -283,19 +286,34 @@ class AgentRollout:
     """The run's agent side: the proxy (started on first use, in the run's event loop), the
     workers, and what a session's end makes of its sample."""
 
-    def __init__(self, cfg, engine, tokenizer, agent_fn: Callable, *, context_window: int,
-                 stop_token_ids: list[int]):
+    def __init__(self, cfg, engine, tokenizer, agent_fn: Callable, *, context_window: int, stop_token_ids: list[int]):
         a = cfg.agent
         self.cfg, self.a = cfg, a
-        limits = SessionLimits(max_calls=a.max_calls, max_call_tokens=a.max_call_tokens,
-                               max_response_tokens=cfg.rollout.max_new_tokens, context_window=context_window)
-        self.proxy = AgentProxy(engine, tokenizer, limits=limits, max_calls_in_flight=a.max_calls_in_flight,
-                                retry_after_s=a.retry_after_s, idle_timeout_s=a.idle_timeout_s,
-                                stop_token_ids=stop_token_ids, model_name=cfg.model.path, port=a.port,
-                                cut_after_tool_calls=a.cut_after_tool_calls, describe_tools=a.describe_tools)
+        limits = SessionLimits(
+            max_calls=a.max_calls,
+            max_call_tokens=a.max_call_tokens,
+            max_response_tokens=cfg.rollout.max_new_tokens,
+            context_window=context_window,
+        )
+        self.proxy = AgentProxy(
+            engine,
+            tokenizer,
+            limits=limits,
+            max_calls_in_flight=a.max_calls_in_flight,
+            retry_after_s=a.retry_after_s,
+            idle_timeout_s=a.idle_timeout_s,
+            stop_token_ids=stop_token_ids,
+            model_name=cfg.model.path,
+            port=a.port,
+            cut_after_tool_calls=a.cut_after_tool_calls,
+            describe_tools=a.describe_tools,
+        )
         self.agent_fn = agent_fn
-        self.runner = (ProcessRunner(cfg.plugins.agent) if a.workers == "processes"
-                       else ThreadRunner(agent_fn, cfg.plugins.agent, a.concurrency))
+        self.runner = (
+            ProcessRunner(cfg.plugins.agent)
+            if a.workers == "processes"
+            else ThreadRunner(agent_fn, cfg.plugins.agent, a.concurrency)
+        )
         self.slots: asyncio.Semaphore | None = None
         self.starting: asyncio.Lock | None = None
 
@@ -335,8 +353,7 @@ class AgentRollout:
         ended = asyncio.ensure_future(session.ended.wait())
         timed_out = False
         try:
-            done, _ = await asyncio.wait([work, ended], timeout=self.a.timeout_s,
-                                         return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait([work, ended], timeout=self.a.timeout_s, return_when=asyncio.FIRST_COMPLETED)
             timed_out = not done
         finally:
             ended.cancel()
@@ -357,34 +374,56 @@ class AgentRollout:
     async def _finish(self, ctx, session: Session, sample: Sample, result: Any, error: BaseException | None) -> Sample:
         if error is not None and session.state == "open" and session.last_rejected:
             # it gave up on the proxy's 429: backpressure, not the sample's own failure
-            self.proxy.end(session, "aborted", f"the agent stopped after the proxy answered 429: "
-                           f"{type(error).__name__}: {error}")
+            self.proxy.end(
+                session, "aborted", f"the agent stopped after the proxy answered 429: {type(error).__name__}: {error}"
+            )
             self.proxy.counts["agent_sessions_gave_up_on_429"] += 1
         if error is not None and session.state == "open":
             self.proxy.end(session, "agent_error", f"{type(error).__name__}: {error}")
         if session.state in ("open", "capped") and error is None:
             reward = check_result("agent", self.agent_fn, {"row": None}, result) if result is not None else None
             if reward is not None and session.reward is not None and reward != session.reward:
-                raise PluginError(f"agent hook {self.cfg.plugins.agent}: session {session.id} posted reward "
-                                  f"{session.reward} and the agent returned {reward}: give one")
+                raise PluginError(
+                    f"agent hook {self.cfg.plugins.agent}: session {session.id} posted reward "
+                    f"{session.reward} and the agent returned {reward}: give one"
+                )
             if reward is not None:
                 session.reward = reward
         if session.reward is None and self.a.reward == "session" and session.state in ("open", "capped"):
-            why = (f"the session was capped ({session.reason}) and the agent then raised {type(error).__name__}: "
-                   f"{error}; " if error is not None else "")
-            self.proxy.end(session, "no_reward", why + "the session ended without a reward (post it to "
-                           "/v1/sessions/{id}/reward or return it; or set agent.reward='hook')")
+            why = (
+                f"the session was capped ({session.reason}) and the agent then raised {type(error).__name__}: {error}; "
+                if error is not None
+                else ""
+            )
+            self.proxy.end(
+                session,
+                "no_reward",
+                why + "the session ended without a reward (post it to "
+                "/v1/sessions/{id}/reward or return it; or set agent.reward='hook')",
+            )
             self.proxy.counts["agent_sessions_no_reward"] += 1
         self.proxy.end(session, "completed")
         samples = session.samples()
         if not samples:  # no call was made: nothing to train
-            sample.metadata.update(agent_session=session.id, session_state=session.state, segments=0,
-                                   session_calls=0, session_reason=session.reason)
+            sample.metadata.update(
+                agent_session=session.id,
+                session_state=session.state,
+                segments=0,
+                session_calls=0,
+                session_reason=session.reason,
+            )
             if ENDINGS.get(session.state) == Status.ABORTED:  # the proxy's doing (429s, idle, timeout), not the agent's
                 sample.status = Status.ABORTED
                 return sample
-            return fail_sample(ctx, sample, "agent", error or RuntimeError(
-                f"agent session {session.id} made no model call ({session.state}{': ' + session.reason if session.reason else ''})"))
+            return fail_sample(
+                ctx,
+                sample,
+                "agent",
+                error
+                or RuntimeError(
+                    f"agent session {session.id} made no model call ({session.state}{': ' + session.reason if session.reason else ''})"
+                ),
+            )
         if error is not None and session.state == "agent_error":
             for s in samples:
                 fail_sample(ctx, s, "agent", error)
@@ -397,8 +436,16 @@ class AgentRollout:
         first = samples[0]
         # the rollout's sample object carries the first segment; the others join its group
         sample.prompt_ids = first.prompt_ids
-        for name in ("response_ids", "rollout_logprobs", "loss_mask", "weight_versions", "reward", "status",
-                     "response_text", "metadata"):
+        for name in (
+            "response_ids",
+            "rollout_logprobs",
+            "loss_mask",
+            "weight_versions",
+            "reward",
+            "status",
+            "response_text",
+            "metadata",
+        ):
             setattr(sample, name, getattr(first, name))
         sample.check()
         sample.metadata["extra_samples"] = samples[1:]
@@ -424,7 +471,9 @@ class AgentRollout:
         """response_text: the segment's last assistant turn (what a reward reads); transcript: all of it."""
         for seg, s in zip(session.segments, samples):
             if seg.tip.choices:
-                s.response_text = ctx.tokenizer.decode(seg.tip.choices[0].completion.token_ids, skip_special_tokens=True)
+                s.response_text = ctx.tokenizer.decode(
+                    seg.tip.choices[0].completion.token_ids, skip_special_tokens=True
+                )
             s.metadata["transcript"] = ctx.tokenizer.decode(s.response_ids, skip_special_tokens=False)
 
 
@@ -432,5 +481,3 @@ async def generate(ctx, sample: Sample, sampling: SamplingParams) -> Sample:
     """The agent generate function (``plugins.generate``-compatible): needs ``ctx.extra['agent']``."""
     agent: AgentRollout = ctx.extra["agent"]
     return await agent.run(ctx, sample, sampling)
-
-

@@ -28,8 +28,17 @@ from strop.types import SamplingParams
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
-def build_engine(model_path: str, urls: list[str], kind: str, token: str | None, *, device: str, dtype: str,
-                 max_batch_size: int, seed: int):
+def build_engine(
+    model_path: str,
+    urls: list[str],
+    kind: str,
+    token: str | None,
+    *,
+    device: str,
+    dtype: str,
+    max_batch_size: int,
+    seed: int,
+):
     """(engine, tokenizer, context window, stop token ids) for the proxy."""
     path = resolve_model_path(model_path)
     tokenizer = load_tokenizer(path)
@@ -37,39 +46,86 @@ def build_engine(model_path: str, urls: list[str], kind: str, token: str | None,
     context = int(getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", 2048))
     if not urls:
         model = load_model(path, dtype=getattr(torch, dtype)).to(resolve_device(device)).requires_grad_(False)
-        return EmbeddedEngine(model, pad_token_id=tokenizer.pad_token_id, default_stop_token_ids=stop,
-                              max_batch_size=max_batch_size, context_window=context, seed=seed), tokenizer, context, stop
+        return (
+            EmbeddedEngine(
+                model,
+                pad_token_id=tokenizer.pad_token_id,
+                default_stop_token_ids=stop,
+                max_batch_size=max_batch_size,
+                context_window=context,
+                seed=seed,
+            ),
+            tokenizer,
+            context,
+            stop,
+        )
     client = VLLMEngine if kind == "vllm" else SGLangEngine
     engines = [client(u, token=token) for u in urls]
     return (engines[0] if len(engines) == 1 else Router(engines)), tokenizer, context, stop
 
 
-def serve_proxy(model_path: str, *, urls: list[str], kind: str = "strop", engine_token: str | None = None,
-                host: str = "127.0.0.1", port: int = 8100, token: str | None = None, temperature: float = 1.0,
-                top_p: float = 1.0, top_k: int = 0, max_calls: int = 64, max_call_tokens: int = 1024,
-                max_response_tokens: int = 8192, idle_timeout_s: float = 600.0, max_calls_in_flight: int = 64,
-                describe_tools: bool = True, device: str = "auto", dtype: str = "float32", max_batch_size: int = 64,
-                seed: int = 0) -> None:
+def serve_proxy(
+    model_path: str,
+    *,
+    urls: list[str],
+    kind: str = "strop",
+    engine_token: str | None = None,
+    host: str = "127.0.0.1",
+    port: int = 8100,
+    token: str | None = None,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    max_calls: int = 64,
+    max_call_tokens: int = 1024,
+    max_response_tokens: int = 8192,
+    idle_timeout_s: float = 600.0,
+    max_calls_in_flight: int = 64,
+    describe_tools: bool = True,
+    device: str = "auto",
+    dtype: str = "float32",
+    max_batch_size: int = 64,
+    seed: int = 0,
+) -> None:
     """Serve until stopped (SIGINT / SIGTERM)."""
     if host not in LOOPBACK and not token:
-        raise ValueError(f"--host {host} is reachable from other machines: pass --token, which opening and reading "
-                         "sessions needs")
+        raise ValueError(
+            f"--host {host} is reachable from other machines: pass --token, which opening and reading sessions needs"
+        )
     if not token:
         raise ValueError("--token is needed: it opens sessions (POST /v1/sessions) and reads them back")
-    engine, tokenizer, context, stop = build_engine(model_path, urls, kind, engine_token, device=device, dtype=dtype,
-                                                    max_batch_size=max_batch_size, seed=seed)
-    limits = SessionLimits(max_calls=max_calls, max_call_tokens=max_call_tokens,
-                           max_response_tokens=max_response_tokens, context_window=context)
-    proxy = AgentProxy(engine, tokenizer, limits=limits, max_calls_in_flight=max_calls_in_flight,
-                       idle_timeout_s=idle_timeout_s, stop_token_ids=stop, model_name=model_path, port=port,
-                       host=host, admin_token=token, describe_tools=describe_tools,
-                       sampling=SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k,
-                                               max_new_tokens=max_call_tokens, stop_token_ids=stop))
+    engine, tokenizer, context, stop = build_engine(
+        model_path, urls, kind, engine_token, device=device, dtype=dtype, max_batch_size=max_batch_size, seed=seed
+    )
+    limits = SessionLimits(
+        max_calls=max_calls,
+        max_call_tokens=max_call_tokens,
+        max_response_tokens=max_response_tokens,
+        context_window=context,
+    )
+    proxy = AgentProxy(
+        engine,
+        tokenizer,
+        limits=limits,
+        max_calls_in_flight=max_calls_in_flight,
+        idle_timeout_s=idle_timeout_s,
+        stop_token_ids=stop,
+        model_name=model_path,
+        port=port,
+        host=host,
+        admin_token=token,
+        describe_tools=describe_tools,
+        sampling=SamplingParams(
+            temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_call_tokens, stop_token_ids=stop
+        ),
+    )
 
     async def run():
         await proxy.start()
-        print(f"strop proxy: {model_path} ({'in this process' if not urls else ', '.join(urls)}) on "
-              f"{proxy.base_url}", flush=True)
+        print(
+            f"strop proxy: {model_path} ({'in this process' if not urls else ', '.join(urls)}) on {proxy.base_url}",
+            flush=True,
+        )
         try:
             await proxy.serving
         finally:

@@ -28,9 +28,16 @@ from strop.agents.chat import ChatRenderer, message_key
 from strop.types import Completion, SamplingParams, Sample, Status
 
 # how a session ended, and what that makes of its samples (None: from the last completion's finish)
-ENDINGS = {"completed": None, "capped": None, "idle": Status.ABORTED, "timeout": Status.ABORTED,
-           "aborted": Status.ABORTED, "agent_error": Status.FAILED, "no_reward": Status.FAILED,
-           "closed": Status.ABORTED}
+ENDINGS = {
+    "completed": None,
+    "capped": None,
+    "idle": Status.ABORTED,
+    "timeout": Status.ABORTED,
+    "aborted": Status.ABORTED,
+    "agent_error": Status.FAILED,
+    "no_reward": Status.FAILED,
+    "closed": Status.ABORTED,
+}
 
 
 @dataclass
@@ -42,6 +49,7 @@ class Choice:
 @dataclass
 class ChatState:
     """A chat call's input, kept to continue from: its checked messages, tools and rendered text."""
+
     messages: list[dict]
     tools: list[dict] | None
     text: str
@@ -104,8 +112,9 @@ class Session:
         self.last_active = time.monotonic()
 
     # ---- the prompt of a call -------------------------------------------------------------
-    def continuation(self, renderer: ChatRenderer, messages: list[dict], tools: list[dict] | None,
-                     full: str) -> list[int] | None:
+    def continuation(
+        self, renderer: ChatRenderer, messages: list[dict], tools: list[dict] | None, full: str
+    ) -> list[int] | None:
         """The prompt ids of a chat call that continues a segment: its recorded tokens, the
         template's end of the assistant turn, then the new messages rendered and tokenised
         alone. None when no segment's last call, with one of its choices, starts ``messages``.
@@ -126,8 +135,8 @@ class Session:
                 ids = list(choice.completion.token_ids)
                 end = renderer.tokenizer.decode(ids[-1:], skip_special_tokens=False) if ids else ""
                 # the turn's end the model did not write (all of it after a cut or the length limit)
-                rest = closing[len(end):] if end and closing.startswith(end) else closing
-                return seg.tokens_with(j) + renderer.encode(rest + full[len(upto):])
+                rest = closing[len(end) :] if end and closing.startswith(end) else closing
+                return seg.tokens_with(j) + renderer.encode(rest + full[len(upto) :])
         return None
 
     def attach(self, prompt_ids: list[int], call: Call) -> Segment:
@@ -138,14 +147,20 @@ class Session:
             seg, j, had = found
             done = seg.tip.choices[j].completion
             seg.sample.append(done.token_ids, done.logprobs, weight_version=done.weight_version)
-            seg.sample.append(prompt_ids[len(had):], trainable=False, weight_version=done.weight_version)
+            seg.sample.append(prompt_ids[len(had) :], trainable=False, weight_version=done.weight_version)
             self.unused_choices += len(seg.tip.choices) - 1
             seg.tip = call
             self.last_segment = seg
             return seg
         s = self.sample
-        sample = Sample(prompt=s.prompt, prompt_ids=list(prompt_ids), label=s.label, group_id=s.group_id,
-                        index=s.index, metadata=dict(s.metadata))
+        sample = Sample(
+            prompt=s.prompt,
+            prompt_ids=list(prompt_ids),
+            label=s.label,
+            group_id=s.group_id,
+            index=s.index,
+            metadata=dict(s.metadata),
+        )
         seg = Segment(sample, call)
         self.segments.append(seg)
         self.last_segment = seg
@@ -158,12 +173,18 @@ class Session:
             self.cap(f"the session's {self.limits.max_calls} calls are spent (agent.max_calls)")
         seg_start = self._segment_start(prompt_ids)
         used = len(prompt_ids) - seg_start
-        left = min(self.limits.max_response_tokens - used, self.limits.context_window - len(prompt_ids) - 1,
-                   self.limits.max_call_tokens, asked or self.limits.max_call_tokens)
+        left = min(
+            self.limits.max_response_tokens - used,
+            self.limits.context_window - len(prompt_ids) - 1,
+            self.limits.max_call_tokens,
+            asked or self.limits.max_call_tokens,
+        )
         if left <= 0:
-            self.cap(f"no tokens left: this segment holds {used} response tokens of agent.max_response_tokens="
-                     f"{self.limits.max_response_tokens}, its prompt {len(prompt_ids)} tokens of the "
-                     f"{self.limits.context_window}-token context window")
+            self.cap(
+                f"no tokens left: this segment holds {used} response tokens of agent.max_response_tokens="
+                f"{self.limits.max_response_tokens}, its prompt {len(prompt_ids)} tokens of the "
+                f"{self.limits.context_window}-token context window"
+            )
         return left
 
     def _continued(self, prompt_ids: list[int]) -> tuple[Segment, int, list[int]] | None:
@@ -198,14 +219,20 @@ class Session:
         forced = ENDINGS.get(self.state)
         out = []
         for k, seg in enumerate(self.segments):
-            s = replace(seg.sample, response_ids=list(seg.sample.response_ids), metadata=dict(seg.sample.metadata),
-                        rollout_logprobs=list(seg.sample.rollout_logprobs), loss_mask=list(seg.sample.loss_mask),
-                        weight_versions=list(seg.sample.weight_versions))
+            s = replace(
+                seg.sample,
+                response_ids=list(seg.sample.response_ids),
+                metadata=dict(seg.sample.metadata),
+                rollout_logprobs=list(seg.sample.rollout_logprobs),
+                loss_mask=list(seg.sample.loss_mask),
+                weight_versions=list(seg.sample.weight_versions),
+            )
             if seg.tip.choices:
                 done = seg.tip.choices[0].completion
                 s.append(done.token_ids, done.logprobs, weight_version=done.weight_version)
-                s.status = {"stop": Status.COMPLETED, "length": Status.TRUNCATED}.get(done.finish_reason,
-                                                                                       Status.ABORTED)
+                s.status = {"stop": Status.COMPLETED, "length": Status.TRUNCATED}.get(
+                    done.finish_reason, Status.ABORTED
+                )
             else:
                 s.status = Status.ABORTED
             if self.state == "capped" and seg is self.last_segment:
@@ -213,10 +240,14 @@ class Session:
             if forced is not None:
                 s.status = forced
             s.reward = self.reward if s.status.trainable else None
-            s.metadata.update(agent_session=self.id, session_state=self.state, segment=k,
-                              segments=len(self.segments), session_calls=self.calls)
+            s.metadata.update(
+                agent_session=self.id,
+                session_state=self.state,
+                segment=k,
+                segments=len(self.segments),
+                session_calls=self.calls,
+            )
             if self.reason:
                 s.metadata["session_reason"] = self.reason
             out.append(s)
         return out
-

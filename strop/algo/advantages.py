@@ -24,8 +24,9 @@ def _check_outcome(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tens
     return rewards.float()
 
 
-def grpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, *, normalize_std: bool = True,
-                    eps: float = 1e-6) -> torch.Tensor:
+def grpo_advantages(
+    rewards: torch.Tensor, group_ids: torch.Tensor, *, normalize_std: bool = True, eps: float = 1e-6
+) -> torch.Tensor:
     """GRPO outcome advantages (Shao et al. 2024, "DeepSeekMath", section 4.1.2).
 
     ``A_i = (r_i - mean(r_group)) / (std(r_group) + eps)`` for every sample i of
@@ -92,22 +93,33 @@ def discounted_cumsum(x: torch.Tensor, factor: float, *, chunk_size: int = 64) -
         C = end - start
         idx = torch.arange(C, dtype=torch.float64)
         exponent = idx.unsqueeze(0) - idx.unsqueeze(1)  # (C, C): k - t
-        D = torch.where(exponent >= 0, torch.tensor(factor, dtype=torch.float64) ** exponent.clamp(min=0),
-                        torch.zeros((), dtype=torch.float64))
+        D = torch.where(
+            exponent >= 0,
+            torch.tensor(factor, dtype=torch.float64) ** exponent.clamp(min=0),
+            torch.zeros((), dtype=torch.float64),
+        )
         tail = factor ** (C - idx)  # (C,): factor^(C - t) reaches the carry
         out[:, start:end] = xd[:, start:end] @ D.T + carry.unsqueeze(1) * tail.unsqueeze(0)
         carry = out[:, start]
     return out.to(x.dtype)
 
 
-def discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
-                       *, chunk_size: int = 64) -> torch.Tensor:
+def discounted_returns(
+    token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0, *, chunk_size: int = 64
+) -> torch.Tensor:
     """Returns ``G_t = r_t + gamma * G_{t+1}`` over each response; zero at padding. (N, T)."""
     return discounted_cumsum(token_rewards * mask, gamma, chunk_size=chunk_size) * mask
 
 
-def gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, *, gamma: float = 1.0,
-        lam: float = 0.95, chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+def gae(
+    token_rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    gamma: float = 1.0,
+    lam: float = 0.95,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation (Schulman et al. 2016).
 
     ``delta_t = r_t + gamma * V_{t+1} - V_t`` with V = 0 after the last response
@@ -137,9 +149,17 @@ def whiten(x: torch.Tensor, mask: torch.Tensor, *, shift_mean: bool = True, eps:
     return out * m
 
 
-def reinforce_pp_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, mask: torch.Tensor, *,
-                            kl: torch.Tensor | None = None, kl_coef: float = 0.0, gamma: float = 1.0,
-                            baseline: bool = False, chunk_size: int = 64) -> torch.Tensor:
+def reinforce_pp_advantages(
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    kl: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    gamma: float = 1.0,
+    baseline: bool = False,
+    chunk_size: int = 64,
+) -> torch.Tensor:
     """REINFORCE++ (Hu et al. 2025) and REINFORCE++-baseline.
 
     Token rewards: the outcome reward on the last response token, and the KL
@@ -179,10 +199,17 @@ def scatter_actions(values: torch.Tensor, index: torch.Tensor, cmask: torch.Tens
     return torch.zeros(values.shape[0], T, dtype=values.dtype).scatter(1, index, values * cmask.to(values.dtype))
 
 
-def compute_advantages(algo, *, rewards: torch.Tensor, group_ids: torch.Tensor, response_mask: torch.Tensor,
-                       loss_mask: torch.Tensor, policy_logprobs: torch.Tensor | None = None,
-                       ref_logprobs: torch.Tensor | None = None,
-                       old_values: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def compute_advantages(
+    algo,
+    *,
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_mask: torch.Tensor,
+    policy_logprobs: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    old_values: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The configured estimator over one step's batch: (advantages (N, T), critic returns (N, T) or None).
 
     ``algo`` is an AlgoConfig (estimator, normalize_std, gamma, lam, kl_in_reward_*).
@@ -212,16 +239,22 @@ def compute_advantages(algo, *, rewards: torch.Tensor, group_ids: torch.Tensor, 
     if a.kl_in_reward_coef:
         kl = pick(kl_estimate(policy_logprobs, ref_logprobs, a.kl_in_reward_kind))
     if est in ("reinforce_pp", "reinforce_pp_baseline"):
-        adv = reinforce_pp_advantages(rewards, group_ids, cmask, kl=kl, kl_coef=a.kl_in_reward_coef,
-                                      gamma=a.gamma, baseline=est == "reinforce_pp_baseline")
+        adv = reinforce_pp_advantages(
+            rewards,
+            group_ids,
+            cmask,
+            kl=kl,
+            kl_coef=a.kl_in_reward_coef,
+            gamma=a.gamma,
+            baseline=est == "reinforce_pp_baseline",
+        )
         return scatter_actions(adv, index, cmask, T), None
     if est == "ppo":
         token_rewards = outcome_token_rewards(rewards, cmask)
         if kl is not None:
             token_rewards = token_rewards - a.kl_in_reward_coef * kl
         advantages, returns = gae(token_rewards, pick(old_values), cmask, gamma=a.gamma, lam=a.lam)
-        return (scatter_actions(whiten(advantages, cmask), index, cmask, T),
-                scatter_actions(returns, index, cmask, T))
+        return (scatter_actions(whiten(advantages, cmask), index, cmask, T), scatter_actions(returns, index, cmask, T))
     raise ValueError(f"unknown advantage estimator {est!r}")
 
 

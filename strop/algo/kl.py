@@ -32,8 +32,9 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = 
     raise ValueError(f"unknown KL estimator {kind!r}; expected one of {KL_KINDS}")
 
 
-def importance_weighted_kl(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
-                           kind: str = "k3") -> torch.Tensor:
+def importance_weighted_kl(
+    logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "k3"
+) -> torch.Tensor:
     """Unbiased KL(pi || pi_ref) when the tokens were sampled from pi_old, not pi.
 
     ``w_t * k(t)`` with ``w_t = pi(t) / pi_old(t)`` (detached): the estimators

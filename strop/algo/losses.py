@@ -20,9 +20,15 @@ def _ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor) -> torch.Tensor:
     return torch.exp((logprobs - old_logprobs).clamp(-20.0, 20.0))  # guard exp overflow on garbage inputs
 
 
-def ppo_clip_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, *,
-                  clip_low: float = 0.2, clip_high: float = 0.2,
-                  dual_clip: float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def ppo_clip_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate (Schulman et al. 2017), per token.
 
     ``ratio = exp(logprob - old_logprob)``;
@@ -51,9 +57,15 @@ def ppo_clip_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages
     return loss, info
 
 
-def gspo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-              mask: torch.Tensor, *, clip_low: float = 3e-4,
-              clip_high: float = 4e-4) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def gspo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_low: float = 3e-4,
+    clip_high: float = 4e-4,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GSPO: sequence-level importance ratio (Zheng et al. 2025, "Group Sequence Policy Optimization").
 
     ``s_i = exp(mean_t (logprob - old_logprob))`` over the sequence's loss tokens
@@ -77,8 +89,14 @@ def gspo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: to
     return loss, {"clipped_low": clip_active & (adv < 0), "clipped_high": clip_active & (adv > 0)}
 
 
-def cispo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, *,
-               clip_low: float = 1.0, clip_high: float = 0.28) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def cispo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    clip_low: float = 1.0,
+    clip_high: float = 0.28,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """CISPO (MiniMax 2025, "MiniMax-M1"): clip the importance weight, not the update.
 
     ``loss_t = -sg[clip(ratio, 1 - clip_low, 1 + clip_high)] * A * logprob_t``.
@@ -89,12 +107,15 @@ def cispo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: t
     weight = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     loss = -weight * advantages * logprobs
     adv = advantages.expand_as(loss)
-    return loss, {"clipped_low": (ratio < 1.0 - clip_low) & (adv != 0),
-                  "clipped_high": (ratio > 1.0 + clip_high) & (adv != 0)}
+    return loss, {
+        "clipped_low": (ratio < 1.0 - clip_low) & (adv != 0),
+        "clipped_high": (ratio > 1.0 + clip_high) & (adv != 0),
+    }
 
 
-def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, *,
-               clip: float | None = 0.2) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def value_loss(
+    values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, *, clip: float | None = 0.2
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped value loss of PPO (as in OpenAI baselines / verl), per token.
 
     ``0.5 * max((V - R)^2, (V_old + clip(V - V_old, -clip, clip) - R)^2)``;
@@ -108,9 +129,16 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     return 0.5 * torch.maximum(unclipped, clipped), {"value_clipped": (clipped > unclipped).detach()}
 
 
-def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str, *, num_sequences: float,
-              total_tokens: float | None = None, sequence_tokens: torch.Tensor | None = None,
-              constant_normalizer: float | None = None) -> torch.Tensor:
+def aggregate(
+    per_token: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    *,
+    num_sequences: float,
+    total_tokens: float | None = None,
+    sequence_tokens: torch.Tensor | None = None,
+    constant_normalizer: float | None = None,
+) -> torch.Tensor:
     """Reduce a per-token loss (N, T) to a scalar with normalisers fixed for the whole step.
 
     The normalisers are counts over the *whole step* (every micro-batch, every
@@ -141,9 +169,16 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str, *, num_seq
     raise ValueError(f"unknown loss aggregation {mode!r}; expected one of {AGGREGATIONS}")
 
 
-def rollout_correction(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor, *,
-                       tis_cap: float | None = None, mis_low: float | None = None, mis_high: float | None = None,
-                       mis_level: str = "token") -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+def rollout_correction(
+    old_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    tis_cap: float | None = None,
+    mis_low: float | None = None,
+    mis_high: float | None = None,
+    mis_level: str = "token",
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """Correct for the engine sampling from a slightly different policy than the trainer's.
 
     ``w_t = pi_old(t) / pi_rollout(t)`` (trainer's pre-update logprob over the engine's).

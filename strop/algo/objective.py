@@ -37,10 +37,19 @@ class Normalisers:
     constant: float  # seq_mean_token_sum_norm's constant (the generation budget by default)
 
 
-def policy_objective(logprobs: torch.Tensor, entropy: torch.Tensor | None, *, old_logprobs: torch.Tensor,
-                     rollout_logprobs: torch.Tensor, ref_logprobs: torch.Tensor | None,
-                     advantages: torch.Tensor, loss_mask: torch.Tensor, norms: Normalisers, algo,
-                     loss_fn: Callable | None = None) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+def policy_objective(
+    logprobs: torch.Tensor,
+    entropy: torch.Tensor | None,
+    *,
+    old_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor | None,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    norms: Normalisers,
+    algo,
+    loss_fn: Callable | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """Loss of one micro-batch, its policy-gradient part, and detached per-token statistics.
 
     ``algo`` carries the settings (an AlgoConfig: policy_loss, clip ranges, TIS/MIS,
@@ -50,8 +59,12 @@ def policy_objective(logprobs: torch.Tensor, entropy: torch.Tensor | None, *, ol
     mis_dropped, approx_kl_old, [kl_ref] — each (n, T), to be averaged over ``loss_mask``.
     """
     a, mask, old = algo, loss_mask, old_logprobs
-    agg = dict(num_sequences=norms.num_sequences, total_tokens=norms.total_tokens,
-               constant_normalizer=norms.constant, sequence_tokens=mask.sum(-1))
+    agg = dict(
+        num_sequences=norms.num_sequences,
+        total_tokens=norms.total_tokens,
+        constant_normalizer=norms.constant,
+        sequence_tokens=mask.sum(-1),
+    )
     # 1. the engine sampled from pi_rollout, the ratio's denominator is pi_old
     settings = correction_settings(a)
     weight, kept, corr = rollout_correction(old, rollout_logprobs, mask, **settings)
@@ -64,8 +77,9 @@ def policy_objective(logprobs: torch.Tensor, entropy: torch.Tensor | None, *, ol
     if loss_fn is not None:
         per_token, info = loss_fn(logprobs, old, advantages, kept)
     elif a.policy_loss == "ppo_clip":
-        per_token, info = ppo_clip_loss(logprobs, old, advantages, clip_low=a.clip_low, clip_high=a.clip_high,
-                                        dual_clip=a.dual_clip)
+        per_token, info = ppo_clip_loss(
+            logprobs, old, advantages, clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip
+        )
     elif a.policy_loss == "gspo":
         per_token, info = gspo_loss(logprobs, old, advantages, kept, clip_low=a.clip_low, clip_high=a.clip_high)
     elif a.policy_loss == "cispo":
@@ -75,25 +89,38 @@ def policy_objective(logprobs: torch.Tensor, entropy: torch.Tensor | None, *, ol
         # weight is not applied again (it would make the gradient go as (pi/pi_rollout)^2); TIS (and IcePop's
         # cap) truncate that factor inside the ratio, MIS / IcePop / OPSM still mask through `kept`
         capped = weight / corr["w"] if settings["tis_cap"] is not None else None  # min(w, C) / w, detached
-        per_token, info = dppo_loss(logprobs, rollout_logprobs, advantages, mask_low=a.dppo_mask_low,
-                                    mask_high=a.dppo_mask_high, kl_coef=a.dppo_kl_coef, scale=capped)
+        per_token, info = dppo_loss(
+            logprobs,
+            rollout_logprobs,
+            advantages,
+            mask_low=a.dppo_mask_low,
+            mask_high=a.dppo_mask_high,
+            kl_coef=a.dppo_kl_coef,
+            scale=capped,
+        )
         weight = None
     else:
         raise ValueError(f"unknown policy loss {a.policy_loss!r}")
     # 3. the policy-gradient term
     pg_loss = aggregate(per_token if weight is None else per_token * weight, kept, a.loss_agg, **agg)
     loss = pg_loss
-    stats = {"clipped_low": info.get("clipped_low", torch.zeros_like(mask, dtype=torch.bool)).float(),
-             "clipped_high": info.get("clipped_high", torch.zeros_like(mask, dtype=torch.bool)).float(),
-             "importance_weight": corr["w"], "mis_dropped": mis_dropped}
+    stats = {
+        "clipped_low": info.get("clipped_low", torch.zeros_like(mask, dtype=torch.bool)).float(),
+        "clipped_high": info.get("clipped_high", torch.zeros_like(mask, dtype=torch.bool)).float(),
+        "importance_weight": corr["w"],
+        "mis_dropped": mis_dropped,
+    }
     if "dual_clipped" in info:
         stats["dual_clipped"] = info["dual_clipped"].float()
     if opsm_dropped is not None:
         stats["opsm_dropped"] = opsm_dropped
     # 4. the KL to the reference policy
     if ref_logprobs is not None:
-        kl = (importance_weighted_kl(logprobs, old, ref_logprobs, a.kl_kind) if a.kl_importance_weighted
-              else kl_estimate(logprobs, ref_logprobs, a.kl_kind))
+        kl = (
+            importance_weighted_kl(logprobs, old, ref_logprobs, a.kl_kind)
+            if a.kl_importance_weighted
+            else kl_estimate(logprobs, ref_logprobs, a.kl_kind)
+        )
         if a.kl_coef:
             loss = loss + a.kl_coef * aggregate(kl, mask, a.loss_agg, **agg)
         stats["kl_ref"] = kl_estimate(logprobs, ref_logprobs, a.kl_kind).detach()
@@ -112,10 +139,16 @@ def correction_settings(algo) -> dict:
     a = algo
     preset = a.off_policy_correction
     if preset == "icepop":
-        low, high = (a.mis_low if a.mis_low is not None else ICEPOP_BOUNDS[0],
-                     a.mis_high if a.mis_high is not None else ICEPOP_BOUNDS[1])
+        low, high = (
+            a.mis_low if a.mis_low is not None else ICEPOP_BOUNDS[0],
+            a.mis_high if a.mis_high is not None else ICEPOP_BOUNDS[1],
+        )
         return dict(tis_cap=high, mis_low=low, mis_high=high, mis_level="token")
     if preset == "geo_mask":
-        return dict(tis_cap=a.tis_cap, mis_low=a.mis_low if a.mis_low is not None else GEO_MASK_BOUNDS[0],
-                    mis_high=a.mis_high if a.mis_high is not None else GEO_MASK_BOUNDS[1], mis_level="sequence")
+        return dict(
+            tis_cap=a.tis_cap,
+            mis_low=a.mis_low if a.mis_low is not None else GEO_MASK_BOUNDS[0],
+            mis_high=a.mis_high if a.mis_high is not None else GEO_MASK_BOUNDS[1],
+            mis_level="sequence",
+        )
     return dict(tis_cap=a.tis_cap, mis_low=a.mis_low, mis_high=a.mis_high, mis_level=a.mis_level)

@@ -26,8 +26,9 @@ def sequence_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1)
 
 
-def opsm_mask(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-              *, delta: float) -> torch.Tensor:
+def opsm_mask(
+    logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *, delta: float
+) -> torch.Tensor:
     """Off-policy sequence masking (OPSM; DeepSeek-AI 2025, "DeepSeek-V3.2", arXiv 2512.02556; slime's
     ``--use-opsm``): a sequence is left out of the loss when its advantage is negative and it has
     drifted from the policy that scored it:
@@ -44,9 +45,16 @@ def opsm_mask(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: to
     return (mask.bool() & ~drop.expand_as(mask)).to(mask.dtype)
 
 
-def dppo_loss(logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, advantages: torch.Tensor, *,
-              mask_low: float = 0.2, mask_high: float = 0.2, kl_coef: float = 1e-3,
-              scale: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def dppo_loss(
+    logprobs: torch.Tensor,
+    behaviour_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    mask_low: float = 0.2,
+    mask_high: float = 0.2,
+    kl_coef: float = 1e-3,
+    scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """DPPO, Binary-TV form (Qi et al. 2026, "Rethinking the Trust Region in LLM Reinforcement Learning",
     arXiv 2602.04879), as prime-rl's default loss computes it (``default_loss_fn`` in prime-rl's
     ``src/prime_rl/trainer/rl/loss.py``): the trust region is a bound on the *probability* change of
@@ -75,12 +83,13 @@ def dppo_loss(logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, advantag
     high = (adv > 0) & (d > mask_high)
     low = (adv <= 0) & (d < -mask_low)
     keep = ~(high | low)
-    loss = -torch.where(keep, adv * ratio, torch.zeros_like(ratio)) + kl_coef * log_ratio ** 2
+    loss = -torch.where(keep, adv * ratio, torch.zeros_like(ratio)) + kl_coef * log_ratio**2
     return loss, {"clipped_low": low.detach(), "clipped_high": high.detach()}
 
 
-def loglinear_proximal(behaviour_logprobs: torch.Tensor, logprobs: torch.Tensor, versions: torch.Tensor,
-                       current_version: int) -> torch.Tensor:
+def loglinear_proximal(
+    behaviour_logprobs: torch.Tensor, logprobs: torch.Tensor, versions: torch.Tensor, current_version: int
+) -> torch.Tensor:
     """The proximal policy's logprobs without a forward pass (AReaL's ``prox_logp_method=loglinear``,
     Fu et al. 2025, arXiv 2505.24298): log-linear interpolation between the policy that sampled each
     token (weights version ``v_t``) and the policy being trained (``current_version`` v: the version
@@ -99,8 +108,7 @@ def loglinear_proximal(behaviour_logprobs: torch.Tensor, logprobs: torch.Tensor,
     return behaviour_logprobs + alpha.to(logprobs.dtype) * (logprobs.detach() - behaviour_logprobs)
 
 
-def overlong_penalty(lengths: torch.Tensor, *, max_new_tokens: int, buffer: int,
-                     factor: float = 1.0) -> torch.Tensor:
+def overlong_penalty(lengths: torch.Tensor, *, max_new_tokens: int, buffer: int, factor: float = 1.0) -> torch.Tensor:
     """DAPO's soft overlong punishment (Yu et al. 2025, arXiv 2503.14476), added to the reward:
 
     ``0`` while ``len <= L - B``; ``-factor (len - (L - B)) / B`` inside the last B tokens before the
@@ -113,8 +121,9 @@ def overlong_penalty(lengths: torch.Tensor, *, max_new_tokens: int, buffer: int,
     return -factor * over / buffer
 
 
-def distillation_advantages(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, mask: torch.Tensor,
-                            *, coef: float = 1.0) -> torch.Tensor:
+def distillation_advantages(
+    student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, mask: torch.Tensor, *, coef: float = 1.0
+) -> torch.Tensor:
     """On-policy distillation (Thinking Machines 2025, "On-Policy Distillation"; slime's ``--use-opd``):
     the per-token reverse KL of the sampled token, ``log pi_student - log pi_teacher``, as a negative
     advantage with no discount: ``A_t = -coef (log pi_student(t) - log pi_teacher(t))`` on loss tokens,

@@ -41,12 +41,22 @@ def launch(nproc: int, argv: list[str], command: list[str], poll_s: float = 0.5)
 
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # strop says what failed
     with tempfile.TemporaryDirectory(prefix="strop-ranks-") as tmp:
-        logs = Logs(log_dir=tmp, redirects={r: Std.ERR if r else Std.NONE for r in range(nproc)},
-                    local_ranks_filter={0})
-        config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex,
-                              rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", local_addr="127.0.0.1",
-                              max_restarts=0, monitor_interval=poll_s, logs_specs=logs,
-                              shutdown_timeout=STOP_GRACE_S)
+        logs = Logs(
+            log_dir=tmp, redirects={r: Std.ERR if r else Std.NONE for r in range(nproc)}, local_ranks_filter={0}
+        )
+        config = LaunchConfig(
+            min_nodes=1,
+            max_nodes=1,
+            nproc_per_node=nproc,
+            run_id=uuid.uuid4().hex,
+            rdzv_backend="c10d",
+            rdzv_endpoint="127.0.0.1:0",
+            local_addr="127.0.0.1",
+            max_restarts=0,
+            monitor_interval=poll_s,
+            logs_specs=logs,
+            shutdown_timeout=STOP_GRACE_S,
+        )
         try:
             elastic_launch(config, command[0])(*command[1:], *argv)
         except SignalException as exc:  # the agent has stopped the ranks

@@ -72,8 +72,15 @@ class Plan:
             for b in mine:
                 for k, v in b.resources.items():
                     total[k] = total.get(k, 0.0) + v
-            rows.append((n.id[:12], n.address, _ranges(ranks) or "-", _ranges(engines) or "-",
-                         ", ".join(f"{k} {_num(v)}" for k, v in sorted(total.items()))))
+            rows.append(
+                (
+                    n.id[:12],
+                    n.address,
+                    _ranges(ranks) or "-",
+                    _ranges(engines) or "-",
+                    ", ".join(f"{k} {_num(v)}" for k, v in sorted(total.items())),
+                )
+            )
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
@@ -87,8 +94,14 @@ def colocated_bundle(trainer: dict[str, float], engine: dict[str, float]) -> dic
     return {k: v for k, v in out.items() if v > 0}
 
 
-def plan_placement(nodes: list[Node], trainer_ranks: int, trainer: dict[str, float], engines: int = 0,
-                   engine: dict[str, float] | None = None, placement: str = "disaggregated") -> Plan:
+def plan_placement(
+    nodes: list[Node],
+    trainer_ranks: int,
+    trainer: dict[str, float],
+    engines: int = 0,
+    engine: dict[str, float] | None = None,
+    placement: str = "disaggregated",
+) -> Plan:
     """The bundles for ``trainer_ranks`` ranks needing ``trainer`` each and ``engines`` engines needing
     ``engine`` each, on ``nodes``; a :class:`PlacementError` naming the missing resource if they do not fit."""
     engine = engine or {}
@@ -111,8 +124,9 @@ def plan_placement(nodes: list[Node], trainer_ranks: int, trainer: dict[str, flo
     for n in order:
         while rank < trainer_ranks and _fits(free[n.id], rank_need):
             _take(free[n.id], rank_need)
-            plan.bundles.append(Bundle(n.id, dict(rank_need), rank=rank,
-                                       engine=rank if colocated and rank < engines else None))
+            plan.bundles.append(
+                Bundle(n.id, dict(rank_need), rank=rank, engine=rank if colocated and rank < engines else None)
+            )
             rank += 1
     if colocated or not engines:
         return plan
@@ -149,14 +163,20 @@ def _missing(nodes, free, need, count: int, what: str, after: str = "") -> str:
         fit = sum(math.floor(h / amount + EPS) for _, h in have)
         if fit < count:
             if not any(h > 0 for _, h in have):
-                return (f"missing resource {key!r}: {count} x {what} need {key} {_num(amount)} each, and no node "
-                        f"has {key}{placed_after}")
+                return (
+                    f"missing resource {key!r}: {count} x {what} need {key} {_num(amount)} each, and no node "
+                    f"has {key}{placed_after}"
+                )
             where = ", ".join(f"{n.id[:12]} ({n.address}) {_num(h)}" for n, h in have)
-            return (f"missing resource {key!r}: {count} x {what} need {key} {_num(amount)} each; the nodes hold "
-                    f"room for {fit}{placed_after}: {key} free per node: {where}")
+            return (
+                f"missing resource {key!r}: {count} x {what} need {key} {_num(amount)} each; the nodes hold "
+                f"room for {fit}{placed_after}: {key} free per node: {where}"
+            )
     where = "; ".join(f"{n.id[:12]}: " + ", ".join(f"{k} {_num(free[n.id].get(k, 0.0))}" for k in need) for n in nodes)
-    return (f"{count} x {what} needing {_fmt(need)} each do not fit on any combination of nodes{placed_after} "
-            f"(no single node holds one of each: {where})")
+    return (
+        f"{count} x {what} needing {_fmt(need)} each do not fit on any combination of nodes{placed_after} "
+        f"(no single node holds one of each: {where})"
+    )
 
 
 def _fmt(resources: dict[str, float]) -> str:

@@ -67,8 +67,7 @@ class TrainerRank:
     def free_port(self) -> int:
         return free_port_here()
 
-    def run(self, main: Callable[[list[str]], int], argv: list[str], env: dict[str, str], cwd: str, marker: str
-            ) -> int:
+    def run(self, main: Callable[[list[str]], int], argv: list[str], env: dict[str, str], cwd: str, marker: str) -> int:
         _check_shared(cwd, marker, f"rank {self.rank}")
         os.chdir(cwd)
         os.environ.update(env)
@@ -90,14 +89,19 @@ class EngineServer:
         os.chdir(cwd)
         self.index, host = index, _node_ip()
         if spec["kind"] == "strop":  # its own token check covers every route
-            self.server = LocalServer(spec["model"], port, list(spec["args"]), dict(spec["env"]), host=host,
-                                      token=token)
+            self.server = LocalServer(
+                spec["model"], port, list(spec["args"]), dict(spec["env"]), host=host, token=token
+            )
         else:  # vLLM's and SGLang's keys leave routes open: strop's token guard on the node's address, the engine
             # where only this user's processes reach it (strop.engines.launch.engine_server)
-            program = spec["command"] or [sys.executable, "-m", {"vllm": "vllm.entrypoints.openai.api_server",
-                                                                 "sglang": "sglang.launch_server"}[spec["kind"]]]
-            self.server = engine_server(spec["kind"], program, spec["model"], host, port, token, spec["args"],
-                                        spec["env"])
+            program = spec["command"] or [
+                sys.executable,
+                "-m",
+                {"vllm": "vllm.entrypoints.openai.api_server", "sglang": "sglang.launch_server"}[spec["kind"]],
+            ]
+            self.server = engine_server(
+                spec["kind"], program, spec["model"], host, port, token, spec["args"], spec["env"]
+            )
         self.server.start().wait_healthy(spec["timeout_s"])
 
     def __repr__(self) -> str:
@@ -113,8 +117,12 @@ class EngineServer:
 def _where() -> dict:
     import ray
 
-    return {"node": ray.get_runtime_context().get_node_id(), "ip": _node_ip(), "pid": os.getpid(),
-            "host": socket.gethostname()}
+    return {
+        "node": ray.get_runtime_context().get_node_id(),
+        "ip": _node_ip(),
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+    }
 
 
 def free_port_here() -> int:
@@ -132,9 +140,11 @@ def _node_ip() -> str:
 
 def _check_shared(cwd: str, marker: str, who: str) -> None:
     if not Path(marker).is_file() or not Path(cwd).is_dir():
-        raise ClusterError(f"{who} on {socket.gethostname()} cannot see {marker}, written by the driver: a run across "
-                           f"nodes needs the run directory's parent and the working directory {cwd} on shared "
-                           "storage, at the same path on every node")
+        raise ClusterError(
+            f"{who} on {socket.gethostname()} cannot see {marker}, written by the driver: a run across "
+            f"nodes needs the run directory's parent and the working directory {cwd} on shared "
+            "storage, at the same path on every node"
+        )
 
 
 def connect(ray, address: str, timeout_s: float, namespace: str, what: str) -> None:
@@ -148,8 +158,10 @@ def connect(ray, address: str, timeout_s: float, namespace: str, what: str) -> N
         try:
             socket.create_connection((host, int(port)), timeout=timeout_s).close()
         except OSError as exc:
-            raise ClusterError(f"cluster.address={address!r}: cannot reach a Ray head there within {timeout_s:g}s "
-                               f"({exc}); start one with `ray start --head` or fix the address") from exc
+            raise ClusterError(
+                f"cluster.address={address!r}: cannot reach a Ray head there within {timeout_s:g}s "
+                f"({exc}); start one with `ray start --head` or fix the address"
+            ) from exc
     try:
         ray.init(address=address, namespace=namespace, configure_logging=False, log_to_driver=True)
     except (ConnectionError, RuntimeError, ValueError) as exc:
@@ -164,17 +176,34 @@ def start_local_cluster(timeout_s: float = LOCAL_START_S):
     which :func:`launch` sets before Ray is imported), so runs side by side never meet. Returns the head's
     process (``.stop()`` ends the cluster) and its GCS address."""
     gcs, dashboard, client, agent = (free_port() for _ in range(4))
-    head = LocalServer("", gcs, command=[
-        sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--node-ip-address=127.0.0.1",
-        f"--port={gcs}", f"--dashboard-port={dashboard}", f"--ray-client-server-port={client}",
-        f"--dashboard-agent-listen-port={agent}", "--include-dashboard=false", "--disable-usage-stats"]).start()
+    head = LocalServer(
+        "",
+        gcs,
+        command=[
+            sys.executable,
+            "-m",
+            "ray.scripts.scripts",
+            "start",
+            "--head",
+            "--block",
+            "--node-ip-address=127.0.0.1",
+            f"--port={gcs}",
+            f"--dashboard-port={dashboard}",
+            f"--ray-client-server-port={client}",
+            f"--dashboard-agent-listen-port={agent}",
+            "--include-dashboard=false",
+            "--disable-usage-stats",
+        ],
+    ).start()
     deadline = time.monotonic() + timeout_s
     while "Ray runtime started" not in head.log_tail(100_000):
         if head.proc.poll() is not None or time.monotonic() > deadline:
             head.stop()
-            raise ClusterError(f"a local Ray cluster did not start within {timeout_s:g}s "
-                               f"(`ray start --head` {'exited' if head.proc.poll() is not None else 'still starting'}):"
-                               f"\n{head.log_tail()}")
+            raise ClusterError(
+                f"a local Ray cluster did not start within {timeout_s:g}s "
+                f"(`ray start --head` {'exited' if head.proc.poll() is not None else 'still starting'}):"
+                f"\n{head.log_tail()}"
+            )
         time.sleep(0.2)
     return head, f"127.0.0.1:{gcs}"
 
@@ -189,12 +218,19 @@ def node_pins(nodes: list[Node]) -> dict[str, str]:
     pins = {}
     for n in nodes:
         own = [k for k in n.resources if k.startswith("node:") and not k.startswith("node:__")] + sorted(n.resources)
-        unique = [k for k in own if "memory" not in k and k not in ("CPU", "GPU")
-                  and not any(k in m.resources for m in nodes if m.id != n.id)]
+        unique = [
+            k
+            for k in own
+            if "memory" not in k
+            and k not in ("CPU", "GPU")
+            and not any(k in m.resources for m in nodes if m.id != n.id)
+        ]
         if not unique and len(nodes) > 1:
-            raise ClusterError(f"node {n.id[:12]} ({n.address}) has no resource of its own to tell it apart from the "
-                               "other nodes at the same address: start each node with one, e.g. ray start "
-                               "--resources='{\"node_a\": 1}'")
+            raise ClusterError(
+                f"node {n.id[:12]} ({n.address}) has no resource of its own to tell it apart from the "
+                "other nodes at the same address: start each node with one, e.g. ray start "
+                "--resources='{\"node_a\": 1}'"
+            )
         pins[n.id] = unique[0] if unique else ""
     return pins
 
@@ -210,8 +246,10 @@ def reserve(ray, plan: Plan, timeout_s: float):
     ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
     if not ready:
         remove_placement_group(pg)
-        raise PlacementError(f"the plan's resources were not free within cluster.placement_timeout_s={timeout_s:g}s "
-                             f"(held by other work?): {_shortfall(ray, plan)}")
+        raise PlacementError(
+            f"the plan's resources were not free within cluster.placement_timeout_s={timeout_s:g}s "
+            f"(held by other work?): {_shortfall(ray, plan)}"
+        )
     return pg
 
 
@@ -230,8 +268,11 @@ def _shortfall(ray, plan: Plan) -> str:
             if b.node == n.id:
                 for k, v in b.resources.items():
                     need[k] = need.get(k, 0.0) + v
-        short = [f"{k} {v:g} needed, {free.get(n.id, {}).get(k, 0.0):g} free" for k, v in sorted(need.items())
-                 if free.get(n.id, {}).get(k, 0.0) < v - 1e-9]
+        short = [
+            f"{k} {v:g} needed, {free.get(n.id, {}).get(k, 0.0):g} free"
+            for k, v in sorted(need.items())
+            if free.get(n.id, {}).get(k, 0.0) < v - 1e-9
+        ]
         if short:
             lines.append(f"missing on node {n.id[:12]} ({n.address}): " + ", ".join(short))
     return "; ".join(lines) or f"the cluster has {ray.available_resources()} free"
@@ -241,9 +282,13 @@ def _options(resources: dict[str, float], pg, index: int, **extra) -> dict:
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     rest = dict(resources)
-    return {"num_cpus": rest.pop("CPU", 0.0), "num_gpus": rest.pop("GPU", 0.0), "resources": rest,
-            "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
-            **extra}
+    return {
+        "num_cpus": rest.pop("CPU", 0.0),
+        "num_gpus": rest.pop("GPU", 0.0),
+        "resources": rest,
+        "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
+        **extra,
+    }
 
 
 def run_dir_of(cfg) -> Path:
@@ -264,20 +309,32 @@ def launch(cfg, argv: list[str], main: Callable[[list[str]], int]) -> int:
     ``argv``, the command line of every rank (the run directory is added here)."""
     c = cfg.cluster
     if c.address is None:  # read when ray is imported
-        os.environ |= {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # the local cluster binds 127.0.0.1 only
-                       "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}  # its head's and ours
+        os.environ |= {
+            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # the local cluster binds 127.0.0.1 only
+            "RAY_AUTH_MODE": "token",
+            "RAY_AUTH_TOKEN": secrets.token_hex(32),
+        }  # its head's and ours
     ray = import_ray()
     head, address = start_local_cluster() if c.address is None else (None, c.address)  # before ray.init reads it
     pg, actors, engines, marker = None, [], [], None
     try:
-        connect(ray, address, c.connect_timeout_s, f"strop-{uuid.uuid4().hex[:12]}",
-                "the run's local cluster" if head else f"cluster.address={c.address!r}")
+        connect(
+            ray,
+            address,
+            c.connect_timeout_s,
+            f"strop-{uuid.uuid4().hex[:12]}",
+            "the run's local cluster" if head else f"cluster.address={c.address!r}",
+        )
         nodes = cluster_nodes(ray)
         engine_resources = c.engine_resources if cfg.engine.launch else {}
-        plan = plan_placement(nodes, c.trainer_ranks, c.trainer_resources, cfg.engine.launch, engine_resources,
-                              c.placement)
-        print(f"strop: ray: {'a local cluster' if head else c.address}, {len(nodes)} node(s); "
-              f"{c.placement} placement:\n{plan.table()}", flush=True)
+        plan = plan_placement(
+            nodes, c.trainer_ranks, c.trainer_resources, cfg.engine.launch, engine_resources, c.placement
+        )
+        print(
+            f"strop: ray: {'a local cluster' if head else c.address}, {len(nodes)} node(s); "
+            f"{c.placement} placement:\n{plan.table()}",
+            flush=True,
+        )
         run_dir = run_dir_of(cfg)
         run_dir.parent.mkdir(parents=True, exist_ok=True)
         marker = run_dir.parent / f".strop-ray-{uuid.uuid4().hex[:12]}"
@@ -291,21 +348,39 @@ def launch(cfg, argv: list[str], main: Callable[[list[str]], int]) -> int:
             engines, engines_at = start_engines(ray, cfg, plan, pg, token, str(run_dir), cwd, str(marker))
             actors += engines
             env |= {"STROP_ENGINE_URLS": json.dumps([w["url"] for w in engines_at]), "STROP_ENGINE_TOKEN": token}
-        ranks = [ray.remote(TrainerRank).options(**_options(c.trainer_resources, pg, plan.rank_bundle(r), max_restarts=0,
-                                                           max_concurrency=2, name=f"rank{r}")).remote(r)
-                 for r in range(c.trainer_ranks)]
+        ranks = [
+            ray.remote(TrainerRank)
+            .options(
+                **_options(
+                    c.trainer_resources, pg, plan.rank_bundle(r), max_restarts=0, max_concurrency=2, name=f"rank{r}"
+                )
+            )
+            .remote(r)
+            for r in range(c.trainer_ranks)
+        ]
         actors += ranks
         where = ray.get([a.where.remote() for a in ranks])
         report(where, engines_at)
         _check_plan(plan, where, engines_at)
         master_port = ray.get(ranks[0].free_port.remote())
         gpu = c.trainer_resources.get("GPU", 0) > 0
-        common = {"WORLD_SIZE": str(c.trainer_ranks), "MASTER_ADDR": where[0]["ip"], "MASTER_PORT": str(master_port),
-                  "STROP_NODE_IP": where[0]["ip"]} | env
-        runs = {ranks[r].run.remote(main, [*argv, f"--run.dir={run_dir}"],
-                                    # Ray shows each actor only its own GPU (CUDA_VISIBLE_DEVICES): cuda:0 there
-                                    common | {"RANK": str(r), "LOCAL_RANK": "0" if gpu else str(plan.local_rank(r))},
-                                    cwd, str(marker)): r for r in range(c.trainer_ranks)}
+        common = {
+            "WORLD_SIZE": str(c.trainer_ranks),
+            "MASTER_ADDR": where[0]["ip"],
+            "MASTER_PORT": str(master_port),
+            "STROP_NODE_IP": where[0]["ip"],
+        } | env
+        runs = {
+            ranks[r].run.remote(
+                main,
+                [*argv, f"--run.dir={run_dir}"],
+                # Ray shows each actor only its own GPU (CUDA_VISIBLE_DEVICES): cuda:0 there
+                common | {"RANK": str(r), "LOCAL_RANK": "0" if gpu else str(plan.local_rank(r))},
+                cwd,
+                str(marker),
+            ): r
+            for r in range(c.trainer_ranks)
+        }
         code = supervise(ray, runs, where, c.stop_timeout_s)
         time.sleep(LOG_GRACE_S)  # Ray's log monitor delivers the actors' last lines before they are killed
         return code
@@ -325,15 +400,27 @@ def start_engines(ray, cfg, plan: Plan, pg, token: str, run_dir: str, cwd: str, 
     if e.kind != "strop":  # (strop serve resolves it itself; vLLM and SGLang need a folder or a hub id)
         model = resolve_model_path(model)
         model = str(Path(model).resolve()) if Path(model).exists() else model
-    spec = {"kind": e.kind, "model": model, "args": args, "command": list(e.launch_command),
-            "env": dict(e.launch_env), "timeout_s": ENGINE_START_S[e.kind]}
+    spec = {
+        "kind": e.kind,
+        "model": model,
+        "args": args,
+        "command": list(e.launch_command),
+        "env": dict(e.launch_env),
+        "timeout_s": ENGINE_START_S[e.kind],
+    }
     # each engine's port, picked on its own node (a restarted actor binds it again, where the router looks)
     pick = ray.remote(free_port_here)
     ports = ray.get([pick.options(**_options({}, pg, plan.engine_bundle(i))).remote() for i in range(e.launch)])
     engines = []
     for i in range(e.launch):
-        options = _options(cfg.cluster.engine_resources, pg, plan.engine_bundle(i), name=f"engine{i}",
-                           max_restarts=cfg.cluster.engine_restarts, max_concurrency=2)
+        options = _options(
+            cfg.cluster.engine_resources,
+            pg,
+            plan.engine_bundle(i),
+            name=f"engine{i}",
+            max_restarts=cfg.cluster.engine_restarts,
+            max_concurrency=2,
+        )
         engines.append(ray.remote(EngineServer).options(**options).remote(i, spec, ports[i], token, cwd, marker))
     return engines, ray.get([x.where.remote() for x in engines])  # every one healthy (or its failure, raised here)
 
@@ -348,8 +435,10 @@ def report(ranks: list[dict], engines: list[dict]) -> None:
 
 def _check_plan(plan: Plan, ranks: list[dict], engines: list[dict]) -> None:
     """Every actor runs on the node the plan gave it (each reported its own)."""
-    for kind, found, node_of in (("rank", ranks, plan.node_of_rank),
-                                 ("engine", engines, lambda i: plan.bundles[plan.engine_bundle(i)].node)):
+    for kind, found, node_of in (
+        ("rank", ranks, plan.node_of_rank),
+        ("engine", engines, lambda i: plan.bundles[plan.engine_bundle(i)].node),
+    ):
         for i, w in enumerate(found):
             if w["node"] != node_of(i):
                 raise ClusterError(f"{kind} {i} runs on node {w['node'][:12]}, the plan put it on {node_of(i)[:12]}")
@@ -366,13 +455,20 @@ def supervise(ray, runs: dict, where: list[dict], stop_timeout_s: float) -> int:
         if code == 0:
             continue
         w = where[rank]
-        print(f"strop: rank {rank} on node {w['node'][:12]} ({w['host']}, {w['ip']}, pid {w['pid']}) {why}",
-              file=sys.stderr, flush=True)
+        print(
+            f"strop: rank {rank} on node {w['node'][:12]} ({w['host']}, {w['ip']}, pid {w['pid']}) {why}",
+            file=sys.stderr,
+            flush=True,
+        )
         if pending:
             _, left = ray.wait(pending, num_returns=len(pending), timeout=stop_timeout_s)
             if left:
-                print(f"strop: stopping rank(s) {sorted(runs[r] for r in left)}: still running "
-                      f"{stop_timeout_s:g}s after rank {rank} failed", file=sys.stderr, flush=True)
+                print(
+                    f"strop: stopping rank(s) {sorted(runs[r] for r in left)}: still running "
+                    f"{stop_timeout_s:g}s after rank {rank} failed",
+                    file=sys.stderr,
+                    flush=True,
+                )
         return code
     return 0
 
@@ -397,8 +493,9 @@ def stop(ray, actors: list, pg, head, marker: Path | None, engines: list = ()) -
         try:
             ray.get([e.stop.remote() for e in engines], timeout=ENGINE_STOP_TIMEOUT_S)
         except Exception as exc:  # an actor already gone: its watchdog ends its server
-            print(f"strop: ray: an engine did not stop cleanly ({type(exc).__name__}); killing its actor",
-                  file=sys.stderr)
+            print(
+                f"strop: ray: an engine did not stop cleanly ({type(exc).__name__}); killing its actor", file=sys.stderr
+            )
     for a in actors:
         try:
             ray.kill(a, no_restart=True)

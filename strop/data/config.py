@@ -14,8 +14,11 @@ class DataConfig(Section):
         "reasoning_gym", description="where prompts come from: a reasoning-gym task or a JSONL/Parquet file"
     )
     task: str = Field("basic_arithmetic", description="reasoning-gym task name (source=reasoning_gym)")
-    samples: str | None = Field(None, description="train only: scored samples written by `strop rollout` "
-                                "(no engine, no prompts, no evaluation; step k trains on the file's step k)")
+    samples: str | None = Field(
+        None,
+        description="train only: scored samples written by `strop rollout` "
+        "(no engine, no prompts, no evaluation; step k trains on the file's step k)",
+    )
     task_options: dict[str, Any] = Field(
         default_factory=lambda: {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1},
         description="options passed to the reasoning-gym task config, as JSON",
@@ -25,21 +28,29 @@ class DataConfig(Section):
     eval_seed: int = Field(
         1_000_003, description="seed of the held-out prompts; must differ from data.seed (reasoning-gym)"
     )
-    eval_size: int = Field(128, ge=0, description="number of held-out evaluation prompts (0 = no eval); prompts "
-                           "that occur in the training data are removed first")
+    eval_size: int = Field(
+        128,
+        ge=0,
+        description="number of held-out evaluation prompts (0 = no eval); prompts "
+        "that occur in the training data are removed first",
+    )
     eval_min_size: int = Field(
-        32, ge=1, description="refuse to run when fewer held-out prompts than this remain after removing those "
-        "that occur in the training data")
+        32,
+        ge=1,
+        description="refuse to run when fewer held-out prompts than this remain after removing those "
+        "that occur in the training data",
+    )
     eval_oversample: int = Field(
-        4, ge=1, description="reasoning-gym: generate eval_size x this many eval candidates, so eval_size remain "
-        "after duplicates of training prompts are removed")
+        4,
+        ge=1,
+        description="reasoning-gym: generate eval_size x this many eval candidates, so eval_size remain "
+        "after duplicates of training prompts are removed",
+    )
     path: str | None = Field(None, description="training prompts, .jsonl or .parquet (source=file)")
     eval_path: str | None = Field(None, description="held-out prompts, .jsonl or .parquet (source=file)")
     prompt_key: str = Field("prompt", description="column holding the prompt (text or chat messages)")
     label_key: str = Field("label", description="column holding the reference answer")
-    metadata_keys: list[str] = Field(
-        default_factory=list, description="columns copied into Sample.metadata"
-    )
+    metadata_keys: list[str] = Field(default_factory=list, description="columns copied into Sample.metadata")
     prompt_template: str = Field(
         "{prompt}", description="text prompts are formatted through this; {prompt} is the question"
     )

@@ -27,9 +27,12 @@ def _rows(cfg: Config, which: str, data_source: Callable | None = None):
     d = cfg.data
     if data_source is not None:
         records = call_hook_sync("data_source", data_source, config=d, split=which)
-        rows = [_row_from_record(r, f"data_source hook {cfg.plugins.data_source} ({which}) row {i}",
-                                 "prompt", "label", []) if not isinstance(r, PromptRow) else r
-                for i, r in enumerate(records)]
+        rows = [
+            _row_from_record(r, f"data_source hook {cfg.plugins.data_source} ({which}) row {i}", "prompt", "label", [])
+            if not isinstance(r, PromptRow)
+            else r
+            for i, r in enumerate(records)
+        ]
         for r, rec in zip(rows, records):  # the hook's metadata travels as given
             if isinstance(rec, dict) and isinstance(rec.get("metadata"), dict):
                 r.metadata = dict(rec["metadata"])
@@ -38,8 +41,11 @@ def _rows(cfg: Config, which: str, data_source: Callable | None = None):
         return rows or None
     if d.source == "reasoning_gym":
         if which == "eval":  # oversample: duplicates of training prompts are removed afterwards
-            return reasoning_gym_rows(d.task, d.eval_seed, d.eval_size * d.eval_oversample, d.task_options) \
-                if d.eval_size else None
+            return (
+                reasoning_gym_rows(d.task, d.eval_seed, d.eval_size * d.eval_oversample, d.task_options)
+                if d.eval_size
+                else None
+            )
         return reasoning_gym_rows(d.task, d.seed, d.size, d.task_options)
     if which == "eval":
         return read_prompt_file(d.eval_path, d.prompt_key, d.label_key, d.metadata_keys) if d.eval_path else None
@@ -50,20 +56,28 @@ def _check_labels(cfg: Config, rows, which: str) -> None:
     if cfg.rollout.reward in LABELLED_REWARDS:
         missing = [r for r in rows if r.label is None]
         if missing:
-            raise DataError(f"{missing[0].where or which}: no label (key {cfg.data.label_key!r}), and "
-                            f"rollout.reward={cfg.rollout.reward!r} compares answers with labels "
-                            f"({len(missing)} of {len(rows)} {which} rows have none)")
+            raise DataError(
+                f"{missing[0].where or which}: no label (key {cfg.data.label_key!r}), and "
+                f"rollout.reward={cfg.rollout.reward!r} compares answers with labels "
+                f"({len(missing)} of {len(rows)} {which} rows have none)"
+            )
 
 
 def _held_out_rows(cfg: Config, train_rows, eval_rows):
     """Eval rows that never occur in the training data (by templated prompt), at most data.eval_size."""
     d = cfg.data
-    kept, removed = held_out(eval_rows, train_rows, template=d.prompt_template, system_prompt=d.system_prompt,
-                             size=d.eval_size)
+    kept, removed = held_out(
+        eval_rows, train_rows, template=d.prompt_template, system_prompt=d.system_prompt, size=d.eval_size
+    )
     if removed:
-        print(f"strop: held-out set: removed {removed} of {len(eval_rows)} eval prompts that occur in the training "
-              f"prompts (or twice in the eval set); {len(kept)} remain", flush=True)
+        print(
+            f"strop: held-out set: removed {removed} of {len(eval_rows)} eval prompts that occur in the training "
+            f"prompts (or twice in the eval set); {len(kept)} remain",
+            flush=True,
+        )
     if len(kept) < min(d.eval_min_size, d.eval_size or len(eval_rows), len(eval_rows)):  # a small set is fine as given
-        raise DataError(f"only {len(kept)} held-out prompts remain after removing {removed} that occur in the "
-                        f"training data (data.eval_min_size={d.eval_min_size}); use a larger or different eval set")
+        raise DataError(
+            f"only {len(kept)} held-out prompts remain after removing {removed} that occur in the "
+            f"training data (data.eval_min_size={d.eval_min_size}); use a larger or different eval set"
+        )
     return kept

@@ -40,7 +40,9 @@ def _check_prompt(prompt: Any, where: str) -> str | list[dict]:
                     f"{where}: chat message {i} must be an object with string 'role' and 'content', got {m!r}"
                 )
         return prompt
-    raise DataError(f"{where}: prompt must be a string or a non-empty list of chat messages, got {type(prompt).__name__}")
+    raise DataError(
+        f"{where}: prompt must be a string or a non-empty list of chat messages, got {type(prompt).__name__}"
+    )
 
 
 def _row_from_record(record: Any, where: str, prompt_key: str, label_key: str, metadata_keys: list[str]) -> PromptRow:
@@ -59,8 +61,9 @@ def _row_from_record(record: Any, where: str, prompt_key: str, label_key: str, m
     )
 
 
-def read_prompt_file(path: str, prompt_key: str = "prompt", label_key: str = "label",
-                     metadata_keys: list[str] = ()) -> list[PromptRow]:
+def read_prompt_file(
+    path: str, prompt_key: str = "prompt", label_key: str = "label", metadata_keys: list[str] = ()
+) -> list[PromptRow]:
     """Read a .jsonl or .parquet prompt file; a bad row fails naming the file and line."""
     p = Path(path)
     if not p.exists():
@@ -75,8 +78,10 @@ def read_prompt_file(path: str, prompt_key: str = "prompt", label_key: str = "la
                 try:
                     line = raw.decode("utf-8")
                 except UnicodeDecodeError as exc:
-                    raise DataError(f"{where}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at column "
-                                    f"{exc.start + 1}); save the file as UTF-8") from None
+                    raise DataError(
+                        f"{where}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at column "
+                        f"{exc.start + 1}); save the file as UTF-8"
+                    ) from None
                 if not line.strip():
                     continue
                 try:
@@ -127,8 +132,14 @@ def question_key(row: PromptRow, template: str, system_prompt: str | None) -> st
     return json.dumps(row.prompt, sort_keys=True)
 
 
-def held_out(eval_rows: list[PromptRow], train_rows: list[PromptRow], *, template: str, system_prompt: str | None,
-             size: int | None = None) -> tuple[list[PromptRow], int]:
+def held_out(
+    eval_rows: list[PromptRow],
+    train_rows: list[PromptRow],
+    *,
+    template: str,
+    system_prompt: str | None,
+    size: int | None = None,
+) -> tuple[list[PromptRow], int]:
     """The eval rows whose prompt (after templating) never occurs in the training rows, and how many
     were removed. Duplicates inside the eval set are removed too. ``size`` keeps the first ``size``."""
     seen = {question_key(r, template, system_prompt) for r in train_rows}
@@ -146,9 +157,17 @@ def held_out(eval_rows: list[PromptRow], train_rows: list[PromptRow], *, templat
 class PromptSet:
     """Tokenized prompts, ready to become Samples; checks every prompt fits."""
 
-    def __init__(self, rows: list[PromptRow], tokenizer, *, template: str = "{prompt}",
-                 system_prompt: str | None = None, apply_chat_template: bool = True,
-                 max_prompt_tokens: int, name: str = "data"):
+    def __init__(
+        self,
+        rows: list[PromptRow],
+        tokenizer,
+        *,
+        template: str = "{prompt}",
+        system_prompt: str | None = None,
+        apply_chat_template: bool = True,
+        max_prompt_tokens: int,
+        name: str = "data",
+    ):
         self.rows = rows
         self.prompt_ids: list[list[int]] = []
         for i, row in enumerate(rows):
@@ -166,8 +185,14 @@ class PromptSet:
     def make_group(self, i: int, n: int, group_id: int) -> list[Sample]:
         row = self.rows[i]
         return [
-            Sample(prompt=row.prompt, prompt_ids=list(self.prompt_ids[i]), label=row.label,
-                   group_id=group_id, index=j, metadata=dict(row.metadata, row_index=i))
+            Sample(
+                prompt=row.prompt,
+                prompt_ids=list(self.prompt_ids[i]),
+                label=row.label,
+                group_id=group_id,
+                index=j,
+                metadata=dict(row.metadata, row_index=i),
+            )
             for j in range(n)
         ]
 
@@ -177,7 +202,7 @@ def encode_prompt(prompt, tokenizer, template: str, system_prompt: str | None, a
         text = template.format(prompt=prompt)
         if not apply_chat_template:
             return tokenizer(text, add_special_tokens=True)["input_ids"]
-        messages = ([{"role": "system", "content": system_prompt}] if system_prompt else [])
+        messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
         messages.append({"role": "user", "content": text})
     else:
         if not apply_chat_template:

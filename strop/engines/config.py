@@ -12,73 +12,132 @@ from strop.configbase import Section, secret
 
 class EngineConfig(Section):
     kind: Literal["embedded", "strop", "sglang", "vllm"] = Field(
-        "embedded", description="where rollouts are generated: 'embedded' (in this process), 'strop' (strop serve "
+        "embedded",
+        description="where rollouts are generated: 'embedded' (in this process), 'strop' (strop serve "
         "servers), 'sglang' (SGLang servers; same native API) or 'vllm' (vLLM OpenAI servers started with "
-        "--logprobs-mode processed_logprobs, and VLLM_SERVER_DEV_MODE=1 for weight reloads)")
-    urls: list[str] = Field(default_factory=list, description="server URLs (kind strop / sglang / vllm), e.g. "
-                            "[\"http://127.0.0.1:30000\"]; several go behind strop's router")
+        "--logprobs-mode processed_logprobs, and VLLM_SERVER_DEV_MODE=1 for weight reloads)",
+    )
+    urls: list[str] = Field(
+        default_factory=list,
+        description="server URLs (kind strop / sglang / vllm), e.g. "
+        '["http://127.0.0.1:30000"]; several go behind strop\'s router',
+    )
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
-        "auto", description="the embedded engine's weights: 'auto' = model.dtype; 'bfloat16' decodes in bf16 while "
+        "auto",
+        description="the embedded engine's weights: 'auto' = model.dtype; 'bfloat16' decodes in bf16 while "
         "the trainer keeps model.dtype (fp32 weights and AdamW state), each update cast on the way in: on CPUs with "
         "bf16 matmul (avx512_bf16, AMX) the rollout is about 2.3x faster here; the logprob gap between engine and "
         "trainer grows to bf16's rounding and is reported every step (train_rollout_logprob_abs_diff). Remote "
-        "servers choose their own dtype (engine.launch_args, engine.sync_dtype)")
-    launch: int = Field(0, ge=0, description="start this many servers for the run (and stop them at the end) "
-                        "instead of urls: kind=strop: strop serve processes (here, or Ray engine actors with "
-                        "cluster.launcher=ray); kind=vllm / sglang: vLLM or SGLang servers, as Ray engine actors only")
-    launch_args: list[str] = Field(default_factory=list, description="extra arguments for launched servers, e.g. "
-                                   "[\"--threads=1\"] (strop serve) or [\"--dtype\", \"bfloat16\"] (vLLM)")
-    launch_command: list[str] = Field(default_factory=list, description="kind=vllm / sglang: the program that "
-                                      "starts one server (default: this Python's -m vllm.entrypoints.openai.api_server"
-                                      " / -m sglang.launch_server), e.g. [\"/opt/vllm/bin/python\", \"-m\", "
-                                      "\"vllm.entrypoints.openai.api_server\"]; strop adds the model, host, port and "
-                                      "what its client needs")
-    launch_env: dict[str, str] = Field(default_factory=dict, description="environment variables for launched "
-                                       "servers, e.g. {VLLM_CPU_KVCACHE_SPACE: \"2\"}")
-    fast_decode: bool = Field(True, description="embedded engine and strop serve: decode Llama-family models with "
-                              "strop's KV-cache decoder (shared prompt prefixes, continuous batching); false uses "
-                              "transformers' forward with static batches")
+        "servers choose their own dtype (engine.launch_args, engine.sync_dtype)",
+    )
+    launch: int = Field(
+        0,
+        ge=0,
+        description="start this many servers for the run (and stop them at the end) "
+        "instead of urls: kind=strop: strop serve processes (here, or Ray engine actors with "
+        "cluster.launcher=ray); kind=vllm / sglang: vLLM or SGLang servers, as Ray engine actors only",
+    )
+    launch_args: list[str] = Field(
+        default_factory=list,
+        description="extra arguments for launched servers, e.g. "
+        '["--threads=1"] (strop serve) or ["--dtype", "bfloat16"] (vLLM)',
+    )
+    launch_command: list[str] = Field(
+        default_factory=list,
+        description="kind=vllm / sglang: the program that "
+        "starts one server (default: this Python's -m vllm.entrypoints.openai.api_server"
+        ' / -m sglang.launch_server), e.g. ["/opt/vllm/bin/python", "-m", '
+        '"vllm.entrypoints.openai.api_server"]; strop adds the model, host, port and '
+        "what its client needs",
+    )
+    launch_env: dict[str, str] = Field(
+        default_factory=dict,
+        description='environment variables for launched servers, e.g. {VLLM_CPU_KVCACHE_SPACE: "2"}',
+    )
+    fast_decode: bool = Field(
+        True,
+        description="embedded engine and strop serve: decode Llama-family models with "
+        "strop's KV-cache decoder (shared prompt prefixes, continuous batching); false uses "
+        "transformers' forward with static batches",
+    )
     share_weights: bool | None = Field(
-        None, description="embedded engine, rollout.mode=sync, one process: decode from the trainer's own parameters "
+        None,
+        description="embedded engine, rollout.mode=sync, one process: decode from the trainer's own parameters "
         "instead of a copy of them (as TRL's generate does): one copy of the weights less in memory and no copy at "
         "an update. Unset: whenever that holds (and the fast decoder runs, engine.dtype is the model's); true where "
-        "it cannot is refused naming why; false keeps the engine's own copy")
-    token: SecretStr | None = secret("STROP_ENGINE_TOKEN", "bearer token sent to the remote servers (strop serve "
-                                     "--token); launched servers require it, or a fresh one per run when unset")
+        "it cannot is refused naming why; false keeps the engine's own copy",
+    )
+    token: SecretStr | None = secret(
+        "STROP_ENGINE_TOKEN",
+        "bearer token sent to the remote servers (strop serve "
+        "--token); launched servers require it, or a fresh one per run when unset",
+    )
     timeout_s: float = Field(600.0, gt=0, description="seconds one HTTP request may take")
-    retries: int = Field(2, ge=0, description="retries of one request on the same server (with backoff) before "
-                         "the router re-issues it to another")
-    health_interval_s: float = Field(2.0, gt=0, description="how often the router probes its engines: down ones "
-                                     "for re-admission, healthy ones for the weight version they report (a restart)")
+    retries: int = Field(
+        2,
+        ge=0,
+        description="retries of one request on the same server (with backoff) before "
+        "the router re-issues it to another",
+    )
+    health_interval_s: float = Field(
+        2.0,
+        gt=0,
+        description="how often the router probes its engines: down ones "
+        "for re-admission, healthy ones for the weight version they report (a restart)",
+    )
     affinity: bool = Field(False, description="keep the requests of one sample on one engine (multi-turn)")
-    sync_dir: str | None = Field(None, description="where weights are written for remote engines to load "
-                                 "(default: <run dir>/weights; must be readable by the servers)")
+    sync_dir: str | None = Field(
+        None,
+        description="where weights are written for remote engines to load "
+        "(default: <run dir>/weights; must be readable by the servers)",
+    )
     sync: Literal["auto", "disk", "delta", "broadcast"] = Field(
-        "auto", description="how new weights reach remote engines: 'broadcast' (a process group of the trainer's "
+        "auto",
+        description="how new weights reach remote engines: 'broadcast' (a process group of the trainer's "
         "rank 0 and the servers, through SGLang's update_weights_from_distributed; vLLM through strop's worker "
         "extension), 'disk' (safetensors written atomically and reloaded), 'delta' (through disk, only the tensors "
         "that changed, each checked by its digest; kind strop). 'auto': broadcast where the engine takes it, disk "
-        "otherwise; the run prints which and why")
-    sync_bucket_bytes: int = Field(64 << 20, ge=1 << 20, description="largest bucket of a weight update, in bytes: "
-                                   "broadcast: a flat bucket (the extra memory on either side); disk and delta: "
-                                   "what is read (under FSDP or tensor parallel: gathered) per write. A single "
-                                   "larger tensor travels alone")
+        "otherwise; the run prints which and why",
+    )
+    sync_bucket_bytes: int = Field(
+        64 << 20,
+        ge=1 << 20,
+        description="largest bucket of a weight update, in bytes: "
+        "broadcast: a flat bucket (the extra memory on either side); disk and delta: "
+        "what is read (under FSDP or tensor parallel: gathered) per write. A single "
+        "larger tensor travels alone",
+    )
     sync_backend: Literal["auto", "gloo", "nccl"] = Field(
-        "auto", description="broadcast: process-group backend (auto: nccl when the trainer is on cuda, else gloo)")
+        "auto", description="broadcast: process-group backend (auto: nccl when the trainer is on cuda, else gloo)"
+    )
     sync_pause: Literal["abort", "retract", "in_place", "wait", "keep"] = Field(
-        "abort", description="broadcast: how each server pauses generation during an update (SGLang and strop "
+        "abort",
+        description="broadcast: how each server pauses generation during an update (SGLang and strop "
         "serve: abort, retract, in_place; vLLM: abort, wait, keep). strop's own requests are drained first "
-        "(rollout.partial), so this concerns other clients' requests")
-    sync_probe: bool = Field(True, description="after every weight update, score a fixed short token sequence on "
-                             "each engine and with the trainer's weights: a difference over sync_probe_tolerance "
-                             "fails the step naming the engine (every engine kind; off under dp_mode=fsdp)")
-    sync_probe_tolerance: float = Field(1e-3, gt=0, description="largest logprob difference the probe accepts "
-                                        "(fp32 engines agree within ~1e-5; bfloat16 engines need ~0.05)")
-    colocate: bool = Field(False, description="run the engines on the trainer's GPU and update them in place "
-                           "(CUDA IPC, memory released while training); refused for now, see docs/serving.md")
+        "(rollout.partial), so this concerns other clients' requests",
+    )
+    sync_probe: bool = Field(
+        True,
+        description="after every weight update, score a fixed short token sequence on "
+        "each engine and with the trainer's weights: a difference over sync_probe_tolerance "
+        "fails the step naming the engine (every engine kind; off under dp_mode=fsdp)",
+    )
+    sync_probe_tolerance: float = Field(
+        1e-3,
+        gt=0,
+        description="largest logprob difference the probe accepts "
+        "(fp32 engines agree within ~1e-5; bfloat16 engines need ~0.05)",
+    )
+    colocate: bool = Field(
+        False,
+        description="run the engines on the trainer's GPU and update them in place "
+        "(CUDA IPC, memory released while training); refused for now, see docs/serving.md",
+    )
     sync_dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
-        None, description="broadcast: cast the weights to this dtype on the trainer's side (the engine's dtype "
-        "when it differs from the trainer's, e.g. bfloat16 servers of an fp32 trainer)")
+        None,
+        description="broadcast: cast the weights to this dtype on the trainer's side (the engine's dtype "
+        "when it differs from the trainer's, e.g. bfloat16 servers of an fp32 trainer)",
+    )
 
     @model_validator(mode="after")
     def _check_engine(self):
@@ -87,22 +146,30 @@ class EngineConfig(Section):
         if self.kind != "embedded" and not self.urls and not self.launch:
             raise ValueError(f"engine.kind={self.kind!r} needs engine.urls or engine.launch=N")
         if self.launch_command and self.kind not in ("vllm", "sglang"):
-            raise ValueError("engine.launch_command is the program of launched vLLM or SGLang servers (engine.kind="
-                             "'vllm' or 'sglang'); strop serve is started as this Python's `strop serve`")
+            raise ValueError(
+                "engine.launch_command is the program of launched vLLM or SGLang servers (engine.kind="
+                "'vllm' or 'sglang'); strop serve is started as this Python's `strop serve`"
+            )
         if self.launch and self.urls:
             raise ValueError("give engine.urls or engine.launch, not both")
         if self.sync == "delta" and self.kind != "strop":
-            raise ValueError(f"engine.sync='delta' needs strop serve servers (engine.kind='strop'): it loads a file of "
-                             f"only the changed tensors, which {self.kind} cannot check tensor by tensor; use "
-                             "engine.sync='broadcast' or 'disk'")
+            raise ValueError(
+                f"engine.sync='delta' needs strop serve servers (engine.kind='strop'): it loads a file of "
+                f"only the changed tensors, which {self.kind} cannot check tensor by tensor; use "
+                "engine.sync='broadcast' or 'disk'"
+            )
         if self.colocate:
-            raise ValueError("engine.colocate: the in-place update of an engine sharing the trainer's GPU (SGLang's "
-                             "update_weights_from_tensor over CUDA IPC with release/resume_memory_occupation, vLLM's "
-                             "IPC transfer with sleep/wake_up) needs a GPU, and strop has not run it on one yet: it is "
-                             "refused rather than shipped untested. On CPU it cannot exist (no CUDA IPC; vLLM refuses "
-                             "sleep mode). Use engine.sync='broadcast' with the engines on their own devices")
+            raise ValueError(
+                "engine.colocate: the in-place update of an engine sharing the trainer's GPU (SGLang's "
+                "update_weights_from_tensor over CUDA IPC with release/resume_memory_occupation, vLLM's "
+                "IPC transfer with sleep/wake_up) needs a GPU, and strop has not run it on one yet: it is "
+                "refused rather than shipped untested. On CPU it cannot exist (no CUDA IPC; vLLM refuses "
+                "sleep mode). Use engine.sync='broadcast' with the engines on their own devices"
+            )
         pauses = {"vllm": ("abort", "wait", "keep")}.get(self.kind, ("abort", "retract", "in_place"))
         if self.sync_pause not in pauses:
-            raise ValueError(f"engine.sync_pause={self.sync_pause!r} is not a pause mode of {self.kind} servers: "
-                             f"use one of {', '.join(pauses)}")
+            raise ValueError(
+                f"engine.sync_pause={self.sync_pause!r} is not a pause mode of {self.kind} servers: "
+                f"use one of {', '.join(pauses)}"
+            )
         return self

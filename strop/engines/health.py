@@ -71,8 +71,9 @@ class EngineHealth:
         if self.state[i] != to:
             before, self.state[i] = self.state[i], to
             if to == HEALTHY:
-                self._event("re-admitted", f"re-admitted {self.engines[i]!r} at weight version {version} ({why}; "
-                            f"was {before})")
+                self._event(
+                    "re-admitted", f"re-admitted {self.engines[i]!r} at weight version {version} ({why}; was {before})"
+                )
             else:
                 self._event("down" if to == DOWN else "rejoining", f"{to} {self.engines[i]!r}: {why}")
 
@@ -89,8 +90,12 @@ class EngineHealth:
         """Failovers and engine events since the last call, and how many engines are healthy now."""
         new = self.counts - self._taken
         self._taken = Counter(self.counts)
-        return {"engine_failovers": new["failover"], "engine_down": new["down"],
-                "engine_readmitted": new["re-admitted"], "engines_healthy": sum(self.healthy)}
+        return {
+            "engine_failovers": new["failover"],
+            "engine_down": new["down"],
+            "engine_readmitted": new["re-admitted"],
+            "engines_healthy": sum(self.healthy),
+        }
 
     def _lock(self) -> asyncio.Lock:
         """Weight updates and re-admissions run one at a time (a lock per event loop)."""
@@ -149,11 +154,15 @@ class EngineHealth:
             self.move(i, HEALTHY, "reports the current weights", held)
         elif self.sync is not None and self.sync.rejoins:  # it gets the weights (and is re-admitted) at the next update
             await self.sync.forget(i)
-            self.move(i, REJOINING, f"holds weight version {held}; gets version {self.weight_version} at the "
-                      "next update")
+            self.move(
+                i, REJOINING, f"holds weight version {held}; gets version {self.weight_version} at the next update"
+            )
         elif self.sync is None or not await self.sync.catch_up(i):
-            self.note(i, f"holds weight version {held}, the router's is {self.weight_version}, and no weights "
-                      "were written to load")
+            self.note(
+                i,
+                f"holds weight version {held}, the router's is {self.weight_version}, and no weights "
+                "were written to load",
+            )
 
     def note(self, i: int, why: str) -> None:
         """Why a down engine stays down (recorded once per reason, not at every probe)."""

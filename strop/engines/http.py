@@ -17,8 +17,9 @@ from strop.wire.errors import EngineRefusedError, EngineRequestError, EngineUnav
 class HTTPEngine:
     """A server at ``url``: its pooled connection and the one way a request goes out (:meth:`_call`)."""
 
-    def __init__(self, url: str, *, timeout_s: float = 600.0, retries: int = 3, backoff_s: float = 0.25,
-                 token: str | None = None):
+    def __init__(
+        self, url: str, *, timeout_s: float = 600.0, retries: int = 3, backoff_s: float = 0.25, token: str | None = None
+    ):
         self.url = url.rstrip("/")
         self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
@@ -28,8 +29,11 @@ class HTTPEngine:
         import httpx
 
         if self._client is None:  # created in the running event loop, kept for the run's life
-            self._client = httpx.AsyncClient(headers=self.headers, timeout=self.timeout_s,
-                                             limits=httpx.Limits(max_connections=512, max_keepalive_connections=64))
+            self._client = httpx.AsyncClient(
+                headers=self.headers,
+                timeout=self.timeout_s,
+                limits=httpx.Limits(max_connections=512, max_keepalive_connections=64),
+            )
         return self._client
 
     async def _call(self, method: str, path: str, *, json=None, timeout: float | None = None, retries=None) -> dict:
@@ -39,8 +43,9 @@ class HTTPEngine:
         last = None
         for attempt in range(retries + 1):
             try:
-                r = await self._http().request(method, self.url + path, json=json,
-                                               timeout=timeout if timeout is not None else self.timeout_s)
+                r = await self._http().request(
+                    method, self.url + path, json=json, timeout=timeout if timeout is not None else self.timeout_s
+                )
             except (httpx.TransportError, OSError) as exc:  # refused, reset, timed out
                 last = f"{type(exc).__name__}: {exc}"
             else:
@@ -50,8 +55,9 @@ class HTTPEngine:
                     try:
                         return r.json()
                     except ValueError:
-                        raise EngineRequestError(f"{self.url}{path}: HTTP {r.status_code} with a body that is not "
-                                                 f"JSON: {r.text[:200]!r}") from None
+                        raise EngineRequestError(
+                            f"{self.url}{path}: HTTP {r.status_code} with a body that is not JSON: {r.text[:200]!r}"
+                        ) from None
                 if r.status_code < 500:
                     raise EngineRefusedError(f"{self.url}{path}: HTTP {r.status_code}: {r.text[:500]}", r.status_code)
                 last = f"HTTP {r.status_code}: {r.text[:200]}"

@@ -71,8 +71,15 @@ class LocalServer:
         if self.command is None:
             if self.token:  # strop serve's own check, on every route
                 env["STROP_SERVE_TOKEN"] = self.token
-            cmd = [*tied, "run", *STROP_SERVE, f"--model-path={self.model_path}", f"--host={self.host}",
-                   f"--port={self.port}", *self.args]
+            cmd = [
+                *tied,
+                "run",
+                *STROP_SERVE,
+                f"--model-path={self.model_path}",
+                f"--host={self.host}",
+                f"--port={self.port}",
+                *self.args,
+            ]
         elif self.upstream is None:
             cmd = [*tied, "exec", *self.command]
         else:
@@ -88,13 +95,15 @@ class LocalServer:
         """Wait until /health answers 200; then the start-up files of ``private_dir`` (SGLang's key) are
         deleted: read by now, and a killed process never gets to delete them later."""
         deadline = time.monotonic() + timeout_s
-        health = urllib.request.Request(self.url + "/health", headers={"Authorization": f"Bearer {self.token}"}
-                                        if self.token else {})
+        health = urllib.request.Request(
+            self.url + "/health", headers={"Authorization": f"Bearer {self.token}"} if self.token else {}
+        )
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 self.stop()  # what it started, and its private folder
-                raise RuntimeError(f"{self.name} on port {self.port} exited with code {self.proc.returncode}:\n"
-                                   f"{self.log_tail()}")
+                raise RuntimeError(
+                    f"{self.name} on port {self.port} exited with code {self.proc.returncode}:\n{self.log_tail()}"
+                )
             try:
                 with urllib.request.urlopen(health, timeout=2) as r:
                     if r.status == 200:
@@ -155,8 +164,9 @@ class LocalServer:
             pass
 
 
-def launch_servers(n: int, model_path: str, *, args: list[str] = (), token: str | None = None,
-                   timeout_s: float = 180.0) -> list[LocalServer]:
+def launch_servers(
+    n: int, model_path: str, *, args: list[str] = (), token: str | None = None, timeout_s: float = 180.0
+) -> list[LocalServer]:
     """Start ``n`` local servers on free ports and wait until every one answers /health.
     ``token``: required on every route."""
     servers = []
@@ -178,12 +188,23 @@ def vllm_command(program: list[str], model_path: str, socket_path: str, args: li
     environment), listening on the Unix socket ``socket_path`` only (its key guards /v1 alone: strop's token
     guard stands in front). ``program``: what starts it, e.g.
     ``[".../bin/python", "-m", "vllm.entrypoints.openai.api_server"]``."""
-    return [*program, "--model", model_path, "--uds", socket_path, "--logprobs-mode", "processed_logprobs",
-            "--worker-extension-cls", "strop.serving.vllm_worker.StropWorkerExtension", *args]
+    return [
+        *program,
+        "--model",
+        model_path,
+        "--uds",
+        socket_path,
+        "--logprobs-mode",
+        "processed_logprobs",
+        "--worker-extension-cls",
+        "strop.serving.vllm_worker.StropWorkerExtension",
+        *args,
+    ]
 
 
-def sglang_command(program: list[str], model_path: str, host: str, port: int, config: str, args: list[str] = ()
-                   ) -> list[str]:
+def sglang_command(
+    program: list[str], model_path: str, host: str, port: int, config: str, args: list[str] = ()
+) -> list[str]:
     """One SGLang server as strop drives it. Its API key (which every route but /health, /ready and /metrics then
     requires) cannot come from the environment: it is in ``config``, a YAML file of SGLang's ``--config`` that only
     this user can read (:func:`write_sglang_config`), never in argv. ``program``: what starts it, e.g.
@@ -199,8 +220,16 @@ def write_sglang_config(path: Path, api_key: str) -> str:
     return str(path)
 
 
-def engine_server(kind: str, program: list[str], model_path: str, host: str, port: int, token: str,
-                  args: list[str] = (), env: dict[str, str] | None = None) -> LocalServer:
+def engine_server(
+    kind: str,
+    program: list[str],
+    model_path: str,
+    host: str,
+    port: int,
+    token: str,
+    args: list[str] = (),
+    env: dict[str, str] | None = None,
+) -> LocalServer:
     """A vLLM or SGLang server as strop launches it (not started yet): strop's token guard on ``host:port``,
     which refuses every request without ``token``, and the engine behind it where only this user's processes
     reach it, with its own key set too. vLLM listens on a Unix socket in a 0700 folder of its own; SGLang,
@@ -211,18 +240,30 @@ def engine_server(kind: str, program: list[str], model_path: str, host: str, por
         sock = private / "engine.sock"
         if len(str(sock).encode()) > 107:  # sun_path's size on Linux, with its NUL
             shutil.rmtree(private)
-            raise ValueError(f"vLLM's socket path {sock} is over the 107 bytes a Unix socket takes: set TMPDIR "
-                             "to a shorter folder")
+            raise ValueError(
+                f"vLLM's socket path {sock} is over the 107 bytes a Unix socket takes: set TMPDIR to a shorter folder"
+            )
         command, upstream = vllm_command(program, model_path, str(sock), args), f"unix:{sock}"
         own = {"VLLM_API_KEY": token, "VLLM_SERVER_DEV_MODE": "1"}
     elif kind == "sglang":  # its API key in a file of SGLang's --config, deleted once it answers
         inner = free_port()
         config = write_sglang_config(private / "server.yaml", token)
-        command, upstream, own = sglang_command(program, model_path, "127.0.0.1", inner, config, args), \
-            f"127.0.0.1:{inner}", {}
+        command, upstream, own = (
+            sglang_command(program, model_path, "127.0.0.1", inner, config, args),
+            f"127.0.0.1:{inner}",
+            {},
+        )
     else:
         shutil.rmtree(private)
         raise ValueError(f"engine kind {kind!r}: strop launches a guarded 'vllm' or 'sglang' server")
-    return LocalServer(model_path, port, list(args), own | dict(env or {}), host=host, command=command,
-                       upstream=upstream, token=token, private_dir=private)
-
+    return LocalServer(
+        model_path,
+        port,
+        list(args),
+        own | dict(env or {}),
+        host=host,
+        command=command,
+        upstream=upstream,
+        token=token,
+        private_dir=private,
+    )

@@ -29,9 +29,17 @@ MAX_STICKY_KEYS = 4096  # affinity keys remembered (least recently used forgotte
 class Router(EngineHealth):
     """Routes requests over ``engines`` and keeps their health states (see the module docstring)."""
 
-    def __init__(self, engines: list, *, sync: WeightSync | None = None, max_attempts: int | None = None,
-                 health_interval_s: float = 2.0, affinity: bool = False, print_events: bool = True,
-                 drain_timeout_s: float = 600.0):
+    def __init__(
+        self,
+        engines: list,
+        *,
+        sync: WeightSync | None = None,
+        max_attempts: int | None = None,
+        health_interval_s: float = 2.0,
+        affinity: bool = False,
+        print_events: bool = True,
+        drain_timeout_s: float = 600.0,
+    ):
         """``sync``: how weights reach the engines (a transport of :mod:`strop.sync`, chosen by
         :func:`strop.sync.choose.choose_sync`); None: the router takes no weight update."""
         if not engines:
@@ -89,14 +97,22 @@ class Router(EngineHealth):
                     self.mark_down(i, f"its weight version could not be read at start: {exc}")
                     continue
                 if held != self.weight_version:
-                    self.mark_down(i, f"holds weight version {held} at start (an earlier run's weights?), the "
-                                    f"router's is {self.weight_version}")
+                    self.mark_down(
+                        i,
+                        f"holds weight version {held} at start (an earlier run's weights?), the "
+                        f"router's is {self.weight_version}",
+                    )
                 else:
                     self.held_version[i] = held
             self._started = True
 
-    async def generate(self, prompt_ids: list[int], sampling: SamplingParams, request_id: str | None = None,
-                       affinity: str | None = None) -> Completion:
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        request_id: str | None = None,
+        affinity: str | None = None,
+    ) -> Completion:
         if not self._started:
             await self._start()
         self._ensure_health_loop()
@@ -148,8 +164,9 @@ class Router(EngineHealth):
 
     # ---- the rest of the Engine interface ------------------------------------------------------------
     async def abort_all(self) -> None:
-        await asyncio.gather(*(e.abort_all() for i, e in enumerate(self.engines) if self.state[i] == HEALTHY),
-                             return_exceptions=True)
+        await asyncio.gather(
+            *(e.abort_all() for i, e in enumerate(self.engines) if self.state[i] == HEALTHY), return_exceptions=True
+        )
 
     async def health(self) -> bool:
         await self.check_health()

@@ -16,23 +16,41 @@ from pathlib import Path
 from strop.engines.http import HTTPEngine
 from strop.sync.disk import WeightWriter
 from strop.types import Completion, SamplingParams
-from strop.wire.errors import EngineReceiptError, EngineRequestError, EngineUnavailable, EngineVersionError, parse_weight_version
+from strop.wire.errors import (
+    EngineReceiptError,
+    EngineRequestError,
+    EngineUnavailable,
+    EngineVersionError,
+    parse_weight_version,
+)
 
 
 MIN_SGLANG = "0.5.23"  # the first release with the weight-update session (begin/end_weight_update)
 
 
 def _release(version: str) -> tuple[int, ...]:
-    """"0.5.23.post1" -> (0, 5, 23): the numeric release, for comparing server versions."""
-    return tuple(int(p) for p in re.match(r"\d+(?:\.\d+)*", version.strip()).group(0).split(".")) \
-        if re.match(r"\d", version.strip()) else ()
+    """ "0.5.23.post1" -> (0, 5, 23): the numeric release, for comparing server versions."""
+    return (
+        tuple(int(p) for p in re.match(r"\d+(?:\.\d+)*", version.strip()).group(0).split("."))
+        if re.match(r"\d", version.strip())
+        else ()
+    )
 
 
 class SGLangEngine(HTTPEngine):
     """An SGLang (or ``strop serve``) server at ``url`` as an Engine."""
 
-    def __init__(self, url: str, *, timeout_s: float = 600.0, retries: int = 3, backoff_s: float = 0.25,
-                 token: str | None = None, writer: WeightWriter | None = None, require_checksum: bool = False):
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout_s: float = 600.0,
+        retries: int = 3,
+        backoff_s: float = 0.25,
+        token: str | None = None,
+        writer: WeightWriter | None = None,
+        require_checksum: bool = False,
+    ):
         """``require_checksum``: a weight load must come back with the checksum of what the engine loaded
         (strop serve reports it; SGLang does not, and proves receipt by the version it reports).
         ``writer``: where :meth:`update_weights` writes the weights it loads (a router's transport writes its own)."""
@@ -46,32 +64,48 @@ class SGLangEngine(HTTPEngine):
     def __repr__(self) -> str:
         return f"SGLangEngine({self.url})"
 
-    async def generate(self, prompt_ids: list[int], sampling: SamplingParams,
-                       request_id: str | None = None) -> Completion:
-        sp = {"temperature": sampling.temperature, "top_p": sampling.top_p,
-              "top_k": sampling.top_k if sampling.top_k > 0 else -1, "max_new_tokens": sampling.max_new_tokens,
-              "no_stop_trim": True, "skip_special_tokens": False}
+    async def generate(
+        self, prompt_ids: list[int], sampling: SamplingParams, request_id: str | None = None
+    ) -> Completion:
+        sp = {
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "top_k": sampling.top_k if sampling.top_k > 0 else -1,
+            "max_new_tokens": sampling.max_new_tokens,
+            "no_stop_trim": True,
+            "skip_special_tokens": False,
+        }
         if sampling.stop_token_ids:
             sp["stop_token_ids"] = list(sampling.stop_token_ids)
         if sampling.seed is not None:
             sp["sampling_seed"] = sampling.seed
-        body = {"input_ids": list(prompt_ids), "sampling_params": sp, "return_logprob": True,
-                "rid": request_id or uuid.uuid4().hex}
+        body = {
+            "input_ids": list(prompt_ids),
+            "sampling_params": sp,
+            "return_logprob": True,
+            "rid": request_id or uuid.uuid4().hex,
+        }
         out = await self._call("POST", "/generate", json=body)
         return parse_generate(out, self.url)
 
     async def score(self, ids: list[int]) -> list[float]:
         """The engine's logprob of each token of ``ids`` after the first, given the ones before it (SGLang's
         ``input_token_logprobs`` from ``logprob_start_len: 0``, temperature 1)."""
-        body = {"input_ids": list(ids), "return_logprob": True, "logprob_start_len": 0, "rid": uuid.uuid4().hex,
-                "sampling_params": {"max_new_tokens": 1, "temperature": 1.0}}
+        body = {
+            "input_ids": list(ids),
+            "return_logprob": True,
+            "logprob_start_len": 0,
+            "rid": uuid.uuid4().hex,
+            "sampling_params": {"max_new_tokens": 1, "temperature": 1.0},
+        }
         out = await self._call("POST", "/generate", json=body)
         try:
             entries = out["meta_info"]["input_token_logprobs"]
             scored = [float(e[0]) for e in entries if e[0] is not None]
         except (KeyError, TypeError, ValueError, IndexError) as exc:
-            raise EngineRequestError(f"{self.url}: no input_token_logprobs in the /generate answer ({exc}): "
-                                     f"{str(out)[:300]}") from None
+            raise EngineRequestError(
+                f"{self.url}: no input_token_logprobs in the /generate answer ({exc}): {str(out)[:300]}"
+            ) from None
         if len(scored) != len(ids) - 1:
             raise EngineRequestError(f"{self.url}: scored {len(scored)} of the probe's {len(ids) - 1} tokens")
         return scored
@@ -104,8 +138,9 @@ class SGLangEngine(HTTPEngine):
         self.weight_version = parse_weight_version(out["weight_version"], self.url)
         return self.weight_version
 
-    async def load_weights(self, path: str | Path, version: int, checksum: str | None = None,
-                           digests: dict[str, str] | None = None) -> int:
+    async def load_weights(
+        self, path: str | Path, version: int, checksum: str | None = None, digests: dict[str, str] | None = None
+    ) -> int:
         """Tell the engine to load ``path`` as ``version``; return the version it then reports holding.
         Receipt: the checksum it reports must be the trainer's (required with ``require_checksum``),
         and the version it reports (in the answer, else read back) must be ``version``. With
@@ -118,10 +153,15 @@ class SGLangEngine(HTTPEngine):
             raise EngineRequestError(f"{self.url}: update_weights_from_disk failed: {out.get('message')}")
         reported = out.get("checksum")
         if checksum is not None and (reported is not None or self.require_checksum) and reported != checksum:
-            raise EngineRequestError(f"{self.url}: weights of version {version} arrived with checksum "
-                                     f"{reported}, the trainer's is {checksum}")
-        held = (parse_weight_version(out["weight_version"], self.url) if "weight_version" in out
-                else await self.get_weight_version())
+            raise EngineRequestError(
+                f"{self.url}: weights of version {version} arrived with checksum "
+                f"{reported}, the trainer's is {checksum}"
+            )
+        held = (
+            parse_weight_version(out["weight_version"], self.url)
+            if "weight_version" in out
+            else await self.get_weight_version()
+        )
         self.weight_version = held
         if held != version:
             raise EngineVersionError(f"{self.url}: asked to load weight version {version}, reports {held}")
@@ -130,9 +170,19 @@ class SGLangEngine(HTTPEngine):
     # ---- broadcast sync, through SGLang's routes (strop serve answers the same ones) -------------------
     async def join_group(self, host: str, port: int, rank: int, world: int, backend: str, name: str) -> None:
         """Join the trainer's weight-update group as rank ``rank`` (returns once every rank joined)."""
-        await self._call("POST", "/init_weights_update_group",
-                         json={"master_address": host, "master_port": port, "rank_offset": rank, "world_size": world,
-                               "group_name": name, "backend": backend}, retries=0)
+        await self._call(
+            "POST",
+            "/init_weights_update_group",
+            json={
+                "master_address": host,
+                "master_port": port,
+                "rank_offset": rank,
+                "world_size": world,
+                "group_name": name,
+                "backend": backend,
+            },
+            retries=0,
+        )
 
     async def leave_group(self, name: str) -> None:
         """Destroy this engine's side of the weight-update group ``name`` (SGLang's route)."""
@@ -155,12 +205,16 @@ class SGLangEngine(HTTPEngine):
             return
         version = str(info["version"])
         if () < _release(version) < _release(MIN_SGLANG):
-            raise EngineRequestError(f"{self.url}: SGLang {version} has no weight-update session (begin_weight_update, "
-                                     f"SGLang >= {MIN_SGLANG}), which strop's broadcast needs: upgrade the server, or "
-                                     "use engine.sync=disk")
+            raise EngineRequestError(
+                f"{self.url}: SGLang {version} has no weight-update session (begin_weight_update, "
+                f"SGLang >= {MIN_SGLANG}), which strop's broadcast needs: upgrade the server, or "
+                "use engine.sync=disk"
+            )
         if int(info.get("dp_size") or 1) > 1:
-            raise EngineRequestError(f"{self.url}: SGLang {version} runs dp_size={info['dp_size']}, and refuses "
-                                     "weight-update groups then: run one server per replica, or use engine.sync=disk")
+            raise EngineRequestError(
+                f"{self.url}: SGLang {version} runs dp_size={info['dp_size']}, and refuses "
+                "weight-update groups then: run one server per replica, or use engine.sync=disk"
+            )
         self.group_ranks = int(info.get("tp_size") or 1)
 
     async def weights_manifest(self) -> list[tuple[str, str, tuple[int, ...]]] | None:
@@ -175,7 +229,9 @@ class SGLangEngine(HTTPEngine):
         try:
             return [(n, d, tuple(s)) for n, d, s in zip(out["names"], out["dtypes"], out["shapes"], strict=True)]
         except (KeyError, TypeError, ValueError) as exc:
-            raise EngineRequestError(f"{self.url}/weights_manifest: unreadable answer ({exc}): {str(out)[:200]}") from None
+            raise EngineRequestError(
+                f"{self.url}/weights_manifest: unreadable answer ({exc}): {str(out)[:200]}"
+            ) from None
 
     async def pause(self, mode: str) -> None:
         """Stop generating for an update (SGLang's modes: abort, retract, in_place)."""
@@ -190,8 +246,10 @@ class SGLangEngine(HTTPEngine):
             out = await self._call("POST", "/begin_weight_update", json={}, timeout=60, retries=0)
         except EngineRequestError as exc:
             if "HTTP 404" in str(exc):
-                raise EngineRequestError(f"{self.url} has no /begin_weight_update (SGLang before {MIN_SGLANG}?): "
-                                         "strop's broadcast needs it; upgrade the server, or use engine.sync=disk") from exc
+                raise EngineRequestError(
+                    f"{self.url} has no /begin_weight_update (SGLang before {MIN_SGLANG}?): "
+                    "strop's broadcast needs it; upgrade the server, or use engine.sync=disk"
+                ) from exc
             raise
         self._check(out, "begin_weight_update")
 
@@ -199,10 +257,15 @@ class SGLangEngine(HTTPEngine):
         """Post one bucket's names, dtypes and shapes; the engine then joins the trainer's broadcast of it.
         The version labels the weights with the last bucket only (a failed update keeps the old label), and
         the cache is flushed with it."""
-        body = bucket.payload() | {"group_name": group_name, "flush_cache": last,
-                                   "weight_version": str(version) if last and version is not None else None}
-        self._check(await self._call("POST", "/update_weights_from_distributed", json=body, retries=0),
-                    "update_weights_from_distributed")
+        body = bucket.payload() | {
+            "group_name": group_name,
+            "flush_cache": last,
+            "weight_version": str(version) if last and version is not None else None,
+        }
+        self._check(
+            await self._call("POST", "/update_weights_from_distributed", json=body, retries=0),
+            "update_weights_from_distributed",
+        )
 
     async def end_update(self, version: int) -> None:
         out = await self._call("POST", "/end_weight_update", json={}, timeout=300, retries=0)
@@ -253,5 +316,6 @@ def parse_generate(out: dict, where: str) -> Completion:
     except EngineVersionError:
         raise
     except (KeyError, TypeError, ValueError, IndexError) as exc:
-        raise EngineRequestError(f"{where}: unexpected /generate answer ({type(exc).__name__}: {exc}): "
-                                 f"{str(out)[:300]}") from None
+        raise EngineRequestError(
+            f"{where}: unexpected /generate answer ({type(exc).__name__}: {exc}): {str(out)[:300]}"
+        ) from None

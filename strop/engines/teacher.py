@@ -16,9 +16,11 @@ from strop.types import Sample
 from strop.wire.errors import EngineRefusedError, EngineRequestError, EngineUnavailable
 
 # the probe's fixed part: words, digits, code, runs of spaces and newlines, accents and other scripts
-PROBE_TEXT = ("The quick brown fox jumps over the lazy dog. 0123456789 3.14159 -42 1e-5\n"
-              "def f(x):\n    return {'a': [x, x ** 2]}  # comment\n\t\n  \n"
-              "naïve café Ærøskøbing, Ελληνικά, русский, 中文字符, 日本語, 한국어, العربية, हिन्दी, 🙂👍\n")
+PROBE_TEXT = (
+    "The quick brown fox jumps over the lazy dog. 0123456789 3.14159 -42 1e-5\n"
+    "def f(x):\n    return {'a': [x, x ** 2]}  # comment\n\t\n  \n"
+    "naïve café Ærøskøbing, Ελληνικά, русский, 中文字符, 日本語, 한국어, العربية, हिन्दी, 🙂👍\n"
+)
 PROBE_PIECES = 256  # tokens of the student's vocabulary, evenly spread over its ids, added to the probe as text
 
 
@@ -48,8 +50,9 @@ class RemoteTeacher:
         return f"RemoteTeacher({self.kind} at {self.url})"
 
     def _client(self):
-        return (VLLMEngine if self.kind == "vllm" else SGLangEngine)(self.url, timeout_s=self.timeout_s,
-                                                                     token=self._token)
+        return (VLLMEngine if self.kind == "vllm" else SGLangEngine)(
+            self.url, timeout_s=self.timeout_s, token=self._token
+        )
 
     def __call__(self, samples: list[Sample]) -> list[list[float]]:
         return asyncio.run(self._score(samples))
@@ -60,7 +63,7 @@ class RemoteTeacher:
             scored = await asyncio.gather(*[client.score(s.prompt_ids + s.response_ids) for s in samples])
         finally:
             await client.close()
-        return [lp[len(s.prompt_ids) - 1:] for s, lp in zip(samples, scored)]
+        return [lp[len(s.prompt_ids) - 1 :] for s, lp in zip(samples, scored)]
 
     def check_tokenizer(self, tokenizer, student: str = "the student") -> None:
         """Refuse (a ConfigError naming the teacher's URL and the first difference) a teacher whose tokenizer
@@ -72,27 +75,33 @@ class RemoteTeacher:
         try:
             theirs = asyncio.run(self._tokenize(text))
         except (EngineUnavailable, EngineRequestError) as exc:
-            hint = (": give its token as algo.distill_teacher_token (best as the environment variable "
-                    "STROP_TEACHER_TOKEN)" if isinstance(exc, EngineRefusedError) and exc.status in (401, 403) else "")
-            raise ConfigError(f"{where}: the teacher's tokenizer could not be compared with the student's "
-                              f"({exc}){hint}") from None
+            hint = (
+                ": give its token as algo.distill_teacher_token (best as the environment variable STROP_TEACHER_TOKEN)"
+                if isinstance(exc, EngineRefusedError) and exc.status in (401, 403)
+                else ""
+            )
+            raise ConfigError(
+                f"{where}: the teacher's tokenizer could not be compared with the student's ({exc}){hint}"
+            ) from None
         if theirs == mine:
             return
         k = next((j for j, (a, b) in enumerate(zip(theirs, mine)) if a != b), min(len(theirs), len(mine)))
-        piece = tokenizer.decode(mine[k:k + 1]) if k < len(mine) else "(the end of the text)"
+        piece = tokenizer.decode(mine[k : k + 1]) if k < len(mine) else "(the end of the text)"
         raise ConfigError(
             f"{where} has another tokenizer than {student}: a probe text is {len(theirs)} tokens for the teacher "
             f"and {len(mine)} for the student; they first differ at token {k}: the teacher's id "
             f"{theirs[k] if k < len(theirs) else '(none)'}, the student's "
             f"{mine[k] if k < len(mine) else '(none)'} ({piece!r}). A teacher scores the student's token ids, so "
-            "both must share a tokenizer")
+            "both must share a tokenizer"
+        )
 
     async def _tokenize(self, text: str) -> list[int]:
         """The teacher's ids of ``text`` (``POST /tokenize``, the same request for strop serve, SGLang and vLLM)."""
         client = self._client()
         try:
-            out = await client._call("POST", "/tokenize", json={"prompt": text, "add_special_tokens": False},
-                                     timeout=60)
+            out = await client._call(
+                "POST", "/tokenize", json={"prompt": text, "add_special_tokens": False}, timeout=60
+            )
         finally:
             await client.close()
         ids = out.get("tokens")

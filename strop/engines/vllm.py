@@ -31,7 +31,13 @@ from pathlib import Path
 
 from strop.engines.sglang import SGLangEngine
 from strop.types import Completion, SamplingParams
-from strop.wire.errors import EngineReceiptError, EngineRequestError, EngineUnavailable, EngineVersionError, parse_weight_version
+from strop.wire.errors import (
+    EngineReceiptError,
+    EngineRequestError,
+    EngineUnavailable,
+    EngineVersionError,
+    parse_weight_version,
+)
 
 
 EXTENSION = "strop.serving.vllm_worker.StropWorkerExtension"
@@ -60,12 +66,21 @@ class VLLMEngine(SGLangEngine):
             self.model = out["data"][0]["id"]
         return self.model
 
-    async def generate(self, prompt_ids: list[int], sampling: SamplingParams,
-                       request_id: str | None = None) -> Completion:
-        body = {"model": await self._model_name(), "prompt": list(prompt_ids), "max_tokens": sampling.max_new_tokens,
-                "temperature": sampling.temperature, "top_p": sampling.top_p,
-                "top_k": sampling.top_k if sampling.top_k > 0 else -1, "logprobs": 0, "return_token_ids": True,
-                "skip_special_tokens": False, "ignore_eos": not sampling.stop_token_ids}
+    async def generate(
+        self, prompt_ids: list[int], sampling: SamplingParams, request_id: str | None = None
+    ) -> Completion:
+        body = {
+            "model": await self._model_name(),
+            "prompt": list(prompt_ids),
+            "max_tokens": sampling.max_new_tokens,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "top_k": sampling.top_k if sampling.top_k > 0 else -1,
+            "logprobs": 0,
+            "return_token_ids": True,
+            "skip_special_tokens": False,
+            "ignore_eos": not sampling.stop_token_ids,
+        }
         if sampling.stop_token_ids:
             body["stop_token_ids"] = [t for t in sampling.stop_token_ids if t >= 0]
         if sampling.seed is not None:  # (a per-request seed needs --max-num-batched-tokens large enough on CPU)
@@ -79,8 +94,14 @@ class VLLMEngine(SGLangEngine):
 
     async def top_logprobs(self, prompt_ids: list[int], temperature: float, k: int = 8) -> dict[int, float]:
         """The top-k logprobs the server reports for the first generated position."""
-        body = {"model": await self._model_name(), "prompt": list(prompt_ids), "max_tokens": 1,
-                "temperature": temperature, "logprobs": k, "return_token_ids": True}
+        body = {
+            "model": await self._model_name(),
+            "prompt": list(prompt_ids),
+            "max_tokens": 1,
+            "temperature": temperature,
+            "logprobs": k,
+            "return_token_ids": True,
+        }
         out = await self._call("POST", "/v1/completions", json=body)
         top = out["choices"][0]["logprobs"]["top_logprobs"][0]
         return {str(t): float(v) for t, v in top.items()}
@@ -88,15 +109,21 @@ class VLLMEngine(SGLangEngine):
     async def score(self, ids: list[int]) -> list[float]:
         """The engine's logprob of each token of ``ids`` after the first, given the ones before it (vLLM's
         ``prompt_logprobs``: each position lists the prompt's own token; temperature 1)."""
-        body = {"model": await self._model_name(), "prompt": list(ids), "max_tokens": 1, "temperature": 1.0,
-                "prompt_logprobs": 0}
+        body = {
+            "model": await self._model_name(),
+            "prompt": list(ids),
+            "max_tokens": 1,
+            "temperature": 1.0,
+            "prompt_logprobs": 0,
+        }
         out = await self._call("POST", "/v1/completions", json=body)
         try:
             positions = out["choices"][0]["prompt_logprobs"][1:]  # (the first token has none)
             scored = [float(at[str(t)]["logprob"]) for t, at in zip(ids[1:], positions)]
         except (KeyError, TypeError, ValueError, IndexError) as exc:
-            raise EngineRequestError(f"{self.url}: no prompt_logprobs in the /v1/completions answer ({exc!r}): "
-                                     f"{str(out)[:300]}") from None
+            raise EngineRequestError(
+                f"{self.url}: no prompt_logprobs in the /v1/completions answer ({exc!r}): {str(out)[:300]}"
+            ) from None
         if len(scored) != len(ids) - 1:
             raise EngineRequestError(f"{self.url}: scored {len(scored)} of the probe's {len(ids) - 1} tokens")
         return scored
@@ -115,14 +142,19 @@ class VLLMEngine(SGLangEngine):
         if shared and all(abs(at_one[t] - at_half[t]) < 1e-6 for t in shared):
             raise EngineRequestError(
                 f"{self.url}: vLLM reports raw logprobs (temperature ignored), but this run samples at temperature "
-                f"{temperature}: start the server with --logprobs-mode processed_logprobs")
+                f"{temperature}: start the server with --logprobs-mode processed_logprobs"
+            )
 
     async def load_weights(self, path: str | Path, version: int, checksum: str | None = None) -> int:
         """Reload from ``path``, reset the prefix cache, label the weights ``version`` and read the label
         back (``/update_weight_version``, ``/weight_info``: vLLM 0.32+, dev mode). vLLM reports no
         checksum strop can compare: receipt is the version the server reports holding."""
-        await self._call("POST", "/collective_rpc", json={"method": "reload_weights",
-                                                          "kwargs": {"weights_path": str(path)}}, retries=1)
+        await self._call(
+            "POST",
+            "/collective_rpc",
+            json={"method": "reload_weights", "kwargs": {"weights_path": str(path)}},
+            retries=1,
+        )
         await self._reset_prefix_cache()
         return await self._label(version)
 
@@ -146,9 +178,11 @@ class VLLMEngine(SGLangEngine):
                 return
             if attempt + 1 < self.reset_cache_attempts:
                 await asyncio.sleep(self.backoff_s * 2**attempt)
-        raise EngineRequestError(f"{self.url}: /reset_prefix_cache still answers success=false after "
-                                 f"{self.reset_cache_attempts} attempts (blocks still held by running requests): "
-                                 "the old weights' KV cache would serve the new weights")
+        raise EngineRequestError(
+            f"{self.url}: /reset_prefix_cache still answers success=false after "
+            f"{self.reset_cache_attempts} attempts (blocks still held by running requests): "
+            "the old weights' KV cache would serve the new weights"
+        )
 
     # --- broadcast through strop's worker extension (strop.serving.vllm_worker) ---
 
@@ -161,13 +195,19 @@ class VLLMEngine(SGLangEngine):
         try:
             # a connection of its own: vLLM 0.32 closes the connection after an RPC that raised (uvicorn
             # sees the exception after the 500 went out), and the next request on it would fail
-            r = await self._http().post(self.url + "/collective_rpc", json=body, headers={"Connection": "close"},
-                                        timeout=timeout if timeout is not None else self.timeout_s)
+            r = await self._http().post(
+                self.url + "/collective_rpc",
+                json=body,
+                headers={"Connection": "close"},
+                timeout=timeout if timeout is not None else self.timeout_s,
+            )
         except (httpx.TransportError, OSError) as exc:
             raise EngineUnavailable(f"{self.url}/collective_rpc {method}: {type(exc).__name__}: {exc}") from exc
         if r.status_code == 404:
-            raise EngineRequestError(f"{self.url}: no /collective_rpc route: start vLLM with VLLM_SERVER_DEV_MODE=1 "
-                                     f"(and --worker-extension-cls {EXTENSION}), or use engine.sync=disk")
+            raise EngineRequestError(
+                f"{self.url}: no /collective_rpc route: start vLLM with VLLM_SERVER_DEV_MODE=1 "
+                f"(and --worker-extension-cls {EXTENSION}), or use engine.sync=disk"
+            )
         if r.status_code >= 400:
             text = r.text
             # vLLM 0.32's worker answers AttributeError "... has no attribute 'strop_x'" (an in-process
@@ -188,8 +228,10 @@ class VLLMEngine(SGLangEngine):
             version = (await self._call("GET", "/version", timeout=10, retries=1)).get("version", "unknown")
         except (EngineRequestError, EngineUnavailable):
             version = "unknown"
-        return (f"{self.url}: vLLM {version} has no strop worker extension ({method!r} is not a worker method), "
-                f"so it cannot receive weights by broadcast: {NO_EXTENSION_FALLBACK}")
+        return (
+            f"{self.url}: vLLM {version} has no strop worker extension ({method!r} is not a worker method), "
+            f"so it cannot receive weights by broadcast: {NO_EXTENSION_FALLBACK}"
+        )
 
     async def check_broadcast(self) -> list[dict]:
         """Refuse, naming the engine, its vLLM version and the fallback, an engine without the extension.
@@ -202,8 +244,17 @@ class VLLMEngine(SGLangEngine):
     async def join_group(self, host: str, port: int, rank: int, world: int, backend: str, name: str) -> None:
         # the worker waits for the group as long as this client waits for any answer; the HTTP wait is a
         # little longer, so a group that never forms comes back as the worker's error, not a client timeout
-        await self._rpc("strop_join_group", timeout=self.timeout_s + 30, host=host, port=port, rank_offset=rank,
-                        world=world, backend=backend, name=name, timeout_s=self.timeout_s)
+        await self._rpc(
+            "strop_join_group",
+            timeout=self.timeout_s + 30,
+            host=host,
+            port=port,
+            rank_offset=rank,
+            world=world,
+            backend=backend,
+            name=name,
+            timeout_s=self.timeout_s,
+        )
 
     async def leave_group(self, name: str) -> None:
         await self._rpc("strop_leave_group", timeout=30, name=name)
@@ -233,8 +284,12 @@ class VLLMEngine(SGLangEngine):
     async def receive_bucket(self, bucket, group_name: str, version: int | None, last: bool) -> None:
         """Receive one bucket, concurrently with the trainer's broadcast of it (SGLang's fields; the
         version travels with the last bucket only)."""
-        meta = {**bucket.payload(), "group_name": group_name, "flush_cache": last,
-                "weight_version": str(version) if last and version is not None else None}
+        meta = {
+            **bucket.payload(),
+            "group_name": group_name,
+            "flush_cache": last,
+            "weight_version": str(version) if last and version is not None else None,
+        }
         await self._rpc("strop_receive_bucket", timeout=self.timeout_s + 30, meta=json.dumps(meta))
 
     async def end_update(self, version: int) -> None:
@@ -254,7 +309,8 @@ class VLLMEngine(SGLangEngine):
                 raise EngineReceiptError(
                     f"{self.url}: the last update did not write every parameter of the model "
                     f"({r.get('n_missing')} not written, e.g. {r.get('missing')}; {r.get('buckets')} buckets received"
-                    f"{', still open' if r.get('open') else ''}): it would serve stale weights")
+                    f"{', still open' if r.get('open') else ''}): it would serve stale weights"
+                )
         checksums = {r["checksum"] for r in answers}
         if len(checksums) != 1 or len({r["version"] for r in answers}) != 1:
             raise EngineReceiptError(f"{self.url}: its workers received different updates: {answers}")
@@ -293,5 +349,6 @@ def parse_completion(out: dict, where: str, version: int) -> Completion:
             raise ValueError(f"{len(ids)} token ids but {len(logprobs)} logprobs")
         return Completion(ids, logprobs, finish, version)
     except (KeyError, TypeError, ValueError, IndexError) as exc:
-        raise EngineRequestError(f"{where}: unexpected /v1/completions answer ({type(exc).__name__}: {exc}): "
-                                 f"{str(out)[:300]}") from None
+        raise EngineRequestError(
+            f"{where}: unexpected /v1/completions answer ({type(exc).__name__}: {exc}): {str(out)[:300]}"
+        ) from None

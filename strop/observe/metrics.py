@@ -70,19 +70,24 @@ def rollout_metrics(groups, seconds: float) -> dict:
     samples = [s for g in groups for s in g]
     rewards = [s.reward for s in samples if s.reward is not None]
     lengths = [s.response_length for s in samples]
-    return {
-        "reward_mean": statistics.fmean(rewards) if rewards else float("nan"),
-        "accuracy": sum(r >= 1.0 for r in rewards) / max(len(rewards), 1),
-        "response_length_mean": statistics.fmean(lengths),
-        "response_length_min": min(lengths),
-        "response_length_max": max(lengths),
-        "truncated_fraction": sum(s.status.value == "truncated" for s in samples) / len(samples),
-        "failed_fraction": sum(s.status.value == "failed" for s in samples) / len(samples),
-        "aborted_fraction": sum(s.status.value == "aborted" for s in samples) / len(samples),
-        "zero_advantage_group_fraction": sum(len({s.reward for s in g}) == 1 for g in groups) / len(groups),
-        "rollout_tokens_per_s": sum(lengths) / seconds,
-        "rollout_seconds": seconds,
-    } | failure_counts(samples) | tool_metrics(samples) | agent_metrics(samples)
+    return (
+        {
+            "reward_mean": statistics.fmean(rewards) if rewards else float("nan"),
+            "accuracy": sum(r >= 1.0 for r in rewards) / max(len(rewards), 1),
+            "response_length_mean": statistics.fmean(lengths),
+            "response_length_min": min(lengths),
+            "response_length_max": max(lengths),
+            "truncated_fraction": sum(s.status.value == "truncated" for s in samples) / len(samples),
+            "failed_fraction": sum(s.status.value == "failed" for s in samples) / len(samples),
+            "aborted_fraction": sum(s.status.value == "aborted" for s in samples) / len(samples),
+            "zero_advantage_group_fraction": sum(len({s.reward for s in g}) == 1 for g in groups) / len(groups),
+            "rollout_tokens_per_s": sum(lengths) / seconds,
+            "rollout_seconds": seconds,
+        }
+        | failure_counts(samples)
+        | tool_metrics(samples)
+        | agent_metrics(samples)
+    )
 
 
 def agent_metrics(samples) -> dict:
@@ -90,10 +95,12 @@ def agent_metrics(samples) -> dict:
     first = [s for s in samples if "agent_session" in s.metadata and s.metadata.get("segment", 0) == 0]
     if not first:
         return {}
-    out = {"agent_sessions_ended": len(first),
-           "agent_forks": sum(max(s.metadata.get("segments", 1) - 1, 0) for s in first),  # (0 segments: no call)
-           "agent_forked_session_fraction": sum(s.metadata.get("segments", 1) > 1 for s in first) / len(first),
-           "agent_calls_per_session": statistics.fmean(s.metadata.get("session_calls", 0) for s in first)}
+    out = {
+        "agent_sessions_ended": len(first),
+        "agent_forks": sum(max(s.metadata.get("segments", 1) - 1, 0) for s in first),  # (0 segments: no call)
+        "agent_forked_session_fraction": sum(s.metadata.get("segments", 1) > 1 for s in first) / len(first),
+        "agent_calls_per_session": statistics.fmean(s.metadata.get("session_calls", 0) for s in first),
+    }
     for state in sorted({s.metadata.get("session_state", "?") for s in first}):
         out[f"agent_sessions/{state}"] = sum(s.metadata.get("session_state") == state for s in first)
     return out
@@ -105,10 +112,13 @@ def tool_metrics(samples) -> dict:
     if not multi:
         return {}
     calls = [s.metadata["tool_calls"] for s in multi]
-    return {"tool_calls_mean": statistics.fmean(calls), "tool_calls_max": max(calls),
-            "tool_call_fraction": sum(c > 0 for c in calls) / len(multi),
-            "tool_errors_per_call": sum(s.metadata["tool_errors"] for s in multi) / max(sum(calls), 1),
-            "turns_mean": statistics.fmean(s.metadata["turns"] for s in multi)}
+    return {
+        "tool_calls_mean": statistics.fmean(calls),
+        "tool_calls_max": max(calls),
+        "tool_call_fraction": sum(c > 0 for c in calls) / len(multi),
+        "tool_errors_per_call": sum(s.metadata["tool_errors"] for s in multi) / max(sum(calls), 1),
+        "turns_mean": statistics.fmean(s.metadata["turns"] for s in multi),
+    }
 
 
 def failure_counts(samples) -> dict:
@@ -118,7 +128,9 @@ def failure_counts(samples) -> dict:
     for s in samples:
         if s.status.value == "failed":
             out["failed_samples"] += 1
-            why = f"failed/{s.metadata.get('error_stage', 'rollout')}/{s.metadata.get('error', 'unknown').split(':')[0]}"
+            why = (
+                f"failed/{s.metadata.get('error_stage', 'rollout')}/{s.metadata.get('error', 'unknown').split(':')[0]}"
+            )
             out[why] = out.get(why, 0) + 1
     return out
 
@@ -136,7 +148,9 @@ def run_summary(rows: list[dict], seconds: float, run_dir: Path) -> dict:
         "eval_accuracy_curve": evals,
         "reward_mean_first": train_rows[0]["reward_mean"] if train_rows else None,
         "reward_mean_last": train_rows[-1]["reward_mean"] if train_rows else None,
-        "max_train_rollout_logprob_abs_diff": max((r["train_rollout_logprob_abs_diff"] for r in train_rows), default=None),
+        "max_train_rollout_logprob_abs_diff": max(
+            (r["train_rollout_logprob_abs_diff"] for r in train_rows), default=None
+        ),
         "run_dir": str(run_dir),
     }
 
@@ -159,7 +173,9 @@ def plot_curves(rows: list[dict], path: Path) -> None:
     if train:
         ax.plot([r["step"] for r in train], [r["reward_mean"] for r in train], label="rollout reward (mean)")
     if evals:
-        ax.plot([r["step"] for r in evals], [r["eval_accuracy"] for r in evals], "o-", label="held-out accuracy (greedy)")
+        ax.plot(
+            [r["step"] for r in evals], [r["eval_accuracy"] for r in evals], "o-", label="held-out accuracy (greedy)"
+        )
     ax.set_xlabel("step")
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
@@ -179,8 +195,12 @@ class Progress:
         self.fields: dict = {}
 
     def update(self, n: int = 0, **fields) -> None:
-        self.fields.update({k: v for k, v in fields.items() if v is not None and not (isinstance(v, float) and math.isnan(v))})
-        self.bar.set_postfix({k: (f"{v:.3f}" if isinstance(v, float) else v) for k, v in self.fields.items()}, refresh=False)
+        self.fields.update(
+            {k: v for k, v in fields.items() if v is not None and not (isinstance(v, float) and math.isnan(v))}
+        )
+        self.bar.set_postfix(
+            {k: (f"{v:.3f}" if isinstance(v, float) else v) for k, v in self.fields.items()}, refresh=False
+        )
         self.bar.update(n)
         if n == 0:
             self.bar.refresh()
@@ -213,10 +233,16 @@ class StepStats:
 
     def policy_tokens(self, tok: dict, mask) -> None:
         """The per-token statistics of :func:`strop.algo.objective.policy_objective`, under their metric names."""
-        for name, key in (("clip_fraction_low", "clipped_low"), ("clip_fraction_high", "clipped_high"),
-                          ("dual_clip_fraction", "dual_clipped"), ("approx_kl_old", "approx_kl_old"),
-                          ("kl_ref", "kl_ref"), ("importance_weight_mean", "importance_weight"),
-                          ("mis_masked_fraction", "mis_dropped"), ("opsm_masked_fraction", "opsm_dropped")):
+        for name, key in (
+            ("clip_fraction_low", "clipped_low"),
+            ("clip_fraction_high", "clipped_high"),
+            ("dual_clip_fraction", "dual_clipped"),
+            ("approx_kl_old", "approx_kl_old"),
+            ("kl_ref", "kl_ref"),
+            ("importance_weight_mean", "importance_weight"),
+            ("mis_masked_fraction", "mis_dropped"),
+            ("opsm_masked_fraction", "opsm_dropped"),
+        ):
             if key in tok:
                 self.tok(name, tok[key], mask)
         self.max("importance_weight_max", (tok["importance_weight"] * mask).max().item())
@@ -248,8 +274,16 @@ class StepStats:
         return out | self.raw | self.maxes | self.lasts
 
 
-DEFAULT_PLOT_METRICS = ("reward_mean", "eval_accuracy", "response_length_mean", "entropy", "grad_norm",
-                        "train_rollout_logprob_abs_diff", "kl_ref", "step_seconds")
+DEFAULT_PLOT_METRICS = (
+    "reward_mean",
+    "eval_accuracy",
+    "response_length_mean",
+    "entropy",
+    "grad_norm",
+    "train_rollout_logprob_abs_diff",
+    "kl_ref",
+    "step_seconds",
+)
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -286,7 +320,7 @@ def plot_runs(run_dirs: list[Path], path: Path, metrics: list[str] | None = None
         ax.set_title(metric)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(metrics):]:
+    for ax in list(axes.flat)[len(metrics) :]:
         ax.set_visible(False)
     axes.flat[0].legend(fontsize=8)
     fig.tight_layout()

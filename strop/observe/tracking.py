@@ -27,16 +27,19 @@ def _need(module: str, extra: str):
     try:
         return importlib.import_module(module)
     except ImportError as exc:
-        raise MissingExtra(f"run.trackers includes {extra!r} but {module!r} is not installed: "
-                           f"pip install 'strop[{extra}]' (or remove it from run.trackers)") from exc
+        raise MissingExtra(
+            f"run.trackers includes {extra!r} but {module!r} is not installed: "
+            f"pip install 'strop[{extra}]' (or remove it from run.trackers)"
+        ) from exc
 
 
 class TensorBoard:
     def __init__(self, run_dir: Path, resume_step: int | None):
         tb = _need("torch.utils.tensorboard", "tensorboard")
         # purge_step: a resumed run rewrites the steps after its checkpoint; older events of them are hidden
-        self.writer = tb.SummaryWriter(str(Path(run_dir) / "tensorboard"),
-                                       purge_step=resume_step + 1 if resume_step is not None else None)
+        self.writer = tb.SummaryWriter(
+            str(Path(run_dir) / "tensorboard"), purge_step=resume_step + 1 if resume_step is not None else None
+        )
 
     def log(self, row: dict, step: int) -> None:
         for k, v in row.items():
@@ -65,21 +68,35 @@ class WandB:
         if "wandb_id" not in known:
             ids.write_text(json.dumps(known | {"wandb_id": run_id}))
         with redacted_argv():  # wandb records the command line
-            self.run = wandb.init(project=project, dir=str(run_dir), id=run_id, name=Path(run_dir).name, mode=mode,
-                                  config=config, resume="allow" if resume_step is not None else None)
+            self.run = wandb.init(
+                project=project,
+                dir=str(run_dir),
+                id=run_id,
+                name=Path(run_dir).name,
+                mode=mode,
+                config=config,
+                resume="allow" if resume_step is not None else None,
+            )
         if resume_step is not None:  # wandb keeps one value per step and only moves forward
-            print("strop: wandb: a resumed run continues the same wandb run; the steps it runs again after its "
-                  "checkpoint keep their first values there (metrics.jsonl and TensorBoard have the new ones)",
-                  flush=True)
+            print(
+                "strop: wandb: a resumed run continues the same wandb run; the steps it runs again after its "
+                "checkpoint keep their first values there (metrics.jsonl and TensorBoard have the new ones)",
+                flush=True,
+            )
 
     def log(self, row: dict, step: int) -> None:
-        clean = {k: v for k, v in row.items() if k != "step" and isinstance(v, (int, float))
-                 and not (isinstance(v, float) and math.isnan(v))}
+        clean = {
+            k: v
+            for k, v in row.items()
+            if k != "step" and isinstance(v, (int, float)) and not (isinstance(v, float) and math.isnan(v))
+        }
         self.run.log(clean, step=step)
 
     def samples(self, rows: list[dict], step: int) -> None:
-        table = self.wandb.Table(columns=["step", "prompt", "response", "reward", "status"],
-                                 data=[[step, r["prompt"], r["response"], r["reward"], r["status"]] for r in rows])
+        table = self.wandb.Table(
+            columns=["step", "prompt", "response", "reward", "status"],
+            data=[[step, r["prompt"], r["response"], r["reward"], r["status"]] for r in rows],
+        )
         self.run.log({"samples": table}, step=step)
 
     def close(self) -> None:
@@ -119,8 +136,15 @@ def require_trackers(names: list[str]) -> None:
         _need(EXTRAS[name], name)
 
 
-def open_trackers(names: list[str], run_dir: Path, config: dict, *, project: str = "strop",
-                  mode: str = "offline", resume_step: int | None = None) -> list:
+def open_trackers(
+    names: list[str],
+    run_dir: Path,
+    config: dict,
+    *,
+    project: str = "strop",
+    mode: str = "offline",
+    resume_step: int | None = None,
+) -> list:
     """The trackers ``names`` asks for; a missing package fails here, before any step runs."""
     out = []
     try:
@@ -143,7 +167,15 @@ def sample_rows(groups, tokenizer, n: int, step: int) -> list[dict]:
     for g in groups[:n]:
         s = g[0]
         prompt = s.prompt if isinstance(s.prompt, str) else tokenizer.decode(s.prompt_ids, skip_special_tokens=True)
-        rows.append({"step": step, "group_id": s.group_id, "prompt": prompt,
-                     "response": tokenizer.decode(s.response_ids, skip_special_tokens=True),
-                     "reward": s.reward, "status": s.status.value, "response_length": s.response_length})
+        rows.append(
+            {
+                "step": step,
+                "group_id": s.group_id,
+                "prompt": prompt,
+                "response": tokenizer.decode(s.response_ids, skip_special_tokens=True),
+                "reward": s.reward,
+                "status": s.status.value,
+                "response_length": s.response_length,
+            }
+        )
     return rows

@@ -37,11 +37,15 @@ def resolve_bucket_bytes(configured: int | None = None) -> int:
         except ValueError:
             raise ValueError(f"{source}={raw!r} is not an integer number of bytes") from None
     else:
-        value, source = (configured if configured is not None else DEFAULT_BUCKET_BYTES), "parallel.grad_reduce_bucket_bytes"
+        value, source = (
+            (configured if configured is not None else DEFAULT_BUCKET_BYTES),
+            "parallel.grad_reduce_bucket_bytes",
+        )
     if value < MIN_BUCKET_BYTES:
         raise ValueError(
             f"{source}={value} is below the 1 MiB minimum ({MIN_BUCKET_BYTES} bytes): buckets that small turn one "
-            "reduction into thousands of collectives, each paying the network latency, for no memory benefit")
+            "reduction into thousands of collectives, each paying the network latency, for no memory benefit"
+        )
     return value
 
 
@@ -63,8 +67,9 @@ def split_into_buckets(tensors: list[torch.Tensor], bucket_bytes: int) -> list[l
     return buckets
 
 
-def all_reduce_coalesced(tensors: list[torch.Tensor], *, op: str = "sum", bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                         group=None) -> None:
+def all_reduce_coalesced(
+    tensors: list[torch.Tensor], *, op: str = "sum", bucket_bytes: int = DEFAULT_BUCKET_BYTES, group=None
+) -> None:
     """All-reduce ``tensors`` in place through flat buffers of at most ``bucket_bytes``.
 
     ``op`` is "sum" or "avg" (the average divides the reduced sum by the group

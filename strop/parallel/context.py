@@ -58,8 +58,10 @@ class _Active:
         if dtype not in self._masks:
             p, mask = self.plan, self.plan.attention_mask
             blocks = (mask[:, :, : p.early, : p.early_keys], mask[:, :, p.early :, : p.late_keys])
-            self._masks[dtype] = tuple(torch.zeros(b.shape, dtype=dtype, device=b.device).masked_fill_(
-                ~b, torch.finfo(dtype).min) for b in blocks)
+            self._masks[dtype] = tuple(
+                torch.zeros(b.shape, dtype=dtype, device=b.device).masked_fill_(~b, torch.finfo(dtype).min)
+                for b in blocks
+            )
         return self._masks[dtype]
 
 
@@ -97,9 +99,17 @@ class ContextParallelPlan:
     masks them). Every rank builds the same plan from the same batch: no sizes travel.
     """
 
-    def __init__(self, segment_ids: torch.Tensor, position_ids: torch.Tensor,
-                 response_positions: torch.Tensor, group, response_mask: torch.Tensor | None = None,
-                 *, size: int | None = None, rank: int | None = None):
+    def __init__(
+        self,
+        segment_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        response_positions: torch.Tensor,
+        group,
+        response_mask: torch.Tensor | None = None,
+        *,
+        size: int | None = None,
+        rank: int | None = None,
+    ):
         self.group = group  # ``size`` / ``rank`` stand in for the group's in single-process tests
         self.size = dist.get_world_size(group) if size is None else size
         self.rank = dist.get_rank(group) if rank is None else rank
@@ -159,12 +169,13 @@ class ContextParallelPlan:
         filler_b, filler_j = (mine < 0).nonzero(as_tuple=True)
         # a filler query sees itself only: no empty softmax row
         mask[filler_b, filler_j, sorted_slot[self.rank * m + filler_j]] = True
-        if bool(mask[:, :me, self.early_keys:].any()) or bool(mask[:, me:, self.late_keys:].any()):
+        if bool(mask[:, :me, self.early_keys :].any()) or bool(mask[:, me:, self.late_keys :].any()):
             raise AssertionError("context parallel layout: a visible key outside its block's prefix")
         self.attention_mask = mask.unsqueeze(1)  # (B, 1, m, cp*m)
 
-    def _entries(self, all_idx: torch.Tensor, L: int, response_positions: torch.Tensor,
-                 response_mask: torch.Tensor | None) -> None:
+    def _entries(
+        self, all_idx: torch.Tensor, L: int, response_positions: torch.Tensor, response_mask: torch.Tensor | None
+    ) -> None:
         """Which response entries this rank computes (those whose predicting position it holds, in row ``L``
         long), where, and how the gathered entries of every rank go back to (B, T) order."""
         cp, B, m = all_idx.shape
@@ -311,8 +322,9 @@ class _GatherPieces(torch.autograd.Function):
         return grad[ctx.start : ctx.start + ctx.count], None, None, None
 
 
-def context_parallel_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
-                               scaling: float | None = None, **kwargs):
+def context_parallel_attention(
+    module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None, **kwargs
+):
     """transformers attention function: gather K/V over the active CP group, then SDPA with the plan's mask.
 
     query (B, H, m, d), key / value (B, Hkv, m, d) after RoPE. ``attention_mask`` is the
@@ -325,23 +337,36 @@ def context_parallel_attention(module, query, key, value, attention_mask, dropou
     if _active is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     for feature in ("softcap", "s_aux", "sliding_window"):
         if kwargs.get(feature) is not None:
-            raise NotImplementedError(f"context parallel attention does not support {feature} "
-                                      f"({type(module).__name__}); use parallel.context_parallel_size=1")
+            raise NotImplementedError(
+                f"context parallel attention does not support {feature} "
+                f"({type(module).__name__}); use parallel.context_parallel_size=1"
+            )
     plan, dk = _active.plan, key.shape[-1]
     kv = _GatherSequence.apply(torch.cat([key, value], dim=-1), plan.group)  # (B, Hkv, cp*m, dk+dv) rank-major
     kv = kv[:, :, plan.key_order[: plan.late_keys]]  # piece-major; no query here sees past late_keys
     early_mask, late_mask = _active.additive_masks(query.dtype)
     outs = []
-    for q, n_keys, mask in ((query[:, :, : plan.early], plan.early_keys, early_mask),
-                            (query[:, :, plan.early :], plan.late_keys, late_mask)):
+    for q, n_keys, mask in (
+        (query[:, :, : plan.early], plan.early_keys, early_mask),
+        (query[:, :, plan.early :], plan.late_keys, late_mask),
+    ):
         # grouped-query attention inside SDPA: no repeated (B, H, keys, d) tensors to save
-        outs.append(torch.nn.functional.scaled_dot_product_attention(
-            q, kv[:, :, :n_keys, :dk], kv[:, :, :n_keys, dk:], attn_mask=mask, dropout_p=dropout, scale=scaling,
-            enable_gqa=q.shape[1] != kv.shape[1]))  # (B, H, block, d)
+        outs.append(
+            torch.nn.functional.scaled_dot_product_attention(
+                q,
+                kv[:, :, :n_keys, :dk],
+                kv[:, :, :n_keys, dk:],
+                attn_mask=mask,
+                dropout_p=dropout,
+                scale=scaling,
+                enable_gqa=q.shape[1] != kv.shape[1],
+            )
+        )  # (B, H, block, d)
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
 
 
@@ -352,15 +377,19 @@ def enable(model) -> None:
 
     config = getattr(model, "config", None)
     if config is None or not hasattr(model, "set_attn_implementation"):
-        raise ValueError(f"context parallel needs a transformers model using the attention interface, got {type(model).__name__}")
+        raise ValueError(
+            f"context parallel needs a transformers model using the attention interface, got {type(model).__name__}"
+        )
     # every layer must be full attention: sliding-window, chunked, linear-attention or
     # state-space layers would run on this rank's zigzag tokens as if they were a sequence
     other = sorted(set(getattr(config, "layer_types", None) or ["full_attention"]) - {"full_attention"})
     if not other and getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
         other = ["sliding_window"]
     if other:
-        raise ValueError(f"context parallel supports full-attention decoders only; {config.model_type} has "
-                         f"{', '.join(other)} layers (use parallel.context_parallel_size=1 for this model)")
+        raise ValueError(
+            f"context parallel supports full-attention decoders only; {config.model_type} has "
+            f"{', '.join(other)} layers (use parallel.context_parallel_size=1 for this model)"
+        )
     AttentionInterface.register(ATTENTION_NAME, context_parallel_attention)
     AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)  # 2D masks outside CP are built as for SDPA
     model.set_attn_implementation(ATTENTION_NAME)

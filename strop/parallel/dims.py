@@ -26,11 +26,9 @@ def parallel_layout(world: int, context_parallel_size: int, tensor_parallel_size
     cp, tp = context_parallel_size, tensor_parallel_size
     hint = " (run with --nproc N)" if world == 1 else ""
     if world % cp:
-        raise ValueError(f"parallel.context_parallel_size={cp} needs a multiple of {cp} processes, "
-                         f"got {world}{hint}")
+        raise ValueError(f"parallel.context_parallel_size={cp} needs a multiple of {cp} processes, got {world}{hint}")
     if world % tp:
-        raise ValueError(f"parallel.tensor_parallel_size={tp} needs a multiple of {tp} processes, "
-                         f"got {world}{hint}")
+        raise ValueError(f"parallel.tensor_parallel_size={tp} needs a multiple of {tp} processes, got {world}{hint}")
     return world // (cp * tp), cp
 
 
@@ -41,15 +39,22 @@ def check_tensor_parallel(config, size: int) -> None:
         return
     kind = getattr(config, "model_type", type(config).__name__)
     if kind not in SUPPORTED:
-        raise ValueError(f"parallel.tensor_parallel_size={size}: model type {kind!r} has no tensor-parallel plan "
-                         f"in strop (supported: {', '.join(SUPPORTED)})")
+        raise ValueError(
+            f"parallel.tensor_parallel_size={size}: model type {kind!r} has no tensor-parallel plan "
+            f"in strop (supported: {', '.join(SUPPORTED)})"
+        )
     heads = config.num_attention_heads
-    counts = {"attention heads": heads, "KV heads": getattr(config, "num_key_value_heads", None) or heads,
-              "MLP width (intermediate_size)": config.intermediate_size}
+    counts = {
+        "attention heads": heads,
+        "KV heads": getattr(config, "num_key_value_heads", None) or heads,
+        "MLP width (intermediate_size)": config.intermediate_size,
+    }
     bad = [f"{n} {name}" for name, n in counts.items() if n % size]
     if bad:
-        raise ValueError(f"parallel.tensor_parallel_size={size} must divide the model's {' and '.join(bad)} "
-                         f"({kind}): choose a size that divides {', '.join(str(n) for n in counts.values())}")
+        raise ValueError(
+            f"parallel.tensor_parallel_size={size} must divide the model's {' and '.join(bad)} "
+            f"({kind}): choose a size that divides {', '.join(str(n) for n in counts.values())}"
+        )
 
 
 @dataclass(frozen=True)
@@ -75,15 +80,23 @@ class ParallelDims:
             raise ValueError(f"parallel.dp_mode must be 'replicate' or 'fsdp', got {self.dp_mode!r}")
 
     @classmethod
-    def from_config(cls, parallel, world: int | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES
-                    ) -> "ParallelDims":
+    def from_config(
+        cls, parallel, world: int | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    ) -> "ParallelDims":
         """The dims of the ``parallel`` section (ParallelConfig) over ``world`` processes (default: this
         process group's, or 1 without one); ``bucket_bytes``: the resolved all-reduce budget
         (strop.parallel.collectives.resolve_bucket_bytes)."""
         if world is None:
             world = dist.get_world_size() if dist.is_initialized() else 1
-        return cls(world, parallel.context_parallel_size, parallel.tensor_parallel_size, parallel.dp_mode,
-                   parallel.sequence_parallel, parallel.fsdp_mixed_precision, bucket_bytes)
+        return cls(
+            world,
+            parallel.context_parallel_size,
+            parallel.tensor_parallel_size,
+            parallel.dp_mode,
+            parallel.sequence_parallel,
+            parallel.fsdp_mixed_precision,
+            bucket_bytes,
+        )
 
     @property
     def dp(self) -> int:
@@ -105,8 +118,10 @@ class ParallelDims:
         if not dist.is_initialized():
             return None
         if self.world != dist.get_world_size():
-            raise ValueError(f"data parallel ({self.dp}) x context parallel ({self.cp}) x tensor parallel "
-                             f"({self.tp}) must cover all {dist.get_world_size()} processes")
+            raise ValueError(
+                f"data parallel ({self.dp}) x context parallel ({self.cp}) x tensor parallel "
+                f"({self.tp}) must cover all {dist.get_world_size()} processes"
+            )
         if self.tp > 1:
             return init_device_mesh(device_type, (self.dp, self.tp), mesh_dim_names=("dp", "tp"))
         return init_device_mesh(device_type, (self.dp, self.cp), mesh_dim_names=("dp", "cp"))

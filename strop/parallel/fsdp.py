@@ -27,16 +27,20 @@ def decoder_layers(module: nn.Module) -> nn.ModuleList:
     raise ValueError(f"{type(module).__name__}: no decoder layers (a ModuleList named 'layers') to shard")
 
 
-def shard(module: nn.Module, group=None, *, device_type: str = "cpu", mixed_precision: bool = False,
-          mesh=None) -> nn.Module:
+def shard(
+    module: nn.Module, group=None, *, device_type: str = "cpu", mixed_precision: bool = False, mesh=None
+) -> nn.Module:
     """``fully_shard`` every decoder layer of ``module`` and ``module`` itself over ``group`` (default: all ranks),
     or over ``mesh``: the data-parallel dimension of a (dp, tp) mesh whose tp dimension already split the module."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = mesh if mesh is not None else DeviceMesh.from_group(group or dist.group.WORLD, device_type=device_type)
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision \
+    policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if mixed_precision
         else MixedPrecisionPolicy()
+    )
     for layer in decoder_layers(module):
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(module, mesh=mesh, mp_policy=policy)
@@ -68,7 +72,7 @@ def local_parameter_bytes(*modules: nn.Module | None) -> int:
     """Bytes of parameters this rank holds (its shards under FSDP, everything otherwise)."""
     total = 0
     for m in modules:
-        for p in (m.parameters() if m is not None else ()):
+        for p in m.parameters() if m is not None else ():
             local = p.to_local() if hasattr(p, "to_local") else p
             total += local.numel() * local.element_size()
     return total

@@ -79,8 +79,10 @@ class ShardedWeights(Mapping):
         else:
             with self._lock:  # (readers in several threads: one announcement and its gathers at a time)
                 if not self.serving:
-                    raise RuntimeError("sharded weights read outside their session: the other ranks are not "
-                                       "serving them (read them inside Control.on_controller(..., serving=...))")
+                    raise RuntimeError(
+                        "sharded weights read outside their session: the other ranks are not "
+                        "serving them (read them inside Control.on_controller(..., serving=...))"
+                    )
                 _announce(self.group, [self.index[k] for k in keys])
                 got = {k: whole_tensor(self.local[k]) for k in keys}
         self.gathers += 1
@@ -152,9 +154,9 @@ def _rows_gathered(local: torch.Tensor, shape: tuple[int, ...], group, n: int) -
     for a in range(0, rows, step):
         k = min(step, rows - a)
         block = buffer[: n * k]
-        gather(block, local[a:a + k].contiguous(), group=group)
+        gather(block, local[a : a + k].contiguous(), group=group)
         for r in range(n):  # rank r's rows a..a+k are rows r * rows + a.. of the whole
-            out[r * rows + a: r * rows + a + k].copy_(block[r * k:(r + 1) * k])
+            out[r * rows + a : r * rows + a + k].copy_(block[r * k : (r + 1) * k])
     return out
 
 

@@ -17,7 +17,6 @@ from typing import Any, Callable
 from strop.process import free_port
 
 
-
 def _worker(fn, rank, world_size, port, backend, env, args, queue):
     os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
@@ -39,14 +38,22 @@ def _worker(fn, rank, world_size, port, backend, env, args, queue):
         queue.put((rank, "error", traceback.format_exc()))
 
 
-def run_on_ranks(fn: Callable, world_size: int = 2, *args, backend: str = "gloo", timeout: float = 120.0,
-                 env: dict[str, str] | None = None) -> list[Any]:
+def run_on_ranks(
+    fn: Callable,
+    world_size: int = 2,
+    *args,
+    backend: str = "gloo",
+    timeout: float = 120.0,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
     """``fn(rank, world_size, *args)`` on every rank (a module-level function); returns results by rank."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, backend, env or {}, args, queue), daemon=True)
-             for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_worker, args=(fn, r, world_size, port, backend, env or {}, args, queue), daemon=True)
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
@@ -61,11 +68,14 @@ def run_on_ranks(fn: Callable, world_size: int = 2, *args, backend: str = "gloo"
                 if dead and queue.empty():
                     time.sleep(0.5)  # a result may still be in flight from a rank that just exited
                     if queue.empty():
-                        raise RuntimeError(f"rank(s) {dead} exited without a result "
-                                           f"(exit codes {[procs[r].exitcode for r in dead]})") from None
+                        raise RuntimeError(
+                            f"rank(s) {dead} exited without a result (exit codes {[procs[r].exitcode for r in dead]})"
+                        ) from None
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"distributed run did not finish within {timeout:.0f}s (ranks done: "
-                                       f"{sorted(results)}); a rank is probably hung in a collective") from None
+                    raise TimeoutError(
+                        f"distributed run did not finish within {timeout:.0f}s (ranks done: "
+                        f"{sorted(results)}); a rank is probably hung in a collective"
+                    ) from None
                 continue
             if status == "error":
                 errors.append(f"rank {rank}:\n{value}")

@@ -27,8 +27,10 @@ def safetensors_index(path: str | Path) -> dict[str, Path]:
         return {k: folder / f for k, f in json.loads(index.read_text())["weight_map"].items()}
     single = folder / "model.safetensors"
     if not single.is_file():
-        raise FileNotFoundError(f"{folder}: no model.safetensors or model.safetensors.index.json; loading into "
-                                "shards reads safetensors files only (convert the checkpoint, e.g. save_pretrained)")
+        raise FileNotFoundError(
+            f"{folder}: no model.safetensors or model.safetensors.index.json; loading into "
+            "shards reads safetensors files only (convert the checkpoint, e.g. save_pretrained)"
+        )
     from safetensors import safe_open
 
     with safe_open(single, "pt") as f:
@@ -42,8 +44,11 @@ def unloadable(module: nn.Module, path: str | Path) -> str | None:
     index = safetensors_index(path)
     missing = [name for name, _ in module.named_parameters() if name not in index]
     if missing:
-        return (f"the files hold no tensor named {missing[0]!r}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1
-                else "") + ": transformers converts them at load (e.g. fused MoE experts)")
+        return (
+            f"the files hold no tensor named {missing[0]!r}"
+            + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+            + ": transformers converts them at load (e.g. fused MoE experts)"
+        )
     dry = copy.deepcopy(module)  # (on the meta device: no memory; the flags initialisation sets stay off the model)
     pending = [name for name, owner, attr in _buffers(dry) if not _from_files(owner, attr, name, index)]
     if left := _initialise_buffers(dry, pending):
@@ -51,8 +56,12 @@ def unloadable(module: nn.Module, path: str | Path) -> str | None:
     return None
 
 
-def load_shards(module: nn.Module, path: str | Path, device: torch.device | str,
-                rename: Callable[[str], str | None] = lambda name: name) -> int:
+def load_shards(
+    module: nn.Module,
+    path: str | Path,
+    device: torch.device | str,
+    rename: Callable[[str], str | None] = lambda name: name,
+) -> int:
     """Give ``module`` (parameters on the meta device, split or not) memory on ``device`` for what this rank
     holds and fill it from the safetensors files in ``path``. ``rename`` maps a parameter or buffer name to its
     name in the files; None means "not in the files": that parameter starts at zero. Buffers are initialised as
@@ -92,9 +101,18 @@ def load_shards(module: nn.Module, path: str | Path, device: torch.device | str,
     return read
 
 
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-           "BOOL": torch.bool}
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 
 
 class SafetensorsFile:
@@ -118,8 +136,9 @@ class SafetensorsFile:
     def close(self) -> None:
         self.file.close()
 
-    def read_into(self, key: str, start: tuple[int, ...], out: torch.Tensor, *, expect: tuple[int, ...],
-                  what: str = "") -> int:
+    def read_into(
+        self, key: str, start: tuple[int, ...], out: torch.Tensor, *, expect: tuple[int, ...], what: str = ""
+    ) -> int:
         """Fill ``out`` with the block of tensor ``key`` that begins at index ``start``; returns the bytes read."""
         meta = self.header[key]
         shape, dtype = tuple(meta["shape"]), _DTYPES.get(meta["dtype"])
@@ -142,13 +161,13 @@ class SafetensorsFile:
         for a in range(0, rows, step):
             n = min(step, rows - a)
             self.file.seek(self.data_start + meta["data_offsets"][0] + (r0 + a) * row * item)
-            target = out.reshape(-1)[a * row: (a + n) * row] if direct else buf[: n * row]
+            target = out.reshape(-1)[a * row : (a + n) * row] if direct else buf[: n * row]
             got = self.file.readinto(memoryview(target.view(torch.uint8).numpy()))
             if got != n * row * item:
                 raise ValueError(f"{self.path}: {key!r} ends early (read {got} of {n * row * item} bytes)")
             if not direct:
                 block = target.view(n, *shape[1:])
-                out[a: a + n].copy_(block if whole_rows else block[:, c0: c0 + cols])
+                out[a : a + n].copy_(block if whole_rows else block[:, c0 : c0 + cols])
         return rows * row * item
 
 
@@ -218,5 +237,7 @@ def _outermost(module: nn.Module, kind: type) -> list[nn.Module]:
 
 
 def _uninitialised(names: list[str]) -> str:
-    return (f"buffer {names[0]!r}" + (f" (and {len(names) - 1} more)" if len(names) > 1 else "") + " is not in the "
-            "files and the model's own initialisation does not compute it")
+    return (
+        f"buffer {names[0]!r}" + (f" (and {len(names) - 1} more)" if len(names) > 1 else "") + " is not in the "
+        "files and the model's own initialisation does not compute it"
+    )

@@ -72,10 +72,15 @@ def collate_packed(samples: list[Sample], with_mask: bool = True) -> dict[str, t
         response_mask[i, :R] = 1.0
         rollout_logprobs[i, :R] = torch.tensor(s.rollout_logprobs)
     return {
-        "input_ids": torch.tensor([ids]), "attention_mask": mask, "position_ids": torch.tensor([pos_ids]),
+        "input_ids": torch.tensor([ids]),
+        "attention_mask": mask,
+        "position_ids": torch.tensor([pos_ids]),
         "segment_ids": seg.view(1, L),
-        "positions": torch.tensor([positions]), "scatter": (torch.tensor(rows), torch.tensor(cols)),
-        "loss_mask": loss_mask, "response_mask": response_mask, "rollout_logprobs": rollout_logprobs,
+        "positions": torch.tensor([positions]),
+        "scatter": (torch.tensor(rows), torch.tensor(cols)),
+        "loss_mask": loss_mask,
+        "response_mask": response_mask,
+        "rollout_logprobs": rollout_logprobs,
         "tokens": L,
     }
 

@@ -21,6 +21,10 @@ def parallelize(module: nn.Module, dims: ParallelDims, mesh, device_type: str = 
     if dims.tp > 1:
         tensor_parallel(module, mesh["tp"], dims.sequence_parallel)
     if dims.dp_mode == "fsdp":  # over every rank, or over the data-parallel dimension of a (dp, tp) mesh
-        shard(module, device_type=device_type, mixed_precision=dims.fsdp_mixed_precision,
-              mesh=mesh["dp"] if dims.tp > 1 else None)
+        shard(
+            module,
+            device_type=device_type,
+            mixed_precision=dims.fsdp_mixed_precision,
+            mesh=mesh["dp"] if dims.tp > 1 else None,
+        )
     return module

@@ -15,7 +15,6 @@ import torch
 import torch.distributed as dist
 
 
-
 def init_from_env(device: torch.device | None = None) -> tuple[int, int]:
     """Join the process group described by RANK / WORLD_SIZE (torchrun or ``--nproc``); (0, 1) alone.
 
@@ -23,8 +22,10 @@ def init_from_env(device: torch.device | None = None) -> tuple[int, int]:
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device is not None and device.type == "cuda" else "gloo",
-                                device_id=device if device is not None and device.type == "cuda" else None)
+        dist.init_process_group(
+            "nccl" if device is not None and device.type == "cuda" else "gloo",
+            device_id=device if device is not None and device.type == "cuda" else None,
+        )
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 

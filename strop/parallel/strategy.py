@@ -149,8 +149,9 @@ class Replicate(SingleProcess):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         if self.world > 1:
-            all_reduce_coalesced([_local(p.grad) for p in params], op="sum", bucket_bytes=self.bucket_bytes,
-                                 group=self.grad_group)
+            all_reduce_coalesced(
+                [_local(p.grad) for p in params], op="sum", bucket_bytes=self.bucket_bytes, group=self.grad_group
+            )
         self._sum_partial(params)
 
     def _sum_partial(self, params):
@@ -160,16 +161,24 @@ class Replicate(SingleProcess):
         from torch.distributed.tensor import DTensor, Partial, Replicate
 
         partial = {id(p) for ps in self.partial.values() for p in ps}
-        pending = [p for p in params if isinstance(p.grad, DTensor)
-                   and any(isinstance(pl, Partial) for pl in p.grad.placements)]
-        parts = [_local(p.grad) for p in params if id(p) in partial and p.grad is not None] + \
-                [p.grad.to_local() for p in pending]
+        pending = [
+            p
+            for p in params
+            if isinstance(p.grad, DTensor) and any(isinstance(pl, Partial) for pl in p.grad.placements)
+        ]
+        parts = [_local(p.grad) for p in params if id(p) in partial and p.grad is not None] + [
+            p.grad.to_local() for p in pending
+        ]
         if parts:
             all_reduce_coalesced(parts, op="sum", bucket_bytes=self.bucket_bytes, group=self.tp_group)
         for p in pending:
             g = p.grad
-            p.grad = DTensor.from_local(g.to_local(), g.device_mesh, [Replicate() if isinstance(pl, Partial) else pl
-                                                                       for pl in g.placements], run_check=False)
+            p.grad = DTensor.from_local(
+                g.to_local(),
+                g.device_mesh,
+                [Replicate() if isinstance(pl, Partial) else pl for pl in g.placements],
+                run_check=False,
+            )
 
     def clip_grad_norm(self, params, max_norm):
         if self.tp_size == 1:
@@ -197,8 +206,10 @@ class Replicate(SingleProcess):
 
     def describe(self) -> str:
         tp = f" x tensor parallel {self.tp_size}" if self.tp_size > 1 else ""
-        return (f"{self.processes} processes = data parallel {self.dp_size} ({self.mode}) x context "
-                f"parallel {self.cp_size}{tp}")
+        return (
+            f"{self.processes} processes = data parallel {self.dp_size} ({self.mode}) x context "
+            f"parallel {self.cp_size}{tp}"
+        )
 
 
 class FullyShard(Replicate):
@@ -250,8 +261,11 @@ def clip_sharded(params: list[nn.Parameter], max_norm: float) -> float:
             mesh = g.device_mesh
             if any(isinstance(pl, Partial) for pl in g.placements):
                 raise ValueError("clip_sharded: a gradient with a Partial placement has not been reduced")
-            copies = world // mesh.size() * math.prod(mesh.size(d) for d, pl in enumerate(g.placements)
-                                                      if isinstance(pl, Replicate))
+            copies = (
+                world
+                // mesh.size()
+                * math.prod(mesh.size(d) for d, pl in enumerate(g.placements) if isinstance(pl, Replicate))
+            )
         # each tensor's norm in its own dtype, as torch's clip (a float64 copy of a vocabulary-sized gradient
         # was the largest transient of a tensor-parallel step), squared and summed in float64
         total += torch.linalg.vector_norm(local).to(total).square() / copies

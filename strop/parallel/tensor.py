@@ -50,8 +50,11 @@ def tensor_parallel(module: nn.Module, mesh, sequence_parallel: bool = False) ->
         missing = [name for name in (*COLUMN, *ROW, *(SEQUENCE_NORMS if sequence_parallel else ())) if name not in have]
         if missing:
             raise ValueError(f"tensor parallel: {type(layer).__name__} has no {', '.join(missing)}")
-        parallelize_module(layer, mesh, {**{n: ColwiseParallel() for n in COLUMN},
-                                         **{n: RowwiseParallel(output_layouts=out) for n in ROW}})
+        parallelize_module(
+            layer,
+            mesh,
+            {**{n: ColwiseParallel() for n in COLUMN}, **{n: RowwiseParallel(output_layouts=out) for n in ROW}},
+        )
     if sequence_parallel:
         _sequence_parallel(layers, backbone, mesh)
     embed = next(m for name, m in module.named_modules() if name.split(".")[-1] == "embed_tokens")
@@ -59,8 +62,9 @@ def tensor_parallel(module: nn.Module, mesh, sequence_parallel: bool = False) ->
     tied = head is not None and head.weight is embed.weight
     # vocabulary rows split; each rank looks up the ids in its rows, the rows are summed over the group
     # (DTensor's own row-wise embedding built a whole-vocabulary gradient in backward: 0.58 GiB for Qwen3-0.6B)
-    embed.weight = nn.Parameter(distribute_tensor(embed.weight, mesh, [Shard(0)]),
-                                requires_grad=embed.weight.requires_grad)
+    embed.weight = nn.Parameter(
+        distribute_tensor(embed.weight, mesh, [Shard(0)]), requires_grad=embed.weight.requires_grad
+    )
     embed.forward = types.MethodType(_vocab_parallel_embedding, embed)
     if tied:
         head.weight = embed.weight  # the same DTensor, split by vocabulary rows
@@ -81,21 +85,36 @@ def _sequence_parallel(layers: nn.ModuleList, backbone: nn.Module, mesh) -> None
     rank's tokens, are reduced over the group by DTensor. The token count must divide by N: the logprob path
     pads each micro-batch's columns (:func:`strop.train.logprob.response_hidden`, ``sequence_parallel_size``)."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (PrepareModuleInput, PrepareModuleOutput, SequenceParallel,
-                                                   parallelize_module)
+    from torch.distributed.tensor.parallel import (
+        PrepareModuleInput,
+        PrepareModuleOutput,
+        SequenceParallel,
+        parallelize_module,
+    )
 
     tokens, whole = (Shard(1),), (Replicate(),)
     for layer in layers:
-        parallelize_module(layer, mesh, {
-            **{n: SequenceParallel() for n in SEQUENCE_NORMS},
-            "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": tokens[0]},
-                                            desired_input_kwarg_layouts={"hidden_states": whole[0]}),
-            "mlp": PrepareModuleInput(input_layouts=tokens, desired_input_layouts=whole)})
-    parallelize_module(layers[0], mesh, PrepareModuleInput(input_layouts=whole, desired_input_layouts=tokens,
-                                                           use_local_output=True))
+        parallelize_module(
+            layer,
+            mesh,
+            {
+                **{n: SequenceParallel() for n in SEQUENCE_NORMS},
+                "self_attn": PrepareModuleInput(
+                    input_kwarg_layouts={"hidden_states": tokens[0]},
+                    desired_input_kwarg_layouts={"hidden_states": whole[0]},
+                ),
+                "mlp": PrepareModuleInput(input_layouts=tokens, desired_input_layouts=whole),
+            },
+        )
+    parallelize_module(
+        layers[0], mesh, PrepareModuleInput(input_layouts=whole, desired_input_layouts=tokens, use_local_output=True)
+    )
     parallelize_module(backbone.norm, mesh, SequenceParallel())
-    parallelize_module(backbone.norm, mesh, PrepareModuleOutput(output_layouts=tokens, desired_output_layouts=whole,
-                                                                use_local_output=True))
+    parallelize_module(
+        backbone.norm,
+        mesh,
+        PrepareModuleOutput(output_layouts=tokens, desired_output_layouts=whole, use_local_output=True),
+    )
     backbone.sequence_parallel_size = mesh.size()
 
 
@@ -121,8 +140,10 @@ def vocab_slice(weight):
     if not isinstance(weight, DTensor):
         return None
     if weight.device_mesh.ndim != 1 or weight.placements != (Shard(0),):
-        raise ValueError(f"the output projection is laid out as {weight.placements} over a {weight.device_mesh.ndim}-D "
-                         "mesh; strop computes logprobs on a vocabulary split (Shard(0)) over one mesh dimension")
+        raise ValueError(
+            f"the output projection is laid out as {weight.placements} over a {weight.device_mesh.ndim}-D "
+            "mesh; strop computes logprobs on a vocabulary split (Shard(0)) over one mesh dimension"
+        )
     _, offset = compute_local_shape_and_global_offset(weight.shape, weight.device_mesh, weight.placements)
     return weight.to_local(), int(offset[0]), weight.device_mesh.get_group()
 

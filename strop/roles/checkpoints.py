@@ -57,8 +57,11 @@ class CheckpointRecord:
         run_dir = self.desk.run_dir
         found = checkpoint.latest(run_dir) if resume else None
         if resume and found is None:
-            print(f"strop: resume: no complete checkpoint in {run_dir / checkpoint.CHECKPOINTS}; "
-                  "starting again from step 0", flush=True)
+            print(
+                f"strop: resume: no complete checkpoint in {run_dir / checkpoint.CHECKPOINTS}; "
+                "starting again from step 0",
+                flush=True,
+            )
             checkpoint.cut_logs(run_dir, {})
         return str(found) if found is not None else None
 
@@ -76,12 +79,18 @@ class CheckpointRecord:
         if generator is not None and state["engine_rng"] is not None:
             generator.set_state(state["engine_rng"])
         elif c.engine is not None:
-            print("strop: resume: the engine's sampling state lives in its servers and is not restored; the "
-                  "steps that follow are not bitwise those of an uninterrupted run", flush=True)
+            print(
+                "strop: resume: the engine's sampling state lives in its servers and is not restored; the "
+                "steps that follow are not bitwise those of an uninterrupted run",
+                flush=True,
+            )
         world = c.trainer.dp.processes
         if state.get("world", 1) != world:  # DCP reshards; the sums run in another order
-            print(f"strop: resume: saved by {state.get('world', 1)} processes, resumed by {world}: "
-                  "the run continues, but not bitwise as it would have", flush=True)
+            print(
+                f"strop: resume: saved by {state.get('world', 1)} processes, resumed by {world}: "
+                "the run continues, but not bitwise as it would have",
+                flush=True,
+            )
         d.clock.start -= state["elapsed_seconds"]
         if c.engine is not None:
             d.loop.run(c.weight_update()(weights, version=state["weight_version"]))
@@ -99,16 +108,31 @@ class CheckpointRecord:
         generator = c.engine.generator if isinstance(c.engine, Seeded) else None
         rollout = self.rollout.hold()  # what it holds; nothing new starts until release()
         try:
-            state = {"step": step, "weight_version": step, "world": c.trainer.dp.processes,
-                     "sampler": c.sampler.state_dict() if c.sampler is not None else None,
-                     "engine_rng": generator.get_state() if generator is not None else None,
-                     "elapsed_seconds": d.clock(), "logs": checkpoint.log_sizes(d.run_dir),
-                     "rollout": rollout}  # None in sync mode: it holds nothing between steps
+            state = {
+                "step": step,
+                "weight_version": step,
+                "world": c.trainer.dp.processes,
+                "sampler": c.sampler.state_dict() if c.sampler is not None else None,
+                "engine_rng": generator.get_state() if generator is not None else None,
+                "elapsed_seconds": d.clock(),
+                "logs": checkpoint.log_sizes(d.run_dir),
+                "rollout": rollout,
+            }  # None in sync mode: it holds nothing between steps
         finally:
             self.rollout.release()
         weights = whole(weights) if d.cfg.run.checkpoint_policy else None  # (`strop export` writes it from the state)
-        path = checkpoint.finish(d.run_dir, tmp, step, controller_state=state, weights=weights,
-                                 model=c.trainer.model, tokenizer=c.tokenizer, keep=d.cfg.run.keep_checkpoints)
+        path = checkpoint.finish(
+            d.run_dir,
+            tmp,
+            step,
+            controller_state=state,
+            weights=weights,
+            model=c.trainer.model,
+            tokenizer=c.tokenizer,
+            keep=d.cfg.run.keep_checkpoints,
+        )
         size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-        print(f"strop: checkpoint {path} ({size / 2**30:.2f} GiB) in {time.perf_counter() - self.t_checkpoint:.1f}s",
-              flush=True)
+        print(
+            f"strop: checkpoint {path} ({size / 2**30:.2f} GiB) in {time.perf_counter() - self.t_checkpoint:.1f}s",
+            flush=True,
+        )

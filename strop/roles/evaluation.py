@@ -35,8 +35,11 @@ class Evaluation:
         if any("tool_calls" in g[0].metadata for g in groups):  # multi-turn: how often the answer used a tool
             row["eval_tool_call_fraction"] = sum(g[0].metadata.get("tool_calls", 0) > 0 for g in groups) / len(groups)
         if any("agent_session" in g[0].metadata for g in groups):  # agents: calls per session, how sessions ended
-            row["eval_agent_calls_per_session"] = sum(g[0].metadata.get("session_calls", 0) for g in groups) / len(groups)
-            row["eval_agent_multi_call_fraction"] = sum(g[0].metadata.get("session_calls", 0) > 1
-                                                        for g in groups) / len(groups)
+            row["eval_agent_calls_per_session"] = sum(g[0].metadata.get("session_calls", 0) for g in groups) / len(
+                groups
+            )
+            row["eval_agent_multi_call_fraction"] = sum(
+                g[0].metadata.get("session_calls", 0) > 1 for g in groups
+            ) / len(groups)
         d.log.log(row)
         d.progress.update(eval_acc=accuracy)

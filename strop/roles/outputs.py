@@ -35,14 +35,23 @@ class Outputs:
         """The trackers (wandb...), told the step a resumed run continues after (-1: from step 0)."""
         d, r = self.desk, self.desk.cfg.run
         resume_step = (checkpoint.load_controller_state(found)["step"] if found else -1) if resume else None
-        d.log.trackers = open_trackers(r.trackers, d.run_dir, d.cfg.model_dump(mode="json"),
-                                       project=r.wandb_project, mode=r.wandb_mode, resume_step=resume_step)
+        d.log.trackers = open_trackers(
+            r.trackers,
+            d.run_dir,
+            d.cfg.model_dump(mode="json"),
+            project=r.wandb_project,
+            mode=r.wandb_mode,
+            resume_step=resume_step,
+        )
 
     def step(self, step: int, metrics: dict) -> None:
         """The step's row of metrics.jsonl, and the progress bar."""
         d = self.desk
-        d.log.log(metrics | memory_metrics(d.c.trainer.device) | {
-            "step": step, "step_seconds": time.perf_counter() - d.t_step, "elapsed_seconds": d.clock()})
+        d.log.log(
+            metrics
+            | memory_metrics(d.c.trainer.device)
+            | {"step": step, "step_seconds": time.perf_counter() - d.t_step, "elapsed_seconds": d.clock()}
+        )
         d.progress.update(1, reward=metrics["reward_mean"])
 
     def finish(self, weights: dict | None):
@@ -58,17 +67,26 @@ class Outputs:
         summary = run_summary(d.log.rows, seconds, run_dir)
         write_summary(run_dir, summary)
         curve = " -> ".join(f"{a:.1%}" for a in summary["eval_accuracy_curve"]) or "no eval set"
-        print(f"strop: {summary['steps']} steps in {seconds:.0f}s; held-out greedy accuracy {curve}; "
-              f"max train/rollout logprob gap {summary['max_train_rollout_logprob_abs_diff']:.1e}; "
-              f"outputs in {run_dir}", flush=True)
+        print(
+            f"strop: {summary['steps']} steps in {seconds:.0f}s; held-out greedy accuracy {curve}; "
+            f"max train/rollout logprob gap {summary['max_train_rollout_logprob_abs_diff']:.1e}; "
+            f"outputs in {run_dir}",
+            flush=True,
+        )
         return summary
 
     def failed(self, exc: BaseException) -> None:
         """A summary that says the run did not finish (rank 0 alone: the other ranks may be gone)."""
         d = self.desk
-        write_summary(d.run_dir, {"status": "failed", "error": f"{type(exc).__name__}: {exc}",
-                                  "steps": sum("reward_mean" in r for r in d.log.rows),
-                                  "wall_seconds": round(d.clock(), 1)})
+        write_summary(
+            d.run_dir,
+            {
+                "status": "failed",
+                "error": f"{type(exc).__name__}: {exc}",
+                "steps": sum("reward_mean" in r for r in d.log.rows),
+                "wall_seconds": round(d.clock(), 1),
+            },
+        )
 
 
 class SamplesOutputs(Outputs):

@@ -43,7 +43,8 @@ class Placed:
         @functools.wraps(method)
         def on_rank0(*args, **kwargs):
             weights = signature.bind(self.here, *args, **kwargs).arguments.get("weights")
-            return self.control.on_controller(functools.partial(method, self.here, *args, **kwargs),
-                                              share=share, serving=weights)
+            return self.control.on_controller(
+                functools.partial(method, self.here, *args, **kwargs), share=share, serving=weights
+            )
 
         return on_rank0

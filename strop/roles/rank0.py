@@ -17,9 +17,16 @@ class Rank0:
     def __init__(self, cfg: Config, c: Components):
         self.cfg, self.c, self.run_dir = cfg, c, c.run_dir
         self.log, self.clock = MetricsLog(self.run_dir), Timer()
-        self.ctx = RolloutContext(engine=c.engine, tokenizer=c.tokenizer, config=cfg, generate=c.hooks.get("generate"),
-                                  reward=c.reward_fn, filter=c.hooks.get("filter"), run_dir=self.run_dir,
-                                  extra=dict(c.rollout_extra))
+        self.ctx = RolloutContext(
+            engine=c.engine,
+            tokenizer=c.tokenizer,
+            config=cfg,
+            generate=c.hooks.get("generate"),
+            reward=c.reward_fn,
+            filter=c.hooks.get("filter"),
+            run_dir=self.run_dir,
+            extra=dict(c.rollout_extra),
+        )
         self.progress = Progress(cfg.train.steps, enabled=cfg.run.progress)
         self.t_step = 0.0  # when the step being made started (its rollout)
         self.loop: EventLoopThread | None = None

@@ -33,8 +33,16 @@ class Rollout:
         self.samples_out = samples_out
         if samples_out is not None:
             r = self.cfg.rollout
-            write_header(samples_out, {"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k,
-                                       "max_new_tokens": r.max_new_tokens, "model": self.cfg.model.path})
+            write_header(
+                samples_out,
+                {
+                    "temperature": r.temperature,
+                    "top_p": r.top_p,
+                    "top_k": r.top_k,
+                    "max_new_tokens": r.max_new_tokens,
+                    "model": self.cfg.model.path,
+                },
+            )
 
     def announce(self) -> None:
         """Print where the samples come from: the engine, and how the rollout runs."""
@@ -53,8 +61,10 @@ class Rollout:
         d.t_step, d.ctx.step = time.perf_counter(), step
         groups, managed = self._groups(step)
         if not any(s.status.trainable for g in groups for s in g):
-            raise RuntimeError(f"step {step}: no trainable sample after {managed['groups_drawn']} prompts "
-                               "(every group filtered out, or every sample aborted/failed)")
+            raise RuntimeError(
+                f"step {step}: no trainable sample after {managed['groups_drawn']} prompts "
+                "(every group filtered out, or every sample aborted/failed)"
+            )
         histogram = managed.pop("staleness_histogram")
         if self.cfg.rollout.mode != "sync":
             with open(d.run_dir / "staleness.jsonl", "a") as f:

@@ -26,31 +26,51 @@ class RolloutConfig(Section):
     )
     seed: int = Field(0, description="sampling seed")
     filter_max_rounds: int = Field(
-        3, gt=0, description="with plugins.filter or dynamic_sampling: most rollout rounds per step to refill "
-        "dropped groups")
+        3,
+        gt=0,
+        description="with plugins.filter or dynamic_sampling: most rollout rounds per step to refill dropped groups",
+    )
     mode: Literal["sync", "one_step_off", "async"] = Field(
-        "sync", description="'sync': generate a step's groups, then train; 'one_step_off': generate step k+1's "
+        "sync",
+        description="'sync': generate a step's groups, then train; 'one_step_off': generate step k+1's "
         "groups while step k trains; 'async': generate continuously, each step takes the groups that finished "
-        "first (docs/rollout.md)")
-    max_staleness: int = Field(1, ge=0, description="async: a token sampled more than this many weight versions "
-                               "before the trainer's current weights is never trained on")
+        "first (docs/rollout.md)",
+    )
+    max_staleness: int = Field(
+        1,
+        ge=0,
+        description="async: a token sampled more than this many weight versions "
+        "before the trainer's current weights is never trained on",
+    )
     stale_groups: Literal["drop", "regenerate"] = Field(
-        "drop", description="async: a group with a too-stale token is dropped, or regenerated from its prompts")
+        "drop", description="async: a group with a too-stale token is dropped, or regenerated from its prompts"
+    )
     partial: Literal["finish", "resume"] = Field(
-        "finish", description="one_step_off / async, at a weight update: unfinished samples finish on the old "
-        "weights, or are aborted and resumed on the new ones from the tokens they have")
+        "finish",
+        description="one_step_off / async, at a weight update: unfinished samples finish on the old "
+        "weights, or are aborted and resumed on the new ones from the tokens they have",
+    )
     resumed_tokens: Literal["correct", "mask"] = Field(
-        "correct", description="partial=resume: tokens sampled before the update are trained with the importance "
-        "correction against their own logprobs (needs algo.use_rollout_logprobs, tis_cap or mis_*), or masked")
+        "correct",
+        description="partial=resume: tokens sampled before the update are trained with the importance "
+        "correction against their own logprobs (needs algo.use_rollout_logprobs, tis_cap or mis_*), or masked",
+    )
     exact_logprobs: bool = Field(
-        False, description="report as the rollout's logprobs the trainer's own forward on the sampling weights "
+        False,
+        description="report as the rollout's logprobs the trainer's own forward on the sampling weights "
         "(bitwise what the trainer computes: train_rollout_logprob_abs_diff is 0); costs one no-grad forward "
-        "when no pre-pass runs anyway; sync mode only (docs/rollout.md)")
-    over_sample: float = Field(1.0, ge=1.0, description="draw this many times the groups a step still needs; "
-                               "once the step is full the rest are aborted")
-    dynamic_sampling: bool = Field(False, description="drop groups whose rewards are all equal (no learning "
-                                   "signal under group baselines) and top up, at most filter_max_rounds rounds")
-
+        "when no pre-pass runs anyway; sync mode only (docs/rollout.md)",
+    )
+    over_sample: float = Field(
+        1.0,
+        ge=1.0,
+        description="draw this many times the groups a step still needs; once the step is full the rest are aborted",
+    )
+    dynamic_sampling: bool = Field(
+        False,
+        description="drop groups whose rewards are all equal (no learning "
+        "signal under group baselines) and top up, at most filter_max_rounds rounds",
+    )
 
 
 class EvalConfig(Section):

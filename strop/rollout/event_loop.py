@@ -31,8 +31,9 @@ class EventLoopThread:
             if future.done():  # the coroutine's own TimeoutError (or it finished just now)
                 return future.result()
             future.cancel()
-            raise TimeoutError(f"{coroutine.__qualname__} did not finish within {timeout_s:g}s in the run's "
-                               "event loop") from None
+            raise TimeoutError(
+                f"{coroutine.__qualname__} did not finish within {timeout_s:g}s in the run's event loop"
+            ) from None
         except BaseException:
             future.cancel()  # a signal while waiting: the coroutine stops too
             raise

@@ -37,8 +37,9 @@ class GuardedEngine(EngineWrapper):
         # the engine reports each token as it decodes it (the embedded engine's on_token): streams can be live
         self.streams = "on_token" in params
 
-    async def generate(self, prompt_ids, sampling, affinity: str | None = None, *, request_id: str | None = None,
-                       on_token=None):
+    async def generate(
+        self, prompt_ids, sampling, affinity: str | None = None, *, request_id: str | None = None, on_token=None
+    ):
         """``request_id`` and ``on_token`` (see :meth:`EmbeddedEngine.generate`) only where ``streams``."""
         kw = {"affinity": affinity} if affinity is not None and self._takes_affinity else {}
         if on_token is not None:
@@ -77,8 +78,9 @@ async def generate(ctx: RolloutContext, sample: Sample, sampling: SamplingParams
     done = sample.response_length
     if done:
         sampling = dataclasses.replace(sampling, max_new_tokens=sampling.max_new_tokens - done)
-    completion = await ctx.engine.generate(sample.prompt_ids + sample.response_ids if done else sample.prompt_ids,
-                                           sampling, affinity=affinity_key(sample))
+    completion = await ctx.engine.generate(
+        sample.prompt_ids + sample.response_ids if done else sample.prompt_ids, sampling, affinity=affinity_key(sample)
+    )
     sample.apply_completion(completion)
     sample.response_text = ctx.tokenizer.decode(sample.response_ids, skip_special_tokens=True)
     return sample
@@ -106,8 +108,14 @@ def fail_sample(ctx: RolloutContext, sample: Sample, stage: str, exc: Exception)
     sample.metadata["error"] = f"{type(exc).__name__}: {exc}"
     sample.metadata["error_stage"] = stage
     if ctx.run_dir is not None:
-        record = {"step": ctx.step, "group_id": sample.group_id, "index": sample.index, "stage": stage,
-                  "error": sample.metadata["error"], "traceback": traceback.format_exception(exc)[-6:]}
+        record = {
+            "step": ctx.step,
+            "group_id": sample.group_id,
+            "index": sample.index,
+            "stage": stage,
+            "error": sample.metadata["error"],
+            "traceback": traceback.format_exception(exc)[-6:],
+        }
         with open(Path(ctx.run_dir) / "failed_samples.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
     return sample
@@ -174,8 +182,9 @@ def _shape_tool_calls(ctx: RolloutContext, samples: list[Sample]) -> None:
             s.reward = float(s.reward) + max(-abs(cap), min(abs(cap), per_call * ok))
 
 
-async def rollout_groups(ctx: RolloutContext, groups: list[list[Sample]], sampling: SamplingParams,
-                         *, apply_filter: bool = True) -> list[list[Sample]]:
+async def rollout_groups(
+    ctx: RolloutContext, groups: list[list[Sample]], sampling: SamplingParams, *, apply_filter: bool = True
+) -> list[list[Sample]]:
     """Generate and score every sample of every group concurrently (the engine batches them)."""
     flat = [(gi, s) for gi, g in enumerate(groups) for s in g]
     done = await asyncio.gather(*(_generate_one(ctx, s, sampling) for _, s in flat))

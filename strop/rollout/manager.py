@@ -84,7 +84,9 @@ class RolloutManager:
                     last = s.weight_versions[-1]
                     s.loss_mask = [m if v == last else 0 for m, v in zip(s.loss_mask, s.weight_versions)]
         metrics = self._metrics(step, groups, trained)
-        take_counts = self.c.engine.take_counts if isinstance(self.c.engine, Counted) else None  # the router: failovers and engine events
+        take_counts = (
+            self.c.engine.take_counts if isinstance(self.c.engine, Counted) else None
+        )  # the router: failovers and engine events
         if take_counts is not None:
             metrics |= take_counts()
         if "agent" in self.ctx.extra:  # the proxy: calls, 429s, idle sessions, bad requests; agents stopped
@@ -128,8 +130,10 @@ class RolloutManager:
         held = sum(len(g) for g in self.ready) + self._in_flight_samples()
         dropped = sum(self.dropped.values())
         if self.generated != self.trained + dropped + held:
-            raise RuntimeError(f"rollout accounting is off (a bug): {self.generated} samples generated but "
-                               f"{self.trained} trained + {dropped} dropped + {held} held")
+            raise RuntimeError(
+                f"rollout accounting is off (a bug): {self.generated} samples generated but "
+                f"{self.trained} trained + {dropped} dropped + {held} held"
+            )
         return {"generated": self.generated, "trained": self.trained, "dropped": dropped, "held": held}
 
     async def close(self) -> None:
@@ -138,8 +142,9 @@ class RolloutManager:
         for t in [*self.scheduler.background(), *self.tasks]:
             if t is not None and not t.done():
                 t.cancel()
-        await asyncio.gather(*(t for t in [*self.scheduler.background(), *self.tasks] if t is not None),
-                             return_exceptions=True)
+        await asyncio.gather(
+            *(t for t in [*self.scheduler.background(), *self.tasks] if t is not None), return_exceptions=True
+        )
 
     # ---- checkpoints -------------------------------------------------------------------------
     async def pause(self) -> dict | None:
@@ -154,9 +159,16 @@ class RolloutManager:
             await asyncio.gather(*self.tasks, return_exceptions=True)
         if self.error is not None:
             raise self.error
-        return {"ready": list(self.ready), "prefetched": prefetched, "generated": self.generated,
-                "trained": self.trained, "dropped": dict(self.dropped), "step_dropped": dict(self.step_dropped),
-                "step_drawn": self.step_drawn, "finished_lengths": list(self.finished_lengths)}
+        return {
+            "ready": list(self.ready),
+            "prefetched": prefetched,
+            "generated": self.generated,
+            "trained": self.trained,
+            "dropped": dict(self.dropped),
+            "step_dropped": dict(self.step_dropped),
+            "step_drawn": self.step_drawn,
+            "finished_lengths": list(self.finished_lengths),
+        }
 
     async def resume(self) -> None:
         self.paused = False
@@ -199,17 +211,26 @@ class RolloutManager:
         while True:
             await self.resume_gate.wait()  # no request goes out while an update with partial=resume runs
             s = await _generate_one(self.ctx, s, sampling)
-            if s.status == Status.ABORTED and self.r.partial == "resume" and not self.closing \
-                    and not s.metadata.get("leftover"):
+            if (
+                s.status == Status.ABORTED
+                and self.r.partial == "resume"
+                and not self.closing
+                and not s.metadata.get("leftover")
+            ):
                 if s.response_length:  # it had tokens: they are kept and the sample continues after them
                     s.metadata["resumed"] = s.metadata.get("resumed", 0) + 1
                 s.status = Status.PENDING
                 continue
             # a multi-turn sample the engine aborted (or answered without logprobs) starts over, off-policy
             # modes only (sync mode trains the step without it), at most 3 times
-            if s.status == Status.ABORTED and ("tool_calls" in s.metadata or s.metadata.get("session_state") == "aborted") \
-                    and self.r.mode != "sync" \
-                    and not self.closing and not s.metadata.get("leftover") and s.metadata.get("requeued", 0) < 3:
+            if (
+                s.status == Status.ABORTED
+                and ("tool_calls" in s.metadata or s.metadata.get("session_state") == "aborted")
+                and self.r.mode != "sync"
+                and not self.closing
+                and not s.metadata.get("leftover")
+                and s.metadata.get("requeued", 0) < 3
+            ):
                 s.metadata["requeued"] = s.metadata.get("requeued", 0) + 1
                 s.metadata.pop("extra_samples", None)  # an agent session starts over whole
                 continue
@@ -251,7 +272,8 @@ class RolloutManager:
             "staleness_max": max(tok, default=0),
             "samples_trained": len(trained),
             "samples_dropped": sum(self.step_dropped.values()),
-            "dropped_fraction": sum(self.step_dropped.values()) / max(len(trained) + sum(self.step_dropped.values()), 1),
+            "dropped_fraction": sum(self.step_dropped.values())
+            / max(len(trained) + sum(self.step_dropped.values()), 1),
             "samples_held": sum(len(g) for g in self.ready) + self._in_flight_samples(),
             "resumed_fraction": sum(1 for s in trained if s.metadata.get("resumed")) / max(len(trained), 1),
             "response_length_trained_mean": sum(s.response_length for s in trained) / max(len(trained), 1),
@@ -273,11 +295,18 @@ def describe(cfg) -> str:
     if r.mode == "async":
         parts.append(f"max_staleness {r.max_staleness}, stale groups: {r.stale_groups}")
     if r.mode != "sync":
-        parts.append(f"unfinished samples at an update: {r.partial}"
-                     + (f" (older tokens: {r.resumed_tokens})" if r.partial == "resume" else ""))
+        parts.append(
+            f"unfinished samples at an update: {r.partial}"
+            + (f" (older tokens: {r.resumed_tokens})" if r.partial == "resume" else "")
+        )
     if r.over_sample > 1 or r.dynamic_sampling:
         parts.append(f"over_sample {r.over_sample}" + (", dynamic sampling" if r.dynamic_sampling else ""))
     how = ", ".join(a.corrections()) or (
-        "none" + (" (algo.off_policy_correction='none': tokens of older weights train as if on-policy)"
-                  if r.mode != "sync" else ""))
+        "none"
+        + (
+            " (algo.off_policy_correction='none': tokens of older weights train as if on-policy)"
+            if r.mode != "sync"
+            else ""
+        )
+    )
     return "; ".join(parts) + f"; off-policy correction: {how}"

@@ -40,7 +40,9 @@ class TurnLimits:
     output_tokens: int = 256  # and in tokens
     # observation framing for chat models (ChatML; SmolLM2 and Qwen use it): a user turn holding the
     # tool's output, then the assistant's next turn. {output} is the capped tool output.
-    observation_template: str = "<|im_end|>\n<|im_start|>user\n<tool_response>\n{output}\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    observation_template: str = (
+        "<|im_end|>\n<|im_start|>user\n<tool_response>\n{output}\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 class TurnError(SampleInvariantError):
@@ -76,9 +78,13 @@ async def generate(ctx, sample: Sample, sampling: SamplingParams) -> Sample:
         ids, lps = list(completion.token_ids), completion.logprobs
         if completion.finish_reason == "abort" or lps is None or len(lps) != len(ids):
             sample.status = Status.ABORTED
-            sample.metadata["abort_reason"] = ("engine aborted the request" if completion.finish_reason == "abort"
-                                               else "engine returned no logprobs" if lps is None
-                                               else f"engine returned {len(lps)} logprobs for {len(ids)} tokens")
+            sample.metadata["abort_reason"] = (
+                "engine aborted the request"
+                if completion.finish_reason == "abort"
+                else "engine returned no logprobs"
+                if lps is None
+                else f"engine returned {len(lps)} logprobs for {len(ids)} tokens"
+            )
             break
         text = tok.decode(ids, skip_special_tokens=False)
         call = parse_tool_call(text)
@@ -99,11 +105,13 @@ async def generate(ctx, sample: Sample, sampling: SamplingParams) -> Sample:
         output, ok = await tools.call(call)
         sample.metadata["tool_calls"] += 1
         sample.metadata["tool_errors"] += 0 if ok else 1
-        obs = tok.encode(limits.observation_template.format(output=cap_text(output, limits.output_chars)),
-                         add_special_tokens=False)
+        obs = tok.encode(
+            limits.observation_template.format(output=cap_text(output, limits.output_chars)), add_special_tokens=False
+        )
         if len(obs) > limits.output_tokens:
-            marker = tok.encode(f"\n[tool output truncated at {limits.output_tokens} tokens]\n",
-                                add_special_tokens=False)
+            marker = tok.encode(
+                f"\n[tool output truncated at {limits.output_tokens} tokens]\n", add_special_tokens=False
+            )
             tail = tok.encode(limits.observation_template.split("{output}")[1], add_special_tokens=False)
             obs = obs[: max(limits.output_tokens - len(marker) - len(tail), 0)] + marker + tail
         left = budget - sample.response_length
@@ -116,7 +124,7 @@ async def generate(ctx, sample: Sample, sampling: SamplingParams) -> Sample:
             break
     # rewards score the model's last turn (a number in a tool's output is not the model's answer);
     # the whole exchange is kept for the logs
-    sample.response_text = tok.decode(sample.response_ids[last_turn[0]: last_turn[1]], skip_special_tokens=True)
+    sample.response_text = tok.decode(sample.response_ids[last_turn[0] : last_turn[1]], skip_special_tokens=True)
     sample.metadata["transcript"] = tok.decode(sample.response_ids, skip_special_tokens=True)
     return sample
 
@@ -137,5 +145,7 @@ def _check_prefix(sample: Sample, prompt: list[int]) -> None:
     sample.check()
     now = sample.prompt_ids + sample.response_ids
     if now[: len(prompt)] != prompt:
-        raise TurnError(f"sample group={sample.group_id} index={sample.index}: the turn's prompt is no longer a "
-                        "prefix of the sample's tokens")
+        raise TurnError(
+            f"sample group={sample.group_id} index={sample.index}: the turn's prompt is no longer a "
+            "prefix of the sample's tokens"
+        )

@@ -85,8 +85,4 @@ def reasoning_gym_reward(sample: Sample) -> float:
     return float(scorer(answer if answer is not None else sample.response_text, entry))
 
 
-BUILTIN_REWARDS = {
-    "math": math_reward,
-    "exact_match": exact_match_reward,
-    "reasoning_gym": reasoning_gym_reward,
-}
+BUILTIN_REWARDS = {"math": math_reward, "exact_match": exact_match_reward, "reasoning_gym": reasoning_gym_reward}

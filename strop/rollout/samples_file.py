@@ -27,11 +27,27 @@ def write_header(path: Path, rollout: dict) -> None:
 def write_samples(path: Path, samples: list[Sample], step: int) -> None:
     with open(path, "a") as f:
         for s in samples:
-            f.write(json.dumps({
-                "step": step, "group_id": s.group_id, "index": s.index, "prompt": s.prompt,
-                "prompt_ids": s.prompt_ids, "response_ids": s.response_ids, "rollout_logprobs": s.rollout_logprobs,
-                "loss_mask": s.loss_mask, "weight_versions": s.weight_versions, "reward": s.reward,
-                "status": s.status.value, "label": s.label, "metadata": s.metadata}, default=str) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "step": step,
+                        "group_id": s.group_id,
+                        "index": s.index,
+                        "prompt": s.prompt,
+                        "prompt_ids": s.prompt_ids,
+                        "response_ids": s.response_ids,
+                        "rollout_logprobs": s.rollout_logprobs,
+                        "loss_mask": s.loss_mask,
+                        "weight_versions": s.weight_versions,
+                        "reward": s.reward,
+                        "status": s.status.value,
+                        "label": s.label,
+                        "metadata": s.metadata,
+                    },
+                    default=str,
+                )
+                + "\n"
+            )
 
 
 def read_samples(path: str | Path) -> tuple[dict, dict[int, list[Sample]]]:
@@ -49,16 +65,23 @@ def read_samples(path: str | Path) -> tuple[dict, dict[int, list[Sample]]]:
                 raise DataError(f"{path}:{n}: not valid JSON ({exc.msg})") from None
             if n == 1:
                 if not isinstance(rec, dict) or rec.get("strop_samples") != FORMAT:
-                    raise DataError(f"{path}:1: not a strop samples file (no header "
-                                    f'{{"strop_samples": {FORMAT}, ...}}; write one with `strop rollout`)')
+                    raise DataError(
+                        f"{path}:1: not a strop samples file (no header "
+                        f'{{"strop_samples": {FORMAT}, ...}}; write one with `strop rollout`)'
+                    )
                 header = rec
                 continue
             missing = [k for k in ("step", *KEYS) if k not in rec]
             if missing:
                 raise DataError(f"{path}:{n}: missing {', '.join(missing)}")
-            s = Sample(prompt=rec.get("prompt", ""), prompt_ids=rec["prompt_ids"], label=rec.get("label"),
-                       group_id=rec.get("group_id", 0), index=rec.get("index", 0),
-                       metadata=rec.get("metadata") or {})
+            s = Sample(
+                prompt=rec.get("prompt", ""),
+                prompt_ids=rec["prompt_ids"],
+                label=rec.get("label"),
+                group_id=rec.get("group_id", 0),
+                index=rec.get("index", 0),
+                metadata=rec.get("metadata") or {},
+            )
             s.response_ids, s.rollout_logprobs = list(rec["response_ids"]), [float(x) for x in rec["rollout_logprobs"]]
             s.loss_mask, s.weight_versions = list(rec["loss_mask"]), list(rec["weight_versions"])
             s.reward, s.status = rec["reward"], Status(rec["status"])

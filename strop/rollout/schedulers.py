@@ -87,8 +87,10 @@ class Rounds:
             if len(kept) >= want:
                 break
         if not kept:
-            raise RuntimeError(f"step {step}: no group passed the filters in {self.r.filter_max_rounds} rounds "
-                               f"({dict(m.step_dropped)} samples dropped)")
+            raise RuntimeError(
+                f"step {step}: no group passed the filters in {self.r.filter_max_rounds} rounds "
+                f"({dict(m.step_dropped)} samples dropped)"
+            )
         return kept
 
     async def _simple_step(self, step: int) -> list[list[Sample]]:
@@ -127,12 +129,20 @@ class SyncScheduler(Rounds):
         current = self.m.c.engine.weight_version if isinstance(self.m.c.engine, Versioned) else None
         if current is None:
             return
-        seen = Counter(v for g in groups for s in g if s.status.trainable
-                       for v, m in zip(s.weight_versions, s.loss_mask) if m and v != current)
+        seen = Counter(
+            v
+            for g in groups
+            for s in g
+            if s.status.trainable
+            for v, m in zip(s.weight_versions, s.loss_mask)
+            if m and v != current
+        )
         if seen:
-            raise RuntimeError(f"step {step}: {sum(seen.values())} trained tokens were sampled by weight versions "
-                               f"{sorted(seen)}, but the engine's current version is {current}: an engine served "
-                               "weights it was not updated to (rollout.mode=sync trains only on current weights)")
+            raise RuntimeError(
+                f"step {step}: {sum(seen.values())} trained tokens were sampled by weight versions "
+                f"{sorted(seen)}, but the engine's current version is {current}: an engine served "
+                "weights it was not updated to (rollout.mode=sync trains only on current weights)"
+            )
 
 
 class OneStepOffScheduler(Rounds):
@@ -143,8 +153,7 @@ class OneStepOffScheduler(Rounds):
         if self.prefetch is None:
             self.prefetch = asyncio.ensure_future(self.round_robin(step))
         groups = await self.prefetch
-        self.prefetch = asyncio.ensure_future(self.round_robin(step + 1)) \
-            if step < self.m.cfg.train.steps else None
+        self.prefetch = asyncio.ensure_future(self.round_robin(step + 1)) if step < self.m.cfg.train.steps else None
         return self.took(groups)
 
 
@@ -171,8 +180,10 @@ class AsyncScheduler:
         return None
 
     def load(self, prefetched: list[list[Sample]]) -> None:
-        raise RuntimeError("resume: the checkpoint holds the next step's groups of rollout.mode=one_step_off, "
-                           "which rollout.mode=async has no place for")
+        raise RuntimeError(
+            "resume: the checkpoint holds the next step's groups of rollout.mode=one_step_off, "
+            "which rollout.mode=async has no place for"
+        )
 
     def capacity(self) -> int:
         """Groups the manager may hold (finished, generating, or collected by the step being taken) now:
@@ -221,8 +232,9 @@ class AsyncScheduler:
             if max(max(staleness(s, step), default=0) for s in group) > self.r.max_staleness:
                 m.drop(group, "stale")
                 self.step_stale_groups += 1
-                self.stale_versions.update(v for s in group for v in s.weight_versions
-                                           if step - 1 - v > self.r.max_staleness)
+                self.stale_versions.update(
+                    v for s in group for v in s.weight_versions if step - 1 - v > self.r.max_staleness
+                )
                 if self.r.stale_groups == "regenerate":  # the same prompts, on the current weights
                     m.launch(group).add_done_callback(self._finished)
                 continue
@@ -248,13 +260,16 @@ class AsyncScheduler:
                     f"step {step}: {self.step_stale_groups} groups dropped as stale (tokens of weight versions "
                     f"{sorted(self.stale_versions)[:8]}, the trainer is at version {step - 1}, "
                     f"rollout.max_staleness={self.r.max_staleness}): the engines do not serve the new weights, "
-                    f"so the step cannot fill ({dict(m.step_dropped)} samples dropped)")
+                    f"so the step cannot fill ({dict(m.step_dropped)} samples dropped)"
+                )
             if len(out) < self.r.prompts_per_step and m.step_filtered_groups >= limit:
                 if out:  # as the rounds of sync mode: a short step rather than no step
                     break
-                raise RuntimeError(f"step {step}: no group passed the filters in {m.step_filtered_groups} "
-                                   f"groups (rollout.filter_max_rounds={self.r.filter_max_rounds}; "
-                                   f"{dict(m.step_dropped)} samples dropped)")
+                raise RuntimeError(
+                    f"step {step}: no group passed the filters in {m.step_filtered_groups} "
+                    f"groups (rollout.filter_max_rounds={self.r.filter_max_rounds}; "
+                    f"{dict(m.step_dropped)} samples dropped)"
+                )
             m.wake.set()
             if len(out) < self.r.prompts_per_step:
                 self.ready_event.clear()

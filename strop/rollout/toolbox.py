@@ -20,9 +20,20 @@ def make_tools(cfg: Config, hook: Callable | None = None) -> dict:
     t = cfg.tools
     tools = []
     if "python" in t.enabled:
-        box = Sandbox(Limits(timeout_s=t.timeout_s, cpu_s=t.cpu_s, memory_mb=t.memory_mb, processes=t.processes,
-                             memory_total_mb=t.memory_total_mb, tmp_mb=t.tmp_mb, tmp_files=t.tmp_files),
-                      isolation=t.sandbox, max_concurrency=t.concurrency, nested_userns=t.nested_userns)
+        box = Sandbox(
+            Limits(
+                timeout_s=t.timeout_s,
+                cpu_s=t.cpu_s,
+                memory_mb=t.memory_mb,
+                processes=t.processes,
+                memory_total_mb=t.memory_total_mb,
+                tmp_mb=t.tmp_mb,
+                tmp_files=t.tmp_files,
+            ),
+            isolation=t.sandbox,
+            max_concurrency=t.concurrency,
+            nested_userns=t.nested_userns,
+        )
         print(f"strop: tools: python in {box.describe()}", flush=True)
         tools.append(python_tool(box))
     if "calculator" in t.enabled:
@@ -33,11 +44,19 @@ def make_tools(cfg: Config, hook: Callable | None = None) -> dict:
         origin = {x.name: f"tools hook {cfg.plugins.tools}" for x in own}
         clash = sorted({x.name for x in own} & {x.name for x in tools})
         if clash:
-            raise PluginError(f"tools hook {cfg.plugins.tools!r} gives tool(s) {clash}, which tools.enabled "
-                              f"({t.enabled}) already has: rename yours or drop the built-in")
+            raise PluginError(
+                f"tools hook {cfg.plugins.tools!r} gives tool(s) {clash}, which tools.enabled "
+                f"({t.enabled}) already has: rename yours or drop the built-in"
+            )
         tools += own
         print(f"strop: tools: {', '.join(x.name for x in own)} from {cfg.plugins.tools}", flush=True)
-    return {"tools": ToolSet(tools, origin, threads=t.tool_threads, timeout_s=t.timeout_s),
-            "call_reward": (t.call_reward, t.max_call_reward),
-            "turn_limits": TurnLimits(max_turns=t.max_turns, max_turn_tokens=t.max_turn_tokens,
-                                      output_chars=t.output_chars, output_tokens=t.output_tokens)}
+    return {
+        "tools": ToolSet(tools, origin, threads=t.tool_threads, timeout_s=t.timeout_s),
+        "call_reward": (t.call_reward, t.max_call_reward),
+        "turn_limits": TurnLimits(
+            max_turns=t.max_turns,
+            max_turn_tokens=t.max_turn_tokens,
+            output_chars=t.output_chars,
+            output_tokens=t.output_tokens,
+        ),
+    }

@@ -100,14 +100,24 @@ class EmbeddedEngine(BatchScheduler, WeightUpdates):
         if shared and reason is not None:
             raise ValueError(f"an engine sharing the trainer's weights needs the fast decoder: {reason}")
         self._fast = LlamaDecoder(model) if reason is None else None
-        self.decode_path = ("kv-cache decoder (shared prefixes, continuous batching)" if reason is None
-                            else f"transformers forward with DynamicCache, static batches ({reason})")
+        self.decode_path = (
+            "kv-cache decoder (shared prefixes, continuous batching)"
+            if reason is None
+            else f"transformers forward with DynamicCache, static batches ({reason})"
+        )
         if shared:
             self.decode_path += ", from the trainer's own weights (engine.share_weights: no copy)"
 
     # ---- the async interface -------------------------------------------------------------
-    async def generate(self, prompt_ids: list[int], sampling: SamplingParams, request_id: str | None = None, *,
-                       on_token: TokenListener | None = None, top_logprobs: int = 0) -> Completion:
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        request_id: str | None = None,
+        *,
+        on_token: TokenListener | None = None,
+        top_logprobs: int = 0,
+    ) -> Completion:
         """Generate for one prompt; concurrent calls are decoded together. ``request_id`` lets
         :meth:`abort` end this request alone. A bad request raises :class:`RequestError` here,
         before it can reach (and fail) a batch.
@@ -122,8 +132,16 @@ class EmbeddedEngine(BatchScheduler, WeightUpdates):
         if request_id is not None and self._aborted_ids.pop(request_id, None) is not None:
             return Completion([], [], "abort", self.weight_version)  # aborted before it arrived
         future = asyncio.get_running_loop().create_future()
-        self._pending.append(PendingRequest(list(prompt_ids), sampling, future, request_id, on_token=on_token,
-                                      top_logprobs=top_logprobs if on_token is not None else 0))
+        self._pending.append(
+            PendingRequest(
+                list(prompt_ids),
+                sampling,
+                future,
+                request_id,
+                on_token=on_token,
+                top_logprobs=top_logprobs if on_token is not None else 0,
+            )
+        )
         self._kick()
         return await future
 
@@ -218,8 +236,9 @@ class EmbeddedEngine(BatchScheduler, WeightUpdates):
         inside a batch: an id indexes the embedding, a seed seeds a torch.Generator)."""
         bad = next((i for i, t in enumerate(prompt_ids) if not 0 <= t < self.vocab_size), None)
         if bad is not None:
-            raise RequestError(f"input_ids[{bad}] = {prompt_ids[bad]!r} is outside the vocabulary "
-                               f"[0, {self.vocab_size})")
+            raise RequestError(
+                f"input_ids[{bad}] = {prompt_ids[bad]!r} is outside the vocabulary [0, {self.vocab_size})"
+            )
         if s.seed is not None and not SEED_RANGE[0] <= s.seed < SEED_RANGE[1]:
             raise RequestError(f"seed {s.seed} is outside [{SEED_RANGE[0]}, {SEED_RANGE[1]})")
         if not (math.isfinite(s.temperature) and s.temperature >= 0):
@@ -231,7 +250,9 @@ class EmbeddedEngine(BatchScheduler, WeightUpdates):
 
     @torch.no_grad()
     def generate_batch(
-        self, prompts: list[list[int]], samplings: SamplingParams | list[SamplingParams],
+        self,
+        prompts: list[list[int]],
+        samplings: SamplingParams | list[SamplingParams],
         request_ids: list[str | None] | None = None,
     ) -> list[Completion]:
         if isinstance(samplings, SamplingParams):
@@ -257,8 +278,13 @@ class EmbeddedEngine(BatchScheduler, WeightUpdates):
         self._fast.release()
         return [Completion(r.token_ids, r.logprobs, r.finish, version) for r in rows]
 
-    def _decode(self, prompts: list[list[int]], samplings: list[SamplingParams],
-                request_ids: list[str | None], listeners: list | None = None) -> list[Completion]:
+    def _decode(
+        self,
+        prompts: list[list[int]],
+        samplings: list[SamplingParams],
+        request_ids: list[str | None],
+        listeners: list | None = None,
+    ) -> list[Completion]:
         """The fallback path's static batch (:func:`strop.serving.static_batch.decode_static`)."""
         return decode_static(self, prompts, samplings, request_ids, listeners)
 

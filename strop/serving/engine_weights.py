@@ -55,8 +55,10 @@ class WeightUpdates:
         ``shared``, only the tensors that are not already the engine's own (none, from the trainer)."""
         own = self.model.state_dict()
         if strict and set(own) != set(state_dict):  # (before anything is copied: the old weights stay whole)
-            raise RuntimeError(f"weight update: missing {sorted(set(own) - set(state_dict))[:5]}, "
-                               f"unexpected {sorted(set(state_dict) - set(own))[:5]}")
+            raise RuntimeError(
+                f"weight update: missing {sorted(set(own) - set(state_dict))[:5]}, "
+                f"unexpected {sorted(set(state_dict) - set(own))[:5]}"
+            )
         if not hasattr(state_dict, "gather"):
             if self.shared:
                 state_dict = {k: t for k, t in state_dict.items() if k not in own or t.data_ptr() != own[k].data_ptr()}
@@ -128,8 +130,10 @@ class WeightUpdates:
         if self._session != "open":
             raise SessionError("must run between begin_weight_update() and end_weight_update()")
         if self._receiving:
-            raise SessionError("another bucket is being received: buckets pair with the trainer's broadcasts "
-                               "in order, send them one at a time")
+            raise SessionError(
+                "another bucket is being received: buckets pair with the trainer's broadcasts "
+                "in order, send them one at a time"
+            )
         self._receiving = True
         try:
             await self._off_loop(self._locked, self._load, self._receive, group, bucket, self.weights())
@@ -141,8 +145,9 @@ class WeightUpdates:
         weights (temperature 1), between batches: the weight probe's engine side."""
         return await self._drained(reference_logprobs, self.model, list(ids)) if len(ids) > 1 else []
 
-    async def prompt_logprobs(self, ids: list[int], temperature: float = 1.0,
-                              top_logprobs: int = 0) -> tuple[list[float], list[dict[int, float] | None]]:
+    async def prompt_logprobs(
+        self, ids: list[int], temperature: float = 1.0, top_logprobs: int = 0
+    ) -> tuple[list[float], list[dict[int, float] | None]]:
         """The logprob of each token of ``ids`` after the first given the ones before it, and (with
         ``top_logprobs``) the most likely tokens at each of those positions, ``{token_id: logprob}``
         (else None): an echoed prompt's logprobs. The distribution is the one sampled tokens are

@@ -34,8 +34,18 @@ MAX_BODY_BYTES = 64 << 20  # the largest request strop sends is a prompt or a bu
 CONNECT_TIMEOUT_S = 30.0
 # hop-by-hop headers (RFC 9110 7.6.1) are the guard's own on each side; content-length is recomputed for the
 # body as forwarded; expect: 100-continue was answered here
-_NOT_FORWARDED = {b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te", b"trailer",
-                  b"transfer-encoding", b"upgrade", b"content-length", b"expect"}
+_NOT_FORWARDED = {
+    b"connection",
+    b"keep-alive",
+    b"proxy-authenticate",
+    b"proxy-authorization",
+    b"te",
+    b"trailer",
+    b"transfer-encoding",
+    b"upgrade",
+    b"content-length",
+    b"expect",
+}
 
 
 def token_matches(headers: list[tuple[bytes, bytes]], token: str) -> bool:
@@ -61,8 +71,9 @@ class TokenGuard:
     def transport(self):
         if self._transport is None:  # made in the serving event loop, kept for its life
             uds = self.upstream.removeprefix("unix:") if self.upstream.startswith("unix:") else None
-            self._transport = httpx.AsyncHTTPTransport(uds=uds, limits=httpx.Limits(
-                max_connections=None, max_keepalive_connections=64))
+            self._transport = httpx.AsyncHTTPTransport(
+                uds=uds, limits=httpx.Limits(max_connections=None, max_keepalive_connections=64)
+            )
         return self._transport
 
     async def __call__(self, scope, receive, send) -> None:
@@ -71,8 +82,12 @@ class TokenGuard:
         elif scope["type"] != "http":  # a WebSocket closed before it is accepted: the client gets HTTP 403
             await send({"type": "websocket.close", "code": 1008})
         elif not token_matches(scope["headers"], self.token):
-            await _answer(send, 401, f"{scope['path']} needs the engine's token: 'Authorization: Bearer <token>'",
-                          [(b"www-authenticate", b"Bearer")])
+            await _answer(
+                send,
+                401,
+                f"{scope['path']} needs the engine's token: 'Authorization: Bearer <token>'",
+                [(b"www-authenticate", b"Bearer")],
+            )
         else:
             body = await self._body(scope, receive, send)
             if body is not None:
@@ -93,8 +108,12 @@ class TokenGuard:
         """The whole request body; None once the client has left or been answered 413."""
         declared = dict(scope["headers"]).get(b"content-length", b"0")
         if declared.isdigit() and int(declared) > self.max_body_bytes:
-            await _answer(send, 413, f"a request body of {int(declared)} bytes is over the engine guard's limit of "
-                          f"{self.max_body_bytes} bytes")
+            await _answer(
+                send,
+                413,
+                f"a request body of {int(declared)} bytes is over the engine guard's limit of "
+                f"{self.max_body_bytes} bytes",
+            )
             return None
         chunks, size = [], 0
         while True:
@@ -131,18 +150,30 @@ class TokenGuard:
         target = scope.get("raw_path") or scope["path"].encode()
         if scope.get("query_string"):
             target += b"?" + scope["query_string"]
-        request = httpx.Request(scope["method"], self.base_url.copy_with(raw_path=target),
-                                headers=headers, content=body, extensions={"timeout": {
-                                    "connect": CONNECT_TIMEOUT_S, "read": None, "write": None, "pool": None}})
+        request = httpx.Request(
+            scope["method"],
+            self.base_url.copy_with(raw_path=target),
+            headers=headers,
+            content=body,
+            extensions={"timeout": {"connect": CONNECT_TIMEOUT_S, "read": None, "write": None, "pool": None}},
+        )
         try:
             response = await self.transport().handle_async_request(request)
         except httpx.TransportError as exc:
-            await _answer(send, 502, f"the engine behind the guard ({self.upstream}) did not answer: "
-                          f"{type(exc).__name__}: {exc}")
+            await _answer(
+                send, 502, f"the engine behind the guard ({self.upstream}) did not answer: {type(exc).__name__}: {exc}"
+            )
             return
         try:
-            await send({"type": "http.response.start", "status": response.status_code, "headers": [
-                (k, v) for k, v in response.headers.raw if k.lower() not in _NOT_FORWARDED - {b"content-length"}]})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": response.status_code,
+                    "headers": [
+                        (k, v) for k, v in response.headers.raw if k.lower() not in _NOT_FORWARDED - {b"content-length"}
+                    ],
+                }
+            )
             async for chunk in response.stream:  # as the engine writes it: no buffering here
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -157,10 +188,22 @@ async def _client_left(receive) -> None:
 
 async def _answer(send, status: int, message: str, headers: list[tuple[bytes, bytes]] = ()) -> None:
     """strop serve's error shape (OpenAI's: the openai SDK reads ``error.message``)."""
-    body = json.dumps({"error": {"message": message, "type": "invalid_request_error" if status < 500 else
-                                 "internal_error", "code": status}}).encode()
-    await send({"type": "http.response.start", "status": status, "headers": [
-        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *headers]})
+    body = json.dumps(
+        {
+            "error": {
+                "message": message,
+                "type": "invalid_request_error" if status < 500 else "internal_error",
+                "code": status,
+            }
+        }
+    ).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *headers],
+        }
+    )
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
@@ -183,7 +226,14 @@ def serve(sock: socket.socket, token: str, upstream: str, max_body_bytes: int = 
     signal handlers there, so the supervisor's own stay in force)."""
     import uvicorn
 
-    config = uvicorn.Config(TokenGuard(token, upstream, max_body_bytes), log_level="warning", access_log=False,
-                            server_header=False, date_header=False, lifespan="on", timeout_keep_alive=60)
+    config = uvicorn.Config(
+        TokenGuard(token, upstream, max_body_bytes),
+        log_level="warning",
+        access_log=False,
+        server_header=False,
+        date_header=False,
+        lifespan="on",
+        timeout_keep_alive=60,
+    )
     uvicorn.Server(config).run(sockets=[sock])
     print("strop: the engine guard stopped", file=sys.stderr, flush=True)

@@ -37,8 +37,9 @@ def unsupported_reason(model) -> str | None:
     kind = getattr(cfg, "model_type", None)
     if kind not in SUPPORTED:
         return f"model_type {kind!r} is not one of {SUPPORTED}"
-    if getattr(cfg, "sliding_window", None) and (kind not in ("qwen2", "qwen3")
-                                                 or getattr(cfg, "use_sliding_window", False)):
+    if getattr(cfg, "sliding_window", None) and (
+        kind not in ("qwen2", "qwen3") or getattr(cfg, "use_sliding_window", False)
+    ):
         return "sliding-window attention"
     backbone = getattr(model, "model", None)
     if backbone is None or not all(hasattr(backbone, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
@@ -59,6 +60,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 @dataclass(eq=False)
 class Row:
     """One running sequence: its owner (an opaque handle for the caller) and its output so far."""
+
     owner: Any
     sampling: Any
     budget: int
@@ -89,9 +91,18 @@ class _Linear:
         ws = [m.weight.detach() for m in self.modules]
         self.weight = ws[0] if len(ws) == 1 else torch.cat(ws)
         bs = [m.bias for m in self.modules]
-        self.bias = None if all(b is None for b in bs) else torch.cat(
-            [b.detach() if b is not None else torch.zeros(m.weight.shape[0], dtype=m.weight.dtype, device=m.weight.device)
-             for b, m in zip(bs, self.modules)])
+        self.bias = (
+            None
+            if all(b is None for b in bs)
+            else torch.cat(
+                [
+                    b.detach()
+                    if b is not None
+                    else torch.zeros(m.weight.shape[0], dtype=m.weight.dtype, device=m.weight.device)
+                    for b, m in zip(bs, self.modules)
+                ]
+            )
+        )
         self.packed, self.packed_rows = None, 0
 
     def pack(self, rows: int) -> None:
@@ -128,8 +139,12 @@ def _can_pack(weight: torch.Tensor) -> bool:
         return False
     if weight.dtype == torch.float32:
         return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")
-    return (weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return (
+        weight.dtype == torch.bfloat16
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    )
 
 
 class LlamaDecoder:
@@ -143,14 +158,22 @@ class LlamaDecoder:
         self.n_kv = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.group = self.n_heads // self.n_kv
-        self.scale = self.head_dim ** -0.5
+        self.scale = self.head_dim**-0.5
         self.layers, self.qk_norms = [], []
         for layer in self.backbone.layers:
             a, m = layer.self_attn, layer.mlp
             self.qk_norms.append((a.q_norm, a.k_norm) if hasattr(a, "q_norm") else None)  # Qwen3: per head, pre-RoPE
-            self.layers.append((layer.input_layernorm, _Linear([a.q_proj, a.k_proj, a.v_proj]), _Linear([a.o_proj]),
-                                layer.post_attention_layernorm, _Linear([m.gate_proj, m.up_proj]),
-                                _Linear([m.down_proj]), m.act_fn))
+            self.layers.append(
+                (
+                    layer.input_layernorm,
+                    _Linear([a.q_proj, a.k_proj, a.v_proj]),
+                    _Linear([a.o_proj]),
+                    layer.post_attention_layernorm,
+                    _Linear([m.gate_proj, m.up_proj]),
+                    _Linear([m.down_proj]),
+                    m.act_fn,
+                )
+            )
         self.head = _Linear([model.lm_head])
         self.linears = [lin for parts in self.layers for lin in parts[1:3] + parts[4:6]] + [self.head]
         self.prepack = prepack and _can_pack(self.backbone.embed_tokens.weight)
@@ -206,7 +229,7 @@ class LlamaDecoder:
         q_norm, k_norm) normalise each query and key head before the rotation."""
         H, KV, D = self.n_heads, self.n_kv, self.head_dim
         qkv = qkv.view(*qkv.shape[:-1], H + 2 * KV, D)
-        qk, v = qkv[..., : H + KV, :], qkv[..., H + KV:, :]
+        qk, v = qkv[..., : H + KV, :], qkv[..., H + KV :, :]
         if norms is not None:
             qk = torch.cat([self._norm(norms[0], qk[..., :H, :]), self._norm(norms[1], qk[..., H:, :])], dim=-2)
         qk = _rotate(qk, cos, sin)
@@ -242,8 +265,16 @@ class LlamaDecoder:
         return self.head(self._norm(self.backbone.norm, x[:, -1])), keys, values
 
     @torch.no_grad()
-    def step(self, tokens: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-             col: int, lo: int, bias: torch.Tensor) -> torch.Tensor:
+    def step(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        col: int,
+        lo: int,
+        bias: torch.Tensor,
+    ) -> torch.Tensor:
         """Feed one token per row (B,) at cache column ``col``; attend over columns ``lo..col``
         with the additive ``bias`` (B, 1, 1, col-lo+1). Returns next-token logits (B, V)."""
         B = tokens.shape[0]
@@ -254,8 +285,8 @@ class LlamaDecoder:
             q, k, v = self._split_rope(qkv(self._norm(ln1, x)), cos, sin, self.qk_norms[i])
             keys[i, :B, :, col] = k
             values[i, :B, :, col] = v
-            kc = keys[i, :B, :, lo: col + 1]  # (B, KV, T, D)
-            vc = values[i, :B, :, lo: col + 1]
+            kc = keys[i, :B, :, lo : col + 1]  # (B, KV, T, D)
+            vc = values[i, :B, :, lo : col + 1]
             # a kv head's group of query heads act as G query positions against its keys: grouped
             # attention without repeating keys, one fused kernel (masked by bias, no causal mask)
             q = q.reshape(B, self.n_kv, self.group, self.head_dim)
@@ -287,8 +318,14 @@ class Batch:
     Every cache slot has a :class:`Row`; a finished row's slot (or a padding slot) is taken by the
     next row that joins, and the cache is compacted when a whole bucket of slots is free."""
 
-    def __init__(self, decoder: LlamaDecoder, sample: Callable, *, pad_token_id: int,
-                 should_abort: Callable[[Row], bool] = lambda row: False):
+    def __init__(
+        self,
+        decoder: LlamaDecoder,
+        sample: Callable,
+        *,
+        pad_token_id: int,
+        should_abort: Callable[[Row], bool] = lambda row: False,
+    ):
         self.dec, self.sample, self.pad = decoder, sample, pad_token_id
         self.should_abort = should_abort
         self.rows: list[Row] = []  # one per cache slot
@@ -317,8 +354,10 @@ class Batch:
         values = torch.zeros(shape, dtype=d.dtype, device=d.device)
         if keep and used:
             idx = torch.tensor(keep, device=d.device)
-            keys[:, : len(keep), :, new_col - used: new_col] = self.keys.index_select(1, idx)[:, :, :, lo: self.col]
-            values[:, : len(keep), :, new_col - used: new_col] = self.values.index_select(1, idx)[:, :, :, lo: self.col]
+            keys[:, : len(keep), :, new_col - used : new_col] = self.keys.index_select(1, idx)[:, :, :, lo : self.col]
+            values[:, : len(keep), :, new_col - used : new_col] = self.values.index_select(1, idx)[
+                :, :, :, lo : self.col
+            ]
         shift, k, extra = new_col - self.col, torch.tensor(keep, dtype=torch.long), slots - len(keep)
         self.start = torch.cat([self.start[k] + shift, torch.full((extra,), new_col, dtype=torch.long)])
         self.positions = torch.cat([self.positions[k], torch.zeros(extra, dtype=torch.long)])
@@ -338,7 +377,7 @@ class Batch:
         P = max(len(p) for p in uniq)
         ids = torch.full((len(uniq), P), self.pad, dtype=torch.long)
         for i, p in enumerate(uniq):
-            ids[i, P - len(p):] = torch.tensor(p)
+            ids[i, P - len(p) :] = torch.tensor(p)
         lengths = torch.tensor([len(p) for p in uniq])
         logits, k, v = d.prefill(ids.to(d.device), lengths.to(d.device))
         self.prefilled_tokens += int(lengths.sum())
@@ -352,19 +391,24 @@ class Batch:
         # each joining prompt ends just left of the write column, in a free slot if there is room
         free = [i for i, r in enumerate(self.rows) if r.finish is not None]
         longest = max(rows[i].budget for i in joining)
-        if not (self.keys is not None and len(free) >= len(joining) and self.col >= P
-                and self.keys.shape[3] >= self.col + 1 + longest):
+        if not (
+            self.keys is not None
+            and len(free) >= len(joining)
+            and self.col >= P
+            and self.keys.shape[3] >= self.col + 1 + longest
+        ):
             keep = [i for i, r in enumerate(self.rows) if r.finish is None]
             need = max(self.col - (int(self.start[keep].min()) if keep else self.col), P)  # columns left of col
-            capacity = max([need + longest + 1] +
-                           [need + self.rows[i].budget - len(self.rows[i].token_ids) + 2 for i in keep])
+            capacity = max(
+                [need + longest + 1] + [need + self.rows[i].budget - len(self.rows[i].token_ids) + 2 for i in keep]
+            )
             self._relayout(keep, slots_for(len(keep) + len(joining)), need, capacity)
             free = list(range(len(keep), len(self.rows)))
         slots = free[: len(joining)]
         c, dst = self.col, torch.tensor(slots, device=d.device)
         src = w[torch.tensor(joining, device=d.device)]
-        self.keys[:, dst, :, c - P: c] = k.index_select(1, src)
-        self.values[:, dst, :, c - P: c] = v.index_select(1, src)
+        self.keys[:, dst, :, c - P : c] = k.index_select(1, src)
+        self.values[:, dst, :, c - P : c] = v.index_select(1, src)
         for slot, i in zip(slots, joining):
             r = rows[i]
             self.start[slot] = c - len(prompts[i])
@@ -404,14 +448,22 @@ class Batch:
         valid = cols.unsqueeze(0) >= self.start.unsqueeze(1)  # (B, T); every slot sees at least its own column
         bias = torch.zeros(valid.shape, dtype=self.dec.dtype).masked_fill_(~valid, float("-inf"))
         dev = self.dec.device
-        logits = self.dec.step(self.next_tokens.to(dev), self.positions.to(dev), self.keys, self.values,
-                               self.col, lo, bias.view(B, 1, 1, -1).to(dev))
+        logits = self.dec.step(
+            self.next_tokens.to(dev),
+            self.positions.to(dev),
+            self.keys,
+            self.values,
+            self.col,
+            lo,
+            bias.view(B, 1, 1, -1).to(dev),
+        )
         self.col += 1
         self.positions += 1
         running = [self.rows[i] for i in live]
         idx = torch.tensor(live, device=dev)
-        tokens, logprobs = self.sample(logits.index_select(0, idx).float() if len(live) < B else logits.float(),
-                                       running)
+        tokens, logprobs = self.sample(
+            logits.index_select(0, idx).float() if len(live) < B else logits.float(), running
+        )
         self.next_tokens[torch.tensor(live)] = tokens.cpu()
         finished = self._record(running, tokens.tolist(), logprobs.tolist())
         done = {id(r) for r in finished}

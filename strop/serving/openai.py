@@ -73,12 +73,23 @@ class OpenAIBody(BaseModel):
 
 class CompletionBody(OpenAIBody):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(None, ge=0, le=2**31 - 1, description="0 (with echo): no generation, the "
-                                   "prompt's logprobs only (lm-eval-harness's loglikelihood)")
-    logprobs: int | None = Field(None, ge=0, description="the sampled tokens' logprobs and, per token, the logprobs "
-                                 f"of this many most likely tokens (at most {MAX_LOGPROBS})")
-    echo: bool | None = Field(False, description="the prompt before the text; with logprobs, the prompt tokens' "
-                              "logprobs first (the first token's null)")
+    max_tokens: int | None = Field(
+        None,
+        ge=0,
+        le=2**31 - 1,
+        description="0 (with echo): no generation, the prompt's logprobs only (lm-eval-harness's loglikelihood)",
+    )
+    logprobs: int | None = Field(
+        None,
+        ge=0,
+        description="the sampled tokens' logprobs and, per token, the logprobs "
+        f"of this many most likely tokens (at most {MAX_LOGPROBS})",
+    )
+    echo: bool | None = Field(
+        False,
+        description="the prompt before the text; with logprobs, the prompt tokens' "
+        "logprobs first (the first token's null)",
+    )
     best_of: int | None = None
     suffix: str | None = None
 
@@ -96,8 +107,9 @@ class ChatBody(OpenAIBody):
     max_tokens: int | None = Field(None, gt=0, le=2**31 - 1)
     max_completion_tokens: int | None = Field(None, gt=0, le=2**31 - 1)
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(None, ge=0, description=f"with logprobs, the most likely tokens at each "
-                                     f"position (at most {MAX_LOGPROBS})")
+    top_logprobs: int | None = Field(
+        None, ge=0, description=f"with logprobs, the most likely tokens at each position (at most {MAX_LOGPROBS})"
+    )
     response_format: dict | None = None
 
     @model_validator(mode="after")
@@ -119,8 +131,11 @@ def non_neutral(body) -> str | None:
 def error_json(status: int, message: str, kind: str, code, headers: dict | None = None, **fields) -> JSONResponse:
     """OpenAI's error shape, ``{"error": {"message", "type", **fields, "code"}}`` (the openai SDK reads
     ``error.message``), with ``status``: strop serve's and the agent proxy's errors alike."""
-    return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind, **fields,
-                                                               "code": code}}, headers=headers)
+    return JSONResponse(
+        status_code=status,
+        content={"error": {"message": message, "type": kind, **fields, "code": code}},
+        headers=headers,
+    )
 
 
 def error(status: int, message: str) -> JSONResponse:
@@ -162,8 +177,8 @@ class BodyLimit:
                 return await receive()
             replayed = True
             return {"type": "http.request", "body": bytes(body), "more_body": False}
-        return await self.app(scope, replay, send)
 
+        return await self.app(scope, replay, send)
 
 
 def stops_of(body: OpenAIBody) -> list[str]:
@@ -176,8 +191,7 @@ def finish(out: Completion) -> str:
 
 def usage(prompts, completion_tokens: int) -> dict:
     prompt = sum(len(p) for p in prompts)
-    return {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
-            "total_tokens": prompt + completion_tokens}
+    return {"prompt_tokens": prompt, "completion_tokens": completion_tokens, "total_tokens": prompt + completion_tokens}
 
 
 def include_usage(body: OpenAIBody) -> bool:
@@ -187,12 +201,16 @@ def include_usage(body: OpenAIBody) -> bool:
 
 def at_most_max_logprobs(name: str, n: int | None) -> None:
     if n is not None and n > MAX_LOGPROBS:  # (vLLM's max_logprobs refusal: 400)
-        raise HTTPException(status_code=400, detail=f"{name}: {n} is above {MAX_LOGPROBS}, the most likely "
-                            "tokens per position strop serve returns at most")
+        raise HTTPException(
+            status_code=400,
+            detail=f"{name}: {n} is above {MAX_LOGPROBS}, the most likely "
+            "tokens per position strop serve returns at most",
+        )
 
 
-def completion_logprobs(ids: list[int], logprobs: list, tops: list, token_text: Callable[[int], str],
-                        offset: int = 0) -> dict:
+def completion_logprobs(
+    ids: list[int], logprobs: list, tops: list, token_text: Callable[[int], str], offset: int = 0
+) -> dict:
     """OpenAI's (and vLLM's) completion logprobs: per token its text (``token_text``), its logprob, a dict
     of the token and its most likely alternatives by text (None where a token has no logprob: an
     echoed prompt's first), and its offset in the text (cumulative token lengths from ``offset``)."""
@@ -201,20 +219,33 @@ def completion_logprobs(ids: list[int], logprobs: list, tops: list, token_text: 
     for token in tokens:
         offsets.append(offset)
         offset += len(token)
-    top = [None if lp is None else {token: json_logprob(lp), **{token_text(a): json_logprob(v)
-                                                                for a, v in (alternatives or {}).items()}}
-           for token, lp, alternatives in zip(tokens, logprobs, tops)]
-    return {"tokens": tokens, "token_logprobs": [None if lp is None else json_logprob(lp) for lp in logprobs],
-            "top_logprobs": top, "text_offset": offsets}
+    top = [
+        None
+        if lp is None
+        else {token: json_logprob(lp), **{token_text(a): json_logprob(v) for a, v in (alternatives or {}).items()}}
+        for token, lp, alternatives in zip(tokens, logprobs, tops)
+    ]
+    return {
+        "tokens": tokens,
+        "token_logprobs": [None if lp is None else json_logprob(lp) for lp in logprobs],
+        "top_logprobs": top,
+        "text_offset": offsets,
+    }
 
 
 def chat_logprobs(ids: list[int], logprobs: list[float], tops: list, token_text: Callable[[int], str]) -> dict:
     """OpenAI's chat logprobs: per token its text, bytes, logprob and its most likely tokens, most likely first."""
+
     def entry(t: int, lp: float) -> dict:
         text = token_text(t)
         return {"token": text, "logprob": json_logprob(lp), "bytes": list(text.encode())}
-    return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, v) for a, v in (alternatives or {}).items()],
-                         "token_id": t} for t, lp, alternatives in zip(ids, logprobs, tops)]}
+
+    return {
+        "content": [
+            {**entry(t, lp), "top_logprobs": [entry(a, v) for a, v in (alternatives or {}).items()], "token_id": t}
+            for t, lp, alternatives in zip(ids, logprobs, tops)
+        ]
+    }
 
 
 def json_logprob(logprob: float) -> float:
@@ -225,6 +256,7 @@ def sse(chunks: Iterable[dict] | AsyncIterable[dict]) -> StreamingResponse:
     """Server-sent events, one per chunk as it comes (a list, or an async iterator whose chunks are
     sent as they are made), then ``[DONE]``. An iterator that fails ends the stream with an error
     event (OpenAI's error shape), as vLLM's does: the status line went out with the first chunk."""
+
     async def events():
         try:
             if isinstance(chunks, AsyncIterable):
@@ -280,4 +312,3 @@ def text_message(i: int, message: dict) -> dict:
     elif content is not None and not isinstance(content, str):
         raise HTTPException(status_code=400, detail=f"messages[{i}].content must be a string or a list of text parts")
     return message
-

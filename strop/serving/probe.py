@@ -22,8 +22,9 @@ def reference_logprobs(model, ids: list[int]) -> list[float]:
     return prompt_logprobs(model, ids)[0]
 
 
-def prompt_logprobs(model, ids: list[int], temperature: float = 1.0,
-                    top: int = 0) -> tuple[list[float], list[dict[int, float] | None]]:
+def prompt_logprobs(
+    model, ids: list[int], temperature: float = 1.0, top: int = 0
+) -> tuple[list[float], list[dict[int, float] | None]]:
     """Each token of ``ids`` after the first: its logprob under logits / ``temperature`` (fp32) given the
     tokens before it, and with ``top`` the ``top`` most likely ``{token_id: logprob}`` there (else None).
     The model's train/eval mode is put back (a shared model is the trainer's)."""

@@ -36,12 +36,29 @@ class ReceiptSession:
 
     def receipt(self, open_: bool) -> dict:
         missing = sorted(self.expected - self.loaded)
-        return {"checksum": self.checksum(), "version": self.version, "loaded": not missing and not open_,
-                "missing": missing[:5], "n_missing": len(missing), "buckets": self.buckets, "bytes": self.bytes,
-                "open": open_, "seconds": dict(self.seconds)}
+        return {
+            "checksum": self.checksum(),
+            "version": self.version,
+            "loaded": not missing and not open_,
+            "missing": missing[:5],
+            "n_missing": len(missing),
+            "buckets": self.buckets,
+            "bytes": self.bytes,
+            "open": open_,
+            "seconds": dict(self.seconds),
+        }
 
 
 def no_receipt() -> dict:
     """The receipt before any session closed."""
-    return {"checksum": None, "version": None, "loaded": False, "missing": [], "n_missing": 0, "buckets": 0,
-            "bytes": 0, "open": False, "seconds": {}}
+    return {
+        "checksum": None,
+        "version": None,
+        "loaded": False,
+        "missing": [],
+        "n_missing": 0,
+        "buckets": 0,
+        "bytes": 0,
+        "open": False,
+        "seconds": {},
+    }

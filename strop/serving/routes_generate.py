@@ -23,9 +23,18 @@ Rid = Annotated[str, Field(max_length=512)]  # a request id is echoed back: a na
 
 
 # SGLang sampling fields strop does not implement: accepted at the value that changes nothing
-_NEUTRAL = {"min_new_tokens": 0, "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
-            "repetition_penalty": 1.0, "json_schema": None, "regex": None, "ebnf": None, "structural_tag": None,
-            "logit_bias": None}
+_NEUTRAL = {
+    "min_new_tokens": 0,
+    "min_p": 0.0,
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "json_schema": None,
+    "regex": None,
+    "ebnf": None,
+    "structural_tag": None,
+    "logit_bias": None,
+}
 
 
 class SamplingBody(BaseModel):
@@ -69,8 +78,12 @@ class GenerateBody(StrictBody):
     sampling_params: SamplingBody | list[SamplingBody] = Field(default_factory=SamplingBody)
     return_logprob: bool = False
     return_text_in_logprobs: bool = False
-    logprob_start_len: int = Field(-1, ge=-1, description="with return_logprob: also the logprobs of the "
-                                   "prompt's tokens from this index on (input_token_logprobs; -1: none)")
+    logprob_start_len: int = Field(
+        -1,
+        ge=-1,
+        description="with return_logprob: also the logprobs of the "
+        "prompt's tokens from this index on (input_token_logprobs; -1: none)",
+    )
     top_logprobs_num: int = Field(0, ge=0, le=0)
     rid: Rid | list[Rid] | None = None
     stream: bool = False
@@ -88,12 +101,16 @@ class TokenizeBody(BaseModel):
     add_special_tokens: bool = True
 
 
-
 @router.get("/health")
 async def health(request: Request):  # answers while paused or updating (it never touches the model)
     engine = service_of(request).engine
-    return {"status": "ok", "weight_version": engine.weight_version, "paused": engine.paused,
-            "updating": engine.updating}
+    return {
+        "status": "ok",
+        "weight_version": engine.weight_version,
+        "paused": engine.paused,
+        "updating": engine.updating,
+    }
+
 
 @router.get("/health_generate")
 async def health_generate(request: Request):
@@ -101,10 +118,12 @@ async def health_generate(request: Request):
     out = await engine.generate([engine.pad_token_id], SamplingParams(temperature=0, max_new_tokens=1))
     return {"status": "ok", "tokens": len(out.token_ids)}
 
+
 @router.get("/get_weight_version")
 async def weight_version(request: Request):
     engine = service_of(request).engine
     return {"weight_version": engine.weight_version}
+
 
 @router.get("/model_info")
 async def model_info(request: Request):  # SGLang 0.5.23 reports the weight version here only
@@ -119,8 +138,9 @@ async def generate(body: GenerateBody, request: Request):
     svc = service_of(request)
     engine, decode, warned = svc.engine, svc.decode, svc.warned
     if body.stream:
-        raise HTTPException(status_code=400, detail="stream=true is not supported by /generate; use "
-                            "/v1/completions with stream=true")
+        raise HTTPException(
+            status_code=400, detail="stream=true is not supported by /generate; use /v1/completions with stream=true"
+        )
     if (body.text is None) == (body.input_ids is None):
         raise HTTPException(status_code=400, detail="give exactly one of text and input_ids")
     batched = isinstance(body.text, list) or bool(body.input_ids and isinstance(body.input_ids[0], list))
@@ -131,8 +151,11 @@ async def generate(body: GenerateBody, request: Request):
     sps = body.sampling_params if isinstance(body.sampling_params, list) else [body.sampling_params] * len(prompts)
     rids = body.rid if isinstance(body.rid, list) else [body.rid] * len(prompts)
     if len(sps) != len(prompts) or len(rids) != len(prompts):
-        raise HTTPException(status_code=400, detail=f"{len(prompts)} prompts, {len(sps)} sampling_params and "
-                            f"{len(rids)} rids: give one each (or one for all)")
+        raise HTTPException(
+            status_code=400,
+            detail=f"{len(prompts)} prompts, {len(sps)} sampling_params and "
+            f"{len(rids)} rids: give one each (or one for all)",
+        )
     for name in {f for sp in sps for f in (sp.model_extra or {})} - warned:
         warned.add(name)
         log.warning("strop serve: /generate ignores sampling_params.%s (not a field strop knows)", name)
@@ -144,27 +167,36 @@ async def generate(body: GenerateBody, request: Request):
             sampling = sampling_of(sp.temperature, sp.top_p, sp.top_k, sp.max_new_tokens, stop_ids, seed)
             one_rid = rid if sp.n == 1 or rid is None else f"{rid}-{i}"
             jobs.append((ids, sp, one_rid or uuid.uuid4().hex, sampling, stops))
-    outs = await asyncio.gather(*(svc.complete(ids, s, rid, stops, sp.skip_special_tokens)
-                                  for ids, sp, rid, s, stops in jobs))
+    outs = await asyncio.gather(
+        *(svc.complete(ids, s, rid, stops, sp.skip_special_tokens) for ids, sp, rid, s, stops in jobs)
+    )
     answers = []
     for (ids, sp, rid, _, _), (out, text, matched, _) in zip(jobs, outs):
         reason = {"type": out.finish_reason}
         if matched is not None:
             reason["matched"] = matched
-        meta = {"id": rid, "finish_reason": reason, "prompt_tokens": len(ids),
-                "completion_tokens": len(out.token_ids), "weight_version": out.weight_version}
+        meta = {
+            "id": rid,
+            "finish_reason": reason,
+            "prompt_tokens": len(ids),
+            "completion_tokens": len(out.token_ids),
+            "weight_version": out.weight_version,
+        }
         if body.return_logprob:
             texts = [decode([t], False) for t in out.token_ids] if body.return_text_in_logprobs else None
-            meta["output_token_logprobs"] = [[lp, t, texts[i] if texts else None]
-                                             for i, (lp, t) in enumerate(zip(out.logprobs or [], out.token_ids))]
+            meta["output_token_logprobs"] = [
+                [lp, t, texts[i] if texts else None] for i, (lp, t) in enumerate(zip(out.logprobs or [], out.token_ids))
+            ]
             if body.logprob_start_len >= 0:  # SGLang's: the first token has no logprob (nothing before it)
                 scored = [None] + await engine.score(list(ids))
-                meta["input_token_logprobs"] = [[lp, t, None] for lp, t in
-                                                list(zip(scored, ids))[body.logprob_start_len:]]
+                meta["input_token_logprobs"] = [
+                    [lp, t, None] for lp, t in list(zip(scored, ids))[body.logprob_start_len :]
+                ]
         if matched is not None and sp.no_stop_trim:
             text = decode(out.token_ids, sp.skip_special_tokens)
         answers.append({"text": text, "output_ids": out.token_ids, "meta_info": meta})
     return answers if batched or len(answers) > 1 else answers[0]
+
 
 @router.post("/abort_request")
 async def abort_request(body: AbortBody, request: Request):
@@ -175,17 +207,19 @@ async def abort_request(body: AbortBody, request: Request):
         await engine.abort(body.rid)
     return {"success": True}
 
+
 @router.post("/flush_cache")
 async def flush_cache():
     return {"success": True}  # the embedded engine keeps no KV cache between batches
 
 
 @router.post("/tokenize")
-async def tokenize(body: TokenizeBody, request: Request):  # a client compares tokenizers by it (a distillation teacher's)
+async def tokenize(
+    body: TokenizeBody, request: Request
+):  # a client compares tokenizers by it (a distillation teacher's)
     svc = service_of(request)
     engine, tokenizer = svc.engine, svc.tokenizer
     if tokenizer is None:
         raise HTTPException(status_code=400, detail="/tokenize needs a tokenizer (start with a model folder)")
     ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     return {"tokens": ids, "count": len(ids), "max_model_len": engine.context_window}
-

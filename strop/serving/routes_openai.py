@@ -15,9 +15,22 @@ import uuid
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import StreamingResponse
 
-from strop.serving.openai import (ChatBody, CompletionBody, OpenAIBody, at_most_max_logprobs, chat_logprobs,
-                                  completion_logprobs, cut_at_stops, finish, include_usage, models_answer, sse,
-                                  stops_of, text_message, usage)
+from strop.serving.openai import (
+    ChatBody,
+    CompletionBody,
+    OpenAIBody,
+    at_most_max_logprobs,
+    chat_logprobs,
+    completion_logprobs,
+    cut_at_stops,
+    finish,
+    include_usage,
+    models_answer,
+    sse,
+    stops_of,
+    text_message,
+    usage,
+)
 from strop.serving.service import ServeService, sampling_of, seeds, service_of
 from strop.serving.textstream import StreamedText
 from strop.types import Completion, SamplingParams
@@ -34,8 +47,12 @@ async def models(request: Request):
 
 def openai_jobs(prompts: list[list[int]], body: OpenAIBody, max_tokens: int) -> list[tuple[int, SamplingParams]]:
     """n jobs per prompt (prompt-major, as OpenAI numbers choices): [(prompt index, sampling)]."""
-    return [(p, sampling_of(body.temperature, body.top_p, body.top_k, max_tokens, None, seed))
-            for p in range(len(prompts)) for seed in seeds(body.seed, body.n or 1)]
+    return [
+        (p, sampling_of(body.temperature, body.top_p, body.top_k, max_tokens, None, seed))
+        for p in range(len(prompts))
+        for seed in seeds(body.seed, body.n or 1)
+    ]
+
 
 async def openai_choices(svc: ServeService, prompts: list[list[int]], body: OpenAIBody, max_tokens: int, top: int = 0):
     """n choices per prompt: [(prompt index, completion, text, top alternatives per token)]."""
@@ -43,8 +60,10 @@ async def openai_choices(svc: ServeService, prompts: list[list[int]], body: Open
     outs = await asyncio.gather(*(svc.complete(prompts[p], s, None, stops_of(body), top=top) for p, s in jobs))
     return [(p, out, text, tops) for (p, _), (out, text, _, tops) in zip(jobs, outs)]
 
-async def streamed(svc: ServeService, prompts: list[list[int]], jobs: list[tuple[int, SamplingParams]], stops: list[str],
-                   top: int):
+
+async def streamed(
+    svc: ServeService, prompts: list[list[int]], jobs: list[tuple[int, SamplingParams]], stops: list[str], top: int
+):
     """Run ``jobs`` and yield, as the engine decodes them, ``(job, token_id, logprob, alternatives,
     text)`` per token, then ``(job, None, finish_reason, None, text)`` once per job: the tokens
     and text (through ``text``, the new text each carries) are those of the same request
@@ -58,8 +77,9 @@ async def streamed(svc: ServeService, prompts: list[list[int]], jobs: list[tuple
 
     async def run(j: int, ids: list[int], sampling: SamplingParams) -> None:
         try:
-            out = await engine.generate(ids, sampling, rids[j], top_logprobs=top,
-                                        on_token=lambda *token: queue.put_nowait((j, token)))
+            out = await engine.generate(
+                ids, sampling, rids[j], top_logprobs=top, on_token=lambda *token: queue.put_nowait((j, token))
+            )
         except Exception as exc:  # ends the stream with an error event
             out = exc
         queue.put_nowait((j, out))
@@ -81,14 +101,16 @@ async def streamed(svc: ServeService, prompts: list[list[int]], jobs: list[tuple
                 running.discard(j)
                 sent_text = texts[j].text[: sent[j]]
                 if not text.startswith(sent_text):  # (a tokenizer whose decoding is not prefix-stable)
-                    log.warning("strop serve: a streamed answer's text, decoded token by token, is not a "
-                                "prefix of its whole decoding: the stream's text differs from the answer's")
-                yield j, None, "stop" if matched else finish(item), None, text[len(sent_text):]
+                    log.warning(
+                        "strop serve: a streamed answer's text, decoded token by token, is not a "
+                        "prefix of its whole decoding: the stream's text differs from the answer's"
+                    )
+                yield j, None, "stop" if matched else finish(item), None, text[len(sent_text) :]
                 continue
             token, logprob, alternatives = item
             texts[j].push(token)
             ready = texts[j].ready
-            new = texts[j].text[sent[j]: ready]
+            new = texts[j].text[sent[j] : ready]
             sent[j] = max(sent[j], ready)
             if texts[j].stop_at is not None:  # as cut_at_stops cuts the whole answer: before the stop string
                 running.discard(j)
@@ -101,6 +123,7 @@ async def streamed(svc: ServeService, prompts: list[list[int]], jobs: list[tuple
         for j in running:
             await engine.abort(rids[j])
         tasks.clear()  # (each ends on its own once aborted)
+
 
 @router.post("/v1/completions")
 async def completions(body: CompletionBody, request: Request):
@@ -123,16 +146,23 @@ async def completions(body: CompletionBody, request: Request):
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": rid, "object": "text_completion", "created": created, "model": svc.model_name}
     if max_tokens == 0:  # echo alone (checked by CompletionBody): the prompt, nothing generated
-        choices = [(p, Completion([], [], "length", engine.weight_version), "", [])
-                   for p, _ in openai_jobs(prompts, body, 1)]
+        choices = [
+            (p, Completion([], [], "length", engine.weight_version), "", []) for p, _ in openai_jobs(prompts, body, 1)
+        ]
     elif not body.stream:
         choices = await openai_choices(svc, prompts, body, max_tokens, top)
     else:
         return stream_completions(svc, body, head, prompts, scores, max_tokens, echoed)
     out_choices = []
     for i, (p, out, text, tops) in enumerate(choices):
-        choice = {"index": i, "text": (echoed(p) if body.echo else "") + text, "finish_reason": finish(out),
-                  "logprobs": None, "token_ids": out.token_ids, "prompt_token_ids": prompts[p]}
+        choice = {
+            "index": i,
+            "text": (echoed(p) if body.echo else "") + text,
+            "finish_reason": finish(out),
+            "logprobs": None,
+            "token_ids": out.token_ids,
+            "prompt_token_ids": prompts[p],
+        }
         if body.logprobs is not None:
             ids, logprobs, alternatives = out.token_ids, out.logprobs or [], tops
             if scores is not None:
@@ -143,11 +173,15 @@ async def completions(body: CompletionBody, request: Request):
     if not body.stream:
         return {**head, "choices": out_choices, "usage": used}
     # (an echo with nothing generated, streamed: one chunk per choice)
-    return sse([{**head, "choices": [c]} for c in out_choices]
-               + ([{**head, "choices": [], "usage": used}] if include_usage(body) else []))
+    return sse(
+        [{**head, "choices": [c]} for c in out_choices]
+        + ([{**head, "choices": [], "usage": used}] if include_usage(body) else [])
+    )
 
-def stream_completions(svc: ServeService, body: CompletionBody, head: dict, prompts, scores, max_tokens: int,
-                       echoed) -> StreamingResponse:
+
+def stream_completions(
+    svc: ServeService, body: CompletionBody, head: dict, prompts, scores, max_tokens: int, echoed
+) -> StreamingResponse:
     jobs = openai_jobs(prompts, body, max_tokens)
     stops, top = stops_of(body), body.logprobs or 0
     for p, s in jobs:
@@ -160,8 +194,18 @@ def stream_completions(svc: ServeService, body: CompletionBody, head: dict, prom
                 logprobs = None if scores is None else completion_logprobs(prompts[p], *scores[p], svc.token_text)
                 if logprobs is not None:
                     offsets[i] = sum(len(t) for t in logprobs["tokens"])
-                yield {**head, "choices": [{"index": i, "text": echoed(p), "finish_reason": None,
-                                            "logprobs": logprobs, "prompt_token_ids": prompts[p]}]}
+                yield {
+                    **head,
+                    "choices": [
+                        {
+                            "index": i,
+                            "text": echoed(p),
+                            "finish_reason": None,
+                            "logprobs": logprobs,
+                            "prompt_token_ids": prompts[p],
+                        }
+                    ],
+                }
         async for i, token, logprob, alternatives, text in streamed(svc, prompts, jobs, stops, top):
             choice = {"index": i, "text": text, "finish_reason": None, "logprobs": None}
             if token is None:
@@ -170,13 +214,16 @@ def stream_completions(svc: ServeService, body: CompletionBody, head: dict, prom
                 done += 1
                 choice["token_ids"] = [token]
                 if body.logprobs is not None:
-                    choice["logprobs"] = completion_logprobs([token], [logprob], [alternatives], svc.token_text,
-                                                             offsets[i])
+                    choice["logprobs"] = completion_logprobs(
+                        [token], [logprob], [alternatives], svc.token_text, offsets[i]
+                    )
                     offsets[i] += len(choice["logprobs"]["tokens"][0])
             yield {**head, "choices": [choice]}
         if include_usage(body):
             yield {**head, "choices": [], "usage": usage(prompts, done)}
+
     return sse(chunks())
+
 
 @router.post("/v1/chat/completions")
 async def chat(body: ChatBody, request: Request):
@@ -189,8 +236,9 @@ async def chat(body: ChatBody, request: Request):
         raise HTTPException(status_code=400, detail="top_logprobs needs logprobs: true")
     messages = [text_message(i, m) for i, m in enumerate(body.messages)]
     try:
-        ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                 return_dict=False))
+        ids = list(
+            tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        )
     except Exception as exc:  # the template rejected the messages: the caller's input
         raise HTTPException(status_code=400, detail=f"messages: {exc}") from exc
     limit = body.max_completion_tokens or body.max_tokens or 128
@@ -201,12 +249,29 @@ async def chat(body: ChatBody, request: Request):
         return stream_chat(svc, body, {**head, "object": "chat.completion.chunk"}, ids, limit, top)
     choices = await openai_choices(svc, [ids], body, limit, top)
     used = usage([ids], sum(len(out.token_ids) for _, out, _, _ in choices))
-    return {**head, "object": "chat.completion", "usage": used, "choices": [
-        {"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": finish(out),
-         "logprobs": chat_logprobs(out.token_ids, out.logprobs or [], tops, svc.token_text) if body.logprobs else None,
-         "token_ids": out.token_ids, "prompt_token_ids": ids} for i, (_, out, text, tops) in enumerate(choices)]}
+    return {
+        **head,
+        "object": "chat.completion",
+        "usage": used,
+        "choices": [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": finish(out),
+                "logprobs": chat_logprobs(out.token_ids, out.logprobs or [], tops, svc.token_text)
+                if body.logprobs
+                else None,
+                "token_ids": out.token_ids,
+                "prompt_token_ids": ids,
+            }
+            for i, (_, out, text, tops) in enumerate(choices)
+        ],
+    }
 
-def stream_chat(svc: ServeService, body: ChatBody, head: dict, ids: list[int], limit: int, top: int) -> StreamingResponse:
+
+def stream_chat(
+    svc: ServeService, body: ChatBody, head: dict, ids: list[int], limit: int, top: int
+) -> StreamingResponse:
     jobs = openai_jobs([ids], body, limit)
     stops = stops_of(body)
     for _, s in jobs:
@@ -215,18 +280,33 @@ def stream_chat(svc: ServeService, body: ChatBody, head: dict, ids: list[int], l
     async def chunks():
         done = 0
         for i in range(len(jobs)):
-            yield {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                        "finish_reason": None}]}
+            yield {
+                **head,
+                "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
+            }
         async for i, token, logprob, alternatives, text in streamed(svc, [ids], jobs, stops, top):
             if token is None:
-                yield {**head, "choices": [{"index": i, "delta": {"content": text} if text else {},
-                                            "finish_reason": logprob}]}
+                yield {
+                    **head,
+                    "choices": [{"index": i, "delta": {"content": text} if text else {}, "finish_reason": logprob}],
+                }
                 continue
             done += 1
-            yield {**head, "choices": [{"index": i, "delta": {"content": text}, "finish_reason": None,
-                                        "logprobs": chat_logprobs([token], [logprob], [alternatives], svc.token_text)
-                                        if body.logprobs else None, "token_ids": [token]}]}
+            yield {
+                **head,
+                "choices": [
+                    {
+                        "index": i,
+                        "delta": {"content": text},
+                        "finish_reason": None,
+                        "logprobs": chat_logprobs([token], [logprob], [alternatives], svc.token_text)
+                        if body.logprobs
+                        else None,
+                        "token_ids": [token],
+                    }
+                ],
+            }
         if include_usage(body):
             yield {**head, "choices": [], "usage": usage([ids], done)}
-    return sse(chunks())
 
+    return sse(chunks())

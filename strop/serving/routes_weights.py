@@ -42,7 +42,8 @@ class DiskUpdateBody(StrictBody):
     weight_version: Version | None = None
     digests: dict[str, str] | None = None  # delta form: the file holds only these tensors, each checked
     load_format: Literal["auto", "safetensors"] | None = Field(
-        None, description="strop serve reads safetensors only; other formats are refused, not ignored")
+        None, description="strop serve reads safetensors only; other formats are refused, not ignored"
+    )
     flush_cache: bool = True  # strop serve keeps no KV cache between batches: there is nothing to flush
     abort_all_requests: bool = False
 
@@ -105,10 +106,10 @@ class CheckerBody(StrictBody):
     action: str = "checksum"
 
 
-
 def load_weights_dir(path: str, device, root: str | None = None) -> dict:
     """Every ``*.safetensors`` file of a folder (or one file) as one state dict, on ``device``.
     With ``root``, every file must resolve (symlinks and ``..`` followed) inside it."""
+
     def inside(f: Path) -> bool:
         return root is None or f.resolve().is_relative_to(Path(root).resolve())
 
@@ -134,11 +135,14 @@ def _check_state(state: dict, own: dict, digests: dict | None) -> None:
     shapes = [n for n in state if n in own and tuple(state[n].shape) != tuple(own[n].shape)]
     missing = sorted(set(digests) ^ set(state)) if digests is not None else sorted(set(own) - set(state))
     changed = [n for n in state if digests and n in digests and tensor_digest(state[n]) != digests[n]]
-    for what, names in (("unknown tensors", unknown), ("wrong shapes", shapes), ("missing tensors", missing),
-                        ("tensors not matching their checksum", changed)):
+    for what, names in (
+        ("unknown tensors", unknown),
+        ("wrong shapes", shapes),
+        ("missing tensors", missing),
+        ("tensors not matching their checksum", changed),
+    ):
         if names:
             raise ValueError(f"{what}: {names[:5]}")
-
 
 
 @router.post("/update_weights_from_disk")
@@ -148,8 +152,11 @@ async def update_weights_from_disk(body: DiskUpdateBody, request: Request):
     svc = service_of(request)
     engine, weights_dir = svc.engine, svc.weights_dir
     if weights_dir is None:
-        raise HTTPException(status_code=403, detail="update_weights_from_disk is off: start strop serve with "
-                            "--weights-dir DIR (the folder the trainer writes weights to)")
+        raise HTTPException(
+            status_code=403,
+            detail="update_weights_from_disk is off: start strop serve with "
+            "--weights-dir DIR (the folder the trainer writes weights to)",
+        )
     own = engine.model.state_dict()
     try:
         state = await asyncio.to_thread(releasing(load_weights_dir), body.model_path, engine.device, weights_dir)
@@ -161,8 +168,13 @@ async def update_weights_from_disk(body: DiskUpdateBody, request: Request):
     if body.abort_all_requests:
         await engine.abort_all()
     version = await engine.update_weights(state, version=body.weight_version, strict=body.digests is None)
-    return {"success": True, "message": "weights loaded", "weight_version": version,
-            "checksum": await asyncio.to_thread(releasing(state_checksum), state)}
+    return {
+        "success": True,
+        "message": "weights loaded",
+        "weight_version": version,
+        "checksum": await asyncio.to_thread(releasing(state_checksum), state),
+    }
+
 
 @router.post("/init_weights_update_group")
 async def init_group(body: GroupBody, request: Request):
@@ -181,12 +193,20 @@ async def init_group(body: GroupBody, request: Request):
         except RequestError:  # still opening (a batch is finishing): the new trainer's begin is refused
             pass
     try:
-        group = await asyncio.to_thread(wire_group.make_group, body.master_address, body.master_port, body.rank_offset,
-                                        body.world_size, body.backend, name=body.group_name)
+        group = await asyncio.to_thread(
+            wire_group.make_group,
+            body.master_address,
+            body.master_port,
+            body.rank_offset,
+            body.world_size,
+            body.backend,
+            name=body.group_name,
+        )
     except (RuntimeError, ValueError, OSError) as exc:
         raise HTTPException(status_code=400, detail=f"init_weights_update_group: {exc}") from exc
     groups[body.group_name] = group
     return {"success": True, "message": f"joined {body.group_name} as rank {body.rank_offset}"}
+
 
 @router.post("/destroy_weights_update_group")
 async def destroy_group(body: GroupNameBody, request: Request):
@@ -194,19 +214,23 @@ async def destroy_group(body: GroupNameBody, request: Request):
     found = await service_of(request).destroy_group(body.group_name)
     return {"success": True, "message": f"{'destroyed' if found else 'no'} group {body.group_name}"}
 
+
 def version_of(value, where: str) -> int:
     try:
         return parse_weight_version(value, where)
     except EngineVersionError as exc:
         raise HTTPException(status_code=400, detail=str(exc)) from exc
 
+
 def only_target(selector: str, where: str) -> None:
     if selector == "draft":
         raise HTTPException(status_code=400, detail=f"{where}: selector 'draft': strop serve has no draft model")
 
+
 def empty_cache(engine: EmbeddedEngine, asked: bool) -> None:
     if asked and engine.device.type == "cuda":
         torch.cuda.empty_cache()
+
 
 @router.post("/pause_generation")
 async def pause_generation(request: Request, body: PauseBody | None = None):
@@ -217,12 +241,14 @@ async def pause_generation(request: Request, body: PauseBody | None = None):
     await engine.pause(mode)
     return {"message": f"generation paused ({mode})", "status": "ok"}
 
+
 @router.post("/continue_generation")
 async def continue_generation(request: Request, body: ContinueBody | None = None):
     engine = service_of(request).engine
     engine.resume()
     empty_cache(engine, (body or ContinueBody()).torch_empty_cache)
     return {"message": "generation continued", "status": "ok"}
+
 
 @router.post("/begin_weight_update")
 async def begin_weight_update(request: Request, body: SessionBody | None = None):
@@ -236,6 +262,7 @@ async def begin_weight_update(request: Request, body: SessionBody | None = None)
         raise HTTPException(status_code=400, detail=f"begin_weight_update: {exc}") from exc
     return {"success": True, "message": "weight update begun"}
 
+
 @router.post("/end_weight_update")
 async def end_weight_update(request: Request, body: SessionBody | None = None):
     engine = service_of(request).engine
@@ -245,6 +272,7 @@ async def end_weight_update(request: Request, body: SessionBody | None = None):
         raise HTTPException(status_code=400, detail=f"end_weight_update: {exc}") from exc
     # (strop's own field, the session's receipt: a digest of every byte received, in order)
     return {"success": True, "message": "weight update ended", "checksum": digest}
+
 
 @router.post("/update_weights_from_distributed")
 async def update_from_distributed(body: DistributedUpdateBody, request: Request):
@@ -257,8 +285,9 @@ async def update_from_distributed(body: DistributedUpdateBody, request: Request)
     engine = svc.engine
     where = "update_weights_from_distributed"
     if not engine.updating:
-        raise HTTPException(status_code=400, detail=f"{where} must run between begin_weight_update() and "
-                            "end_weight_update()")
+        raise HTTPException(
+            status_code=400, detail=f"{where} must run between begin_weight_update() and end_weight_update()"
+        )
     only_target(body.selector, where)
     try:
         bucket = Bucket.from_payload(body.names, body.dtypes, body.shapes, body.load_format)
@@ -272,8 +301,10 @@ async def update_from_distributed(body: DistributedUpdateBody, request: Request)
     version = None if body.weight_version is None else version_of(body.weight_version, where)
     group = svc.groups.get(body.group_name)
     if group is None:
-        raise HTTPException(status_code=400, detail=f"{where}: no weight update group {body.group_name!r}: "
-                            "call /init_weights_update_group first")
+        raise HTTPException(
+            status_code=400,
+            detail=f"{where}: no weight update group {body.group_name!r}: call /init_weights_update_group first",
+        )
     if body.abort_all_requests:
         await engine.abort_all()
     try:
@@ -282,14 +313,18 @@ async def update_from_distributed(body: DistributedUpdateBody, request: Request)
         raise HTTPException(status_code=400, detail=f"{where}: {exc}") from exc
     except Exception as exc:  # the collective failed: a peer is gone or the group timed out
         log.warning("strop serve: broadcast on %s failed: %s", body.group_name, exc)
-        raise HTTPException(status_code=500, detail=f"{where}: the broadcast on group {body.group_name!r} "
-                            f"failed ({type(exc).__name__}: {exc}); the weights may be partly updated, the "
-                            f"version is still {engine.weight_version}") from exc
+        raise HTTPException(
+            status_code=500,
+            detail=f"{where}: the broadcast on group {body.group_name!r} "
+            f"failed ({type(exc).__name__}: {exc}); the weights may be partly updated, the "
+            f"version is still {engine.weight_version}",
+        ) from exc
     out = {"success": True, "message": f"received {len(bucket.names)} tensors"}
     if version is not None:
         engine.weight_version = out["weight_version"] = version
     empty_cache(engine, body.torch_empty_cache)
     return out
+
 
 @router.post("/update_weight_version")
 async def update_weight_version(body: VersionBody, request: Request):
@@ -302,14 +337,19 @@ async def update_weight_version(body: VersionBody, request: Request):
     engine.weight_version = version
     return {"success": True, "message": f"weight version set to {version}", "weight_version": version}
 
+
 @router.get("/weights_manifest")
 async def weights_manifest(request: Request):
     """The model's tensors, each once (aliases dropped): a trainer compares its own before it
     sends anything."""
     engine = service_of(request).engine
     manifest = manifest_of(engine.model.state_dict())
-    return {"names": [n for n, _, _ in manifest], "dtypes": [d for _, d, _ in manifest],
-            "shapes": [list(s) for _, _, s in manifest]}
+    return {
+        "names": [n for n, _, _ in manifest],
+        "dtypes": [d for _, d, _ in manifest],
+        "shapes": [list(s) for _, _, s in manifest],
+    }
+
 
 @router.api_route("/weights_checker", methods=["GET", "POST"])
 async def weights_checker(request: Request, body: CheckerBody | None = None):
@@ -318,7 +358,8 @@ async def weights_checker(request: Request, body: CheckerBody | None = None):
     engine = service_of(request).engine
     action = (body or CheckerBody()).action
     if action != "checksum":
-        raise HTTPException(status_code=400, detail=f"weights_checker: action {action!r} is not supported by "
-                            "strop serve (only 'checksum')")
+        raise HTTPException(
+            status_code=400,
+            detail=f"weights_checker: action {action!r} is not supported by strop serve (only 'checksum')",
+        )
     return {"success": True, "checksum": await engine.weights_checksum(), "weight_version": engine.weight_version}
-

@@ -85,8 +85,9 @@ def _pick(mass: torch.Tensor, blocks: torch.Tensor, uniform: torch.Tensor, weigh
     return (which * chunk + where).squeeze(-1)
 
 
-def _sample_blocks(blocks: torch.Tensor, block_lse: torch.Tensor, lse: torch.Tensor,
-                   uniform: torch.Tensor) -> torch.Tensor:
+def _sample_blocks(
+    blocks: torch.Tensor, block_lse: torch.Tensor, lse: torch.Tensor, uniform: torch.Tensor
+) -> torch.Tensor:
     """:func:`_invert_cdf` on ``softmax`` of the logits in ``blocks`` (B, C, chunk) without building
     it: each block's mass comes from its logsumexp ``block_lse`` (B, C), and only the chosen block
     of each row is exponentiated (measured: materialising the (B, V) probabilities took 7 of

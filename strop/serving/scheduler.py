@@ -56,13 +56,22 @@ class BatchScheduler:
         loop = asyncio.get_running_loop()
 
         def listener(r: PendingRequest):  # the decode thread hands each token to the event loop, in order
-            return None if r.on_token is None else (
-                r.top_logprobs, lambda *token: loop.call_soon_threadsafe(self._emit_one, r, *token))
+            return (
+                None
+                if r.on_token is None
+                else (r.top_logprobs, lambda *token: loop.call_soon_threadsafe(self._emit_one, r, *token))
+            )
+
         try:
             async with self._busy:
-                return await self._off_loop(self._locked, self._decode, [r.prompt_ids for r in batch],
-                                            [r.sampling for r in batch], [r.request_id for r in batch],
-                                            [listener(r) for r in batch])
+                return await self._off_loop(
+                    self._locked,
+                    self._decode,
+                    [r.prompt_ids for r in batch],
+                    [r.sampling for r in batch],
+                    [r.request_id for r in batch],
+                    [listener(r) for r in batch],
+                )
         except Exception as exc:
             return exc
 
@@ -71,8 +80,9 @@ class BatchScheduler:
         (up to ``max_batch_size`` running rows; none while a weight load or abort_all waits),
         then decodes one token for every running row and answers the rows that finished."""
         async with self._busy:
-            batch = self._held or Batch(self._fast, self._sample_rows, pad_token_id=self.pad_token_id,
-                                        should_abort=self._should_abort)
+            batch = self._held or Batch(
+                self._fast, self._sample_rows, pad_token_id=self.pad_token_id, should_abort=self._should_abort
+            )
             self._held = None
             admitted: list[Row] = []
             try:
@@ -87,8 +97,9 @@ class BatchScheduler:
                     if not admit and not batch.live:
                         break
                     admitted = self._rows(admit)
-                    finished, failed = await self._off_loop(self._locked, self._advance, batch,
-                                                               [r.owner.prompt_ids for r in admitted], admitted)
+                    finished, failed = await self._off_loop(
+                        self._locked, self._advance, batch, [r.owner.prompt_ids for r in admitted], admitted
+                    )
                     admitted = []
                     self._emit(batch.rows + finished)  # before any row is answered
                     for row in finished:
@@ -160,8 +171,9 @@ class BatchScheduler:
             req = row.owner
             if req is not None and req.on_token is not None:
                 for i in range(req.emitted, len(row.token_ids)):
-                    self._emit_one(req, row.token_ids[i], row.logprobs[i],
-                                   row.top_logprobs[i] if req.top_logprobs else None)
+                    self._emit_one(
+                        req, row.token_ids[i], row.logprobs[i], row.top_logprobs[i] if req.top_logprobs else None
+                    )
 
     def _emit_one(self, req: PendingRequest, token: int, logprob: float, top: dict[int, float] | None) -> None:
         req.emitted += 1
@@ -175,8 +187,11 @@ class BatchScheduler:
         self._settle(row.owner, row.owner.completion(row.token_ids, row.logprobs, row.finish, self.weight_version))
 
     def _kick(self) -> None:
-        if ((self._pending or self._held is not None) and self._paused is None
-                and (self._flush_task is None or self._flush_task.done())):
+        if (
+            (self._pending or self._held is not None)
+            and self._paused is None
+            and (self._flush_task is None or self._flush_task.done())
+        ):
             self._flush_task = asyncio.ensure_future(self._flush())
 
     def _hold(self, batch: Batch) -> None:
@@ -200,18 +215,33 @@ class BatchScheduler:
 
     def _retracted(self, row: Row) -> PendingRequest:
         req = row.owner
-        return PendingRequest(req.prompt_ids + row.token_ids, replace(req.sampling, max_new_tokens=(
-                        req.sampling.max_new_tokens - len(row.token_ids))), req.future, req.request_id,
-                        req.done_ids + row.token_ids, req.done_logprobs + row.logprobs, row.generator,
-                        req.on_token, req.top_logprobs)  # (its tokens so far were handed over already)
+        return PendingRequest(
+            req.prompt_ids + row.token_ids,
+            replace(req.sampling, max_new_tokens=(req.sampling.max_new_tokens - len(row.token_ids))),
+            req.future,
+            req.request_id,
+            req.done_ids + row.token_ids,
+            req.done_logprobs + row.logprobs,
+            row.generator,
+            req.on_token,
+            req.top_logprobs,
+        )  # (its tokens so far were handed over already)
 
     def _row(self, prompt_ids, sampling: SamplingParams, request_id=None, owner=None) -> Row:
-        generator = owner.generator if owner is not None and owner.generator is not None else (
-            torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None)
-        return Row(owner=owner, sampling=sampling,
-                   budget=min(sampling.max_new_tokens, self.context_window - len(prompt_ids)),
-                   stops=set(sampling.stop_token_ids or self.default_stop_token_ids),
-                   generator=generator, request_id=request_id, abort_gen=self._abort_gen)
+        generator = (
+            owner.generator
+            if owner is not None and owner.generator is not None
+            else (torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None)
+        )
+        return Row(
+            owner=owner,
+            sampling=sampling,
+            budget=min(sampling.max_new_tokens, self.context_window - len(prompt_ids)),
+            stops=set(sampling.stop_token_ids or self.default_stop_token_ids),
+            generator=generator,
+            request_id=request_id,
+            abort_gen=self._abort_gen,
+        )
 
     def _should_abort(self, row: Row) -> bool:
         return self._abort_gen != row.abort_gen or (row.request_id is not None and row.request_id in self._aborted_ids)

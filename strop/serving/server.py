@@ -45,13 +45,29 @@ from strop.serving.service import ServeService
 from strop.wire.auth import bearer_token_matches
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
-GENERATION_ROUTES = ("/generate", "/health_generate", "/get_weight_version", "/model_info", "/v1/completions",
-                     "/v1/chat/completions", "/v1/models", "/tokenize")  # opened to all by public_generate
+GENERATION_ROUTES = (
+    "/generate",
+    "/health_generate",
+    "/get_weight_version",
+    "/model_info",
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/models",
+    "/tokenize",
+)  # opened to all by public_generate
 log = logging.getLogger("strop.serve")
 
 
-def create_app(engine: EmbeddedEngine, *, tokenizer=None, token: str | None = None, model_name: str = "strop",
-               public_generate: bool = False, weights_dir: str | None = None, max_body_bytes: int = MAX_BODY_BYTES):
+def create_app(
+    engine: EmbeddedEngine,
+    *,
+    tokenizer=None,
+    token: str | None = None,
+    model_name: str = "strop",
+    public_generate: bool = False,
+    weights_dir: str | None = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
+):
     """The FastAPI application around ``engine``. ``token``: needed on every route, /health included
     (generation routes and /health stay open with ``public_generate``). ``weights_dir``: the only folder
     /update_weights_from_disk reads (None: that route is refused). ``max_body_bytes``: a longer
@@ -91,13 +107,27 @@ def create_app(engine: EmbeddedEngine, *, tokenizer=None, token: str | None = No
     return app
 
 
-def serve(model_path: str, *, host: str = "127.0.0.1", port: int = 30000, token: str | None = None,
-          public_generate: bool = False, weights_dir: str | None = None, max_batch_size: int = 64, seed: int = 0,
-          device: str = "auto", dtype: str = "float32", batch_wait_ms: float = 5.0, fast_decode: bool = True) -> None:
+def serve(
+    model_path: str,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 30000,
+    token: str | None = None,
+    public_generate: bool = False,
+    weights_dir: str | None = None,
+    max_batch_size: int = 64,
+    seed: int = 0,
+    device: str = "auto",
+    dtype: str = "float32",
+    batch_wait_ms: float = 5.0,
+    fast_decode: bool = True,
+) -> None:
     """Load the model and serve until stopped (SIGINT / SIGTERM)."""
     if host not in LOOPBACK and not token:
-        raise ValueError(f"--host {host} is reachable from other machines: pass --token (or STROP_SERVE_TOKEN) so "
-                         "every route needs it")
+        raise ValueError(
+            f"--host {host} is reachable from other machines: pass --token (or STROP_SERVE_TOKEN) so "
+            "every route needs it"
+        )
     if public_generate and not token:
         raise ValueError("--public-generate needs --token (without one every route is open already)")
     path = resolve_model_path(model_path)
@@ -105,12 +135,26 @@ def serve(model_path: str, *, host: str = "127.0.0.1", port: int = 30000, token:
     model = load_model(path, dtype=getattr(torch, dtype)).to(resolve_device(device)).requires_grad_(False)
     stop = sorted({tokenizer.eos_token_id, tokenizer.pad_token_id} - {None})
     context = int(getattr(model.config, "max_position_embeddings", 2048))
-    engine = EmbeddedEngine(model, pad_token_id=tokenizer.pad_token_id, default_stop_token_ids=stop,
-                            max_batch_size=max_batch_size, context_window=context, seed=seed,
-                            batch_wait_s=batch_wait_ms / 1000, fast_decode=fast_decode)
-    app = create_app(engine, tokenizer=tokenizer, token=token, model_name=model_path, public_generate=public_generate,
-                     weights_dir=weights_dir)
-    print(f"strop serve: {model_path} on http://{host}:{port} (device {engine.device}; "
-          f"{engine.decode_path})", flush=True)
+    engine = EmbeddedEngine(
+        model,
+        pad_token_id=tokenizer.pad_token_id,
+        default_stop_token_ids=stop,
+        max_batch_size=max_batch_size,
+        context_window=context,
+        seed=seed,
+        batch_wait_s=batch_wait_ms / 1000,
+        fast_decode=fast_decode,
+    )
+    app = create_app(
+        engine,
+        tokenizer=tokenizer,
+        token=token,
+        model_name=model_path,
+        public_generate=public_generate,
+        weights_dir=weights_dir,
+    )
+    print(
+        f"strop serve: {model_path} on http://{host}:{port} (device {engine.device}; {engine.decode_path})", flush=True
+    )
     release_threads()  # this thread runs the event loop from here on; the engine's thread decodes (strop.openmp)
     uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)

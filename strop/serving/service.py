@@ -28,8 +28,9 @@ class ServeService:
     """What strop serve's routes share. ``weights_dir``: the only folder /update_weights_from_disk reads
     (None: that route is refused)."""
 
-    def __init__(self, engine: EmbeddedEngine, tokenizer=None, model_name: str = "strop",
-                 weights_dir: str | None = None):
+    def __init__(
+        self, engine: EmbeddedEngine, tokenizer=None, model_name: str = "strop", weights_dir: str | None = None
+    ):
         self.engine, self.tokenizer, self.model_name, self.weights_dir = engine, tokenizer, model_name, weights_dir
         self.groups: dict[str, Any] = {}  # weight-sync groups joined, by name
         self.warned: set[str] = set()  # sampling fields already logged as ignored
@@ -51,8 +52,11 @@ class ServeService:
         engine = self.engine
         if sampling.max_new_tokens >= engine.context_window:  # no prompt leaves room for it (a shorter
             # limit that runs past the window with this prompt ends there, finish reason "length")
-            raise HTTPException(status_code=400, detail=f"max_new_tokens {sampling.max_new_tokens} is not below "
-                                f"the context window ({engine.context_window} tokens)")
+            raise HTTPException(
+                status_code=400,
+                detail=f"max_new_tokens {sampling.max_new_tokens} is not below "
+                f"the context window ({engine.context_window} tokens)",
+            )
         if stops and self.tokenizer is None:
             raise HTTPException(status_code=400, detail="stop strings need a tokenizer; send stop_token_ids")
         try:
@@ -60,16 +64,28 @@ class ServeService:
         except RequestError as exc:
             raise HTTPException(status_code=400, detail=str(exc)) from exc
 
-    async def complete(self, ids: list[int], sampling: SamplingParams, rid: str | None, stops: list[str],
-                       skip_special_tokens: bool = True, top: int = 0) -> tuple[Completion, str, str | None, list]:
+    async def complete(
+        self,
+        ids: list[int],
+        sampling: SamplingParams,
+        rid: str | None,
+        stops: list[str],
+        skip_special_tokens: bool = True,
+        top: int = 0,
+    ) -> tuple[Completion, str, str | None, list]:
         """One generation, cut after the first stop string: (completion, its text up to and
         without the stop string, the stop string matched, per token its ``top`` most likely
         alternatives ``{token_id: logprob}``, or None each when ``top`` is 0)."""
         self.check_job(ids, sampling, stops, top)
         heard: list = []  # per token (id, logprob, alternatives), as decoded
         try:
-            out = await self.engine.generate(ids, sampling, request_id=rid, top_logprobs=top,
-                                             on_token=(lambda *token: heard.append(token)) if top else None)
+            out = await self.engine.generate(
+                ids,
+                sampling,
+                request_id=rid,
+                top_logprobs=top,
+                on_token=(lambda *token: heard.append(token)) if top else None,
+            )
         except RequestError as exc:
             raise HTTPException(status_code=400, detail=str(exc)) from exc
         out, text, matched = cut_at_stops(out, stops, lambda ids: self.decode(ids, skip_special_tokens))
@@ -95,9 +111,14 @@ class ServeService:
 
 
 def sampling_of(temperature, top_p, top_k, max_new_tokens, stop_ids, seed) -> SamplingParams:
-    return SamplingParams(temperature=1.0 if temperature is None else temperature,
-                          top_p=1.0 if top_p is None else top_p, top_k=max(top_k or 0, 0),
-                          max_new_tokens=max_new_tokens, stop_token_ids=list(stop_ids or []), seed=seed)
+    return SamplingParams(
+        temperature=1.0 if temperature is None else temperature,
+        top_p=1.0 if top_p is None else top_p,
+        top_k=max(top_k or 0, 0),
+        max_new_tokens=max_new_tokens,
+        stop_token_ids=list(stop_ids or []),
+        seed=seed,
+    )
 
 
 def seeds(seed: int | None, n: int) -> list[int | None]:

@@ -10,8 +10,13 @@ from strop.types import Completion, SamplingParams
 
 
 @torch.no_grad()
-def decode_static(engine, prompts: list[list[int]], samplings: list[SamplingParams],
-                  request_ids: list[str | None], listeners: list | None = None) -> list[Completion]:
+def decode_static(
+    engine,
+    prompts: list[list[int]],
+    samplings: list[SamplingParams],
+    request_ids: list[str | None],
+    listeners: list | None = None,
+) -> list[Completion]:
     """The fallback path's static batch of ``engine`` (:class:`strop.serving.embedded.EmbeddedEngine`). ``listeners``: per row None or (top_logprobs, fn), fn called
     from this thread with (token, logprob, top alternatives or None) as each token is decoded."""
     n = len(prompts)
@@ -32,9 +37,7 @@ def decode_static(engine, prompts: list[list[int]], samplings: list[SamplingPara
     top_p = torch.tensor([s.top_p for s in samplings], dtype=torch.float32, device=dev)
     top_k = torch.tensor([min(s.top_k, engine.vocab_size) for s in samplings], dtype=torch.long, device=dev)
     stop_sets = [set(s.stop_token_ids or engine.default_stop_token_ids) for s in samplings]
-    generators = [
-        torch.Generator().manual_seed(s.seed) if s.seed is not None else None for s in samplings
-    ]
+    generators = [torch.Generator().manual_seed(s.seed) if s.seed is not None else None for s in samplings]
     listeners = listeners or [None] * n
     top_n = max((li[0] for li in listeners if li is not None), default=0)
 
@@ -56,8 +59,9 @@ def decode_static(engine, prompts: list[list[int]], samplings: list[SamplingPara
         )
         logits = out.logits[:, -1, :].float()  # (B, V)
         rows = active.tolist()
-        tokens, logprobs, *top = engine._sample(logits, temperature[active], top_p[active], top_k[active],
-                                              [generators[r] for r in rows], top_n)
+        tokens, logprobs, *top = engine._sample(
+            logits, temperature[active], top_p[active], top_k[active], [generators[r] for r in rows], top_n
+        )
         top_values, top_ids = (t.tolist() for t in top[0]) if top else ([None] * len(rows),) * 2
         keep = []
         for j, (r, tok, lp) in enumerate(zip(rows, tokens.tolist(), logprobs.tolist())):

@@ -33,11 +33,11 @@ class IncrementalDecoder:
     def push(self, token: int) -> str:
         self.ids.append(token)
         if self._before is None:
-            self._before = self.decode(self.ids[self._start: self._read])
-        now = self.decode(self.ids[self._start:])
+            self._before = self.decode(self.ids[self._start : self._read])
+        now = self.decode(self.ids[self._start :])
         if len(now) <= len(self._before) or now.endswith("\ufffd"):  # (U+FFFD: a character not yet whole)
             return ""
-        piece = now[len(self._before):]
+        piece = now[len(self._before) :]
         self._start, self._read, self._before = self._read, len(self.ids), None
         self.text += piece
         return piece

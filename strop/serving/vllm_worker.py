@@ -54,12 +54,17 @@ class StropWorkerExtension:
 
     def strop_info(self) -> dict:
         """Who answers: the extension is loaded (the client's probe), and where it runs."""
-        return {"pid": os.getpid(), "rank": self.rank, "device": str(self.device),
-                "dtype": str(self.vllm_config.model_config.dtype).removeprefix("torch."),
-                "groups": sorted(self._strop()["groups"])}
+        return {
+            "pid": os.getpid(),
+            "rank": self.rank,
+            "device": str(self.device),
+            "dtype": str(self.vllm_config.model_config.dtype).removeprefix("torch."),
+            "groups": sorted(self._strop()["groups"]),
+        }
 
-    def strop_join_group(self, host: str, port: str, rank_offset: str, world: str, backend: str, name: str,
-                         timeout_s: str = "600") -> dict:
+    def strop_join_group(
+        self, host: str, port: str, rank_offset: str, world: str, backend: str, name: str, timeout_s: str = "600"
+    ) -> dict:
         """Join the trainer's group ``name`` as rank ``rank_offset + this worker's rank`` (the trainer is 0);
         blocks until every member has joined, as SGLang's ``init_weights_update_group`` does."""
         groups = self._strop()["groups"]
@@ -121,8 +126,10 @@ class StropWorkerExtension:
             raise RuntimeError("strop_receive_bucket must run between strop_begin and strop_finish")
         group = self._strop()["groups"].get(fields.get("group_name"))
         if group is None:
-            raise ValueError(f"strop_receive_bucket: no group {fields.get('group_name')!r} on this worker "
-                             f"(joined: {sorted(self._strop()['groups'])})")
+            raise ValueError(
+                f"strop_receive_bucket: no group {fields.get('group_name')!r} on this worker "
+                f"(joined: {sorted(self._strop()['groups'])})"
+            )
         bucket = Bucket.from_payload(fields["names"], fields["dtypes"], fields["shapes"], fields.get("load_format"))
         t0 = time.perf_counter()
         tensors = receive_bucket(group, bucket, self.device, digest=session.digest)
@@ -202,8 +209,15 @@ def _checkpoint_files(model: str, revision: str | None, download_dir: str | None
     if not folder.is_dir():
         from huggingface_hub import snapshot_download
 
-        folder = Path(snapshot_download(model, revision=revision, cache_dir=download_dir, local_files_only=True,
-                                        allow_patterns=["*.safetensors", "*.safetensors.index.json"]))
+        folder = Path(
+            snapshot_download(
+                model,
+                revision=revision,
+                cache_dir=download_dir,
+                local_files_only=True,
+                allow_patterns=["*.safetensors", "*.safetensors.index.json"],
+            )
+        )
     index = folder / "model.safetensors.index.json"
     if index.exists():
         files = [folder / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]

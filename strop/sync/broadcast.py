@@ -58,8 +58,15 @@ class BroadcastSync(WeightSync):
     one strop can compare) must match what was sent.
     """
 
-    def __init__(self, bucket_bytes: int = DEFAULT_SYNC_BUCKET_BYTES, backend: str = "gloo", host: str = "127.0.0.1",
-                 timeout_s: float = 600.0, pause_mode: str = "abort", dtype: str | None = None):
+    def __init__(
+        self,
+        bucket_bytes: int = DEFAULT_SYNC_BUCKET_BYTES,
+        backend: str = "gloo",
+        host: str = "127.0.0.1",
+        timeout_s: float = 600.0,
+        pause_mode: str = "abort",
+        dtype: str | None = None,
+    ):
         self.bucket_bytes, self.backend, self.host, self.timeout_s = bucket_bytes, backend, host, timeout_s
         self.pause_mode, self.dtype = pause_mode, dtype
         self.links: dict = {}  # engine -> _Link
@@ -72,8 +79,9 @@ class BroadcastSync(WeightSync):
         port, world = free_port(), 1 + (engine.group_ranks if isinstance(engine, GroupMember) else 1)
         self.generation += 1
         name = f"strop-sync-{self.generation}-{secrets.token_hex(4)}"  # unique: torch refuses a name twice
-        own = asyncio.ensure_future(asyncio.to_thread(make_group, self.host, port, 0, world, self.backend,
-                                                      self.timeout_s, name))
+        own = asyncio.ensure_future(
+            asyncio.to_thread(make_group, self.host, port, 0, world, self.backend, self.timeout_s, name)
+        )
         join = asyncio.ensure_future(engine.join_group(self.host, port, 1, world, self.backend, name))
         done, _ = await asyncio.wait([own, join], return_when=asyncio.FIRST_EXCEPTION)
         failed = next((t.exception() for t in done if t.exception() is not None), None)
@@ -142,8 +150,9 @@ class BroadcastSync(WeightSync):
     async def forget(self, i: int) -> None:
         await self.drop(self.pool.engines[i])  # a group joined before it went down is gone with its old process
 
-    async def send(self, engines: list, named: dict[str, torch.Tensor],
-                   version: int) -> tuple[int, list[int | BaseException]]:
+    async def send(
+        self, engines: list, named: dict[str, torch.Tensor], version: int
+    ) -> tuple[int, list[int | BaseException]]:
         """Broadcast ``named`` to ``engines`` as ``version``. Returns the bytes that reached engines and, per
         engine, the version its receipt shows, or the error that took it out of this update."""
         clock = [time.perf_counter()]
@@ -193,8 +202,7 @@ class BroadcastSync(WeightSync):
             await asyncio.gather(*(e.end_update(version) for e in paused if e in outcome), return_exceptions=True)
             await asyncio.gather(*(e.resume() for e in paused), return_exceptions=True)
         lap("finish")
-        receipts = await asyncio.gather(*(self._receipt(e, version, digest) for e in live),
-                                        return_exceptions=True)
+        receipts = await asyncio.gather(*(self._receipt(e, version, digest) for e in live), return_exceptions=True)
         lap("receipt")
         outcome |= {e: r for e, r in zip(live, receipts)}
         for engine, result in outcome.items():
@@ -219,7 +227,8 @@ class BroadcastSync(WeightSync):
                 if not send.done():
                     raise EngineReceiptError(
                         f"{engine!r} answered the update of {list(bucket.names)[:3]} without taking its broadcast "
-                        "(a group other than the trainer's?): nothing it holds is trusted")
+                        "(a group other than the trainer's?): nothing it holds is trusted"
+                    )
                 send.result()
         except BaseException:
             call.cancel()
@@ -233,6 +242,8 @@ class BroadcastSync(WeightSync):
         if held != version:
             raise EngineReceiptError(f"{engine!r} reports weight version {held} after the broadcast of {version}")
         if kind == "stream" and checksum != digest.hexdigest():
-            raise EngineReceiptError(f"{engine!r}: the update to version {version} arrived as {checksum}, the "
-                                     f"trainer sent {digest.hexdigest()}")
+            raise EngineReceiptError(
+                f"{engine!r}: the update to version {version} arrived as {checksum}, the "
+                f"trainer sent {digest.hexdigest()}"
+            )
         return held

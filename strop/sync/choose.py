@@ -48,28 +48,43 @@ def choose_sync(cfg: Config, clients: list, run_dir: Path, probe_ids: list[int],
         finally:
             for c in clients:
                 await c.close()  # connections belong to the run's event loop, made later
+
     asyncio.run(probe())
     print(f"strop: weight sync: {sync} ({why}); receipt: {weight_receipt(e.kind, sync)}", flush=True)
     if sync == "broadcast":
-        backend = e.sync_backend if e.sync_backend != "auto" else (
-            "nccl" if device is not None and device.type == "cuda" else "gloo")
-        return BroadcastSync(bucket_bytes=e.sync_bucket_bytes, backend=backend, timeout_s=e.timeout_s,
-                             pause_mode=e.sync_pause, dtype=e.sync_dtype,
-                             host=os.environ.get("STROP_NODE_IP", "127.0.0.1"))  # where engines reach rank 0
+        backend = (
+            e.sync_backend
+            if e.sync_backend != "auto"
+            else ("nccl" if device is not None and device.type == "cuda" else "gloo")
+        )
+        return BroadcastSync(
+            bucket_bytes=e.sync_bucket_bytes,
+            backend=backend,
+            timeout_s=e.timeout_s,
+            pause_mode=e.sync_pause,
+            dtype=e.sync_dtype,
+            host=os.environ.get("STROP_NODE_IP", "127.0.0.1"),
+        )  # where engines reach rank 0
     return DeltaSync(writer) if sync == "delta" else DiskSync(writer)
 
 
 def weight_receipt(kind: str, sync: str) -> str:
     """How each engine kind proves it holds the weights it was sent (printed at start)."""
     if sync == "broadcast":
-        return {"strop": "the checksum of the tensors each server holds (/weights_checker), and the version it reports",
-                "vllm": "the checksum of every byte strop's worker extension received, that every parameter was "
-                        "written, and the version each server reports (/weight_info)",
-                "sglang": "the version each server reports (/model_info) after the update; SGLang's own checksums "
-                          "cover its fused tensors, which the trainer cannot reproduce, so no byte-for-byte check"}[kind]
+        return {
+            "strop": "the checksum of the tensors each server holds (/weights_checker), and the version it reports",
+            "vllm": "the checksum of every byte strop's worker extension received, that every parameter was "
+            "written, and the version each server reports (/weight_info)",
+            "sglang": "the version each server reports (/model_info) after the update; SGLang's own checksums "
+            "cover its fused tensors, which the trainer cannot reproduce, so no byte-for-byte check",
+        }[kind]
     if kind == "strop":
-        return {"disk": "the checksum of the file each server loaded, and the version it reports",
-                "delta": "each changed tensor's digest, checked by the server, and the version it reports"}[sync]
+        return {
+            "disk": "the checksum of the file each server loaded, and the version it reports",
+            "delta": "each changed tensor's digest, checked by the server, and the version it reports",
+        }[sync]
     route = "/model_info" if kind == "sglang" else "/weight_info"
-    return (f"the version each server reports ({route}), read back after every load; {kind} reports no checksum "
-            "strop can compare, so a load is not checked byte for byte")
+    return (
+        f"the version each server reports ({route}), read back after every load; {kind} reports no checksum "
+        "strop can compare, so a load is not checked byte for byte"
+    )

@@ -42,6 +42,7 @@ class DeltaSync(WeightSync):
 
         def digest_all():  # a bucket at a time (sharded weights: gathered as read, never whole)
             return {n: tensor_digest(t) for part in in_buckets(weights, unique) for n, t in part.items()}
+
         digests = await asyncio.to_thread(digest_all)
         sizes = {name: nbytes(weights, name) for name in unique}
         members = pool.members(HEALTHY, REJOINING)
@@ -58,8 +59,9 @@ class DeltaSync(WeightSync):
         receipt = Receipt(version, 0, len(members) * sum(sizes.values()))
         pool.weight_version, self.digests = version, digests
         for k, (changed, engines) in enumerate(by_change.items()):
-            path, _ = await asyncio.to_thread(self.writer.write, Subset(weights, sorted(changed)), version,
-                                              f"-delta{k}")
+            path, _ = await asyncio.to_thread(
+                self.writer.write, Subset(weights, sorted(changed)), version, f"-delta{k}"
+            )
             sent = {n: digests[n] for n in changed}
 
             async def load(i):
@@ -73,5 +75,6 @@ class DeltaSync(WeightSync):
                 receipt.bytes_sent += sum(sizes[n] for n in changed)
                 if pool.state[i] != DOWN:  # (a request that failed on it meanwhile leaves it to the health loop)
                     pool.move(i, HEALTHY, "loaded the changed tensors", held)
+
             await asyncio.gather(*(load(i) for i in engines))
         return receipt

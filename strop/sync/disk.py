@@ -38,7 +38,9 @@ class WeightWriter:
         tmp = self.dir / f".tmp-v{version}{tag}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)  # (and self.dir with it)
-        checksum = write_safetensors(state, tmp / "model.safetensors", self.bucket_bytes)  # (tied tensors under each name)
+        checksum = write_safetensors(
+            state, tmp / "model.safetensors", self.bucket_bytes
+        )  # (tied tensors under each name)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         versions = sorted({int(p.name[1:].split("-")[0]) for p in self.dir.glob("v*")})

@@ -37,8 +37,10 @@ class Tool:
 
     def schema(self) -> dict:
         """The OpenAI / Hermes function description a chat template takes (``tools=[...]``)."""
-        return {"type": "function", "function": {"name": self.name, "description": self.description,
-                                                 "parameters": self.parameters}}
+        return {
+            "type": "function",
+            "function": {"name": self.name, "description": self.description, "parameters": self.parameters},
+        }
 
 
 @dataclass(frozen=True)
@@ -64,8 +66,9 @@ def parse_tool_call(text: str) -> ToolCall | None:
     try:
         name, args = hermes_body(hermes.group(1))
     except HERMES_ERRORS as exc:
-        return ToolCall("invalid", {"error": f"could not parse the tool call: {type(exc).__name__}: {exc}"},
-                        hermes.end())
+        return ToolCall(
+            "invalid", {"error": f"could not parse the tool call: {type(exc).__name__}: {exc}"}, hermes.end()
+        )
     return ToolCall(name, args, hermes.end())
 
 
@@ -88,8 +91,9 @@ _MAX_BITS = 10_000  # the largest integer (about 3,000 digits) any step may prod
 
 
 def _too_large(what: str) -> ValueError:
-    return ValueError(f"result too large: {what} would exceed {_MAX_BITS} bits (about {int(_MAX_BITS * math.log10(2))} "
-                      "digits)")
+    return ValueError(
+        f"result too large: {what} would exceed {_MAX_BITS} bits (about {int(_MAX_BITS * math.log10(2))} digits)"
+    )
 
 
 def _check_size(value: Any) -> Any:
@@ -104,7 +108,7 @@ def _power(base: Any, exponent: Any) -> Any:
     if isinstance(base, int) and isinstance(exponent, int) and exponent > 0 and abs(base) > 1:
         if exponent * math.log2(abs(base)) > _MAX_BITS:
             raise _too_large(f"a power ({abs(base).bit_length()}-bit base, exponent {exponent})")
-    return base ** exponent
+    return base**exponent
 
 
 def _round(x: Any, ndigits: Any = None) -> Any:
@@ -114,11 +118,28 @@ def _round(x: Any, ndigits: Any = None) -> Any:
     return round(x) if ndigits is None else round(x, ndigits)
 
 
-_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: _power}
+_BINARY = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: _power,
+}
 _UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
-_FUNCS = {"sqrt": math.sqrt, "abs": abs, "round": _round, "floor": math.floor, "ceil": math.ceil, "log": math.log,
-          "exp": math.exp, "sin": math.sin, "cos": math.cos, "tan": math.tan}
+_FUNCS = {
+    "sqrt": math.sqrt,
+    "abs": abs,
+    "round": _round,
+    "floor": math.floor,
+    "ceil": math.ceil,
+    "log": math.log,
+    "exp": math.exp,
+    "sin": math.sin,
+    "cos": math.cos,
+    "tan": math.tan,
+}
 _CONSTS = {"pi": math.pi, "e": math.e}
 
 
@@ -151,9 +172,16 @@ def calculate(expression: str) -> str:
     return str(int(value) if isinstance(value, float) and value.is_integer() and abs(value) < 1e15 else value)
 
 
-CALCULATOR = Tool("calculator", "Evaluate an arithmetic expression and return the number.",
-                  {"type": "object", "properties": {"expression": {"type": "string", "description":
-                   "e.g. (17 + 5) * 3 / 2"}}, "required": ["expression"]}, calculate)
+CALCULATOR = Tool(
+    "calculator",
+    "Evaluate an arithmetic expression and return the number.",
+    {
+        "type": "object",
+        "properties": {"expression": {"type": "string", "description": "e.g. (17 + 5) * 3 / 2"}},
+        "required": ["expression"],
+    },
+    calculate,
+)
 
 
 def python_tool(sandbox) -> Tool:
@@ -164,9 +192,13 @@ def python_tool(sandbox) -> Tool:
         result = await sandbox.run_python(code)
         return result.message() or "(no output)"
 
-    return Tool("python", "Run Python code in a sandbox and return what it prints (stdout and stderr).",
-                {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}, run,
-                timeout_s=sandbox.limits.timeout_s + 30)  # the sandbox's own limit kills the code first
+    return Tool(
+        "python",
+        "Run Python code in a sandbox and return what it prints (stdout and stderr).",
+        {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]},
+        run,
+        timeout_s=sandbox.limits.timeout_s + 30,
+    )  # the sandbox's own limit kills the code first
 
 
 class ToolSet:
@@ -178,8 +210,9 @@ class ToolSet:
     the tool's own); past it the model reads a timeout error. A hung sync function cannot be
     killed: its thread (a daemon) keeps its slot until it returns."""
 
-    def __init__(self, tools: list[Tool], origin: dict[str, str] | None = None, *, threads: int = 8,
-                 timeout_s: float = 10.0):
+    def __init__(
+        self, tools: list[Tool], origin: dict[str, str] | None = None, *, threads: int = 8, timeout_s: float = 10.0
+    ):
         self.origin = origin or {}  # tool name -> where it came from ("tools hook pkg:fn"), for errors
         names = [t.name for t in tools]
         dup = {n for n in names if names.count(n) > 1}
@@ -229,8 +262,11 @@ class ToolSet:
         missing = [k for k in required if k not in call.arguments]
         unknown = [k for k in call.arguments if k not in tool.parameters.get("properties", {})]
         if missing or unknown:
-            return (f"Error: tool {call.name!r} takes {sorted(tool.parameters.get('properties', {}))}"
-                    + (f"; missing {missing}" if missing else "") + (f"; unknown {unknown}" if unknown else "")), False
+            return (
+                f"Error: tool {call.name!r} takes {sorted(tool.parameters.get('properties', {}))}"
+                + (f"; missing {missing}" if missing else "")
+                + (f"; unknown {unknown}" if unknown else "")
+            ), False
         limit = tool.timeout_s or self.timeout_s
         try:
             if is_async(tool.fn):
@@ -245,8 +281,9 @@ class ToolSet:
             return f"Error: {type(exc).__name__}: {exc}", False
         if not isinstance(out, str):  # a bug in the tool, not the model's doing: stop loudly
             where = f"{self.origin[call.name]}: " if call.name in self.origin else ""
-            raise PluginError(f"{where}tool {call.name!r} returned {type(out).__name__} ({out!r:.60}); "
-                              "a tool returns text")
+            raise PluginError(
+                f"{where}tool {call.name!r} returned {type(out).__name__} ({out!r:.60}); a tool returns text"
+            )
         return out, True
 
 
@@ -254,9 +291,11 @@ def describe_tools(system_prompt: str | None, tools: ToolSet) -> str:
     """``system_prompt`` followed by the tools' schemas and how to call them (the Hermes / Qwen
     convention: one JSON schema per line inside ``<tools>``, calls in ``<tool_call>``)."""
     lines = "\n".join(json.dumps(schema) for schema in tools.schemas())
-    block = ("You may call tools. The available tools, as JSON schemas:\n<tools>\n" + lines + "\n</tools>\n"
-             'To call one, write <tool_call>{"name": <tool name>, "arguments": <arguments object>}</tool_call> and '
-             "stop; its output comes back inside <tool_response></tool_response>.")
+    block = (
+        "You may call tools. The available tools, as JSON schemas:\n<tools>\n" + lines + "\n</tools>\n"
+        'To call one, write <tool_call>{"name": <tool name>, "arguments": <arguments object>}</tool_call> and '
+        "stop; its output comes back inside <tool_response></tool_response>."
+    )
     return f"{system_prompt}\n\n{block}" if system_prompt else block
 
 
@@ -276,8 +315,10 @@ def check_tools(tools: Any) -> None:
             raise TypeError(f"item {i} is a {type(tool).__name__}, not a strop.tools.Tool")
         where = f"tool {i} ({tool.name!r})"
         if not isinstance(tool.name, str) or not _NAME.fullmatch(tool.name) or tool.name == "invalid":
-            raise ValueError(f"{where}: a name must be 1-64 letters, digits, '_' or '-', starting with a letter "
-                             "or '_' (and not 'invalid', which strop uses for unparsable calls)")
+            raise ValueError(
+                f"{where}: a name must be 1-64 letters, digits, '_' or '-', starting with a letter "
+                "or '_' (and not 'invalid', which strop uses for unparsable calls)"
+            )
         if not isinstance(tool.description, str) or not tool.description.strip():
             raise ValueError(f"{where}: the description is empty; the model reads it to know what the tool does")
         names.append(tool.name)
@@ -285,8 +326,9 @@ def check_tools(tools: Any) -> None:
         props = p.get("properties", {}) if isinstance(p, dict) else None
         schema_shape = "({'type': 'object', 'properties': {name: {'type': ...}}, 'required': [names]})"
         if not isinstance(p, dict) or p.get("type") != "object" or not isinstance(props, dict):
-            raise ValueError(f"{where}: parameters must be a JSON schema of an object {schema_shape}, got "
-                             + repr(p)[:120])
+            raise ValueError(
+                f"{where}: parameters must be a JSON schema of an object {schema_shape}, got " + repr(p)[:120]
+            )
         bad = [k for k, v in props.items() if not isinstance(v, dict)]
         if bad:
             raise ValueError(f"{where}: properties {bad} must each be a schema object like {{'type': 'string'}}")
@@ -306,12 +348,20 @@ def check_tools(tools: Any) -> None:
         any_kw = any(q.kind == q.VAR_KEYWORD for q in params.values())
         by_name = {n for n, q in params.items() if q.kind in (q.POSITIONAL_OR_KEYWORD, q.KEYWORD_ONLY)}
         missing = [k for k in props if k not in by_name and not any_kw]
-        needs = [n for n, q in params.items() if q.default is q.empty and n not in props
-                 and q.kind not in (q.VAR_POSITIONAL, q.VAR_KEYWORD)]
+        needs = [
+            n
+            for n, q in params.items()
+            if q.default is q.empty and n not in props and q.kind not in (q.VAR_POSITIONAL, q.VAR_KEYWORD)
+        ]
         if missing or needs:
-            raise ValueError(f"{where}: its function {getattr(tool.fn, '__name__', tool.fn)}{sig} "
-                             + (f"does not take the schema's properties {missing} by keyword" if missing else
-                                f"requires {needs}, which the schema does not give"))
+            raise ValueError(
+                f"{where}: its function {getattr(tool.fn, '__name__', tool.fn)}{sig} "
+                + (
+                    f"does not take the schema's properties {missing} by keyword"
+                    if missing
+                    else f"requires {needs}, which the schema does not give"
+                )
+            )
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
         raise ValueError(f"tool names must be unique: {dup} occur twice")

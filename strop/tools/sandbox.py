@@ -50,8 +50,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from strop.tools.watch import (CallCgroup, kill_group, memory_cgroup, process_tree, processes_of, resident_bytes,
-                               tmp_usage)
+from strop.tools.watch import (
+    CallCgroup,
+    kill_group,
+    memory_cgroup,
+    process_tree,
+    processes_of,
+    resident_bytes,
+    tmp_usage,
+)
 
 SANDBOX_UID = 200_000  # as root, concurrent call i runs as uid SANDBOX_UID + i (no passwd entry needed)
 ISOLATIONS = ("bwrap", "namespaces", "none")
@@ -94,8 +101,12 @@ class RunResult:
             parts.append(f"[timed out after {self.seconds:.1f} s; the run was stopped]")
         elif self.exit_code is not None and self.exit_code > 128:
             sig = self.exit_code - 128
-            why = {int(signal.SIGXCPU): "the CPU time limit", int(signal.SIGKILL): "SIGKILL",
-                   int(signal.SIGXFSZ): "the file size limit", int(signal.SIGSEGV): "a segmentation fault"}
+            why = {
+                int(signal.SIGXCPU): "the CPU time limit",
+                int(signal.SIGKILL): "SIGKILL",
+                int(signal.SIGXFSZ): "the file size limit",
+                int(signal.SIGSEGV): "a segmentation fault",
+            }
             parts.append(f"[killed by {why.get(sig, f'signal {sig}')}]")
         elif self.exit_code not in (0, None):
             parts.append(f"[exit code {self.exit_code}]")
@@ -107,8 +118,10 @@ def _system_python() -> str:
     for cand in ("/usr/bin/python3", "/usr/local/bin/python3"):
         if os.path.exists(cand):
             return os.path.realpath(cand)
-    raise SandboxUnavailable("no Python interpreter under /usr/bin or /usr/local/bin for the sandbox; "
-                             "pass Sandbox(python=...) with one under /usr")
+    raise SandboxUnavailable(
+        "no Python interpreter under /usr/bin or /usr/local/bin for the sandbox; "
+        "pass Sandbox(python=...) with one under /usr"
+    )
 
 
 def _host_env(cwd: Path) -> dict[str, str]:
@@ -118,8 +131,9 @@ def _host_env(cwd: Path) -> dict[str, str]:
 
 def _probe(cmd: list[str], cwd: Path) -> bool:
     try:
-        out = subprocess.run(cmd, cwd=cwd, env=_host_env(cwd), stdin=subprocess.DEVNULL, capture_output=True,
-                             timeout=20)
+        out = subprocess.run(
+            cmd, cwd=cwd, env=_host_env(cwd), stdin=subprocess.DEVNULL, capture_output=True, timeout=20
+        )
         return out.returncode == 0 and out.stdout.strip() == b"ok"
     except (OSError, subprocess.TimeoutExpired):
         return False
@@ -137,8 +151,10 @@ def keyring_filter(machine: str | None = None) -> bytes:
     architecture (a 32-bit ABI numbers them differently)."""
     machine = machine or os.uname().machine
     if machine not in _KEYRING_CALLS:
-        raise SandboxUnavailable(f"no keyring filter for {machine!r}: strop.tools.sandbox._KEYRING_CALLS knows the "
-                                 f"system call numbers of {sorted(_KEYRING_CALLS)} only")
+        raise SandboxUnavailable(
+            f"no keyring filter for {machine!r}: strop.tools.sandbox._KEYRING_CALLS knows the "
+            f"system call numbers of {sorted(_KEYRING_CALLS)} only"
+        )
     arch, numbers = _KEYRING_CALLS[machine]
     n = len(numbers)
 
@@ -147,15 +163,20 @@ def keyring_filter(machine: str | None = None) -> bytes:
 
     LOAD, JEQ, JGE, RET = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_JMP|JGE|K, BPF_RET|K
     KILL, ALLOW, ERRNO = 0x80000000, 0x7FFF0000, 0x00050000  # SECCOMP_RET_KILL_PROCESS, _ALLOW, _ERRNO
-    program = [op(LOAD, 4), op(JEQ, arch, 1, 0), op(RET, KILL),  # seccomp_data.arch
-               op(LOAD, 0), op(JGE, 0x40000000, n + 1, 0)]  # seccomp_data.nr; x32 -> EPERM
+    program = [
+        op(LOAD, 4),
+        op(JEQ, arch, 1, 0),
+        op(RET, KILL),  # seccomp_data.arch
+        op(LOAD, 0),
+        op(JGE, 0x40000000, n + 1, 0),
+    ]  # seccomp_data.nr; x32 -> EPERM
     program += [op(JEQ, nr, n - i, 0) for i, nr in enumerate(numbers)]  # -> EPERM, past the rest and ALLOW
     program += [op(RET, ALLOW), op(RET, ERRNO | errno.EPERM)]
     return b"".join(program)
 
 
 # the sandbox's first Python: installs the filter (argv[1], hex), then becomes the model's program
-_BOOT = r'''
+_BOOT = r"""
 import ctypes, os, sys
 program = bytes.fromhex(sys.argv[1])
 class Prog(ctypes.Structure):
@@ -164,12 +185,12 @@ prog, libc, u = Prog(len(program) // 8, program), ctypes.CDLL(None, use_errno=Tr
 if libc.prctl(38, u(1), u(0), u(0), u(0)) or libc.prctl(22, u(2), ctypes.byref(prog), u(0), u(0)):
     sys.exit("strop sandbox: could not install the seccomp filter: " + os.strerror(ctypes.get_errno()))
 os.execv(sys.executable, [sys.executable, "-I", "main.py"])
-'''  # prctl 38: PR_SET_NO_NEW_PRIVS; 22, 2: PR_SET_SECCOMP, SECCOMP_MODE_FILTER
+"""  # prctl 38: PR_SET_NO_NEW_PRIVS; 22, 2: PR_SET_SECCOMP, SECCOMP_MODE_FILTER
 
 
 # run inside the new namespaces by /bin/sh: build a read-only root with a size-limited /tmp, then
 # start Python in it
-_NS_SETUP = r'''
+_NS_SETUP = r"""
 set -e
 R="$1"; W="$2"; PY="$3"; TMP_BYTES="$4"; TMP_INODES="$5"; FILTER="$6"; BOOT="$7"
 mount -t tmpfs -o size=1m,mode=755 strop-sandbox "$R"
@@ -188,12 +209,19 @@ mount -o remount,bind,ro "$R"
 exec chroot "$R" /usr/bin/setpriv --no-new-privs --bounding-set=-all --inh-caps=-all \
   /usr/bin/env -i PATH=/usr/bin:/bin HOME=/tmp TMPDIR=/tmp LANG=C.UTF-8 PYTHONDONTWRITEBYTECODE=1 \
   PYTHONUNBUFFERED=1 /bin/sh -c 'cd /tmp && "$0" -I -c "$2" "$1"; exit $?' "$PY" "$FILTER" "$BOOT"
-'''
+"""
 
 
 class Sandbox:
-    def __init__(self, limits: Limits | None = None, *, isolation: str = "auto", python: str | None = None,
-                 max_concurrency: int = 8, nested_userns: bool = False):
+    def __init__(
+        self,
+        limits: Limits | None = None,
+        *,
+        isolation: str = "auto",
+        python: str | None = None,
+        max_concurrency: int = 8,
+        nested_userns: bool = False,
+    ):
         """``isolation``: "auto" (bwrap, else namespaces, else refuse), or one of ``ISOLATIONS``
         by name ("none" is the explicit opt-out: no filesystem or network isolation).
         ``nested_userns``: let the code create user namespaces (bubblewrap only)."""
@@ -208,37 +236,65 @@ class Sandbox:
         self._slots: tuple | None = None  # (event loop, queue of the uids free for a call; None without root)
 
     def describe(self) -> str:
-        how = {"bwrap": "bubblewrap (user, mount, pid, network, ipc, uts namespaces; /usr read-only)",
-               "namespaces": "unshare namespaces (user, mount, pid, network, ipc, uts; /usr read-only)",
-               "none": "NO isolation (resource limits and timeout only; explicitly allowed)"}[self.isolation]
-        who = (f" as uids {SANDBOX_UID}..{SANDBOX_UID + self.max_concurrency - 1}"
-               if self.as_nobody and self.isolation != "none" else "")
+        how = {
+            "bwrap": "bubblewrap (user, mount, pid, network, ipc, uts namespaces; /usr read-only)",
+            "namespaces": "unshare namespaces (user, mount, pid, network, ipc, uts; /usr read-only)",
+            "none": "NO isolation (resource limits and timeout only; explicitly allowed)",
+        }[self.isolation]
+        who = (
+            f" as uids {SANDBOX_UID}..{SANDBOX_UID + self.max_concurrency - 1}"
+            if self.as_nobody and self.isolation != "none"
+            else ""
+        )
         L = self.limits
         total = f"cgroup v{self._cgroup[1]}" if self._cgroup else f"watchdog every {WATCH_S:g} s"
-        return (f"sandbox: {how}{who}; timeout {L.timeout_s:g} s, cpu {L.cpu_s} s, memory {L.memory_mb} MB per "
-                f"process and {L.memory_total_mb} MB per call ({total}), {L.processes} processes, files "
-                f"{L.file_mb} MB, /tmp {L.tmp_mb} MB and {L.tmp_files} files, output {L.output_bytes} bytes, "
-                f"keyring calls refused{'' if self.nested_userns else ', no user namespaces'}, "
-                f"{self.max_concurrency} at once")
+        return (
+            f"sandbox: {how}{who}; timeout {L.timeout_s:g} s, cpu {L.cpu_s} s, memory {L.memory_mb} MB per "
+            f"process and {L.memory_total_mb} MB per call ({total}), {L.processes} processes, files "
+            f"{L.file_mb} MB, /tmp {L.tmp_mb} MB and {L.tmp_files} files, output {L.output_bytes} bytes, "
+            f"keyring calls refused{'' if self.nested_userns else ', no user namespaces'}, "
+            f"{self.max_concurrency} at once"
+        )
 
     # ---- choosing the isolation -------------------------------------------------------------
     def _prefix(self, uid: int | None) -> list[str]:
         L = self.limits
         # the call dies with the trainer: setpriv sets the parent-death signal (after the uid change, which
         # would clear one set before it); bwrap sets its own as well (--die-with-parent)
-        ids = [f"--reuid={uid}", f"--regid={uid}", "--clear-groups"] if uid is not None and self.isolation != "none" else []
+        ids = (
+            [f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
+            if uid is not None and self.isolation != "none"
+            else []
+        )
         who = ["setpriv", *ids, "--pdeathsig=KILL", "--"] if ids or shutil.which("setpriv") else []
         nproc = L.processes if uid is not None else L.processes + processes_of(os.getuid())
         # CPU: SIGXCPU at the soft limit (reported as such), SIGKILL a second later
-        return who + ["prlimit", f"--cpu={L.cpu_s}:{L.cpu_s + 1}", f"--as={L.memory_mb << 20}", f"--nproc={nproc}",
-                         f"--fsize={L.file_mb << 20}", f"--nofile={L.open_files}", "--core=0", "--"]
+        return who + [
+            "prlimit",
+            f"--cpu={L.cpu_s}:{L.cpu_s + 1}",
+            f"--as={L.memory_mb << 20}",
+            f"--nproc={nproc}",
+            f"--fsize={L.file_mb << 20}",
+            f"--nofile={L.open_files}",
+            "--core=0",
+            "--",
+        ]
 
     def _command(self, base: Path, uid: int | None) -> list[str]:
         L, work, root = self.limits, base / "work", base / "root"
         boot = ["-I", "-c", _BOOT, self._filter]
         if self.isolation == "bwrap":
-            cmd = ["bwrap", "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session",
-                   *([] if self.nested_userns else ["--disable-userns"]), "--ro-bind", "/usr", "/usr"]
+            cmd = [
+                "bwrap",
+                "--unshare-all",
+                "--unshare-user",
+                "--die-with-parent",
+                "--new-session",
+                *([] if self.nested_userns else ["--disable-userns"]),
+                "--ro-bind",
+                "/usr",
+                "/usr",
+            ]
             for d in ("bin", "lib", "lib64", "sbin"):
                 p = Path("/") / d
                 if p.is_symlink():
@@ -246,17 +302,75 @@ class Sandbox:
                 elif p.is_dir():
                     cmd += ["--ro-bind", str(p), f"/{d}"]
             # /tmp: a tmpfs of tmp_mb (bwrap cannot cap its inodes: the watchdog counts them)
-            cmd += ["--proc", "/proc", "--dev", "/dev", "--remount-ro", "/dev", "--size", str(L.tmp_mb << 20),
-                    "--tmpfs", "/tmp", "--ro-bind", str(work / "main.py"), "/tmp/main.py",
-                    "--chdir", "/tmp", "--remount-ro", "/", "--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp",
-                    "--setenv", "TMPDIR", "/tmp", "--setenv", "LANG", "C.UTF-8", "--setenv", "PYTHONDONTWRITEBYTECODE", "1",
-                    "--setenv", "PYTHONUNBUFFERED", "1", "--cap-drop", "ALL", "--", self.python, *boot]
+            cmd += [
+                "--proc",
+                "/proc",
+                "--dev",
+                "/dev",
+                "--remount-ro",
+                "/dev",
+                "--size",
+                str(L.tmp_mb << 20),
+                "--tmpfs",
+                "/tmp",
+                "--ro-bind",
+                str(work / "main.py"),
+                "/tmp/main.py",
+                "--chdir",
+                "/tmp",
+                "--remount-ro",
+                "/",
+                "--clearenv",
+                "--setenv",
+                "PATH",
+                "/usr/bin:/bin",
+                "--setenv",
+                "HOME",
+                "/tmp",
+                "--setenv",
+                "TMPDIR",
+                "/tmp",
+                "--setenv",
+                "LANG",
+                "C.UTF-8",
+                "--setenv",
+                "PYTHONDONTWRITEBYTECODE",
+                "1",
+                "--setenv",
+                "PYTHONUNBUFFERED",
+                "1",
+                "--cap-drop",
+                "ALL",
+                "--",
+                self.python,
+                *boot,
+            ]
             return self._prefix(uid) + cmd
         if self.isolation == "namespaces":
-            return self._prefix(uid) + ["unshare", "--user", "--map-root-user", "--mount", "--pid", "--fork",
-                                     "--kill-child", "--net", "--ipc", "--uts", "--", "/bin/sh", "-c", _NS_SETUP,
-                                     "strop-sandbox", str(root), str(work), self.python, str(L.tmp_mb << 20),
-                                     str(L.tmp_files + 2), self._filter, _BOOT]  # + 2: the root and main.py
+            return self._prefix(uid) + [
+                "unshare",
+                "--user",
+                "--map-root-user",
+                "--mount",
+                "--pid",
+                "--fork",
+                "--kill-child",
+                "--net",
+                "--ipc",
+                "--uts",
+                "--",
+                "/bin/sh",
+                "-c",
+                _NS_SETUP,
+                "strop-sandbox",
+                str(root),
+                str(work),
+                self.python,
+                str(L.tmp_mb << 20),
+                str(L.tmp_files + 2),
+                self._filter,
+                _BOOT,
+            ]  # + 2: the root and main.py
         return self._prefix(uid) + [self.python, *boot]
 
     def _choose(self, isolation: str) -> str:
@@ -265,7 +379,7 @@ class Sandbox:
         if isolation == "none":
             return "none"
         tried = []
-        for mode in (("bwrap", "namespaces") if isolation == "auto" else (isolation,)):
+        for mode in ("bwrap", "namespaces") if isolation == "auto" else (isolation,):
             ok, why = self._works(mode)
             if ok:
                 return mode
@@ -273,7 +387,8 @@ class Sandbox:
         raise SandboxUnavailable(
             "no sandbox for model-written code (" + "; ".join(tried) + "). Install bubblewrap (Debian/Ubuntu: "
             "apt-get install bubblewrap) or allow unprivileged user namespaces; or run model code WITHOUT isolation "
-            "by setting the sandbox isolation to 'none' explicitly")
+            "by setting the sandbox isolation to 'none' explicitly"
+        )
 
     def _works(self, mode: str) -> tuple[bool, str]:
         need = {"bwrap": ["bwrap", "prlimit"], "namespaces": ["unshare", "prlimit", "setpriv", "mount", "chroot"]}[mode]
@@ -317,8 +432,9 @@ class Sandbox:
                 await asyncio.to_thread(self._prepare, base, code, uid)
                 cmd = self._command(base, uid)
                 if self._cgroup:
-                    cgroup = await asyncio.to_thread(CallCgroup, *self._cgroup, base.name,
-                                                     self.limits.memory_total_mb << 20)
+                    cgroup = await asyncio.to_thread(
+                        CallCgroup, *self._cgroup, base.name, self.limits.memory_total_mb << 20
+                    )
                     cmd = cgroup.enter() + cmd
                 return await self._run(cmd, cwd=base / "work", cgroup=cgroup)
             finally:
@@ -334,12 +450,16 @@ class Sandbox:
         L = self.limits
         pids = cgroup.pids() if cgroup else process_tree(pid)
         if cgroup.oom_kills() if cgroup else resident_bytes(pids) > L.memory_total_mb << 20:
-            return (f"[memory total exceeded: the call's processes used more than {L.memory_total_mb} MB together; "
-                    "the run was stopped]")
+            return (
+                f"[memory total exceeded: the call's processes used more than {L.memory_total_mb} MB together; "
+                "the run was stopped]"
+            )
         tmp = tmp_usage(pids, main_py)
         if tmp is not None and (tmp[0] >= L.tmp_files or tmp[1] >= L.tmp_mb << 20):
-            return (f"[/tmp limit reached: {tmp[0]} files and directories (limit {L.tmp_files}), {tmp[1] >> 20} MB "
-                    f"(limit {L.tmp_mb} MB); the run was stopped]")
+            return (
+                f"[/tmp limit reached: {tmp[0]} files and directories (limit {L.tmp_files}), {tmp[1] >> 20} MB "
+                f"(limit {L.tmp_mb} MB); the run was stopped]"
+            )
         return None
 
     async def _watch(self, pid: int, cgroup: CallCgroup | None, main_py: tuple[int, int]) -> str:
@@ -354,9 +474,15 @@ class Sandbox:
     async def _run(self, cmd: list[str], cwd: Path, cgroup: CallCgroup | None = None) -> RunResult:
         L, t0 = self.limits, time.monotonic()
         main = (cwd / "main.py").stat()
-        proc = await asyncio.create_subprocess_exec(*cmd, cwd=cwd, env=_host_env(cwd), stdin=asyncio.subprocess.DEVNULL,
-                                                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-                                                    start_new_session=True)
+        proc = await asyncio.create_subprocess_exec(
+            *cmd,
+            cwd=cwd,
+            env=_host_env(cwd),
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            start_new_session=True,
+        )
         out, timed_out, truncated = bytearray(), False, False
         deadline = t0 + L.timeout_s
         watch = asyncio.ensure_future(self._watch(proc.pid, cgroup, (main.st_dev, main.st_ino)))
@@ -376,7 +502,7 @@ class Sandbox:
                 out += chunk[: L.output_bytes + 1 - len(out)]
                 if len(out) > L.output_bytes:
                     truncated = True
-                    del out[L.output_bytes:]
+                    del out[L.output_bytes :]
                     break
         finally:
             if proc.returncode is None and (timed_out or truncated):
@@ -394,8 +520,14 @@ class Sandbox:
         if not notes and cgroup is not None and await asyncio.to_thread(cgroup.oom_kills):  # killed between polls
             notes = [f"[memory total exceeded: the call's processes used more than {L.memory_total_mb} MB together]"]
         killed = timed_out or truncated or code < 0 or bool(notes)
-        return RunResult(out.decode("utf-8", errors="replace"), None if killed else code, timed_out=timed_out,
-                         truncated=truncated, seconds=time.monotonic() - t0, notes=notes)
+        return RunResult(
+            out.decode("utf-8", errors="replace"),
+            None if killed else code,
+            timed_out=timed_out,
+            truncated=truncated,
+            seconds=time.monotonic() - t0,
+            notes=notes,
+        )
 
 
 async def _drain(stream: asyncio.StreamReader) -> None:

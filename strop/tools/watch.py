@@ -29,7 +29,7 @@ def memory_cgroup() -> tuple[Path, int] | None:
             wanted = fstype == "cgroup2" if version == 2 else fstype == "cgroup" and "memory" in options.split(",")
             if not wanted or not (path + "/").startswith(root.rstrip("/") + "/"):
                 continue
-            here = Path(mountpoint, path[len(root.rstrip("/")):].lstrip("/"))
+            here = Path(mountpoint, path[len(root.rstrip("/")) :].lstrip("/"))
             for d in (here, here.parent) if version == 2 else (here,):
                 try:
                     usable = version == 1 or "memory" in (d / "cgroup.subtree_control").read_text().split()
@@ -46,8 +46,11 @@ class CallCgroup:
     def __init__(self, parent: Path, version: int, name: str, limit_bytes: int):
         self.dir, self.version = parent / name, version
         self.dir.mkdir()
-        files = ({"memory.max": limit_bytes, "memory.swap.max": 0, "memory.oom.group": 1} if version == 2 else
-                 {"memory.limit_in_bytes": limit_bytes, "memory.memsw.limit_in_bytes": limit_bytes})
+        files = (
+            {"memory.max": limit_bytes, "memory.swap.max": 0, "memory.oom.group": 1}
+            if version == 2
+            else {"memory.limit_in_bytes": limit_bytes, "memory.memsw.limit_in_bytes": limit_bytes}
+        )
         for file, value in files.items():  # the swap and group files exist only with swap / newer kernels
             if (self.dir / file).exists():
                 (self.dir / file).write_text(str(value))

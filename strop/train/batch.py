@@ -32,18 +32,26 @@ def collate(samples: list[Sample], pad_token_id: int) -> dict[str, torch.Tensor]
         loss_mask[i, :R] = torch.tensor(s.loss_mask, dtype=torch.float32)
         response_mask[i, :R] = 1.0
         rollout_logprobs[i, :R] = torch.tensor(s.rollout_logprobs)
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "positions": positions,
-            "loss_mask": loss_mask, "response_mask": response_mask, "rollout_logprobs": rollout_logprobs}
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "positions": positions,
+        "loss_mask": loss_mask,
+        "response_mask": response_mask,
+        "rollout_logprobs": rollout_logprobs,
+    }
 
 
 def to_device(batch: dict, device: torch.device) -> dict:
     """Every tensor of a collated batch (tuples of tensors too) on ``device``."""
+
     def move(v):
         if isinstance(v, torch.Tensor):
             return v.to(device, non_blocking=True)
         if isinstance(v, tuple):
             return tuple(move(x) for x in v)
         return v.to(device) if hasattr(v, "to") else v  # a context-parallel plan moves its own tensors
+
     return {k: move(v) for k, v in batch.items()}
 
 
@@ -75,19 +83,27 @@ class StepBatch:
 
     @classmethod
     def of(cls, samples: list[Sample]) -> "StepBatch":
-        bad = [(i, s.reward) for i, s in enumerate(samples)
-               if not isinstance(s.reward, (int, float)) or s.reward != s.reward or abs(s.reward) == float("inf")]
+        bad = [
+            (i, s.reward)
+            for i, s in enumerate(samples)
+            if not isinstance(s.reward, (int, float)) or s.reward != s.reward or abs(s.reward) == float("inf")
+        ]
         if bad:
             i, r = bad[0]
-            raise ValueError(f"sample {i} (group {samples[i].group_id}, index {samples[i].index}) has reward {r!r}; "
-                             f"rewards must be finite numbers ({len(bad)} such samples in this step)")
+            raise ValueError(
+                f"sample {i} (group {samples[i].group_id}, index {samples[i].index}) has reward {r!r}; "
+                f"rewards must be finite numbers ({len(bad)} such samples in this step)"
+            )
         T = max(s.response_length for s in samples)
-        return cls(samples=samples, rewards=torch.tensor([float(s.reward) for s in samples]),
-                   group_ids=torch.tensor([s.group_id for s in samples]),
-                   loss_mask=pad_rows([s.loss_mask for s in samples], T),
-                   response_mask=pad_rows([[1.0] * s.response_length for s in samples], T),
-                   rollout_logprobs=pad_rows([s.rollout_logprobs for s in samples], T),
-                   versions=pad_rows([s.weight_versions for s in samples], T).long())
+        return cls(
+            samples=samples,
+            rewards=torch.tensor([float(s.reward) for s in samples]),
+            group_ids=torch.tensor([s.group_id for s in samples]),
+            loss_mask=pad_rows([s.loss_mask for s in samples], T),
+            response_mask=pad_rows([[1.0] * s.response_length for s in samples], T),
+            rollout_logprobs=pad_rows([s.rollout_logprobs for s in samples], T),
+            versions=pad_rows([s.weight_versions for s in samples], T).long(),
+        )
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -98,11 +114,14 @@ class StepBatch:
         each response's length; returns its metrics (none when ``buffer`` is None: no shaping)."""
         if buffer is None:
             return {}
-        penalty = overlong_penalty(self.response_mask.sum(-1), max_new_tokens=max_new_tokens, buffer=buffer,
-                                   factor=factor)
+        penalty = overlong_penalty(
+            self.response_mask.sum(-1), max_new_tokens=max_new_tokens, buffer=buffer, factor=factor
+        )
         self.rewards = self.rewards + penalty
-        return {"overlong_penalty_mean": penalty.mean().item(),
-                "overlong_penalized_fraction": (penalty < 0).float().mean().item()}
+        return {
+            "overlong_penalty_mean": penalty.mean().item(),
+            "overlong_penalized_fraction": (penalty < 0).float().mean().item(),
+        }
 
     def distill(self, coef: float, *, only: bool = False) -> dict[str, float]:
         """On-policy distillation (strop.algo.offpolicy.distillation_advantages): the teacher's per-token
@@ -126,8 +145,9 @@ class StepBatch:
         return gap
 
 
-def split_micro_batches(indices: list[int], samples: list[Sample], micro_batch_size: int,
-                        max_tokens: int | None) -> list[list[int]]:
+def split_micro_batches(
+    indices: list[int], samples: list[Sample], micro_batch_size: int, max_tokens: int | None
+) -> list[list[int]]:
     """Padded micro-batches of ``micro_batch_size`` (similar lengths together), or packed ones
     filled up to ``max_tokens`` tokens."""
     if max_tokens:

@@ -33,9 +33,14 @@ import torch
 import torch.distributed as dist
 
 
-def naive_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
-                   temperature: float = 1.0,
-                   with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+def naive_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Reference: full fp32 logits, log_softmax, gather. Same contract as ``chunked_logprobs``."""
     dtype = _compute_dtype(hidden, weight)
     logits = hidden.to(dtype) @ weight.to(dtype).T  # (N, V)
@@ -47,9 +52,17 @@ def naive_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
     return lp, ent
 
 
-def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
-                     temperature: float = 1.0, chunk_size: int = 1024, with_entropy: bool = True,
-                     group=None, vocab_start: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+def chunked_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    with_entropy: bool = True,
+    group=None,
+    vocab_start: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``log_softmax(hidden @ weight.T / temperature)[targets]`` and its entropy, chunked over rows.
 
     hidden: (N, H), weight: (V, H) (may be tied to the input embedding),
@@ -70,15 +83,18 @@ def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.
     holds more than its (chunk, V) slice of the logits.
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
-        raise ValueError(f"expected hidden (N, H) and weight (V, H), got {tuple(hidden.shape)} and {tuple(weight.shape)}")
+        raise ValueError(
+            f"expected hidden (N, H) and weight (V, H), got {tuple(hidden.shape)} and {tuple(weight.shape)}"
+        )
     if targets.shape != hidden.shape[:1]:
         raise ValueError(f"expected targets ({hidden.shape[0]},), got {tuple(targets.shape)}")
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    lp, ent = _ChunkedLogprob.apply(hidden, weight, targets.long(), float(temperature), int(chunk_size),
-                                    bool(with_entropy), group, int(vocab_start))
+    lp, ent = _ChunkedLogprob.apply(
+        hidden, weight, targets.long(), float(temperature), int(chunk_size), bool(with_entropy), group, int(vocab_start)
+    )
     return lp, (ent if with_entropy else None)
 
 
@@ -116,7 +132,7 @@ class _ChunkedLogprob(torch.autograd.Function):
             h = hidden[s:e].to(dtype)  # (C, H)
             if temperature != 1.0:
                 h = h * inv_t
-            zt = z_buf[:v * c].view(v, c)  # (V, C)
+            zt = z_buf[: v * c].view(v, c)  # (V, C)
             torch.mm(w, h.T, out=zt)  # logits.T / T
             if group is None:
                 tgt = zt[targets[s:e], cols[:c]]  # (C,)
@@ -128,7 +144,7 @@ class _ChunkedLogprob(torch.autograd.Function):
                 dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
             zt.sub_(m)  # (V, C) shifted so exp cannot overflow
             if with_entropy:
-                et = e_buf[:v * c].view(v, c)  # (V, C)
+                et = e_buf[: v * c].view(v, c)  # (V, C)
                 torch.exp(zt, out=et)
                 sumexp = et.sum(0, keepdim=True)  # (1, C)
                 # H = lse - sum p z = log s - sum exp(z') z' / s  (with z' = z - m)
@@ -177,13 +193,13 @@ class _ChunkedLogprob(torch.autograd.Function):
             h = hidden[s:e].to(dtype)  # (C, H)
             if ctx.temperature != 1.0:
                 h = h * inv_t
-            zt = z_buf[:v * c].view(v, c)  # (V, C)
+            zt = z_buf[: v * c].view(v, c)  # (V, C)
             torch.mm(w, h.T, out=zt)  # recompute logits.T / T
             zt.sub_(lse[None, s:e])  # log p
             glp = g_lp[None, s:e].to(dtype) if g_lp is not None else None  # (1, C)
             if g_ent is not None:
                 gH = g_ent[None, s:e].to(dtype)  # (1, C)
-                pt = p_buf[:v * c].view(v, c)  # (V, C)
+                pt = p_buf[: v * c].view(v, c)  # (V, C)
                 torch.exp(zt, out=pt)
                 # -p * (g_lp + g_H * (log p + H)) = p * (log p * (-g_H) + (-(g_lp + g_H * H)))
                 bias = gH * ent[None, s:e]  # (1, C)

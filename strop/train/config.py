@@ -22,7 +22,6 @@ class ModelConfig(Section):
     )
 
 
-
 class TrainConfig(Section):
     steps: int = Field(15, gt=0, description="RL steps (rollout + one optimizer step each)")
     lr: float = Field(3e-5, gt=0, description="AdamW learning rate")
@@ -33,19 +32,30 @@ class TrainConfig(Section):
     micro_batch_size: int = Field(16, gt=0, description="samples per forward/backward (gradient accumulation)")
     mini_batches: int = Field(1, gt=0, description="optimizer steps per rollout batch (PPO-style reuse)")
     max_tokens_per_micro_batch: int | None = Field(
-        None, gt=0, description="pack samples into micro-batches of at most this many tokens, with no padding "
-        "(replaces micro_batch_size)")
+        None,
+        gt=0,
+        description="pack samples into micro-batches of at most this many tokens, with no padding "
+        "(replaces micro_batch_size)",
+    )
     logprob_chunk_size: int = Field(
-        1024, ge=0, description="tokens per lm_head chunk when computing logprobs (0 = full logits, more memory)")
+        1024, ge=0, description="tokens per lm_head chunk when computing logprobs (0 = full logits, more memory)"
+    )
     seed: int = Field(0, description="torch seed")
     bf16_autocast: bool = Field(
-        False, description="run the trainer's forward passes under bf16 autocast (fp32 master weights and "
+        False,
+        description="run the trainer's forward passes under bf16 autocast (fp32 master weights and "
         "optimizer state): on GPUs, and on CPUs with bf16 matmul (avx512_bf16, AMX; 2.2x the quickstart's train "
-        "step here), slow on CPUs without it")
+        "step here), slow on CPUs without it",
+    )
     max_nonfinite_grad_steps: int = Field(
-        3, gt=0, description="stop the run after this many optimizer steps in a row with a NaN/inf gradient "
-        "norm (each such step is skipped and counted in nonfinite_grad_norm_steps)")
+        3,
+        gt=0,
+        description="stop the run after this many optimizer steps in a row with a NaN/inf gradient "
+        "norm (each such step is skipped and counted in nonfinite_grad_norm_steps)",
+    )
     activation_checkpointing: bool = Field(
-        False, description="recompute each decoder layer's activations in backward instead of keeping them "
+        False,
+        description="recompute each decoder layer's activations in backward instead of keeping them "
         "(transformers' gradient checkpointing, non-reentrant): activation memory drops to the layers' inputs "
-        "plus one layer's, for about one more forward pass per step; policy and critic; not with context parallel")
+        "plus one layer's, for about one more forward pass per step; policy and critic; not with context parallel",
+    )

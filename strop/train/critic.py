@@ -24,8 +24,14 @@ class ValueModel(nn.Module):
         backbone = model.get_decoder() if hasattr(model, "get_decoder") else model.model
         return cls(backbone, model.config.hidden_size)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor,
-                position_ids: torch.Tensor | None = None, cp=None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        positions: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        cp=None,
+    ) -> torch.Tensor:
         # the state before each response token (N, H); with ``cp`` only this CP rank's entries
         h, _, restore = response_hidden(self.backbone, input_ids, attention_mask, positions, position_ids, cp)
         return restore(self.value_head(h).squeeze(-1).float())  # (B, T)

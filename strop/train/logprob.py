@@ -17,11 +17,19 @@ from strop.parallel.tensor import vocab_slice
 from strop.train.chunked_logprob import chunked_logprobs, naive_logprobs
 
 
-def response_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                      response_positions: torch.Tensor, *, temperature: float = 1.0,
-                      with_entropy: bool = False, entropy_grad: bool = False,
-                      chunk_size: int = 1024, position_ids: torch.Tensor | None = None,
-                      cp=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def response_logprobs(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_positions: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    entropy_grad: bool = False,
+    chunk_size: int = 1024,
+    position_ids: torch.Tensor | None = None,
+    cp=None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprobs of the tokens at ``response_positions`` under ``log_softmax(logits / temperature)``.
 
     input_ids, attention_mask: (B, L), right-padded. response_positions: (B, T)
@@ -35,24 +43,38 @@ def response_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     the backbone runs on this CP rank's tokens only, the lm_head on its response
     entries only, and the results are gathered into the same (B, T) on every CP rank.
     """
-    h, targets, restore = response_hidden(model.get_decoder() if hasattr(model, "get_decoder") else model.model,
-                                          input_ids, attention_mask, response_positions, position_ids, cp)
+    h, targets, restore = response_hidden(
+        model.get_decoder() if hasattr(model, "get_decoder") else model.model,
+        input_ids,
+        attention_mask,
+        response_positions,
+        position_ids,
+        cp,
+    )
     head = model.get_output_embeddings()
     temperature = temperature if temperature > 0 else 1.0  # greedy rollouts report the raw distribution
     split = vocab_slice(head.weight)  # tensor parallel: this rank's rows of the vocabulary
     if split is not None:
         weight, start, group = split
-        logprobs, entropy = chunked_logprobs(h, weight, targets, temperature=temperature, with_entropy=with_entropy,
-                                             chunk_size=chunk_size if chunk_size > 0 else max(1, h.shape[0]),
-                                             group=group, vocab_start=start)
+        logprobs, entropy = chunked_logprobs(
+            h,
+            weight,
+            targets,
+            temperature=temperature,
+            with_entropy=with_entropy,
+            chunk_size=chunk_size if chunk_size > 0 else max(1, h.shape[0]),
+            group=group,
+            vocab_start=start,
+        )
     elif getattr(head, "bias", None) is not None or chunk_size <= 0:
         logits = head(h).float() / temperature  # (N, V): the plain path
         logp_all = torch.log_softmax(logits, dim=-1)
         logprobs = logp_all.gather(-1, targets.reshape(-1, 1)).squeeze(-1)
         entropy = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else None
     else:
-        logprobs, entropy = chunked_logprobs(h, head.weight, targets, temperature=temperature,
-                                             chunk_size=chunk_size, with_entropy=with_entropy)
+        logprobs, entropy = chunked_logprobs(
+            h, head.weight, targets, temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy
+        )
     if entropy is not None and not entropy_grad:
         entropy = entropy.detach()  # a metric: its backward work is skipped entirely
     return restore(logprobs), (restore(entropy) if entropy is not None else None)
@@ -68,8 +90,9 @@ def response_hidden(backbone, input_ids, attention_mask, response_positions, pos
     B, T = response_positions.shape
     if cp is not None:
         with cp.active():
-            hidden = backbone(input_ids=cp.local(input_ids), attention_mask=cp.attention_mask,
-                              position_ids=cp.position_ids).last_hidden_state  # (B, m, H)
+            hidden = backbone(
+                input_ids=cp.local(input_ids), attention_mask=cp.attention_mask, position_ids=cp.position_ids
+            ).last_hidden_state  # (B, m, H)
         return cp.entry_hidden(hidden), cp.targets(input_ids), cp.gather
     if position_ids is None:
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
@@ -77,8 +100,9 @@ def response_hidden(backbone, input_ids, attention_mask, response_positions, pos
     if L % n:  # sequence parallel splits the columns evenly: pad them (masked, dropped again below)
         pad = (0, n - L % n)
         input_ids, attention_mask, position_ids = (F.pad(t, pad) for t in (input_ids, attention_mask, position_ids))
-    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask,
-                      position_ids=position_ids).last_hidden_state[:, :L]
+    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state[
+        :, :L
+    ]
     # the token at position p is predicted by the hidden state at p - 1
     pred_pos = (response_positions - 1).clamp(min=0)  # (B, T)
     h = hidden.gather(1, pred_pos.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))  # (B, T, H)
@@ -93,11 +117,31 @@ class LogprobModule(nn.Module):
         super().__init__()
         self.lm = lm
 
-    def forward(self, input_ids, attention_mask, positions, position_ids=None, *, temperature=1.0,
-                with_entropy=False, entropy_grad=False, chunk_size=1024, cp=None):
-        lp, ent = response_logprobs(self.lm, input_ids, attention_mask, positions, temperature=temperature,
-                                    with_entropy=with_entropy, entropy_grad=entropy_grad, chunk_size=chunk_size,
-                                    position_ids=position_ids, cp=cp)
+    def forward(
+        self,
+        input_ids,
+        attention_mask,
+        positions,
+        position_ids=None,
+        *,
+        temperature=1.0,
+        with_entropy=False,
+        entropy_grad=False,
+        chunk_size=1024,
+        cp=None,
+    ):
+        lp, ent = response_logprobs(
+            self.lm,
+            input_ids,
+            attention_mask,
+            positions,
+            temperature=temperature,
+            with_entropy=with_entropy,
+            entropy_grad=entropy_grad,
+            chunk_size=chunk_size,
+            position_ids=position_ids,
+            cp=cp,
+        )
         # FSDP hooks the outputs for backward; fresh tensors, not views, keep those hooks intact
         return lp.clone(), (ent.clone() if ent is not None else None)
 

@@ -27,8 +27,9 @@ class Modules:
     teacher: nn.Module | None = None  # on-policy distillation's frozen teacher
 
 
-def build_modules(model: nn.Module, strategy, algo, train, weights_path: str | None = None,
-                  teacher: nn.Module | None = None) -> Modules:
+def build_modules(
+    model: nn.Module, strategy, algo, train, weights_path: str | None = None, teacher: nn.Module | None = None
+) -> Modules:
     """The modules for ``model`` (whole, or on the meta device with ``weights_path``): copies first (reference,
     critic), from the whole model or its skeleton, then each split over ``strategy``'s mesh as its dims say
     (:func:`strop.parallel.parallelize.parallelize`), noted by ``strategy`` and, from meta, loaded.
@@ -36,8 +37,10 @@ def build_modules(model: nn.Module, strategy, algo, train, weights_path: str | N
     device, meta = strategy.device, any(p.is_meta for p in model.parameters())
     kl = algo.kl_coef + algo.kl_in_reward_coef > 0
     if kl and algo.ref_mode == "swap" and (strategy.mode == "fsdp" or strategy.tp_size > 1 or meta):
-        raise ValueError("algo.ref_mode='swap' cannot swap into sharded weights (FSDP, tensor parallel, loading into "
-                         "shards); use ref_mode='copy'")
+        raise ValueError(
+            "algo.ref_mode='swap' cannot swap into sharded weights (FSDP, tensor parallel, loading into "
+            "shards); use ref_mode='copy'"
+        )
     if meta and weights_path is None:
         raise ValueError("a model on the meta device needs weights_path: the files each rank reads its slices from")
     if strategy.cp_size > 1:
@@ -67,8 +70,10 @@ def build_modules(model: nn.Module, strategy, algo, train, weights_path: str | N
         out.ref_state = {k: p.detach().clone() for k, p in model.named_parameters()}
     if algo.estimator == "ppo":  # the value head is not in the files: it starts at 0, as ValueModel's own init
         critic = ValueModel.from_causal_lm(copy.deepcopy(model))
-        out.critic = wrap((critic if meta else critic.to(device)).train(),
-                          lambda n: None if n.startswith("value_head.") else _under("backbone.", "model.")(n))
+        out.critic = wrap(
+            (critic if meta else critic.to(device)).train(),
+            lambda n: None if n.startswith("value_head.") else _under("backbone.", "model.")(n),
+        )
     if teacher is not None:  # (never from the policy's files: wrapped, not loaded)
         if strategy.cp_size > 1:
             context_parallel.enable(teacher)
@@ -79,4 +84,4 @@ def build_modules(model: nn.Module, strategy, algo, train, weights_path: str | N
 
 def _under(prefix: str, replacement: str = ""):
     """Parameter names of a wrapper (``lm.model.layers.0...``) as the files name them (``model.layers.0...``)."""
-    return lambda name: replacement + name[len(prefix):] if name.startswith(prefix) else name
+    return lambda name: replacement + name[len(prefix) :] if name.startswith(prefix) else name

@@ -26,7 +26,8 @@ class GuardedOptimizer:
         self.optimizer = torch.optim.AdamW(self.params, lr=lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
         warmup = cfg.warmup_steps  # counted in optimizer steps; linear warm-up, then constant
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: min(1.0, (s + 1) / (warmup + 1)) if warmup else 1.0)
+            self.optimizer, lambda s: min(1.0, (s + 1) / (warmup + 1)) if warmup else 1.0
+        )
         self.nonfinite_streak = 0
 
     @property
@@ -47,7 +48,8 @@ class GuardedOptimizer:
                 raise NonFiniteGradientError(
                     f"{self.name} gradient norm was {norm} in {self.nonfinite_streak} optimizer steps in a row "
                     f"(train.max_nonfinite_grad_steps={self.cfg.max_nonfinite_grad_steps}); stopping: check the "
-                    "rewards, the learning rate and the loss settings")
+                    "rewards, the learning rate and the loss settings"
+                )
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return norm

@@ -44,8 +44,7 @@ class Sampling:
 
 
 class Trainer:
-    def __init__(self, model, *, pad_token_id: int, train, algo, rollout=None, parallel=None, hooks=None,
-                 teacher=None):
+    def __init__(self, model, *, pad_token_id: int, train, algo, rollout=None, parallel=None, hooks=None, teacher=None):
         """``model``: the :class:`strop.train.modules.Modules` to step, split over the run's mesh before they came
         (build_modules), or a whole model, built into them here. ``train``, ``algo``: the config sections;
         ``rollout``: the rollout section or a :class:`Sampling`. ``parallel``: the data-parallel strategy
@@ -62,8 +61,11 @@ class Trainer:
         local = isinstance(teacher, nn.Module)
         if isinstance(model, Modules) and local:
             raise ValueError("a teacher model is built into the modules (build_modules), not given beside them")
-        m = model if isinstance(model, Modules) else build_modules(model, self.dp, algo, train,
-                                                                   teacher=teacher if local else None)
+        m = (
+            model
+            if isinstance(model, Modules)
+            else build_modules(model, self.dp, algo, train, teacher=teacher if local else None)
+        )
         self.model, self.policy, self.ref, self.ref_state, self.critic = m.model, m.policy, m.ref, m.ref_state, m.critic
         self.teacher, self.remote_teacher = m.teacher, None if local else teacher  # on-policy distillation's, either
         if self.critic is not None:
@@ -80,7 +82,9 @@ class Trainer:
 
     # ---- forward passes -------------------------------------------------------------------------
     def _micro_batches(self, indices, samples) -> list[list[int]]:
-        return split_micro_batches(list(indices), samples, self.cfg.micro_batch_size, self.cfg.max_tokens_per_micro_batch)
+        return split_micro_batches(
+            list(indices), samples, self.cfg.micro_batch_size, self.cfg.max_tokens_per_micro_batch
+        )
 
     def _collate(self, samples: list[Sample]) -> dict:
         if self.cfg.max_tokens_per_micro_batch:  # under CP the plan builds its own, smaller mask
@@ -96,9 +100,17 @@ class Trainer:
 
     def _logprobs(self, module, batch: dict, *, with_entropy=False, entropy_grad=False, temperature=None):
         with self._precision():
-            lp, ent = module(batch["input_ids"], batch["attention_mask"], batch["positions"], batch.get("position_ids"),
-                             temperature=temperature or self.temperature, with_entropy=with_entropy,
-                             entropy_grad=entropy_grad, chunk_size=self.cfg.logprob_chunk_size, cp=batch.get("cp"))
+            lp, ent = module(
+                batch["input_ids"],
+                batch["attention_mask"],
+                batch["positions"],
+                batch.get("position_ids"),
+                temperature=temperature or self.temperature,
+                with_entropy=with_entropy,
+                entropy_grad=entropy_grad,
+                chunk_size=self.cfg.logprob_chunk_size,
+                cp=batch.get("cp"),
+            )
         lp, ent = lp.float(), (ent.float() if ent is not None else None)
         if "scatter" in batch:  # a packed row back to (n, T)
             lp, ent = unpack(lp, batch), (unpack(ent, batch) if ent is not None else None)
@@ -106,16 +118,29 @@ class Trainer:
 
     def _values(self, batch: dict) -> torch.Tensor:
         with self._precision():
-            values = self.critic(batch["input_ids"], batch["attention_mask"], batch["positions"],
-                                 position_ids=batch.get("position_ids"), cp=batch.get("cp")).float()
+            values = self.critic(
+                batch["input_ids"],
+                batch["attention_mask"],
+                batch["positions"],
+                position_ids=batch.get("position_ids"),
+                cp=batch.get("cp"),
+            ).float()
         return unpack(values, batch) if "scatter" in batch else values
 
     @torch.no_grad()
     def _pre_pass(self, b: StepBatch, need_old: bool) -> dict[str, torch.Tensor]:
         """Everything that must see pre-update weights: old, reference and teacher logprobs, critic values.
         Ranks split the micro-batches (as in training); the strategy merges their disjoint rows."""
-        wanted = [k for k, on in (("old", need_old), ("ref", self.ref is not None or self.ref_state is not None),
-                                  ("teacher", self.teacher is not None), ("values", self.critic is not None)) if on]
+        wanted = [
+            k
+            for k, on in (
+                ("old", need_old),
+                ("ref", self.ref is not None or self.ref_state is not None),
+                ("teacher", self.teacher is not None),
+                ("values", self.critic is not None),
+            )
+            if on
+        ]
         out = {k: torch.zeros(b.shape, device=self.device) for k in wanted}
         for idx, real in self.dp.share(self._micro_batches(range(len(b.samples)), b.samples)):
             batch = self._collate([b.samples[i] for i in idx])  # under FSDP every forward is a collective:
@@ -140,13 +165,21 @@ class Trainer:
 
     def _advantages(self, b: StepBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.advantage_fn is not None:
-            out = call_hook_sync("advantage", self.advantage_fn, rewards=b.rewards, group_ids=b.group_ids,
-                                 mask=b.response_mask)
+            out = call_hook_sync(
+                "advantage", self.advantage_fn, rewards=b.rewards, group_ids=b.group_ids, mask=b.response_mask
+            )
             return (out.unsqueeze(-1) if out.dim() == 1 else out).float() * b.response_mask, None
         policy_lp = b.old_logprobs if b.old_logprobs is not None else b.rollout_logprobs
-        return compute_advantages(self.algo, rewards=b.rewards, group_ids=b.group_ids, response_mask=b.response_mask,
-                                  loss_mask=b.loss_mask, policy_logprobs=policy_lp, ref_logprobs=b.ref_logprobs,
-                                  old_values=b.old_values)
+        return compute_advantages(
+            self.algo,
+            rewards=b.rewards,
+            group_ids=b.group_ids,
+            response_mask=b.response_mask,
+            loss_mask=b.loss_mask,
+            policy_logprobs=policy_lp,
+            ref_logprobs=b.ref_logprobs,
+            old_values=b.old_values,
+        )
 
     # ---- the step -------------------------------------------------------------------------------
     def step(self, samples: list[Sample]) -> dict[str, float]:
@@ -158,8 +191,11 @@ class Trainer:
         b, a = StepBatch.of(samples), self.algo
         shaped = b.shape_overlong(self.max_new_tokens, a.overlong_buffer, a.overlong_penalty)
         # pi_old: the pre-update trainer (with one optimizer step and no KL-in-reward, the current weights)
-        need_old = self.exact_logprobs or not a.use_rollout_logprobs and (
-            self.cfg.mini_batches > 1 and a.proximal == "recompute" or bool(a.kl_in_reward_coef))
+        need_old = (
+            self.exact_logprobs
+            or not a.use_rollout_logprobs
+            and (self.cfg.mini_batches > 1 and a.proximal == "recompute" or bool(a.kl_in_reward_coef))
+        )
         wanted = need_old or any(x is not None for x in (self.ref, self.ref_state, self.teacher, self.critic))
         pre = self._pre_pass(b, need_old) if wanted else {}
         b.old_logprobs = b.trainer_old_logprobs = pre.get("old")
@@ -182,9 +218,11 @@ class Trainer:
         self.dp.merge_stats(stats)
         out = stats.result()
         adv_tokens = b.advantages[b.loss_mask > 0]
-        out |= {"advantage_mean": adv_tokens.mean().item(),
-                "advantage_std": adv_tokens.std().item() if adv_tokens.numel() > 1 else 0.0,
-                "train_seconds": time.perf_counter() - t0}
+        out |= {
+            "advantage_mean": adv_tokens.mean().item(),
+            "advantage_std": adv_tokens.std().item() if adv_tokens.numel() > 1 else 0.0,
+            "train_seconds": time.perf_counter() - t0,
+        }
         out["train_tokens_per_s"] = out.pop("train_tokens") / out["train_seconds"]
         out["clip_fraction"] = out["clip_fraction_low"] + out["clip_fraction_high"]
         if b.returns is not None and b.old_values is not None:
@@ -192,13 +230,15 @@ class Trainer:
         return out | gap | shaped
 
     def _plugin_loss(self, logprobs, old, advantages, mask):
-        return call_hook_sync("policy_loss", self.policy_loss_fn, logprobs=logprobs, old_logprobs=old,
-                              advantages=advantages, mask=mask)
+        return call_hook_sync(
+            "policy_loss", self.policy_loss_fn, logprobs=logprobs, old_logprobs=old, advantages=advantages, mask=mask
+        )
 
     def _train_policy(self, b: StepBatch, mini: list[int], m: StepStats, first: bool, n_mini: int) -> None:
         a = self.algo
-        norms = Normalisers(float(len(mini)), float(b.loss_mask[mini].sum()),
-                            float(a.loss_agg_constant or self.max_new_tokens))
+        norms = Normalisers(
+            float(len(mini)), float(b.loss_mask[mini].sum()), float(a.loss_agg_constant or self.max_new_tokens)
+        )
         # a sample with zero advantage everywhere contributes zero gradient to the policy loss;
         # skip its forward unless a KL or entropy term gives it a gradient anyway (DPPO's squared-log term too)
         kl_anyway = a.kl_coef or a.entropy_coef or (a.policy_loss == "dppo" and a.dppo_kl_coef)
@@ -215,9 +255,17 @@ class Trainer:
             if a.proximal == "loglinear":  # this step turns weights v - 1 into v
                 old = loglinear_proximal(batch["rollout_logprobs"], logprobs, rows(b.versions), self.steps_done + 1)
             loss, pg_loss, tok = policy_objective(
-                logprobs, entropy, old_logprobs=old, rollout_logprobs=batch["rollout_logprobs"],
-                ref_logprobs=rows(b.ref_logprobs), advantages=rows(b.advantages), loss_mask=mask, norms=norms, algo=a,
-                loss_fn=self._plugin_loss if self.policy_loss_fn is not None else None)
+                logprobs,
+                entropy,
+                old_logprobs=old,
+                rollout_logprobs=batch["rollout_logprobs"],
+                ref_logprobs=rows(b.ref_logprobs),
+                advantages=rows(b.advantages),
+                loss_mask=mask,
+                norms=norms,
+                algo=a,
+                loss_fn=self._plugin_loss if self.policy_loss_fn is not None else None,
+            )
             if has_signal:
                 scale = self.dp.loss_scale(real)
                 (loss * scale if scale != 1.0 else loss).backward()
@@ -228,7 +276,11 @@ class Trainer:
                 m.add("loss", loss.item() / n_mini if has_signal else 0.0)
                 # engine vs trainer on the same weights: the pre-pass, or this pass before any update
                 if b.trainer_old_logprobs is not None:
-                    m.tok("train_rollout_logprob_abs_diff", (rows(b.trainer_old_logprobs) - batch["rollout_logprobs"]).abs(), mask)
+                    m.tok(
+                        "train_rollout_logprob_abs_diff",
+                        (rows(b.trainer_old_logprobs) - batch["rollout_logprobs"]).abs(),
+                        mask,
+                    )
                 elif first:
                     m.tok("train_rollout_logprob_abs_diff", (logprobs - batch["rollout_logprobs"]).abs(), mask)
                 m.tok("entropy", entropy, mask)
@@ -247,4 +299,3 @@ class Trainer:
     def weights(self):
         """What the engine is updated from: whole weights, or sharded ones gathered as read (strategy.weights)."""
         return self.dp.weights(self.model)
-

@@ -9,6 +9,7 @@ import torch
 
 from strop.wire.weights import take
 
+
 @dataclass(frozen=True)
 class Bucket:
     """Whole tensors that travel in one broadcast. ``flattened``: their bytes concatenated in order
@@ -26,15 +27,21 @@ class Bucket:
 
     def payload(self) -> dict:
         """The names, dtypes and shapes as SGLang's update request carries them."""
-        return {"names": list(self.names), "dtypes": list(self.dtypes), "shapes": [list(s) for s in self.shapes],
-                "load_format": "flattened_bucket" if self.flattened else None}
+        return {
+            "names": list(self.names),
+            "dtypes": list(self.dtypes),
+            "shapes": [list(s) for s in self.shapes],
+            "load_format": "flattened_bucket" if self.flattened else None,
+        }
 
     @classmethod
     def from_payload(cls, names, dtypes, shapes, load_format) -> "Bucket":
         """A bucket from an update request; unknown dtypes or malformed lists raise ValueError naming them."""
         if not (len(names) == len(dtypes) == len(shapes)) or not names:
-            raise ValueError(f"names, dtypes and shapes must be non-empty lists of one length, got {len(names)}, "
-                             f"{len(dtypes)}, {len(shapes)}")
+            raise ValueError(
+                f"names, dtypes and shapes must be non-empty lists of one length, got {len(names)}, "
+                f"{len(dtypes)}, {len(shapes)}"
+            )
         bad = [d for d in dtypes if not isinstance(getattr(torch, str(d), None), torch.dtype)]
         if bad:
             raise ValueError(f"unknown dtype {bad[0]!r}")
@@ -102,8 +109,9 @@ def manifest_of(named: dict[str, torch.Tensor]) -> list[tuple[str, str, tuple[in
     return out
 
 
-def first_mismatch(sent: list[tuple[str, str, tuple[int, ...]]], held: list[tuple[str, str, tuple[int, ...]]],
-                   where: str) -> str | None:
+def first_mismatch(
+    sent: list[tuple[str, str, tuple[int, ...]]], held: list[tuple[str, str, tuple[int, ...]]], where: str
+) -> str | None:
     """The first difference between the trainer's manifest and an engine's, in words (None: they agree).
     Checked before any byte moves: a name either side lacks, then a shape, then a dtype."""
     theirs = {n: (d, tuple(s)) for n, d, s in held}
@@ -115,8 +123,10 @@ def first_mismatch(sent: list[tuple[str, str, tuple[int, ...]]], held: list[tupl
         if s != tuple(shape):
             return f"{name!r}: the trainer's shape is {list(shape)}, {where}'s is {list(s)}"
         if d != dtype:
-            return (f"{name!r}: the trainer sends {dtype}, {where} holds {d} (set engine.sync_dtype={d!r} to cast "
-                    "on the trainer's side)")
+            return (
+                f"{name!r}: the trainer sends {dtype}, {where} holds {d} (set engine.sync_dtype={d!r} to cast "
+                "on the trainer's side)"
+            )
     missing = [n for n, _, _ in held if n not in ours]
     if missing:
         return f"{where} holds {missing[0]!r}, which the trainer does not send (it would keep its old weights)"
@@ -137,6 +147,6 @@ def fill_bucket(bucket: Bucket, named: dict[str, torch.Tensor], device, dtype: s
         t = named[name].detach()
         t = t.to(getattr(torch, d)) if str(t.dtype).removeprefix("torch.") != d else t
         n = t.numel() * t.element_size()
-        buf[at:at + n].view(t.dtype).copy_(t.reshape(-1))
+        buf[at : at + n].view(t.dtype).copy_(t.reshape(-1))
         at += n
     return buf

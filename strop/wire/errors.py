@@ -51,5 +51,7 @@ def parse_weight_version(value, where: str) -> int:
             return 0
         if value.isascii() and value.isdigit():
             return int(value)
-    raise EngineVersionError(f"{where}: weight version {value!r} is not an integer strop set (strop labels every "
-                             f"update with its integer version; {INITIAL_VERSION_LABELS[0]!r} means initial weights)")
+    raise EngineVersionError(
+        f"{where}: weight version {value!r} is not an integer strop set (strop labels every "
+        f"update with its integer version; {INITIAL_VERSION_LABELS[0]!r} means initial weights)"
+    )

@@ -11,8 +11,16 @@ import torch.distributed as dist
 from strop.wire.buckets import Bucket, _itemsize, _numel, fill_bucket
 from strop.wire.digest import StreamDigest
 
-def make_group(host: str, port: int, rank: int, world: int, backend: str = "gloo", timeout_s: float = 600.0,
-               name: str = "weight_update_group"):
+
+def make_group(
+    host: str,
+    port: int,
+    rank: int,
+    world: int,
+    backend: str = "gloo",
+    timeout_s: float = 600.0,
+    name: str = "weight_update_group",
+):
     """A process group of the trainer (rank 0, hosting the store) and the engines, built as SGLang
     builds its side for ``/init_weights_update_group``: a TCP rendezvous, the store prefixed with the
     group's name, then torch's group helper. Both sides must build it alike or they never meet (a
@@ -24,8 +32,9 @@ def make_group(host: str, port: int, rank: int, world: int, backend: str = "gloo
     timeout = datetime.timedelta(seconds=timeout_s)
     store, rank, world = next(dist.rendezvous(f"tcp://{host}:{port}", rank, world, timeout=timeout))
     store.set_timeout(timeout)
-    group, _ = c10d._new_process_group_helper(world, rank, [], backend, dist.PrefixStore(name, store),
-                                              group_name=name, timeout=timeout)
+    group, _ = c10d._new_process_group_helper(
+        world, rank, [], backend, dist.PrefixStore(name, store), group_name=name, timeout=timeout
+    )
     c10d._world.pg_group_ranks[group] = {i: i for i in range(world)}
     return group
 
@@ -44,8 +53,14 @@ def _broadcast(group, buf: torch.Tensor) -> None:
     group.broadcast([buf], opts).wait()
 
 
-def send_bucket(group, bucket: Bucket, named: dict[str, torch.Tensor], device, digest: StreamDigest | None = None,
-                dtype: str | None = None) -> int:
+def send_bucket(
+    group,
+    bucket: Bucket,
+    named: dict[str, torch.Tensor],
+    device,
+    digest: StreamDigest | None = None,
+    dtype: str | None = None,
+) -> int:
     """Trainer side: broadcast one bucket to one group (:func:`fill_bucket`, then the collective)."""
     buf = fill_bucket(bucket, named, device, dtype)
     _broadcast(group, buf)
@@ -54,8 +69,9 @@ def send_bucket(group, bucket: Bucket, named: dict[str, torch.Tensor], device, d
     return buf.numel() * buf.element_size()
 
 
-def receive_bucket(group, bucket: Bucket, device, into: dict[str, torch.Tensor] | None = None,
-                   digest: StreamDigest | None = None) -> list[tuple[str, torch.Tensor]]:
+def receive_bucket(
+    group, bucket: Bucket, device, into: dict[str, torch.Tensor] | None = None, digest: StreamDigest | None = None
+) -> list[tuple[str, torch.Tensor]]:
     """Engine side: receive one bucket; returns its tensors as views of the received buffer. With
     ``into`` (the model's own tensors, by name) a lone tensor of matching dtype is received in place,
     with no extra memory at all."""
@@ -78,6 +94,6 @@ def receive_bucket(group, bucket: Bucket, device, into: dict[str, torch.Tensor] 
     for name, d, shape in zip(bucket.names, bucket.dtypes, bucket.shapes):
         dtype = getattr(torch, d)
         n = _numel(shape) * _itemsize(d)
-        out.append((name, buf[at:at + n].view(dtype).view(shape)))
+        out.append((name, buf[at : at + n].view(dtype).view(shape)))
         at += n
     return out

@@ -10,8 +10,7 @@ import asyncio
 from strop.wire.errors import EngineReceiptError
 
 
-async def check_probe(engines: list, ids: list[int], reference: list[float], tolerance: float,
-                      version: int) -> float:
+async def check_probe(engines: list, ids: list[int], reference: list[float], tolerance: float, version: int) -> float:
     """Score ``ids`` on every engine; raise naming the first whose logprobs differ from ``reference`` by
     more than ``tolerance``. Returns the largest difference seen."""
     scored = await asyncio.gather(*(e.score(ids) for e in engines))
@@ -22,6 +21,7 @@ async def check_probe(engines: list, ids: list[int], reference: list[float], tol
             raise EngineReceiptError(
                 f"{engine!r} at weight version {version}: its logprobs of the probe differ from the trainer's by "
                 f"{diff:.2e} > engine.sync_probe_tolerance={tolerance} (a stale or partly updated engine? a "
-                "bfloat16 engine of an fp32 trainer needs a larger tolerance, e.g. 0.05)")
+                "bfloat16 engine of an fp32 trainer needs a larger tolerance, e.g. 0.05)"
+            )
         worst = max(worst, diff)
     return worst

@@ -22,9 +22,18 @@ import torch
 
 DEFAULT_WRITE_BUCKET_BYTES = 64 << 20
 
-_SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-                       torch.uint8: "U8", torch.bool: "BOOL"}
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 
 
 def tensor_bytes(t: torch.Tensor):
@@ -90,8 +99,9 @@ def write_safetensors(named: Mapping, path: str | Path, bucket_bytes: int = DEFA
         for bucket in in_buckets(named, names, bucket_bytes):
             for name, t in bucket.items():
                 if (t.dtype, tuple(t.shape)) != describe(named, name):
-                    raise RuntimeError(f"{name}: read as {t.dtype} {tuple(t.shape)}, described as "
-                                       f"{describe(named, name)}")
+                    raise RuntimeError(
+                        f"{name}: read as {t.dtype} {tuple(t.shape)}, described as {describe(named, name)}"
+                    )
                 data = tensor_bytes(t)
                 h.update(name.encode())
                 h.update(str(t.dtype).encode())

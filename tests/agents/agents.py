@@ -28,8 +28,11 @@ def posts_reward(base_url, api_key, row):
     """One call; the reward goes to the session's reward route."""
     client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=5)
     r = client.chat.completions.create(model="policy", messages=row["messages"], max_tokens=4)
-    httpx.post(f"{base_url}/sessions/{row['session_id']}/reward", headers={"Authorization": f"Bearer {api_key}"},
-               json={"reward": _even_fraction(r.choices[0].model_extra["token_ids"])}).raise_for_status()
+    httpx.post(
+        f"{base_url}/sessions/{row['session_id']}/reward",
+        headers={"Authorization": f"Bearer {api_key}"},
+        json={"reward": _even_fraction(r.choices[0].model_extra["token_ids"])},
+    ).raise_for_status()
 
 
 def compacts(base_url, api_key, row):
@@ -44,7 +47,8 @@ def compacts(base_url, api_key, row):
 def silent(base_url, api_key, row):
     """Calls the model and never says how it went."""
     openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=5).chat.completions.create(
-        model="policy", messages=row["messages"], max_tokens=4)
+        model="policy", messages=row["messages"], max_tokens=4
+    )
 
 
 def fails_every_other(base_url, api_key, row):
@@ -79,8 +83,10 @@ def gives_up_on_429(base_url, api_key, row):
         r = client.chat.completions.create(model="policy", messages=row["messages"], max_tokens=4)
         return _even_fraction(r.choices[0].model_extra["token_ids"])
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        calls = [pool.submit(client.chat.completions.create, model="policy", messages=row["messages"], max_tokens=4)
-                 for _ in range(8)]
+        calls = [
+            pool.submit(client.chat.completions.create, model="policy", messages=row["messages"], max_tokens=4)
+            for _ in range(8)
+        ]
         answers = [c.result() for c in calls]
     return _even_fraction(answers[0].choices[0].model_extra["token_ids"])
 

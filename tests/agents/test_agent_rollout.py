@@ -32,8 +32,11 @@ def metrics_of(run_dir):
 
 def test_an_agent_trains_through_the_proxy(tiny_model_dir, tmp_path):
     run_dir = tmp_path / "run"
-    summary = train(build_config(overrides=agent_overrides(
-        tiny_model_dir, run_dir, "two_calls", train={"steps": 2}, eval={"every": 1})))
+    summary = train(
+        build_config(
+            overrides=agent_overrides(tiny_model_dir, run_dir, "two_calls", train={"steps": 2}, eval={"every": 1})
+        )
+    )
     assert summary["steps"] == 2
     steps = [r for r in metrics_of(run_dir) if "reward_mean" in r]
     for r in steps:
@@ -42,7 +45,9 @@ def test_an_agent_trains_through_the_proxy(tiny_model_dir, tmp_path):
         assert r["agent_sessions/completed"] == 8
         assert r["train_rollout_logprob_abs_diff"] < 1e-3  # the recorded logprobs are the trainer's
         assert 0 <= r["reward_mean"] <= 1
-    assert all("eval_accuracy" in r for r in metrics_of(run_dir) if r.get("step") in (0, 1, 2) and "eval_reward_mean" in r)
+    assert all(
+        "eval_accuracy" in r for r in metrics_of(run_dir) if r.get("step") in (0, 1, 2) and "eval_reward_mean" in r
+    )
 
 
 def test_forked_sessions_join_their_group_sharing_the_reward(tiny_model_dir, tmp_path):
@@ -82,8 +87,11 @@ def test_a_session_without_a_reward_is_failed_not_zero(tiny_model_dir, tmp_path)
 
 
 def test_the_reward_hook_scores_the_last_answer(tiny_model_dir, tmp_path):
-    cfg = build_config(overrides=agent_overrides(tiny_model_dir, tmp_path / "run", "silent", train={"steps": 1},
-                                                 agent={"reward": "hook"}))
+    cfg = build_config(
+        overrides=agent_overrides(
+            tiny_model_dir, tmp_path / "run", "silent", train={"steps": 1}, agent={"reward": "hook"}
+        )
+    )
     samples = read_samples(rollout_only(cfg))
     assert all(s["status"] in ("completed", "truncated") for s in samples)
     for s in samples:  # tests.plugins:even_token_reward on the response
@@ -101,8 +109,15 @@ def test_an_agent_that_raises_fails_only_its_sample(tiny_model_dir, tmp_path):
 
 
 def test_agents_in_worker_processes(tiny_model_dir, tmp_path):
-    cfg = build_config(overrides=agent_overrides(tiny_model_dir, tmp_path / "run", "two_calls", train={"steps": 1},
-                                                 agent={"workers": "processes", "concurrency": 2}))
+    cfg = build_config(
+        overrides=agent_overrides(
+            tiny_model_dir,
+            tmp_path / "run",
+            "two_calls",
+            train={"steps": 1},
+            agent={"workers": "processes", "concurrency": 2},
+        )
+    )
     samples = read_samples(rollout_only(cfg))
     assert len(samples) == 8 and all(s["metadata"]["session_calls"] == 2 for s in samples)
 
@@ -114,23 +129,42 @@ def test_agent_refusals(tiny_model_dir, tmp_path):
     with pytest.raises(ValueError, match="use one of them"):
         build_config(overrides={**base, "plugins": {**base["plugins"], "generate": "tests.plugins:x"}})
     with pytest.raises(ValueError, match="restarts clean"):
-        build_config(overrides={**base, "rollout": {**base["rollout"], "mode": "one_step_off", "partial": "resume"},
-                                "algo": {"off_policy_correction": "none"}})
+        build_config(
+            overrides={
+                **base,
+                "rollout": {**base["rollout"], "mode": "one_step_off", "partial": "resume"},
+                "algo": {"off_policy_correction": "none"},
+            }
+        )
     with pytest.raises(ValueError, match="below agent.concurrency"):
         build_config(overrides={**base, "agent": {"concurrency": 64, "max_calls_in_flight": 8}})
     with pytest.raises(ValueError, match="overlong_buffer"):
         build_config(overrides={**base, "algo": {"overlong_buffer": 8}})
     with pytest.raises((ConfigError, ValueError), match="scores whole groups"):
-        train(build_config(overrides={**base, "agent": {"reward": "hook"},
-                                      "rollout": {**base["rollout"], "reward": "tests.plugins:group_even_token_reward"}}))
+        train(
+            build_config(
+                overrides={
+                    **base,
+                    "agent": {"reward": "hook"},
+                    "rollout": {**base["rollout"], "reward": "tests.plugins:group_even_token_reward"},
+                }
+            )
+        )
 
 
 def test_an_agent_that_gives_up_on_429s_is_aborted_not_failed(tiny_model_dir, tmp_path):
     """Backpressure is the proxy's doing: a sample whose agent stopped on it is never FAILED."""
     run_dir = tmp_path / "run"
-    cfg = build_config(overrides=agent_overrides(
-        tiny_model_dir, run_dir, "gives_up_on_429", train={"steps": 1}, data={"eval_size": 0},
-        agent={"concurrency": 1, "max_calls_in_flight": 1}))
+    cfg = build_config(
+        overrides=agent_overrides(
+            tiny_model_dir,
+            run_dir,
+            "gives_up_on_429",
+            train={"steps": 1},
+            data={"eval_size": 0},
+            agent={"concurrency": 1, "max_calls_in_flight": 1},
+        )
+    )
     trained = read_samples(rollout_only(cfg))
     rows = metrics_of(run_dir)
     step = next(r for r in rows if r.get("step") == 1 and "reward_mean" in r)
@@ -142,9 +176,17 @@ def test_an_agent_that_gives_up_on_429s_is_aborted_not_failed(tiny_model_dir, tm
 
 def test_agents_in_an_off_policy_run_wait_out_the_weight_updates(tiny_model_dir, tmp_path):
     run_dir = tmp_path / "run"
-    cfg = build_config(overrides=agent_overrides(
-        tiny_model_dir, run_dir, "two_calls", train={"steps": 3}, data={"eval_size": 0},
-        rollout={"mode": "async", "max_staleness": 1}, algo={"off_policy_correction": "icepop"}))
+    cfg = build_config(
+        overrides=agent_overrides(
+            tiny_model_dir,
+            run_dir,
+            "two_calls",
+            train={"steps": 3},
+            data={"eval_size": 0},
+            rollout={"mode": "async", "max_staleness": 1},
+            algo={"off_policy_correction": "icepop"},
+        )
+    )
     assert train(cfg)["steps"] == 3
     steps = [r for r in metrics_of(run_dir) if "reward_mean" in r]
     assert all(r["samples_trained"] == 8 and r["staleness_max"] <= 1 for r in steps)
@@ -154,9 +196,16 @@ def test_an_agent_trains_through_the_router_over_launched_servers(tiny_model_dir
     """The proxy in front of strop serve processes behind the router (any engine kind takes the
     same path): recorded tokens and logprobs are the servers'; the trainer agrees with them."""
     run_dir = tmp_path / "run"
-    cfg = build_config(overrides=agent_overrides(
-        tiny_model_dir, run_dir, "two_calls", train={"steps": 2}, data={"eval_size": 0},
-        engine={"kind": "strop", "launch": 1, "launch_args": ["--threads=1"], "affinity": True}))
+    cfg = build_config(
+        overrides=agent_overrides(
+            tiny_model_dir,
+            run_dir,
+            "two_calls",
+            train={"steps": 2},
+            data={"eval_size": 0},
+            engine={"kind": "strop", "launch": 1, "launch_args": ["--threads=1"], "affinity": True},
+        )
+    )
     assert train(cfg)["steps"] == 2
     steps = [r for r in metrics_of(run_dir) if "reward_mean" in r]
     assert all(r["agent_calls_per_session"] == 2 and r["samples_trained"] == 8 for r in steps)
@@ -166,9 +215,11 @@ def test_an_agent_trains_through_the_router_over_launched_servers(tiny_model_dir
 def test_over_sampled_agent_steps_keep_their_accounts(tiny_model_dir, tmp_path):
     """rollout.over_sample: sessions the full step no longer needs end; every sample is counted."""
     run_dir = tmp_path / "run"
-    cfg = build_config(overrides=agent_overrides(
-        tiny_model_dir, run_dir, "compacts", train={"steps": 2}, data={"eval_size": 0},
-        rollout={"over_sample": 2.0}))
+    cfg = build_config(
+        overrides=agent_overrides(
+            tiny_model_dir, run_dir, "compacts", train={"steps": 2}, data={"eval_size": 0}, rollout={"over_sample": 2.0}
+        )
+    )
     assert train(cfg)["steps"] == 2  # (the manager checks its accounts every step: forks included)
     steps = [r for r in metrics_of(run_dir) if "reward_mean" in r]
     for r in steps:
@@ -181,11 +232,24 @@ def test_agent_metrics_count_forks_and_endings():
     from strop.types import Sample
 
     def s(session, segment, segments, state, calls):
-        return Sample(prompt="p", prompt_ids=[1], metadata={"agent_session": session, "segment": segment,
-                                                             "segments": segments, "session_state": state,
-                                                             "session_calls": calls})
-    samples = [s("a", 0, 2, "completed", 3), s("a", 1, 2, "completed", 3), s("b", 0, 1, "capped", 2),
-               s("c", 0, 0, "timeout", 0)]  # c made no call: no segment, no fork
+        return Sample(
+            prompt="p",
+            prompt_ids=[1],
+            metadata={
+                "agent_session": session,
+                "segment": segment,
+                "segments": segments,
+                "session_state": state,
+                "session_calls": calls,
+            },
+        )
+
+    samples = [
+        s("a", 0, 2, "completed", 3),
+        s("a", 1, 2, "completed", 3),
+        s("b", 0, 1, "capped", 2),
+        s("c", 0, 0, "timeout", 0),
+    ]  # c made no call: no segment, no fork
     m = agent_metrics(samples)
     assert m["agent_sessions_ended"] == 3 and m["agent_forks"] == 1
     assert m["agent_forked_session_fraction"] == pytest.approx(1 / 3)
@@ -215,9 +279,16 @@ def test_a_hung_agent_is_stopped_at_its_timeout_and_the_next_one_runs(tiny_model
     agents.AFTER_RELEASE.clear()
     agents.HUNG.clear()
     run_dir = tmp_path / "run"
-    cfg = build_config(overrides=agent_overrides(
-        tiny_model_dir, run_dir, "hangs_first", train={"steps": 1}, data={"eval_size": 0},
-        agent={"workers": workers, "concurrency": 1, "timeout_s": timeout_s}))
+    cfg = build_config(
+        overrides=agent_overrides(
+            tiny_model_dir,
+            run_dir,
+            "hangs_first",
+            train={"steps": 1},
+            data={"eval_size": 0},
+            agent={"workers": workers, "concurrency": 1, "timeout_s": timeout_s},
+        )
+    )
     try:
         trained = read_samples(rollout_only(cfg))
         step = next(r for r in metrics_of(run_dir) if r.get("step") == 1 and "reward_mean" in r)
@@ -245,6 +316,7 @@ def _hung(release: threading.Event):
     def agent(base_url, api_key, row):
         release.wait(30)
         return 1.0
+
     return agent
 
 

@@ -24,13 +24,13 @@ def run_agent(tokenizer):
 
     def run(texts: list[str], max_calls: int = 8) -> tuple[float, ForcedEngine, list]:
         engine = ForcedEngine(make_tiny_model().eval(), tokenizer, texts)
-        limits = SessionLimits(max_calls=max_calls, max_call_tokens=128, max_response_tokens=1024,
-                               context_window=4096)
+        limits = SessionLimits(max_calls=max_calls, max_call_tokens=128, max_response_tokens=1024, context_window=4096)
         stand = Stand(engine, tokenizer, limits=limits, describe_tools=False)
         stands.append(stand)
         session = stand.open(ROW["prompt"])
         reward = calculator_agent(stand.proxy.base_url, session.key, ROW)
         return reward, engine, stand.end(session)
+
     yield run
     for s in stands:
         s.close()
@@ -41,7 +41,7 @@ def test_the_tool_runs_and_the_final_message_is_the_answer(run_agent, tokenizer)
     the right number, 0.1 if its code ran and printed something else, 0 if it failed or never ran."""
     reward, engine, (sample,) = run_agent([RUN, "So it is \\boxed{2}."])
     assert reward == 1.0 and len(engine.prompts) == 2
-    assert "2.0" in tokenizer.decode(engine.prompts[1][len(engine.prompts[0]):])  # the sandbox's output
+    assert "2.0" in tokenizer.decode(engine.prompts[1][len(engine.prompts[0]) :])  # the sandbox's output
     assert run_agent([RUN, "So it is \\boxed{3}."])[0] == 0.5
     assert run_agent(["```python\nprint(50 - 25)\n```", "So it is \\boxed{3}."])[0] == 0.1
     assert run_agent(["So it is \\boxed{2}."])[0] == 1.0 and run_agent(["So it is 3."])[0] == 0.0
@@ -54,7 +54,7 @@ def test_a_long_output_is_cut_for_the_model(run_agent, tokenizer):
     from examples.plugins.agent import OUTPUT_CHARS
 
     _, engine, _ = run_agent(["```python\nprint('x' * 5000)\n```", "Done."])
-    shown = tokenizer.decode(engine.prompts[1][len(engine.prompts[0]):])
+    shown = tokenizer.decode(engine.prompts[1][len(engine.prompts[0]) :])
     assert f"[output cut at {OUTPUT_CHARS} characters]" in shown and shown.count("x") <= OUTPUT_CHARS + 10
 
 

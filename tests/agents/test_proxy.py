@@ -18,9 +18,20 @@ from tests.tiny import make_tiny_model
 
 pytestmark = pytest.mark.timeout(120)
 
-CALC = [{"type": "function", "function": {"name": "calculator", "description": "Evaluate arithmetic.",
-                                          "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
-                                                         "required": ["expression"]}}}]
+CALC = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "description": "Evaluate arithmetic.",
+            "parameters": {
+                "type": "object",
+                "properties": {"expression": {"type": "string"}},
+                "required": ["expression"],
+            },
+        },
+    }
+]
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "17*23"}}</tool_call>'
 # as a model may write it: keys in another order, spaces: the template would render it otherwise
 MODEL_CALL = '<tool_call> {"arguments": {"expression": "17*23"}, "name": "calculator"} </tool_call>'
@@ -38,6 +49,7 @@ def stand_of(tokenizer):
     def make(engine, tok=None, **kw):
         made.append(Stand(engine, tok or tokenizer, **kw))
         return made[-1]
+
     yield make
     for s in made:
         s.close()
@@ -117,10 +129,16 @@ def test_sdk_three_turn_tool_agent_records_exact_tokens(model, tokenizer, stand_
 def test_real_engine_three_turns_keep_the_single_turn_gap(model, tokenizer, stand_of):
     """A sampling engine (the embedded engine on the tiny model): the multi-turn trajectory's
     logprob gap against the trainer is that of a single-turn rollout."""
-    engine = EmbeddedEngine(model, pad_token_id=tokenizer.pad_token_id, default_stop_token_ids=[tokenizer.eos_token_id],
-                            context_window=256, seed=0)
-    stand = stand_of(engine, limits=SessionLimits(max_calls=8, max_call_tokens=12, max_response_tokens=200,
-                                                  context_window=256))
+    engine = EmbeddedEngine(
+        model,
+        pad_token_id=tokenizer.pad_token_id,
+        default_stop_token_ids=[tokenizer.eos_token_id],
+        context_window=256,
+        seed=0,
+    )
+    stand = stand_of(
+        engine, limits=SessionLimits(max_calls=8, max_call_tokens=12, max_response_tokens=200, context_window=256)
+    )
     session = stand.open()
     client = openai.OpenAI(base_url=stand.proxy.base_url, api_key=session.key, max_retries=0)
     three_turns(client, tools=None)
@@ -166,8 +184,19 @@ def test_an_unchanged_history_never_forks_even_when_the_client_remakes_ids(model
     msgs = [{"role": "user", "content": "17*23?"}]
     a = client.chat.completions.create(model="m", messages=msgs, tools=CALC)
     assert a.choices[0].message.content is None and a.choices[0].message.tool_calls
-    msgs.append({"role": "assistant", "content": None, "tool_calls": [
-        {"id": "mine", "type": "function", "function": {"name": "calculator", "arguments": '{"expression":"17*23"}'}}]})
+    msgs.append(
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "mine",
+                    "type": "function",
+                    "function": {"name": "calculator", "arguments": '{"expression":"17*23"}'},
+                }
+            ],
+        }
+    )
     msgs.append({"role": "tool", "tool_call_id": "mine", "content": "391"})
     client.chat.completions.create(model="m", messages=msgs, tools=CALC)
     samples = stand.end(session)
@@ -175,8 +204,9 @@ def test_an_unchanged_history_never_forks_even_when_the_client_remakes_ids(model
 
 
 def test_tokens_the_model_sampled_are_kept_even_where_the_tokenizer_would_split_them_otherwise(
-        model, tokenizer, stand_of):
-    """"Four." sampled as single characters: re-tokenising the history would merge them (and fork);
+    model, tokenizer, stand_of
+):
+    """ "Four." sampled as single characters: re-tokenising the history would merge them (and fork);
     the recorded ids are kept instead."""
     spelled = [tokenizer.convert_tokens_to_ids(c) for c in "Four."]
     assert spelled != tokenizer.encode("Four.", add_special_tokens=False)
@@ -191,13 +221,19 @@ def test_tokens_the_model_sampled_are_kept_even_where_the_tokenizer_would_split_
     client.chat.completions.create(model="m", messages=msgs)
     (sample,) = stand.end(session)
     assert session.forks == 0 and engine.prompts[1][: len(engine.prompts[0]) + 6] == engine.prompts[0] + spelled + [
-        tokenizer.eos_token_id]
+        tokenizer.eos_token_id
+    ]
     assert gap(model, sample) < 1e-4
 
 
 def test_streaming_yields_the_same_tokens_as_the_plain_call(model, tokenizer, stand_of):
-    engine = EmbeddedEngine(model, pad_token_id=tokenizer.pad_token_id, default_stop_token_ids=[tokenizer.eos_token_id],
-                            context_window=256, seed=0)
+    engine = EmbeddedEngine(
+        model,
+        pad_token_id=tokenizer.pad_token_id,
+        default_stop_token_ids=[tokenizer.eos_token_id],
+        context_window=256,
+        seed=0,
+    )
     stand = stand_of(engine)
     msgs = [{"role": "user", "content": "Tell me a story."}]
     plain_session, stream_session = stand.open(), stand.open(index=1)
@@ -205,8 +241,9 @@ def test_streaming_yields_the_same_tokens_as_the_plain_call(model, tokenizer, st
     streamed = openai.OpenAI(base_url=stand.proxy.base_url, api_key=stream_session.key, max_retries=0)
     a = plain.chat.completions.create(model="m", messages=msgs, seed=1234, max_tokens=24, logprobs=True)
     text, ids, lps, finish = "", [], [], None
-    for chunk in streamed.chat.completions.create(model="m", messages=msgs, seed=1234, max_tokens=24, logprobs=True,
-                                                  stream=True):
+    for chunk in streamed.chat.completions.create(
+        model="m", messages=msgs, seed=1234, max_tokens=24, logprobs=True, stream=True
+    ):
         for c in chunk.choices:
             text += c.delta.content or ""
             ids += (c.model_extra or {}).get("token_ids") or []
@@ -279,12 +316,34 @@ def test_bad_input_gets_a_4xx_naming_it_and_the_proxy_keeps_serving(model, token
         ("/chat/completions", {"messages": [{"role": "user", "content": 5}]}, auth, 400, "messages[0].content"),
         ("/chat/completions", {"messages": []}, auth, 400, "non-empty"),
         ("/chat/completions", {"messages": "hello"}, auth, 400, "messages must be"),
-        ("/chat/completions", {"messages": ok, "tools": [{"type": "function", "function": {
-            "name": "f", "parameters": {"type": "object", "properties": 5}}}]}, auth, 400, "not a valid JSON Schema"),
+        (
+            "/chat/completions",
+            {
+                "messages": ok,
+                "tools": [
+                    {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": 5}}}
+                ],
+            },
+            auth,
+            400,
+            "not a valid JSON Schema",
+        ),
         ("/chat/completions", {"messages": ok, "tools": [{"type": "function"}]}, auth, 400, "tools[0]"),
-        ("/chat/completions", {"messages": [{"role": "assistant", "content": "",
-                                             "tool_calls": [{"function": {"name": "f", "arguments": "{not json"}}]}]},
-         auth, 400, "arguments is not valid JSON"),
+        (
+            "/chat/completions",
+            {
+                "messages": [
+                    {
+                        "role": "assistant",
+                        "content": "",
+                        "tool_calls": [{"function": {"name": "f", "arguments": "{not json"}}],
+                    }
+                ]
+            },
+            auth,
+            400,
+            "arguments is not valid JSON",
+        ),
         ("/chat/completions", {"messages": ok, "n": 1000}, auth, 400, "n"),
         ("/chat/completions", {"messages": ok, "temperature": -1}, auth, 400, "temperature"),
         ("/chat/completions", {"messages": ok, "tool_choice": "required"}, auth, 400, "tool_choice"),
@@ -303,22 +362,30 @@ def test_bad_input_gets_a_4xx_naming_it_and_the_proxy_keeps_serving(model, token
     r = httpx.post(url + "/chat/completions", content=b"{not json", headers=auth | {"content-type": "application/json"})
     assert r.status_code == 400
     # non-finite rewards cannot even be written as JSON numbers: NaN is refused
-    r = httpx.post(url + f"/sessions/{session.id}/reward", content=b'{"reward": NaN}',
-                   headers=auth | {"content-type": "application/json"})
+    r = httpx.post(
+        url + f"/sessions/{session.id}/reward",
+        content=b'{"reward": NaN}',
+        headers=auth | {"content-type": "application/json"},
+    )
     assert r.status_code == 400
     # still serving, and the failures did not count as calls of the session
-    assert post("/chat/completions", {"model": "m", "messages": ok}).json()["choices"][0]["message"]["content"] == "Four."
+    assert (
+        post("/chat/completions", {"model": "m", "messages": ok}).json()["choices"][0]["message"]["content"] == "Four."
+    )
     assert session.calls == 1
     # a reward for a closed session
     stand.end(other)
-    r = httpx.post(url + f"/sessions/{other.id}/reward", json={"reward": 1.0},
-                   headers={"Authorization": f"Bearer {other.key}"})
+    r = httpx.post(
+        url + f"/sessions/{other.id}/reward", json={"reward": 1.0}, headers={"Authorization": f"Bearer {other.key}"}
+    )
     assert r.status_code == 409 and "closed" in r.json()["error"]["message"]
 
 
 def test_session_caps_answer_400_and_the_samples_train_as_truncated(model, tokenizer, stand_of):
-    stand = stand_of(ForcedEngine(model, tokenizer, ["Four."]),
-                     limits=SessionLimits(max_calls=2, max_call_tokens=64, max_response_tokens=512, context_window=2048))
+    stand = stand_of(
+        ForcedEngine(model, tokenizer, ["Four."]),
+        limits=SessionLimits(max_calls=2, max_call_tokens=64, max_response_tokens=512, context_window=2048),
+    )
     session = stand.open()
     client = openai.OpenAI(base_url=stand.proxy.base_url, api_key=session.key, max_retries=0)
     msgs = [{"role": "user", "content": "2+2?"}]
@@ -328,15 +395,20 @@ def test_session_caps_answer_400_and_the_samples_train_as_truncated(model, token
     with pytest.raises(openai.BadRequestError, match="2 calls are spent"):
         client.chat.completions.create(model="m", messages=msgs)
     # a reward still lands on a capped session
-    httpx.post(stand.proxy.base_url + f"/sessions/{session.id}/reward", json={"reward": 0.5},
-               headers={"Authorization": f"Bearer {session.key}"}).raise_for_status()
+    httpx.post(
+        stand.proxy.base_url + f"/sessions/{session.id}/reward",
+        json={"reward": 0.5},
+        headers={"Authorization": f"Bearer {session.key}"},
+    ).raise_for_status()
     (sample,) = stand.end(session)
     assert session.state == "capped" and sample.status == Status.TRUNCATED and sample.reward == 0.5
 
 
 def test_the_response_budget_cuts_a_call_and_then_caps_the_session(model, tokenizer, stand_of):
-    stand = stand_of(ForcedEngine(model, tokenizer, ["one two three four five six seven eight nine ten"]),
-                     limits=SessionLimits(max_calls=8, max_call_tokens=64, max_response_tokens=6, context_window=2048))
+    stand = stand_of(
+        ForcedEngine(model, tokenizer, ["one two three four five six seven eight nine ten"]),
+        limits=SessionLimits(max_calls=8, max_call_tokens=64, max_response_tokens=6, context_window=2048),
+    )
     session = stand.open()
     client = openai.OpenAI(base_url=stand.proxy.base_url, api_key=session.key, max_retries=0)
     msgs = [{"role": "user", "content": "Count."}]
@@ -381,6 +453,7 @@ def test_an_idle_session_is_closed_and_counted(model, tokenizer, stand_of):
     session = stand.open()
     assert session.ended.wait.__self__ is session.ended
     import time
+
     deadline = time.monotonic() + 10
     while session.state == "open" and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -390,8 +463,9 @@ def test_an_idle_session_is_closed_and_counted(model, tokenizer, stand_of):
 
 def test_the_agent_asking_other_sampling_gets_the_rollouts_and_it_is_counted(model, tokenizer, stand_of):
     engine = ForcedEngine(model, tokenizer, ["Four."])
-    stand = stand_of(engine, sampling=SamplingParams(temperature=0.7, max_new_tokens=64,
-                                                     stop_token_ids=[tokenizer.eos_token_id]))
+    stand = stand_of(
+        engine, sampling=SamplingParams(temperature=0.7, max_new_tokens=64, stop_token_ids=[tokenizer.eos_token_id])
+    )
     session = stand.open()
     client = openai.OpenAI(base_url=stand.proxy.base_url, api_key=session.key, max_retries=0)
     client.chat.completions.create(model="m", messages=[{"role": "user", "content": "2+2?"}], temperature=0.2)
@@ -407,8 +481,9 @@ def test_completions_route_continues_a_segment_by_token_prefix(model, tokenizer,
     client = openai.OpenAI(base_url=stand.proxy.base_url, api_key=session.key, max_retries=0)
     a = client.completions.create(model="m", prompt="Two plus two is", max_tokens=8)
     ids = a.model_extra["prompt_token_ids"] + a.choices[0].model_extra["token_ids"]
-    client.completions.create(model="m", prompt=ids + tokenizer.encode(" and 2+3 is", add_special_tokens=False),
-                              max_tokens=8)
+    client.completions.create(
+        model="m", prompt=ids + tokenizer.encode(" and 2+3 is", add_special_tokens=False), max_tokens=8
+    )
     (sample,) = stand.end(session)
     assert session.forks == 0 and sum(sample.loss_mask) == len(engine.outputs[0]) + len(engine.outputs[1])
 
@@ -442,14 +517,25 @@ def test_hostile_bodies_get_a_4xx_and_the_proxy_keeps_serving(model, tokenizer, 
         for _ in range(64):
             yield b"y" * (64 << 10)
         yield b'"}]}'
+
     r = httpx.post(url + "/chat/completions", content=chunks(), headers=auth | {"content-type": "application/json"})
     assert r.status_code == 413
     deep = "[" * 100_000 + "]" * 100_000
-    r = httpx.post(url + "/chat/completions", headers=auth, json={"messages": [{"role": "assistant", "content": "",
-                   "tool_calls": [{"function": {"name": "f", "arguments": deep}}]}]})
+    r = httpx.post(
+        url + "/chat/completions",
+        headers=auth,
+        json={
+            "messages": [
+                {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": deep}}]}
+            ]
+        },
+    )
     assert r.status_code == 400
-    r = httpx.post(url + "/chat/completions", headers=auth, json={"messages": [{"role": "user", "content": "hi"}],
-                                                                 "stop": ["a"] * 100})
+    r = httpx.post(
+        url + "/chat/completions",
+        headers=auth,
+        json={"messages": [{"role": "user", "content": "hi"}], "stop": ["a"] * 100},
+    )
     assert r.status_code == 400 and "stop" in r.json()["error"]["message"]
     r = httpx.post(url + "/chat/completions", headers=auth, json={"messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 200 and session.calls == 1
@@ -464,7 +550,8 @@ QWEN_LIKE = (  # a tools-aware ChatML template of the Qwen kind (enough of it to
     "{%- elif m.role == 'assistant' %}<|im_start|>assistant\n{{ m.content }}{%- for c in m.tool_calls or [] %}"
     "<tool_call>\n{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}\n</tool_call>"
     "{%- endfor %}<|im_end|>\n{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endif %}"
-    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}")
+    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+)
 
 
 def test_a_template_that_renders_tools_itself_keeps_exact_tokens(model, tokenizer, stand_of):
@@ -486,7 +573,7 @@ def test_a_template_that_renders_tools_itself_keeps_exact_tokens(model, tokenize
     (sample,) = stand.end(session)
     before = engine.prompts[0] + engine.outputs[0]
     assert session.forks == 0 and engine.prompts[1][: len(before)] == before
-    assert "<tool_response>\n391\n</tool_response>" in tokenizer.decode(engine.prompts[1][len(before):])
+    assert "<tool_response>\n391\n</tool_response>" in tokenizer.decode(engine.prompts[1][len(before) :])
     assert gap(model, sample) < 1e-4
 
 
@@ -511,15 +598,25 @@ def test_a_turn_that_calls_a_tool_ends_with_its_calls(model, tokenizer, stand_of
     stand = stand_of(engine, cut_after_tool_calls=cut)
     session = stand.open()
     client = openai.OpenAI(base_url=stand.proxy.base_url, api_key=session.key, max_retries=0)
-    tools = [{"type": "function", "function": {"name": "python", "parameters": {
-        "type": "object", "properties": {"code": {"type": "string"}}}}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "python",
+                "parameters": {"type": "object", "properties": {"code": {"type": "string"}}},
+            },
+        }
+    ]
     msgs = [{"role": "user", "content": "17*23?"}]
     r = client.chat.completions.create(model="m", messages=msgs, tools=tools)
     m = r.choices[0].message
     assert json.loads(m.tool_calls[0].function.arguments) == {"code": "print(17*23)\n"}
     kept = tokenizer.decode(r.choices[0].model_extra["token_ids"])
-    assert (kept.endswith("```") and "999" not in kept and m.content == "Let me run it.") if cut else \
-        ("999" in kept and "999" in m.content)
+    assert (
+        (kept.endswith("```") and "999" not in kept and m.content == "Let me run it.")
+        if cut
+        else ("999" in kept and "999" in m.content)
+    )
     msgs += [m.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": m.tool_calls[0].id, "content": "391"}]
     client.chat.completions.create(model="m", messages=msgs, tools=tools)
     (sample,) = stand.end(session)
@@ -529,8 +626,9 @@ def test_a_turn_that_calls_a_tool_ends_with_its_calls(model, tokenizer, stand_of
 
 @pytest.mark.parametrize("template", ["framed", "native"])
 @pytest.mark.parametrize("describe", [True, False])
-def test_describe_tools_off_leaves_the_tools_out_of_the_prompt_and_still_parses_calls(model, tokenizer, stand_of,
-                                                                                       template, describe):
+def test_describe_tools_off_leaves_the_tools_out_of_the_prompt_and_still_parses_calls(
+    model, tokenizer, stand_of, template, describe
+):
     """agent.describe_tools=False (an agent whose system prompt tells the model how to call): the prompt
     is the template's rendering of the messages alone, for both kinds of template; the model's call
     still comes back as an OpenAI tool call and the session continues without a fork."""
@@ -575,6 +673,7 @@ def test_tool_choice_none_keeps_the_tools_in_the_prompt_and_returns_a_call_as_co
 
 
 # ---- bad input, engine refusals, hung-up clients, backpressure, streaming cost ----------------------------
+
 
 class GatedEngine(ForcedEngine):
     """A ForcedEngine whose answers wait until ``gate`` is set (bounded: 30 s)."""
@@ -625,32 +724,81 @@ def test_bad_input_gets_a_short_4xx_naming_the_field_never_an_engine_failure(mod
     mark = "ECHOME" * 2000  # never to be seen in an answer
     tool = {"type": "function", "function": {"name": "f", "parameters": deep_schema(150)}}
     cases = [  # (route, raw body, status, words in the message, param)
-        ("/chat/completions", json.dumps({"messages": json.loads(ok), "tools": [tool]}), 400,
-         "nested", "tools[0].function.parameters"),
-        ("/chat/completions", '{"messages": [{"role": "user", "content": "a\\ud800b"}]}', 400, "surrogate",
-         "messages[0].content"),
+        (
+            "/chat/completions",
+            json.dumps({"messages": json.loads(ok), "tools": [tool]}),
+            400,
+            "nested",
+            "tools[0].function.parameters",
+        ),
+        (
+            "/chat/completions",
+            '{"messages": [{"role": "user", "content": "a\\ud800b"}]}',
+            400,
+            "surrogate",
+            "messages[0].content",
+        ),
         ("/chat/completions", '{"messages": ' + ok + ', "stop": ["\\udfff"]}', 400, "surrogate", "stop[0]"),
-        ("/chat/completions", '{"messages": ' + ok + ', "tools": [{"type": "function", "function": {"name": "f", '
-         '"description": "\\ud800"}}]}', 400, "surrogate",
-         "tools[0].function.description"),
+        (
+            "/chat/completions",
+            '{"messages": ' + ok + ', "tools": [{"type": "function", "function": {"name": "f", '
+            '"description": "\\ud800"}}]}',
+            400,
+            "surrogate",
+            "tools[0].function.description",
+        ),
         ("/completions", '{"prompt": "\\ud800"}', 400, "surrogate", "prompt"),
         ("/completions", '{"prompt": ""}', 400, "no tokens", "prompt"),
         ("/completions", '{"prompt": []}', 400, "token ids", "prompt"),
         ("/chat/completions", mark * 300, 400, "not valid JSON", None),  # 3.6 MB, not JSON
         ("/chat/completions", '{"messages": ' + "[" * 100_000 + "]" * 100_000 + "}", 400, "nested", None),
         ("/chat/completions", json.dumps([mark]), 400, "object", None),
-        ("/chat/completions", json.dumps({"messages": [{"role": mark, "content": "x"}]}), 400, "role",
-         "messages[0].role"),
-        ("/chat/completions", json.dumps({"messages": json.loads(ok), "tool_choice": mark}), 400, "tool_choice",
-         "tool_choice"),
-        ("/chat/completions", json.dumps({"messages": json.loads(ok), "logit_bias": {mark: 5}}), 400, "logit_bias",
-         "logit_bias"),
+        (
+            "/chat/completions",
+            json.dumps({"messages": [{"role": mark, "content": "x"}]}),
+            400,
+            "role",
+            "messages[0].role",
+        ),
+        (
+            "/chat/completions",
+            json.dumps({"messages": json.loads(ok), "tool_choice": mark}),
+            400,
+            "tool_choice",
+            "tool_choice",
+        ),
+        (
+            "/chat/completions",
+            json.dumps({"messages": json.loads(ok), "logit_bias": {mark: 5}}),
+            400,
+            "logit_bias",
+            "logit_bias",
+        ),
         ("/chat/completions", json.dumps({"messages": json.loads(ok), "n": mark}), 400, "n", "n"),
-        ("/chat/completions", json.dumps({"messages": [{"role": "user", "content": [{"type": mark}]}]}), 400,
-         "messages[0].content", "messages[0].content"),
-        ("/chat/completions", json.dumps({"messages": json.loads(ok), "tools": [{"type": "function", "function": {
-            "name": "f", "parameters": {"type": "object", "properties": mark}}}]}), 400, "JSON Schema",
-         "tools[0].function.parameters"),
+        (
+            "/chat/completions",
+            json.dumps({"messages": [{"role": "user", "content": [{"type": mark}]}]}),
+            400,
+            "messages[0].content",
+            "messages[0].content",
+        ),
+        (
+            "/chat/completions",
+            json.dumps(
+                {
+                    "messages": json.loads(ok),
+                    "tools": [
+                        {
+                            "type": "function",
+                            "function": {"name": "f", "parameters": {"type": "object", "properties": mark}},
+                        }
+                    ],
+                }
+            ),
+            400,
+            "JSON Schema",
+            "tools[0].function.parameters",
+        ),
         (f"/sessions/{session.id}/reward", json.dumps({"reward": mark}), 400, "reward", "reward"),
         (f"/sessions/{session.id}/reward", mark * 300, 400, "not valid JSON", None),
     ]
@@ -709,8 +857,11 @@ def test_an_engine_refusing_the_request_is_the_clients_4xx_and_the_session_goes_
 def test_an_engine_that_fails_or_is_misconfigured_still_stops_the_session(tokenizer, stand_of, status):
     from strop.wire.errors import EngineRefusedError, EngineUnavailable
 
-    error = EngineUnavailable("http://engine/generate failed after 4 attempts") if status == 404 else \
-        EngineRefusedError("http://engine/generate: HTTP 401: a token is needed", 401)
+    error = (
+        EngineUnavailable("http://engine/generate failed after 4 attempts")
+        if status == 404
+        else EngineRefusedError("http://engine/generate: HTTP 401: a token is needed", 401)
+    )
     stand = stand_of(RefusingEngine(error))
     session = stand.open()
     client = openai.OpenAI(base_url=stand.proxy.base_url, api_key=session.key, max_retries=0)
@@ -762,9 +913,14 @@ def test_the_call_past_max_calls_in_flight_gets_429(model, tokenizer, stand_of):
 
     def auth(s):
         return {"Authorization": f"Bearer {s.key}"}
+
     answers = {}
-    threads = [threading.Thread(target=lambda i=i: answers.__setitem__(i, httpx.post(
-        url, json=body, headers=auth(sessions[i]), timeout=60))) for i in range(2)]
+    threads = [
+        threading.Thread(
+            target=lambda i=i: answers.__setitem__(i, httpx.post(url, json=body, headers=auth(sessions[i]), timeout=60))
+        )
+        for i in range(2)
+    ]
     for t in threads:
         t.start()
     try:
@@ -787,8 +943,9 @@ def test_a_continued_chat_prompt_is_the_templates_tokenisation_of_the_whole_conv
     or the length limit did."""
     from strop.agents.chat import check_messages, check_tools_schema
 
-    engine = ForcedEngine(model, tokenizer, [f"Let me compute.{CALL}", "It is 391.",
-                                             "one two three four five six", "Done."])
+    engine = ForcedEngine(
+        model, tokenizer, [f"Let me compute.{CALL}", "It is 391.", "one two three four five six", "Done."]
+    )
     stand = stand_of(engine)
     session = stand.open()
     client = openai.OpenAI(base_url=stand.proxy.base_url, api_key=session.key, max_retries=0)
@@ -860,8 +1017,11 @@ def test_a_streamed_answer_is_decoded_once_per_token_off_the_event_loop(model, t
     words = " ".join(f"w{k}" for k in range(300))
     slow = CountingTokenizer(tokenizer)
     engine = ReplayEngine(model, tokenizer, [words])
-    stand = stand_of(engine, slow, limits=SessionLimits(max_calls=8, max_call_tokens=2048,
-                                                        max_response_tokens=4096, context_window=8192))
+    stand = stand_of(
+        engine,
+        slow,
+        limits=SessionLimits(max_calls=8, max_call_tokens=2048, max_response_tokens=4096, context_window=8192),
+    )
     session = stand.open()
     client = openai.OpenAI(base_url=stand.proxy.base_url, api_key=session.key, max_retries=0, timeout=120)
     msgs = [{"role": "user", "content": "Count."}]
@@ -875,10 +1035,14 @@ def test_a_streamed_answer_is_decoded_once_per_token_off_the_event_loop(model, t
     def ping():  # the event loop's latency while the answer is decoded and sent
         while not stop.is_set():
             t = time.monotonic()
-            httpx.get(stand.proxy.base_url.removesuffix("/v1") + "/health", timeout=30,
-                      headers={"Authorization": f"Bearer {session.key}"})
+            httpx.get(
+                stand.proxy.base_url.removesuffix("/v1") + "/health",
+                timeout=30,
+                headers={"Authorization": f"Bearer {session.key}"},
+            )
             health.append(time.monotonic() - t)
             time.sleep(0.01)
+
     pinger = threading.Thread(target=ping)
     pinger.start()
     try:
@@ -920,14 +1084,19 @@ def test_a_standalone_session_closed_for_idleness_stays_readable_until_collected
     # never collected: at most max_ended_sessions stay, the first to end go first
     stand.proxy.max_ended_sessions = 3
     ids = [httpx.post(base + "/sessions", headers=admin).json()["id"] for _ in range(6)]
-    wait_for(lambda: all(stand.proxy.by_id[i].state == "idle" for i in ids if i in stand.proxy.by_id)
-             and len(stand.proxy.by_id) <= 3)
+    wait_for(
+        lambda: (
+            all(stand.proxy.by_id[i].state == "idle" for i in ids if i in stand.proxy.by_id)
+            and len(stand.proxy.by_id) <= 3
+        )
+    )
     assert sorted(stand.proxy.by_id) == sorted(ids[3:]) and len(stand.proxy.sessions) == 3
     assert [httpx.get(base + f"/sessions/{i}", headers=admin).status_code for i in ids] == [404] * 3 + [200] * 3
     assert stand.proxy.take_counts()["agent_sessions_dropped_uncollected"] == 3
 
 
 # ---- live streams: each token's chunk as it is decoded ------------------------------------------------------
+
 
 class StreamingForcedEngine(ForcedEngine):
     """A ForcedEngine that reports each token as it is "decoded" (the embedded engine's ``on_token``),
@@ -989,16 +1158,27 @@ def test_a_stream_on_the_embedded_engine_sends_each_token_as_it_is_decoded(model
     its decode step: no timing); the chunks join to the plain call's tokens, text, logprobs and finish
     (greedy; sampled with a seed and cut at a stop string, whose text no chunk shows), and the session
     records what the plain call's session records."""
-    engine = EmbeddedEngine(model, pad_token_id=tokenizer.pad_token_id, default_stop_token_ids=[tokenizer.eos_token_id],
-                            context_window=256, seed=0)
-    sampling = SamplingParams(temperature=1.0 if stop else 0.0, max_new_tokens=64,
-                              stop_token_ids=[tokenizer.eos_token_id])
+    engine = EmbeddedEngine(
+        model,
+        pad_token_id=tokenizer.pad_token_id,
+        default_stop_token_ids=[tokenizer.eos_token_id],
+        context_window=256,
+        seed=0,
+    )
+    sampling = SamplingParams(
+        temperature=1.0 if stop else 0.0, max_new_tokens=64, stop_token_ids=[tokenizer.eos_token_id]
+    )
     stand = stand_of(engine, sampling=sampling)
     plain_session, stream_session, probe_session = stand.open(), stand.open(index=1), stand.open(index=2)
     plain = openai.OpenAI(base_url=stand.proxy.base_url, api_key=plain_session.key, max_retries=0, timeout=60)
     streamed = openai.OpenAI(base_url=stand.proxy.base_url, api_key=stream_session.key, max_retries=0, timeout=60)
-    kw = {"model": "m", "messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 40,
-          "logprobs": True, **({"seed": 1234} if stop else {})}
+    kw = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "Tell me a story."}],
+        "max_tokens": 40,
+        "logprobs": True,
+        **({"seed": 1234} if stop else {}),
+    }
     if stop:  # a word the answer writes after its start
         probe = openai.OpenAI(base_url=stand.proxy.base_url, api_key=probe_session.key, max_retries=0)
         answer = probe.chat.completions.create(**kw).choices[0]
@@ -1028,10 +1208,21 @@ def test_a_streamed_tool_call_holds_its_text_and_ends_as_the_plain_call(model, t
     shows as content, the call comes as its own delta at the end, and the chunks join to the plain
     call's tokens, content, calls and finish, with agent.cut_after_tool_calls on or off; the session
     records what the plain call's records."""
-    text, tools = {"python": ("Let me run it.\n```python\nprint(17*23)\n```\nIt prints 999. \\boxed{999}",
-                              [{"type": "function", "function": {"name": "python", "parameters": {
-                                  "type": "object", "properties": {"code": {"type": "string"}}}}}]),
-                   "hermes": ("I will compute it. " + MODEL_CALL + " It is 999.", CALC)}[said]
+    text, tools = {
+        "python": (
+            "Let me run it.\n```python\nprint(17*23)\n```\nIt prints 999. \\boxed{999}",
+            [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": "python",
+                        "parameters": {"type": "object", "properties": {"code": {"type": "string"}}},
+                    },
+                }
+            ],
+        ),
+        "hermes": ("I will compute it. " + MODEL_CALL + " It is 999.", CALC),
+    }[said]
     engine = StreamingForcedEngine(model, tokenizer, [text], hold_after=4)
     stand = stand_of(engine, cut_after_tool_calls=cut)
     plain_session, stream_session = stand.open(), stand.open(index=1)
@@ -1048,16 +1239,26 @@ def test_a_streamed_tool_call_holds_its_text_and_ends_as_the_plain_call(model, t
     assert ids == a.model_extra["token_ids"] and lps == [x.logprob for x in a.logprobs.content]
     assert content == a.message.content and finish == a.finish_reason == "tool_calls"
     assert calls == [(c.function.name, json.loads(c.function.arguments)) for c in a.message.tool_calls]
-    assert all(m not in c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content
-               for m in ("<tool_call>", "```"))
+    assert all(
+        m not in c.choices[0].delta.content
+        for c in chunks
+        if c.choices and c.choices[0].delta.content
+        for m in ("<tool_call>", "```")
+    )
     assert ("999" in tokenizer.decode(ids)) == (not cut)
     assert _recorded(stand, stream_session) == _recorded(stand, plain_session)
 
 
 def test_a_client_hanging_up_mid_stream_aborts_the_engine_request_and_the_call_is_not_recorded(
-        model, tokenizer, stand_of):
-    engine = EmbeddedEngine(model, pad_token_id=tokenizer.pad_token_id, default_stop_token_ids=[tokenizer.eos_token_id],
-                            context_window=512, seed=0)
+    model, tokenizer, stand_of
+):
+    engine = EmbeddedEngine(
+        model,
+        pad_token_id=tokenizer.pad_token_id,
+        default_stop_token_ids=[tokenizer.eos_token_id],
+        context_window=512,
+        seed=0,
+    )
     ended, generate, advance = [], engine.generate, engine._advance
 
     async def recorded(prompt_ids, sampling, request_id=None, *, on_token=None, top_logprobs=0):
@@ -1069,10 +1270,13 @@ def test_a_client_hanging_up_mid_stream_aborts_the_engine_request_and_the_call_i
 
         time.sleep(0.01)
         return advance(*args)
+
     engine.generate, engine._advance = recorded, slowed
-    stand = stand_of(engine, limits=SessionLimits(max_calls=8, max_call_tokens=200, max_response_tokens=1024,
-                                                   context_window=2048),
-                     sampling=SamplingParams(temperature=1.0, max_new_tokens=200, stop_token_ids=[-1]))
+    stand = stand_of(
+        engine,
+        limits=SessionLimits(max_calls=8, max_call_tokens=200, max_response_tokens=1024, context_window=2048),
+        sampling=SamplingParams(temperature=1.0, max_new_tokens=200, stop_token_ids=[-1]),
+    )
     session = stand.open()
     url, auth = stand.proxy.base_url + "/chat/completions", {"Authorization": f"Bearer {session.key}"}
     body = {"messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 200, "stream": True}
@@ -1085,5 +1289,8 @@ def test_a_client_hanging_up_mid_stream_aborts_the_engine_request_and_the_call_i
     client = openai.OpenAI(base_url=stand.proxy.base_url, api_key=session.key, max_retries=0, timeout=60)
     answer = client.chat.completions.create(model="m", messages=body["messages"], max_tokens=8)  # the session goes on
     (sample,) = stand.end(session)
-    assert session.calls == 1 and [t for t, m in zip(sample.response_ids, sample.loss_mask) if m] == \
-        answer.choices[0].model_extra["token_ids"]
+    assert (
+        session.calls == 1
+        and [t for t, m in zip(sample.response_ids, sample.loss_mask) if m]
+        == answer.choices[0].model_extra["token_ids"]
+    )

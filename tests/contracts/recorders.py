@@ -1,6 +1,5 @@
 """Plugins that record how strop calls them, then behave like the defaults."""
 
-
 from strop.algo.advantages import grpo_advantages
 from strop.algo.losses import ppo_clip_loss
 from strop.rollout.generate import generate as default_generate

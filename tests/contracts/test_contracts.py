@@ -70,14 +70,20 @@ def test_call_sites_pass_exactly_the_contract(tiny_model_dir, tmp_path):
 
     recorders.CALLS.clear()
     plugins = {hook: f"tests.contracts.recorders:{hook}" for hook in HOOKS if hook not in ("reward", "tools", "agent")}
-    cfg = build_config(overrides={
-        "model": {"path": str(tiny_model_dir)},
-        "rollout": {"prompts_per_step": 2, "n_samples_per_prompt": 3, "max_new_tokens": 6,
-                    "reward": "tests.contracts.recorders:reward"},
-        "train": {"steps": 1, "micro_batch_size": 4},
-        "run": {"dir": str(tmp_path / "run"), "progress": False, "save_final": False, "plot": False},
-        "plugins": plugins,
-    })
+    cfg = build_config(
+        overrides={
+            "model": {"path": str(tiny_model_dir)},
+            "rollout": {
+                "prompts_per_step": 2,
+                "n_samples_per_prompt": 3,
+                "max_new_tokens": 6,
+                "reward": "tests.contracts.recorders:reward",
+            },
+            "train": {"steps": 1, "micro_batch_size": 4},
+            "run": {"dir": str(tmp_path / "run"), "progress": False, "save_final": False, "plot": False},
+            "plugins": plugins,
+        }
+    )
     train(cfg)
     expected_types = {
         "rollout": {"groups": list, "sampling": SamplingParams},
@@ -86,8 +92,12 @@ def test_call_sites_pass_exactly_the_contract(tiny_model_dir, tmp_path):
         "filter": {"group": list},
         "postprocess": {"samples": list, "step": int},
         "advantage": {"rewards": torch.Tensor, "group_ids": torch.Tensor, "mask": torch.Tensor},
-        "policy_loss": {"logprobs": torch.Tensor, "old_logprobs": torch.Tensor, "advantages": torch.Tensor,
-                        "mask": torch.Tensor},
+        "policy_loss": {
+            "logprobs": torch.Tensor,
+            "old_logprobs": torch.Tensor,
+            "advantages": torch.Tensor,
+            "mask": torch.Tensor,
+        },
         "data_source": {"split": str},
     }
     for hook, (_, params) in CONTRACTS.items():
@@ -115,17 +125,23 @@ def test_tools_call_site_makes_the_rollout_multi_turn(tiny_model_dir, tmp_path, 
     from tests.contracts import recorders
 
     recorders.CALLS.clear()
-    cfg = build_config(overrides={
-        "model": {"path": str(tiny_model_dir)},
-        "rollout": {"prompts_per_step": 2, "n_samples_per_prompt": 2, "max_new_tokens": 6,
-                    "reward": "tests.contracts.recorders:reward"},
-        "train": {"steps": 1, "micro_batch_size": 4},
-        "data": {"eval_size": 4},
-        "eval": {"every": 0},
-        "tools": {"max_turns": 3},
-        "run": {"dir": str(tmp_path / "run"), "progress": False, "save_final": False, "plot": False},
-        "plugins": {"tools": "tests.contracts.recorders:tools"},
-    })
+    cfg = build_config(
+        overrides={
+            "model": {"path": str(tiny_model_dir)},
+            "rollout": {
+                "prompts_per_step": 2,
+                "n_samples_per_prompt": 2,
+                "max_new_tokens": 6,
+                "reward": "tests.contracts.recorders:reward",
+            },
+            "train": {"steps": 1, "micro_batch_size": 4},
+            "data": {"eval_size": 4},
+            "eval": {"every": 0},
+            "tools": {"max_turns": 3},
+            "run": {"dir": str(tmp_path / "run"), "progress": False, "save_final": False, "plot": False},
+            "plugins": {"tools": "tests.contracts.recorders:tools"},
+        }
+    )
     train(cfg)
     calls = recorders.CALLS["tools"]
     assert len(calls) == 1 and tuple(k for k in calls[0] if k != "_values") == CONTRACTS["tools"][1]
@@ -147,8 +163,9 @@ def test_tools_hook_refusals(tmp_path):
 
     with pytest.raises(ValueError, match=r"plugins.tools='x:y' uses strop's multi-turn generate function"):
         build_config(overrides={"plugins": {"tools": "x:y", "generate": "a:b"}})
-    cfg = build_config(overrides={"tools": {"enabled": ["calculator"]},
-                                  "plugins": {"tools": "tests.contracts.recorders:tools"}})
+    cfg = build_config(
+        overrides={"tools": {"enabled": ["calculator"]}, "plugins": {"tools": "tests.contracts.recorders:tools"}}
+    )
     from tests.contracts import recorders
 
     with pytest.raises(PluginError, match=r"gives tool\(s\) \['calculator'\], which tools.enabled"):
@@ -162,15 +179,27 @@ def test_examples_pass_the_checker(hook, path, capsys):
 
 
 BROKEN = [
-    ("reward", "tests.contracts.broken:reward_wrong_name", "parameter names ('s',) differ from the contract's ('sample',)"),
-    ("reward", "tests.contracts.broken:reward_two_params", "requires 2 parameter(s) ('sample', 'label'); the contract passes 1"),
+    (
+        "reward",
+        "tests.contracts.broken:reward_wrong_name",
+        "parameter names ('s',) differ from the contract's ('sample',)",
+    ),
+    (
+        "reward",
+        "tests.contracts.broken:reward_two_params",
+        "requires 2 parameter(s) ('sample', 'label'); the contract passes 1",
+    ),
     ("reward", "tests.contracts.broken:reward_returns_text", "returned 'correct' (str); expected a float"),
     ("generate", "tests.contracts.broken:generate_sync", "must be an async function"),
     ("generate", "tests.contracts.broken:generate_breaks_invariants", "broke the Sample invariants"),
     ("generate", "tests.contracts.broken:generate_forgets_status", "left the sample PENDING"),
     ("filter", "tests.contracts.broken:filter_async", "must be a plain (sync) function"),
     ("filter", "tests.contracts.broken:filter_returns_int", "returned 1 (int); expected True (keep) or False (drop)"),
-    ("advantage", "tests.contracts.broken:advantage_wrong_shape", "returned (1,); expected a tensor of shape (4,) or (4, 3)"),
+    (
+        "advantage",
+        "tests.contracts.broken:advantage_wrong_shape",
+        "returned (1,); expected a tensor of shape (4,) or (4, 3)",
+    ),
     ("policy_loss", "tests.contracts.broken:loss_without_info", "expected (per-token loss tensor, dict)"),
     ("postprocess", "tests.contracts.broken:postprocess_positional_only", "positional-only"),
     ("reward", "tests.contracts.broken:NOT_CALLABLE", "is a int, not a function"),
@@ -180,8 +209,16 @@ BROKEN = [
     ("tools", "tests.contracts.broken:tools_not_tools", "item 0 is a dict, not a strop.tools.Tool"),
     ("tools", "tests.contracts.broken:tools_duplicate_names", "tool names must be unique: ['calculator']"),
     ("tools", "tests.contracts.broken:tools_schema_mismatch", "does not take the schema's properties ['query']"),
-    ("tools", "tests.contracts.broken:tools_returns_none", "tool 'shout' returned NoneType (None); a tool returns text"),
-    ("agent", "tests.contracts.broken:agent_returns_text", "returned 'well done' (str); expected a finite reward or None"),
+    (
+        "tools",
+        "tests.contracts.broken:tools_returns_none",
+        "tool 'shout' returned NoneType (None); a tool returns text",
+    ),
+    (
+        "agent",
+        "tests.contracts.broken:agent_returns_text",
+        "returned 'well done' (str); expected a finite reward or None",
+    ),
     ("agent", "tests.contracts.broken:agent_wrong_params", "parameter names ('url', 'key', 'row') differ"),
     ("agent", "tests.contracts.broken:agent_makes_no_call", "the agent made no call through the proxy"),
 ]
@@ -198,8 +235,14 @@ def test_broken_plugins_fail_with_a_clear_message(hook, path, message, capsys):
 
 
 def test_bad_hook_at_load_time_fails_before_any_model_loads(tmp_path, capsys):
-    code = main(["train", "--train.steps=1",
-                 "--plugins.filter=tests.contracts.broken:filter_async", f"--run.dir={tmp_path / 'run'}"])
+    code = main(
+        [
+            "train",
+            "--train.steps=1",
+            "--plugins.filter=tests.contracts.broken:filter_async",
+            f"--run.dir={tmp_path / 'run'}",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 1 and "filter hook" in err and "must be a plain (sync) function" in err
     assert not (tmp_path / "run").exists()
@@ -208,17 +251,26 @@ def test_bad_hook_at_load_time_fails_before_any_model_loads(tmp_path, capsys):
 def test_broken_generate_stops_the_run_naming_hook_and_sample(tiny_model_dir, tmp_path):
     import json
 
-    cfg = build_config(overrides={
-        "model": {"path": str(tiny_model_dir)},
-        "rollout": {"prompts_per_step": 2, "n_samples_per_prompt": 2, "max_new_tokens": 4,
-                    "reward": "tests.plugins:even_token_reward"},
-        "train": {"steps": 2},
-        "data": {"eval_size": 0},
-        "run": {"dir": str(tmp_path / "run"), "progress": False},
-        "plugins": {"generate": "tests.contracts.broken:generate_breaks_invariants"},
-    })
-    with pytest.raises(PluginError, match=r"generate hook tests\.contracts\.broken:generate_breaks_invariants "
-                                          r"on sample group=\d+ index=\d+: broke the Sample invariants"):
+    cfg = build_config(
+        overrides={
+            "model": {"path": str(tiny_model_dir)},
+            "rollout": {
+                "prompts_per_step": 2,
+                "n_samples_per_prompt": 2,
+                "max_new_tokens": 4,
+                "reward": "tests.plugins:even_token_reward",
+            },
+            "train": {"steps": 2},
+            "data": {"eval_size": 0},
+            "run": {"dir": str(tmp_path / "run"), "progress": False},
+            "plugins": {"generate": "tests.contracts.broken:generate_breaks_invariants"},
+        }
+    )
+    with pytest.raises(
+        PluginError,
+        match=r"generate hook tests\.contracts\.broken:generate_breaks_invariants "
+        r"on sample group=\d+ index=\d+: broke the Sample invariants",
+    ):
         train(cfg)
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "failed"
 

@@ -12,7 +12,9 @@ from tests.distributed.test_dp import ALGOS as DP_ALGOS, _full, assert_same_upda
 
 # the data-parallel cases, and one more that only context parallel needs: GSPO's sequence
 # ratio and an entropy bonus see whole responses gathered across ranks; two optimizer steps
-ALGOS = DP_ALGOS | {"gspo_entropy_2mini": {"policy_loss": "gspo", "entropy_coef": 0.01, "loss_agg": "seq_mean_token_mean"}}
+ALGOS = DP_ALGOS | {
+    "gspo_entropy_2mini": {"policy_loss": "gspo", "entropy_coef": 0.01, "loss_agg": "seq_mean_token_mean"}
+}
 MINI_BATCHES = {"gspo_entropy_2mini": 2}
 # two AdamW steps turn fp32 rounding of near-zero gradients into parameter differences of
 # ~2e-5 (Adam divides by |g|); in fp64 the two layouts agree to 7e-16, so this case runs there
@@ -42,8 +44,10 @@ def _layouts():
     padded = collate(samples, pad_token_id=0)
     am = padded["attention_mask"]
     packed = collate_packed(samples)
-    return {"padded": (am - 1, (am.cumsum(-1) - 1).clamp(min=0), padded["positions"], padded["response_mask"]),
-            "packed": (packed["segment_ids"], packed["position_ids"], packed["positions"], None)}
+    return {
+        "padded": (am - 1, (am.cumsum(-1) - 1).clamp(min=0), padded["positions"], padded["response_mask"]),
+        "packed": (packed["segment_ids"], packed["position_ids"], packed["positions"], None),
+    }
 
 
 @pytest.mark.parametrize("cp", [2, 3, 4])
@@ -54,8 +58,10 @@ def test_plan_masks_and_entries(layout, cp):
     from strop.parallel.context import ContextParallelPlan
 
     segment_ids, position_ids, positions, response_mask = _layouts()[layout]
-    plans = [ContextParallelPlan(segment_ids, position_ids, positions, None, response_mask, size=cp, rank=r)
-             for r in range(cp)]
+    plans = [
+        ContextParallelPlan(segment_ids, position_ids, positions, None, response_mask, size=cp, rank=r)
+        for r in range(cp)
+    ]
     B, L = segment_ids.shape
     T = positions.shape[1]
     held = torch.zeros(B, L, dtype=torch.long)
@@ -105,9 +111,17 @@ def _logprob_grads(rank, world, packed, empty_rank=False, dtype="float32"):
     if world > 1:
         context.enable(model)
         plan = context.ContextParallelPlan.for_batch(batch, dist.group.WORLD)
-    lp, ent = response_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["positions"],
-                                position_ids=batch.get("position_ids"), with_entropy=True, entropy_grad=True,
-                                chunk_size=7, cp=plan)
+    lp, ent = response_logprobs(
+        model,
+        batch["input_ids"],
+        batch["attention_mask"],
+        batch["positions"],
+        position_ids=batch.get("position_ids"),
+        with_entropy=True,
+        entropy_grad=True,
+        chunk_size=7,
+        cp=plan,
+    )
     if "scatter" in batch:
         lp, ent = unpack(lp, batch), unpack(ent, batch)
     mask = batch["loss_mask"]
@@ -187,14 +201,26 @@ def _cp_step(rank, world, algo_name, packed, mode="replicate", cp=2, samples=Non
     model = make_tiny_model().to(DTYPES.get(algo_name, torch.float32))
     if samples is None and algo_name in ("icepop_opsm", "dppo"):  # corrections act on near-policy logprobs
         samples = near_policy(model, make_samples(10))
-    train = TrainConfig(lr=1e-3, warmup_steps=0, micro_batch_size=3, mini_batches=MINI_BATCHES.get(algo_name, 1),
-                        max_tokens_per_micro_batch=20 if packed else None)
+    train = TrainConfig(
+        lr=1e-3,
+        warmup_steps=0,
+        micro_batch_size=3,
+        mini_batches=MINI_BATCHES.get(algo_name, 1),
+        max_tokens_per_micro_batch=20 if packed else None,
+    )
     device, strategy = rank_device(rank, world), SingleProcess(rank_device(rank, world))
     if world > 1:
         dims = ParallelDims(world, cp=cp, dp_mode=mode, bucket_bytes=1 << 20)
         strategy = make_strategy(dims, dims.build_mesh(torch.device(device).type), device)
-    trainer = Trainer(model, pad_token_id=0, train=train, algo=AlgoConfig(**ALGOS[algo_name]),
-                      rollout=Sampling(max_new_tokens=8), parallel=strategy, teacher=teacher)
+    trainer = Trainer(
+        model,
+        pad_token_id=0,
+        train=train,
+        algo=AlgoConfig(**ALGOS[algo_name]),
+        rollout=Sampling(max_new_tokens=8),
+        parallel=strategy,
+        teacher=teacher,
+    )
     samples = samples or make_samples(10)
     counts = trainer._collate(samples)["cp"].counts if trainer.cp_size > 1 else None
     metrics = trainer.step(samples)
@@ -222,8 +248,7 @@ CASES += [("grpo", True, "fsdp"), ("ppo", False, "fsdp"), ("gspo_entropy_2mini",
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("algo,packed,mode", CASES,
-                         ids=[f"{a}-{'packed' if p else 'padded'}-{m}" for a, p, m in CASES])
+@pytest.mark.parametrize("algo,packed,mode", CASES, ids=[f"{a}-{'packed' if p else 'padded'}-{m}" for a, p, m in CASES])
 def test_cp2_step_equals_one_process(algo, packed, mode):
     single = _cp_step(0, 1, algo, packed)
     _assert_same_update(run_on_ranks(_cp_step, 2, algo, packed, mode, timeout=150, backend=BACKEND), single)

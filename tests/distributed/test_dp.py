@@ -8,11 +8,14 @@ import torch
 from strop.parallel.launch import run_on_ranks
 from tests.distributed import BACKEND, rank_device
 
-ALGOS = {"grpo": {}, "ppo": {"estimator": "ppo", "kl_in_reward_coef": 0.01},
-         "seq_mean_kl": {"loss_agg": "seq_mean_token_mean", "kl_coef": 0.1},
-         "icepop_opsm": {"off_policy_correction": "icepop", "opsm_delta": 0.01},
-         "dppo": {"policy_loss": "dppo", "dppo_mask_low": 1e-8, "dppo_mask_high": 1e-8, "overlong_buffer": 4},
-         "distill": {"distill_teacher": "tiny seed 1", "distill_coef": 0.5}}  # (the tests pass the teacher module)
+ALGOS = {
+    "grpo": {},
+    "ppo": {"estimator": "ppo", "kl_in_reward_coef": 0.01},
+    "seq_mean_kl": {"loss_agg": "seq_mean_token_mean", "kl_coef": 0.1},
+    "icepop_opsm": {"off_policy_correction": "icepop", "opsm_delta": 0.01},
+    "dppo": {"policy_loss": "dppo", "dppo_mask_low": 1e-8, "dppo_mask_high": 1e-8, "overlong_buffer": 4},
+    "distill": {"distill_teacher": "tiny seed 1", "distill_coef": 0.5},
+}  # (the tests pass the teacher module)
 
 
 def teacher_for(algo_name):
@@ -49,11 +52,16 @@ def _step(rank, world, algo_name, packed, mode="replicate"):
     samples = make_samples(10)
     if algo_name in ("icepop_opsm", "dppo"):  # the corrections act on rollout logprobs near the model's own
         samples = near_policy(model, samples)
-    train = TrainConfig(lr=1e-3, warmup_steps=0, micro_batch_size=3,
-                        max_tokens_per_micro_batch=20 if packed else None)
-    trainer = Trainer(model, pad_token_id=0, train=train, algo=AlgoConfig(**ALGOS[algo_name]),
-                      rollout=Sampling(max_new_tokens=8), parallel=_strategy(rank, world, mode, bucket_bytes=1 << 20),
-                      teacher=teacher)
+    train = TrainConfig(lr=1e-3, warmup_steps=0, micro_batch_size=3, max_tokens_per_micro_batch=20 if packed else None)
+    trainer = Trainer(
+        model,
+        pad_token_id=0,
+        train=train,
+        algo=AlgoConfig(**ALGOS[algo_name]),
+        rollout=Sampling(max_new_tokens=8),
+        parallel=_strategy(rank, world, mode, bucket_bytes=1 << 20),
+        teacher=teacher,
+    )
     metrics = trainer.step(samples)
     grads = [_full(trainer.optimizer.state[p]["exp_avg"]).cpu() for p in trainer.optimizer.param_groups[0]["params"]]
     params = [_full(p.detach()).cpu() for p in trainer.model.parameters()]
@@ -64,15 +72,23 @@ def _step(rank, world, algo_name, packed, mode="replicate"):
 # the first three algorithms in every layout and mode; the later ones (their losses differ from GRPO's only
 # in per-token terms the layouts do not touch) in two of the four, so both layouts and both modes are seen
 _EVERY = ("grpo", "ppo", "seq_mean_kl")
-DP_CASES = [(a, p, m) for a in sorted(ALGOS) for p in (False, True) for m in ("replicate", "fsdp")
-            if a in _EVERY or (p, m) in ((False, "replicate"), (True, "fsdp"))]
+DP_CASES = [
+    (a, p, m)
+    for a in sorted(ALGOS)
+    for p in (False, True)
+    for m in ("replicate", "fsdp")
+    if a in _EVERY or (p, m) in ((False, "replicate"), (True, "fsdp"))
+]
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("algo,packed,mode", DP_CASES,
-                         ids=[f"{a}-{'packed' if p else 'padded'}-{m}" for a, p, m in DP_CASES])
+@pytest.mark.parametrize(
+    "algo,packed,mode", DP_CASES, ids=[f"{a}-{'packed' if p else 'padded'}-{m}" for a, p, m in DP_CASES]
+)
 def test_two_ranks_equal_one_process(algo, packed, mode):
-    assert_same_update(run_on_ranks(_step, 2, algo, packed, mode, timeout=150, backend=BACKEND), _step(0, 1, algo, packed))
+    assert_same_update(
+        run_on_ranks(_step, 2, algo, packed, mode, timeout=150, backend=BACKEND), _step(0, 1, algo, packed)
+    )
 
 
 def assert_same_update(results, single, grad_tol=1e-5):
@@ -106,10 +122,14 @@ def _param_bytes(rank, world, mode):
     from tests.tiny import make_tiny_model
 
     algo = AlgoConfig(estimator="ppo", kl_coef=0.1)  # policy + reference + critic
-    trainer = Trainer(make_tiny_model(), pad_token_id=0, train=TrainConfig(), algo=algo,
-                      parallel=_strategy(rank, world, mode))
-    parts = {"policy": local_parameter_bytes(trainer.model), "reference": local_parameter_bytes(trainer.ref),
-             "critic": local_parameter_bytes(trainer.critic)}
+    trainer = Trainer(
+        make_tiny_model(), pad_token_id=0, train=TrainConfig(), algo=algo, parallel=_strategy(rank, world, mode)
+    )
+    parts = {
+        "policy": local_parameter_bytes(trainer.model),
+        "reference": local_parameter_bytes(trainer.ref),
+        "critic": local_parameter_bytes(trainer.critic),
+    }
     return parts
 
 
@@ -121,5 +141,7 @@ def test_fsdp_shards_policy_reference_and_critic():
         for part in ("policy", "reference", "critic"):
             ratio = fsdp[rank][part] / replicate[rank][part]
             assert 0.45 <= ratio <= 0.55, (rank, part, ratio)  # each rank holds about half of each model
-    print("\nper-rank parameter bytes (replicate -> fsdp):",
-          {p: (replicate[0][p], fsdp[0][p]) for p in ("policy", "reference", "critic")})
+    print(
+        "\nper-rank parameter bytes (replicate -> fsdp):",
+        {p: (replicate[0][p], fsdp[0][p]) for p in ("policy", "reference", "critic")},
+    )

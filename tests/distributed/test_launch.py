@@ -42,10 +42,23 @@ def test_a_failed_rank_gets_the_others_killed_and_its_stderr_shown(tmp_path, cap
 def test_rank_0_set_up_failure_stops_the_workers(tiny_model_dir, tmp_path):
     """Only rank 0 reads the data: its failure must reach rank 1, which is loading the model."""
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "strop.cli", "train", "--nproc=2", f"--model.path={tiny_model_dir}",
-                           "--data.source=file", f"--data.path={tmp_path}", f"--run.dir={tmp_path / 'run'}",
-                           "--parallel.controller_timeout_s=120"],
-                          capture_output=True, text=True, timeout=170)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "strop.cli",
+            "train",
+            "--nproc=2",
+            f"--model.path={tiny_model_dir}",
+            "--data.source=file",
+            f"--data.path={tmp_path}",
+            f"--run.dir={tmp_path / 'run'}",
+            "--parallel.controller_timeout_s=120",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=170,
+    )
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert "is a directory" in proc.stderr
     assert time.monotonic() - t0 < 150

@@ -9,12 +9,29 @@ import torch
 
 
 def _run(tiny_model_dir, run_dir, nproc, mode="replicate", cp=1, tp=1):
-    args = [sys.executable, "-m", "strop.cli", "train", f"--model.path={tiny_model_dir}",
-            "--data.size=16", "--data.eval_size=4", "--rollout.prompts_per_step=2", "--rollout.n_samples_per_prompt=4",
-            "--rollout.max_new_tokens=8", "--rollout.reward=tests.plugins:even_token_reward", "--train.steps=2",
-            "--train.lr=1e-4", "--train.warmup_steps=0", "--train.micro_batch_size=2", "--run.progress=false",
-            "--parallel.grad_reduce_bucket_bytes=1048576", f"--parallel.dp_mode={mode}", f"--run.dir={run_dir}",
-            f"--parallel.context_parallel_size={cp}", f"--parallel.tensor_parallel_size={tp}"]
+    args = [
+        sys.executable,
+        "-m",
+        "strop.cli",
+        "train",
+        f"--model.path={tiny_model_dir}",
+        "--data.size=16",
+        "--data.eval_size=4",
+        "--rollout.prompts_per_step=2",
+        "--rollout.n_samples_per_prompt=4",
+        "--rollout.max_new_tokens=8",
+        "--rollout.reward=tests.plugins:even_token_reward",
+        "--train.steps=2",
+        "--train.lr=1e-4",
+        "--train.warmup_steps=0",
+        "--train.micro_batch_size=2",
+        "--run.progress=false",
+        "--parallel.grad_reduce_bucket_bytes=1048576",
+        f"--parallel.dp_mode={mode}",
+        f"--run.dir={run_dir}",
+        f"--parallel.context_parallel_size={cp}",
+        f"--parallel.tensor_parallel_size={tp}",
+    ]
     if nproc > 1:
         args.insert(4, f"--nproc={nproc}")
     proc = subprocess.run(args, capture_output=True, text=True, timeout=240)
@@ -28,8 +45,11 @@ def _run(tiny_model_dir, run_dir, nproc, mode="replicate", cp=1, tp=1):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("mode,cp,tp", [("replicate", 1, 1), ("fsdp", 1, 1), ("replicate", 2, 1), ("replicate", 1, 2)],
-                         ids=["dp2-replicate", "dp2-fsdp", "cp2", "tp2"])
+@pytest.mark.parametrize(
+    "mode,cp,tp",
+    [("replicate", 1, 1), ("fsdp", 1, 1), ("replicate", 2, 1), ("replicate", 1, 2)],
+    ids=["dp2-replicate", "dp2-fsdp", "cp2", "tp2"],
+)
 def test_nproc_2_equals_one_process(tiny_model_dir, tmp_path, mode, cp, tp):
     from transformers import AutoModelForCausalLM
 
@@ -43,7 +63,10 @@ def test_nproc_2_equals_one_process(tiny_model_dir, tmp_path, mode, cp, tp):
     for a, b in zip(steps_one, steps_two):
         assert a["reward_mean"] == b["reward_mean"]  # same rollouts
         assert a["trained_samples"] == b["trained_samples"]  # both ranks' shares counted
-        assert abs(a["loss"] - b["loss"]) <= 1e-5 and abs(a["grad_norm"] - b["grad_norm"]) <= norm_tol * a["grad_norm"] + 1e-7
+        assert (
+            abs(a["loss"] - b["loss"]) <= 1e-5
+            and abs(a["grad_norm"] - b["grad_norm"]) <= norm_tol * a["grad_norm"] + 1e-7
+        )
     m1 = AutoModelForCausalLM.from_pretrained(tmp_path / "one" / "final")
     m2 = AutoModelForCausalLM.from_pretrained(tmp_path / "two" / "final")
     for (name, p1), p2 in zip(m1.named_parameters(), m2.parameters()):
@@ -52,9 +75,20 @@ def test_nproc_2_equals_one_process(tiny_model_dir, tmp_path, mode, cp, tp):
 
 @pytest.mark.parametrize("nproc", [1, 3])
 def test_context_parallel_size_must_divide_nproc(tmp_path, nproc):
-    proc = subprocess.run([sys.executable, "-m", "strop.cli", "train", f"--nproc={nproc}",
-                           "--parallel.context_parallel_size=2", f"--run.dir={tmp_path / 'run'}"],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "strop.cli",
+            "train",
+            f"--nproc={nproc}",
+            "--parallel.context_parallel_size=2",
+            f"--run.dir={tmp_path / 'run'}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2
     assert f"parallel.context_parallel_size=2 needs a multiple of 2 processes, got {nproc}" in proc.stderr
     assert not (tmp_path / "run").exists()
@@ -62,9 +96,20 @@ def test_context_parallel_size_must_divide_nproc(tmp_path, nproc):
 
 @pytest.mark.timeout(120)
 def test_nproc_missing_model_fails_on_every_rank(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "strop.cli", "train", "--nproc=2",
-                           f"--model.path={tmp_path / 'missing'}", f"--run.dir={tmp_path / 'run'}"],
-                          capture_output=True, text=True, timeout=100)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "strop.cli",
+            "train",
+            "--nproc=2",
+            f"--model.path={tmp_path / 'missing'}",
+            f"--run.dir={tmp_path / 'run'}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
     assert proc.returncode != 0 and "does not exist" in proc.stderr
 
 
@@ -81,22 +126,41 @@ def test_a_tensor_parallel_checkpoint_resumes_in_one_process_resharded(tiny_mode
         assert proc.returncode == 0, proc.stderr[-3000:]
         return proc.stdout
 
-    base = [f"--model.path={tiny_model_dir}", "--data.size=16", "--data.eval_size=0", "--rollout.prompts_per_step=2",
-            "--rollout.n_samples_per_prompt=4", "--rollout.max_new_tokens=8",
-            "--rollout.reward=tests.plugins:even_token_reward", "--train.steps=4", "--train.lr=1e-3",
-            "--train.micro_batch_size=2", "--run.progress=false", "--run.save_every=2", "--run.keep_checkpoints=2"]
+    base = [
+        f"--model.path={tiny_model_dir}",
+        "--data.size=16",
+        "--data.eval_size=0",
+        "--rollout.prompts_per_step=2",
+        "--rollout.n_samples_per_prompt=4",
+        "--rollout.max_new_tokens=8",
+        "--rollout.reward=tests.plugins:even_token_reward",
+        "--train.steps=4",
+        "--train.lr=1e-3",
+        "--train.micro_batch_size=2",
+        "--run.progress=false",
+        "--run.save_every=2",
+        "--run.keep_checkpoints=2",
+    ]
     run(tmp_path / "tp", "--nproc=2", *base, "--parallel.tensor_parallel_size=2", f"--run.dir={tmp_path / 'tp'}")
     for name in ("one", "same"):
         shutil.copytree(tmp_path / "tp", tmp_path / name)
         shutil.rmtree(tmp_path / name / "checkpoints" / "step_000004")
-    out = run(tmp_path / "one", "--resume", str(tmp_path / "one"), "--allow-change",
-              "parallel.tensor_parallel_size", "--parallel.tensor_parallel_size=1")
+    out = run(
+        tmp_path / "one",
+        "--resume",
+        str(tmp_path / "one"),
+        "--allow-change",
+        "parallel.tensor_parallel_size",
+        "--parallel.tensor_parallel_size=1",
+    )
     assert "resumed from" in out and "step_000002 at step 2" in out
     out = run(tmp_path / "same", "--nproc=2", "--resume", str(tmp_path / "same"))
     assert "step_000002 at step 2" in out and "not bitwise" not in out
     from strop.observe.metrics import reproducible
 
-    rows = {n: [json.loads(x) for x in (tmp_path / n / "metrics.jsonl").read_text().splitlines()] for n in ("tp", "same")}
+    rows = {
+        n: [json.loads(x) for x in (tmp_path / n / "metrics.jsonl").read_text().splitlines()] for n in ("tp", "same")
+    }
     assert [reproducible(r) for r in rows["same"]] == [reproducible(r) for r in rows["tp"]]
     steps = {}
     for name in ("tp", "one"):
@@ -120,9 +184,23 @@ def test_a_tensor_parallel_checkpoint_resumes_in_one_process_resharded(tiny_mode
 
 @pytest.mark.timeout(200)
 def test_tensor_parallel_that_does_not_divide_the_kv_heads_fails_before_the_run_starts(tiny_model_dir, tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "strop.cli", "train", "--nproc=4", f"--model.path={tiny_model_dir}",
-                           "--parallel.tensor_parallel_size=4", f"--run.dir={tmp_path / 'run'}"],
-                          capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "strop.cli",
+            "train",
+            "--nproc=4",
+            f"--model.path={tiny_model_dir}",
+            "--parallel.tensor_parallel_size=4",
+            f"--run.dir={tmp_path / 'run'}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert proc.returncode != 0
-    assert "parallel.tensor_parallel_size=4 must divide the model's 2 KV heads (llama)" in proc.stderr, proc.stderr[-2000:]
+    assert "parallel.tensor_parallel_size=4 must divide the model's 2 KV heads (llama)" in proc.stderr, proc.stderr[
+        -2000:
+    ]
     assert not (tmp_path / "run").exists()

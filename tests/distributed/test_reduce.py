@@ -4,8 +4,7 @@ and its peak extra memory within the contract."""
 import pytest
 import torch
 
-from strop.parallel.collectives import (MIN_BUCKET_BYTES, all_reduce_coalesced, resolve_bucket_bytes,
-                                        split_into_buckets)
+from strop.parallel.collectives import MIN_BUCKET_BYTES, all_reduce_coalesced, resolve_bucket_bytes, split_into_buckets
 from strop.parallel.launch import run_on_ranks
 
 MiB = 1 << 20

@@ -18,9 +18,14 @@ def _trainer(world, tp, mode):
     if world > 1:
         dims = ParallelDims(world, tp=tp, dp_mode=mode, bucket_bytes=1 << 20)
         strategy = make_strategy(dims, dims.build_mesh("cpu"))
-    return Trainer(make_tiny_qwen3(1024), pad_token_id=0, train=TrainConfig(lr=1e-4, warmup_steps=0,
-                                                                             micro_batch_size=3),
-                   algo=AlgoConfig(), rollout=Sampling(max_new_tokens=8), parallel=strategy)
+    return Trainer(
+        make_tiny_qwen3(1024),
+        pad_token_id=0,
+        train=TrainConfig(lr=1e-4, warmup_steps=0, micro_batch_size=3),
+        algo=AlgoConfig(),
+        rollout=Sampling(max_new_tokens=8),
+        parallel=strategy,
+    )
 
 
 def _state(trainer):
@@ -30,8 +35,12 @@ def _state(trainer):
     out = {}
     for name, p in trainer.model.named_parameters():
         s = trainer.optimizer.state[p]
-        out[name] = [_full(p.detach()).clone(), _full(s["exp_avg"]).clone(), _full(s["exp_avg_sq"]).clone(),
-                     float(s["step"])]
+        out[name] = [
+            _full(p.detach()).clone(),
+            _full(s["exp_avg"]).clone(),
+            _full(s["exp_avg_sq"]).clone(),
+            float(s["step"]),
+        ]
     return out
 
 
@@ -56,8 +65,10 @@ def _run(rank, world, tp, mode, folder, save):
 @pytest.mark.timeout(300)
 def test_a_2x2_checkpoint_resumes_at_4x1_and_in_one_process(tmp_path):
     saved = run_on_ranks(_run, 4, 2, "fsdp", str(tmp_path / "ckpt"), True, timeout=250)[0]
-    resumed = {"4x1": run_on_ranks(_run, 4, 1, "fsdp", str(tmp_path / "ckpt"), False, timeout=250)[0],
-               "1x1": _run(0, 1, 1, "replicate", str(tmp_path / "ckpt"), False)}
+    resumed = {
+        "4x1": run_on_ranks(_run, 4, 1, "fsdp", str(tmp_path / "ckpt"), False, timeout=250)[0],
+        "1x1": _run(0, 1, 1, "replicate", str(tmp_path / "ckpt"), False),
+    }
     for layout, (loaded, metrics, after) in resumed.items():
         assert loaded.keys() == saved[0].keys()
         for name, (p, m, v, step) in loaded.items():  # resharded on load: the saved state exactly

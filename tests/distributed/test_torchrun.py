@@ -15,11 +15,22 @@ from strop.observe.metrics import reproducible
 
 
 def _args(model_dir, run_dir):
-    return [f"--model.path={model_dir}", "--data.size=16", "--data.eval_size=4", "--rollout.prompts_per_step=2",
-            "--rollout.n_samples_per_prompt=4", "--rollout.max_new_tokens=8",
-            "--rollout.reward=tests.plugins:even_token_reward", "--train.steps=2", "--train.lr=1e-4",
-            "--train.warmup_steps=0", "--train.micro_batch_size=2", "--run.progress=false",
-            "--parallel.grad_reduce_bucket_bytes=1048576", f"--run.dir={run_dir}"]
+    return [
+        f"--model.path={model_dir}",
+        "--data.size=16",
+        "--data.eval_size=4",
+        "--rollout.prompts_per_step=2",
+        "--rollout.n_samples_per_prompt=4",
+        "--rollout.max_new_tokens=8",
+        "--rollout.reward=tests.plugins:even_token_reward",
+        "--train.steps=2",
+        "--train.lr=1e-4",
+        "--train.warmup_steps=0",
+        "--train.micro_batch_size=2",
+        "--run.progress=false",
+        "--parallel.grad_reduce_bucket_bytes=1048576",
+        f"--run.dir={run_dir}",
+    ]
 
 
 def _steps(run_dir):
@@ -58,10 +69,20 @@ def test_torchrun_on_two_nodes_equals_nproc_2(tiny_model_dir, tmp_path):
     strop = ["-m", "strop.cli", "train"]
     # two torchrun agents, one rank each, meeting at one c10d rendezvous: what two hosts would run; they
     # share one run directory (shared storage on real hosts), which only global rank 0 writes
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
-                "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", f"--rdzv-id={uuid.uuid4().hex}",
-                "--rdzv-conf=join_timeout=60", "--local-addr=127.0.0.1", *strop,
-                *_args(tiny_model_dir, tmp_path / "torchrun")]
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=2",
+        "--nproc-per-node=1",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+        f"--rdzv-id={uuid.uuid4().hex}",
+        "--rdzv-conf=join_timeout=60",
+        "--local-addr=127.0.0.1",
+        *strop,
+        *_args(tiny_model_dir, tmp_path / "torchrun"),
+    ]
     nproc = [sys.executable, *strop, "--nproc=2", *_args(tiny_model_dir, tmp_path / "nproc")]
     runs = _run_all([nproc, torchrun, torchrun], tmp_path, timeout_s=200)
     for code, _out, err in runs:
@@ -75,6 +96,7 @@ def test_torchrun_on_two_nodes_equals_nproc_2(tiny_model_dir, tmp_path):
     assert [sorted(r) for r in got] == [sorted(r) for r in want]
     for a, b in zip(want, got):
         for key, value in a.items():  # losses, rewards, advantages, gaps, counts: timing and memory left out
-            same = (math.isclose(value, b[key], rel_tol=1e-6, abs_tol=1e-9)
-                    if isinstance(value, float) else value == b[key])
+            same = (
+                math.isclose(value, b[key], rel_tol=1e-6, abs_tol=1e-9) if isinstance(value, float) else value == b[key]
+            )
             assert same, (a["step"], key, value, b[key])

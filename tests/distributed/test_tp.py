@@ -34,15 +34,23 @@ def _tp_step(rank, world, algo_name, kind, tp=1, mode="replicate", path=None, ch
     else:
         model = _model(kind)
     algo = AlgoConfig(**ALGOS[algo_name])
-    trainer = Trainer(build_modules(model, strategy, algo, train, weights_path=path), pad_token_id=0, train=train,
-                      algo=algo, rollout=Sampling(max_new_tokens=8), parallel=strategy)
+    trainer = Trainer(
+        build_modules(model, strategy, algo, train, weights_path=path),
+        pad_token_id=0,
+        train=train,
+        algo=algo,
+        rollout=Sampling(max_new_tokens=8),
+        parallel=strategy,
+    )
     rows = []  # (tokens in the residual stream after layer 0, tokens after the final norm) per forward
     backbone = trainer.model.model
     backbone.layers[0].register_forward_hook(lambda m, a, out: rows.append([_local(out).shape[1]]))
     backbone.norm.register_forward_hook(lambda m, a, out: rows[-1].append(_local(out).shape[1]))
     metrics = trainer.step(make_samples(10))
-    grads = [_full(trainer.optimizer.state[p]["exp_avg"]).cpu().clone()  # (a copy: the next steps change it)
-             for p in trainer.optimizer.param_groups[0]["params"]]
+    grads = [
+        _full(trainer.optimizer.state[p]["exp_avg"]).cpu().clone()  # (a copy: the next steps change it)
+        for p in trainer.optimizer.param_groups[0]["params"]
+    ]
     for k in (1, 2):  # parameters compared after three AdamW steps
         trainer.step(make_samples(10, seed=k))
     params = [_full(p.detach()).cpu() for p in trainer.model.parameters()]
@@ -57,8 +65,11 @@ def _local(t):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("kind,algo,sequence", [("llama", "seq_mean_kl", True), ("qwen3", "grpo", True),
-                                                ("qwen3", "grpo", False)], ids=["llama-sp", "qwen3-sp", "qwen3-no-sp"])
+@pytest.mark.parametrize(
+    "kind,algo,sequence",
+    [("llama", "seq_mean_kl", True), ("qwen3", "grpo", True), ("qwen3", "grpo", False)],
+    ids=["llama-sp", "qwen3-sp", "qwen3-no-sp"],
+)
 def test_tensor_parallel_2_equals_one_process(kind, algo, sequence):
     """(PPO: the checkpointing test.) With sequence parallel each rank's residual stream holds half the tokens
     (an odd count padded by one), all of them again after the final norm; without it, all of them throughout."""
@@ -109,8 +120,15 @@ def _vocab_parallel(rank, world, temperature, chunk):
         if kind == "whole":
             lp, ent = naive_logprobs(hid, w, targets, temperature=temperature)
         else:
-            lp, ent = chunked_logprobs(hid, w, targets, temperature=temperature, chunk_size=chunk,
-                                       group=dist.group.WORLD, vocab_start=int(rows[0]))
+            lp, ent = chunked_logprobs(
+                hid,
+                w,
+                targets,
+                temperature=temperature,
+                chunk_size=chunk,
+                group=dist.group.WORLD,
+                vocab_start=int(rows[0]),
+            )
         ((lp * a).sum() + (ent * b).sum()).backward()
         out.append((lp.detach(), ent.detach(), hid.grad, w.grad if kind == "split" else w.grad[rows]))
     return out

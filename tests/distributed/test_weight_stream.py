@@ -28,9 +28,14 @@ def _sync(rank, world, mode, tp, folder):
     from tests.tiny import make_tiny_qwen3
 
     dims = ParallelDims(world, tp=tp, dp_mode=mode, bucket_bytes=1 << 20)
-    trainer = Trainer(make_tiny_qwen3(1024, tie=True), pad_token_id=0, train=TrainConfig(lr=1e-3, warmup_steps=0),
-                      algo=AlgoConfig(), rollout=Sampling(max_new_tokens=8),
-                      parallel=make_strategy(dims, dims.build_mesh("cpu")))
+    trainer = Trainer(
+        make_tiny_qwen3(1024, tie=True),
+        pad_token_id=0,
+        train=TrainConfig(lr=1e-3, warmup_steps=0),
+        algo=AlgoConfig(),
+        rollout=Sampling(max_new_tokens=8),
+        parallel=make_strategy(dims, dims.build_mesh("cpu")),
+    )
     trainer.step(make_samples(6))  # (weights that moved from their initial values)
     from strop.parallel import gather
 
@@ -47,6 +52,7 @@ def _sync(rank, world, mode, tp, folder):
             out = fn(*args)
             largest.append(weights.largest)
             return out
+
         path, checksum = measured(WeightWriter(folder, bucket_bytes=BUCKET).write, weights, 1)
         fills = measured(lambda: [fill_bucket(b, weights, "cpu") for b in plan_buckets(manifest_of(weights), BUCKET)])
         engine = EmbeddedEngine(make_tiny_qwen3(1024, seed=1, tie=True), pad_token_id=0, default_stop_token_ids=[2])
@@ -67,14 +73,25 @@ def _sync(rank, world, mode, tp, folder):
         return None
     file, checksum, fills, copied, gathers, largest = got
     expected_fills = [fill_bucket(b, full, "cpu") for b in plan_buckets(manifest_of(full), BUCKET)]
-    return {"file": file, "checksum": checksum, "fills": fills, "expected_fills": expected_fills, "copied": copied,
-            "gathers": gathers, "largest": largest, "full": full, "outside": outside,
-            "manifest": manifest_of(full), "names": list(full)}
+    return {
+        "file": file,
+        "checksum": checksum,
+        "fills": fills,
+        "expected_fills": expected_fills,
+        "copied": copied,
+        "gathers": gathers,
+        "largest": largest,
+        "full": full,
+        "outside": outside,
+        "manifest": manifest_of(full),
+        "names": list(full),
+    }
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("world,mode,tp", [(2, "fsdp", 1), (2, "replicate", 2), (4, "fsdp", 2)],
-                         ids=["fsdp2", "tp2", "fsdp2xtp2"])
+@pytest.mark.parametrize(
+    "world,mode,tp", [(2, "fsdp", 1), (2, "replicate", 2), (4, "fsdp", 2)], ids=["fsdp2", "tp2", "fsdp2xtp2"]
+)
 def test_a_sharded_trainer_syncs_a_bucket_at_a_time(world, mode, tp, tmp_path):
     import torch
 
@@ -104,13 +121,19 @@ def _failing_read(rank, world):
     from tests.tiny import make_tiny_qwen3
 
     dims = ParallelDims(world, dp_mode="fsdp")
-    trainer = Trainer(make_tiny_qwen3(1024), pad_token_id=0, train=TrainConfig(), algo=AlgoConfig(),
-                      parallel=make_strategy(dims, dims.build_mesh("cpu")))
+    trainer = Trainer(
+        make_tiny_qwen3(1024),
+        pad_token_id=0,
+        train=TrainConfig(),
+        algo=AlgoConfig(),
+        parallel=make_strategy(dims, dims.build_mesh("cpu")),
+    )
     weights, control = trainer.weights(), Control(60)
 
     def read_then_fail():
         weights.gather(["model.norm.weight"])
         raise OSError("disk full")  # (say, the writer's)
+
     try:
         control.on_controller(read_then_fail, serving=weights)
     except (OSError, ControllerError) as exc:

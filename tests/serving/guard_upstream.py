@@ -32,8 +32,9 @@ async def _wait_gone(receive) -> None:
 
 async def _json(send, status: int, value, headers=()) -> None:
     body = json.dumps(value).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), *headers]})
+    await send(
+        {"type": "http.response.start", "status": status, "headers": [(b"content-type", b"application/json"), *headers]}
+    )
     await send({"type": "http.response.body", "body": body})
 
 
@@ -50,8 +51,15 @@ async def app(scope, receive, send):
         more = message.get("more_body", False)
     path = scope["path"]
     if not path.startswith("/_"):
-        log.append({"method": scope["method"], "path": scope["raw_path"].decode(), "query": scope["query_string"].decode(),
-                    "headers": [[k.decode(), v.decode()] for k, v in scope["headers"]], "body": body.decode()})
+        log.append(
+            {
+                "method": scope["method"],
+                "path": scope["raw_path"].decode(),
+                "query": scope["query_string"].decode(),
+                "headers": [[k.decode(), v.decode()] for k, v in scope["headers"]],
+                "body": body.decode(),
+            }
+        )
     if path == "/_log":
         await _json(send, 200, log)
     elif path == "/_release":

@@ -20,11 +20,32 @@ TOKEN = "guard-token-5be1"
 UPSTREAM = Path(__file__).with_name("guard_upstream.py")
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 METHODS = ("GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD")
-PATHS = ("/", "/health", "/collective_rpc", "/pause", "/v1/models", "/v1/completions", "/metrics", "/_log",
-         "//v1/models", "/V1/models", "/v1%2Fmodels", "/a/../collective_rpc", "/reset_prefix_cache?x=1")
-WRONG = ({}, {"Authorization": TOKEN}, {"Authorization": f"Basic {TOKEN}"}, {"Authorization": "Bearer x"},
-         {"Authorization": f"Bearer {TOKEN}x"}, {"Authorization": f"Bearer {TOKEN[:-1]}"},
-         {"Authorization": "Bearer"}, {"X-Api-Key": TOKEN}, {"Authorization": f"Bearer  {TOKEN[1:]}"})
+PATHS = (
+    "/",
+    "/health",
+    "/collective_rpc",
+    "/pause",
+    "/v1/models",
+    "/v1/completions",
+    "/metrics",
+    "/_log",
+    "//v1/models",
+    "/V1/models",
+    "/v1%2Fmodels",
+    "/a/../collective_rpc",
+    "/reset_prefix_cache?x=1",
+)
+WRONG = (
+    {},
+    {"Authorization": TOKEN},
+    {"Authorization": f"Basic {TOKEN}"},
+    {"Authorization": "Bearer x"},
+    {"Authorization": f"Bearer {TOKEN}x"},
+    {"Authorization": f"Bearer {TOKEN[:-1]}"},
+    {"Authorization": "Bearer"},
+    {"X-Api-Key": TOKEN},
+    {"Authorization": f"Bearer  {TOKEN[1:]}"},
+)
 
 
 @pytest.fixture(params=["unix", "tcp"])
@@ -35,8 +56,15 @@ def guarded(request, tmp_path):
     private.mkdir(mode=0o700)
     upstream = f"unix:{private / 'engine.sock'}" if request.param == "unix" else f"127.0.0.1:{free_port()}"
     go = tmp_path / "go"
-    server = LocalServer("", free_port(), env={"GO_FILE": str(go)}, command=[sys.executable, str(UPSTREAM), upstream],
-                         upstream=upstream, token=TOKEN, private_dir=private).start()
+    server = LocalServer(
+        "",
+        free_port(),
+        env={"GO_FILE": str(go)},
+        command=[sys.executable, str(UPSTREAM), upstream],
+        upstream=upstream,
+        token=TOKEN,
+        private_dir=private,
+    ).start()
     server.go = lambda: go.touch() or server.wait_healthy(60)
     yield server
     server.stop()
@@ -60,8 +88,9 @@ def test_no_request_without_the_token_reaches_the_engine(guarded):
             assert r.status_code == 401, (method, path, headers, r.status_code, r.text)
             assert r.headers["www-authenticate"] == "Bearer"
             if method != "HEAD":
-                assert r.json()["error"]["message"].endswith("needs the engine's token: "
-                                                             "'Authorization: Bearer <token>'"), r.text
+                assert r.json()["error"]["message"].endswith(
+                    "needs the engine's token: 'Authorization: Bearer <token>'"
+                ), r.text
     assert received(guarded) == before
 
 
@@ -72,12 +101,20 @@ def test_a_request_with_the_token_passes_as_sent(guarded):
     guarded.go()
     body = json.dumps({"prompt": [1, 2, 3], "text": "é\u2028"}).encode()
     for scheme in ("Bearer", "bearer"):
-        r = httpx.patch(guarded.url + "/v1%2Fx/y?a=1&b=%20", content=body, timeout=10,
-                        headers={"Authorization": f"{scheme} {TOKEN}", "X-Custom": "kept", "Keep-Alive": "timeout=5"})
+        r = httpx.patch(
+            guarded.url + "/v1%2Fx/y?a=1&b=%20",
+            content=body,
+            timeout=10,
+            headers={"Authorization": f"{scheme} {TOKEN}", "X-Custom": "kept", "Keep-Alive": "timeout=5"},
+        )
         assert r.status_code == 200, r.text
         got = r.json()
-        assert (got["method"], got["path"], got["query"], got["body"].encode()) == ("PATCH", "/v1%2Fx/y", "a=1&b=%20",
-                                                                                    body)
+        assert (got["method"], got["path"], got["query"], got["body"].encode()) == (
+            "PATCH",
+            "/v1%2Fx/y",
+            "a=1&b=%20",
+            body,
+        )
         headers = dict(got["headers"])
         assert headers["authorization"] == f"{scheme} {TOKEN}" and headers["x-custom"] == "kept"
         assert "keep-alive" not in headers and headers["content-length"] == str(len(body))
@@ -139,8 +176,11 @@ def test_an_engine_that_is_not_there_or_breaks_off(guarded):
 def test_the_guard_ends_with_the_engine(guarded):
     guarded.go()
     assert httpx.get(guarded.url + "/health", headers=AUTH, timeout=10).status_code == 200
-    engine = [p for p in Path("/proc").iterdir() if p.name.isdigit() and
-              _ppid(p) == guarded.proc.pid and str(UPSTREAM).encode() in (p / "cmdline").read_bytes()]
+    engine = [
+        p
+        for p in Path("/proc").iterdir()
+        if p.name.isdigit() and _ppid(p) == guarded.proc.pid and str(UPSTREAM).encode() in (p / "cmdline").read_bytes()
+    ]
     assert len(engine) == 1
     import os
     import signal
@@ -171,8 +211,14 @@ def _call(guard: TokenGuard, chunks: list[bytes], headers: list[tuple[bytes, byt
     async def send(message):
         sent.append(message)
 
-    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "raw_path": b"/v1/completions",
-             "query_string": b"", "headers": headers}
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/v1/completions",
+        "raw_path": b"/v1/completions",
+        "query_string": b"",
+        "headers": headers,
+    }
     asyncio.run(guard(scope, receive, send))
     return sent
 
@@ -210,9 +256,12 @@ def test_a_websocket_is_closed_before_it_is_accepted_token_or_not():
 
         async def send(message):
             sent.append(message)
-        await guard({"type": "websocket", "path": "/v1/realtime", "headers": headers, "query_string": b""},
-                    receive, send)
+
+        await guard(
+            {"type": "websocket", "path": "/v1/realtime", "headers": headers, "query_string": b""}, receive, send
+        )
         return sent
+
     for headers in ([], [(b"authorization", f"Bearer {TOKEN}".encode())]):
         assert asyncio.run(upgrade(headers)) == [{"type": "websocket.close", "code": 1008}]
 

@@ -401,8 +401,10 @@ def test_the_sglang_client_reads_versions_where_sglang_reports_them(tmp_path):
     async def main():
         first = await engine.get_weight_version()
         loaded = await engine.load_weights(tmp_path, 2, checksum="abc")  # SGLang answers no checksum: not required
-        server.meta = {"weight_version": "2", "weight_versions": [{"version": "1", "start": 0, "end": 3},
-                                                                  {"version": "2", "start": 3, "end": 5}]}
+        server.meta = {
+            "weight_version": "2",
+            "weight_versions": [{"version": "1", "start": 0, "end": 3}, {"version": "2", "start": 3, "end": 5}],
+        }
         spanned = await engine.generate([1], SamplingParams(max_new_tokens=1))
         server.meta = {}
         with pytest.raises(EngineRequestError, match="sglang.test.*weight version None"):
@@ -585,8 +587,11 @@ def test_the_probe_names_an_engine_that_computes_with_other_weights():
 
     async def main():
         ok = await Router([same], sync=DiskSync(router.sync.writer)).probe(ids, reference, 1e-3)
-        with pytest.raises(EngineReceiptError, match=r"Fake\(stale\) at weight version 0: its logprobs of the probe "
-                                                     r"differ from the trainer's by .* > engine.sync_probe_tolerance"):
+        with pytest.raises(
+            EngineReceiptError,
+            match=r"Fake\(stale\) at weight version 0: its logprobs of the probe "
+            r"differ from the trainer's by .* > engine.sync_probe_tolerance",
+        ):
             await router.probe(ids, reference, 1e-3)
         return ok
 
@@ -631,14 +636,17 @@ def test_a_version_probe_spanning_a_weight_update_does_not_mark_the_updated_engi
 
 
 @pytest.mark.parametrize("sync", ["disk", "delta"])
-def test_an_engine_whose_request_fails_during_its_load_stays_down_until_the_health_loop_readmits_it(tmp_path,
-                                                                                                     sync):
+def test_an_engine_whose_request_fails_during_its_load_stays_down_until_the_health_loop_readmits_it(tmp_path, sync):
     """A request still running on a when the drain gives up fails while a loads the new weights: a goes down,
     and the load that then succeeds does not bring it back; the next health check does (a answers and holds
     the router's version), and the request was served by b."""
     a, b = FakeEngine("a"), FakeEngine("b")
-    router = Router([a, b], sync=(DeltaSync if sync == "delta" else DiskSync)(WeightWriter(tmp_path)), drain_timeout_s=0.0,
-                    health_interval_s=3600)
+    router = Router(
+        [a, b],
+        sync=(DeltaSync if sync == "delta" else DiskSync)(WeightWriter(tmp_path)),
+        drain_timeout_s=0.0,
+        health_interval_s=3600,
+    )
     a.gate["generate"], a.gate["load_weights"] = asyncio.Event(), asyncio.Event()
 
     async def main():
@@ -662,6 +670,8 @@ def test_an_engine_whose_request_fails_during_its_load_stays_down_until_the_heal
     assert a.version == 1 and after_load == [False, True]
     assert out.finish_reason == "stop" and out.weight_version == 1 and (a.requests, b.requests) == (0, 1)
     assert router.healthy == [True, True] and router.counts["failover"] == 1
-    assert any(e.startswith("re-admitted Fake(a) at weight version 1 (reports the current weights; was down)")
-               for e in router.events), list(router.events)
+    assert any(
+        e.startswith("re-admitted Fake(a) at weight version 1 (reports the current weights; was down)")
+        for e in router.events
+    ), list(router.events)
     assert_healthy_engines_hold_the_routers_weights(router, _weights(1))

@@ -25,9 +25,15 @@ def test_generate_returns_tokens_and_the_trainers_logprobs(start_server, tiny_mo
 
     server = start_server()
     prompt = [5, 17, 230, 9]
-    r = _post(server.url, "/generate", {"input_ids": prompt, "return_logprob": True,
-                                         "sampling_params": {"temperature": 0.7, "max_new_tokens": 8,
-                                                             "stop_token_ids": [-1]}})
+    r = _post(
+        server.url,
+        "/generate",
+        {
+            "input_ids": prompt,
+            "return_logprob": True,
+            "sampling_params": {"temperature": 0.7, "max_new_tokens": 8, "stop_token_ids": [-1]},
+        },
+    )
     assert r.status_code == 200, r.text
     out = r.json()
     meta = out["meta_info"]
@@ -134,9 +140,14 @@ def test_openai_routes_return_token_ids_and_logprobs(start_server):
     r = _post(server.url, "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 4, "logprobs": 0, "temperature": 0})
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
-    assert choice["prompt_token_ids"] == [5, 6, 7] and len(choice["logprobs"]["token_logprobs"]) == len(choice["token_ids"])
-    r = _post(server.url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "2+2?"}],
-                                                     "max_tokens": 4, "logprobs": True, "model": "x"})
+    assert choice["prompt_token_ids"] == [5, 6, 7] and len(choice["logprobs"]["token_logprobs"]) == len(
+        choice["token_ids"]
+    )
+    r = _post(
+        server.url,
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "2+2?"}], "max_tokens": 4, "logprobs": True, "model": "x"},
+    )
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     assert choice["message"]["role"] == "assistant" and len(choice["logprobs"]["content"]) == len(choice["token_ids"])

@@ -61,14 +61,18 @@ async def _in_flight_beside(url, bad: list[tuple[str, object]], good_n=4, header
     """Start ``good_n`` long /generate requests, then send each bad request while they run.
     Returns (good responses, bad responses); every request has a deadline (a hang fails)."""
     async with httpx.AsyncClient(base_url=url, timeout=60, headers=headers) as client:
-        good = [asyncio.ensure_future(client.post("/generate", json={"input_ids": [5 + i, 6, 7],
-                                                                     "sampling_params": LONG}))
-                for i in range(good_n)]
+        good = [
+            asyncio.ensure_future(client.post("/generate", json={"input_ids": [5 + i, 6, 7], "sampling_params": LONG}))
+            for i in range(good_n)
+        ]
         await asyncio.sleep(0.2)  # the good ones are decoding
         bad_out = []
         for path, body in bad:
-            kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) \
+            kw = (
+                {"content": body, "headers": {"content-type": "application/json"}}
+                if isinstance(body, bytes)
                 else {"json": body}
+            )
             bad_out.append(await asyncio.wait_for(client.post(path, **kw), 30))
         return await asyncio.wait_for(asyncio.gather(*good), 60), bad_out
 
@@ -88,28 +92,49 @@ def _assert_4xx(responses, bad, words):
 
 # ---- item 18: bad ids and seeds fail alone, the batch and the server go on ---------------------
 
+
 def test_out_of_vocabulary_ids_and_huge_seeds_fail_alone_beside_good_requests():
     engine = tiny_engine()
-    bad = [("/generate", {"input_ids": [5, 49152, 7]}),  # the vocabulary is [0, 49152)
-           ("/generate", {"input_ids": [5, -1, 7]}),
-           ("/generate", {"input_ids": [5, 6], "sampling_params": {"sampling_seed": 2**64}}),
-           ("/generate", {"input_ids": [5, 6], "sampling_params": {"sampling_seed": -2**63 - 1}}),
-           ("/generate", {"input_ids": [5, 6], "sampling_params": {"top_k": 2**70}}),
-           ("/generate", b'{"input_ids": [5, 6], "sampling_params": {"temperature": 1e400}}'),
-           ("/generate", b'{"input_ids": [5, 6], "sampling_params": {"temperature": NaN}}'),
-           ("/generate", b'{"input_ids": [5, 6], "sampling_params": {"top_p": Infinity}}'),
-           ("/generate", {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 10**30}}),
-           ("/generate", {"input_ids": [2**70]}),
-           ("/v1/completions", {"prompt": [5, 99999], "max_tokens": 2}),
-           ("/v1/completions", {"prompt": [5, 6], "max_tokens": 2, "seed": 2**64})]
-    words = ["vocabulary", "vocabulary", "sampling_seed", "sampling_seed", "top_k", "temperature", "temperature",
-             "top_p", "max_new_tokens", "input_ids", "vocabulary", "seed"]
+    bad = [
+        ("/generate", {"input_ids": [5, 49152, 7]}),  # the vocabulary is [0, 49152)
+        ("/generate", {"input_ids": [5, -1, 7]}),
+        ("/generate", {"input_ids": [5, 6], "sampling_params": {"sampling_seed": 2**64}}),
+        ("/generate", {"input_ids": [5, 6], "sampling_params": {"sampling_seed": -(2**63) - 1}}),
+        ("/generate", {"input_ids": [5, 6], "sampling_params": {"top_k": 2**70}}),
+        ("/generate", b'{"input_ids": [5, 6], "sampling_params": {"temperature": 1e400}}'),
+        ("/generate", b'{"input_ids": [5, 6], "sampling_params": {"temperature": NaN}}'),
+        ("/generate", b'{"input_ids": [5, 6], "sampling_params": {"top_p": Infinity}}'),
+        ("/generate", {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 10**30}}),
+        ("/generate", {"input_ids": [2**70]}),
+        ("/v1/completions", {"prompt": [5, 99999], "max_tokens": 2}),
+        ("/v1/completions", {"prompt": [5, 6], "max_tokens": 2, "seed": 2**64}),
+    ]
+    words = [
+        "vocabulary",
+        "vocabulary",
+        "sampling_seed",
+        "sampling_seed",
+        "top_k",
+        "temperature",
+        "temperature",
+        "top_p",
+        "max_new_tokens",
+        "input_ids",
+        "vocabulary",
+        "seed",
+    ]
     with serving(create_app(engine)) as url:
         good, answers = asyncio.run(_in_flight_beside(url, bad))
         _assert_good(good)
         _assert_4xx(answers, bad, words)
-        top_k_beyond_vocab = httpx.post(url + "/generate", json={"input_ids": [5, 6], "sampling_params": {
-            "top_k": 10**6, "max_new_tokens": 3, "stop_token_ids": [-1]}}, timeout=30)
+        top_k_beyond_vocab = httpx.post(
+            url + "/generate",
+            json={
+                "input_ids": [5, 6],
+                "sampling_params": {"top_k": 10**6, "max_new_tokens": 3, "stop_token_ids": [-1]},
+            },
+            timeout=30,
+        )
         assert top_k_beyond_vocab.status_code == 200 and len(top_k_beyond_vocab.json()["output_ids"]) == 3
 
 
@@ -142,8 +167,9 @@ def test_an_engine_error_fails_only_the_request_it_concerns(monkeypatch, fast_de
     sp = SamplingParams(temperature=1.0, max_new_tokens=6, stop_token_ids=[-1])
 
     async def main():
-        outs = await asyncio.gather(*(engine.generate(p, sp) for p in ([1, 2, 3], poison, [4, 5, 6])),
-                                    return_exceptions=True)
+        outs = await asyncio.gather(
+            *(engine.generate(p, sp) for p in ([1, 2, 3], poison, [4, 5, 6])), return_exceptions=True
+        )
         again = await engine.generate([7, 8], sp)
         return outs, again
 
@@ -157,9 +183,11 @@ def test_a_seed_beyond_64_bits_never_hangs_the_engine():
     sp = SamplingParams(temperature=1.0, max_new_tokens=4, stop_token_ids=[-1])
 
     async def main():
-        return await asyncio.gather(engine.generate([1, 2], sp),
-                                    engine.generate([3, 4], SamplingParams(seed=2**64, max_new_tokens=4)),
-                                    return_exceptions=True)
+        return await asyncio.gather(
+            engine.generate([1, 2], sp),
+            engine.generate([3, 4], SamplingParams(seed=2**64, max_new_tokens=4)),
+            return_exceptions=True,
+        )
 
     good, bad = asyncio.run(asyncio.wait_for(main(), 30))
     assert isinstance(bad, ValueError) and "seed" in str(bad)
@@ -167,6 +195,7 @@ def test_a_seed_beyond_64_bits_never_hangs_the_engine():
 
 
 # ---- item 19: other 500s, the token, the weights folder ----------------------------------------
+
 
 def test_bad_weight_loads_and_prompts_get_4xx_with_a_message(tmp_path, tokenizer):
     weights = tmp_path / "weights"
@@ -177,18 +206,30 @@ def test_bad_weight_loads_and_prompts_get_4xx_with_a_message(tmp_path, tokenizer
     outside, _ = save_weights(tmp_path / "elsewhere")
     (weights / "link").symlink_to(outside)
     engine = tiny_engine()
-    bad = [("/update_weights_from_disk", {"model_path": str(weights / "junk")}),
-           ("/update_weights_from_disk", {"model_path": str(weights / "notes.txt")}),
-           ("/update_weights_from_disk", {"model_path": str(good), "weight_version": "default"}),
-           ("/update_weights_from_disk", {"model_path": str(good), "weight_version": -3}),
-           ("/update_weights_from_disk", {"model_path": str(outside)}),
-           ("/update_weights_from_disk", {"model_path": str(weights / ".." / "elsewhere" / "v1")}),
-           ("/update_weights_from_disk", {"model_path": str(weights / "link")}),
-           ("/update_weights_from_disk", {"model_path": "/etc/passwd"}),
-           ("/v1/completions", {"prompt": "", "max_tokens": 2}),
-           ("/v1/completions", {"prompt": [], "max_tokens": 2})]
-    words = ["safetensors", "safetensors", "weight_version", "weight_version", "weights folder", "weights folder",
-             "weights folder", "weights folder", "empty", "empty"]
+    bad = [
+        ("/update_weights_from_disk", {"model_path": str(weights / "junk")}),
+        ("/update_weights_from_disk", {"model_path": str(weights / "notes.txt")}),
+        ("/update_weights_from_disk", {"model_path": str(good), "weight_version": "default"}),
+        ("/update_weights_from_disk", {"model_path": str(good), "weight_version": -3}),
+        ("/update_weights_from_disk", {"model_path": str(outside)}),
+        ("/update_weights_from_disk", {"model_path": str(weights / ".." / "elsewhere" / "v1")}),
+        ("/update_weights_from_disk", {"model_path": str(weights / "link")}),
+        ("/update_weights_from_disk", {"model_path": "/etc/passwd"}),
+        ("/v1/completions", {"prompt": "", "max_tokens": 2}),
+        ("/v1/completions", {"prompt": [], "max_tokens": 2}),
+    ]
+    words = [
+        "safetensors",
+        "safetensors",
+        "weight_version",
+        "weight_version",
+        "weights folder",
+        "weights folder",
+        "weights folder",
+        "weights folder",
+        "empty",
+        "empty",
+    ]
     with serving(create_app(engine, tokenizer=tokenizer, weights_dir=str(weights))) as url:
         good_answers, answers = asyncio.run(_in_flight_beside(url, bad))
         _assert_good(good_answers)
@@ -216,21 +257,38 @@ def test_a_non_ascii_token_is_refused_not_a_500():
 
 # ---- item 12: the token policy ------------------------------------------------------------------
 
-GENERATION = [("POST", "/generate", {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}}),
-              ("POST", "/v1/completions", {"prompt": [5, 6], "max_tokens": 2}),
-              ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
-              ("GET", "/health_generate", None), ("GET", "/get_weight_version", None), ("GET", "/v1/models", None)]
-WEIGHTS = [("POST", "/abort_request", {"rid": "x"}), ("POST", "/flush_cache", None),
-           ("POST", "/update_weights_from_disk", {"model_path": "/nowhere"}),
-           ("POST", "/destroy_weights_update_group", {"group_name": "g"}),
-           ("POST", "/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1,
-                                                   "world_size": 2}),
-           ("POST", "/pause_generation", {"mode": "abort"}), ("POST", "/continue_generation", {}),
-           ("POST", "/begin_weight_update", {}), ("POST", "/end_weight_update", {}),
-           ("POST", "/update_weights_from_distributed", {"names": ["x"], "dtypes": ["float32"], "shapes": [[1]],
-                                                         "group_name": "g"}),
-           ("POST", "/update_weight_version", {"new_version": "3"}), ("GET", "/weights_manifest", None),
-           ("POST", "/weights_checker", {"action": "checksum"}), ("GET", "/weights_checker", None)]
+GENERATION = [
+    ("POST", "/generate", {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}}),
+    ("POST", "/v1/completions", {"prompt": [5, 6], "max_tokens": 2}),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+    ("GET", "/health_generate", None),
+    ("GET", "/get_weight_version", None),
+    ("GET", "/v1/models", None),
+]
+WEIGHTS = [
+    ("POST", "/abort_request", {"rid": "x"}),
+    ("POST", "/flush_cache", None),
+    ("POST", "/update_weights_from_disk", {"model_path": "/nowhere"}),
+    ("POST", "/destroy_weights_update_group", {"group_name": "g"}),
+    (
+        "POST",
+        "/init_weights_update_group",
+        {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2},
+    ),
+    ("POST", "/pause_generation", {"mode": "abort"}),
+    ("POST", "/continue_generation", {}),
+    ("POST", "/begin_weight_update", {}),
+    ("POST", "/end_weight_update", {}),
+    (
+        "POST",
+        "/update_weights_from_distributed",
+        {"names": ["x"], "dtypes": ["float32"], "shapes": [[1]], "group_name": "g"},
+    ),
+    ("POST", "/update_weight_version", {"new_version": "3"}),
+    ("GET", "/weights_manifest", None),
+    ("POST", "/weights_checker", {"action": "checksum"}),
+    ("GET", "/weights_checker", None),
+]
 
 
 def _status(client, method, path, body, headers=None):
@@ -282,6 +340,7 @@ def test_the_serve_command_passes_its_flags(monkeypatch, tmp_path):
 
 # ---- item 15: weight loads and checksums off the event loop ------------------------------------
 
+
 def test_a_weight_load_leaves_the_event_loop_free(monkeypatch, tmp_path):
     """Loading and checksumming run in a thread: /health answers at once while a slow load runs."""
     import strop.serving.routes_weights as server
@@ -300,6 +359,7 @@ def test_a_weight_load_leaves_the_event_loop_free(monkeypatch, tmp_path):
     monkeypatch.setattr(server, "load_weights_dir", slow_load)
     monkeypatch.setattr(server, "state_checksum", slow_sum)
     with serving(create_app(tiny_engine(), weights_dir=str(tmp_path))) as url:
+
         async def main():
             async with httpx.AsyncClient(base_url=url, timeout=30) as client:
                 load = asyncio.ensure_future(client.post("/update_weights_from_disk", json={"model_path": str(path)}))
@@ -317,6 +377,7 @@ def test_a_weight_load_leaves_the_event_loop_free(monkeypatch, tmp_path):
 
 
 # ---- item 14: old process groups are torn down ---------------------------------------------------
+
 
 class _FakeGroup:
     def __init__(self, *args):
@@ -375,12 +436,21 @@ def test_a_real_gloo_group_is_shut_down_by_destroy():
     from strop.process import free_port
 
     port = free_port()
-    rank_0 = subprocess.Popen([sys.executable, "-c", _RANK_0, str(port), "g"], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)
+    rank_0 = subprocess.Popen(
+        [sys.executable, "-c", _RANK_0, str(port), "g"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     try:
         with TestClient(create_app(tiny_engine())) as client:
-            r = client.post("/init_weights_update_group", json={"master_address": "127.0.0.1", "master_port": port,
-                                                                "rank_offset": 1, "world_size": 2, "group_name": "g"})
+            r = client.post(
+                "/init_weights_update_group",
+                json={
+                    "master_address": "127.0.0.1",
+                    "master_port": port,
+                    "rank_offset": 1,
+                    "world_size": 2,
+                    "group_name": "g",
+                },
+            )
             assert r.status_code == 200, r.text
             assert rank_0.stdout.readline().strip() == "joined"
             joined = _open_files()
@@ -402,6 +472,7 @@ def _open_files() -> int:
 
 
 # ---- item 16: abort bookkeeping stays bounded -----------------------------------------------------
+
 
 def test_aborted_ids_of_requests_no_longer_queued_or_running_are_dropped(monkeypatch):
     import strop.serving.embedded as embedded
@@ -446,6 +517,7 @@ def test_a_request_aborted_before_it_arrives_ends_as_an_abort_and_is_forgotten()
 
 # ---- acceptance: a mixed load over every route -----------------------------------------------------
 
+
 def test_a_mixed_load_over_every_route_answers_the_good_and_refuses_the_bad(tmp_path, tokenizer):
     """Good requests for every route in flight while bad ones arrive (wrong types, out-of-range
     and huge values, garbage or non-UTF-8 JSON, missing fields, a wrong token, paths outside the
@@ -458,10 +530,15 @@ def test_a_mixed_load_over_every_route_answers_the_good_and_refuses_the_bad(tmp_
     gen = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}}
     group = {"master_address": "127.0.0.1", "master_port": 29500, "rank_offset": 1, "world_size": 2}
     bad = [  # (method, path, JSON body or raw bytes, headers)
-        ("POST", "/generate", {"input_ids": "five"}, auth), ("POST", "/generate", {}, auth),
-        ("POST", "/generate", b'{"input_ids": [1,', auth), ("POST", "/generate", b'\xff\xfe{"input_ids": [1]}', auth),
-        ("POST", "/generate", b"[1, 2]", auth), ("POST", "/generate", b"null", auth), ("POST", "/generate", b"", auth),
-        ("POST", "/generate", {"input_ids": [5, -7]}, auth), ("POST", "/generate", {"input_ids": [10**40]}, auth),
+        ("POST", "/generate", {"input_ids": "five"}, auth),
+        ("POST", "/generate", {}, auth),
+        ("POST", "/generate", b'{"input_ids": [1,', auth),
+        ("POST", "/generate", b'\xff\xfe{"input_ids": [1]}', auth),
+        ("POST", "/generate", b"[1, 2]", auth),
+        ("POST", "/generate", b"null", auth),
+        ("POST", "/generate", b"", auth),
+        ("POST", "/generate", {"input_ids": [5, -7]}, auth),
+        ("POST", "/generate", {"input_ids": [10**40]}, auth),
         ("POST", "/generate", {**gen, "sampling_params": {"max_new_tokens": -1}}, auth),
         ("POST", "/generate", {**gen, "sampling_params": {"max_new_tokens": 10**12}}, auth),
         ("POST", "/generate", {**gen, "sampling_params": {"top_k": -5}}, auth),
@@ -472,7 +549,8 @@ def test_a_mixed_load_over_every_route_answers_the_good_and_refuses_the_bad(tmp_
         ("POST", "/generate", {**gen, "sampling_params": {"n": 10**6}}, auth),
         ("POST", "/generate", {**gen, "sampling_params": [{}, {}]}, auth),
         ("POST", "/generate", {**gen, "stream": True}, auth),
-        ("POST", "/generate", gen, {"Authorization": "Bearer wrong"}), ("POST", "/generate", gen, {}),
+        ("POST", "/generate", gen, {"Authorization": "Bearer wrong"}),
+        ("POST", "/generate", gen, {}),
         ("GET", "/generate", None, auth),
         ("POST", "/v1/completions", {"max_tokens": 2}, auth),
         ("POST", "/v1/completions", {"prompt": {"a": 1}, "max_tokens": 2}, auth),
@@ -482,8 +560,12 @@ def test_a_mixed_load_over_every_route_answers_the_good_and_refuses_the_bad(tmp_
         ("POST", "/v1/completions", {"prompt": [5], "seed": -1}, auth),
         ("POST", "/v1/completions", {"prompt": [5], "logprobs": 21}, auth),
         ("POST", "/v1/completions", {"prompt": [5], "suffix": "x"}, auth),
-        ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True,
-                                          "top_logprobs": 21}, auth),
+        (
+            "POST",
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+            auth,
+        ),
         ("POST", "/v1/chat/completions", {"messages": []}, auth),
         ("POST", "/v1/chat/completions", {"messages": "hi"}, auth),
         ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, auth),
@@ -497,7 +579,8 @@ def test_a_mixed_load_over_every_route_answers_the_good_and_refuses_the_bad(tmp_
         ("POST", "/update_weights_from_disk", {"model_path": str(good_path), "digests": {"x": "0"}}, auth),
         ("POST", "/update_weights_from_disk", {}, auth),
         ("POST", "/update_weights_from_disk", {"model_path": str(good_path)}, {}),
-        ("POST", "/abort_request", {"rid": 5}, auth), ("POST", "/abort_request", {"rid": "x", "what": 1}, auth),
+        ("POST", "/abort_request", {"rid": 5}, auth),
+        ("POST", "/abort_request", {"rid": "x", "what": 1}, auth),
         ("POST", "/abort_request", {"rid": "x"}, {"Authorization": "Bearer s3crét".encode()}),
         ("POST", "/flush_cache", None, {"Authorization": "Basic s3cret"}),
         ("POST", "/init_weights_update_group", {**group, "world_size": 1}, auth),
@@ -505,47 +588,89 @@ def test_a_mixed_load_over_every_route_answers_the_good_and_refuses_the_bad(tmp_
         ("POST", "/init_weights_update_group", {**group, "master_port": 70000}, auth),
         ("POST", "/init_weights_update_group", {**group, "backend": "mpi"}, auth),
         ("POST", "/init_weights_update_group", {"master_port": 1}, auth),
-        ("POST", "/update_weights_from_distributed", {"names": ["lm_head.weight"], "dtypes": ["float32"],
-                                                      "shapes": [[1]]}, auth),
+        (
+            "POST",
+            "/update_weights_from_distributed",
+            {"names": ["lm_head.weight"], "dtypes": ["float32"], "shapes": [[1]]},
+            auth,
+        ),
         ("POST", "/update_weights_from_distributed", {"names": [], "dtypes": [], "shapes": []}, auth),
         ("POST", "/destroy_weights_update_group", {"group_name": ""}, auth),
         ("POST", "/destroy_weights_update_group", {"group_name": 5}, auth),
-        ("POST", "/pause_generation", {"mode": "later"}, auth), ("POST", "/end_weight_update", {}, auth),
+        ("POST", "/pause_generation", {"mode": "later"}, auth),
+        ("POST", "/end_weight_update", {}, auth),
         ("POST", "/begin_weight_update", {"selector": "draft"}, auth),
         ("POST", "/update_weight_version", {"new_version": "v2"}, auth),
-        ("POST", "/weights_checker", {"action": "snapshot"}, auth), ("GET", "/weights_manifest", None, {}),
-        ("GET", "/get_weight_version", None, {}), ("GET", "/health_generate", None, {}),
+        ("POST", "/weights_checker", {"action": "snapshot"}, auth),
+        ("GET", "/weights_manifest", None, {}),
+        ("GET", "/get_weight_version", None, {}),
+        ("GET", "/health_generate", None, {}),
         ("GET", "/v1/models", None, {}),
-        ("GET", "/no/such/route", None, auth)]
+        ("GET", "/no/such/route", None, auth),
+    ]
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
-    good = [  # (method, path, body, check of the JSON answer)
-        ("POST", "/generate", {"input_ids": [5 + i, 6], "sampling_params": LONG},
-         lambda out: len(out["output_ids"]) == LONG["max_new_tokens"])
-        for i in range(3)] + [
-        ("POST", "/generate", {"text": "Hello", "sampling_params": {"max_new_tokens": 40, "stop_token_ids": [-1]}},
-         lambda out: len(out["output_ids"]) == 40),
-        ("POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 30, "n": 2},
-         lambda out: [len(c["token_ids"]) for c in out["choices"]] == [30, 30]),
-        ("POST", "/v1/chat/completions", {**chat, "logprobs": True}, lambda out: out["choices"][0]["logprobs"]),
-        ("POST", "/v1/completions", {"prompt": "Hi there", "max_tokens": 0, "echo": True, "logprobs": 3},
-         lambda out: out["choices"][0]["logprobs"]["token_logprobs"][0] is None
-         and all(len(top) in (3, 4) for top in out["choices"][0]["logprobs"]["top_logprobs"][1:])),  # (+ the token)
-        ("POST", "/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": 2},
-         lambda out: all(len(t["top_logprobs"]) == 2 for t in out["choices"][0]["logprobs"]["content"])),
-        ("POST", "/update_weights_from_disk", {"model_path": str(good_path), "weight_version": 1},
-         lambda out: out["weight_version"] == 1),
-        ("GET", "/get_weight_version", None, lambda out: "weight_version" in out),
-        ("GET", "/health_generate", None, lambda out: out["tokens"] == 1),
-        ("GET", "/v1/models", None, lambda out: out["data"]),
-        ("POST", "/abort_request", {"rid": "nobody"}, lambda out: out["success"]),
-        ("POST", "/flush_cache", None, lambda out: out["success"]),
-        ("POST", "/destroy_weights_update_group", {"group_name": "none"}, lambda out: out["success"]),
-        ("GET", "/weights_manifest", None, lambda out: len(out["names"]) == len(out["shapes"]) > 0),
-        ("POST", "/weights_checker", {"action": "checksum"}, lambda out: len(out["checksum"]) == 32)]
+    good = (
+        [  # (method, path, body, check of the JSON answer)
+            (
+                "POST",
+                "/generate",
+                {"input_ids": [5 + i, 6], "sampling_params": LONG},
+                lambda out: len(out["output_ids"]) == LONG["max_new_tokens"],
+            )
+            for i in range(3)
+        ]
+        + [
+            (
+                "POST",
+                "/generate",
+                {"text": "Hello", "sampling_params": {"max_new_tokens": 40, "stop_token_ids": [-1]}},
+                lambda out: len(out["output_ids"]) == 40,
+            ),
+            (
+                "POST",
+                "/v1/completions",
+                {"prompt": "Hi", "max_tokens": 30, "n": 2},
+                lambda out: [len(c["token_ids"]) for c in out["choices"]] == [30, 30],
+            ),
+            ("POST", "/v1/chat/completions", {**chat, "logprobs": True}, lambda out: out["choices"][0]["logprobs"]),
+            (
+                "POST",
+                "/v1/completions",
+                {"prompt": "Hi there", "max_tokens": 0, "echo": True, "logprobs": 3},
+                lambda out: (
+                    out["choices"][0]["logprobs"]["token_logprobs"][0] is None
+                    and all(len(top) in (3, 4) for top in out["choices"][0]["logprobs"]["top_logprobs"][1:])
+                ),
+            ),  # (+ the token)
+            (
+                "POST",
+                "/v1/chat/completions",
+                {**chat, "logprobs": True, "top_logprobs": 2},
+                lambda out: all(len(t["top_logprobs"]) == 2 for t in out["choices"][0]["logprobs"]["content"]),
+            ),
+            (
+                "POST",
+                "/update_weights_from_disk",
+                {"model_path": str(good_path), "weight_version": 1},
+                lambda out: out["weight_version"] == 1,
+            ),
+            ("GET", "/get_weight_version", None, lambda out: "weight_version" in out),
+            ("GET", "/health_generate", None, lambda out: out["tokens"] == 1),
+            ("GET", "/v1/models", None, lambda out: out["data"]),
+            ("POST", "/abort_request", {"rid": "nobody"}, lambda out: out["success"]),
+            ("POST", "/flush_cache", None, lambda out: out["success"]),
+            ("POST", "/destroy_weights_update_group", {"group_name": "none"}, lambda out: out["success"]),
+            ("GET", "/weights_manifest", None, lambda out: len(out["names"]) == len(out["shapes"]) > 0),
+            ("POST", "/weights_checker", {"action": "checksum"}, lambda out: len(out["checksum"]) == 32),
+        ]
+    )
 
     async def send(client, method, path, body, headers):
-        kw = {"content": body, "headers": {**headers, "content-type": "application/json"}} \
-            if isinstance(body, bytes) else {"json": body, "headers": headers}
+        kw = (
+            {"content": body, "headers": {**headers, "content-type": "application/json"}}
+            if isinstance(body, bytes)
+            else {"json": body, "headers": headers}
+        )
         return await asyncio.wait_for(client.request(method, path, **kw), 60)
 
     async def main(url):
@@ -573,10 +698,12 @@ def test_a_top_p_that_rounds_to_zero_samples_the_most_likely_token():
     from tests.tiny import make_tiny_model
 
     engine = EmbeddedEngine(make_tiny_model(seed=1), pad_token_id=0)
-    tiny = engine.generate_batch([[5, 6, 7]], SamplingParams(temperature=1.0, top_p=1e-50, max_new_tokens=3,
-                                                             stop_token_ids=[-1]))[0]
-    greedy = engine.generate_batch([[5, 6, 7]], SamplingParams(temperature=0.0, max_new_tokens=3,
-                                                               stop_token_ids=[-1]))[0]
+    tiny = engine.generate_batch(
+        [[5, 6, 7]], SamplingParams(temperature=1.0, top_p=1e-50, max_new_tokens=3, stop_token_ids=[-1])
+    )[0]
+    greedy = engine.generate_batch([[5, 6, 7]], SamplingParams(temperature=0.0, max_new_tokens=3, stop_token_ids=[-1]))[
+        0
+    ]
     assert tiny.token_ids == greedy.token_ids  # only the top token survives the nucleus
 
 
@@ -593,8 +720,11 @@ def test_a_body_over_the_limit_gets_413_on_every_route_and_a_long_rid_is_refused
     a short message that repeats none of it; a request id is echoed back, so a long one is refused."""
     engine = tiny_engine()
     with serving(create_app(engine)) as url:  # the default limit, and a 5 MB rid under it
-        r = httpx.post(url + "/generate", json={"input_ids": [5, 6], "rid": "r" * (5 << 20),
-                                                "sampling_params": {"max_new_tokens": 2}}, timeout=30)
+        r = httpx.post(
+            url + "/generate",
+            json={"input_ids": [5, 6], "rid": "r" * (5 << 20), "sampling_params": {"max_new_tokens": 2}},
+            timeout=30,
+        )
         assert r.status_code == 422 and "rid" in r.json()["error"]["message"] and len(r.content) < 500
         r = httpx.post(url + "/abort_request", json={"rid": "r" * 513}, timeout=30)
         assert r.status_code == 422 and "rid" in r.json()["error"]["message"]
@@ -615,10 +745,12 @@ def test_a_body_over_the_limit_gets_413_on_every_route_and_a_long_rid_is_refused
             for _ in range(32):
                 yield b"y" * (64 << 10)
             yield b'"}'
+
         r = httpx.post(url + "/generate", content=chunks(), headers={"content-type": "application/json"}, timeout=30)
         assert r.status_code == 413 and b"yyy" not in r.content
-        r = httpx.post(url + "/generate", json={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}},
-                       timeout=30)
+        r = httpx.post(
+            url + "/generate", json={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}}, timeout=30
+        )
         assert r.status_code == 200 and len(r.json()["output_ids"]) == 2  # and it keeps serving
 
 
@@ -636,10 +768,12 @@ def test_a_stream_whose_client_goes_away_is_aborted_in_the_engine():
     def slowed(*args):  # ~10 ms a step: the 200-token answer is still decoding when the client leaves
         time.sleep(0.01)
         return advance(*args)
+
     engine.generate, engine._advance = recorded, slowed
     with serving(create_app(engine)) as url:
-        with httpx.stream("POST", url + "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 200,
-                                                                 "stream": True}, timeout=30) as r:
+        with httpx.stream(
+            "POST", url + "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 200, "stream": True}, timeout=30
+        ) as r:
             assert r.status_code == 200
             assert next(line for line in r.iter_lines() if line.startswith("data: {"))
         deadline = time.monotonic() + 20

@@ -38,8 +38,17 @@ def test_chat_and_completion_answers_validate_against_the_sdks_models(url):
     from openai.types import Completion
     from openai.types.chat import ChatCompletion
 
-    chat = _raw(url, "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "2+2?"}],
-                                              "max_tokens": 5, "logprobs": True, "seed": 1})
+    chat = _raw(
+        url,
+        "/v1/chat/completions",
+        {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "2+2?"}],
+            "max_tokens": 5,
+            "logprobs": True,
+            "seed": 1,
+        },
+    )
     parsed = ChatCompletion.model_validate(chat)  # strict: every required field, every literal
     content = parsed.choices[0].logprobs.content
     assert len(content) == len(chat["choices"][0]["token_ids"]) == parsed.usage.completion_tokens
@@ -53,8 +62,16 @@ def test_stream_true_sends_server_sent_events_the_sdk_reads(client):
     from openai.types.chat import ChatCompletionChunk
 
     whole = client.completions.create(model="tiny", prompt="Once upon", max_tokens=6, temperature=0)
-    chunks = list(client.completions.create(model="tiny", prompt="Once upon", max_tokens=6, temperature=0,
-                                            stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model="tiny",
+            prompt="Once upon",
+            max_tokens=6,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks, "the stream was empty"
     for c in chunks:  # (OpenAI's own chunks leave finish_reason null until the last, which the model refuses)
         if c.choices and c.choices[0].finish_reason is not None:
@@ -63,8 +80,11 @@ def test_stream_true_sends_server_sent_events_the_sdk_reads(client):
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
     messages = [{"role": "user", "content": "Say hi"}]
     whole = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0)
-    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0,
-                                                 stream=True, logprobs=True))
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=6, temperature=0, stream=True, logprobs=True
+        )
+    )
     for c in chunks:
         ChatCompletionChunk.model_validate(c.model_dump())
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
@@ -103,15 +123,22 @@ def _later_word(tokenizer, ids, text) -> str:
 def test_unsupported_openai_options_are_refused_with_a_message(client):
     import openai
 
-    for kw in ({"frequency_penalty": 0.5}, {"logit_bias": {"5": 10}}, {"top_logprobs": 21, "logprobs": True},
-               {"top_logprobs": 2}, {"response_format": {"type": "json_object"}}):
+    for kw in (
+        {"frequency_penalty": 0.5},
+        {"logit_bias": {"5": 10}},
+        {"top_logprobs": 21, "logprobs": True},
+        {"top_logprobs": 2},
+        {"response_format": {"type": "json_object"}},
+    ):
         with pytest.raises((openai.BadRequestError, openai.UnprocessableEntityError)) as err:
-            client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2,
-                                           **kw)
+            client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2, **kw
+            )
         assert next(iter(kw)) in str(err.value)
 
 
 # ---- top logprobs, echo and streaming, against a direct forward of the same model ----------------------------
+
 
 @pytest.fixture(params=[True, False], ids=["kv-decoder", "fallback"])
 def served(request, tokenizer):
@@ -154,8 +181,15 @@ def test_completions_give_the_top_logprobs_and_echo_the_prompt_as_a_forward_pass
     prompt = "The cat sat on the"
     with _sdk(url) as client:
         for temperature, k, max_tokens in ((0.7, 5, 4), (0.0, 1, 0), (1.3, 20, 3)):
-            done = client.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens, echo=True,
-                                             logprobs=k, temperature=temperature, seed=3)
+            done = client.completions.create(
+                model="tiny",
+                prompt=prompt,
+                max_tokens=max_tokens,
+                echo=True,
+                logprobs=k,
+                temperature=temperature,
+                seed=3,
+            )
             choice = done.choices[0]
             prompt_ids, generated = choice.model_extra["prompt_token_ids"], choice.model_extra["token_ids"]
             ids = prompt_ids + generated
@@ -170,8 +204,10 @@ def test_completions_give_the_top_logprobs_and_echo_the_prompt_as_a_forward_pass
                 row, tol = scored[i - 1], _tolerance(i >= len(prompt_ids))
                 assert abs(lp.token_logprobs[i] - row[ids[i]].item()) < tol, (temperature, i)
                 values, top = row.topk(k)
-                want = {texts[i]: row[ids[i]].item(), **{tokenizer.decode([t]): v for t, v in zip(top.tolist(),
-                                                                                                   values.tolist())}}
+                want = {
+                    texts[i]: row[ids[i]].item(),
+                    **{tokenizer.decode([t]): v for t, v in zip(top.tolist(), values.tolist())},
+                }
                 assert lp.top_logprobs[i].keys() == want.keys(), (temperature, i)
                 assert all(abs(lp.top_logprobs[i][t] - v) < tol for t, v in want.items()), (temperature, i)
         with pytest.raises(openai.BadRequestError, match="logprobs"):
@@ -185,9 +221,15 @@ def test_chat_gives_the_top_logprobs_a_forward_pass_gives(served, tokenizer):
     tol = _tolerance(True)
     with _sdk(url) as client:
         for temperature, k in ((0.0, 3), (0.8, 20)):
-            done = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "2+2?"}],
-                                                  max_tokens=5, temperature=temperature, seed=2, logprobs=True,
-                                                  top_logprobs=k)
+            done = client.chat.completions.create(
+                model="tiny",
+                messages=[{"role": "user", "content": "2+2?"}],
+                max_tokens=5,
+                temperature=temperature,
+                seed=2,
+                logprobs=True,
+                top_logprobs=k,
+            )
             ChatCompletion.model_validate(done.model_dump())
             choice = done.choices[0]
             prompt_ids, generated = choice.model_extra["prompt_token_ids"], choice.model_extra["token_ids"]
@@ -265,6 +307,7 @@ def test_stream_sends_each_token_as_it_is_decoded_and_the_same_tokens_as_a_plain
 
 # ---- item 21: SGLang-style /generate ---------------------------------------------------------------
 
+
 def test_generate_takes_sglang_text_prompts_and_stop_strings(url, tokenizer):
     sp = {"temperature": 1, "max_new_tokens": 16, "stop_token_ids": [-1], "sampling_seed": 4}
     by_text = _raw(url, "/generate", {"text": "Hello there", "sampling_params": sp})
@@ -273,22 +316,41 @@ def test_generate_takes_sglang_text_prompts_and_stop_strings(url, tokenizer):
     text = by_text["text"]
     stop = _later_word(tokenizer, by_text["output_ids"], text)
     cut = _raw(url, "/generate", {"text": "Hello there", "sampling_params": {**sp, "stop": stop}})
-    assert cut["text"] == text[: text.index(stop)] and cut["meta_info"]["finish_reason"] == {"type": "stop",
-                                                                                            "matched": stop}
-    kept = _raw(url, "/generate", {"text": "Hello there",
-                                   "sampling_params": {**sp, "stop": [stop], "no_stop_trim": True}})
+    assert cut["text"] == text[: text.index(stop)] and cut["meta_info"]["finish_reason"] == {
+        "type": "stop",
+        "matched": stop,
+    }
+    kept = _raw(
+        url, "/generate", {"text": "Hello there", "sampling_params": {**sp, "stop": [stop], "no_stop_trim": True}}
+    )
     assert kept["text"].endswith(stop) and kept["output_ids"] == cut["output_ids"]
     batch = _raw(url, "/generate", {"text": ["Hello there", "Bye"], "sampling_params": sp})
     assert isinstance(batch, list) and batch[0]["output_ids"] == by_text["output_ids"]
 
 
 def test_generate_accepts_sglang_sampling_fields_and_ignores_unknown_ones(url, caplog):
-    sglang = {"temperature": 0.0, "max_new_tokens": 4, "min_new_tokens": 0, "min_p": 0.0, "frequency_penalty": 0.0,
-              "presence_penalty": 0.0, "repetition_penalty": 1.0, "ignore_eos": True, "spaces_between_special_tokens":
-              True, "no_stop_trim": False, "skip_special_tokens": True, "json_schema": None, "regex": None, "n": 1}
+    sglang = {
+        "temperature": 0.0,
+        "max_new_tokens": 4,
+        "min_new_tokens": 0,
+        "min_p": 0.0,
+        "frequency_penalty": 0.0,
+        "presence_penalty": 0.0,
+        "repetition_penalty": 1.0,
+        "ignore_eos": True,
+        "spaces_between_special_tokens": True,
+        "no_stop_trim": False,
+        "skip_special_tokens": True,
+        "json_schema": None,
+        "regex": None,
+        "n": 1,
+    }
     with caplog.at_level(logging.WARNING, logger="strop.serve"):
-        out = _raw(url, "/generate", {"input_ids": [5, 6, 7], "sampling_params": {**sglang, "stream_interval": 3,
-                                                                                  "custom_params": None}})
+        out = _raw(
+            url,
+            "/generate",
+            {"input_ids": [5, 6, 7], "sampling_params": {**sglang, "stream_interval": 3, "custom_params": None}},
+        )
     assert len(out["output_ids"]) == 4 and out["meta_info"]["finish_reason"]["type"] == "length"  # ignore_eos
     assert "stream_interval" in caplog.text and "custom_params" in caplog.text
     r = httpx.post(url + "/generate", json={"input_ids": [5, 6], "sampling_params": {"repetition_penalty": 1.3}})

@@ -54,17 +54,31 @@ class Trainer:
     async def join(self) -> None:
         port = free_port()
         own = asyncio.to_thread(make_group, "127.0.0.1", port, 0, 2, "gloo", 30, name=self.name)
-        self.group, r = await asyncio.gather(own, self.post("/init_weights_update_group", {
-            "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
-            "group_name": self.name, "backend": "gloo"}))
+        self.group, r = await asyncio.gather(
+            own,
+            self.post(
+                "/init_weights_update_group",
+                {
+                    "master_address": "127.0.0.1",
+                    "master_port": port,
+                    "rank_offset": 1,
+                    "world_size": 2,
+                    "group_name": self.name,
+                    "backend": "gloo",
+                },
+            ),
+        )
         assert r.status_code == 200, r.text
 
     async def send(self, bucket, named: dict, version=None, last=False) -> httpx.Response:
         """One bucket: the broadcast and the server's update call at once."""
         _, r = await asyncio.gather(
             asyncio.to_thread(send_bucket, self.group, bucket, named, "cpu"),
-            self.post("/update_weights_from_distributed", {**bucket.payload(), "group_name": self.name,
-                                                           "flush_cache": last, "weight_version": version}))
+            self.post(
+                "/update_weights_from_distributed",
+                {**bucket.payload(), "group_name": self.name, "flush_cache": last, "weight_version": version},
+            ),
+        )
         return r
 
     async def update(self, named: dict, version: int, mode: str = "retract") -> list[httpx.Response]:
@@ -74,8 +88,10 @@ class Trainer:
         assert (await self.post("/pause_generation", {"mode": mode})).json()["status"] == "ok"
         try:
             assert (await self.post("/begin_weight_update")).status_code == 200
-            out = [await self.send(b, named, str(version) if i == len(plan) - 1 else None, i == len(plan) - 1)
-                   for i, b in enumerate(plan)]
+            out = [
+                await self.send(b, named, str(version) if i == len(plan) - 1 else None, i == len(plan) - 1)
+                for i, b in enumerate(plan)
+            ]
             assert (await self.post("/end_weight_update")).status_code == 200
         finally:
             await self.post("/continue_generation")
@@ -110,12 +126,18 @@ def test_a_broadcast_session_leaves_the_senders_weights_and_version_and_holds_ge
             plan = plan_buckets(manifest_of(new), SMALL_BUCKET)
             assert (await trainer.post("/pause_generation", {"mode": "retract"})).status_code == 200
             assert (await trainer.post("/begin_weight_update")).status_code == 200
-            waiting = asyncio.ensure_future(client.post("/generate", json={
-                "input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 4, "stop_token_ids": [-1]}}))
+            waiting = asyncio.ensure_future(
+                client.post(
+                    "/generate",
+                    json={"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 4, "stop_token_ids": [-1]}},
+                )
+            )
             answered = []
             waiting.add_done_callback(lambda _: answered.append(time.monotonic()))
-            outs = [await trainer.send(b, new, "3" if i == len(plan) - 1 else None, i == len(plan) - 1)
-                    for i, b in enumerate(plan)]
+            outs = [
+                await trainer.send(b, new, "3" if i == len(plan) - 1 else None, i == len(plan) - 1)
+                for i, b in enumerate(plan)
+            ]
             assert (await client.get("/health")).json()["paused"] == "retract"  # /health answers while paused
             assert (await trainer.post("/end_weight_update")).status_code == 200
             await asyncio.sleep(0.5)
@@ -165,10 +187,14 @@ def test_a_bucket_that_does_not_match_the_model_is_refused_before_any_byte_moves
     (the trainer sends nothing, and the next good bucket still pairs with the next broadcast)."""
     new = unique(make_tiny_model(seed=5).state_dict())
     norm = {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[32]], "load_format": None}
-    bad = [({**norm, "shapes": [[33]]}, "shape"), ({**norm, "dtypes": ["bfloat16"]}, "bfloat16"),
-           ({**norm, "names": ["model.nonesuch.weight"]}, "nonesuch"),
-           ({**norm, "names": ["a", "b"], "dtypes": ["float32"] * 2, "shapes": [[1], [1]]}, "flattened_bucket"),
-           ({**norm, "weight_version": "v7"}, "v7"), ({**norm, "selector": "draft"}, "draft")]
+    bad = [
+        ({**norm, "shapes": [[33]]}, "shape"),
+        ({**norm, "dtypes": ["bfloat16"]}, "bfloat16"),
+        ({**norm, "names": ["model.nonesuch.weight"]}, "nonesuch"),
+        ({**norm, "names": ["a", "b"], "dtypes": ["float32"] * 2, "shapes": [[1], [1]]}, "flattened_bucket"),
+        ({**norm, "weight_version": "v7"}, "v7"),
+        ({**norm, "selector": "draft"}, "draft"),
+    ]
 
     async def main():
         async with httpx.AsyncClient(base_url=server.url, timeout=10) as client:
@@ -217,21 +243,33 @@ def test_a_broadcast_whose_trainer_dies_fails_with_the_cause_and_the_session_can
     new = unique(make_tiny_model(seed=6).state_dict())
     bucket = plan_buckets(manifest_of(new), SMALL_BUCKET)[-1]
     name, port = f"strop-sync-test-{uuid.uuid4().hex[:8]}", free_port()
-    rank_0 = subprocess.Popen([sys.executable, "-c", _RANK_0, str(port), name], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)
+    rank_0 = subprocess.Popen(
+        [sys.executable, "-c", _RANK_0, str(port), name], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
 
     async def main():
         async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
             _, before = await receipt(client)
-            r = await client.post("/init_weights_update_group", json={
-                "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
-                "group_name": name})
+            r = await client.post(
+                "/init_weights_update_group",
+                json={
+                    "master_address": "127.0.0.1",
+                    "master_port": port,
+                    "rank_offset": 1,
+                    "world_size": 2,
+                    "group_name": name,
+                },
+            )
             assert r.status_code == 200, r.text
             assert (await asyncio.to_thread(rank_0.stdout.readline)).strip() == "joined"
             await client.post("/pause_generation", json={"mode": "abort"})
             await client.post("/begin_weight_update", json={})
-            update = asyncio.ensure_future(client.post("/update_weights_from_distributed", json={
-                **bucket.payload(), "group_name": name, "weight_version": 9}))
+            update = asyncio.ensure_future(
+                client.post(
+                    "/update_weights_from_distributed",
+                    json={**bucket.payload(), "group_name": name, "weight_version": 9},
+                )
+            )
             await asyncio.sleep(0.5)  # the server waits in the broadcast
             rank_0.kill()
             t = time.monotonic()
@@ -254,6 +292,7 @@ def test_a_broadcast_whose_trainer_dies_fails_with_the_cause_and_the_session_can
 
 
 # ---- in-process: pause modes and the session's bookkeeping (no broadcast needed) ----------------
+
 
 def tiny_engine(**kw) -> EmbeddedEngine:
     return EmbeddedEngine(make_tiny_model(), pad_token_id=2, default_stop_token_ids=[2], **kw)
@@ -278,13 +317,18 @@ def test_pause_abort_ends_running_and_queued_requests_and_new_ones_wait_for_cont
 
     async def main():
         async with asgi(create_app(engine)) as client:
-            running = asyncio.ensure_future(client.post("/generate", json={"input_ids": [5, 6, 7],
-                                                                           "sampling_params": LONG}))
+            running = asyncio.ensure_future(
+                client.post("/generate", json={"input_ids": [5, 6, 7], "sampling_params": LONG})
+            )
             await until_running(engine)
             paused = await client.post("/pause_generation", json={})  # mode abort by default
             aborted = (await asyncio.wait_for(running, 10)).json()
-            late = asyncio.ensure_future(client.post("/generate", json={"input_ids": [8, 9], "sampling_params": {
-                "max_new_tokens": 3, "stop_token_ids": [-1]}}))
+            late = asyncio.ensure_future(
+                client.post(
+                    "/generate",
+                    json={"input_ids": [8, 9], "sampling_params": {"max_new_tokens": 3, "stop_token_ids": [-1]}},
+                )
+            )
             await asyncio.sleep(0.3)
             health = (await client.get("/health")).json()
             waited = not late.done()
@@ -306,8 +350,11 @@ def test_a_retracted_or_held_request_resumes_after_continue_as_if_never_paused(m
     never paused: retract prefills the prompt plus the tokens so far again (the row's generator
     carried over), in_place keeps the batch and its cache."""
     engine = tiny_engine()
-    body = {"input_ids": [5, 6, 7], "sampling_params": {**LONG, "temperature": 1.0, "sampling_seed": 11},
-            "return_logprob": True}
+    body = {
+        "input_ids": [5, 6, 7],
+        "sampling_params": {**LONG, "temperature": 1.0, "sampling_seed": 11},
+        "return_logprob": True,
+    }
 
     async def main():
         async with asgi(create_app(engine)) as client:
@@ -325,8 +372,9 @@ def test_a_retracted_or_held_request_resumes_after_continue_as_if_never_paused(m
     assert resumed["output_ids"] == plain["output_ids"] and len(plain["output_ids"]) == LONG["max_new_tokens"]
     assert len(set(plain["output_ids"])) > 5  # varied tokens: a row that lost its place would show
     lp = torch.tensor([e[0] for e in resumed["meta_info"]["output_token_logprobs"]])
-    torch.testing.assert_close(lp, torch.tensor([e[0] for e in plain["meta_info"]["output_token_logprobs"]]),
-                               rtol=0, atol=1e-4)
+    torch.testing.assert_close(
+        lp, torch.tensor([e[0] for e in plain["meta_info"]["output_token_logprobs"]]), rtol=0, atol=1e-4
+    )
 
 
 @pytest.mark.timeout(60)
@@ -344,12 +392,15 @@ def test_update_calls_out_of_a_session_are_refused_and_a_session_holds_every_bat
 
     async def main():
         async with asgi(create_app(engine)) as client:
-            out = {"outside": await client.post("/update_weights_from_distributed", json=update),
-                   "end_first": await client.post("/end_weight_update", json={}),
-                   "begin": await client.post("/begin_weight_update", json={"selector": "all"}),
-                   "again": await client.post("/begin_weight_update", json={})}
-            gen = asyncio.ensure_future(client.post("/generate", json={"input_ids": [5], "sampling_params": {
-                "max_new_tokens": 2}}))
+            out = {
+                "outside": await client.post("/update_weights_from_distributed", json=update),
+                "end_first": await client.post("/end_weight_update", json={}),
+                "begin": await client.post("/begin_weight_update", json={"selector": "all"}),
+                "again": await client.post("/begin_weight_update", json={}),
+            }
+            gen = asyncio.ensure_future(
+                client.post("/generate", json={"input_ids": [5], "sampling_params": {"max_new_tokens": 2}})
+            )
             await asyncio.sleep(0.3)
             out["held"] = not gen.done()
             out["end"] = await client.post("/end_weight_update", json={})
@@ -362,8 +413,10 @@ def test_update_calls_out_of_a_session_are_refused_and_a_session_holds_every_bat
 
     out = asyncio.run(main())
     message = out["outside"].json()["error"]["message"]
-    assert out["outside"].status_code == 400 and "must run between begin_weight_update() and end_weight_update()" \
-        in message, message
+    assert (
+        out["outside"].status_code == 400
+        and "must run between begin_weight_update() and end_weight_update()" in message
+    ), message
     assert out["end_first"].status_code == 400 and "no weight update is open" in out["end_first"].text
     assert out["begin"].status_code == 200 and out["again"].status_code == 400 and "already open" in out["again"].text
     assert out["held"], "a request decoded inside a weight-update session"
@@ -379,12 +432,14 @@ def test_the_manifest_checker_and_version_label_describe_the_model():
     async def main():
         async with asgi(create_app(engine, token="s3cret")) as client:
             auth = {"Authorization": "Bearer s3cret"}
-            return (await client.get("/weights_manifest", headers=auth),
-                    await client.get("/weights_checker", headers=auth),
-                    await client.post("/weights_checker", json={"action": "snapshot"}, headers=auth),
-                    await client.post("/update_weight_version", json={"new_version": "12"}, headers=auth),
-                    await client.post("/weights_checker", json={"action": "checksum"}, headers=auth),
-                    await client.post("/weights_checker", json={"action": "checksum"}))
+            return (
+                await client.get("/weights_manifest", headers=auth),
+                await client.get("/weights_checker", headers=auth),
+                await client.post("/weights_checker", json={"action": "snapshot"}, headers=auth),
+                await client.post("/update_weight_version", json={"new_version": "12"}, headers=auth),
+                await client.post("/weights_checker", json={"action": "checksum"}, headers=auth),
+                await client.post("/weights_checker", json={"action": "checksum"}),
+            )
 
     manifest, checked, snapshot, relabel, after, no_token = asyncio.run(main())
     out = manifest.json()

@@ -27,9 +27,14 @@ def conforms(value, annotation: ast.expr) -> bool:
     """Whether a JSON value is accepted by a field of this (Python source) type annotation."""
     if isinstance(annotation, ast.Name):
         kind = annotation.id
-        return {"str": isinstance(value, str), "int": isinstance(value, int) and not isinstance(value, bool),
-                "bool": isinstance(value, bool), "float": isinstance(value, (int, float)) and not isinstance(value, bool),
-                "bytes": isinstance(value, str), "Any": True}.get(kind, isinstance(value, dict))
+        return {
+            "str": isinstance(value, str),
+            "int": isinstance(value, int) and not isinstance(value, bool),
+            "bool": isinstance(value, bool),
+            "float": isinstance(value, (int, float)) and not isinstance(value, bool),
+            "bytes": isinstance(value, str),
+            "Any": True,
+        }.get(kind, isinstance(value, dict))
     if isinstance(annotation, ast.Constant) and annotation.value is None:
         return value is None
     if isinstance(annotation, ast.Subscript):
@@ -58,8 +63,9 @@ def check_payload(route: str, body: dict | None) -> None:
     for key, value in body.items():
         assert key in fields, f"{route}: strop sends {key!r}, which {where} does not have (SGLang would ignore it)"
         annotation = ast.parse(fields[key]["annotation"], mode="eval").body
-        assert conforms(value, annotation), (f"{route}: {key}={value!r} does not fit {fields[key]['annotation']} "
-                                             f"of {where}")
+        assert conforms(value, annotation), (
+            f"{route}: {key}={value!r} does not fit {fields[key]['annotation']} of {where}"
+        )
     for key, field in fields.items():
         assert not field["required"] or key in body, f"{route}: {where} requires {key!r}, strop does not send it"
 
@@ -96,27 +102,46 @@ def every_call(engine: SGLangEngine):
         await engine.receipt()
         await engine.leave_group("strop-sync-1-ab")
         await engine.load_weights("/w/v8", 8)
-        await engine.generate([1, 2, 3], SamplingParams(temperature=0.7, top_p=0.9, top_k=5, max_new_tokens=4,
-                                                        stop_token_ids=[2], seed=3), request_id="r1")
+        await engine.generate(
+            [1, 2, 3],
+            SamplingParams(temperature=0.7, top_p=0.9, top_k=5, max_new_tokens=4, stop_token_ids=[2], seed=3),
+            request_id="r1",
+        )
         await engine.abort("r1")
         await engine.abort_all()
 
     asyncio.run(run())
 
 
-ANSWERS = {"/update_weights_from_disk": {"success": True, "message": "ok"},
-           "/generate": {"output_ids": [4], "meta_info": {"output_token_logprobs": [[-0.5, 4, None]],
-                                                          "finish_reason": {"type": "length"}, "weight_version": "8"}}}
+ANSWERS = {
+    "/update_weights_from_disk": {"success": True, "message": "ok"},
+    "/generate": {
+        "output_ids": [4],
+        "meta_info": {
+            "output_token_logprobs": [[-0.5, 4, None]],
+            "finish_reason": {"type": "length"},
+            "weight_version": "8",
+        },
+    },
+}
 
 
 def test_every_payload_the_sglang_client_sends_fits_sglangs_request_structures():
     engine, seen = recording_engine(ANSWERS)
     every_call(engine)
     posted = [(path, body) for method, path, body in seen if method == "POST"]
-    assert {p for p, _ in posted} >= {"/init_weights_update_group", "/pause_generation", "/begin_weight_update",
-                                      "/update_weights_from_distributed", "/end_weight_update", "/continue_generation",
-                                      "/destroy_weights_update_group", "/update_weights_from_disk", "/generate",
-                                      "/abort_request"}
+    assert {p for p, _ in posted} >= {
+        "/init_weights_update_group",
+        "/pause_generation",
+        "/begin_weight_update",
+        "/update_weights_from_distributed",
+        "/end_weight_update",
+        "/continue_generation",
+        "/destroy_weights_update_group",
+        "/update_weights_from_disk",
+        "/generate",
+        "/abort_request",
+    }
     for path, body in posted:
         check_payload(path, body)
     for method, path, _ in seen:
@@ -132,22 +157,39 @@ def test_the_update_payloads_carry_the_session_rules_sglang_needs():
     # (SGLang's flush_cache defaults to true: left out, every bucket would flush)
     assert [(b["weight_version"], b["flush_cache"]) for b in buckets] == [(None, False), ("7", True)]
     paths = [p for _, p, _ in seen]
-    assert paths.index("/pause_generation") < paths.index("/begin_weight_update") < paths.index(
-        "/update_weights_from_distributed") < paths.index("/end_weight_update") < paths.index("/continue_generation")
+    assert (
+        paths.index("/pause_generation")
+        < paths.index("/begin_weight_update")
+        < paths.index("/update_weights_from_distributed")
+        < paths.index("/end_weight_update")
+        < paths.index("/continue_generation")
+    )
     # the version is read where SGLang 0.5.23 reports it
     assert ("GET", "/model_info", None) in seen
 
 
-@pytest.mark.parametrize("route, body, why", [
-    ("/update_weights_from_distributed", {"names": ["a"], "dtypes": ["float32"], "shapes": [[2]], "bucket_bytes": 4},
-     "strop sends 'bucket_bytes', which"),
-    ("/update_weights_from_distributed", {"names": ["a"], "dtypes": ["float32"], "shapes": [[2]], "weight_version": 7},
-     "weight_version=7 does not fit Optional[str]"),
-    ("/init_weights_update_group", {"master_address": "h", "master_port": "1", "rank_offset": 1, "world_size": 2},
-     "master_port='1' does not fit int"),
-    ("/pause_generation", {"mode": "keep"}, "does not fit Literal"),
-    ("/update_weights_from_distributed", {"names": ["a"], "dtypes": ["float32"]}, "requires 'shapes'"),
-])
+@pytest.mark.parametrize(
+    "route, body, why",
+    [
+        (
+            "/update_weights_from_distributed",
+            {"names": ["a"], "dtypes": ["float32"], "shapes": [[2]], "bucket_bytes": 4},
+            "strop sends 'bucket_bytes', which",
+        ),
+        (
+            "/update_weights_from_distributed",
+            {"names": ["a"], "dtypes": ["float32"], "shapes": [[2]], "weight_version": 7},
+            "weight_version=7 does not fit Optional[str]",
+        ),
+        (
+            "/init_weights_update_group",
+            {"master_address": "h", "master_port": "1", "rank_offset": 1, "world_size": 2},
+            "master_port='1' does not fit int",
+        ),
+        ("/pause_generation", {"mode": "keep"}, "does not fit Literal"),
+        ("/update_weights_from_distributed", {"names": ["a"], "dtypes": ["float32"]}, "requires 'shapes'"),
+    ],
+)
 def test_the_contract_check_catches_what_sglang_would_ignore_or_refuse(route, body, why):
     with pytest.raises(AssertionError, match=why.replace("[", r"\[").replace("]", r"\]")):
         check_payload(route, body)
@@ -162,6 +204,7 @@ def test_the_contract_is_sglang_0_5_23_read_from_its_wheel():
 
 def serving(routes: dict) -> SGLangEngine:
     """An SGLang client whose server answers ``routes`` ({path: (status, json)}) and 404 elsewhere."""
+
     def handle(request: httpx.Request) -> httpx.Response:
         status, body = routes.get(request.url.path, (404, {"detail": "Not Found"}))
         return httpx.Response(status, json=body)
@@ -171,11 +214,20 @@ def serving(routes: dict) -> SGLangEngine:
     return engine
 
 
-@pytest.mark.parametrize("info, why", [
-    ({"version": "0.5.12", "tp_size": 1}, r"http://sglang.test: SGLang 0.5.12 has no weight-update session .*"
-                                          r"SGLang >= 0.5.23.* or use engine.sync=disk"),
-    ({"version": "0.5.23", "dp_size": 2}, r"SGLang 0.5.23 runs dp_size=2.*one server per replica.*engine.sync=disk"),
-])
+@pytest.mark.parametrize(
+    "info, why",
+    [
+        (
+            {"version": "0.5.12", "tp_size": 1},
+            r"http://sglang.test: SGLang 0.5.12 has no weight-update session .*"
+            r"SGLang >= 0.5.23.* or use engine.sync=disk",
+        ),
+        (
+            {"version": "0.5.23", "dp_size": 2},
+            r"SGLang 0.5.23 runs dp_size=2.*one server per replica.*engine.sync=disk",
+        ),
+    ],
+)
 def test_a_server_that_cannot_take_the_broadcast_is_refused_naming_it_its_version_and_the_fallback(info, why):
     from strop.wire.errors import EngineRequestError
 
@@ -197,5 +249,13 @@ def test_a_server_without_the_update_session_is_named_with_the_fallback():
     with pytest.raises(EngineRequestError, match=r"http://sglang.test has no /begin_weight_update .*engine.sync=disk"):
         asyncio.run(serving({}).begin_update())
     with pytest.raises(EngineRequestError, match="begin_weight_update failed: a weight-update session is already open"):
-        asyncio.run(serving({"/begin_weight_update": (200, {"success": False, "message": "a weight-update session is "
-                                                                                         "already open"})}).begin_update())
+        asyncio.run(
+            serving(
+                {
+                    "/begin_weight_update": (
+                        200,
+                        {"success": False, "message": "a weight-update session is already open"},
+                    )
+                }
+            ).begin_update()
+        )

@@ -26,33 +26,56 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 WHEELS = sorted(Path(os.environ.get("STROP_SGLANG_WHEEL_DIR", ROOT / ".sglang-wheel")).glob("sglang-0.5.23-*.whl"))
-pytestmark = pytest.mark.skipif(not WHEELS, reason="SGLang 0.5.23's wheel is not in .sglang-wheel/ (`.ci/run` fetches "
-                                "it: pip download sglang==0.5.23 --no-deps -d .sglang-wheel)")
+pytestmark = pytest.mark.skipif(
+    not WHEELS,
+    reason="SGLang 0.5.23's wheel is not in .sglang-wheel/ (`.ci/run` fetches "
+    "it: pip download sglang==0.5.23 --no-deps -d .sglang-wheel)",
+)
 
 
 @pytest.fixture(scope="module")
 def sglang_src(tmp_path_factory):
     out = tmp_path_factory.mktemp("sglang")
     with zipfile.ZipFile(WHEELS[0]) as z:
-        members = [m for m in z.namelist() if m.startswith(("sglang/srt/managers/io_struct.py",
-                                                            "sglang/srt/entrypoints/http_server.py",
-                                                            "sglang/srt/utils/common.py", "sglang-0.5.23.dist-info/",
-                                                            "sglang/launch_server.py", "sglang/srt/server_args.py",
-                                                            "sglang/srt/arg_groups/fields/",
-                                                            "sglang/srt/utils/server_args_config_parser.py"))]
+        members = [
+            m
+            for m in z.namelist()
+            if m.startswith(
+                (
+                    "sglang/srt/managers/io_struct.py",
+                    "sglang/srt/entrypoints/http_server.py",
+                    "sglang/srt/utils/common.py",
+                    "sglang-0.5.23.dist-info/",
+                    "sglang/launch_server.py",
+                    "sglang/srt/server_args.py",
+                    "sglang/srt/arg_groups/fields/",
+                    "sglang/srt/utils/server_args_config_parser.py",
+                )
+            )
+        ]
         z.extractall(out, members)
     return out
 
 
 @pytest.mark.timeout(60)
 def test_the_request_contract_is_still_the_wheels(sglang_src):
-    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "check_sglang_contract.py"), str(sglang_src),
-                          "--wheel", str(WHEELS[0])], capture_output=True, text=True, timeout=50)
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "check_sglang_contract.py"),
+            str(sglang_src),
+            "--wheel",
+            str(WHEELS[0]),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     assert "match sglang 0.5.23" in run.stdout
 
 
-ENGINE_SIDE = r'''
+ENGINE_SIDE = r"""
 import ast, sys, torch, torch.distributed as dist
 source, port, name = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 tree = ast.parse(open(source).read())
@@ -80,7 +103,7 @@ dist.destroy_process_group(pg)
 # exception", SIGABRT: once in a CI run of 2026-12-02) after everything was received; what it printed is the check
 import os
 os._exit(0)
-'''
+"""
 
 
 @pytest.mark.timeout(90)
@@ -92,12 +115,20 @@ def test_strops_trainer_side_meets_sglangs_own_group_and_bucket_code(sglang_src,
     port, name = free_port(), "strop-sync-1-test"
     script = tmp_path / "engine_side.py"
     script.write_text(ENGINE_SIDE)
-    engine = subprocess.Popen([sys.executable, str(script), str(sglang_src / "sglang/srt/utils/common.py"), str(port),
-                               name], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    engine = subprocess.Popen(
+        [sys.executable, str(script), str(sglang_src / "sglang/srt/utils/common.py"), str(port), name],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         group = make_group("127.0.0.1", port, 0, 2, "gloo", 60, name=name)
-        named = {"a": torch.arange(12.0).reshape(3, 4), "b": torch.linspace(0, 1, 4).to(torch.bfloat16),
-                 "c": torch.tensor([[1, 2], [3, 4]]), "d": torch.full((7,), 0.5)}
+        named = {
+            "a": torch.arange(12.0).reshape(3, 4),
+            "b": torch.linspace(0, 1, 4).to(torch.bfloat16),
+            "c": torch.tensor([[1, 2], [3, 4]]),
+            "d": torch.full((7,), 0.5),
+        }
         manifest = [(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in named.items()]
         buckets = plan_buckets(manifest, 12 * 4 + 4 * 2 + 4 * 8)
         assert [b.names for b in buckets] == [("a", "b", "c"), ("d",)]
@@ -127,12 +158,19 @@ def test_the_launch_command_is_sglangs_own_and_its_config_merger_finds_the_key(s
     for source in (sglang_src / "sglang/srt/arg_groups/fields").glob("*.py"):
         for node in ast.walk(ast.parse(source.read_text())):
             if isinstance(node, ast.ClassDef):
-                fields |= {n.target.id for n in node.body if isinstance(n, ast.AnnAssign)
-                           and isinstance(n.target, ast.Name)}
+                fields |= {
+                    n.target.id for n in node.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
+                }
     assert {"model_path", "host", "port", "api_key"} <= fields, "SGLang renamed a flag strop passes"
     config = write_sglang_config(tmp_path / "server.yaml", "k3y'\"x")
-    command = sglang_command(["python", "-m", "sglang.launch_server"], "/models/m", "10.0.0.2", 30001, config,
-                             ["--mem-fraction-static", "0.5"])
+    command = sglang_command(
+        ["python", "-m", "sglang.launch_server"],
+        "/models/m",
+        "10.0.0.2",
+        30001,
+        config,
+        ["--mem-fraction-static", "0.5"],
+    )
     assert not any("k3y" in a for a in command) and os.stat(config).st_mode & 0o777 == 0o600
     flags = [a[2:].replace("-", "_") for a in command if a.startswith("--")]
     assert set(flags) - {"config"} <= fields, set(flags) - fields
@@ -140,13 +178,20 @@ def test_the_launch_command_is_sglangs_own_and_its_config_merger_finds_the_key(s
     prepare = (sglang_src / "sglang/srt/server_args.py").read_text()
     assert "prepare_server_args(sys.argv[1:])" in main and '"--config" in argv' in prepare
     assert "ConfigArgumentMerger(parser)" in prepare
-    spec = importlib.util.spec_from_file_location("sglang_config_parser",
-                                                  sglang_src / "sglang/srt/utils/server_args_config_parser.py")
+    spec = importlib.util.spec_from_file_location(
+        "sglang_config_parser", sglang_src / "sglang/srt/utils/server_args_config_parser.py"
+    )
     merger = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(merger)
     parser = argparse.ArgumentParser()  # the flags as SGLang declares them (str, int)
-    for flag, kind in (("--model-path", str), ("--host", str), ("--port", int), ("--api-key", str),
-                       ("--mem-fraction-static", float), ("--config", str)):
+    for flag, kind in (
+        ("--model-path", str),
+        ("--host", str),
+        ("--port", int),
+        ("--api-key", str),
+        ("--mem-fraction-static", float),
+        ("--config", str),
+    ):
         parser.add_argument(flag, type=kind)
     args = parser.parse_args(merger.ConfigArgumentMerger(parser).merge_config_with_args(command[3:]))
     assert (args.api_key, args.model_path, args.host, args.port) == ("k3y'\"x", "/models/m", "10.0.0.2", 30001)

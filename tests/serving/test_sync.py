@@ -17,15 +17,23 @@ MiB = 1 << 20
 @pytest.mark.parametrize("seed", range(6))
 def test_buckets_carry_every_tensor_once_in_order_within_the_budget(seed):
     rng = random.Random(seed)
-    manifest = [(f"t{i}", rng.choice(["float32", "bfloat16", "int64"]),
-                 tuple(rng.randint(1, 40) for _ in range(rng.randint(1, 3)))) for i in range(rng.randint(1, 14))]
+    manifest = [
+        (
+            f"t{i}",
+            rng.choice(["float32", "bfloat16", "int64"]),
+            tuple(rng.randint(1, 40) for _ in range(rng.randint(1, 3))),
+        )
+        for i in range(rng.randint(1, 14))
+    ]
     budget = rng.choice([64, 256, 4096])
     buckets = plan_buckets(manifest, budget)
     carried = [(n, d, s) for b in buckets for n, d, s in zip(b.names, b.dtypes, b.shapes)]
     assert carried == manifest  # every tensor once, whole, in the trainer's order
     for b in buckets:
-        size = sum(torch.Size(s).numel() * torch.empty((), dtype=getattr(torch, d)).element_size()
-                   for d, s in zip(b.dtypes, b.shapes))
+        size = sum(
+            torch.Size(s).numel() * torch.empty((), dtype=getattr(torch, d)).element_size()
+            for d, s in zip(b.dtypes, b.shapes)
+        )
         assert b.nbytes == size
         if b.flattened:
             assert size <= budget
@@ -49,14 +57,17 @@ def test_a_tensor_is_never_placed_at_an_offset_its_dtype_cannot_view():
     assert [b.names for b in buckets] == [("a",), ("b", "c")]
 
 
-@pytest.mark.parametrize("fields, why", [
-    ((["a", "b"], ["float32"], [[2], [2]], "flattened_bucket"), "one length"),
-    ((["a"], ["float33"], [[2]], "flattened_bucket"), "unknown dtype 'float33'"),
-    ((["a"], ["float32"], [[-2]], None), "non-negative"),
-    ((["a", "b"], ["float32"] * 2, [[2], [2]], None), "carries one tensor"),
-    ((["a"], ["float32"], [[2]], "direct"), "load_format 'direct'"),
-    (([], [], [], None), "non-empty"),
-])
+@pytest.mark.parametrize(
+    "fields, why",
+    [
+        ((["a", "b"], ["float32"], [[2], [2]], "flattened_bucket"), "one length"),
+        ((["a"], ["float33"], [[2]], "flattened_bucket"), "unknown dtype 'float33'"),
+        ((["a"], ["float32"], [[-2]], None), "non-negative"),
+        ((["a", "b"], ["float32"] * 2, [[2], [2]], None), "carries one tensor"),
+        ((["a"], ["float32"], [[2]], "direct"), "load_format 'direct'"),
+        (([], [], [], None), "non-empty"),
+    ],
+)
 def test_a_malformed_update_request_is_refused_naming_the_field(fields, why):
     with pytest.raises(ValueError, match=why):
         Bucket.from_payload(*fields)
@@ -67,11 +78,14 @@ def test_the_first_manifest_difference_is_named():
     assert first_mismatch(ours, list(ours), "E") is None
     assert "E has no tensor 'norm'" in first_mismatch(ours, ours[:1], "E")
     assert "'embed': the trainer's shape is [10, 4], E's is [10, 5]" in first_mismatch(
-        ours, [("embed", "float32", (10, 5)), ours[1]], "E")
+        ours, [("embed", "float32", (10, 5)), ours[1]], "E"
+    )
     assert "the trainer sends float32, E holds bfloat16 (set engine.sync_dtype='bfloat16'" in first_mismatch(
-        ours, [ours[0], ("norm", "bfloat16", (4,))], "E")
+        ours, [ours[0], ("norm", "bfloat16", (4,))], "E"
+    )
     assert "E holds 'extra', which the trainer does not send" in first_mismatch(
-        ours, ours + [("extra", "float32", (1,))], "E")
+        ours, ours + [("extra", "float32", (1,))], "E"
+    )
     # the first difference in the trainer's order is the one named
     assert "'embed'" in first_mismatch(ours, [("embed", "float32", (1,)), ("norm", "float32", (5,))], "E")
 
@@ -237,8 +251,7 @@ def test_an_engine_that_leaves_the_set_has_its_group_torn_down_on_both_sides(sta
 
 
 @pytest.mark.timeout(300)
-def test_an_engine_killed_mid_broadcast_is_dropped_the_others_complete_and_it_rejoins_after_a_full_update(
-        start_server):
+def test_an_engine_killed_mid_broadcast_is_dropped_the_others_complete_and_it_rejoins_after_a_full_update(start_server):
     import time
 
     from strop.engines.sglang import SGLangEngine

@@ -32,10 +32,18 @@ def test_a_served_teacher_scores_as_the_one_in_the_trainer(start_server, tiny_mo
         for p in student.parameters():
             p.add_(0.01 * torch.randn_like(p))
     args = dict(distill_only=True, distill_coef=1.0)
-    here = _distill_step(copy.deepcopy(student), copy.deepcopy(teacher), samples, distill_teacher="t", temperature=1.0,
-                         **args)
-    served = _distill_step(copy.deepcopy(student), None, samples, distill_teacher_url=server.url, temperature=1.0,
-                           remote_teacher=RemoteTeacher(server.url), **args)
+    here = _distill_step(
+        copy.deepcopy(student), copy.deepcopy(teacher), samples, distill_teacher="t", temperature=1.0, **args
+    )
+    served = _distill_step(
+        copy.deepcopy(student),
+        None,
+        samples,
+        distill_teacher_url=server.url,
+        temperature=1.0,
+        remote_teacher=RemoteTeacher(server.url),
+        **args,
+    )
     assert served[1]["distill_reverse_kl"] == pytest.approx(here[1]["distill_reverse_kl"], abs=1e-5)
     # (advantages equal to 1e-5 per token, as the logprobs: the update agrees to that, not to the rounding of one path)
     for key in ("loss", "grad_norm"):
@@ -50,8 +58,9 @@ def test_a_served_teacher_is_refused_where_it_cannot_score_as_asked():
     url = "http://127.0.0.1:9"
     with pytest.raises(ConfigError, match="set algo.distill_temperature=1.0 to accept the mismatch"):
         build_config(overrides={"algo": {"distill_teacher_url": url}, "rollout": {"temperature": 0.7}})
-    build_config(overrides={"algo": {"distill_teacher_url": url, "distill_temperature": 1.0},
-                            "rollout": {"temperature": 0.7}})
+    build_config(
+        overrides={"algo": {"distill_teacher_url": url, "distill_temperature": 1.0}, "rollout": {"temperature": 0.7}}
+    )
     with pytest.raises(ConfigError, match="cannot be honoured"):
         build_config(overrides={"algo": {"distill_teacher_url": url, "distill_temperature": 0.7}})
     with pytest.raises(ConfigError, match="name two teachers"):
@@ -71,8 +80,12 @@ def test_a_run_distils_from_a_served_teacher(start_server, tiny_model_dir, tmp_p
     server = start_server(None, f"--token={TEACHER_TOKEN}")
     monkeypatch.setenv("STROP_TEACHER_TOKEN", TEACHER_TOKEN)
     run_dir = tmp_path / "run"
-    cfg = tiny_overrides(tiny_model_dir, run_dir, rollout={"temperature": 1.0},
-                         algo={"distill_teacher_url": server.url, "distill_only": True})
+    cfg = tiny_overrides(
+        tiny_model_dir,
+        run_dir,
+        rollout={"temperature": 1.0},
+        algo={"distill_teacher_url": server.url, "distill_only": True},
+    )
     assert train(build_config(overrides=cfg))["steps"] == 2
     assert TEACHER_TOKEN not in (run_dir / "config.yaml").read_text()
     rows = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
@@ -88,8 +101,11 @@ def test_a_served_teacher_started_with_a_token_gets_it(start_server, tokenizer):
 
     server = start_server(None, f"--token={TEACHER_TOKEN}")
     samples = make_samples(n=2)
-    with pytest.raises(ConfigError, match=rf"algo.distill_teacher_url={server.url}: .*HTTP 401.*give its token as "
-                                          r"algo.distill_teacher_token .*STROP_TEACHER_TOKEN"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"algo.distill_teacher_url={server.url}: .*HTTP 401.*give its token as "
+        r"algo.distill_teacher_token .*STROP_TEACHER_TOKEN",
+    ):
         RemoteTeacher(server.url).check_tokenizer(tokenizer)
     with pytest.raises(EngineRequestError, match="HTTP 401"):
         RemoteTeacher(server.url)(samples)
@@ -109,9 +125,15 @@ def _model_with_another_vocabulary(path):
 
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-    bpe.train_from_iterator(["The quick brown fox jumps over the lazy dog. 0123456789"] * 20, trainers.BpeTrainer(
-        vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"], show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    bpe.train_from_iterator(
+        ["The quick brown fox jumps over the lazy dog. 0123456789"] * 20,
+        trainers.BpeTrainer(
+            vocab_size=400,
+            special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+            show_progress=False,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
     tokenizer.save_pretrained(path)
     make_tiny_model(vocab_size=len(tokenizer)).save_pretrained(path)
@@ -119,8 +141,7 @@ def _model_with_another_vocabulary(path):
 
 
 @pytest.mark.timeout(300)
-def test_a_served_teacher_with_another_tokenizer_is_refused_at_start(start_server, tiny_model_dir, tokenizer,
-                                                                     tmp_path):
+def test_a_served_teacher_with_another_tokenizer_is_refused_at_start(start_server, tiny_model_dir, tokenizer, tmp_path):
     """As a loaded teacher (strop.setup.load_teacher): the same tokenizer is accepted; another vocabulary, or a
     teacher lacking a token the student has, is refused before the run starts, naming the teacher's URL and
     the first token id that differs."""
@@ -138,8 +159,11 @@ def test_a_served_teacher_with_another_tokenizer_is_refused_at_start(start_serve
 
     extended = tokenizer.__class__.from_pretrained(str(tiny_model_dir))  # the student has a token the teacher lacks
     extended.add_tokens(["<strop-student-only>"])
-    with pytest.raises(ConfigError, match=rf"algo.distill_teacher_url={same.url} has another tokenizer than the "
-                                          r"student: .*the student's 49152 \('<strop-student-only>'\)"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"algo.distill_teacher_url={same.url} has another tokenizer than the "
+        r"student: .*the student's 49152 \('<strop-student-only>'\)",
+    ):
         RemoteTeacher(same.url).check_tokenizer(extended)
 
     other_tokenizer = _model_with_another_vocabulary(tmp_path / "other")
@@ -149,13 +173,21 @@ def test_a_served_teacher_with_another_tokenizer_is_refused_at_start(start_serve
         text = probe_text(tokenizer)
         theirs, mine = other_tokenizer.encode(text), tokenizer.encode(text, add_special_tokens=False)
         assert theirs[0] != mine[0]  # "The": one id in the student's vocabulary, another in the teacher's
-        cfg = build_config(overrides={"model": {"path": str(tiny_model_dir)}, "rollout": {"temperature": 1.0},
-                                      "algo": {"distill_teacher_url": other.url, "distill_only": True}})
-        with pytest.raises(ConfigError, match=rf"algo.distill_teacher_url={other.url} has another tokenizer than "
-                                              rf"the student model.path='{tiny_model_dir}': a probe text is "
-                                              rf"{len(theirs)} tokens for the teacher and {len(mine)} for the "
-                                              rf"student; they first differ at token 0: the teacher's id "
-                                              rf"{theirs[0]}, the student's {mine[0]} \('The'\)"):
+        cfg = build_config(
+            overrides={
+                "model": {"path": str(tiny_model_dir)},
+                "rollout": {"temperature": 1.0},
+                "algo": {"distill_teacher_url": other.url, "distill_only": True},
+            }
+        )
+        with pytest.raises(
+            ConfigError,
+            match=rf"algo.distill_teacher_url={other.url} has another tokenizer than "
+            rf"the student model.path='{tiny_model_dir}': a probe text is "
+            rf"{len(theirs)} tokens for the teacher and {len(mine)} for the "
+            rf"student; they first differ at token 0: the teacher's id "
+            rf"{theirs[0]}, the student's {mine[0]} \('The'\)",
+        ):
             make_trainer(cfg, make_tiny_model(), tokenizer, {}, torch.device("cpu"))
     finally:
         other.stop()

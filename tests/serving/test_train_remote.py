@@ -15,8 +15,9 @@ from tests.test_e2e import tiny_overrides
 @pytest.mark.parametrize("sync", ["disk", "delta", "broadcast"])
 def test_train_with_two_launched_servers(tiny_model_dir, tmp_path, capsys, sync):
     run_dir = tmp_path / "run"
-    cfg = tiny_overrides(tiny_model_dir, run_dir, engine={"kind": "strop", "launch": 2, "launch_args": ["--threads=1"],
-                                                          "sync": sync})
+    cfg = tiny_overrides(
+        tiny_model_dir, run_dir, engine={"kind": "strop", "launch": 2, "launch_args": ["--threads=1"], "sync": sync}
+    )
     summary = train(build_config(overrides=cfg))
     out = capsys.readouterr().out
     urls = re.search(r"router over 2 launched strop serve processes: (.*)", out).group(1).split(", ")

@@ -18,9 +18,13 @@ VLLM_PY = Path(os.environ.get("STROP_VLLM_VENV", ROOT / ".venv-vllm")) / "bin" /
 VLLM = VLLM_PY.parent / "vllm"
 
 pytestmark = [
-    pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900),
-    pytest.mark.skipif(not VLLM.exists(), reason=f"vLLM is not installed ({VLLM} missing): "
-                                                  "run `bash scripts/setup_vllm.sh` to enable these tests"),
+    pytest.mark.slow,
+    pytest.mark.vllm,
+    pytest.mark.timeout(900),
+    pytest.mark.skipif(
+        not VLLM.exists(),
+        reason=f"vLLM is not installed ({VLLM} missing): run `bash scripts/setup_vllm.sh` to enable these tests",
+    ),
 ]
 
 
@@ -33,21 +37,45 @@ def vllm_server(tokenizer_dir, tmp_path_factory):
     port = free_port()
     where = tmp_path_factory.mktemp("vllm")
     log = where / "server.log"
-    check = subprocess.run([str(VLLM_PY), "-c", "import strop.serving.vllm_worker"], cwd=where, capture_output=True,
-                           text=True)
+    check = subprocess.run(
+        [str(VLLM_PY), "-c", "import strop.serving.vllm_worker"], cwd=where, capture_output=True, text=True
+    )
     if check.returncode != 0:
-        raise RuntimeError(f"strop is not importable in {VLLM_PY.parent.parent} (vLLM's worker imports the "
-                           f"extension): run `bash scripts/setup_vllm.sh`\n{check.stderr[-1000:]}")
+        raise RuntimeError(
+            f"strop is not importable in {VLLM_PY.parent.parent} (vLLM's worker imports the "
+            f"extension): run `bash scripts/setup_vllm.sh`\n{check.stderr[-1000:]}"
+        )
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", VLLM_SERVER_DEV_MODE="1", VLLM_LOGGING_LEVEL="WARNING")
     with open(log, "wb") as out:
         # the `vllm` script looks up package metadata named "vllm" (the package is vllm-cpu): use the module
-        proc = subprocess.Popen([str(VLLM_PY), "-m", "vllm.entrypoints.openai.api_server", "--model", str(tokenizer_dir),
-                                 "--host", "127.0.0.1", "--port", str(port),
-                                 "--dtype", "float32", "--logprobs-mode", "processed_logprobs",
-                                 "--max-num-batched-tokens", "8192", "--max-model-len", "2048",
-                                 "--worker-extension-cls", "strop.serving.vllm_worker.StropWorkerExtension",
-                                 "--enforce-eager"],  # (compiling its graphs took 85 s of a 115 s start here)
-                                stdout=out, stderr=out, env=env, cwd=where)
+        proc = subprocess.Popen(
+            [
+                str(VLLM_PY),
+                "-m",
+                "vllm.entrypoints.openai.api_server",
+                "--model",
+                str(tokenizer_dir),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--dtype",
+                "float32",
+                "--logprobs-mode",
+                "processed_logprobs",
+                "--max-num-batched-tokens",
+                "8192",
+                "--max-model-len",
+                "2048",
+                "--worker-extension-cls",
+                "strop.serving.vllm_worker.StropWorkerExtension",
+                "--enforce-eager",
+            ],  # (compiling its graphs took 85 s of a 115 s start here)
+            stdout=out,
+            stderr=out,
+            env=env,
+            cwd=where,
+        )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     try:
@@ -83,8 +111,14 @@ def test_vllm_client_gets_ids_and_logprobs_that_match_the_trainer(vllm_server, t
 
     engine = VLLMEngine(vllm_server)
     tok = load_tokenizer(str(tokenizer_dir))
-    prompt = list(tok.apply_chat_template([{"role": "user", "content": "What is 7 + 5?"}], add_generation_prompt=True,
-                                          tokenize=True, return_dict=False))
+    prompt = list(
+        tok.apply_chat_template(
+            [{"role": "user", "content": "What is 7 + 5?"}],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+        )
+    )
 
     async def main():
         await engine.check_logprobs(0.8, prompt)  # the server runs processed logprobs: accepted
@@ -109,8 +143,14 @@ def _prompt(tokenizer_dir):
     from strop.models import load_tokenizer
 
     tok = load_tokenizer(str(tokenizer_dir))
-    return list(tok.apply_chat_template([{"role": "user", "content": "Name three prime numbers."}],
-                                        add_generation_prompt=True, tokenize=True, return_dict=False))
+    return list(
+        tok.apply_chat_template(
+            [{"role": "user", "content": "Name three prime numbers."}],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+        )
+    )
 
 
 def _perturbed(model, seed=0, scale=0.02):
@@ -146,8 +186,10 @@ async def _join(engine, name):
     from strop.process import free_port
 
     port = free_port()
-    group, _ = await asyncio.gather(asyncio.to_thread(make_group, "127.0.0.1", port, 0, 2, "gloo", 120, name=name),
-                                    engine.join_group("127.0.0.1", port, 1, 2, "gloo", name))
+    group, _ = await asyncio.gather(
+        asyncio.to_thread(make_group, "127.0.0.1", port, 0, 2, "gloo", 120, name=name),
+        engine.join_group("127.0.0.1", port, 1, 2, "gloo", name),
+    )
     return group
 
 
@@ -164,8 +206,10 @@ async def _update(engine, group, name, named, version, send=True):
     try:
         await engine.begin_update()
         for i, bucket in enumerate(plan):
-            await asyncio.gather(asyncio.to_thread(send_bucket, group, bucket, named, "cpu", digest),
-                                 engine.receive_bucket(bucket, name, version, last=i == len(plan) - 1))
+            await asyncio.gather(
+                asyncio.to_thread(send_bucket, group, bucket, named, "cpu", digest),
+                engine.receive_bucket(bucket, name, version, last=i == len(plan) - 1),
+            )
         await engine.end_update(version)
     finally:
         await engine.resume()
@@ -191,11 +235,20 @@ def test_broadcast_into_vllm_two_updates_match_the_trainers_logprobs_version_and
     async def step(group, name, model, version):
         start = time.perf_counter()
         sent, plan = await _update(engine, group, name, model.state_dict(), version)
-        report[version] = {"s": round(time.perf_counter() - start, 2), "buckets": len(plan),
-                           "lone": sum(not b.flattened for b in plan)}
+        report[version] = {
+            "s": round(time.perf_counter() - start, 2),
+            "buckets": len(plan),
+            "lone": sum(not b.flattened for b in plan),
+        }
         out = await engine.generate(prompt, sampling)
-        return sent, plan, await engine.receipt(), await engine.get_weight_version(), out, \
-            await engine.score(prompt + out.token_ids)
+        return (
+            sent,
+            plan,
+            await engine.receipt(),
+            await engine.get_weight_version(),
+            out,
+            await engine.score(prompt + out.token_ids),
+        )
 
     async def main():
         assert [w["rank"] for w in await engine.check_broadcast()] == [0] and engine.group_ranks == 1
@@ -225,7 +278,7 @@ def test_broadcast_into_vllm_two_updates_match_the_trainers_logprobs_version_and
         assert len(out.token_ids) > 0
         assert (served - _trainer_logprobs(now, prompt, out, 0.8)).abs().max().item() < 1e-3
         assert (served - _trainer_logprobs(before, prompt, out, 0.8)).abs().max().item() > 1e-3
-        probe = torch.tensor(scored[-len(out.token_ids):])
+        probe = torch.tensor(scored[-len(out.token_ids) :])
         assert (probe - _trainer_logprobs(now, prompt, out, 1.0)).abs().max().item() < 1e-3
 
 
@@ -310,22 +363,30 @@ def test_vllm_manifest_matches_the_trainers_and_a_wrong_shape_is_named(vllm_serv
     name, dtype, shape = sent[5]
     wrong = sent[:5] + [(name, dtype, (shape[0] + 1, *shape[1:]))] + sent[6:]
     assert first_mismatch(wrong, held, vllm_server) == (
-        f"{name!r}: the trainer's shape is {[shape[0] + 1, *shape[1:]]}, {vllm_server}'s is {list(shape)}")
+        f"{name!r}: the trainer's shape is {[shape[0] + 1, *shape[1:]]}, {vllm_server}'s is {list(shape)}"
+    )
 
 
 def _vllm_run(vllm_server, run_dir, sync: str, steps: int):
     from strop.config import build_config
 
-    return build_config(overrides={
-        "engine": {"kind": "vllm", "urls": [vllm_server], "sync": sync, "sync_bucket_bytes": 16 << 20},
-        "data": {"eval_size": 0}, "train": {"steps": steps}, "rollout": {"prompts_per_step": 4},
-        "run": {"dir": str(run_dir), "progress": False, "plot": False, "save_final": False, "save_every": 0},
-    })
+    return build_config(
+        overrides={
+            "engine": {"kind": "vllm", "urls": [vllm_server], "sync": sync, "sync_bucket_bytes": 16 << 20},
+            "data": {"eval_size": 0},
+            "train": {"steps": steps},
+            "rollout": {"prompts_per_step": 4},
+            "run": {"dir": str(run_dir), "progress": False, "plot": False, "save_final": False, "save_every": 0},
+        }
+    )
 
 
 def _label(url: str, version: str) -> None:
-    req = urllib.request.Request(url + "/update_weight_version", data=json.dumps({"new_version": version}).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url + "/update_weight_version",
+        data=json.dumps({"new_version": version}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     urllib.request.urlopen(req, timeout=30).read()
 
 
@@ -344,8 +405,9 @@ def test_rl_steps_with_vllm_rollouts_match_the_trainer_after_every_update(vllm_s
     assert len(steps) == 2
     # step 2 was generated by vLLM after the update of step 1: its logprobs of the samples are the
     # trainer's, and after each update vLLM scored the probe as the trainer did
-    assert all(r["train_rollout_logprob_abs_diff"] < 1e-3 for r in steps), [r["train_rollout_logprob_abs_diff"]
-                                                                             for r in steps]
+    assert all(r["train_rollout_logprob_abs_diff"] < 1e-3 for r in steps), [
+        r["train_rollout_logprob_abs_diff"] for r in steps
+    ]
     assert all(r["weight_probe_max_diff"] < 1e-3 for r in steps), [r["weight_probe_max_diff"] for r in steps]
     with urllib.request.urlopen(vllm_server + "/weight_info", timeout=10) as r:
         assert json.loads(r.read())["weight_version"] == "2"  # the trainer's last version
@@ -360,12 +422,14 @@ def test_rl_steps_with_vllm_rollouts_match_the_trainer_after_every_update(vllm_s
         await sync_.send([engine], load_model(str(tokenizer_dir)).state_dict(), 1)
         await sync_.close()
         await engine.close()
+
     asyncio.run(restore())
     _label(vllm_server, "0")
 
 
-def test_a_run_whose_update_is_skipped_on_one_step_fails_the_receipt_naming_the_engine(vllm_server, tmp_path,
-                                                                                       monkeypatch):
+def test_a_run_whose_update_is_skipped_on_one_step_fails_the_receipt_naming_the_engine(
+    vllm_server, tmp_path, monkeypatch
+):
     import strop.sync.broadcast as sync_module
     from strop.engines.vllm import VLLMEngine
     from strop.loop import train

@@ -21,10 +21,19 @@ def _server(processed: bool):
         t = body["temperature"]
         if body["max_tokens"] == 1:  # the probe: top logprobs of the first position
             top = {k: (v / t if processed else v) for k, v in raw.items()}
-            return httpx.Response(200, json={"choices": [{"logprobs": {"top_logprobs": [top]}, "token_ids": [5],
-                                                          "finish_reason": "length"}]})
-        return httpx.Response(200, json={"choices": [{"token_ids": [5, 9], "finish_reason": "stop",
-                                                      "logprobs": {"token_logprobs": [-0.1, -0.2]}}]})
+            return httpx.Response(
+                200,
+                json={"choices": [{"logprobs": {"top_logprobs": [top]}, "token_ids": [5], "finish_reason": "length"}]},
+            )
+        return httpx.Response(
+            200,
+            json={
+                "choices": [
+                    {"token_ids": [5, 9], "finish_reason": "stop", "logprobs": {"token_logprobs": [-0.1, -0.2]}}
+                ]
+            },
+        )
+
     return handler
 
 
@@ -72,8 +81,9 @@ class _VersionedServer:
             return httpx.Response(200, json={"weight_version": self.label})
         if self.hold is not None:  # a completion that is still generating
             await self.hold.wait()
-        return httpx.Response(200, json={"choices": [{"token_ids": [5], "finish_reason": "stop",
-                                                      "logprobs": {"token_logprobs": [-0.1]}}]})
+        return httpx.Response(
+            200, json={"choices": [{"token_ids": [5], "finish_reason": "stop", "logprobs": {"token_logprobs": [-0.1]}}]}
+        )
 
 
 def _versioned():
@@ -127,8 +137,10 @@ def test_a_vllm_load_that_does_not_take_is_refused():
 
 # vLLM 0.32's answer when a worker lacks the called method (multiprocessing executor: the worker's
 # AttributeError, relayed by the engine core as "Call to collective_rpc method failed", HTTP 500)
-NO_METHOD = ("Call to collective_rpc method failed: Worker failed with error ''CPUWorker' object has no attribute "
-             "'{method}'', please check the stack trace above for the root cause")
+NO_METHOD = (
+    "Call to collective_rpc method failed: Worker failed with error ''CPUWorker' object has no attribute "
+    "'{method}'', please check the stack trace above for the root cause"
+)
 
 
 class _SyncServer:
@@ -138,25 +150,53 @@ class _SyncServer:
     def __init__(self, extension=True, reset_fails=0):
         self.extension, self.reset_fails = extension, reset_fails
         self.calls, self.label = [], "default"
-        self.receipt = {"checksum": "ab" * 16, "version": "5", "loaded": True, "missing": [], "n_missing": 0,
-                        "buckets": 3, "open": False}
+        self.receipt = {
+            "checksum": "ab" * 16,
+            "version": "5",
+            "loaded": True,
+            "missing": [],
+            "n_missing": 0,
+            "buckets": 3,
+            "open": False,
+        }
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         path = request.url.path
         body = json.loads(request.content) if request.content else {}
-        self.calls.append(path + (f"?{request.url.query.decode()}" if request.url.query else "")
-                          + (f" {body['method']}" if path == "/collective_rpc" else ""))
+        self.calls.append(
+            path
+            + (f"?{request.url.query.decode()}" if request.url.query else "")
+            + (f" {body['method']}" if path == "/collective_rpc" else "")
+        )
         if path == "/version":
             return httpx.Response(200, json={"version": "0.32.0"})
         if path == "/collective_rpc":
             method = body["method"]
             if not self.extension:
-                return httpx.Response(500, json={"error": {"message": NO_METHOD.format(method=method),
-                                                           "type": "InternalServerError", "param": None, "code": 500}})
+                return httpx.Response(
+                    500,
+                    json={
+                        "error": {
+                            "message": NO_METHOD.format(method=method),
+                            "type": "InternalServerError",
+                            "param": None,
+                            "code": 500,
+                        }
+                    },
+                )
             if method == "strop_receive_bucket":
-                return httpx.Response(500, json={"error": {"message": "Call to collective_rpc method failed: Worker "
-                                                           "failed with error 'Connection closed by peer'",
-                                                           "type": "InternalServerError", "param": None, "code": 500}})
+                return httpx.Response(
+                    500,
+                    json={
+                        "error": {
+                            "message": "Call to collective_rpc method failed: Worker "
+                            "failed with error 'Connection closed by peer'",
+                            "type": "InternalServerError",
+                            "param": None,
+                            "code": 500,
+                        }
+                    },
+                )
             if method == "strop_info":  # a server of two tensor-parallel workers
                 return httpx.Response(200, json={"results": [{"rank": 0}, {"rank": 1}]})
             return httpx.Response(200, json={"results": [self.receipt if method == "strop_receipt" else {}]})
@@ -191,15 +231,18 @@ def test_a_vllm_engine_without_the_extension_is_refused_naming_it_its_version_an
         with pytest.raises(EngineRequestError) as err:
             asyncio.run(call)
         assert str(err.value).startswith("http://vllm.test: vLLM 0.32.0 has no strop worker extension")
-        assert ("start vLLM with --worker-extension-cls strop.serving.vllm_worker.StropWorkerExtension, "
-                "or use engine.sync=disk") in str(err.value)
+        assert (
+            "start vLLM with --worker-extension-cls strop.serving.vllm_worker.StropWorkerExtension, "
+            "or use engine.sync=disk"
+        ) in str(err.value)
     # with the extension every worker joins the group: the engine takes one rank per worker
     server, engine = _sync_engine()
     asyncio.run(engine.check_broadcast())
     assert engine.group_ranks == 2
     # a worker that has the extension but fails is reported as that failure, not as a missing extension
-    with pytest.raises(EngineRequestError, match="collective_rpc strop_receive_bucket failed: HTTP 500.*Connection "
-                                                 "closed by peer") as err:
+    with pytest.raises(
+        EngineRequestError, match="collective_rpc strop_receive_bucket failed: HTTP 500.*Connection closed by peer"
+    ) as err:
         asyncio.run(engine.receive_bucket(_bucket(), "g", 1, True))
     assert "no strop worker extension" not in str(err.value)
 
@@ -221,8 +264,15 @@ def test_reset_prefix_cache_is_retried_while_vllm_reports_blocks_held():
         return await engine.receipt()
 
     assert asyncio.run(main()) == (5, "stream", "ab" * 16)
-    assert server.calls == ["/pause?mode=abort", "/collective_rpc strop_finish", *["/reset_prefix_cache"] * 3,
-                            "/update_weight_version", "/weight_info", "/resume", "/collective_rpc strop_receipt"]
+    assert server.calls == [
+        "/pause?mode=abort",
+        "/collective_rpc strop_finish",
+        *["/reset_prefix_cache"] * 3,
+        "/update_weight_version",
+        "/weight_info",
+        "/resume",
+        "/collective_rpc strop_receipt",
+    ]
     # paused with keep, the kept requests hold their blocks until resume: they are preempted by the reset
     server, engine = _sync_engine()
     asyncio.run(engine.pause("keep"))
@@ -233,8 +283,11 @@ def test_reset_prefix_cache_is_retried_while_vllm_reports_blocks_held():
 @pytest.mark.timeout(30)
 def test_a_prefix_cache_that_never_resets_fails_the_update_before_the_version_is_labelled():
     server, engine = _sync_engine(reset_fails=None)
-    with pytest.raises(EngineRequestError, match=r"^http://vllm.test: /reset_prefix_cache still answers "
-                                                 r"success=false after 8 attempts"):
+    with pytest.raises(
+        EngineRequestError,
+        match=r"^http://vllm.test: /reset_prefix_cache still answers "
+        r"success=false after 8 attempts",
+    ):
         asyncio.run(engine.end_update(5))
     assert server.calls.count("/reset_prefix_cache") == 8 and "/update_weight_version" not in server.calls
     assert server.label == "default"
@@ -258,9 +311,21 @@ def test_vllm_scores_a_probe_from_its_prompt_logprobs():
         assert body["prompt"] == [7, 8, 9] and body["prompt_logprobs"] == 0 and body["temperature"] == 1.0
         # vLLM 0.32: one entry per prompt position (None for the first), keyed by token id, the prompt's own
         # token always listed (with prompt_logprobs=0 a sampled-better token may be listed too)
-        return httpx.Response(200, json={"choices": [{"token_ids": [1], "prompt_logprobs": [
-            None, {"8": {"logprob": -1.5, "rank": 2}, "3": {"logprob": -0.5, "rank": 1}},
-            {"9": {"logprob": -0.25, "rank": 1}}]}]})
+        return httpx.Response(
+            200,
+            json={
+                "choices": [
+                    {
+                        "token_ids": [1],
+                        "prompt_logprobs": [
+                            None,
+                            {"8": {"logprob": -1.5, "rank": 2}, "3": {"logprob": -0.5, "rank": 1}},
+                            {"9": {"logprob": -0.25, "rank": 1}},
+                        ],
+                    }
+                ]
+            },
+        )
 
     engine = VLLMEngine("http://vllm.test")
     engine._client = httpx.AsyncClient(transport=httpx.MockTransport(handler))

@@ -22,18 +22,42 @@ VLLM_PY = Path(os.environ.get("STROP_VLLM_VENV", ROOT / ".venv-vllm")) / "bin" /
 TOKEN = "run-token-3f9c2a"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 # the routes the guard exists for (vLLM's dev mode and its own unguarded ones), whatever the listing says
-MUST = {"/collective_rpc": "POST", "/pause": "POST", "/resume": "POST", "/is_paused": "GET",
-        "/update_weight_version": "POST", "/reset_prefix_cache": "POST", "/abort_requests": "POST",
-        "/health": "GET", "/ping": "GET", "/metrics": "GET", "/version": "GET", "/tokenize": "POST",
-        "/v1/models": "GET", "/v1/completions": "POST", "/openapi.json": "GET", "/docs": "GET", "/": "GET"}
+MUST = {
+    "/collective_rpc": "POST",
+    "/pause": "POST",
+    "/resume": "POST",
+    "/is_paused": "GET",
+    "/update_weight_version": "POST",
+    "/reset_prefix_cache": "POST",
+    "/abort_requests": "POST",
+    "/health": "GET",
+    "/ping": "GET",
+    "/metrics": "GET",
+    "/version": "GET",
+    "/tokenize": "POST",
+    "/v1/models": "GET",
+    "/v1/completions": "POST",
+    "/openapi.json": "GET",
+    "/docs": "GET",
+    "/": "GET",
+}
 # a plausible body for each route, so that an open route would act on it (not only fail validation)
-BODY = {"/collective_rpc": {"method": "strop_info"}, "/update_weight_version": {"new_version": 99},
-        "/tokenize": {"prompt": "hi"}, "/v1/completions": {"prompt": "hi", "max_tokens": 1}}
+BODY = {
+    "/collective_rpc": {"method": "strop_info"},
+    "/update_weight_version": {"new_version": 99},
+    "/tokenize": {"prompt": "hi"},
+    "/v1/completions": {"prompt": "hi", "max_tokens": 1},
+}
 
 pytestmark = [
-    pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900),
-    pytest.mark.skipif(not (VLLM_PY.parent / "vllm").exists(), reason=f"vLLM is not installed ({VLLM_PY.parent} has "
-                       "no vllm): run `bash scripts/setup_vllm.sh` to enable these tests"),
+    pytest.mark.slow,
+    pytest.mark.vllm,
+    pytest.mark.timeout(900),
+    pytest.mark.skipif(
+        not (VLLM_PY.parent / "vllm").exists(),
+        reason=f"vLLM is not installed ({VLLM_PY.parent} has "
+        "no vllm): run `bash scripts/setup_vllm.sh` to enable these tests",
+    ),
 ]
 
 
@@ -45,10 +69,22 @@ def engine(tokenizer_dir, tmp_path_factory):
 
     marker = tmp_path_factory.mktemp("vllm-guard") / "shared"
     marker.write_text("the run directory is shared\n")
-    spec = {"kind": "vllm", "model": str(tokenizer_dir), "command": [str(VLLM_PY), "-m", "vllm.entrypoints.openai.api_server"],
-            "args": ["--dtype", "float32", "--max-num-batched-tokens", "8192", "--max-model-len", "2048",
-                     "--enforce-eager"],  # (healthy in about 30 s instead of 85 s)
-            "env": {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_LOGGING_LEVEL": "WARNING"}, "timeout_s": 300}
+    spec = {
+        "kind": "vllm",
+        "model": str(tokenizer_dir),
+        "command": [str(VLLM_PY), "-m", "vllm.entrypoints.openai.api_server"],
+        "args": [
+            "--dtype",
+            "float32",
+            "--max-num-batched-tokens",
+            "8192",
+            "--max-model-len",
+            "2048",
+            "--enforce-eager",
+        ],  # (healthy in about 30 s instead of 85 s)
+        "env": {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_LOGGING_LEVEL": "WARNING"},
+        "timeout_s": 300,
+    }
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(ray_cluster, "_node_ip", lambda: "127.0.0.1")  # (a test server listens on loopback only)
         actor = ray_cluster.EngineServer(0, spec, free_port(), TOKEN, os.getcwd(), str(marker))
@@ -101,8 +137,10 @@ def test_with_the_token_it_generates_streams_and_runs_the_worker_extension(engin
 
     async def main():
         try:
-            return (await client.generate([1, 2, 3, 4], SamplingParams(temperature=1.0, max_new_tokens=8)),
-                    await client.check_broadcast())
+            return (
+                await client.generate([1, 2, 3, 4], SamplingParams(temperature=1.0, max_new_tokens=8)),
+                await client.check_broadcast(),
+            )
         finally:
             await client.close()
 
@@ -111,8 +149,13 @@ def test_with_the_token_it_generates_streams_and_runs_the_worker_extension(engin
     assert len(workers) == 1 and workers[0]["pid"] != engine.proc.pid, workers
     model = httpx.get(engine.url + "/v1/models", headers=AUTH, timeout=30).json()["data"][0]["id"]
     events = []
-    with httpx.stream("POST", engine.url + "/v1/completions", headers=AUTH, timeout=60, json={
-            "model": model, "prompt": [1, 2, 3], "max_tokens": 6, "ignore_eos": True, "stream": True}) as r:
+    with httpx.stream(
+        "POST",
+        engine.url + "/v1/completions",
+        headers=AUTH,
+        timeout=60,
+        json={"model": model, "prompt": [1, 2, 3], "max_tokens": 6, "ignore_eos": True, "stream": True},
+    ) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         for line in r.iter_lines():
             if line.startswith("data: "):
