@@ -273,7 +273,10 @@ def main() -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
-    from strop.serving.embedded import EmbeddedEngine
+    try:
+        from strop.serving.embedded import EmbeddedEngine
+    except ImportError:  # a baseline tree from before the engine's side of the wire was strop.serving
+        from strop.engines.embedded import EmbeddedEngine
     from strop.models import load_model, load_tokenizer, resolve_model_path
 
     tok = load_tokenizer(args.model)

@@ -369,6 +369,12 @@ def train_main(argv: list[str]) -> int:
     _quiet_libraries()
     if os.environ.get("RANK", "0") != "0":
         cfg.run.progress = False
+    return _train(cfg, resumed=resume is not None)
+
+
+def _train(cfg, resumed: bool) -> int:
+    """Run the training loop in this process (a rank); its expected failures print one line and exit 1.
+    (Imported here: they load torch, kept out of ``strop train --help``.)"""
     from strop.checkpoint import CheckpointError
     from strop.data.sources import DataError
     from strop.loop import train
@@ -378,7 +384,7 @@ def train_main(argv: list[str]) -> int:
     from strop.train.trainer import NonFiniteGradientError
 
     try:
-        train(cfg, resume=resume is not None)
+        train(cfg, resume=resumed)
     except (
         FileNotFoundError,
         FileExistsError,

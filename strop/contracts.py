@@ -15,8 +15,9 @@ from dataclasses import dataclass
 import torch
 
 from strop.agents.proxy import AgentProxy
-from strop.agents.rollout import _call_agent, prompt_row
+from strop.agents.rollout import prompt_row
 from strop.agents.session import SessionLimits
+from strop.agents.worker import call_agent
 from strop.data.config import DataConfig
 from strop.data.sources import _row_from_record
 from strop.plugins import HOOKS, _name, call_hook, call_hook_sync, check_result, load_hook
@@ -174,7 +175,7 @@ async def _run_agent(fn) -> str:
         session = proxy.open(sample, SamplingParams(temperature=1.0, max_new_tokens=64))
         row = prompt_row(sample, "You answer briefly.") | {"session_id": session.id}
         result = await asyncio.get_running_loop().run_in_executor(
-            None, _call_agent, fn, proxy.base_url, session.key, row
+            None, call_agent, fn, proxy.base_url, session.key, row
         )
         reward = check_result("agent", fn, {"row": row}, result)
         reward = reward if reward is not None else session.reward

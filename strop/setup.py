@@ -5,8 +5,6 @@ strop.rollout.toolbox; the run directory: strop.observe.run_dir; ...)."""
 from __future__ import annotations
 
 import copy
-import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -22,6 +20,7 @@ from strop.engines.base import Closable, Engine
 from strop.engines.teacher import RemoteTeacher
 from strop.serving.embedded import EmbeddedEngine
 from strop.serving.kvdecode import unsupported_reason
+from strop.setup_remote import remote_engine
 from strop.parallel.collectives import resolve_bucket_bytes
 from strop.parallel.dims import ParallelDims
 from strop.parallel.runtime import Control
@@ -120,25 +119,7 @@ def prepare(cfg: Config, device: torch.device, controller: bool = True, resume: 
             check_run_dir(cfg)
         replay = _read_replay(cfg)
     elif controller:
-        if not resume:
-            check_run_dir(cfg)
-        resolve_bucket_bytes(cfg.parallel.grad_reduce_bucket_bytes)
-        ParallelDims.from_config(cfg.parallel)  # the layout's refusals, before anything loads
-        require_trackers(cfg.run.trackers)
-        reward_fn = resolve_reward(cfg.rollout.reward)
-        if cfg.tools.enabled or "tools" in hooks:  # the sandbox and the tools hook: checked before the model loads
-            hooks["generate"] = multiturn_generate
-            tools = make_tools(cfg, hooks.get("tools"))
-        if "agent" in hooks:  # each sample is a run of the user's agent against the agent proxy
-            if cfg.agent.reward == "hook" and check_signature("reward", reward_fn) == "group":
-                raise ConfigError(
-                    f"agent.reward='hook' scores each session's last answer alone; rollout.reward="
-                    f"{cfg.rollout.reward!r} scores whole groups: use a per-sample reward, or post "
-                    "rewards from the agent (agent.reward='session')"
-                )
-            hooks["generate"] = agent_generate
-        hooks.setdefault("rollout", default_rollout)
-        train_rows, eval_rows = prompt_rows(cfg, hooks.get("data_source"))
+        reward_fn, tools, train_rows, eval_rows = _check_controller_inputs(cfg, hooks, resume)
     model_path = resolve_model_path(cfg.model.path)  # a missing path fails here
     dims = ParallelDims.from_config(cfg.parallel)
     if dims.tp > 1:  # heads that do not divide: said before the model loads
@@ -192,6 +173,32 @@ def prepare(cfg: Config, device: torch.device, controller: bool = True, resume: 
         tools,
         weights,
     )
+
+
+def _check_controller_inputs(cfg: Config, hooks: dict, resume: bool) -> tuple:
+    """Rank 0's cheap checks before any model loads (run dir, layout, trackers, reward, tools, agent, prompts);
+    sets the generate and rollout hooks. Returns the reward, the tools, and the train and eval rows."""
+    if not resume:
+        check_run_dir(cfg)
+    resolve_bucket_bytes(cfg.parallel.grad_reduce_bucket_bytes)
+    ParallelDims.from_config(cfg.parallel)  # the layout's refusals, before anything loads
+    require_trackers(cfg.run.trackers)
+    reward_fn = resolve_reward(cfg.rollout.reward)
+    tools = None
+    if cfg.tools.enabled or "tools" in hooks:  # the sandbox and the tools hook: checked before the model loads
+        hooks["generate"] = multiturn_generate
+        tools = make_tools(cfg, hooks.get("tools"))
+    if "agent" in hooks:  # each sample is a run of the user's agent against the agent proxy
+        if cfg.agent.reward == "hook" and check_signature("reward", reward_fn) == "group":
+            raise ConfigError(
+                f"agent.reward='hook' scores each session's last answer alone; rollout.reward="
+                f"{cfg.rollout.reward!r} scores whole groups: use a per-sample reward, or post "
+                "rewards from the agent (agent.reward='session')"
+            )
+        hooks["generate"] = agent_generate
+    hooks.setdefault("rollout", default_rollout)
+    train_rows, eval_rows = prompt_rows(cfg, hooks.get("data_source"))
+    return reward_fn, tools, train_rows, eval_rows
 
 
 def shard_source(dims: ParallelDims, model_path: str) -> tuple[str | None, str | None]:
@@ -316,47 +323,12 @@ def _controller_parts(
         raise ValueError(
             f"rollout.max_new_tokens={max_new} leaves no room in the {context_window}-token context window"
         )
-    system_prompt = cfg.data.system_prompt
-    if p.tools and cfg.tools.describe:  # the model is told which tools exist and how to call them
-        system_prompt = describe_tools(system_prompt, p.tools["tools"])
-    prompt_kw = dict(
-        template=cfg.data.prompt_template,
-        system_prompt=system_prompt,
-        apply_chat_template=cfg.data.apply_chat_template,
-        max_prompt_tokens=max_prompt,
-    )
-    train_rows, eval_rows = p.train_rows, p.eval_rows
-    train_prompts = PromptSet(train_rows, tokenizer, name=cfg.data.path or f"{cfg.data.task} (train)", **prompt_kw)
-    eval_prompts = (
-        PromptSet(eval_rows, tokenizer, name=cfg.data.eval_path or f"{cfg.data.task} (eval)", **prompt_kw)
-        if eval_rows
-        else None
-    )
+    train_prompts, eval_prompts = _prompt_sets(cfg, p, max_prompt)
     stop_ids = sorted(
         {tokenizer.eos_token_id, *([tokenizer.pad_token_id] if tokenizer.pad_token_id is not None else [])} - {None}
     )
     run_dir = make_run_dir(cfg, create=False, resume=resume)
-    if cfg.engine.kind == "embedded":
-        engine, servers = (
-            EmbeddedEngine(
-                p.engine_model,
-                pad_token_id=tokenizer.pad_token_id,
-                default_stop_token_ids=stop_ids,
-                max_batch_size=r.max_batch_size,
-                context_window=context_window,
-                seed=r.seed,
-                fast_decode=cfg.engine.fast_decode,
-                shared=p.engine_model is p.policy,
-            ),
-            [],
-        )
-        weight_sync = choose_sync(cfg, [engine], run_dir, [], device)
-        weight_sync.connect(engine)
-    else:
-        engine, servers = remote_engine(
-            cfg, p.model_path, run_dir, probe_ids=train_prompts.prompt_ids[0], device=device
-        )
-        weight_sync = None  # the router's transport is its own
+    engine, servers, weight_sync = _engine(cfg, p, run_dir, train_prompts, context_window, stop_ids, device)
     sampling = SamplingParams(
         temperature=r.temperature,
         top_p=r.top_p,
@@ -396,60 +368,46 @@ def _controller_parts(
     )
 
 
-def remote_engine(cfg: Config, model_path: str, run_dir: Path, probe_ids: list[int], device=None):
-    """A router over HTTP engines (launched here, or at engine.urls) and the servers it launched.
-    Launched servers require engine.token, or a token made for this run when none is set; they are
-    stopped again if anything after their start fails."""
-    import secrets
-
-    from strop.engines.launch import launch_servers
-
-    e = cfg.engine
-    if e.launch and "STROP_ENGINE_URLS" in os.environ:  # the Ray launcher's engine actors (strop.cluster), not ours
-        return _router(
-            cfg, json.loads(os.environ["STROP_ENGINE_URLS"]), e.token.get_secret_value(), run_dir, probe_ids, device
-        ), []
-    token = e.token.get_secret_value() if e.token else secrets.token_urlsafe(32) if e.launch else None
-    weights_dir = Path(e.sync_dir or run_dir / "weights").resolve()  # the only folder the servers may load from
-    servers = (
-        launch_servers(e.launch, model_path, args=[*e.launch_args, f"--weights-dir={weights_dir}"], token=token)
-        if e.launch
-        else []
+def _prompt_sets(cfg: Config, p: _Prepared, max_prompt: int) -> tuple[PromptSet, PromptSet | None]:
+    """The train and eval prompts, templated and tokenized (the tools described in the system prompt when asked)."""
+    system_prompt = cfg.data.system_prompt
+    if p.tools and cfg.tools.describe:  # the model is told which tools exist and how to call them
+        system_prompt = describe_tools(system_prompt, p.tools["tools"])
+    prompt_kw = dict(
+        template=cfg.data.prompt_template,
+        system_prompt=system_prompt,
+        apply_chat_template=cfg.data.apply_chat_template,
+        max_prompt_tokens=max_prompt,
     )
-    try:
-        return _router(cfg, [s.url for s in servers] or e.urls, token, run_dir, probe_ids, device), servers
-    except BaseException:
-        for server in servers:
-            server.stop()
-        raise
-
-
-def _router(cfg: Config, urls: list[str], token: str | None, run_dir: Path, probe_ids: list[int], device=None):
-    """The router over the servers at ``urls``; weights reach them through the transport
-    :func:`strop.sync.choose.choose_sync` picks (and probes the servers for)."""
-    from strop.engines.router import Router
-    from strop.engines.sglang import SGLangEngine
-    from strop.engines.vllm import VLLMEngine
-
-    e = cfg.engine
-    kind = VLLMEngine if e.kind == "vllm" else SGLangEngine
-    clients = [
-        kind(u, timeout_s=e.timeout_s, retries=e.retries, token=token, require_checksum=e.kind == "strop") for u in urls
-    ]
-    sync = choose_sync(cfg, clients, run_dir, probe_ids, device)
-    router = Router(
-        clients, sync=sync, health_interval_s=e.health_interval_s, affinity=e.affinity, drain_timeout_s=e.timeout_s
+    train_rows, eval_rows = p.train_rows, p.eval_rows
+    train_prompts = PromptSet(train_rows, p.tokenizer, name=cfg.data.path or f"{cfg.data.task} (train)", **prompt_kw)
+    eval_prompts = (
+        PromptSet(eval_rows, p.tokenizer, name=cfg.data.eval_path or f"{cfg.data.task} (eval)", **prompt_kw)
+        if eval_rows
+        else None
     )
-    sharded = ParallelDims.from_config(cfg.parallel).sharded
-    if e.sync_probe and sharded:  # the trainer's forward is a collective of every rank there, the probe rank 0's
-        print(
-            "strop: weight probe: off under parallel.dp_mode=fsdp and tensor parallel (receipt: versions and "
-            "checksums)",
-            flush=True,
+    return train_prompts, eval_prompts
+
+
+def _engine(
+    cfg: Config, p: _Prepared, run_dir: Path, train_prompts: PromptSet, context_window: int, stop_ids, device
+) -> tuple:
+    """The run's engine, the servers it launched and the embedded engine's weight transport (None for a router,
+    whose transport is its own)."""
+    r = cfg.rollout
+    if cfg.engine.kind == "embedded":
+        engine = EmbeddedEngine(
+            p.engine_model,
+            pad_token_id=p.tokenizer.pad_token_id,
+            default_stop_token_ids=stop_ids,
+            max_batch_size=r.max_batch_size,
+            context_window=context_window,
+            seed=r.seed,
+            fast_decode=cfg.engine.fast_decode,
+            shared=p.engine_model is p.policy,
         )
-    router.probe_ids = list(probe_ids[:PROBE_TOKENS]) if e.sync_probe and not sharded else None
-    router.probe_tolerance = e.sync_probe_tolerance
-    return router
-
-
-PROBE_TOKENS = 16  # tokens of the first training prompt scored by the weight probe
+        weight_sync = choose_sync(cfg, [engine], run_dir, [], device)
+        weight_sync.connect(engine)
+        return engine, [], weight_sync
+    engine, servers = remote_engine(cfg, p.model_path, run_dir, probe_ids=train_prompts.prompt_ids[0], device=device)
+    return engine, servers, None  # the router's transport is its own

@@ -24,7 +24,7 @@ ROOT = Path(strop.__file__).parent
 FLOORS = (
     ("front door", ("strop.cli",)),
     ("the run", ("strop.loop", "strop.roles")),
-    ("assembly", ("strop.setup", "strop.contracts")),
+    ("assembly", ("strop.setup", "strop.setup_remote", "strop.contracts")),
     ("agents", ("strop.agents",)),
     ("rollout", ("strop.rollout",)),
     ("sides of the wire", ("strop.train", "strop.engines", "strop.sync", "strop.serving", "strop.cluster")),

@@ -77,7 +77,7 @@ def test_no_process_of_the_run_remains_after_any_ending(tiny_model_dir, tmp_path
 def test_a_launched_server_requires_the_runs_token_which_never_shows_in_ps(tiny_model_dir, tmp_path, monkeypatch):
     """engine.token reaches servers started by engine.launch (through the environment, never argv):
     their weight, group and abort routes refuse a request without it (401) and accept it with it."""
-    from strop.setup import remote_engine
+    from strop.setup_remote import remote_engine
 
     monkeypatch.delenv("STROP_ENGINE_TOKEN", raising=False)
     cfg = build_config(
@@ -125,7 +125,7 @@ def test_launched_servers_get_a_fresh_token_when_none_is_set(tmp_path, monkeypat
     """No engine.token: servers this run starts still protect their weight routes, with a token
     made for the run and given to the router's clients."""
     import strop.engines.launch as launch
-    from strop.setup import remote_engine
+    from strop.setup_remote import remote_engine
 
     monkeypatch.delenv("STROP_ENGINE_TOKEN", raising=False)
     given = []

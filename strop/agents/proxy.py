@@ -48,6 +48,7 @@ import json
 import socket
 import time
 from collections import Counter, OrderedDict
+from typing import Callable
 
 from fastapi import HTTPException, Request
 
@@ -332,7 +333,16 @@ class AgentProxy:
                 self.end(s, "aborted", why)
                 raise HTTPException(503, f"session {s.id}: {why}; the session has ended")
         # decoding a long answer takes a while: beside the event loop, which keeps serving
-        cut, choices = await asyncio.to_thread(self._read_answers, outs, stops, chat is not None, tool_names)
+        cut, choices = await asyncio.to_thread(
+            read_answers,
+            self.tokenizer,
+            outs,
+            stops,
+            chat is not None,
+            tool_names,
+            cut_after_tool_calls=self.cut_after_tool_calls,
+            decode=self.decode_text,
+        )
         if await request.is_disconnected():  # nobody reads this answer: a retry (or nothing) replaces it
             self.drop_call(s)
             raise ClientGone(f"session {s.id}: the client hung up before the answer was ready")
@@ -341,42 +351,51 @@ class AgentProxy:
         self.counts["agent_calls"] += 1
         return call, cut
 
-    def _read_answers(
-        self, outs: list[Completion], stops: list[str], chat: bool, tool_names: set[str]
-    ) -> tuple[list[tuple[Completion, str]], list[Choice]]:
-        """The engine's completions as (completion cut at a stop string, its text) and as choices (a chat
-        call's: the assistant message, its tool calls parsed)."""
-        if chat and tool_names and self.cut_after_tool_calls:
-            outs = [self._end_at_calls(out, tool_names) for out in outs]
-        cut = [cut_at_stops(out, stops, self.decode_text)[:2] for out in outs]
-        choices = []
-        for out, text in cut:
-            msg = None
-            if chat:
-                content, calls = parse_reply(text, tool_names)
-                msg = {"role": "assistant", "content": content or ""}
-                if calls:
-                    msg["tool_calls"] = [
-                        {
-                            "id": c["id"],
-                            "name": c["function"]["name"],
-                            "arguments": json.loads(c["function"]["arguments"]),
-                        }
-                        for c in calls
-                    ]
-            choices.append(Choice(out, msg))
-        return cut, choices
-
-    def _end_at_calls(self, out: Completion, tool_names: set[str]) -> Completion:
-        """``out`` cut after the fewest tokens that hold its first tool calls (strop's multi-turn rule:
-        a turn that calls a tool ends there, and the tool's answer comes next)."""
-        end = calls_end(self.tokenizer.decode(out.token_ids, skip_special_tokens=False), tool_names)
-        if end is None:
-            return out
-        keep = tokens_covering(self.tokenizer, list(out.token_ids), end)
-        if keep >= len(out.token_ids):
-            return out
-        return Completion(list(out.token_ids[:keep]), list(out.logprobs[:keep]), "stop", out.weight_version)
-
     def decode_text(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)  # (the text cut_at_stops cuts)
+
+
+def read_answers(
+    tokenizer,
+    outs: list[Completion],
+    stops: list[str],
+    chat: bool,
+    tool_names: set[str],
+    *,
+    cut_after_tool_calls: bool,
+    decode: Callable[[list[int]], str],
+) -> tuple[list[tuple[Completion, str]], list[Choice]]:
+    """The engine's completions as (completion cut at a stop string, its text) and as choices (a chat
+    call's: the assistant message, its tool calls parsed). ``decode``: the text :func:`cut_at_stops` cuts."""
+    if chat and tool_names and cut_after_tool_calls:
+        outs = [end_at_calls(tokenizer, out, tool_names) for out in outs]
+    cut = [cut_at_stops(out, stops, decode)[:2] for out in outs]
+    choices = []
+    for out, text in cut:
+        msg = None
+        if chat:
+            content, calls = parse_reply(text, tool_names)
+            msg = {"role": "assistant", "content": content or ""}
+            if calls:
+                msg["tool_calls"] = [
+                    {
+                        "id": c["id"],
+                        "name": c["function"]["name"],
+                        "arguments": json.loads(c["function"]["arguments"]),
+                    }
+                    for c in calls
+                ]
+        choices.append(Choice(out, msg))
+    return cut, choices
+
+
+def end_at_calls(tokenizer, out: Completion, tool_names: set[str]) -> Completion:
+    """``out`` cut after the fewest tokens that hold its first tool calls (strop's multi-turn rule:
+    a turn that calls a tool ends there, and the tool's answer comes next)."""
+    end = calls_end(tokenizer.decode(out.token_ids, skip_special_tokens=False), tool_names)
+    if end is None:
+        return out
+    keep = tokens_covering(tokenizer, list(out.token_ids), end)
+    if keep >= len(out.token_ids):
+        return out
+    return Completion(list(out.token_ids[:keep]), list(out.logprobs[:keep]), "stop", out.weight_version)

@@ -74,33 +74,9 @@ def policy_objective(
         opsm_dropped = (mask - opsm).clamp(min=0)
         kept = kept * opsm
     # 2. the per-token policy loss
-    if loss_fn is not None:
-        per_token, info = loss_fn(logprobs, old, advantages, kept)
-    elif a.policy_loss == "ppo_clip":
-        per_token, info = ppo_clip_loss(
-            logprobs, old, advantages, clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip
-        )
-    elif a.policy_loss == "gspo":
-        per_token, info = gspo_loss(logprobs, old, advantages, kept, clip_low=a.clip_low, clip_high=a.clip_high)
-    elif a.policy_loss == "cispo":
-        per_token, info = cispo_loss(logprobs, old, advantages, clip_low=a.clip_low, clip_high=a.clip_high)
-    elif a.policy_loss == "dppo":
-        # DPPO's ratio is against pi_rollout: it holds the behaviour weight pi_old/pi_rollout already, so the
-        # weight is not applied again (it would make the gradient go as (pi/pi_rollout)^2); TIS (and IcePop's
-        # cap) truncate that factor inside the ratio, MIS / IcePop / OPSM still mask through `kept`
-        capped = weight / corr["w"] if settings["tis_cap"] is not None else None  # min(w, C) / w, detached
-        per_token, info = dppo_loss(
-            logprobs,
-            rollout_logprobs,
-            advantages,
-            mask_low=a.dppo_mask_low,
-            mask_high=a.dppo_mask_high,
-            kl_coef=a.dppo_kl_coef,
-            scale=capped,
-        )
-        weight = None
-    else:
-        raise ValueError(f"unknown policy loss {a.policy_loss!r}")
+    per_token, info, weight = _policy_loss(
+        logprobs, old, rollout_logprobs, advantages, kept, weight, corr, settings, algo=a, loss_fn=loss_fn
+    )
     # 3. the policy-gradient term
     pg_loss = aggregate(per_token if weight is None else per_token * weight, kept, a.loss_agg, **agg)
     loss = pg_loss
@@ -129,6 +105,52 @@ def policy_objective(
         loss = loss - a.entropy_coef * aggregate(entropy, mask, a.loss_agg, **agg)
     stats["approx_kl_old"] = kl_estimate(logprobs, old, "k3").detach()
     return loss, pg_loss, stats
+
+
+def _policy_loss(
+    logprobs: torch.Tensor,
+    old: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    kept: torch.Tensor,
+    weight: torch.Tensor,
+    corr: dict,
+    settings: dict,
+    *,
+    algo,
+    loss_fn: Callable | None,
+) -> tuple[torch.Tensor, dict, torch.Tensor | None]:
+    """Step 2: the per-token policy loss, its info, and the behaviour weight the policy term applies
+    (None for DPPO, whose ratio holds it already)."""
+    a = algo
+    if loss_fn is not None:
+        per_token, info = loss_fn(logprobs, old, advantages, kept)
+    elif a.policy_loss == "ppo_clip":
+        per_token, info = ppo_clip_loss(
+            logprobs, old, advantages, clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip
+        )
+    elif a.policy_loss == "gspo":
+        per_token, info = gspo_loss(logprobs, old, advantages, kept, clip_low=a.clip_low, clip_high=a.clip_high)
+    elif a.policy_loss == "cispo":
+        per_token, info = cispo_loss(logprobs, old, advantages, clip_low=a.clip_low, clip_high=a.clip_high)
+    elif a.policy_loss == "dppo":
+        # DPPO's ratio is against pi_rollout: it holds the behaviour weight pi_old/pi_rollout already, so the
+        # weight is not applied again (it would make the gradient go as (pi/pi_rollout)^2); TIS (and IcePop's
+        # cap) truncate that factor inside the ratio, MIS / IcePop / OPSM still mask through `kept`
+        capped = weight / corr["w"] if settings["tis_cap"] is not None else None  # min(w, C) / w, detached
+        per_token, info = dppo_loss(
+            logprobs,
+            rollout_logprobs,
+            advantages,
+            mask_low=a.dppo_mask_low,
+            mask_high=a.dppo_mask_high,
+            kl_coef=a.dppo_kl_coef,
+            scale=capped,
+        )
+        weight = None
+    else:
+        raise ValueError(f"unknown policy loss {a.policy_loss!r}")
+    return per_token, info, weight
 
 
 def correction_settings(algo) -> dict:

@@ -27,8 +27,9 @@ from pathlib import Path
 from typing import Callable
 
 from strop.cluster.placement import Node, Plan, PlacementError, plan_placement
+from strop.cluster.ray_actors import ClusterError, EngineServer, TrainerRank, free_port_here
+from strop.engines.launch import LocalServer
 from strop.config import secret_fields
-from strop.engines.launch import LocalServer, engine_server
 from strop.models import resolve_model_path
 from strop.process import free_port
 
@@ -39,112 +40,12 @@ ENGINE_STOP_TIMEOUT_S = 30.0  # for the engine actors to stop their servers (SIG
 PIN = 0.001  # of a node's own resource, in each bundle: it holds the bundle to the node the plan chose
 
 
-class ClusterError(RuntimeError):
-    """The Ray cluster cannot be reached or used as configured."""
-
-
 def import_ray():
     try:
         import ray
     except ImportError:
         raise ClusterError("cluster.launcher='ray' needs Ray: pip install 'strop[ray]'") from None
     return ray
-
-
-class TrainerRank:
-    """A trainer rank: ``strop train`` with this rank's environment, in a Ray actor (the program handed down
-    from the front door, run in the actor's process)."""
-
-    def __init__(self, rank: int):
-        self.rank = rank
-
-    def __repr__(self) -> str:  # Ray prefixes the actor's output lines with it
-        return f"rank{self.rank}"
-
-    def where(self) -> dict:
-        return _where()
-
-    def free_port(self) -> int:
-        return free_port_here()
-
-    def run(self, main: Callable[[list[str]], int], argv: list[str], env: dict[str, str], cwd: str, marker: str) -> int:
-        _check_shared(cwd, marker, f"rank {self.rank}")
-        os.chdir(cwd)
-        os.environ.update(env)
-        # imports resolve as in the driver: its PYTHONPATH, then its working directory (as `python -m` does)
-        for entry in [*env.get("PYTHONPATH", "").split(os.pathsep), cwd][::-1]:
-            if entry and entry not in sys.path:
-                sys.path.insert(0, entry)
-        return main(argv)
-
-
-class EngineServer:
-    """An engine: a ``strop serve``, vLLM or SGLang server process on this actor's node (with the GPUs Ray gave
-    the actor), started when the actor starts (again on the same port when Ray restarts it) and killed with the
-    actor (parent-death signal). Every route on the node's address needs the run's token: strop serve checks
-    it itself; vLLM and SGLang are reached only through strop's token guard."""
-
-    def __init__(self, index: int, spec: dict, port: int, token: str, cwd: str, marker: str):
-        _check_shared(cwd, marker, f"engine {index}")
-        os.chdir(cwd)
-        self.index, host = index, _node_ip()
-        if spec["kind"] == "strop":  # its own token check covers every route
-            self.server = LocalServer(
-                spec["model"], port, list(spec["args"]), dict(spec["env"]), host=host, token=token
-            )
-        else:  # vLLM's and SGLang's keys leave routes open: strop's token guard on the node's address, the engine
-            # where only this user's processes reach it (strop.engines.launch.engine_server)
-            program = spec["command"] or [
-                sys.executable,
-                "-m",
-                {"vllm": "vllm.entrypoints.openai.api_server", "sglang": "sglang.launch_server"}[spec["kind"]],
-            ]
-            self.server = engine_server(
-                spec["kind"], program, spec["model"], host, port, token, spec["args"], spec["env"]
-            )
-        self.server.start().wait_healthy(spec["timeout_s"])
-
-    def __repr__(self) -> str:
-        return f"engine{self.index}"
-
-    def where(self) -> dict:
-        return _where() | {"url": self.server.url, "server_pid": self.server.proc.pid}
-
-    def stop(self) -> None:
-        self.server.stop()
-
-
-def _where() -> dict:
-    import ray
-
-    return {
-        "node": ray.get_runtime_context().get_node_id(),
-        "ip": _node_ip(),
-        "pid": os.getpid(),
-        "host": socket.gethostname(),
-    }
-
-
-def free_port_here() -> int:
-    """A port free on this node's address (run in an actor or task on the node that will bind it)."""
-    with socket.socket() as s:
-        s.bind((_node_ip(), 0))
-        return s.getsockname()[1]
-
-
-def _node_ip() -> str:
-    import ray
-
-    return ray.util.get_node_ip_address()
-
-
-def _check_shared(cwd: str, marker: str, who: str) -> None:
-    if not Path(marker).is_file() or not Path(cwd).is_dir():
-        raise ClusterError(
-            f"{who} on {socket.gethostname()} cannot see {marker}, written by the driver: a run across "
-            f"nodes needs the run directory's parent and the working directory {cwd} on shared "
-            "storage, at the same path on every node"
-        )
 
 
 def connect(ray, address: str, timeout_s: float, namespace: str, what: str) -> None:
@@ -348,44 +249,55 @@ def launch(cfg, argv: list[str], main: Callable[[list[str]], int]) -> int:
             engines, engines_at = start_engines(ray, cfg, plan, pg, token, str(run_dir), cwd, str(marker))
             actors += engines
             env |= {"STROP_ENGINE_URLS": json.dumps([w["url"] for w in engines_at]), "STROP_ENGINE_TOKEN": token}
-        ranks = [
-            ray.remote(TrainerRank)
-            .options(
-                **_options(
-                    c.trainer_resources, pg, plan.rank_bundle(r), max_restarts=0, max_concurrency=2, name=f"rank{r}"
-                )
-            )
-            .remote(r)
-            for r in range(c.trainer_ranks)
-        ]
+        ranks = _start_ranks(ray, c, plan, pg)
         actors += ranks
         where = ray.get([a.where.remote() for a in ranks])
         report(where, engines_at)
         _check_plan(plan, where, engines_at)
-        master_port = ray.get(ranks[0].free_port.remote())
-        gpu = c.trainer_resources.get("GPU", 0) > 0
-        common = {
-            "WORLD_SIZE": str(c.trainer_ranks),
-            "MASTER_ADDR": where[0]["ip"],
-            "MASTER_PORT": str(master_port),
-            "STROP_NODE_IP": where[0]["ip"],
-        } | env
-        runs = {
-            ranks[r].run.remote(
-                main,
-                [*argv, f"--run.dir={run_dir}"],
-                # Ray shows each actor only its own GPU (CUDA_VISIBLE_DEVICES): cuda:0 there
-                common | {"RANK": str(r), "LOCAL_RANK": "0" if gpu else str(plan.local_rank(r))},
-                cwd,
-                str(marker),
-            ): r
-            for r in range(c.trainer_ranks)
-        }
+        runs = _run_ranks(ray, c, plan, ranks, where, main, [*argv, f"--run.dir={run_dir}"], env, cwd, str(marker))
         code = supervise(ray, runs, where, c.stop_timeout_s)
         time.sleep(LOG_GRACE_S)  # Ray's log monitor delivers the actors' last lines before they are killed
         return code
     finally:
         stop(ray, actors, pg, head, marker, engines)
+
+
+def _start_ranks(ray, c, plan: Plan, pg) -> list:
+    """One actor per trainer rank, each in the bundle the plan gave it; never restarted (a dead rank ends the run)."""
+    return [
+        ray.remote(TrainerRank)
+        .options(
+            **_options(c.trainer_resources, pg, plan.rank_bundle(r), max_restarts=0, max_concurrency=2, name=f"rank{r}")
+        )
+        .remote(r)
+        for r in range(c.trainer_ranks)
+    ]
+
+
+def _run_ranks(
+    ray, c, plan: Plan, ranks: list, where: list[dict], main, argv: list[str], env: dict, cwd: str, marker: str
+) -> dict:
+    """Start ``main`` in every rank's actor with its rank's environment (the master on rank 0's node); returns
+    each run's reference with its rank."""
+    master_port = ray.get(ranks[0].free_port.remote())
+    gpu = c.trainer_resources.get("GPU", 0) > 0
+    common = {
+        "WORLD_SIZE": str(c.trainer_ranks),
+        "MASTER_ADDR": where[0]["ip"],
+        "MASTER_PORT": str(master_port),
+        "STROP_NODE_IP": where[0]["ip"],
+    } | env
+    return {
+        ranks[r].run.remote(
+            main,
+            argv,
+            # Ray shows each actor only its own GPU (CUDA_VISIBLE_DEVICES): cuda:0 there
+            common | {"RANK": str(r), "LOCAL_RANK": "0" if gpu else str(plan.local_rank(r))},
+            cwd,
+            marker,
+        ): r
+        for r in range(c.trainer_ranks)
+    }
 
 
 def start_engines(ray, cfg, plan: Plan, pg, token: str, run_dir: str, cwd: str, marker: str) -> tuple[list, list]:

@@ -323,7 +323,7 @@ def _hung(release: threading.Event):
 def test_abandoned_agent_threads_are_bounded():
     """Threads cannot be stopped: up to agent.concurrency of them may still run past their session;
     with more, a new agent waits for one to end, and the run stops after agent.timeout_s of waiting."""
-    from strop.agents.rollout import ThreadRunner
+    from strop.agents.runners import ThreadRunner
     from strop.plugins import PluginError
 
     release = threading.Event()
@@ -359,7 +359,7 @@ def test_abandoned_agent_threads_are_bounded():
 
 def test_a_timed_out_async_agent_is_cancelled():
     """An async agent is stopped for real: its thread ends, nothing is left running."""
-    from strop.agents.rollout import ThreadRunner
+    from strop.agents.runners import ThreadRunner
     from tests.agents.agents import hangs_async
 
     runner = ThreadRunner(hangs_async, "tests.agents.agents:hangs_async", concurrency=1)
@@ -386,7 +386,7 @@ def test_a_timed_out_async_agent_is_cancelled():
 def test_worker_processes_are_kept_replaced_and_killed():
     """agent.workers=processes: a worker serves the next agent; one that dies fails only its agent
     and is replaced; an abandoned agent's worker is killed."""
-    from strop.agents.rollout import ProcessRunner
+    from strop.agents.runners import ProcessRunner
 
     runner = ProcessRunner("tests.agents.agents:by_row")
     url = "http://127.0.0.1:9/v1"

