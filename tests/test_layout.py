@@ -38,6 +38,7 @@ FLOORS = (
             "strop.config",
             "strop.rules",
             "strop.presets",
+            "strop.plugins_config",
             "strop.configbase",
         ),
     ),
