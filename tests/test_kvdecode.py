@@ -273,8 +273,8 @@ def test_prepacked_weights_change_no_token_and_no_logprob(tiny_model, dtype, mon
 
     model = copy.deepcopy(tiny_model).to(dtype)
     packs = []
-    real = kvdecode._Linear.pack
-    monkeypatch.setattr(kvdecode._Linear, "pack", lambda self, rows: packs.append(rows) or real(self, rows))
+    real = kvdecode.PackedLinear.pack
+    monkeypatch.setattr(kvdecode.PackedLinear, "pack", lambda self, rows: packs.append(rows) or real(self, rows))
     prompts = PROMPTS * 2
     sps = [
         SamplingParams(temperature=0.9, max_new_tokens=4 + 3 * i, seed=i, stop_token_ids=[-1])
@@ -285,7 +285,7 @@ def test_prepacked_weights_change_no_token_and_no_logprob(tiny_model, dtype, mon
         e = engine(model, max_batch_size=4)
         e._fast.prepack = prepack and e._fast.prepack
         outs[prepack] = e.generate_batch(prompts, sps)
-    can = kvdecode._can_pack(model.model.embed_tokens.weight)
+    can = kvdecode.can_pack(model.model.embed_tokens.weight)
     assert (len(set(packs)) > 1) == can  # packed, for several row counts, exactly where the CPU can
     for a, b in zip(outs[True], outs[False]):
         assert a.token_ids == b.token_ids and a.logprobs == b.logprobs

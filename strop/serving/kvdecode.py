@@ -28,6 +28,8 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from strop.serving.linear import PackedLinear, can_pack, return_freed_memory
+
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
 
 
@@ -74,79 +76,6 @@ class Row:
     finish: str | None = None
 
 
-class _Linear:
-    """One or more linear layers fused along their outputs (q, k, v; gate, up), computed from a
-    weight copy that is refreshed whenever the model's parameters change. On a CPU it also keeps
-    the weight pre-packed for the running batch size where a packed kernel exists: MKL's sgemm for
-    fp32 weights (it otherwise repacks the weight on every call, about a third of a decode step at
-    batch 64), oneDNN's for bf16 (the pair Inductor uses on CPU; 1.2-1.6x faster per call at batch
-    64). Packing changes no result (same kernel, same reduction order; tested bitwise)."""
-
-    def __init__(self, modules):
-        self.modules = modules
-        self.weight = self.bias = self.packed = None
-        self.packed_rows = 0
-
-    def refresh(self) -> None:
-        ws = [m.weight.detach() for m in self.modules]
-        self.weight = ws[0] if len(ws) == 1 else torch.cat(ws)
-        bs = [m.bias for m in self.modules]
-        self.bias = (
-            None
-            if all(b is None for b in bs)
-            else torch.cat(
-                [
-                    b.detach()
-                    if b is not None
-                    else torch.zeros(m.weight.shape[0], dtype=m.weight.dtype, device=m.weight.device)
-                    for b, m in zip(bs, self.modules)
-                ]
-            )
-        )
-        self.packed, self.packed_rows = None, 0
-
-    def pack(self, rows: int) -> None:
-        if self.packed_rows != rows:
-            if self.weight.dtype == torch.float32:
-                self.packed = torch.ops.mkl._mkl_reorder_linear_weight(self.weight, rows)
-            else:  # bf16: oneDNN's layout; the packed weight serves any row count (``rows`` is a hint)
-                self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, rows)
-            self.packed_rows = rows
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and x.dim() == 2:
-            if self.weight.dtype != torch.float32:
-                return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-            if x.shape[0] == self.packed_rows:
-                return torch.ops.mkl._mkl_linear(x, self.packed, self.weight, self.bias, self.packed_rows)
-        return F.linear(x, self.weight, self.bias)
-
-
-def _return_freed_memory() -> None:
-    """Packed buffers are tens of MB each, below glibc's mmap threshold once it has adapted, so
-    freeing them leaves the memory in the heap; ``malloc_trim`` gives it back to the system
-    (measured: 0.34 GB retained per rollout otherwise, which the trainer's peak then carries)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to do
-        pass
-
-
-def _can_pack(weight: torch.Tensor) -> bool:
-    if weight.device.type != "cpu":
-        return False
-    if weight.dtype == torch.float32:
-        return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")
-    return (
-        weight.dtype == torch.bfloat16
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    )
-
-
 class LlamaDecoder:
     def __init__(self, model, *, prepack: bool = True):
         reason = unsupported_reason(model)
@@ -166,17 +95,17 @@ class LlamaDecoder:
             self.layers.append(
                 (
                     layer.input_layernorm,
-                    _Linear([a.q_proj, a.k_proj, a.v_proj]),
-                    _Linear([a.o_proj]),
+                    PackedLinear([a.q_proj, a.k_proj, a.v_proj]),
+                    PackedLinear([a.o_proj]),
                     layer.post_attention_layernorm,
-                    _Linear([m.gate_proj, m.up_proj]),
-                    _Linear([m.down_proj]),
+                    PackedLinear([m.gate_proj, m.up_proj]),
+                    PackedLinear([m.down_proj]),
                     m.act_fn,
                 )
             )
-        self.head = _Linear([model.lm_head])
+        self.head = PackedLinear([model.lm_head])
         self.linears = [lin for parts in self.layers for lin in parts[1:3] + parts[4:6]] + [self.head]
-        self.prepack = prepack and _can_pack(self.backbone.embed_tokens.weight)
+        self.prepack = prepack and can_pack(self.backbone.embed_tokens.weight)
         self._seen = None  # the parameters' (address, version) when the fused weights were built
 
     @property
@@ -198,7 +127,7 @@ class LlamaDecoder:
             lin.weight = lin.bias = lin.packed = None
             lin.packed_rows = 0
         self._seen = None
-        _return_freed_memory()
+        return_freed_memory()
 
     def invalidate(self) -> None:
         """Rebuild the fused weights before the next forward (a broadcast into the parameters
