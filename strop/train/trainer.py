@@ -18,8 +18,6 @@ import torch
 from torch import nn
 
 from strop.algo.advantages import compute_advantages, explained_variance
-from strop.algo.objective import Normalisers, policy_objective
-from strop.algo.offpolicy import loglinear_proximal
 from strop.observe.metrics import StepStats
 from strop.parallel import context as context_parallel
 from strop.parallel.packing import collate_packed, unpack
@@ -29,6 +27,7 @@ from strop.train.batch import StepBatch, collate, pad_rows, split_micro_batches,
 from strop.train.critic import train_critic
 from strop.train.modules import Modules, build_modules
 from strop.train.optim import GuardedOptimizer, NonFiniteGradientError
+from strop.train.policy import train_policy
 from strop.types import Sample
 
 __all__ = ["Trainer", "Sampling", "NonFiniteGradientError", "collate", "swapped_weights"]
@@ -211,7 +210,7 @@ class Trainer:
         n_mini = min(self.cfg.mini_batches, n)
         for k in range(n_mini):
             mini = list(range(k * n // n_mini, (k + 1) * n // n_mini))
-            self._train_policy(b, mini, stats, first=k == 0, n_mini=n_mini)
+            train_policy(self, b, mini, stats, first=k == 0, n_mini=n_mini)
             if self.critic is not None:
                 train_critic(self, b, mini, stats, n_mini=n_mini)
         self.steps_done += 1
@@ -228,67 +227,6 @@ class Trainer:
         if b.returns is not None and b.old_values is not None:
             out["value_explained_variance"] = explained_variance(b.returns, b.old_values, b.loss_mask)
         return out | gap | shaped
-
-    def _plugin_loss(self, logprobs, old, advantages, mask):
-        return call_hook_sync(
-            "policy_loss", self.policy_loss_fn, logprobs=logprobs, old_logprobs=old, advantages=advantages, mask=mask
-        )
-
-    def _train_policy(self, b: StepBatch, mini: list[int], m: StepStats, first: bool, n_mini: int) -> None:
-        a = self.algo
-        norms = Normalisers(
-            float(len(mini)), float(b.loss_mask[mini].sum()), float(a.loss_agg_constant or self.max_new_tokens)
-        )
-        # a sample with zero advantage everywhere contributes zero gradient to the policy loss;
-        # skip its forward unless a KL or entropy term gives it a gradient anyway (DPPO's squared-log term too)
-        kl_anyway = a.kl_coef or a.entropy_coef or (a.policy_loss == "dppo" and a.dppo_kl_coef)
-        active = mini if kl_anyway else [i for i in mini if bool((b.advantages[i] != 0).any())]
-        has_signal = bool(active)
-        active = active or mini[: self.cfg.micro_batch_size]  # measure one micro-batch anyway for the metrics
-        for idx, real in self.dp.share(self._micro_batches(active, b.samples)):
-            batch = self._collate([b.samples[i] for i in idx])
-            mask = batch["loss_mask"]
-            Tm = mask.shape[1]
-            rows = lambda t: t[idx, :Tm].to(self.device) if t is not None else None  # noqa: E731
-            logprobs, entropy = self._logprobs(self.policy, batch, with_entropy=True, entropy_grad=bool(a.entropy_coef))
-            old = rows(b.old_logprobs) if b.old_logprobs is not None else logprobs.detach()
-            if a.proximal == "loglinear":  # this step turns weights v - 1 into v
-                old = loglinear_proximal(batch["rollout_logprobs"], logprobs, rows(b.versions), self.steps_done + 1)
-            loss, pg_loss, tok = policy_objective(
-                logprobs,
-                entropy,
-                old_logprobs=old,
-                rollout_logprobs=batch["rollout_logprobs"],
-                ref_logprobs=rows(b.ref_logprobs),
-                advantages=rows(b.advantages),
-                loss_mask=mask,
-                norms=norms,
-                algo=a,
-                loss_fn=self._plugin_loss if self.policy_loss_fn is not None else None,
-            )
-            if has_signal:
-                scale = self.dp.loss_scale(real)
-                (loss * scale if scale != 1.0 else loss).backward()
-            if not real:
-                continue  # a balancing repeat: it joined the collectives, it is not measured
-            with torch.no_grad():  # the step's loss is the mean over its mini-batches, not their sum
-                m.add("policy_loss", pg_loss.item() / n_mini if has_signal else 0.0)
-                m.add("loss", loss.item() / n_mini if has_signal else 0.0)
-                # engine vs trainer on the same weights: the pre-pass, or this pass before any update
-                if b.trainer_old_logprobs is not None:
-                    m.tok(
-                        "train_rollout_logprob_abs_diff",
-                        (rows(b.trainer_old_logprobs) - batch["rollout_logprobs"]).abs(),
-                        mask,
-                    )
-                elif first:
-                    m.tok("train_rollout_logprob_abs_diff", (logprobs - batch["rollout_logprobs"]).abs(), mask)
-                m.tok("entropy", entropy, mask)
-                m.policy_tokens(tok, mask)
-                m.add("train_tokens", float(batch["tokens"] if "tokens" in batch else batch["attention_mask"].sum()))
-                m.add("trained_samples", float(len(idx)) if has_signal else 0.0)
-        m.last("lr", self.policy_opt.lr)
-        m.last("grad_norm", self.policy_opt.step(m) if has_signal else 0.0)
 
     def full_weights(self) -> dict[str, torch.Tensor]:
         """The policy's whole weights for the engine, on the trainer's device, as copies the next
