@@ -17,6 +17,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import strop.checkpoint  # noqa: E402
 import strop.cluster.local  # noqa: E402
+import strop.train.policy  # noqa: E402
 import strop.train.trainer  # noqa: E402
 from strop.cli import main  # noqa: E402
 from strop.serving.embedded import EmbeddedEngine
@@ -63,7 +64,7 @@ if PHASE == "rollout" and ME:
     RolloutManager.batch = batch
 
 if PHASE == "backward" and ME:
-    _objective = strop.train.trainer.policy_objective
+    _objective = strop.train.policy.policy_objective
 
     def objective(*args, **kw):
         loss, pg, tok = _objective(*args, **kw)
@@ -71,7 +72,7 @@ if PHASE == "backward" and ME:
             loss.register_hook(lambda g: die(f"backward of step {STEP}"))
         return loss, pg, tok
 
-    strop.train.trainer.policy_objective = objective
+    strop.train.policy.policy_objective = objective
 
 if PHASE == "save" and ME:
     _fsync = strop.checkpoint._fsync_tree
