@@ -1,4 +1,4 @@
-"""strop's RL step at a baseline revision and now, interleaved in one run (A B A B ...): a change that should
+"""strop's RL step at a baseline revision and now, interleaved in one run (A B B A ...): a change that should
 not change speed, measured.
 
 Each round runs ``bench/rl_step.py``'s strop side (``strop train`` as a user runs it, 8 prompts x 8 samples,
@@ -65,7 +65,8 @@ def main() -> None:
     runs: dict[str, list[dict]] = {"baseline": [], "now": []}
     with tempfile.TemporaryDirectory() as d:
         for i in range(args.rounds):
-            for name, tree in (("baseline", before), ("now", now)):
+            order = (("baseline", before), ("now", now))
+            for name, tree in order if i % 2 == 0 else order[::-1]:  # A B B A ...: drift favours neither side
                 runs[name].append(one_run(tree, args, Path(d) / f"{name}-{i}.json"))
                 print(
                     f"round {i + 1} {name}: " + ", ".join(f"{k} {v:.2f}" for k, v in runs[name][-1].items()), flush=True

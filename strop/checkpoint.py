@@ -298,8 +298,8 @@ def export_policy(folder: Path, out: Path) -> Path:
         raise CheckpointError(f"{out} exists; export writes a new folder and never overwrites one")
     run_dir = folder.parent.parent
     cfg = build_config(str(run_dir / "config.yaml"))
-    path = resolve_model_path(cfg.model.path)
-    model = meta_model(path, dtype=getattr(torch, cfg.model.dtype))
+    path, opts = resolve_model_path(cfg.model.path, cfg.model.revision), cfg.model.load_options()
+    model = meta_model(path, dtype=getattr(torch, cfg.model.dtype), **opts)
     model.to_empty(device="cpu")
     if getattr(model.config, "tie_word_embeddings", False):
         model.tie_weights()
@@ -313,6 +313,6 @@ def export_policy(folder: Path, out: Path) -> Path:
     tmp = out.with_name(f".tmp-{out.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
-    load_tokenizer(path).save_pretrained(tmp)
+    load_tokenizer(path, **opts).save_pretrained(tmp)
     os.replace(tmp, out)
     return out

@@ -10,11 +10,15 @@ Here: the composition, loading, merging, secrets and resume.
 from __future__ import annotations
 
 import copy
+import difflib
 import json
+import textwrap
+import types
+import typing
 from pathlib import Path
 
 import yaml
-from pydantic import BaseModel, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, SecretStr, ValidationError, model_validator
 
 from strop.agents.config import AgentConfig
 from strop.algo.config import AlgoConfig
@@ -96,19 +100,99 @@ def load_yaml(path: str | Path) -> dict:
     return data
 
 
+def option_names(model: type[BaseModel] = Config, prefix: str = "") -> list[str]:
+    """Every option of the command line, dotted (``train.steps``), in the order of the config tree."""
+    out = []
+    for name, field in model.model_fields.items():
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            out += option_names(field.annotation, f"{prefix}{name}.")
+        else:
+            out.append(f"{prefix}{name}")
+    return out
+
+
+def did_you_mean(word: str, choices, prefix: str = "") -> str:
+    """`` did you mean X?`` for the choice closest to ``word`` (difflib), or ``""``."""
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f"; did you mean {prefix}{close[0]}?" if close else ""
+
+
+def _type_text(ann) -> str:
+    """An option's type as the help shows it: ``int``, ``{a,b}``, ``{str,null}``, ``list[str]``."""
+    origin = typing.get_origin(ann)
+    if origin is typing.Literal:
+        return "{" + ",".join(str(a) for a in typing.get_args(ann)) + "}"
+    if origin in (typing.Union, types.UnionType):
+        parts = ("null" if a is type(None) else _type_text(a).strip("{}") for a in typing.get_args(ann))
+        return "{" + ",".join(parts) + "}"
+    if origin is not None:
+        return str(ann).replace("typing.", "")
+    if ann is SecretStr:
+        return "str"
+    return getattr(ann, "__name__", str(ann))
+
+
+def _default_text(field) -> str:
+    value = field.get_default(call_default_factory=True)
+    if isinstance(value, BaseModel):
+        value = value.model_dump(mode="json")
+    if value is None:
+        return "null"
+    if isinstance(value, str):
+        return value or "''"
+    return json.dumps(list(value) if isinstance(value, tuple) else value)
+
+
+def help_all(prog: str = "strop train") -> str:
+    """Every option of the config tree, section by section: its type, help text and default value."""
+    lines = [
+        f"usage: {prog} [CONFIG.yaml] [--section.key=value | --section.key value ...]",
+        "",
+        "Every config option (later sources win: defaults, preset, CONFIG.yaml, command line). A section",
+        "may also be given whole as JSON: --train='{\"steps\": 3}'. Lists and dicts are JSON too.",
+    ]
+    for section, sfield in Config.model_fields.items():
+        lines += ["", f"{section}: {sfield.description}"]
+        for name, field in sfield.annotation.model_fields.items():
+            secret_env = "env" in (field.json_schema_extra or {})  # its help names its default
+            text = field.description if secret_env else f"{field.description} (default: {_default_text(field)})"
+            lines.append(f"  --{section}.{name} {_type_text(field.annotation)}")
+            lines += textwrap.wrap(text, 112, initial_indent="      ", subsequent_indent="      ")
+    return "\n".join(lines)
+
+
+def _check_names(args: list[str], prog: str) -> None:
+    """Refuse an option that names no config field, with the closest one."""
+    known = option_names()
+    sections = set(Config.model_fields)
+    for arg in args:
+        if not arg.startswith("--"):
+            continue
+        name = arg[2:].split("=", 1)[0]
+        if name in sections or any(name == k or name.startswith(k + ".") for k in known):
+            continue  # a section as JSON, an option, a key inside a dict option
+        raise ConfigError(
+            f"unrecognized arguments: {arg}{did_you_mean(name, known, '--')}\n"
+            f"  (`{prog} --help-all` lists every option)"
+        )
+
+
 def parse_overrides(args: list[str], prog: str = "strop train") -> dict:
-    """Turn ``--section.key=value`` arguments into a nested dict (only what was given)."""
+    """Turn ``--section.key=value`` and ``--section.key value`` arguments into a nested dict (only what was
+    given). ``--help``: every option, then SystemExit."""
     from pydantic_settings import CliSettingsSource, SettingsError
 
-    if "-h" in args or "--help" in args:  # the full usage, on request only
-        return CliSettingsSource(Config, cli_parse_args=args, cli_prog_name=prog, cli_implicit_flags=False)()
+    if "-h" in args or "--help" in args or "--help-all" in args:  # the full listing, on request only
+        print(help_all(prog))
+        raise SystemExit(0)
+    _check_names(args, prog)
     try:
         return CliSettingsSource(
             Config, cli_parse_args=args, cli_prog_name=prog, cli_implicit_flags=False, cli_exit_on_error=False
         )()
     except SettingsError as exc:
         why = str(exc).removeprefix("error parsing CLI: ")
-        raise ConfigError(f"{why}\n  (`{prog} --help` lists every option)") from None
+        raise ConfigError(f"{why}\n  (`{prog} --help-all` lists every option)") from None
 
 
 def build_config(yaml_path: str | None = None, overrides: dict | None = None, preset: str | None = None) -> Config:
@@ -117,7 +201,9 @@ def build_config(yaml_path: str | None = None, overrides: dict | None = None, pr
     preset = preset or data.pop("preset", None)
     if preset is not None:
         if preset not in PRESETS:
-            raise ConfigError(f"unknown preset {preset!r}; expected one of {sorted(PRESETS)}")
+            raise ConfigError(
+                f"unknown preset {preset!r}{did_you_mean(preset, PRESETS)} (presets: {', '.join(sorted(PRESETS))})"
+            )
         data = _deep_merge(PRESETS[preset](), data)
     origin = f"file {yaml_path!r}" if yaml_path else "defaults"
     if preset:

@@ -23,6 +23,7 @@ from strop.data.sources import _row_from_record
 from strop.plugins import HOOKS, _name, call_hook, call_hook_sync, check_result, load_hook
 from strop.rollout.generate import RolloutContext, score_group
 from strop.rollout.multiturn import TurnLimits, generate
+from strop.rollout.reward_adapters import resolve_reward
 from strop.tools import ToolSet
 from strop.tools.config import ToolsConfig
 from strop.types import Completion, SamplingParams, Sample, Status
@@ -264,5 +265,6 @@ class CheckReport:
 
 
 def check_plugin(hook: str, path: str) -> CheckReport:
-    fn = load_hook(hook, path)  # import and signature
+    # import and signature (a reward of any shape strop takes, adapted as a run would)
+    fn = resolve_reward(path) if hook == "reward" else load_hook(hook, path)
     return CheckReport(hook, path, HOOKS[hook].signature_text(), run_contract(hook, fn))

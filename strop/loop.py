@@ -10,7 +10,8 @@ rollout that reads the samples file, or a train side that trains nothing while t
 
 from __future__ import annotations
 
-import sys
+import logging
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import torch
 
 from strop.process import resolve_device, stop_on_signals
 from strop.config import Config
+from strop.observe.logs import FILE_ONLY, close_run_log, console
 from strop.parallel.runtime import Control, process_group
 from strop.roles.checkpoints import CheckpointRecord, Checkpoints
 from strop.roles.evaluation import Evaluation
@@ -29,6 +31,8 @@ from strop.roles.sync import EngineSync
 from strop.roles.train import TrainStep
 from strop.roles.untrained import FirstEvaluation, NoCheckpoints, NoSync, NoTraining
 from strop.setup import Components, build
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -48,7 +52,8 @@ class Roles:
 def train(cfg: Config, resume: bool = False) -> dict | None:
     """Run RL on every rank of this job (one program: rank 0 also rolls out, evaluates and writes).
     ``resume``: continue the run in ``cfg.run.dir`` from its newest checkpoint (strop.checkpoint)."""
-    with stop_on_signals() as closing:
+    console()  # its lines on the terminal, unless the caller set up strop's logging
+    with stop_on_signals() as closing, _run_log_closed():
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
         device = resolve_device(cfg.run.device)
@@ -67,7 +72,8 @@ def rollout_only(cfg: Config, out: Path | None = None) -> Path:
             f"strop rollout generates without training: rollout.mode={cfg.rollout.mode!r} has "
             "no weight updates to be ahead of; use rollout.mode=sync"
         )
-    with stop_on_signals() as closing:
+    console()
+    with stop_on_signals() as closing, _run_log_closed():
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
         device = resolve_device(cfg.run.device)
@@ -118,10 +124,20 @@ def drive(
         error = exc
         if roles is not None and roles.outputs.here is not None:
             after(error, roles.outputs.here.failed, exc)
+        log.error(f"strop: the run failed: {type(exc).__name__}: {exc}", extra=FILE_ONLY)  # the caller says it
         raise
     finally:
         closing()
         shut_down(roles, c, error)
+
+
+@contextmanager
+def _run_log_closed():
+    """The run's run.log (opened with its directory, strop.observe.run_dir) closed however the run ends."""
+    try:
+        yield
+    finally:
+        close_run_log()
 
 
 def cast(cfg: Config, c: Components, control: Control) -> Roles:
@@ -193,11 +209,9 @@ def after(error: BaseException | None, fn, *args) -> None:
     except Exception as exc:
         if error is None:
             raise
-        print(
+        log.error(
             f"strop: after {type(error).__name__}: {error}: {getattr(fn, '__qualname__', fn)} failed too: "
-            f"{type(exc).__name__}: {exc}",
-            file=sys.stderr,
-            flush=True,
+            f"{type(exc).__name__}: {exc}"
         )
 
 

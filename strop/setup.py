@@ -5,6 +5,8 @@ strop.rollout.toolbox; the run directory: strop.observe.run_dir; ...)."""
 from __future__ import annotations
 
 import copy
+import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -12,11 +14,13 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from strop import checkpoint
 from strop.config import Config, ConfigError
 from strop.agents.rollout import AgentRollout, generate as agent_generate
-from strop.data.rows import prompt_rows
+from strop.data.rows import check_reward, prompt_rows
 from strop.data.sources import DataError, PromptSampler, PromptSet
 from strop.engines.base import Closable, Engine
+from strop.engines.http import check_reachable
 from strop.engines.teacher import RemoteTeacher
 from strop.serving.embedded import EmbeddedEngine
 from strop.serving.kvdecode import unsupported_reason
@@ -33,7 +37,7 @@ from strop.rollout.generate import resolve_reward, rollout as default_rollout
 from strop.rollout.multiturn import generate as multiturn_generate
 from strop.rollout.samples_file import read_samples
 from strop.rollout.toolbox import make_tools
-from strop.models import load_model, load_tokenizer, meta_model, resolve_model_path
+from strop.models import load_config, load_model, load_tokenizer, meta_model, resolve_model_path
 from strop.parallel.loading import unloadable
 from strop.train.modules import build_modules
 from strop.sync.base import WeightSync
@@ -41,6 +45,8 @@ from strop.sync.choose import choose_sync
 from strop.tools import describe_tools
 from strop.train.trainer import Trainer
 from strop.types import SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -103,15 +109,15 @@ class _Prepared:
     weights: str | None = None  # the policy is on the meta device: its slices are read from these files
 
 
-def _context_window(model_path: str) -> int:
-    from transformers import AutoConfig
-
-    return int(getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", 2048))
+def _context_window(model_path: str, options: dict) -> int:
+    return int(getattr(load_config(model_path, **options), "max_position_embeddings", 2048))
 
 
 def prepare(cfg: Config, device: torch.device, controller: bool = True, resume: bool = False) -> _Prepared:
     """Every check and load that needs no other rank. Cheap checks first: run dir, layout, data,
     reward, plugins; the model path (converting the embedded model on a cold cache) after them."""
+    if controller and resume:  # before anything loads or is written
+        check_resumable(Path(cfg.run.dir))
     hooks = {name: load_hook(name, path) for name, path in cfg.plugins.model_dump().items() if path}
     reward_fn = train_rows = eval_rows = engine_model = replay = tools = None
     if controller and cfg.data.samples:  # train only: samples from a file, no prompts or engine
@@ -120,30 +126,28 @@ def prepare(cfg: Config, device: torch.device, controller: bool = True, resume: 
         replay = _read_replay(cfg)
     elif controller:
         reward_fn, tools, train_rows, eval_rows = _check_controller_inputs(cfg, hooks, resume)
-    model_path = resolve_model_path(cfg.model.path)  # a missing path fails here
+    opts = cfg.model.load_options()  # attn_implementation, trust_remote_code, revision
+    model_path = resolve_model_path(cfg.model.path, cfg.model.revision)  # a missing path fails here
     dims = ParallelDims.from_config(cfg.parallel)
     if dims.tp > 1:  # heads that do not divide: said before the model loads
-        from transformers import AutoConfig
-
-        dims.check_model(AutoConfig.from_pretrained(model_path))
-    tokenizer = load_tokenizer(model_path)
+        dims.check_model(load_config(model_path, **opts))
+    tokenizer = load_tokenizer(model_path, **opts)
     torch.manual_seed(cfg.train.seed)
     dtype = getattr(torch, cfg.model.dtype)
-    weights, why = shard_source(dims, model_path)
-    policy = meta_model(model_path, dtype=dtype) if weights else None
+    weights, why = shard_source(dims, model_path, cfg.model.revision)
+    policy = meta_model(model_path, dtype=dtype, **opts) if weights else None
     if weights and (why := unloadable(policy, weights)):
         weights = None
     if not weights:
-        policy = load_model(model_path, dtype=dtype)  # same weights on every rank
+        policy = load_model(model_path, dtype=dtype, **opts)  # same weights on every rank
     if (weights or why) and dist.get_rank() == 0:  # (split: several ranks, so a process group)
-        print(
+        log.info(
             "strop: trainer weights: "
             + (
                 f"each rank reads only its own slices of {weights}"
                 if weights
                 else f"every rank loads the whole model before it is split: {why}"
-            ),
-            flush=True,
+            )
         )
     world = dist.get_world_size() if dist.is_initialized() else 1
     why_not = why_not_shared(cfg, world) or (  # (one process from here on: the policy is loaded whole)
@@ -156,7 +160,7 @@ def prepare(cfg: Config, device: torch.device, controller: bool = True, resume: 
     if controller and cfg.engine.share_weights is not False and why_not is None:  # the trainer's own module
         engine_model = policy
     elif controller and cfg.engine.kind == "embedded" and not replay:  # the engine's copy, before the trainer shards
-        engine_model = (load_model(model_path, dtype=dtype) if weights else copy.deepcopy(policy)).to(device)
+        engine_model = (load_model(model_path, dtype=dtype, **opts) if weights else copy.deepcopy(policy)).to(device)
         if cfg.engine.dtype != "auto":  # (bf16 decoding beside an fp32 trainer: updates are cast as they load)
             engine_model.to(dtype=getattr(torch, cfg.engine.dtype))
         engine_model.requires_grad_(False)
@@ -175,6 +179,23 @@ def prepare(cfg: Config, device: torch.device, controller: bool = True, resume: 
     )
 
 
+def check_resumable(run_dir: Path) -> None:
+    """Refuse to resume a run that finished without a complete checkpoint: resuming would start it again from
+    step 0 over its metrics and final model. (A run stopped before its first checkpoint starts again.)"""
+    summary = run_dir / "summary.json"
+    try:
+        completed = json.loads(summary.read_text()).get("status") == "completed" if summary.is_file() else False
+    except (ValueError, AttributeError):
+        completed = False
+    finished = completed or (run_dir / "final").exists()
+    if finished and checkpoint.latest(run_dir) is None:
+        raise ConfigError(
+            f"--resume {run_dir}: the run finished and has no checkpoint to resume from (nothing complete in "
+            f"{run_dir / checkpoint.CHECKPOINTS}); it is left as it is. Start a new run with another run.dir "
+            "(run.save_every=N keeps checkpoints to resume from)"
+        )
+
+
 def _check_controller_inputs(cfg: Config, hooks: dict, resume: bool) -> tuple:
     """Rank 0's cheap checks before any model loads (run dir, layout, trackers, reward, tools, agent, prompts);
     sets the generate and rollout hooks. Returns the reward, the tools, and the train and eval rows."""
@@ -183,7 +204,9 @@ def _check_controller_inputs(cfg: Config, hooks: dict, resume: bool) -> tuple:
     resolve_bucket_bytes(cfg.parallel.grad_reduce_bucket_bytes)
     ParallelDims.from_config(cfg.parallel)  # the layout's refusals, before anything loads
     require_trackers(cfg.run.trackers)
-    reward_fn = resolve_reward(cfg.rollout.reward)
+    if cfg.engine.urls:  # servers the user named must answer now, not as a first step that fails every sample
+        check_reachable(cfg.engine.urls)
+    reward_fn = resolve_reward(cfg.rollout.reward, cfg)
     tools = None
     if cfg.tools.enabled or "tools" in hooks:  # the sandbox and the tools hook: checked before the model loads
         hooks["generate"] = multiturn_generate
@@ -198,10 +221,11 @@ def _check_controller_inputs(cfg: Config, hooks: dict, resume: bool) -> tuple:
         hooks["generate"] = agent_generate
     hooks.setdefault("rollout", default_rollout)
     train_rows, eval_rows = prompt_rows(cfg, hooks.get("data_source"))
+    check_reward(cfg, reward_fn, train_rows, eval_rows)
     return reward_fn, tools, train_rows, eval_rows
 
 
-def shard_source(dims: ParallelDims, model_path: str) -> tuple[str | None, str | None]:
+def shard_source(dims: ParallelDims, model_path: str, revision: str | None = None) -> tuple[str | None, str | None]:
     """(the folder of safetensors files each rank reads its slices from, None) when the trainer's weights are
     split (FSDP over several ranks, or tensor parallel) and such files exist; (None, why not) when they are
     split all the same; (None, None) when they are not split."""
@@ -211,7 +235,7 @@ def shard_source(dims: ParallelDims, model_path: str) -> tuple[str | None, str |
     if not folder.exists():  # a hub id: the files in the local cache (downloaded once, as from_pretrained would)
         from huggingface_hub import snapshot_download
 
-        folder = Path(snapshot_download(model_path, allow_patterns=["*.json", "*.safetensors"]))
+        folder = Path(snapshot_download(model_path, revision=revision, allow_patterns=["*.json", "*.safetensors"]))
     if (folder / "model.safetensors").is_file() or (folder / "model.safetensors.index.json").is_file():
         return str(folder), None
     return None, f"{model_path} has no safetensors files"
@@ -239,7 +263,8 @@ def load_teacher(cfg: Config, tokenizer):
     """On-policy distillation's teacher (``algo.distill_teacher``), in the model's dtype; refused unless it
     shares the student's tokenizer (the same token ids mean the same text), naming both and the first difference."""
     path = resolve_model_path(cfg.algo.distill_teacher)
-    theirs = load_tokenizer(path)
+    opts = {"trust_remote_code": cfg.model.trust_remote_code}  # (the student's revision is not the teacher's)
+    theirs = load_tokenizer(path, **opts)
     mine_vocab, their_vocab = tokenizer.get_vocab(), theirs.get_vocab()
     if mine_vocab != their_vocab:
         diff = sorted(set(mine_vocab.items()) ^ set(their_vocab.items()), key=lambda kv: (kv[1], kv[0]))[0]
@@ -249,7 +274,8 @@ def load_teacher(cfg: Config, tokenizer):
             f"difference: token {diff[0]!r} = id {diff[1]} in one only): a teacher scores the student's "
             "token ids, so both must share a tokenizer"
         )
-    return load_model(path, dtype=getattr(torch, cfg.model.dtype))
+    dtype = getattr(torch, cfg.model.dtype)
+    return load_model(path, dtype=dtype, attn_implementation=cfg.model.attn_implementation, **opts)
 
 
 def make_trainer(
@@ -316,7 +342,7 @@ def _controller_parts(
             replay=p.replay,
             run_dir=make_run_dir(cfg, resume=resume),
         )
-    context_window = _context_window(p.model_path)
+    context_window = _context_window(p.model_path, cfg.model.load_options())
     max_new = max(r.max_new_tokens, cfg.eval.max_new_tokens or 0)
     max_prompt = context_window - max_new
     if max_prompt <= 0:

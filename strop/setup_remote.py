@@ -4,12 +4,15 @@ the run (engine.launch), or those at engine.urls, and the router over them with 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 
 from strop.config import Config
 from strop.parallel.dims import ParallelDims
 from strop.sync.choose import choose_sync
+
+log = logging.getLogger(__name__)
 
 
 def remote_engine(cfg: Config, model_path: str, run_dir: Path, probe_ids: list[int], device=None):
@@ -58,10 +61,8 @@ def _router(cfg: Config, urls: list[str], token: str | None, run_dir: Path, prob
     )
     sharded = ParallelDims.from_config(cfg.parallel).sharded
     if e.sync_probe and sharded:  # the trainer's forward is a collective of every rank there, the probe rank 0's
-        print(
-            "strop: weight probe: off under parallel.dp_mode=fsdp and tensor parallel (receipt: versions and "
-            "checksums)",
-            flush=True,
+        log.info(
+            "strop: weight probe: off under parallel.dp_mode=fsdp and tensor parallel (receipt: versions and checksums)"
         )
     router.probe_ids = list(probe_ids[:PROBE_TOKENS]) if e.sync_probe and not sharded else None
     router.probe_tolerance = e.sync_probe_tolerance

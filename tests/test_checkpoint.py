@@ -137,7 +137,7 @@ def test_random_moment_sigkill_then_resume(tiny_model_dir, tmp_path):
         )
         try:
             for line in proc.stdout:  # the run is under way once it names its directory
-                if line.startswith("strop: run directory"):
+                if "strop: run directory" in line:
                     break
             time.sleep(rng.uniform(0.0, 2.0))
             try:

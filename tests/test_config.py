@@ -41,7 +41,7 @@ def test_unknown_key_in_yaml_is_named(tmp_path):
 def test_unknown_key_on_command_line(capsys):
     with pytest.raises(ConfigError, match=r"unrecognized arguments: --train\.learning_rate=0\.1") as err:
         parse_overrides(["--train.learning_rate=0.1"])
-    assert "--help" in str(err.value)  # a hint, not the whole usage
+    assert "--help-all" in str(err.value)  # a hint, not the whole usage
     assert capsys.readouterr().err == ""
 
 
@@ -99,7 +99,10 @@ def test_strop_train_help_names_presets_and_nproc(capsys):
     with pytest.raises(SystemExit):
         main(["train", "--help"])
     out = capsys.readouterr().out
-    assert "--nproc N" in out and "--preset NAME" in out and "dapo" in out and "--train.lr" in out
+    assert "--nproc N" in out and "--preset NAME" in out and "dapo" in out and "--help-all" in out
+    with pytest.raises(SystemExit):
+        main(["train", "--help-all"])
+    assert "--train.lr float" in capsys.readouterr().out
 
 
 def test_preset_on_the_command_line_and_in_yaml(tmp_path):

@@ -166,3 +166,57 @@ def test_missing_label_is_refused_before_the_model_loads(tmp_path, monkeypatch):
     (tmp_path / "d.jsonl").write_bytes(b'{"prompt": "\xff"}\n')  # any data error comes first
     with pytest.raises(DataError, match="not UTF-8"):
         strop.setup.prepare(cfg, torch.device("cpu"))
+
+
+def test_a_prompt_file_given_alone_means_source_file_and_an_explicit_other_source_is_refused():
+    from strop.config import ConfigError, build_config
+
+    assert build_config().data.source == "reasoning_gym"
+    cfg = build_config(overrides={"data": {"path": "train.jsonl"}})  # before: source stayed reasoning_gym
+    assert cfg.data.source == "file"
+    assert build_config(overrides={"data": {"path": "t.jsonl", "eval_path": "e.jsonl"}}).data.source == "file"
+    later = build_config()
+    later.data.path = "t.jsonl"  # (assigned: the same)
+    assert later.data.source == "file"
+    with pytest.raises(ConfigError, match=r"data.path='t.jsonl' with data.source='reasoning_gym'.*data.source=file"):
+        build_config(overrides={"data": {"source": "reasoning_gym", "path": "t.jsonl"}})
+    with pytest.raises(ConfigError, match=r"data.eval_path='e.jsonl' with data.source='reasoning_gym'"):
+        build_config(overrides={"data": {"source": "reasoning_gym", "eval_path": "e.jsonl"}})
+    with pytest.raises(ConfigError, match=r"needs data.path.*data.eval_path='e.jsonl'"):
+        build_config(overrides={"data": {"eval_path": "e.jsonl"}})
+
+
+def test_a_builtin_reward_is_tried_on_the_first_rows_before_the_model_loads(tmp_path):
+    import time
+
+    from strop.config import build_config
+    from strop.data.rows import check_reward, prompt_rows
+    from strop.rollout.generate import resolve_reward
+
+    quick = build_config(overrides={"data": {"size": 16, "eval_size": 8, "eval_min_size": 1}})
+    train, held = prompt_rows(quick)
+    for reward in ("math", "exact_match", "reasoning_gym"):  # the quickstart's data: every built-in scores it
+        quick.rollout.reward = reward
+        resolve_reward(reward)(**{"sample": _sample(train[0])})  # (imports done: what is timed is the check)
+        t0 = time.perf_counter()
+        check_reward(quick, resolve_reward(reward), train, held)
+        assert time.perf_counter() - t0 < 0.5
+    (tmp_path / "d.jsonl").write_text('{"prompt": "1+1?", "label": "2"}\n')
+    on_file = build_config(overrides={"data": {"path": str(tmp_path / "d.jsonl")}, "rollout": {"reward": "math"}})
+    rows, _ = prompt_rows(on_file)
+    check_reward(on_file, resolve_reward("math"), rows)
+    on_file.rollout.reward = "reasoning_gym"
+    with pytest.raises(
+        DataError, match=r"rollout.reward='reasoning_gym' cannot score .*d.jsonl:1 .*reasoning_gym_entry"
+    ):
+        check_reward(on_file, resolve_reward("reasoning_gym"), rows)
+    on_file.rollout.reward = "tests.plugins:even_token_reward"  # a hook is the user's own: never called here
+    check_reward(on_file, lambda sample: 1 / 0, rows)
+
+
+def _sample(row):
+    from strop.types import Sample
+
+    s = Sample(prompt=row.prompt, prompt_ids=[0], label=row.label, metadata=dict(row.metadata))
+    s.response_text = str(row.label)
+    return s

@@ -22,6 +22,7 @@ ROOT = Path(strop.__file__).parent
 
 # the floors, top first: each names the modules (a module or a package, with everything under it) on it
 FLOORS = (
+    ("the Python API", ("strop",)),  # strop/__init__.py alone (``strop.train``, ``strop.Config``)
     ("front door", ("strop.cli",)),
     ("the run", ("strop.loop", "strop.roles")),
     ("assembly", ("strop.setup", "strop.setup_remote", "strop.contracts")),
@@ -77,14 +78,16 @@ def arrows(root: Path) -> dict[tuple[str, str], list[str]]:
             if isinstance(node, ast.ImportFrom) and node.level:
                 raise AssertionError(f"{where}:{node.lineno}: a relative import; strop imports by full name")
             if isinstance(node, ast.Import):
-                targets = [owner(a.name) for a in node.names if a.name.startswith("strop.")]
+                targets = [owner(a.name) for a in node.names if _under(a.name, "strop")]
             elif isinstance(node, ast.ImportFrom) and (node.module + ".").startswith("strop."):
                 submodules = [f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in names]
-                targets = [owner(node.module), *submodules]
+                # ``from strop import checkpoint`` names a module only: no arrow to the package's API
+                whole = node.module != "strop" or len(submodules) < len(node.names)
+                targets = [owner(node.module)] * whole + submodules
             else:
                 continue
             for target in targets:
-                if target not in (None, "strop", importer):  # strop/__init__.py is empty
+                if target not in (None, importer):
                     found.setdefault((importer, target), []).append(f"{where}:{node.lineno}")
     return found
 
@@ -100,7 +103,8 @@ def floor(name: str) -> int | None:
     best = None
     for i, (_, prefixes) in enumerate(FLOORS):
         for p in prefixes:
-            if _under(name, p) and (best is None or len(p) > best[1]):
+            # the package itself (its API) is a floor of its own: the entry "strop" holds no module under it
+            if (_under(name, p) if p != "strop" else name == p) and (best is None or len(p) > best[1]):
                 best = (i, len(p))
     return None if best is None else best[0]
 

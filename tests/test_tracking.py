@@ -61,6 +61,9 @@ def test_tensorboard_and_offline_wandb_get_every_step_metric(tiny_model_dir, tmp
         assert [e.step for e in events] == [r["step"] for r in steps]
         assert [e.value for e in events] == pytest.approx([r[key] for r in steps], rel=1e-6, abs=1e-12)
     assert [e.step for e in tb.Scalars("eval_accuracy")] == [0, 1, 2]
+    evals = [r for r in rows if "eval_accuracy" in r]
+    assert [r["step"] for r in evals] == [0, 1, 2] and all(0.0 <= r["eval_reward_mean"] <= 1.0 for r in evals)
+    assert [e.step for e in tb.Scalars("eval_reward_mean")] == [0, 1, 2]
     assert "samples/text_summary" in tb.Tags()["tensors"]
 
     history = _wandb_history(run_dir)
@@ -75,6 +78,30 @@ def test_tensorboard_and_offline_wandb_get_every_step_metric(tiny_model_dir, tmp
     assert all(s["prompt"] and isinstance(s["response"], str) and s["reward"] is not None for s in samples)
 
 
+def test_eval_and_rollout_accuracy_use_the_threshold():
+    from strop.config import build_config
+    from strop.observe.metrics import eval_metrics, rollout_metrics
+    from strop.types import Sample, Status
+
+    def sample(reward):
+        s = Sample(prompt="p", prompt_ids=[1, 2], group_id=0, index=0)
+        s.append([3, 4], [-1.0, -1.0])
+        s.status, s.reward = Status.COMPLETED, reward
+        return s
+
+    rewards = [0.5, 0.8, None, 0.2, 0.75]  # a reward scaled to 0..0.8; one prompt unscored
+    groups = [[sample(r)] for r in rewards]
+    # default threshold 1.0: nothing is correct; the mean is over the 4 scored: (0.5 + 0.8 + 0.2 + 0.75) / 4
+    assert eval_metrics(groups) == pytest.approx({"eval_accuracy": 0.0, "eval_reward_mean": 0.5625})
+    # 0.75: 0.8 and 0.75 reach it, of 5 prompts (the unscored one counts as wrong)
+    assert eval_metrics(groups, 0.75) == pytest.approx({"eval_accuracy": 0.4, "eval_reward_mean": 0.5625})
+    assert rollout_metrics(groups, 1.0)["accuracy"] == 0.0
+    assert rollout_metrics(groups, 1.0, 0.75)["accuracy"] == pytest.approx(0.5)  # 2 of the 4 scored samples
+    assert rollout_metrics(groups, 1.0, 0.5)["accuracy"] == pytest.approx(0.75)
+    assert build_config(overrides={"eval": {"accuracy_threshold": 0.5}}).eval.accuracy_threshold == 0.5
+    assert build_config().eval.accuracy_threshold == 1.0
+
+
 def test_a_missing_tracker_package_fails_before_the_run_starts(tiny_model_dir, tmp_path, monkeypatch, capsys):
     from strop.cli import main
 
@@ -82,7 +109,7 @@ def test_a_missing_tracker_package_fails_before_the_run_starts(tiny_model_dir, t
     run_dir = tmp_path / "run"
     code = main(["train", f"--model.path={tiny_model_dir}", '--run.trackers=["wandb"]', f"--run.dir={run_dir}"])
     assert code == 1
-    assert "pip install 'strop[wandb]'" in capsys.readouterr().err
+    assert "pip install -e '.[wandb]'" in capsys.readouterr().err
     assert not run_dir.exists()
 
 

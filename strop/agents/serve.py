@@ -10,6 +10,7 @@ the caller does with them (docs/agents.md).
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import torch
 from transformers import AutoConfig
@@ -20,10 +21,13 @@ from strop.engines.base import Closable
 from strop.engines.router import Router
 from strop.engines.sglang import SGLangEngine
 from strop.engines.vllm import VLLMEngine
+from strop.observe.logs import console
 from strop.models import load_model, load_tokenizer, resolve_model_path
 from strop.process import resolve_device
 from strop.serving.embedded import EmbeddedEngine
 from strop.types import SamplingParams
+
+log = logging.getLogger(__name__)
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -88,6 +92,7 @@ def serve_proxy(
     seed: int = 0,
 ) -> None:
     """Serve until stopped (SIGINT / SIGTERM)."""
+    console()  # its lines on the terminal, unless the caller set up strop's logging
     if host not in LOOPBACK and not token:
         raise ValueError(
             f"--host {host} is reachable from other machines: pass --token, which opening and reading sessions needs"
@@ -122,9 +127,8 @@ def serve_proxy(
 
     async def run():
         await proxy.start()
-        print(
-            f"strop proxy: {model_path} ({'in this process' if not urls else ', '.join(urls)}) on {proxy.base_url}",
-            flush=True,
+        log.info(
+            f"strop proxy: {model_path} ({'in this process' if not urls else ', '.join(urls)}) on {proxy.base_url}"
         )
         try:
             await proxy.serving

@@ -15,7 +15,7 @@ class ClusterConfig(Section):
         "local",
         description="where the processes run: 'local' (this machine: one process, or --nproc N ranks; "
         "torchrun's ranks are taken as they come) or 'ray' (trainer ranks and engines as Ray actors placed across "
-        "the cluster's nodes; pip install 'strop[ray]'; docs/scale-out.md)",
+        "the cluster's nodes; pip install -e '.[ray]' from a checkout; docs/scale-out.md)",
     )
     address: str | None = Field(
         None,

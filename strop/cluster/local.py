@@ -12,9 +12,10 @@ the ranks when the launcher is SIGKILLed (their parent-death signal: ``STROP_LAU
 from __future__ import annotations
 
 import logging
-import sys
 import tempfile
 import uuid
+
+log = logging.getLogger(__name__)
 
 STOP_GRACE_S = 5  # a rank stopped with SIGTERM is killed after this long
 
@@ -66,10 +67,10 @@ def launch(nproc: int, argv: list[str], command: list[str], poll_s: float = 0.5)
             tail = ""
             if first > 0:  # rank 0's stderr is on the terminal already
                 tail = ":\n" + open(logs.dest.stderrs[first], "rb").read()[-3000:].decode(errors="replace")
-            print(f"strop: rank {first} failed ({_how(failure)}){tail}", file=sys.stderr)
+            log.error(f"strop: rank {first} failed ({_how(failure)}){tail}")
             others = [f"rank {r} ({_how(f)})" for r, f in sorted(exc.failures.items()) if r != first]
             if others:  # stopped by the agent, or failed on their own a moment later
-                print(f"strop: then ended: {', '.join(others)}", file=sys.stderr)
+                log.warning(f"strop: then ended: {', '.join(others)}")
             return failure.exitcode
     return 0
 

@@ -16,6 +16,7 @@ sees a file the driver wrote there before it starts.
 
 from __future__ import annotations
 
+import logging
 import json
 import os
 import secrets
@@ -33,6 +34,8 @@ from strop.config import secret_fields
 from strop.models import resolve_model_path
 from strop.process import free_port
 
+log = logging.getLogger(__name__)
+
 LOG_GRACE_S = 1.0
 LOCAL_START_S = 120.0  # until `ray start --head` of a local cluster reports it runs
 ENGINE_START_S = {"strop": 180.0, "vllm": 600.0, "sglang": 600.0}  # until a launched server answers /health
@@ -44,7 +47,7 @@ def import_ray():
     try:
         import ray
     except ImportError:
-        raise ClusterError("cluster.launcher='ray' needs Ray: pip install 'strop[ray]'") from None
+        raise ClusterError("cluster.launcher='ray' needs Ray: pip install -e '.[ray]' (from a checkout)") from None
     return ray
 
 
@@ -231,10 +234,9 @@ def launch(cfg, argv: list[str], main: Callable[[list[str]], int]) -> int:
         plan = plan_placement(
             nodes, c.trainer_ranks, c.trainer_resources, cfg.engine.launch, engine_resources, c.placement
         )
-        print(
+        log.info(
             f"strop: ray: {'a local cluster' if head else c.address}, {len(nodes)} node(s); "
-            f"{c.placement} placement:\n{plan.table()}",
-            flush=True,
+            f"{c.placement} placement:\n{plan.table()}"
         )
         run_dir = run_dir_of(cfg)
         run_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -342,7 +344,7 @@ def report(ranks: list[dict], engines: list[dict]) -> None:
     for kind, found in (("rank", ranks), ("engine", engines)):
         for i, w in enumerate(found):
             extra = f", {w['url']}, server pid {w['server_pid']}" if "url" in w else ""
-            print(f"strop: ray: {kind} {i} on node {w['node'][:12]} ({w['ip']}), pid {w['pid']}{extra}", flush=True)
+            log.info(f"strop: ray: {kind} {i} on node {w['node'][:12]} ({w['ip']}), pid {w['pid']}{extra}")
 
 
 def _check_plan(plan: Plan, ranks: list[dict], engines: list[dict]) -> None:
@@ -367,19 +369,13 @@ def supervise(ray, runs: dict, where: list[dict], stop_timeout_s: float) -> int:
         if code == 0:
             continue
         w = where[rank]
-        print(
-            f"strop: rank {rank} on node {w['node'][:12]} ({w['host']}, {w['ip']}, pid {w['pid']}) {why}",
-            file=sys.stderr,
-            flush=True,
-        )
+        log.warning(f"strop: rank {rank} on node {w['node'][:12]} ({w['host']}, {w['ip']}, pid {w['pid']}) {why}")
         if pending:
             _, left = ray.wait(pending, num_returns=len(pending), timeout=stop_timeout_s)
             if left:
-                print(
+                log.error(
                     f"strop: stopping rank(s) {sorted(runs[r] for r in left)}: still running "
-                    f"{stop_timeout_s:g}s after rank {rank} failed",
-                    file=sys.stderr,
-                    flush=True,
+                    f"{stop_timeout_s:g}s after rank {rank} failed"
                 )
         return code
     return 0
@@ -405,14 +401,12 @@ def stop(ray, actors: list, pg, head, marker: Path | None, engines: list = ()) -
         try:
             ray.get([e.stop.remote() for e in engines], timeout=ENGINE_STOP_TIMEOUT_S)
         except Exception as exc:  # an actor already gone: its watchdog ends its server
-            print(
-                f"strop: ray: an engine did not stop cleanly ({type(exc).__name__}); killing its actor", file=sys.stderr
-            )
+            log.warning(f"strop: ray: an engine did not stop cleanly ({type(exc).__name__}); killing its actor")
     for a in actors:
         try:
             ray.kill(a, no_restart=True)
         except Exception as exc:  # already gone
-            print(f"strop: ray: could not kill {a}: {exc}", file=sys.stderr)
+            log.warning(f"strop: ray: could not kill {a}: {exc}")
     if pg is not None:
         from ray.util.placement_group import remove_placement_group
 

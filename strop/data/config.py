@@ -46,8 +46,12 @@ class DataConfig(Section):
         description="reasoning-gym: generate eval_size x this many eval candidates, so eval_size remain "
         "after duplicates of training prompts are removed",
     )
-    path: str | None = Field(None, description="training prompts, .jsonl or .parquet (source=file)")
-    eval_path: str | None = Field(None, description="held-out prompts, .jsonl or .parquet (source=file)")
+    path: str | None = Field(
+        None, description="training prompts, .jsonl or .parquet (source=file; given alone, it sets source=file)"
+    )
+    eval_path: str | None = Field(
+        None, description="held-out prompts, .jsonl or .parquet (source=file; given alone, it sets source=file)"
+    )
     prompt_key: str = Field("prompt", description="column holding the prompt (text or chat messages)")
     label_key: str = Field("label", description="column holding the reference answer")
     metadata_keys: list[str] = Field(default_factory=list, description="columns copied into Sample.metadata")
@@ -60,8 +64,20 @@ class DataConfig(Section):
 
     @model_validator(mode="after")
     def _check_source(self):
+        paths = [f"data.{k}={getattr(self, k)!r}" for k in ("path", "eval_path") if getattr(self, k)]
+        if paths and "source" not in self.model_fields_set:  # a prompt file given alone: source=file
+            self.__dict__["source"] = "file"  # (not an assignment: that would validate again)
+        elif paths and self.source == "reasoning_gym":  # set on purpose, with a file it would ignore
+            raise ValueError(
+                f"{' and '.join(paths)} with data.source='reasoning_gym': prompts come from the reasoning-gym "
+                f"task {self.task!r} and the file would be ignored; set data.source=file to train on the file, "
+                "or drop the path"
+            )
         if self.source == "file" and not self.path:
-            raise ValueError("data.source='file' needs data.path (a .jsonl or .parquet file)")
+            given = f" (data.eval_path={self.eval_path!r} reads prompts from a file)" if self.eval_path else ""
+            raise ValueError(
+                f"data.source='file' needs data.path, the training prompts (a .jsonl or .parquet file){given}"
+            )
         if self.source == "reasoning_gym" and self.eval_size and self.eval_seed == self.seed:
             raise ValueError("data.eval_seed must differ from data.seed so the eval set is held out")
         if "{prompt}" not in self.prompt_template:

@@ -3,11 +3,16 @@ a reasoning-gym task or the ``data_source`` hook, checked before any model loads
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
 from typing import Callable
 
 from strop.config import Config
 from strop.data.sources import DataError, PromptRow, _row_from_record, held_out, read_prompt_file, reasoning_gym_rows
 from strop.plugins import call_hook_sync
+from strop.types import Sample
+
+log = logging.getLogger(__name__)
 
 LABELLED_REWARDS = ("math", "exact_match")  # built-in rewards that compare with a row's label
 
@@ -47,9 +52,12 @@ def _rows(cfg: Config, which: str, data_source: Callable | None = None):
                 else None
             )
         return reasoning_gym_rows(d.task, d.seed, d.size, d.task_options)
-    if which == "eval":
-        return read_prompt_file(d.eval_path, d.prompt_key, d.label_key, d.metadata_keys) if d.eval_path else None
-    return read_prompt_file(d.path, d.prompt_key, d.label_key, d.metadata_keys)
+    key, path = ("data.eval_path", d.eval_path) if which == "eval" else ("data.path", d.path)
+    if path is None:
+        return None
+    if not Path(path).exists():  # (named by its key: a relative path is read from the current directory)
+        raise DataError(f"{key}={path!r}: no such file ({Path(path).absolute()})")
+    return read_prompt_file(path, d.prompt_key, d.label_key, d.metadata_keys)
 
 
 def _check_labels(cfg: Config, rows, which: str) -> None:
@@ -63,6 +71,29 @@ def _check_labels(cfg: Config, rows, which: str) -> None:
             )
 
 
+def check_reward(cfg: Config, reward_fn: Callable, train_rows, eval_rows=None) -> None:
+    """A built-in reward scored on the first training and eval row, its label as the response, before any model
+    loads: a reward that cannot score these rows at all (reasoning_gym on a file's rows) is refused here, naming the
+    reward, the row and the error, instead of failing every sample of the first step. (A reward hook is the
+    user's own, perhaps slow or with side effects: it is not called; `strop check-plugin` tries it.)"""
+    if ":" in cfg.rollout.reward:  # (a hook by import path, 'package.module:function')
+        return
+    for rows in (train_rows, eval_rows):
+        if not rows:
+            continue
+        row = rows[0]
+        sample = Sample(prompt=row.prompt, prompt_ids=[0], label=row.label, metadata=dict(row.metadata, row_index=0))
+        sample.response_text = "" if row.label is None else str(row.label)
+        try:
+            call_hook_sync("reward", reward_fn, sample=sample)
+        except Exception as exc:
+            raise DataError(
+                f"rollout.reward={cfg.rollout.reward!r} cannot score {row.where or 'the first row'} "
+                f"(data.source={cfg.data.source!r}): {type(exc).__name__}: {exc}; choose a reward that scores "
+                "these rows (rollout.reward=math or exact_match compare with the label; a hook by import path)"
+            ) from None
+
+
 def _held_out_rows(cfg: Config, train_rows, eval_rows):
     """Eval rows that never occur in the training data (by templated prompt), at most data.eval_size."""
     d = cfg.data
@@ -70,10 +101,9 @@ def _held_out_rows(cfg: Config, train_rows, eval_rows):
         eval_rows, train_rows, template=d.prompt_template, system_prompt=d.system_prompt, size=d.eval_size
     )
     if removed:
-        print(
+        log.info(
             f"strop: held-out set: removed {removed} of {len(eval_rows)} eval prompts that occur in the training "
-            f"prompts (or twice in the eval set); {len(kept)} remain",
-            flush=True,
+            f"prompts (or twice in the eval set); {len(kept)} remain"
         )
     if len(kept) < min(d.eval_min_size, d.eval_size or len(eval_rows), len(eval_rows)):  # a small set is fine as given
         raise DataError(

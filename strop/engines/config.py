@@ -20,7 +20,8 @@ class EngineConfig(Section):
     urls: list[str] = Field(
         default_factory=list,
         description="server URLs (kind strop / sglang / vllm), e.g. "
-        '["http://127.0.0.1:30000"]; several go behind strop\'s router',
+        '["http://127.0.0.1:30000"]; several go behind strop\'s router. Each must answer at start (any HTTP '
+        "answer, within 3 seconds), or the run stops before any model loads, naming it",
     )
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto",

@@ -14,10 +14,14 @@ counted; :meth:`EngineHealth.take_counts` hands the counts since the last call t
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import Counter, deque
 
+from strop.observe.logs import console
 from strop.sync.base import WeightSync
 from strop.wire.errors import EngineRequestError, EngineUnavailable
+
+log = logging.getLogger(__name__)
 
 DOWN, REJOINING, HEALTHY = "down", "rejoining", "healthy"
 
@@ -84,7 +88,8 @@ class EngineHealth:
         self.events.append(text)
         self.counts[kind] += 1
         if self.print_events:
-            print(f"strop: router: {text}", flush=True)
+            console()  # shown even where nothing set up strop's logging (a router used on its own)
+            log.info(f"strop: router: {text}")
 
     def take_counts(self) -> dict[str, int]:
         """Failovers and engine events since the last call, and how many engines are healthy now."""

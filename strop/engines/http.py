@@ -69,3 +69,33 @@ class HTTPEngine:
         if self._client is not None:
             await self._client.aclose()
             self._client = None
+
+
+class EngineUnreachable(ValueError):
+    """A server the user named (engine.urls) answers nothing at all: refused at start, before any model loads."""
+
+
+def check_reachable(urls: list[str], deadline_s: float = 3.0, interval_s: float = 0.25) -> None:
+    """Raise :class:`EngineUnreachable` naming the first of ``urls`` that gives no HTTP answer at all (connection
+    refused, no such host, timeout) within ``deadline_s``. Any HTTP answer counts, an error status included: a
+    server that is up but starting, or wants a token, is the router's to handle."""
+    import time
+
+    import httpx
+
+    for url in urls:
+        end, last = time.monotonic() + deadline_s, None
+        while True:
+            try:
+                httpx.get(url.rstrip("/") + "/health", timeout=min(2.0, deadline_s))
+                break
+            except (httpx.UnsupportedProtocol, httpx.InvalidURL) as exc:
+                raise EngineUnreachable(f"engine.urls: {url!r} is not an http(s) URL ({exc})") from None
+            except (httpx.TransportError, OSError) as exc:  # refused, no such host, timed out
+                last = f"{type(exc).__name__}: {exc}"
+            if time.monotonic() + interval_s > end:
+                raise EngineUnreachable(
+                    f"engine.urls: no server answers at {url} ({last}; tried for {deadline_s:.0f}s); start it "
+                    "first (e.g. strop serve --port N), or let the run start its own with engine.launch=N"
+                )
+            time.sleep(interval_s)

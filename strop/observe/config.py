@@ -47,8 +47,8 @@ class RunConfig(Section):
     )
     trackers: list[Literal["tensorboard", "wandb"]] = Field(
         default_factory=list,
-        description="also send every metric to these (optional extras: pip install "
-        "'strop[tensorboard]' / 'strop[wandb]'); TensorBoard writes <run dir>/tensorboard",
+        description="also send every metric to these (optional extras: pip install -e "
+        "'.[tensorboard]' / '.[wandb]' from a checkout); TensorBoard writes <run dir>/tensorboard",
     )
     wandb_project: str = Field("strop", description="Weights & Biases project")
     wandb_mode: Literal["online", "offline"] = Field(

@@ -65,15 +65,27 @@ def memory_metrics(device) -> dict[str, float]:
     return out
 
 
-def rollout_metrics(groups, seconds: float) -> dict:
-    """One step's rollout: rewards, lengths, what ended how, generation speed, failures and tool use."""
+def eval_metrics(groups, threshold: float = 1.0) -> dict:
+    """Greedy evaluation (one sample per group): ``eval_accuracy``, the fraction of prompts whose reward reaches
+    ``threshold`` (``eval.accuracy_threshold``; an unscored one counts as wrong), and ``eval_reward_mean`` over
+    the scored ones."""
+    rewards = [g[0].reward for g in groups if g[0].reward is not None]
+    return {
+        "eval_accuracy": sum(r >= threshold for r in rewards) / len(groups),
+        "eval_reward_mean": statistics.fmean(rewards) if rewards else float("nan"),
+    }
+
+
+def rollout_metrics(groups, seconds: float, threshold: float = 1.0) -> dict:
+    """One step's rollout: rewards, lengths, what ended how, generation speed, failures and tool use.
+    ``accuracy``: the fraction of scored samples whose reward reaches ``threshold`` (``eval.accuracy_threshold``)."""
     samples = [s for g in groups for s in g]
     rewards = [s.reward for s in samples if s.reward is not None]
     lengths = [s.response_length for s in samples]
     return (
         {
             "reward_mean": statistics.fmean(rewards) if rewards else float("nan"),
-            "accuracy": sum(r >= 1.0 for r in rewards) / max(len(rewards), 1),
+            "accuracy": sum(r >= threshold for r in rewards) / max(len(rewards), 1),
             "response_length_mean": statistics.fmean(lengths),
             "response_length_min": min(lengths),
             "response_length_max": max(lengths),

@@ -1,5 +1,6 @@
 """The run directory, where every output of a run goes: named (``runs/<timestamp>`` unless ``run.dir``),
-refused when another run's outputs are there, created once every rank is ready (strop.setup)."""
+refused when another run's outputs are there, created once every rank is ready (strop.setup); its
+``run.log`` holds the lines the run shows (strop.observe.logs)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import datetime as _dt
 from pathlib import Path
 
 from strop.config import Config
+from strop.observe.logs import attach_run_log
 
 
 def check_run_dir(cfg: Config) -> None:
@@ -21,6 +23,8 @@ def make_run_dir(cfg: Config, create: bool = True, resume: bool = False) -> Path
     if resume:
         if not cfg.run.dir or not (Path(cfg.run.dir) / "config.yaml").is_file():
             raise FileNotFoundError(f"resume: {cfg.run.dir!r} is not a strop run directory (no config.yaml)")
+        if create:
+            attach_run_log(cfg.run.dir)  # appended to: the resumed run's lines follow the first's
         return Path(cfg.run.dir)
     check_run_dir(cfg)
     if cfg.run.dir:
@@ -35,4 +39,5 @@ def make_run_dir(cfg: Config, create: bool = True, resume: bool = False) -> Path
             cfg.run.dir = str(run_dir)  # the same name when it is created
     if create:
         run_dir.mkdir(parents=True, exist_ok=True)
+        attach_run_log(run_dir)  # from here on, every line the terminal shows is in run_dir/run.log too
     return run_dir

@@ -8,6 +8,7 @@ wandb run (its id is kept in ``<run dir>/tracking.json``).
 
 from __future__ import annotations
 
+import logging
 import contextlib
 import json
 import math
@@ -15,6 +16,8 @@ import os
 import sys
 import uuid
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 
 class MissingExtra(ImportError):
@@ -29,7 +32,7 @@ def _need(module: str, extra: str):
     except ImportError as exc:
         raise MissingExtra(
             f"run.trackers includes {extra!r} but {module!r} is not installed: "
-            f"pip install 'strop[{extra}]' (or remove it from run.trackers)"
+            f"pip install -e '.[{extra}]' from a checkout, or 'strop[{extra}]' (or remove it from run.trackers)"
         ) from exc
 
 
@@ -78,10 +81,9 @@ class WandB:
                 resume="allow" if resume_step is not None else None,
             )
         if resume_step is not None:  # wandb keeps one value per step and only moves forward
-            print(
+            log.info(
                 "strop: wandb: a resumed run continues the same wandb run; the steps it runs again after its "
-                "checkpoint keep their first values there (metrics.jsonl and TensorBoard have the new ones)",
-                flush=True,
+                "checkpoint keep their first values there (metrics.jsonl and TensorBoard have the new ones)"
             )
 
     def log(self, row: dict, step: int) -> None:

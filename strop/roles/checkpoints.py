@@ -3,6 +3,7 @@ place; a resumed run reads them back (strop.checkpoint)."""
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 
@@ -14,6 +15,8 @@ from strop.roles.placement import CONTROL, EVERY_RANK, Placed
 from strop.roles.rank0 import Rank0
 from strop.roles.rollout import Rollout
 from strop.train.trainer import Trainer
+
+log = logging.getLogger(__name__)
 
 
 class Checkpoints:
@@ -57,10 +60,9 @@ class CheckpointRecord:
         run_dir = self.desk.run_dir
         found = checkpoint.latest(run_dir) if resume else None
         if resume and found is None:
-            print(
+            log.info(
                 f"strop: resume: no complete checkpoint in {run_dir / checkpoint.CHECKPOINTS}; "
-                "starting again from step 0",
-                flush=True,
+                "starting again from step 0"
             )
             checkpoint.cut_logs(run_dir, {})
         return str(found) if found is not None else None
@@ -79,23 +81,21 @@ class CheckpointRecord:
         if generator is not None and state["engine_rng"] is not None:
             generator.set_state(state["engine_rng"])
         elif c.engine is not None:
-            print(
+            log.info(
                 "strop: resume: the engine's sampling state lives in its servers and is not restored; the "
-                "steps that follow are not bitwise those of an uninterrupted run",
-                flush=True,
+                "steps that follow are not bitwise those of an uninterrupted run"
             )
         world = c.trainer.dp.processes
         if state.get("world", 1) != world:  # DCP reshards; the sums run in another order
-            print(
+            log.info(
                 f"strop: resume: saved by {state.get('world', 1)} processes, resumed by {world}: "
-                "the run continues, but not bitwise as it would have",
-                flush=True,
+                "the run continues, but not bitwise as it would have"
             )
         d.clock.start -= state["elapsed_seconds"]
         if c.engine is not None:
             d.loop.run(c.weight_update()(weights, version=state["weight_version"]))
         d.progress.update(state["step"])
-        print(f"strop: resumed from {found} at step {state['step']} of {d.cfg.train.steps}", flush=True)
+        log.info(f"strop: resumed from {found} at step {state['step']} of {d.cfg.train.steps}")
         return state["step"]
 
     def begin(self, step: int) -> str:
@@ -132,7 +132,4 @@ class CheckpointRecord:
             keep=d.cfg.run.keep_checkpoints,
         )
         size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-        print(
-            f"strop: checkpoint {path} ({size / 2**30:.2f} GiB) in {time.perf_counter() - self.t_checkpoint:.1f}s",
-            flush=True,
-        )
+        log.info(f"strop: checkpoint {path} ({size / 2**30:.2f} GiB) in {time.perf_counter() - self.t_checkpoint:.1f}s")

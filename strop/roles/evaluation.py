@@ -1,9 +1,11 @@
-"""The evaluation role: greedy accuracy on the held-out prompts, before training and every ``eval.every`` steps."""
+"""The evaluation role: greedy accuracy and mean reward on the held-out prompts, before training and every
+``eval.every`` steps."""
 
 from __future__ import annotations
 
 import time
 
+from strop.observe.metrics import eval_metrics
 from strop.roles.placement import RANK0
 from strop.roles.rank0 import Rank0
 from strop.rollout.generate import rollout_groups
@@ -23,15 +25,16 @@ class Evaluation:
             self.at(step)
 
     def at(self, step: int) -> None:
-        """Greedy accuracy on the held-out prompts (fraction with reward 1), logged at ``step``."""
+        """Greedy accuracy on the held-out prompts (the fraction whose reward reaches ``eval.accuracy_threshold``)
+        and their mean reward, logged at ``step``."""
         d, c = self.desk, self.desk.c
         if c.eval_prompts is None:
             return
         t = time.perf_counter()
         groups = [c.eval_prompts.make_group(i, 1, group_id=-1 - i) for i in range(len(c.eval_prompts))]
         groups = d.loop.run(rollout_groups(d.ctx, groups, c.eval_sampling, apply_filter=False))
-        accuracy = sum(1.0 for g in groups if g[0].reward is not None and g[0].reward >= 1.0) / len(groups)
-        row = {"step": step, "eval_accuracy": accuracy, "eval_seconds": time.perf_counter() - t}
+        seconds = time.perf_counter() - t
+        row = {"step": step, **eval_metrics(groups, d.cfg.eval.accuracy_threshold), "eval_seconds": seconds}
         if any("tool_calls" in g[0].metadata for g in groups):  # multi-turn: how often the answer used a tool
             row["eval_tool_call_fraction"] = sum(g[0].metadata.get("tool_calls", 0) > 0 for g in groups) / len(groups)
         if any("agent_session" in g[0].metadata for g in groups):  # agents: calls per session, how sessions ended
@@ -42,4 +45,4 @@ class Evaluation:
                 g[0].metadata.get("session_calls", 0) > 1 for g in groups
             ) / len(groups)
         d.log.log(row)
-        d.progress.update(eval_acc=accuracy)
+        d.progress.update(eval_acc=row["eval_accuracy"])

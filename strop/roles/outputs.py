@@ -2,16 +2,39 @@
 
 from __future__ import annotations
 
+import logging
+import math
 import time
 from pathlib import Path
 
 from strop import checkpoint
 from strop.config import save_config
+from strop.observe.logs import FILE_ONLY
 from strop.observe.metrics import memory_metrics, plot_curves, run_summary, write_summary
 from strop.observe.tracking import open_trackers
 from strop.parallel.gather import whole
 from strop.roles.placement import RANK0
 from strop.roles.rank0 import Rank0
+
+log = logging.getLogger(__name__)
+
+STEP_LINE = (
+    ("reward_mean", "reward {:.3f}"),
+    ("accuracy", "accuracy {:.1%}"),
+    ("response_length_mean", "length {:.1f}"),
+)
+
+
+def step_line(desk: Rank0, step: int, metrics: dict) -> None:
+    """A step's line: in run.log always, on the terminal too when no progress bar shows the step."""
+    parts = [f"strop: step {step}/{desk.cfg.train.steps}"]
+    for key, text in STEP_LINE:
+        value = metrics.get(key)
+        if isinstance(value, (int, float)) and math.isfinite(value):
+            parts.append(text.format(value))
+    parts.append(f"{metrics['step_seconds']:.1f}s")
+    shown = desk.cfg.run.progress and not desk.bar_shown  # run.progress=false: no step display at all
+    log.info(", ".join(parts), extra=None if shown else FILE_ONLY)
 
 
 class Outputs:
@@ -26,10 +49,10 @@ class Outputs:
         """Save the config (from here on the run can be resumed) and print where the run is."""
         d = self.desk
         save_config(d.cfg, d.run_dir / "config.yaml")
-        print(f"strop: run directory {d.run_dir}", flush=True)
+        log.info(f"strop: run directory {d.run_dir}")
         if d.c.trainer.dp.processes > 1:
-            print(f"strop: {d.c.trainer.dp.describe()}", flush=True)
-        print(f"strop: device {d.c.trainer.device}", flush=True)
+            log.info(f"strop: {d.c.trainer.dp.describe()}")
+        log.info(f"strop: device {d.c.trainer.device}")
 
     def open_trackers(self, resume: bool, found: str | None) -> None:
         """The trackers (wandb...), told the step a resumed run continues after (-1: from step 0)."""
@@ -47,12 +70,10 @@ class Outputs:
     def step(self, step: int, metrics: dict) -> None:
         """The step's row of metrics.jsonl, and the progress bar."""
         d = self.desk
-        d.log.log(
-            metrics
-            | memory_metrics(d.c.trainer.device)
-            | {"step": step, "step_seconds": time.perf_counter() - d.t_step, "elapsed_seconds": d.clock()}
-        )
+        row = {"step": step, "step_seconds": time.perf_counter() - d.t_step, "elapsed_seconds": d.clock()}
+        d.log.log(metrics | memory_metrics(d.c.trainer.device) | row)
         d.progress.update(1, reward=metrics["reward_mean"])
+        step_line(d, step, metrics | row)
 
     def finish(self, weights: dict | None):
         """Save the final model, draw the curves, write and print the summary."""
@@ -67,11 +88,10 @@ class Outputs:
         summary = run_summary(d.log.rows, seconds, run_dir)
         write_summary(run_dir, summary)
         curve = " -> ".join(f"{a:.1%}" for a in summary["eval_accuracy_curve"]) or "no eval set"
-        print(
+        log.info(
             f"strop: {summary['steps']} steps in {seconds:.0f}s; held-out greedy accuracy {curve}; "
             f"max train/rollout logprob gap {summary['max_train_rollout_logprob_abs_diff']:.1e}; "
-            f"outputs in {run_dir}",
-            flush=True,
+            f"outputs in {run_dir}"
         )
         return summary
 
@@ -101,11 +121,13 @@ class SamplesOutputs(Outputs):
 
     def step(self, step: int, metrics: dict) -> None:
         d = self.desk
-        d.log.log(metrics | {"step": step, "step_seconds": time.perf_counter() - d.t_step})
+        row = {"step": step, "step_seconds": time.perf_counter() - d.t_step}
+        d.log.log(metrics | row)
         d.progress.update(1, reward=metrics["reward_mean"])
+        step_line(d, step, metrics | row)
 
     def finish(self, weights: None) -> Path:
-        print(f"strop: {self.desk.cfg.train.steps} steps of scored samples -> {self.samples_out}", flush=True)
+        log.info(f"strop: {self.desk.cfg.train.steps} steps of scored samples -> {self.samples_out}")
         return self.samples_out
 
     def failed(self, exc: BaseException) -> None:

@@ -3,6 +3,8 @@ the progress bar and the rollout context."""
 
 from __future__ import annotations
 
+import sys
+
 from strop.config import Config
 from strop.observe.metrics import MetricsLog, Progress, Timer
 from strop.rollout.event_loop import EventLoopThread
@@ -27,7 +29,9 @@ class Rank0:
             run_dir=self.run_dir,
             extra=dict(c.rollout_extra),
         )
-        self.progress = Progress(cfg.train.steps, enabled=cfg.run.progress)
+        # the bar on a terminal only: in a file or a pipe the step lines say the same (strop.roles.outputs)
+        self.bar_shown = cfg.run.progress and sys.stderr.isatty()
+        self.progress = Progress(cfg.train.steps, enabled=self.bar_shown)
         self.t_step = 0.0  # when the step being made started (its rollout)
         self.loop: EventLoopThread | None = None
         self.stop_rollout = None  # the rollout's close() coroutine function, run in the loop at close

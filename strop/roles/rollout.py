@@ -8,6 +8,7 @@ samples ``strop rollout`` wrote, step by step, with no engine.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from pathlib import Path
 
@@ -18,6 +19,8 @@ from strop.roles.placement import CONTROL
 from strop.roles.rank0 import Rank0
 from strop.rollout.manager import RolloutManager, describe as describe_rollout
 from strop.rollout.samples_file import write_header, write_samples
+
+log = logging.getLogger(__name__)
 
 
 class Rollout:
@@ -45,15 +48,18 @@ class Rollout:
             )
 
     def announce(self) -> None:
-        """Print where the samples come from: the engine, and how the rollout runs."""
+        """Print where the samples come from: the model, the prompts, the reward, the engine, how the rollout runs."""
         c, cfg = self.c, self.cfg
+        log.info(f"strop: model {cfg.model.path}")
+        log.info(f"strop: data: {describe_data(cfg, c)}")
+        log.info(f"strop: reward: {cfg.rollout.reward}")
         if cfg.engine.kind != "embedded":
             urls = ", ".join(e.url for e in c.engine.engines)
             how = f"{len(c.servers)} launched strop serve processes" if c.servers else cfg.engine.kind
-            print(f"strop: engine: router over {how}: {urls}", flush=True)
+            log.info(f"strop: engine: router over {how}: {urls}")
         else:
-            print(f"strop: engine: embedded, {c.engine.decode_path}", flush=True)
-        print(f"strop: {describe_rollout(cfg)}", flush=True)
+            log.info(f"strop: engine: embedded, {c.engine.decode_path}")
+        log.info(f"strop: {describe_rollout(cfg)}")
 
     def next(self, step: int) -> tuple[list, dict]:
         """The samples step ``step`` trains on (trainable ones only) and the rollout's metrics."""
@@ -69,7 +75,7 @@ class Rollout:
         if self.cfg.rollout.mode != "sync":
             with open(d.run_dir / "staleness.jsonl", "a") as f:
                 f.write(json.dumps({"step": step, "tokens_by_staleness": histogram}) + "\n")
-        metrics = rollout_metrics(groups, time.perf_counter() - d.t_step) | managed
+        metrics = rollout_metrics(groups, time.perf_counter() - d.t_step, self.cfg.eval.accuracy_threshold) | managed
         samples = [s for g in groups for s in g if s.status.trainable]  # aborted / failed never train
         d.log.samples(sample_rows(groups, self.c.tokenizer, self.cfg.run.log_samples, step), step)
         if self.samples_out is not None:
@@ -102,6 +108,29 @@ class Rollout:
         self.desk.loop.run(self.manager.load(state, step))
 
 
+def describe_data(cfg, c) -> str:
+    """The prompts of a run in words: their source (a file, a reasoning-gym task, the data_source hook) and how many,
+    then the held-out set's."""
+    d = cfg.data
+    train = len(c.train_prompts) if c.train_prompts is not None else 0
+    held = len(c.eval_prompts) if c.eval_prompts is not None else 0
+    if cfg.plugins.data_source:
+        return f"data_source hook {cfg.plugins.data_source}: {train} training prompts, {held} held-out"
+    if d.source == "file":
+        evals = (
+            f"{held} held-out from {d.eval_path}"
+            if held
+            else "no held-out set (data.eval_size=0)"
+            if d.eval_path
+            else "no held-out set (data.eval_path names one)"
+        )
+        return f"file {d.path}: {train} training prompts; {evals}"
+    return (
+        f"reasoning-gym task {d.task!r} (options {d.task_options}): {train} training prompts (data.seed={d.seed}); "
+        + (f"{held} held-out (data.eval_seed={d.eval_seed})" if held else "no held-out set (data.eval_size=0)")
+    )
+
+
 class SamplesFileRollout(Rollout):
     """Train only (``data.samples``): the file's samples of each step, grouped again; no engine."""
 
@@ -112,7 +141,8 @@ class SamplesFileRollout(Rollout):
         self.samples_out = None
 
     def announce(self) -> None:
-        print(f"strop: train only: samples of {len(self.c.replay)} steps from {self.cfg.data.samples}", flush=True)
+        log.info(f"strop: model {self.cfg.model.path}")
+        log.info(f"strop: train only: samples of {len(self.c.replay)} steps from {self.cfg.data.samples}")
 
     def _groups(self, step: int) -> tuple[list, dict]:
         by_group: dict[int, list] = {}

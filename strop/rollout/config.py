@@ -22,7 +22,8 @@ class RolloutConfig(Section):
     reward: str = Field(
         "math",
         description="reward function: 'math' (math-verify), 'exact_match', 'reasoning_gym', "
-        "or an import path 'pkg.module:function'",
+        "an import path 'pkg.module:function' or a file 'path/to/reward.py[:function]'; TRL, verl and slime "
+        "reward functions are adapted (docs/migrating.md)",
     )
     seed: int = Field(0, description="sampling seed")
     filter_max_rounds: int = Field(
@@ -76,3 +77,8 @@ class RolloutConfig(Section):
 class EvalConfig(Section):
     every: int = Field(5, ge=0, description="evaluate every this many steps (0 = only first and last)")
     max_new_tokens: int | None = Field(None, description="eval response limit (default: rollout.max_new_tokens)")
+    accuracy_threshold: float = Field(
+        1.0,
+        description="a response counts as correct when its reward is at least this: eval_accuracy, and the "
+        "rollouts' accuracy metric (lower it for rewards scaled below 1, e.g. 0.5 for a 0/0.5 reward)",
+    )

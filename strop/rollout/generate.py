@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from strop.engines.base import Engine, EngineWrapper
-from strop.plugins import PluginError, call_hook, call_hook_sync, check_signature, load_hook
-from strop.rollout.rewards import BUILTIN_REWARDS
+from strop.plugins import PluginError, call_hook, call_hook_sync, check_signature
+from strop.rollout import reward_adapters
 from strop.types import SampleInvariantError, SamplingParams, Sample, Status
 
 # kept for callers that catch reward problems by this name
@@ -92,9 +92,10 @@ def affinity_key(sample: Sample) -> str:
     return f"{sample.group_id}/{sample.index}"
 
 
-def resolve_reward(name: str) -> Callable:
-    """A built-in reward by name, or a reward hook by import path (checked now)."""
-    return BUILTIN_REWARDS[name] if name in BUILTIN_REWARDS else load_hook("reward", name)
+def resolve_reward(name: str, cfg=None) -> Callable:
+    """A built-in reward by name, or a reward function of any shape strop takes, by import path or file
+    (strop.rollout.reward_adapters: strop's own, TRL's, verl's, slime's); checked now."""
+    return reward_adapters.resolve_reward(name, cfg)
 
 
 # errors that are never a sample's own: a broken contract or invariant, the engine, cancellation

@@ -4,6 +4,7 @@ turn limits, as the RolloutContext's extra."""
 
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 from strop.config import Config
@@ -11,6 +12,8 @@ from strop.plugins import PluginError, call_hook_sync
 from strop.rollout.multiturn import TurnLimits
 from strop.tools import CALCULATOR, ToolSet, python_tool
 from strop.tools.sandbox import Limits, Sandbox
+
+log = logging.getLogger(__name__)
 
 
 def make_tools(cfg: Config, hook: Callable | None = None) -> dict:
@@ -34,7 +37,7 @@ def make_tools(cfg: Config, hook: Callable | None = None) -> dict:
             max_concurrency=t.concurrency,
             nested_userns=t.nested_userns,
         )
-        print(f"strop: tools: python in {box.describe()}", flush=True)
+        log.info(f"strop: tools: python in {box.describe()}")
         tools.append(python_tool(box))
     if "calculator" in t.enabled:
         tools.append(CALCULATOR)
@@ -49,7 +52,7 @@ def make_tools(cfg: Config, hook: Callable | None = None) -> dict:
                 f"({t.enabled}) already has: rename yours or drop the built-in"
             )
         tools += own
-        print(f"strop: tools: {', '.join(x.name for x in own)} from {cfg.plugins.tools}", flush=True)
+        log.info(f"strop: tools: {', '.join(x.name for x in own)} from {cfg.plugins.tools}")
     return {
         "tools": ToolSet(tools, origin, threads=t.tool_threads, timeout_s=t.timeout_s),
         "call_reward": (t.call_reward, t.max_call_reward),

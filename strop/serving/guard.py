@@ -22,13 +22,15 @@ so it lives and dies with it.
 
 from __future__ import annotations
 
+import logging
 import asyncio
 import json
 import socket
-import sys
 
 import httpx
 from strop.wire.auth import bearer_token_matches
+
+log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 64 << 20  # the largest request strop sends is a prompt or a bucket's tensor list: far below
 CONNECT_TIMEOUT_S = 30.0
@@ -236,4 +238,4 @@ def serve(sock: socket.socket, token: str, upstream: str, max_body_bytes: int = 
         timeout_keep_alive=60,
     )
     uvicorn.Server(config).run(sockets=[sock])
-    print("strop: the engine guard stopped", file=sys.stderr, flush=True)
+    log.warning("strop: the engine guard stopped")

@@ -36,6 +36,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from strop.process import resolve_device
+from strop.observe.logs import console
 from strop.models import load_model, load_tokenizer, resolve_model_path
 from strop.openmp import release_threads
 from strop.serving import routes_generate, routes_openai, routes_weights
@@ -123,6 +124,7 @@ def serve(
     fast_decode: bool = True,
 ) -> None:
     """Load the model and serve until stopped (SIGINT / SIGTERM)."""
+    console()  # its lines on the terminal, unless the caller set up strop's logging
     if host not in LOOPBACK and not token:
         raise ValueError(
             f"--host {host} is reachable from other machines: pass --token (or STROP_SERVE_TOKEN) so "
@@ -153,8 +155,6 @@ def serve(
         public_generate=public_generate,
         weights_dir=weights_dir,
     )
-    print(
-        f"strop serve: {model_path} on http://{host}:{port} (device {engine.device}; {engine.decode_path})", flush=True
-    )
+    log.info(f"strop serve: {model_path} on http://{host}:{port} (device {engine.device}; {engine.decode_path})")
     release_threads()  # this thread runs the event loop from here on; the engine's thread decodes (strop.openmp)
     uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import asyncio
 import os
 from pathlib import Path
@@ -13,6 +14,8 @@ from strop.sync.delta import DeltaSync
 from strop.sync.disk import DiskSync, WeightWriter
 from strop.sync.inprocess import InProcessSync
 from strop.wire.errors import EngineRequestError, EngineUnavailable
+
+log = logging.getLogger(__name__)
 
 
 def choose_sync(cfg: Config, clients: list, run_dir: Path, probe_ids: list[int], device=None) -> WeightSync:
@@ -50,7 +53,7 @@ def choose_sync(cfg: Config, clients: list, run_dir: Path, probe_ids: list[int],
                 await c.close()  # connections belong to the run's event loop, made later
 
     asyncio.run(probe())
-    print(f"strop: weight sync: {sync} ({why}); receipt: {weight_receipt(e.kind, sync)}", flush=True)
+    log.info(f"strop: weight sync: {sync} ({why}); receipt: {weight_receipt(e.kind, sync)}")
     if sync == "broadcast":
         backend = (
             e.sync_backend

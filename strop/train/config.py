@@ -15,17 +15,57 @@ class ModelConfig(Section):
     path: str = Field(
         EMBEDDED_MODEL,
         description=f"the policy: {EMBEDDED_MODEL!r} (packaged SmolLM2-135M-Instruct), "
-        "a local Hugging Face model folder, or a hub id (needs network)",
+        "a local Hugging Face model folder, or a hub id ('org/name' or a bare 'name'; downloaded once into the "
+        "Hugging Face cache, then loaded from there without network)",
     )
     dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="parameter dtype for engine and trainer (fp32 is faster on most CPUs)"
     )
+    attn_implementation: Literal["eager", "sdpa", "flash_attention_2"] | None = Field(
+        None,
+        description="transformers' attention implementation for the trainer's model and the embedded engine's: "
+        "None = transformers' default (sdpa where the model supports it, else eager); flash_attention_2 needs "
+        "the flash-attn package and a GPU",
+    )
+    trust_remote_code: bool = Field(
+        False,
+        description="let transformers run the Python code a model folder or hub repo ships (models not built "
+        "into transformers); only for models you trust",
+    )
+    revision: str | None = Field(
+        None,
+        description="hub id only: the branch, tag or commit to load (None = main); ignored for a local folder "
+        "(as transformers ignores it)",
+    )
+
+    def load_options(self) -> dict:
+        """The keyword arguments of strop.models' loaders (load_model, load_tokenizer, load_config, meta_model)."""
+        return {
+            "attn_implementation": self.attn_implementation,
+            "trust_remote_code": self.trust_remote_code,
+            "revision": self.revision,
+        }
 
 
 class TrainConfig(Section):
     steps: int = Field(15, gt=0, description="RL steps (rollout + one optimizer step each)")
     lr: float = Field(3e-5, gt=0, description="AdamW learning rate")
-    warmup_steps: int = Field(2, ge=0, description="linear learning-rate warm-up steps")
+    warmup_steps: int = Field(
+        2,
+        ge=0,
+        description="linear learning-rate warm-up, in optimizer steps: update k (from 0) uses "
+        "lr x (k+1)/(warmup_steps+1) until update warmup_steps reaches the full rate",
+    )
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
+        "constant",
+        description="the rate after warm-up: constant, or a linear / cosine decay to lr x min_lr_ratio that spans "
+        "the run's optimizer steps (train.steps x train.mini_batches, warm-up included; as transformers' "
+        "get_cosine_schedule_with_warmup). The schedule counts applied updates: a step skipped for a non-finite "
+        "gradient, or with no learning signal, does not advance it. Resumed exactly from checkpoints",
+    )
+    min_lr_ratio: float = Field(
+        0.0, ge=0, le=1, description="linear/cosine: the floor of the decay, as a fraction of lr (0 = decay to 0)"
+    )
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     betas: tuple[float, float] = Field((0.9, 0.99), description="AdamW betas")
     grad_clip: float = Field(1.0, gt=0, description="clip the global gradient norm to this")

@@ -404,7 +404,7 @@ def test_without_ray_the_launcher_says_how_to_install_it(tmp_path):
         [sys.executable, "-c", code, str(tmp_path / "r")], capture_output=True, text=True, env=ENV, timeout=50
     )
     assert run.returncode == 1 and run.stderr.strip().splitlines()[-1] == (
-        "strop train: error: cluster.launcher='ray' needs Ray: pip install 'strop[ray]'"
+        "strop train: error: cluster.launcher='ray' needs Ray: pip install -e '.[ray]' (from a checkout)"
     )
     run = subprocess.run(
         [sys.executable, "-m", "strop.cli", "train", "--cluster.launcher=ray", "--nproc=2"],

@@ -1,0 +1,324 @@
+"""The ``strop`` command: one argparse parser with a subparser per command. Each command imports the layers it
+runs inside its function: ``strop --help``, ``strop train --help`` and a config error load no torch."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from strop.cli.common import USAGE, Parser, UsageError, quiet_libraries, version
+from strop.cli.train import add_run_arguments, run_main
+from strop.config import did_you_mean
+from strop.models import EMBEDDED_MODEL
+from strop.observe.logs import LEVELS, setup_logging
+
+
+def _export_args(parser) -> None:
+    parser.add_argument("checkpoint", help="a checkpoint folder, e.g. runs/X/checkpoints/step_000010")
+    parser.add_argument("out", help="the folder to create")
+
+
+def _export(args) -> int:
+    from strop.checkpoint import CheckpointError, export_policy
+
+    try:
+        print(f"strop: exported to {export_policy(Path(args.checkpoint), Path(args.out))}")
+    except (CheckpointError, FileNotFoundError) as exc:
+        print(f"strop export: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _proxy_args(parser) -> None:
+    parser.add_argument(
+        "--model-path",
+        default=EMBEDDED_MODEL,
+        help="the model (its tokenizer and chat template; without --engine-url also the engine, in this process)",
+    )
+    parser.add_argument(
+        "--engine-url",
+        action="append",
+        default=[],
+        help="a running server to generate with (repeat for several, behind strop's router)",
+    )
+    parser.add_argument("--engine-kind", default="strop", choices=["strop", "sglang", "vllm"])
+    parser.add_argument("--engine-token", default=os.environ.get("STROP_ENGINE_TOKEN"))
+    parser.add_argument("--host", default="127.0.0.1", help="bind address")
+    parser.add_argument("--port", type=int, default=8100)
+    parser.add_argument(
+        "--token",
+        default=os.environ.get("STROP_PROXY_TOKEN"),
+        help="admin token: opens and reads sessions (env STROP_PROXY_TOKEN)",
+    )
+    parser.add_argument("--temperature", type=float, default=1.0, help="sessions sample at this temperature")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--max-calls", type=int, default=64, help="calls per session")
+    parser.add_argument("--max-call-tokens", type=int, default=1024, help="new tokens per call")
+    parser.add_argument("--max-response-tokens", type=int, default=8192, help="tokens of a segment after its prompt")
+    parser.add_argument("--idle-timeout-s", type=float, default=600.0)
+    parser.add_argument(
+        "--no-describe-tools",
+        action="store_true",
+        help="leave the request's tools out of the "
+        "prompt (the agent's own system prompt describes them); calls are still parsed",
+    )
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+
+
+def _proxy(args) -> int:
+    quiet_libraries()
+    from strop.agents.serve import serve_proxy
+
+    try:
+        serve_proxy(
+            args.model_path,
+            urls=args.engine_url,
+            kind=args.engine_kind,
+            engine_token=args.engine_token,
+            host=args.host,
+            port=args.port,
+            token=args.token,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            max_calls=args.max_calls,
+            max_call_tokens=args.max_call_tokens,
+            max_response_tokens=args.max_response_tokens,
+            idle_timeout_s=args.idle_timeout_s,
+            describe_tools=not args.no_describe_tools,
+            device=args.device,
+            dtype=args.dtype,
+        )
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"strop proxy: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _check_plugin_args(parser) -> None:
+    parser.add_argument("--hook", required=True, help="which extension point (reward, filter, ...)")
+    parser.add_argument("path", help="import path, 'package.module:function'")
+
+
+def _check_plugin(args) -> int:
+    from strop.plugins import HOOKS, PluginError
+
+    if args.hook not in HOOKS:
+        raise UsageError("strop check-plugin", f"--hook {args.hook}: one of {', '.join(sorted(HOOKS))}")
+    quiet_libraries()
+    from strop.contracts import check_plugin
+
+    try:
+        print(check_plugin(args.hook, args.path))
+    except PluginError as exc:
+        print(f"strop check-plugin: FAILED\n{exc}", file=sys.stderr)
+        return 1
+    except Exception as exc:  # the plugin itself raised on synthetic input
+        print(
+            f"strop check-plugin: FAILED\n{args.hook} hook {args.path!r} raised on synthetic samples: "
+            f"{type(exc).__name__}: {exc}",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+def _serve_args(parser) -> None:
+    parser.add_argument("--model-path", default=EMBEDDED_MODEL, help="model folder, hub id, or the embedded default")
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (anything but loopback needs --token)")
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument(
+        "--token",
+        default=os.environ.get("STROP_SERVE_TOKEN"),
+        help="bearer token required on every route, /health included (env STROP_SERVE_TOKEN)",
+    )
+    parser.add_argument(
+        "--public-generate",
+        action="store_true",
+        help="with --token: leave the generation routes (/generate, /v1/*) open to all",
+    )
+    parser.add_argument(
+        "--weights-dir",
+        default=os.environ.get("STROP_SERVE_WEIGHTS_DIR"),
+        help="the only folder /update_weights_from_disk loads from (unset: that route is refused; "
+        "env STROP_SERVE_WEIGHTS_DIR)",
+    )
+    parser.add_argument("--max-batch-size", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed of the engine")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument(
+        "--batch-wait-ms",
+        type=float,
+        default=5.0,
+        help="before a batch starts, wait while requests keep arriving (up to 40 such waits)",
+    )
+    parser.add_argument(
+        "--no-fast-decode",
+        dest="fast_decode",
+        action="store_false",
+        help="decode with transformers' forward and static batches instead of strop's KV-cache decoder",
+    )
+
+
+def _serve(args) -> int:
+    quiet_libraries()
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    from strop.serving.server import serve
+
+    try:
+        serve(
+            args.model_path,
+            host=args.host,
+            port=args.port,
+            token=args.token,
+            public_generate=args.public_generate,
+            weights_dir=args.weights_dir,
+            max_batch_size=args.max_batch_size,
+            seed=args.seed,
+            device=args.device,
+            dtype=args.dtype,
+            batch_wait_ms=args.batch_wait_ms,
+            fast_decode=args.fast_decode,
+        )
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"strop serve: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _plot_args(parser) -> None:
+    parser.add_argument("run_dirs", nargs="+", help="run directories (each with a metrics.jsonl)")
+    parser.add_argument(
+        "--metrics",
+        default=None,
+        help="comma-separated metric names (default: reward, "
+        "held-out accuracy, length, entropy, gradient norm, logprob gap, KL, step time)",
+    )
+    parser.add_argument("--out", default="runs.png", help="image to write (default: runs.png)")
+
+
+def _plot(args) -> int:
+    from strop.observe.metrics import plot_runs
+
+    try:
+        drawn = plot_runs(args.run_dirs, args.out, args.metrics.split(",") if args.metrics else None)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"strop plot: error: {exc}", file=sys.stderr)
+        return 1
+    print(f"strop plot: {len(drawn)} metrics of {len(args.run_dirs)} runs -> {args.out}")
+    return 0
+
+
+def _server_log_level(parser) -> None:
+    parser.add_argument(
+        "--log-level", type=str.upper, choices=LEVELS, default="INFO", help="DEBUG, INFO, WARNING, ERROR"
+    )
+
+
+DESCRIPTIONS = {
+    "export": "Write a checkpoint's policy in Hugging Face "
+    "format (from its trainer state; any layout of ranks) into a new folder.",
+    "proxy": "The agent proxy on its own: OpenAI-compatible "
+    "routes in front of an engine, recording sessions as exact tokens "
+    "(docs/agents.md).",
+    "check-plugin": "Check a plugin's signature and run it on synthetic samples.",
+    "serve": "Serve a model with strop's engine over HTTP "
+    "(SGLang's native /generate and OpenAI-compatible completions).",
+    "plot": "Draw the metrics of one or several runs side by side (one panel per metric, one line per run).",
+}
+COMMANDS = {
+    "train": None,
+    "rollout": None,
+    "serve": _serve,
+    "proxy": _proxy,
+    "plot": _plot,
+    "check-plugin": _check_plugin,
+    "export": _export,
+}
+ARGUMENTS = {
+    "serve": _serve_args,
+    "proxy": _proxy_args,
+    "plot": _plot_args,
+    "check-plugin": _check_plugin_args,
+    "export": _export_args,
+}
+
+
+def build_parser() -> tuple[Parser, dict[str, Parser]]:
+    """``strop``'s parser and each command's (``strop train``'s flags: strop.cli.train; its config options
+    are strop.config's)."""
+    top = Parser(prog="strop", add_help=False)
+    top.add_argument("--version", action="version", version=f"strop {version()}")
+    sub = top.add_subparsers(dest="command", parser_class=Parser)
+    parsers = {}
+    for name in COMMANDS:
+        if name in ("train", "rollout"):
+            parsers[name] = sub.add_parser(name, add_help=False)
+            add_run_arguments(parsers[name], train=name == "train")
+        else:
+            parsers[name] = sub.add_parser(name, description=DESCRIPTIONS[name])
+            ARGUMENTS[name](parsers[name])
+            if name in ("serve", "proxy"):
+                _server_log_level(parsers[name])
+    return top, parsers
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    if not argv[0].startswith("-") and argv[0] not in COMMANDS:
+        print(f"strop: unknown command {argv[0]!r}{did_you_mean(argv[0], COMMANDS)}\n\n{USAGE}", file=sys.stderr)
+        return 2
+    top, parsers = build_parser()
+    try:
+        args, extras = top.parse_known_args(argv)
+        if args.command is None:
+            top.error(f"unrecognized arguments: {' '.join(extras)}; a command comes first (strop --help)")
+        if args.command in ("train", "rollout"):
+            return run_main(args, extras, train=args.command == "train")
+        if extras:
+            parsers[args.command].error(f"unrecognized arguments: {' '.join(extras)}")
+        if args.command in ("serve", "proxy"):
+            setup_logging(args.log_level)
+        return COMMANDS[args.command](args)
+    except UsageError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+
+
+def train_main(argv: list[str]) -> int:
+    return main(["train", *argv])  # (the ranks run strop.cli.train.train_main: no import of this module)
+
+
+def rollout_main(argv: list[str]) -> int:
+    return main(["rollout", *argv])
+
+
+def serve_main(argv: list[str]) -> int:
+    return main(["serve", *argv])
+
+
+def proxy_main(argv: list[str]) -> int:
+    return main(["proxy", *argv])
+
+
+def plot_main(argv: list[str]) -> int:
+    return main(["plot", *argv])
+
+
+def check_plugin_main(argv: list[str]) -> int:
+    return main(["check-plugin", *argv])
+
+
+def export_main(argv: list[str]) -> int:
+    return main(["export", *argv])
