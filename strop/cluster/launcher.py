@@ -4,8 +4,8 @@ The driver (strop/loop.py) never knows which launcher started it."""
 
 from __future__ import annotations
 
-import logging
 import os
+import sys
 from typing import Callable
 
 from strop.cluster import local, ray_cluster
@@ -13,8 +13,6 @@ from strop.cluster.placement import PlacementError
 from strop.config import secret_fields
 from strop.parallel.dims import ParallelDims
 from strop.process import die_with_parent, stop_on_signals
-
-log = logging.getLogger(__name__)
 
 
 class LaunchError(ValueError):
@@ -56,7 +54,7 @@ def _on_ray(cfg, argv: list[str], main: Callable[[list[str]], int]) -> int:
         with stop_on_signals():
             return ray_cluster.launch(cfg, argv, main)
     except (ray_cluster.ClusterError, PlacementError) as exc:
-        log.error(f"strop train: error: {exc}")
+        print(f"strop train: error: {exc}", file=sys.stderr)  # the command's last line, as its other errors
         return 1
 
 
