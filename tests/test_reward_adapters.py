@@ -158,3 +158,22 @@ def test_each_shape_trains_the_quickstart_one_step(reward, tiny_model_dir, tmp_p
         text = s["response"]
         assert s["reward"] == 1.0 or s["reward"] == pytest.approx(sum(ord(x) % 2 == 0 for x in text) / len(text))
     assert 0.0 < step["reward_mean"] <= 1.0
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("reward", ["tests/verl_reward/gsm8k_style.py", "tests.peer_rewards.trl_quickstart"])
+def test_a_reward_file_or_dotted_path_passes_the_start_checks(reward, tmp_path):
+    """Only built-in rewards are tried on the first rows at start; a reward file (no ':') or slime's dotted path
+    is the user's own and is not called there (it was, with the wrong shape, and the run was refused)."""
+    from strop.config import build_config
+    from strop.setup import _check_controller_inputs
+
+    cfg = build_config(
+        overrides={
+            "rollout": {"reward": reward},
+            "data": {"size": 8, "eval_size": 0},
+            "run": {"dir": str(tmp_path / "run")},
+        }
+    )
+    reward_fn, _, train_rows, _ = _check_controller_inputs(cfg, {}, False)
+    assert callable(reward_fn) and len(train_rows) == 8

@@ -75,9 +75,8 @@ def check_reward(cfg: Config, reward_fn: Callable, train_rows, eval_rows=None) -
     """A built-in reward scored on the first training and eval row, its label as the response, before any model
     loads: a reward that cannot score these rows at all (reasoning_gym on a file's rows) is refused here, naming the
     reward, the row and the error, instead of failing every sample of the first step. (A reward hook is the
-    user's own, perhaps slow or with side effects: it is not called; `strop check-plugin` tries it.)"""
-    if ":" in cfg.rollout.reward:  # (a hook by import path, 'package.module:function')
-        return
+    user's own, perhaps slow or with side effects: the caller passes built-ins only; `strop check-plugin` tries
+    the others.)"""
     for rows in (train_rows, eval_rows):
         if not rows:
             continue
