@@ -17,7 +17,7 @@ import torch.distributed as dist
 from strop import checkpoint
 from strop.config import Config, ConfigError
 from strop.agents.rollout import AgentRollout, generate as agent_generate
-from strop.data.rows import check_reward, prompt_rows
+from strop.data.rows import prompt_rows
 from strop.data.sources import DataError, PromptSampler, PromptSet
 from strop.engines.base import Closable, Engine
 from strop.engines.http import check_reachable
@@ -33,8 +33,8 @@ from strop.observe.run_dir import check_run_dir, make_run_dir
 from strop.observe.tracking import require_trackers
 from strop.plugins import check_signature, load_hook
 from strop.rules import why_not_shared
+from strop.rollout.reward_check import check_reward
 from strop.rollout.generate import resolve_reward, rollout as default_rollout
-from strop.rollout.rewards import BUILTIN_REWARDS
 from strop.rollout.multiturn import generate as multiturn_generate
 from strop.rollout.samples_file import read_samples
 from strop.rollout.toolbox import make_tools
@@ -222,8 +222,7 @@ def _check_controller_inputs(cfg: Config, hooks: dict, resume: bool) -> tuple:
         hooks["generate"] = agent_generate
     hooks.setdefault("rollout", default_rollout)
     train_rows, eval_rows = prompt_rows(cfg, hooks.get("data_source"))
-    if cfg.rollout.reward in BUILTIN_REWARDS:  # a user's reward is theirs to call (perhaps slow, side effects)
-        check_reward(cfg, reward_fn, train_rows, eval_rows)
+    check_reward(cfg, reward_fn, train_rows, eval_rows)
     return reward_fn, tools, train_rows, eval_rows
 
 

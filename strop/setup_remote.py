@@ -21,7 +21,7 @@ def remote_engine(cfg: Config, model_path: str, run_dir: Path, probe_ids: list[i
     stopped again if anything after their start fails."""
     import secrets
 
-    from strop.engines.launch import launch_servers
+    from strop.engines.launch import launch_servers, model_flags
 
     e = cfg.engine
     if e.launch and "STROP_ENGINE_URLS" in os.environ:  # the Ray launcher's engine actors (strop.cluster), not ours
@@ -31,7 +31,12 @@ def remote_engine(cfg: Config, model_path: str, run_dir: Path, probe_ids: list[i
     token = e.token.get_secret_value() if e.token else secrets.token_urlsafe(32) if e.launch else None
     weights_dir = Path(e.sync_dir or run_dir / "weights").resolve()  # the only folder the servers may load from
     servers = (
-        launch_servers(e.launch, model_path, args=[*e.launch_args, f"--weights-dir={weights_dir}"], token=token)
+        launch_servers(
+            e.launch,
+            model_path,
+            args=[*model_flags("strop", cfg.model), *e.launch_args, f"--weights-dir={weights_dir}"],
+            token=token,
+        )
         if e.launch
         else []
     )

@@ -190,7 +190,8 @@ def test_a_builtin_reward_is_tried_on_the_first_rows_before_the_model_loads(tmp_
     import time
 
     from strop.config import build_config
-    from strop.data.rows import check_reward, prompt_rows
+    from strop.data.rows import prompt_rows
+    from strop.rollout.reward_check import check_reward
     from strop.rollout.generate import resolve_reward
 
     quick = build_config(overrides={"data": {"size": 16, "eval_size": 8, "eval_min_size": 1}})
@@ -210,7 +211,7 @@ def test_a_builtin_reward_is_tried_on_the_first_rows_before_the_model_loads(tmp_
         DataError, match=r"rollout.reward='reasoning_gym' cannot score .*d.jsonl:1 .*reasoning_gym_entry"
     ):
         check_reward(on_file, resolve_reward("reasoning_gym"), rows)
-    # (a user's reward is never tried at start: strop.setup passes built-ins only; tests/test_reward_adapters.py)
+    # (a user's reward is tried the same way, as the run calls it: tests/test_reward_adapters.py)
 
 
 def _sample(row):

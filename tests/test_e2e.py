@@ -147,7 +147,9 @@ def test_a_reward_that_is_not_a_number_stops_the_run_cleanly(tiny_model_dir, tmp
     from strop.rollout.generate import RewardError
 
     run_dir = tmp_path / "run"
-    cfg = tiny_overrides(tiny_model_dir, run_dir, rollout={"reward": "tests.plugins:not_a_number_reward"})
+    cfg = tiny_overrides(
+        tiny_model_dir, run_dir, rollout={"reward": "tests.plugins:not_a_number_reward", "check_reward": False}
+    )  # (the run-time path: the trial at start would refuse it first, tests/test_reward_adapters.py)
     with pytest.raises(RewardError, match=r"not_a_number_reward on sample group=-?\d+ index=\d+: returned 'yes'"):
         train(build_config(overrides=cfg))
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -256,7 +258,9 @@ def test_a_nan_reward_stops_the_run_naming_hook_and_sample(tiny_model_dir, tmp_p
     from strop.plugins import PluginError
 
     run_dir = tmp_path / "run"
-    cfg = tiny_overrides(tiny_model_dir, run_dir, rollout={"reward": "tests.plugins:nan_reward"})
+    cfg = tiny_overrides(
+        tiny_model_dir, run_dir, rollout={"reward": "tests.plugins:nan_reward", "check_reward": False}
+    )  # (the run-time path: the trial at start would refuse it first, tests/test_reward_adapters.py)
     with pytest.raises(
         PluginError, match=r"nan_reward on sample group=-?\d+ index=\d+: returned nan; rewards must be finite"
     ):
@@ -271,7 +275,9 @@ def test_check_plugin_refuses_a_nan_reward(capsys):
 
 def test_a_reward_error_fails_only_its_samples_and_is_written_down(tiny_model_dir, tmp_path):
     run_dir = tmp_path / "run"
-    cfg = tiny_overrides(tiny_model_dir, run_dir, rollout={"reward": "tests.plugins:flaky_reward"})
+    cfg = tiny_overrides(
+        tiny_model_dir, run_dir, rollout={"reward": "tests.plugins:flaky_reward", "check_reward": False}
+    )  # (the run-time path: the trial at start would refuse it first, tests/test_reward_adapters.py)
     train(build_config(overrides=cfg))
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "reward_mean" in r]

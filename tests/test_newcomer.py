@@ -101,6 +101,49 @@ def test_start_lines_name_the_model_the_data_the_reward_and_the_engine(tiny_mode
     assert any(x.startswith("strop: engine: embedded") for x in lines)
 
 
+def _bar(text: str) -> bool:
+    """tqdm's bar as strop draws it: 'N/M [elapsed<left, rate]' with its unit, step."""
+    return "1/1 [" in text and ("s/step" in text or "step/s" in text)
+
+
+@pytest.mark.timeout(300)
+def test_the_progress_bar_is_drawn_on_a_terminal_only(tiny_model_dir, tmp_path):
+    import fcntl
+    import os
+    import pty
+    import struct
+    import termios
+
+    args = [a for a in _small(tiny_model_dir) if a != "--run.progress=false"]  # run.progress at its default
+    piped, _ = _train(tmp_path, *args, "--run.dir=piped")  # stderr into a pipe, as a log file or CI takes it
+    assert piped.returncode == 0, piped.stderr[-3000:]
+    assert not _bar(piped.stderr) and "\r" not in piped.stderr
+    assert "strop: model" in piped.stdout  # (the start lines still come)
+    master, slave = pty.openpty()  # stderr on a terminal of 80 columns (a new one has 0: tqdm would draw nothing)
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "strop.cli", "train", *args, "--run.dir=tty"],
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=slave,
+    )
+    os.close(slave)
+    drawn = b""
+    while True:
+        try:
+            chunk = os.read(master, 4096)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        drawn += chunk
+    os.close(master)
+    assert proc.wait(timeout=60) == 0, drawn.decode(errors="replace")[-3000:]
+    assert _bar(drawn.decode(errors="replace"))
+    log = (tmp_path / "tty" / "run.log").read_text()
+    assert "strop: model" in log and not _bar(log)  # the run's log keeps the lines, never the bar
+
+
 def test_start_lines_name_the_reasoning_gym_task(tiny_model_dir, tmp_path):
     proc, _ = _train(tmp_path, *_small(tiny_model_dir))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -147,6 +190,23 @@ def test_a_reward_that_cannot_score_the_file_fails_before_the_model_loads(tiny_m
     assert "rollout.reward='reasoning_gym' cannot score my.jsonl:1" in line and "reasoning_gym_entry" in line
     assert "rollout.reward=math" in line  # the fix
     assert list(tmp_path.iterdir()) == [prompts]
+
+
+def test_a_trl_reward_reading_a_column_the_file_lacks_fails_before_the_model_loads(tiny_model_dir, prompts, tmp_path):
+    # before: only built-in rewards were tried at start; a user's reward failed every sample of step 1
+    (tmp_path / "my_rewards.py").write_text(
+        "def by_difficulty(completions, difficulty, **kwargs):\n    return [float(d) for d in difficulty]\n"
+    )
+    proc, took = _train(tmp_path, *_small(tiny_model_dir), "--data.path=my.jsonl", "--rollout.reward=my_rewards.py")
+    assert proc.returncode == 1 and took < FAST_S
+    line = _one_line_error(proc)
+    assert "rollout.reward='my_rewards.py' cannot score my.jsonl:1" in line
+    assert "difficulty" in line and "rollout.check_reward=false" in line  # the error, and the way past the trial
+    assert not (tmp_path / "runs").exists() and {p.name for p in tmp_path.iterdir()} <= {
+        "my.jsonl",
+        "my_rewards.py",
+        "__pycache__",
+    }
 
 
 # ---- the run directory ----------------------------------------------------------------------------------

@@ -142,6 +142,7 @@ OPTIONS = [
     ("plugins.postprocess", "str | None", None),
     ("plugins.rollout", "str | None", None),
     ("plugins.tools", "str | None", None),
+    ("rollout.check_reward", "bool", True),
     ("rollout.dynamic_sampling", "bool", False),
     ("rollout.exact_logprobs", "bool", False),
     ("rollout.filter_max_rounds", "int", 3),

@@ -160,20 +160,90 @@ def test_each_shape_trains_the_quickstart_one_step(reward, tiny_model_dir, tmp_p
     assert 0.0 < step["reward_mean"] <= 1.0
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("reward", ["tests/verl_reward/gsm8k_style.py", "tests.peer_rewards.trl_quickstart"])
-def test_a_reward_file_or_dotted_path_passes_the_start_checks(reward, tmp_path):
-    """Only built-in rewards are tried on the first rows at start; a reward file (no ':') or slime's dotted path
-    is the user's own and is not called there (it was, with the wrong shape, and the run was refused)."""
+TRIAL_REWARDS = {  # one function per shape; each notes what it was called with in LOG
+    "per_sample": "def per_sample(sample):\n    return note(sample.response_text, sample.label)\n",
+    "per_group": "def per_group(samples):\n    return [note(s.response_text, s.label) for s in samples]\n",
+    "trl": "def trl(completions, ground_truth, **kwargs):\n"
+    "    return [note(c, g) for c, g in zip(completions, ground_truth)]\n",
+    "compute_score": "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+    "    return note(solution_str, ground_truth)\n",
+    "slime": "async def slime(args, sample):\n    return note(sample.response, sample.label)\n",
+    "slime_group": "async def slime_group(args, samples):\n    return [note(s.response, s.label) for s in samples]\n",
+}
+
+
+def _trial_file(tmp_path) -> tuple[Path, Path]:
+    log = tmp_path / "calls.jsonl"
+    body = "import json\n\n\ndef note(response, label):\n"
+    body += f"    open({str(log)!r}, 'a').write(json.dumps([response, label]) + '\\n')\n    return 1.0\n\n\n"
+    (tmp_path / "trial_rewards.py").write_text(body + "\n\n".join(TRIAL_REWARDS.values()))
+    return tmp_path / "trial_rewards.py", log
+
+
+def _start_checks(tmp_path, **rollout):
     from strop.config import build_config
     from strop.setup import _check_controller_inputs
 
+    (tmp_path / "d.jsonl").write_text(
+        "".join(json.dumps({"prompt": f"{i}+1?", "label": str(i + 1)}) + "\n" for i in range(6))
+    )
+    (tmp_path / "e.jsonl").write_text(json.dumps({"prompt": "9+1?", "label": "10"}) + "\n")
     cfg = build_config(
         overrides={
-            "rollout": {"reward": reward},
-            "data": {"size": 8, "eval_size": 0},
+            "rollout": rollout,
+            "data": {"path": str(tmp_path / "d.jsonl"), "eval_path": str(tmp_path / "e.jsonl"), "eval_min_size": 1},
             "run": {"dir": str(tmp_path / "run")},
         }
     )
-    reward_fn, _, train_rows, _ = _check_controller_inputs(cfg, {}, False)
-    assert callable(reward_fn) and len(train_rows) == 8
+    return _check_controller_inputs(cfg, {}, False)
+
+
+@pytest.mark.parametrize("function", list(TRIAL_REWARDS))
+def test_every_reward_shape_is_tried_at_start_as_the_run_calls_it(function, tmp_path):
+    """The reward is called once on the first training row and once on the first held-out row, before any model
+    loads, in the shape the run calls it (per sample or per group, awaited when async), its label as the
+    response."""
+    path, log = _trial_file(tmp_path)
+    reward_fn, _, train_rows, eval_rows = _start_checks(tmp_path, reward=f"{path}:{function}")
+    assert callable(reward_fn) and len(train_rows) == 6 and len(eval_rows) == 1
+    assert [json.loads(x) for x in log.read_text().splitlines()] == [["1", "1"], ["10", "10"]]
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_reward_that_cannot_score_the_data_is_refused_at_start_unless_told(tmp_path):
+    from strop.data.sources import DataError
+
+    # a TRL reward reading a column the data lacks; one that returns nan; a group reward of the wrong length
+    for reward, said in [
+        ("tests.peer_rewards:trl_needs_column", r"requires \['difficulty'\]"),
+        ("tests.plugins:nan_reward", r"returned nan; rewards must be finite"),
+        ("tests.plugins:not_a_number_reward", r"returned 'yes'"),
+    ]:
+        with pytest.raises(DataError, match=rf"rollout.reward='{reward}' cannot score .*d.jsonl:1 .*{said}"):
+            _start_checks(tmp_path, reward=reward)
+        assert not (tmp_path / "run").exists()
+    with pytest.raises(DataError, match=r"rollout.check_reward=false"):
+        _start_checks(tmp_path, reward="tests.peer_rewards:trl_needs_column")
+    # told not to try it: nothing is called at start and the checks pass
+    path, log = _trial_file(tmp_path)
+    reward_fn, _, train_rows, _ = _start_checks(tmp_path, reward=f"{path}:trl", check_reward=False)
+    assert callable(reward_fn) and len(train_rows) == 6 and not log.exists()
+
+
+def test_the_trial_runs_under_a_running_event_loop(tmp_path):
+    """``strop.train`` from a notebook (an event loop already runs): an async reward is still tried."""
+    path, log = _trial_file(tmp_path)
+
+    async def from_a_notebook():
+        return _start_checks(tmp_path, reward=f"{path}:slime")
+
+    asyncio.run(from_a_notebook())
+    assert len(log.read_text().splitlines()) == 2
+
+
+@pytest.mark.parametrize("reward", ["tests/verl_reward/gsm8k_style.py", "tests.peer_rewards.trl_quickstart"])
+def test_a_reward_file_or_dotted_path_passes_the_start_checks(reward, tmp_path):
+    """A reward file named without its function (verl's habit) and slime's dotted path are tried at start in
+    their own shape (called with the wrong one, they were once refused there)."""
+    reward_fn, _, train_rows, _ = _start_checks(tmp_path, reward=reward)
+    assert callable(reward_fn) and len(train_rows) == 6

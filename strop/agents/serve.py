@@ -13,7 +13,6 @@ import asyncio
 import logging
 
 import torch
-from transformers import AutoConfig
 
 from strop.agents.proxy import AgentProxy
 from strop.agents.session import SessionLimits
@@ -22,7 +21,7 @@ from strop.engines.router import Router
 from strop.engines.sglang import SGLangEngine
 from strop.engines.vllm import VLLMEngine
 from strop.observe.logs import console
-from strop.models import load_model, load_tokenizer, resolve_model_path
+from strop.models import load_config, load_model, load_tokenizer, resolve_model_path
 from strop.process import resolve_device
 from strop.serving.embedded import EmbeddedEngine
 from strop.types import SamplingParams
@@ -42,14 +41,17 @@ def build_engine(
     dtype: str,
     max_batch_size: int,
     seed: int,
+    model_options: dict | None = None,
 ):
-    """(engine, tokenizer, context window, stop token ids) for the proxy."""
-    path = resolve_model_path(model_path)
-    tokenizer = load_tokenizer(path)
+    """(engine, tokenizer, context window, stop token ids) for the proxy. ``model_options``: strop.models' loading
+    options (revision, trust_remote_code, attn_implementation)."""
+    opts = dict(model_options or {})
+    path = resolve_model_path(model_path, opts.get("revision"))
+    tokenizer = load_tokenizer(path, **opts)
     stop = sorted({tokenizer.eos_token_id, tokenizer.pad_token_id} - {None})
-    context = int(getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", 2048))
+    context = int(getattr(load_config(path, **opts), "max_position_embeddings", 2048))
     if not urls:
-        model = load_model(path, dtype=getattr(torch, dtype)).to(resolve_device(device)).requires_grad_(False)
+        model = load_model(path, dtype=getattr(torch, dtype), **opts).to(resolve_device(device)).requires_grad_(False)
         return (
             EmbeddedEngine(
                 model,
@@ -90,8 +92,9 @@ def serve_proxy(
     dtype: str = "float32",
     max_batch_size: int = 64,
     seed: int = 0,
+    model_options: dict | None = None,
 ) -> None:
-    """Serve until stopped (SIGINT / SIGTERM)."""
+    """Serve until stopped (SIGINT / SIGTERM). ``model_options``: as :func:`build_engine`'s."""
     console()  # its lines on the terminal, unless the caller set up strop's logging
     if host not in LOOPBACK and not token:
         raise ValueError(
@@ -100,7 +103,15 @@ def serve_proxy(
     if not token:
         raise ValueError("--token is needed: it opens sessions (POST /v1/sessions) and reads them back")
     engine, tokenizer, context, stop = build_engine(
-        model_path, urls, kind, engine_token, device=device, dtype=dtype, max_batch_size=max_batch_size, seed=seed
+        model_path,
+        urls,
+        kind,
+        engine_token,
+        device=device,
+        dtype=dtype,
+        max_batch_size=max_batch_size,
+        seed=seed,
+        model_options=model_options,
     )
     limits = SessionLimits(
         max_calls=max_calls,

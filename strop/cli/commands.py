@@ -66,6 +66,7 @@ def _proxy_args(parser) -> None:
     )
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    _model_option_args(parser)
 
 
 def _proxy(args) -> int:
@@ -91,6 +92,7 @@ def _proxy(args) -> int:
             describe_tools=not args.no_describe_tools,
             device=args.device,
             dtype=args.dtype,
+            model_options=_model_options(args),
         )
     except (FileNotFoundError, ValueError) as exc:
         print(f"strop proxy: error: {exc}", file=sys.stderr)
@@ -126,6 +128,28 @@ def _check_plugin(args) -> int:
     return 0
 
 
+def _model_option_args(parser) -> None:
+    """The model's loading options, as strop train's model.revision, trust_remote_code, attn_implementation."""
+    parser.add_argument("--revision", default=None, help="hub id only: the branch, tag or commit to load")
+    parser.add_argument(
+        "--trust-remote-code", action="store_true", help="run the Python code the model ships (models you trust)"
+    )
+    parser.add_argument(
+        "--attn-implementation",
+        default=None,
+        choices=["eager", "sdpa", "flash_attention_2"],
+        help="transformers' attention implementation (default: transformers' choice)",
+    )
+
+
+def _model_options(args) -> dict:
+    return {
+        "revision": args.revision,
+        "trust_remote_code": args.trust_remote_code,
+        "attn_implementation": args.attn_implementation,
+    }
+
+
 def _serve_args(parser) -> None:
     parser.add_argument("--model-path", default=EMBEDDED_MODEL, help="model folder, hub id, or the embedded default")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (anything but loopback needs --token)")
@@ -151,6 +175,7 @@ def _serve_args(parser) -> None:
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    _model_option_args(parser)
     parser.add_argument(
         "--batch-wait-ms",
         type=float,
@@ -187,6 +212,7 @@ def _serve(args) -> int:
             dtype=args.dtype,
             batch_wait_ms=args.batch_wait_ms,
             fast_decode=args.fast_decode,
+            model_options=_model_options(args),
         )
     except (FileNotFoundError, ValueError) as exc:
         print(f"strop serve: error: {exc}", file=sys.stderr)

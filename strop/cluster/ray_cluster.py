@@ -29,7 +29,7 @@ from typing import Callable
 
 from strop.cluster.placement import Node, Plan, PlacementError, plan_placement
 from strop.cluster.ray_actors import ClusterError, EngineServer, TrainerRank, free_port_here
-from strop.engines.launch import LocalServer
+from strop.engines.launch import LocalServer, model_flags
 from strop.config import secret_fields
 from strop.models import resolve_model_path
 from strop.process import free_port
@@ -307,12 +307,12 @@ def start_engines(ray, cfg, plan: Plan, pg, token: str, run_dir: str, cwd: str, 
     times) on the same port, where the router finds it again. Returns the actors and where each runs
     (node, pid, URL, server pid), once every one is healthy."""
     e = cfg.engine
-    args = list(e.launch_args)
+    args = [*model_flags(e.kind, cfg.model), *e.launch_args]
     if e.kind == "strop":  # the one folder its /update_weights_from_disk may read
         args.append(f"--weights-dir={Path(e.sync_dir or Path(run_dir) / 'weights').resolve()}")
     model = cfg.model.path
     if e.kind != "strop":  # (strop serve resolves it itself; vLLM and SGLang need a folder or a hub id)
-        model = resolve_model_path(model)
+        model = resolve_model_path(model, cfg.model.revision)
         model = str(Path(model).resolve()) if Path(model).exists() else model
     spec = {
         "kind": e.kind,

@@ -8,9 +8,8 @@ from pathlib import Path
 from typing import Callable
 
 from strop.config import Config
-from strop.data.sources import DataError, PromptRow, _row_from_record, held_out, read_prompt_file, reasoning_gym_rows
 from strop.plugins import call_hook_sync
-from strop.types import Sample
+from strop.data.sources import DataError, PromptRow, _row_from_record, held_out, read_prompt_file, reasoning_gym_rows
 
 log = logging.getLogger(__name__)
 
@@ -69,28 +68,6 @@ def _check_labels(cfg: Config, rows, which: str) -> None:
                 f"rollout.reward={cfg.rollout.reward!r} compares answers with labels "
                 f"({len(missing)} of {len(rows)} {which} rows have none)"
             )
-
-
-def check_reward(cfg: Config, reward_fn: Callable, train_rows, eval_rows=None) -> None:
-    """A built-in reward scored on the first training and eval row, its label as the response, before any model
-    loads: a reward that cannot score these rows at all (reasoning_gym on a file's rows) is refused here, naming the
-    reward, the row and the error, instead of failing every sample of the first step. (A reward hook is the
-    user's own, perhaps slow or with side effects: the caller passes built-ins only; `strop check-plugin` tries
-    the others.)"""
-    for rows in (train_rows, eval_rows):
-        if not rows:
-            continue
-        row = rows[0]
-        sample = Sample(prompt=row.prompt, prompt_ids=[0], label=row.label, metadata=dict(row.metadata, row_index=0))
-        sample.response_text = "" if row.label is None else str(row.label)
-        try:
-            call_hook_sync("reward", reward_fn, sample=sample)
-        except Exception as exc:
-            raise DataError(
-                f"rollout.reward={cfg.rollout.reward!r} cannot score {row.where or 'the first row'} "
-                f"(data.source={cfg.data.source!r}): {type(exc).__name__}: {exc}; choose a reward that scores "
-                "these rows (rollout.reward=math or exact_match compare with the label; a hook by import path)"
-            ) from None
 
 
 def _held_out_rows(cfg: Config, train_rows, eval_rows):

@@ -164,6 +164,18 @@ class LocalServer:
             pass
 
 
+def model_flags(kind: str, model) -> list[str]:
+    """``model``'s loading options (a ModelConfig: revision, trust_remote_code, attn_implementation) as the flags
+    of a launched server of ``kind``, so it loads what the trainer loads: strop serve takes all three; vLLM and
+    SGLang take ``--revision`` and ``--trust-remote-code`` (their attention is their own)."""
+    flags = ["--trust-remote-code"] if model.trust_remote_code else []
+    if model.revision:
+        flags += ["--revision", model.revision]
+    if kind == "strop" and model.attn_implementation:
+        flags += ["--attn-implementation", model.attn_implementation]
+    return flags
+
+
 def launch_servers(
     n: int, model_path: str, *, args: list[str] = (), token: str | None = None, timeout_s: float = 180.0
 ) -> list[LocalServer]:

@@ -25,6 +25,12 @@ class RolloutConfig(Section):
         "an import path 'pkg.module:function' or a file 'path/to/reward.py[:function]'; TRL, verl and slime "
         "reward functions are adapted (docs/migrating.md)",
     )
+    check_reward: bool = Field(
+        True,
+        description="try the reward on the first training and eval row (its label as the response) before any "
+        "model loads, and refuse one that raises or returns no number; false for a reward that must not be "
+        "called before the run (cost, side effects)",
+    )
     seed: int = Field(0, description="sampling seed")
     filter_max_rounds: int = Field(
         3,

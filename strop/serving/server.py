@@ -122,8 +122,10 @@ def serve(
     dtype: str = "float32",
     batch_wait_ms: float = 5.0,
     fast_decode: bool = True,
+    model_options: dict | None = None,
 ) -> None:
-    """Load the model and serve until stopped (SIGINT / SIGTERM)."""
+    """Load the model and serve until stopped (SIGINT / SIGTERM). ``model_options``: strop.models' loading
+    options (revision, trust_remote_code, attn_implementation), as a run's ``model`` section gives them."""
     console()  # its lines on the terminal, unless the caller set up strop's logging
     if host not in LOOPBACK and not token:
         raise ValueError(
@@ -132,9 +134,10 @@ def serve(
         )
     if public_generate and not token:
         raise ValueError("--public-generate needs --token (without one every route is open already)")
-    path = resolve_model_path(model_path)
-    tokenizer = load_tokenizer(path)
-    model = load_model(path, dtype=getattr(torch, dtype)).to(resolve_device(device)).requires_grad_(False)
+    opts = dict(model_options or {})
+    path = resolve_model_path(model_path, opts.get("revision"))
+    tokenizer = load_tokenizer(path, **opts)
+    model = load_model(path, dtype=getattr(torch, dtype), **opts).to(resolve_device(device)).requires_grad_(False)
     stop = sorted({tokenizer.eos_token_id, tokenizer.pad_token_id} - {None})
     context = int(getattr(model.config, "max_position_embeddings", 2048))
     engine = EmbeddedEngine(

@@ -154,7 +154,8 @@ def test_tools_call_site_makes_the_rollout_multi_turn(tiny_model_dir, tmp_path, 
     # the model is told about the hook's tools: their schemas are in every prompt's system message
     from strop.models import load_tokenizer
 
-    prompt = load_tokenizer(str(tiny_model_dir)).decode(recorders.CALLS["reward"][0]["_values"]["sample"].prompt_ids)
+    # (the first call is the reward's trial at start, on the first row before any model loads: a run's sample is last)
+    prompt = load_tokenizer(str(tiny_model_dir)).decode(recorders.CALLS["reward"][-1]["_values"]["sample"].prompt_ids)
     assert "<tools>" in prompt and '"name": "calculator"' in prompt and "<tool_call>" in prompt
 
 
