@@ -42,6 +42,11 @@ def why_not_shared(cfg, world: int = 1) -> str | None:
         return "engine.fast_decode=false runs the model's own forward, which would run in the trainer's train mode"
     if cfg.data.samples:
         return f"data.samples={cfg.data.samples!r} replays samples: there is no engine"
+    if cfg.model.lora_rank:
+        return (
+            f"model.lora_rank={cfg.model.lora_rank}: the trainer's linear layers hold LoRA adapters; the engine "
+            "decodes the merged weights from a copy of its own"
+        )
     if world > 1:
         return f"{world} processes split or replicate the trainer's weights; the engine on rank 0 needs them whole"
     return None
@@ -139,6 +144,32 @@ RULES: tuple[Rule, ...] = (
             f"scored at rollout.temperature={c.rollout.temperature}: set algo.distill_temperature=1.0 to "
             "accept the mismatch, sample at rollout.temperature=1.0, or load the teacher here "
             "(algo.distill_teacher), which scores at the student's temperature"
+        ),
+    ),
+    Rule(
+        "LoRA trains an unsplit model",
+        lambda c: (
+            bool(c.model.lora_rank)
+            and (
+                c.parallel.dp_mode == "fsdp"
+                or c.parallel.tensor_parallel_size > 1
+                or c.parallel.context_parallel_size > 1
+            )
+        ),
+        lambda c: (
+            f"model.lora_rank={c.model.lora_rank} trains adapters on a model that is not split: "
+            f"parallel.dp_mode={c.parallel.dp_mode!r}, tensor_parallel_size={c.parallel.tensor_parallel_size} and "
+            f"context_parallel_size={c.parallel.context_parallel_size} are not supported with LoRA yet; use "
+            "dp_mode='replicate' and sizes 1, or full fine-tuning (model.lora_rank=0)"
+        ),
+    ),
+    Rule(
+        "LoRA has no critic",
+        lambda c: bool(c.model.lora_rank) and c.algo.estimator == "ppo",
+        lambda c: (
+            f"model.lora_rank={c.model.lora_rank} with algo.estimator='ppo': PPO's critic is a copy of the policy "
+            "with a value head, which LoRA does not train; use a critic-free estimator (grpo, rloo, ...) or "
+            "full fine-tuning (model.lora_rank=0)"
         ),
     ),
     Rule(

@@ -304,7 +304,9 @@ def make_trainer(
             token=token.get_secret_value() if token else None,
         )
         remote_teacher.check_tokenizer(tokenizer, f"the student model.path={cfg.model.path!r}")  # as load_teacher
-    modules = build_modules(policy, strategy, cfg.algo, cfg.train, weights, teacher)
+    modules = build_modules(policy, strategy, cfg.algo, cfg.train, weights, teacher, lora=cfg.model)
+    if modules.adapters is not None:
+        log.info(modules.adapters.describe(cfg.model, modules.ref_off))
     return Trainer(
         modules,
         pad_token_id=tokenizer.pad_token_id,

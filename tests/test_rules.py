@@ -34,6 +34,11 @@ CASES = {
         {"algo": {"distill_teacher_url": "http://127.0.0.1:1"}},
         "scored at rollout.temperature=0.8",
     ),
+    "LoRA trains an unsplit model": (
+        {"model": {"lora_rank": 8}, "parallel": {"dp_mode": "fsdp"}},
+        "are not supported with LoRA yet",
+    ),
+    "LoRA has no critic": ({"model": {"lora_rank": 8}, "algo": {"estimator": "ppo"}}, "PPO's critic is a copy"),
     "a loaded teacher is not split by tensor parallel": (
         {"algo": {"distill_teacher": "teacher"}, "parallel": {"tensor_parallel_size": 2}},
         "distil without tensor parallel",

@@ -83,6 +83,8 @@ class Outputs:
         if cfg.run.save_final:
             c.trainer.model.save_pretrained(run_dir / "final", state_dict=whole(weights), safe_serialization=True)
             c.tokenizer.save_pretrained(run_dir / "final")
+            if c.trainer.adapters is not None:  # LoRA: final/ holds the merged model, final/adapter peft's adapter
+                c.trainer.adapters.save(run_dir / "final" / "adapter")
         if cfg.run.plot:
             plot_curves(d.log.rows, run_dir / "curves.png")
         summary = run_summary(d.log.rows, seconds, run_dir)

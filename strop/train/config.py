@@ -10,6 +10,9 @@ from pydantic import Field
 from strop.configbase import Section
 from strop.models import EMBEDDED_MODEL
 
+# every linear of a Llama/Qwen/Mistral-style block: attention and MLP ("LoRA Without Regret": all layers)
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
 
 class ModelConfig(Section):
     path: str = Field(
@@ -36,6 +39,19 @@ class ModelConfig(Section):
         None,
         description="hub id only: the branch, tag or commit to load (None = main); ignored for a local folder "
         "(as transformers ignores it)",
+    )
+
+    lora_rank: int = Field(
+        0,
+        ge=0,
+        description="LoRA: train low-rank adapters of this rank (peft) instead of every weight; 0 = off. The KL "
+        "reference is the model with its adapters switched off (no copy); docs/lora.md",
+    )
+    lora_alpha: float = Field(32.0, gt=0, description="LoRA: the adapters' scale is lora_alpha / lora_rank")
+    lora_dropout: float = Field(0.0, ge=0, lt=1, description="LoRA: dropout on the adapters' input")
+    lora_target_modules: list[str] = Field(
+        default_factory=lambda: list(LORA_TARGETS),
+        description="LoRA: the linear layers that get adapters, by name (default: every linear of attention and MLP)",
     )
 
     def load_options(self) -> dict:

@@ -14,6 +14,7 @@ from strop.parallel import context as context_parallel
 from strop.parallel.loading import load_shards
 from strop.parallel.parallelize import parallelize
 from strop.train.critic import ValueModel
+from strop.train.lora import Adapters, add_adapters
 from strop.train.logprob import LogprobModule
 
 
@@ -25,15 +26,25 @@ class Modules:
     ref_state: dict[str, torch.Tensor] | None = None  # its initial weights to swap in (ref_mode='swap')
     critic: nn.Module | None = None  # PPO's value model
     teacher: nn.Module | None = None  # on-policy distillation's frozen teacher
+    adapters: Adapters | None = None  # LoRA (model.lora_rank): what trains; the model with them off is the reference
+    ref_off: bool = False  # the KL reference is ``model`` with its adapters switched off (LoRA)
 
 
 def build_modules(
-    model: nn.Module, strategy, algo, train, weights_path: str | None = None, teacher: nn.Module | None = None
+    model: nn.Module,
+    strategy,
+    algo,
+    train,
+    weights_path: str | None = None,
+    teacher: nn.Module | None = None,
+    lora=None,
 ) -> Modules:
     """The modules for ``model`` (whole, or on the meta device with ``weights_path``): copies first (reference,
     critic), from the whole model or its skeleton, then each split over ``strategy``'s mesh as its dims say
     (:func:`strop.parallel.parallelize.parallelize`), noted by ``strategy`` and, from meta, loaded.
-    ``teacher`` (whole, loaded by the caller) is frozen and split like the reference."""
+    ``teacher`` (whole, loaded by the caller) is frozen and split like the reference. ``lora``: the model
+    section when ``model.lora_rank`` > 0: adapters are added (strop.train.lora) and the reference is the model
+    with them off (no copy)."""
     device, meta = strategy.device, any(p.is_meta for p in model.parameters())
     kl = algo.kl_coef + algo.kl_in_reward_coef > 0
     if kl and algo.ref_mode == "swap" and (strategy.mode == "fsdp" or strategy.tp_size > 1 or meta):
@@ -63,8 +74,23 @@ def build_modules(
             strategy.track(module)  # loading may have made new parameter objects
         return module
 
-    out = Modules(model=(model if meta else model.to(device)).train(), policy=None)
-    if kl and algo.ref_mode == "copy":
+    adapters = None
+    if lora is not None and lora.lora_rank:
+        if strategy.processes > 1:
+            raise ValueError(
+                f"model.lora_rank={lora.lora_rank} trains adapters in one process for now; this run has "
+                f"{strategy.processes}: run one, or full fine-tuning (model.lora_rank=0)"
+            )
+        if meta or algo.estimator == "ppo":  # (the config's rules refuse both first)
+            raise ValueError("LoRA adapters go on a whole model without a critic")
+        adapters = add_adapters(
+            model, lora.lora_rank, lora.lora_alpha, lora.lora_dropout, list(lora.lora_target_modules)
+        )
+        model = adapters.model
+    out = Modules(model=(model if meta else model.to(device)).train(), policy=None, adapters=adapters)
+    if kl and adapters is not None:
+        out.ref_off = True
+    elif kl and algo.ref_mode == "copy":
         out.ref = wrap(LogprobModule(copy.deepcopy(model).eval().requires_grad_(False)), _under("lm."))
     elif kl:  # "swap": keep only the initial weights and swap them into the training module
         out.ref_state = {k: p.detach().clone() for k, p in model.named_parameters()}

@@ -67,6 +67,7 @@ class Trainer:
         )
         self.model, self.policy, self.ref, self.ref_state, self.critic = m.model, m.policy, m.ref, m.ref_state, m.critic
         self.teacher, self.remote_teacher = m.teacher, None if local else teacher  # on-policy distillation's, either
+        self.adapters, self.ref_off = m.adapters, m.ref_off  # LoRA: what trains; the reference is them off
         if self.critic is not None:
             self.critic_opt = GuardedOptimizer("critic", self.critic, algo.critic_lr, train, self.dp)
         self.policy_opt = GuardedOptimizer("policy", self.model, train.lr, train, self.dp)
@@ -134,7 +135,7 @@ class Trainer:
             k
             for k, on in (
                 ("old", need_old),
-                ("ref", self.ref is not None or self.ref_state is not None),
+                ("ref", self.ref is not None or self.ref_state is not None or self.ref_off),
                 ("teacher", self.teacher is not None),
                 ("values", self.critic is not None),
             )
@@ -150,6 +151,9 @@ class Trainer:
                 found["ref"] = self._logprobs(self.ref, batch)[0]
             elif self.ref_state is not None:
                 with swapped_weights(self.model, self.ref_state):
+                    found["ref"] = self._logprobs(self.policy, batch)[0]
+            elif self.ref_off:
+                with self.adapters.disabled():
                     found["ref"] = self._logprobs(self.policy, batch)[0]
             if self.teacher is not None:
                 found["teacher"] = self._logprobs(self.teacher, batch, temperature=self.algo.distill_temperature)[0]
@@ -195,7 +199,11 @@ class Trainer:
             or not a.use_rollout_logprobs
             and (self.cfg.mini_batches > 1 and a.proximal == "recompute" or bool(a.kl_in_reward_coef))
         )
-        wanted = need_old or any(x is not None for x in (self.ref, self.ref_state, self.teacher, self.critic))
+        wanted = (
+            need_old
+            or self.ref_off
+            or any(x is not None for x in (self.ref, self.ref_state, self.teacher, self.critic))
+        )
         pre = self._pre_pass(b, need_old) if wanted else {}
         b.old_logprobs = b.trainer_old_logprobs = pre.get("old")
         gap = {"engine_logprob_abs_diff": b.take_trainer_logprobs()} if self.exact_logprobs else {}
@@ -231,9 +239,10 @@ class Trainer:
     def full_weights(self) -> dict[str, torch.Tensor]:
         """The policy's whole weights for the engine, on the trainer's device, as copies the next
         optimizer step cannot change. Under FSDP a collective every rank must call; rank 0 gets
-        the weights, the others an empty dict."""
-        return self.dp.full_weights(self.model)
+        the weights, the others an empty dict. With LoRA: the merged weights, under the base model's names."""
+        return self.adapters.merged_weights() if self.adapters is not None else self.dp.full_weights(self.model)
 
     def weights(self):
-        """What the engine is updated from: whole weights, or sharded ones gathered as read (strategy.weights)."""
-        return self.dp.weights(self.model)
+        """What the engine is updated from: whole weights, or sharded ones gathered as read (strategy.weights);
+        with LoRA, the merged weights (strop.train.lora)."""
+        return self.adapters.merged_weights() if self.adapters is not None else self.dp.weights(self.model)

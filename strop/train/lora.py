@@ -1,0 +1,113 @@
+"""LoRA (``model.lora_rank > 0``): the policy trains low-rank adapters made by the ``peft`` library, in
+peft's own format, while its base weights stay frozen.
+
+- What trains: only the adapters' A and B matrices (peft marks every other parameter frozen), so the
+  optimizer's state is the adapters'.
+- The KL reference: the same model with its adapters switched off (:meth:`Adapters.disabled`), no copy.
+- What engines get: the merged weights ``W + (alpha / r) B A`` under the base model's own parameter names
+  (:meth:`Adapters.merged_weights`), so every engine and transport takes them as a full update.
+- What is saved: the adapter as peft saves it (``adapter_config.json``, ``adapter_model.safetensors``), which
+  ``peft.PeftModel.from_pretrained`` loads on the base model (:meth:`Adapters.save`).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from torch import nn
+
+ADAPTER = "default"  # peft's name for a model's one adapter
+
+
+def _peft():
+    try:
+        import peft
+    except ImportError:
+        raise ImportError(
+            "model.lora_rank > 0 trains LoRA adapters with the peft library, which is not installed: "
+            "pip install 'strop[lora]' (or pip install peft)"
+        ) from None
+    return peft
+
+
+class Adapters:
+    """The policy's LoRA adapters (a ``peft.PeftModel`` around the causal LM)."""
+
+    def __init__(self, peft_model):
+        self.peft = peft_model
+
+    @property
+    def model(self) -> nn.Module:
+        """The causal LM with the adapters inside its linear layers (what the trainer runs and steps)."""
+        return self.peft.base_model.model
+
+    @contextmanager
+    def disabled(self):
+        """The base model: the adapters switched off inside the block."""
+        with self.peft.disable_adapter():
+            yield
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def merged_weights(self) -> dict[str, torch.Tensor]:
+        """Every weight of the base model under its own name, each adapted linear merged (``W + scale B A``, a new
+        tensor); the frozen base tensors as they are (nothing changes them). Tied tensors stay tied."""
+        peft = _peft()
+        deltas = {
+            name: module.get_delta_weight(ADAPTER)
+            for name, module in self.model.named_modules()
+            if isinstance(module, peft.tuners.lora.LoraLayer) and ADAPTER in module.lora_A
+        }
+        out = {}
+        with torch.no_grad():
+            for key, tensor in self.model.state_dict().items():
+                if ".lora_" in key:
+                    continue
+                owner, _, leaf = key.rpartition(".base_layer.")
+                if not owner:
+                    out[key] = tensor.detach()
+                elif leaf == "weight" and owner in deltas:
+                    out[f"{owner}.weight"] = tensor.detach() + deltas[owner].to(tensor.dtype)
+                else:
+                    out[f"{owner}.{leaf}"] = tensor.detach()
+        return out
+
+    def describe(self, section, ref_off: bool) -> str:
+        """The start line: rank, scale, targets, how many parameters train, and the reference."""
+        trained = sum(p.numel() for p in self.parameters())
+        total = sum(p.numel() for p in self.model.parameters())
+        return (
+            f"strop: LoRA rank {section.lora_rank} (alpha {section.lora_alpha:g}) on "
+            f"{', '.join(section.lora_target_modules)}: {trained:,} of {total:,} parameters train"
+            + ("; the KL reference is the model with its adapters off" if ref_off else "")
+        )
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The adapter's tensors as peft saves them."""
+        return _peft().get_peft_model_state_dict(self.peft)
+
+    def save(self, path: Path) -> Path:
+        """The adapter in peft's format: ``PeftModel.from_pretrained(base, path)`` loads it."""
+        self.peft.save_pretrained(str(path))
+        return Path(path)
+
+
+def add_adapters(model: nn.Module, rank: int, alpha: float, dropout: float, targets: list[str]) -> Adapters:
+    """LoRA adapters of ``rank`` on the linear layers named ``targets`` of ``model`` (changed in place: its
+    linears become peft's LoRA layers, its other parameters frozen). B starts at zero: the adapted model's
+    outputs equal the base model's until the first optimizer step."""
+    peft = _peft()
+    found = {name.rpartition(".")[2] for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    missing = sorted(set(targets) - found)
+    if missing:
+        raise ValueError(
+            f"model.lora_target_modules: {missing} name no linear layer of this model "
+            f"(its linear layers: {sorted(found)})"
+        )
+    config = peft.LoraConfig(
+        r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(targets), bias="none", task_type="CAUSAL_LM"
+    )
+    return Adapters(peft.get_peft_model(model, config))
