@@ -12,6 +12,7 @@ from strop.cli.train import add_run_arguments, run_main
 from strop.config import did_you_mean
 from strop.models import EMBEDDED_MODEL
 from strop.observe.logs import LEVELS, setup_logging
+from strop.train.config import ModelConfig
 
 
 def _export_args(parser) -> None:
@@ -143,11 +144,11 @@ def _model_option_args(parser) -> None:
 
 
 def _model_options(args) -> dict:
-    return {
-        "revision": args.revision,
-        "trust_remote_code": args.trust_remote_code,
-        "attn_implementation": args.attn_implementation,
-    }
+    """The flags as a run's model section gives them to strop.models' loaders."""
+    section = ModelConfig(
+        attn_implementation=args.attn_implementation, trust_remote_code=args.trust_remote_code, revision=args.revision
+    )
+    return section.load_options()
 
 
 def _serve_args(parser) -> None:

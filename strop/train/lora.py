@@ -12,6 +12,7 @@ peft's own format, while its base weights stay frozen.
 
 from __future__ import annotations
 
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -110,4 +111,6 @@ def add_adapters(model: nn.Module, rank: int, alpha: float, dropout: float, targ
     config = peft.LoraConfig(
         r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(targets), bias="none", task_type="CAUSAL_LM"
     )
-    return Adapters(peft.get_peft_model(model, config))
+    with warnings.catch_warnings():  # peft asks transformers by a name transformers 5 deprecates
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        return Adapters(peft.get_peft_model(model, config))
