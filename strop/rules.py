@@ -164,6 +164,15 @@ RULES: tuple[Rule, ...] = (
         ),
     ),
     Rule(
+        "adapter updates need LoRA and strop serve",
+        lambda c: c.engine.sync == "adapter" and (not c.model.lora_rank or c.engine.kind != "strop"),
+        lambda c: (
+            f"engine.sync='adapter' sends LoRA adapters to strop serve, which merges them: it needs "
+            f"model.lora_rank > 0 (it is {c.model.lora_rank}) and engine.kind='strop' (it is {c.engine.kind!r}); "
+            "vLLM and SGLang take the merged weights (engine.sync=auto)"
+        ),
+    ),
+    Rule(
         "LoRA has no critic",
         lambda c: bool(c.model.lora_rank) and c.algo.estimator == "ppo",
         lambda c: (

@@ -38,6 +38,10 @@ CASES = {
         {"model": {"lora_rank": 8}, "parallel": {"dp_mode": "fsdp"}},
         "are not supported with LoRA yet",
     ),
+    "adapter updates need LoRA and strop serve": (
+        {"engine": {"kind": "vllm", "urls": ["http://127.0.0.1:1"], "sync": "adapter"}, "model": {"lora_rank": 8}},
+        "engine.sync='adapter' sends LoRA adapters to strop serve",
+    ),
     "LoRA has no critic": ({"model": {"lora_rank": 8}, "algo": {"estimator": "ppo"}}, "PPO's critic is a copy"),
     "a loaded teacher is not split by tensor parallel": (
         {"algo": {"distill_teacher": "teacher"}, "parallel": {"tensor_parallel_size": 2}},

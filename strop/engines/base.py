@@ -79,6 +79,14 @@ class Metered(Protocol):
 
 
 @runtime_checkable
+class AdapterLoader(Protocol):
+    """Merges a LoRA adapter written to disk into the weights it decodes (strop serve's /load_lora_adapter);
+    returns the version it then reports, after checking the checksum of what it merged against ``checksum``."""
+
+    async def load_adapter(self, path: str, version: int, scaling: float, checksum: str) -> int: ...
+
+
+@runtime_checkable
 class GroupMember(Protocol):
     """Joins the trainer's weight-update group with ``group_ranks`` ranks (SGLang: one per TP worker)."""
 

@@ -167,6 +167,25 @@ class SGLangEngine(HTTPEngine):
             raise EngineVersionError(f"{self.url}: asked to load weight version {version}, reports {held}")
         return held
 
+    async def load_adapter(self, path: str | Path, version: int, scaling: float, checksum: str) -> int:
+        """strop serve: merge the LoRA adapter at ``path`` (strop.wire.lora) as ``version``; return the version it
+        then reports. Receipt: the checksum of the weights it merged must be the trainer's, and the version
+        ``version``."""
+        body = {"lora_name": f"policy-v{version}", "lora_path": str(path), "scaling": scaling}
+        out = await self._call("POST", "/load_lora_adapter", json=body | {"weight_version": version}, retries=1)
+        if not out.get("success", False):
+            raise EngineRequestError(f"{self.url}: load_lora_adapter failed: {out.get('message')}")
+        if out.get("checksum") != checksum:
+            raise EngineRequestError(
+                f"{self.url}: the adapter of version {version} merged into weights with checksum "
+                f"{out.get('checksum')}, the trainer's are {checksum}"
+            )
+        held = parse_weight_version(out["weight_version"], self.url)
+        self.weight_version = held
+        if held != version:
+            raise EngineVersionError(f"{self.url}: asked to load adapter version {version}, reports {held}")
+        return held
+
     # ---- broadcast sync, through SGLang's routes (strop serve answers the same ones) -------------------
     async def join_group(self, host: str, port: int, rank: int, world: int, backend: str, name: str) -> None:
         """Join the trainer's weight-update group as rank ``rank`` (returns once every rank joined)."""

@@ -13,8 +13,8 @@ Routes (SGLang names and payloads, so one client serves both):
   POST /v1/completions, /v1/chat/completions  (token ids, logprobs and up to 20 top logprobs included;
                                               echo; stream (a chunk per decoded token), stop, n)
 
-The routes live in :mod:`strop.serving.routes_generate`, :mod:`strop.serving.routes_weights` and
-:mod:`strop.serving.routes_openai`, over one :class:`strop.serving.service.ServeService`; this module
+The routes live in :mod:`strop.serving.routes_generate`, :mod:`strop.serving.routes_weights`,
+:mod:`strop.serving.routes_lora` and :mod:`strop.serving.routes_openai`, over one :class:`strop.serving.service.ServeService`; this module
 builds the app (errors, authorisation, the body limit) and runs the process (:func:`serve`).
 
 Concurrent requests are batched by the engine. Access: open on 127.0.0.1 without a token;
@@ -39,7 +39,7 @@ from strop.process import resolve_device
 from strop.observe.logs import console
 from strop.models import load_model, load_tokenizer, resolve_model_path
 from strop.openmp import release_threads
-from strop.serving import routes_generate, routes_openai, routes_weights
+from strop.serving import routes_generate, routes_lora, routes_openai, routes_weights
 from strop.serving.embedded import EmbeddedEngine
 from strop.serving.openai import MAX_BODY_BYTES, BodyLimit, error
 from strop.serving.service import ServeService
@@ -101,7 +101,7 @@ def create_app(
             return error(401, f"{path} needs the server's token: 'Authorization: Bearer <token>'")
         return await call_next(request)
 
-    for routes in (routes_generate, routes_weights, routes_openai):
+    for routes in (routes_generate, routes_weights, routes_lora, routes_openai):
         app.include_router(routes.router)
     # outermost: a body over the limit is refused before anything (authorisation included) reads it
     app.add_middleware(BodyLimit, limit=lambda: max_body_bytes, error=error)

@@ -34,6 +34,7 @@ class ServeService:
         self.engine, self.tokenizer, self.model_name, self.weights_dir = engine, tokenizer, model_name, weights_dir
         self.groups: dict[str, Any] = {}  # weight-sync groups joined, by name
         self.warned: set[str] = set()  # sampling fields already logged as ignored
+        self.lora_base: dict[str, Any] = {}  # weights as before the first LoRA adapter merged (a full update resets)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         tokenizer = self.tokenizer

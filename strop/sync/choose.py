@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 from strop.config import Config
+from strop.sync.adapter import AdapterSync
 from strop.sync.base import WeightSync
 from strop.sync.broadcast import BroadcastSync
 from strop.sync.delta import DeltaSync
@@ -28,6 +29,8 @@ def choose_sync(cfg: Config, clients: list, run_dir: Path, probe_ids: list[int],
         return InProcessSync()
     writer = WeightWriter(e.sync_dir or run_dir / "weights", bucket_bytes=e.sync_bucket_bytes)
     sync, why = e.sync, "engine.sync"
+    if sync == "auto" and cfg.model.lora_rank and e.kind == "strop":
+        sync, why = "adapter", "auto: LoRA adapters into strop serve, which merges each"
 
     async def probe():
         nonlocal sync, why
@@ -68,6 +71,8 @@ def choose_sync(cfg: Config, clients: list, run_dir: Path, probe_ids: list[int],
             dtype=e.sync_dtype,
             host=os.environ.get("STROP_NODE_IP", "127.0.0.1"),
         )  # where engines reach rank 0
+    if sync == "adapter":
+        return AdapterSync(writer)
     return DeltaSync(writer) if sync == "delta" else DiskSync(writer)
 
 
@@ -85,6 +90,8 @@ def weight_receipt(kind: str, sync: str) -> str:
         return {
             "disk": "the checksum of the file each server loaded, and the version it reports",
             "delta": "each changed tensor's digest, checked by the server, and the version it reports",
+            "adapter": "the checksum of the weights each server merged, equal to the trainer's merged weights, and "
+            "the version it reports",
         }[sync]
     route = "/model_info" if kind == "sglang" else "/weight_info"
     return (

@@ -19,7 +19,21 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from strop.wire.lora import adapter_tensors, merge
+
 ADAPTER = "default"  # peft's name for a model's one adapter
+
+
+class MergedWeights(dict):
+    """The merged weights (a state dict under the base model's names) and, beside them, the adapter alone:
+    ``adapter`` its tensors (strop.wire.lora's names), ``scaling`` its one scale, ``merged`` the names of the
+    weights it changed."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.adapter: dict[str, torch.Tensor] = {}
+        self.scaling: float | None = None
+        self.merged: list[str] = []
 
 
 def _peft():
@@ -53,16 +67,22 @@ class Adapters:
     def parameters(self) -> list[nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
 
-    def merged_weights(self) -> dict[str, torch.Tensor]:
-        """Every weight of the base model under its own name, each adapted linear merged (``W + scale B A``, a new
-        tensor); the frozen base tensors as they are (nothing changes them). Tied tensors stay tied."""
+    def _pairs(self) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
+        """Each adapted linear, by its base module name: (A, B, scale)."""
         peft = _peft()
-        deltas = {
-            name: module.get_delta_weight(ADAPTER)
-            for name, module in self.model.named_modules()
-            if isinstance(module, peft.tuners.lora.LoraLayer) and ADAPTER in module.lora_A
+        return {
+            name: (m.lora_A[ADAPTER].weight.detach(), m.lora_B[ADAPTER].weight.detach(), float(m.scaling[ADAPTER]))
+            for name, m in self.model.named_modules()
+            if isinstance(m, peft.tuners.lora.LoraLayer) and ADAPTER in m.lora_A
         }
-        out = {}
+
+    def merged_weights(self) -> MergedWeights:
+        """Every weight of the base model under its own name, each adapted linear merged (``W + scale B A``, a new
+        tensor, strop.wire.lora.merge); the frozen base tensors as they are (nothing changes them). Tied tensors
+        stay tied. The adapter rides along (:class:`MergedWeights`) for a transport that sends it alone."""
+        pairs = self._pairs()
+        scales = {scale for _, _, scale in pairs.values()}
+        out = MergedWeights()
         with torch.no_grad():
             for key, tensor in self.model.state_dict().items():
                 if ".lora_" in key:
@@ -70,10 +90,14 @@ class Adapters:
                 owner, _, leaf = key.rpartition(".base_layer.")
                 if not owner:
                     out[key] = tensor.detach()
-                elif leaf == "weight" and owner in deltas:
-                    out[f"{owner}.weight"] = tensor.detach() + deltas[owner].to(tensor.dtype)
+                elif leaf == "weight" and owner in pairs:
+                    a, b, scale = pairs[owner]
+                    out[f"{owner}.weight"] = merge(tensor.detach(), a, b, scale)
+                    out.merged.append(f"{owner}.weight")
                 else:
                     out[f"{owner}.{leaf}"] = tensor.detach()
+        out.adapter = adapter_tensors({name: (a.clone(), b.clone()) for name, (a, b, _) in pairs.items()})
+        out.scaling = scales.pop() if len(scales) == 1 else None
         return out
 
     def describe(self, section, ref_off: bool) -> str:

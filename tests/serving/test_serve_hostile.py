@@ -285,6 +285,7 @@ WEIGHTS = [
         {"names": ["x"], "dtypes": ["float32"], "shapes": [[1]], "group_name": "g"},
     ),
     ("POST", "/update_weight_version", {"new_version": "3"}),
+    ("POST", "/load_lora_adapter", {"lora_name": "a", "lora_path": "/nowhere", "scaling": 1.0}),
     ("GET", "/weights_manifest", None),
     ("POST", "/weights_checker", {"action": "checksum"}),
     ("GET", "/weights_checker", None),
