@@ -197,6 +197,25 @@ def test_a_lora_run_killed_then_resumed_is_bitwise_an_uninterrupted_one(tiny_mod
     assert any(v.abs().max() > 0 for k, v in a.items() if "lora_B" in k)  # the adapters trained
 
 
+def lora_steps(tiny_model_dir, run_dir, extra: dict) -> list[dict]:
+    """A 3-step LoRA run on the tiny model with ``extra`` sections over its settings; its steps' metrics."""
+    from strop.loop import train
+
+    overrides = {
+        "model": {"path": str(tiny_model_dir), "lora_rank": 4, "lora_alpha": 16},
+        "data": {"size": 16, "eval_size": 0},
+        "rollout": {"prompts_per_step": 2, "n_samples_per_prompt": 4, "max_new_tokens": 8},
+        "train": {"steps": 3, "warmup_steps": 0, "lr": 0.05},
+        "algo": {"kl_coef": 0.1, "entropy_coef": 0.1},  # (the bonus moves the adapters whatever the rewards)
+        "run": {"dir": str(run_dir), "progress": False, "save_every": 0, "plot": False},
+    }
+    for section, values in extra.items():
+        overrides[section] = {**overrides.get(section, {}), **values}
+    train(build_config(overrides=overrides))
+    steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in steps if "kl_ref" in r]
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(
     "extra",
@@ -204,29 +223,14 @@ def test_a_lora_run_killed_then_resumed_is_bitwise_an_uninterrupted_one(tiny_mod
         {"rollout": {"mode": "one_step_off"}, "algo": {"tis_cap": 2.0}},  # async: the engine's copy lags a step
         {"train": {"max_tokens_per_micro_batch": 64, "logprob_chunk_size": 16}},  # packed rows, chunked logprobs
         {"tools": {"enabled": ["calculator"], "max_turns": 2}},  # multi-turn
-        # a launched strop serve: the merged weights as a full update over HTTP (engine.sync=auto: broadcast)
-        {"engine": {"kind": "strop", "launch": 1, "launch_args": ["--threads=1"]}},
+        # a launched strop serve sent the merged weights as a full update (the adapter alone: test_lora_adapter_sync)
+        {"engine": {"kind": "strop", "launch": 1, "launch_args": ["--threads=1"], "sync": "broadcast"}},
     ],
-    ids=["one_step_off", "packed_chunked", "tools", "strop_serve"],
+    ids=["one_step_off", "packed_chunked", "tools", "strop_serve_broadcast"],
 )
 def test_lora_composes_with(extra, tiny_model_dir, tmp_path):
-    from strop.loop import train
-
-    run_dir = tmp_path / "run"
-    overrides = {
-        "model": {"path": str(tiny_model_dir), "lora_rank": 4, "lora_alpha": 16},
-        "data": {"size": 16, "eval_size": 0},
-        "rollout": {"prompts_per_step": 2, "n_samples_per_prompt": 4, "max_new_tokens": 8},
-        "train": {"steps": 3, "warmup_steps": 0, "lr": 0.05},
-        "algo": {"kl_coef": 0.1, "entropy_coef": 0.1},
-        "run": {"dir": str(run_dir), "progress": False, "save_every": 0, "plot": False},
-    }
-    for section, values in extra.items():
-        overrides[section] = {**overrides.get(section, {}), **values}
-    train(build_config(overrides=overrides))
-    steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in steps if "kl_ref" in r]
+    steps = lora_steps(tiny_model_dir, tmp_path / "run", extra)
     assert len(steps) == 3 and steps[-1]["kl_ref"] > 0  # the adapters trained, against the base as reference
     if extra.get("rollout", {}).get("mode") != "one_step_off":  # in sync the engine decodes the trainer's weights
         assert all(r["train_rollout_logprob_abs_diff"] < 1e-4 for r in steps)
-    assert (run_dir / "final" / "adapter" / "adapter_model.safetensors").is_file()
+    assert (tmp_path / "run" / "final" / "adapter" / "adapter_model.safetensors").is_file()

@@ -126,7 +126,11 @@ OPTIONS = [
     ("model.lora_alpha", "float", 32.0),
     ("model.lora_dropout", "float", 0.0),
     ("model.lora_rank", "int", 0),
-    ("model.lora_target_modules", "list[str]", ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+    (
+        "model.lora_target_modules",
+        "list[str]",
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    ),
     ("model.path", "str", "embedded:smollm2-135m-instruct"),
     ("model.revision", "str | None", None),
     ("model.trust_remote_code", "bool", False),

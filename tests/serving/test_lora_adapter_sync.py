@@ -3,12 +3,9 @@ the trainer's formula, and its checksum of the merged weights is the receipt: a 
 the load naming the server."""
 
 import asyncio
-import json
-
 import pytest
 import torch
 
-from strop.config import build_config
 from strop.engines.launch import LocalServer
 from strop.engines.sglang import SGLangEngine
 from strop.process import free_port
@@ -77,24 +74,11 @@ def test_strop_serve_merges_an_adapter_and_its_receipt_catches_a_stale_one(tiny_
 
 @pytest.mark.timeout(600)
 def test_a_lora_run_into_strop_serve_sends_the_adapter_alone(tiny_model_dir, tmp_path, capsys):
-    from strop.loop import train
+    from tests.test_lora import lora_steps
 
-    run_dir = tmp_path / "run"
-    cfg = build_config(
-        overrides={
-            "model": {"path": str(tiny_model_dir), "lora_rank": 4, "lora_alpha": 16},
-            "data": {"size": 16, "eval_size": 0},
-            "rollout": {"prompts_per_step": 2, "n_samples_per_prompt": 4, "max_new_tokens": 8},
-            "train": {"steps": 3, "warmup_steps": 0, "lr": 0.05},
-            "algo": {"kl_coef": 0.1, "entropy_coef": 0.1},
-            "engine": {"kind": "strop", "launch": 1, "launch_args": ["--threads=1"]},
-            "run": {"dir": str(run_dir), "progress": False, "save_every": 0, "plot": False},
-        }
-    )
-    train(cfg)
+    engine = {"kind": "strop", "launch": 1, "launch_args": ["--threads=1"]}  # engine.sync=auto
+    steps = lora_steps(tiny_model_dir, tmp_path / "run", {"engine": engine})
     assert "weight sync: adapter (auto: LoRA adapters into strop serve" in capsys.readouterr().out
-    steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in steps if "kl_ref" in r]
     assert len(steps) == 3 and steps[-1]["kl_ref"] > 0
     # the adapter alone moved: a few percent of the merged model's bytes, every step
     assert all(0 < r["weight_sync_fraction"] < 0.05 for r in steps), [r["weight_sync_fraction"] for r in steps]
