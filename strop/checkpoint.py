@@ -281,10 +281,12 @@ def _safe_load(path: Path) -> dict:
         ) from exc
 
 
-def export_policy(folder: Path, out: Path) -> Path:
+def export_policy(folder: Path, out: Path, adapt=None) -> Path:
     """The policy of checkpoint ``folder`` in Hugging Face format, written to ``out`` (a new folder), from the
     trainer state (whatever layout of ranks saved it: torch.distributed.checkpoint puts the shards together);
-    the model's structure and tokenizer come from the run's config. ``out`` appears only complete."""
+    the model's structure and tokenizer come from the run's config. ``out`` appears only complete.
+    A LoRA run's (``model.lora_rank``): ``adapt(model, model_section)`` adds the run's adapters to the model
+    (strop.train.lora.add_adapters' result); ``out`` is then the merged model and ``out/adapter`` peft's."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
@@ -303,6 +305,15 @@ def export_policy(folder: Path, out: Path) -> Path:
     model.to_empty(device="cpu")
     if getattr(model.config, "tie_word_embeddings", False):
         model.tie_weights()
+    adapters = None
+    if cfg.model.lora_rank:
+        if adapt is None:
+            raise CheckpointError(
+                f"{folder} holds LoRA adapters (model.lora_rank={cfg.model.lora_rank}): export it "
+                "with strop export, which merges them"
+            )
+        adapters = adapt(model, cfg.model)
+        model = adapters.model
     state = {"policy": get_model_state_dict(model)}
     ctx = _quiet()
     try:
@@ -312,7 +323,11 @@ def export_policy(folder: Path, out: Path) -> Path:
     set_model_state_dict(model, state["policy"])
     tmp = out.with_name(f".tmp-{out.name}")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
+    if adapters is None:
+        model.save_pretrained(tmp, safe_serialization=True)
+    else:
+        model.save_pretrained(tmp, state_dict=dict(adapters.merged_weights()), safe_serialization=True)
+        adapters.save(tmp / "adapter")
     load_tokenizer(path, **opts).save_pretrained(tmp)
     os.replace(tmp, out)
     return out

@@ -234,3 +234,23 @@ def test_lora_composes_with(extra, tiny_model_dir, tmp_path):
     if extra.get("rollout", {}).get("mode") != "one_step_off":  # in sync the engine decodes the trainer's weights
         assert all(r["train_rollout_logprob_abs_diff"] < 1e-4 for r in steps)
     assert (tmp_path / "run" / "final" / "adapter" / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.timeout(300)
+def test_strop_export_of_a_lora_checkpoint_is_the_merged_model_and_the_adapter(tiny_model_dir, tmp_path):
+    """Without the policy copy in its checkpoints (run.checkpoint_policy=false), `strop export` builds the policy
+    from the trainer state: the adapters are added, loaded and merged, equal to the run's final model bitwise."""
+    from safetensors.torch import load_file
+
+    from strop import checkpoint
+    from strop.cli import main
+
+    run_dir = tmp_path / "run"
+    lora_steps(tiny_model_dir, run_dir, {"run": {"save_every": 3, "checkpoint_policy": False}})
+    last = checkpoint.latest(run_dir)
+    assert last.name == "step_000003" and not (last / "policy").exists()
+    assert main(["export", str(last), str(tmp_path / "exported")]) == 0
+    got, final = (load_file(p / "model.safetensors") for p in (tmp_path / "exported", run_dir / "final"))
+    assert got.keys() == final.keys() and all(torch.equal(got[k], final[k]) for k in final)
+    a, b = (load_file(p / "adapter" / "adapter_model.safetensors") for p in (tmp_path / "exported", run_dir / "final"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

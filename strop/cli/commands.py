@@ -22,9 +22,13 @@ def _export_args(parser) -> None:
 
 def _export(args) -> int:
     from strop.checkpoint import CheckpointError, export_policy
+    from strop.train.lora import add_adapters
+
+    def adapt(model, m):  # a LoRA run's adapters, to load them and merge them
+        return add_adapters(model, m.lora_rank, m.lora_alpha, m.lora_dropout, list(m.lora_target_modules))
 
     try:
-        print(f"strop: exported to {export_policy(Path(args.checkpoint), Path(args.out))}")
+        print(f"strop: exported to {export_policy(Path(args.checkpoint), Path(args.out), adapt)}")
     except (CheckpointError, FileNotFoundError) as exc:
         print(f"strop export: error: {exc}", file=sys.stderr)
         return 1
