@@ -29,6 +29,7 @@ from strop.parallel.collectives import resolve_bucket_bytes
 from strop.parallel.dims import ParallelDims
 from strop.parallel.runtime import Control
 from strop.parallel.strategy import make_strategy
+from strop.observe.logs import close_run_log
 from strop.observe.run_dir import check_run_dir, make_run_dir
 from strop.observe.tracking import require_trackers
 from strop.plugins import check_signature, load_hook
@@ -79,7 +80,7 @@ class Components:
 
     def close(self, run=None) -> None:
         """Stop what the run started: the router's health checks and connections (``run(coroutine)``
-        runs it in the run's event loop, where they were made), and launched servers."""
+        runs it in the run's event loop, where they were made), launched servers, and the run's run.log."""
         close = self.engine.close if isinstance(self.engine, Closable) else None
         agent = self.rollout_extra.get("agent")
         try:
@@ -88,8 +89,11 @@ class Components:
             if close is not None and run is not None:
                 run(close())
         finally:
-            for server in self.servers:
-                server.stop()
+            try:
+                for server in self.servers:
+                    server.stop()
+            finally:
+                close_run_log()  # (the lines after it belong to no run: a program may build another)
 
 
 @dataclass

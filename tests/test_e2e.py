@@ -1,6 +1,7 @@
 """Two RL steps of the real loop on a tiny random model, and bad input through the CLI."""
 
 import json
+import logging
 import math
 
 import pytest
@@ -362,5 +363,8 @@ def test_a_model_the_fast_decoder_cannot_run_keeps_its_copy_and_refuses_sharing(
         assert not c.engine.model.training and c.trainer.model.training
     finally:
         c.close()
+    # closed, the components leave no run.log open: a later line (another run's start) is not written there
+    logging.getLogger("strop.test_e2e").info("strop: after close")
+    assert "after close" not in (tmp_path / "auto" / "run.log").read_text()
     with pytest.raises(ConfigError, match="engine.share_weights=true: strop's fast decoder cannot run this model"):
         build(build_config(overrides=tiny_overrides(path, tmp_path / "on", engine={"share_weights": True})))
