@@ -5,7 +5,8 @@ peft's own format, while its base weights stay frozen.
   optimizer's state is the adapters'.
 - The KL reference: the same model with its adapters switched off (:meth:`Adapters.disabled`), no copy.
 - What engines get: the merged weights ``W + (alpha / r) B A`` under the base model's own parameter names
-  (:meth:`Adapters.merged_weights`), so every engine and transport takes them as a full update.
+  (:meth:`Adapters.merged_weights`), which every engine takes as a full update; the adapter alone rides
+  along for strop serve (strop.sync.adapter).
 - What is saved: the adapter as peft saves it (``adapter_config.json``, ``adapter_model.safetensors``), which
   ``peft.PeftModel.from_pretrained`` loads on the base model (:meth:`Adapters.save`).
 """
@@ -109,10 +110,6 @@ class Adapters:
             f"{', '.join(section.lora_target_modules)}: {trained:,} of {total:,} parameters train"
             + ("; the KL reference is the model with its adapters off" if ref_off else "")
         )
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """The adapter's tensors as peft saves them."""
-        return _peft().get_peft_model_state_dict(self.peft)
 
     def save(self, path: Path) -> Path:
         """The adapter in peft's format: ``PeftModel.from_pretrained(base, path)`` loads it."""
