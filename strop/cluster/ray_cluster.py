@@ -29,7 +29,7 @@ from typing import Callable
 
 from strop.cluster.placement import Node, Plan, PlacementError, plan_placement
 from strop.cluster.ray_actors import ClusterError, EngineServer, TrainerRank, free_port_here
-from strop.engines.launch import LocalServer, model_flags
+from strop.engines.launch import LocalServer, adapter_slots, model_flags, vllm_lora_args
 from strop.config import secret_fields
 from strop.models import resolve_model_path
 from strop.process import free_port
@@ -307,7 +307,10 @@ def start_engines(ray, cfg, plan: Plan, pg, token: str, run_dir: str, cwd: str, 
     times) on the same port, where the router finds it again. Returns the actors and where each runs
     (node, pid, URL, server pid), once every one is healthy."""
     e = cfg.engine
-    args = [*model_flags(e.kind, cfg.model), *e.launch_args]
+    args, env = [*model_flags(e.kind, cfg.model), *e.launch_args], dict(e.launch_env)
+    if e.kind == "vllm" and cfg.model.lora_rank and e.sync in ("auto", "adapter"):  # it loads each adapter version
+        lora_args, lora_env = vllm_lora_args(cfg.model.lora_rank, adapter_slots(cfg.rollout))
+        args, env = [*lora_args, *args], lora_env | env
     if e.kind == "strop":  # the one folder its /update_weights_from_disk may read
         args.append(f"--weights-dir={Path(e.sync_dir or Path(run_dir) / 'weights').resolve()}")
     model = cfg.model.path
@@ -319,7 +322,7 @@ def start_engines(ray, cfg, plan: Plan, pg, token: str, run_dir: str, cwd: str, 
         "model": model,
         "args": args,
         "command": list(e.launch_command),
-        "env": dict(e.launch_env),
+        "env": env,
         "timeout_s": ENGINE_START_S[e.kind],
     }
     # each engine's port, picked on its own node (a restarted actor binds it again, where the router looks)

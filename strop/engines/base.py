@@ -80,8 +80,9 @@ class Metered(Protocol):
 
 @runtime_checkable
 class AdapterLoader(Protocol):
-    """Merges a LoRA adapter written to disk into the weights it decodes (strop serve's /load_lora_adapter);
-    returns the version it then reports, after checking the checksum of what it merged against ``checksum``."""
+    """Loads the LoRA adapter folder ``path`` (strop.wire.lora.peft_files) as weight ``version`` and returns the
+    version it then reports: strop serve merges it into the weights it decodes and its checksum of what it merged
+    must equal ``checksum``; vLLM serves it by name (``policy-v<version>``), unmerged."""
 
     async def load_adapter(self, path: str, version: int, scaling: float, checksum: str) -> int: ...
 

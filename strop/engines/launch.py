@@ -176,6 +176,29 @@ def model_flags(kind: str, model) -> list[str]:
     return flags
 
 
+def adapter_slots(rollout) -> int:
+    """How many LoRA adapter versions an engine may be serving at once in a run of ``rollout`` (its section): the
+    newest, those rollouts still in flight started with (one behind in ``one_step_off``, up to
+    ``max_staleness`` in ``async``), and one loading."""
+    behind = {"sync": 0, "one_step_off": 1}.get(rollout.mode, rollout.max_staleness)
+    return behind + 2
+
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the values vLLM 0.32's --max-lora-rank takes
+
+
+def vllm_lora_args(rank: int, slots: int) -> tuple[list[str], dict[str, str]]:
+    """The flags and environment of a vLLM server that loads a LoRA run's adapters at run time: rank ``rank``
+    (rounded up to a value vLLM takes) and ``slots`` adapters at once, in a batch and in its cache, so no adapter a
+    request still uses is evicted (strop.sync.choose.adapter_slots)."""
+    fits = [r for r in VLLM_LORA_RANKS if r >= rank]
+    if not fits:
+        raise ValueError(f"model.lora_rank={rank}: vLLM serves LoRA adapters of rank {VLLM_LORA_RANKS[-1]} at most")
+    n = str(slots)
+    args = ["--enable-lora", "--max-lora-rank", str(fits[0]), "--max-loras", n, "--max-cpu-loras", n]
+    return args, {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+
+
 def launch_servers(
     n: int, model_path: str, *, args: list[str] = (), token: str | None = None, timeout_s: float = 180.0
 ) -> list[LocalServer]:

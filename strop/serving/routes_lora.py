@@ -1,9 +1,10 @@
 """strop serve's LoRA route: a run that trains adapters (``model.lora_rank``, ``engine.sync='adapter'``) sends
 each version's adapter alone, a few megabytes, and the server merges it into the weights it decodes.
 
-``POST /load_lora_adapter`` takes SGLang's two fields, ``lora_name`` and ``lora_path`` (a file or folder of
-``<module>.lora_A`` / ``<module>.lora_B`` tensors inside ``--weights-dir``, strop.wire.lora), and strop's own:
-``scaling`` (``lora_alpha / lora_rank``) and ``weight_version``. Each adapted weight becomes ``base + scaling
+``POST /load_lora_adapter`` takes SGLang's two fields, ``lora_name`` and ``lora_path`` (a peft adapter folder,
+or a file or folder of ``<module>.lora_A`` / ``<module>.lora_B`` tensors, inside ``--weights-dir``,
+strop.wire.lora), and strop's own: ``scaling`` (``lora_alpha / lora_rank``; else from the folder's
+``adapter_config.json``) and ``weight_version``. Each adapted weight becomes ``base + scaling
 B A`` (strop.wire.lora.merge, the trainer's own formula), where ``base`` is that weight as it was before the
 first adapter was merged (a full weight update resets it). The answer carries the checksum of the merged
 weights: the trainer compares it with its own. Requests need not name the adapter: every request decodes the
@@ -12,6 +13,7 @@ newest merged weights, whose version each completion reports."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 from fastapi import APIRouter, HTTPException, Request
 from pydantic import Field
@@ -20,7 +22,7 @@ from strop.openmp import releasing
 from strop.serving.routes_weights import Version, load_weights_dir
 from strop.serving.service import StrictBody, service_of
 from strop.wire.digest import state_checksum
-from strop.wire.lora import adapter_pairs, merge
+from strop.wire.lora import CONFIG_FILE, adapter_pairs, config_scaling, merge
 
 router = APIRouter()
 
@@ -28,7 +30,7 @@ router = APIRouter()
 class AdapterBody(StrictBody):
     lora_name: str = Field(min_length=1)
     lora_path: str = Field(min_length=1)
-    scaling: float = Field(gt=0, allow_inf_nan=False)
+    scaling: float | None = Field(None, gt=0, allow_inf_nan=False)
     weight_version: Version | None = None
 
 
@@ -49,6 +51,14 @@ def merged_state(svc, state: dict, scaling: float) -> dict:
     return out
 
 
+def folder_scaling(path: str, root: str) -> float | None:
+    """The scale in the ``adapter_config.json`` of the folder ``path`` (inside ``root``, links followed)."""
+    folder = Path(root, path)
+    if not (folder / CONFIG_FILE).resolve().is_relative_to(Path(root).resolve()):
+        raise PermissionError(f"{path!r}/{CONFIG_FILE} is outside the weights folder {root}")
+    return config_scaling(folder)
+
+
 @router.post("/load_lora_adapter")
 async def load_lora_adapter(body: AdapterBody, request: Request):
     svc = service_of(request)
@@ -59,7 +69,10 @@ async def load_lora_adapter(body: AdapterBody, request: Request):
         )
     try:
         state = await asyncio.to_thread(releasing(load_weights_dir), body.lora_path, engine.device, svc.weights_dir)
-        merged = await asyncio.to_thread(releasing(merged_state), svc, state, body.scaling)
+        scaling = body.scaling or await asyncio.to_thread(folder_scaling, body.lora_path, svc.weights_dir)
+        if scaling is None:
+            raise ValueError(f"no scaling given and no adapter_config.json at {body.lora_path!r} to read it from")
+        merged = await asyncio.to_thread(releasing(merged_state), svc, state, scaling)
     except PermissionError as exc:
         raise HTTPException(status_code=403, detail=f"{where}: {exc}") from exc
     except (OSError, ValueError) as exc:

@@ -1,7 +1,14 @@
-"""Weight sync of a LoRA run into strop serve (``engine.sync='adapter'``): each version's adapter alone is
-written once (a few megabytes where the merged model is hundreds) and every engine merges it over its base
-weights (strop.serving.routes_lora). Receipt: each engine's checksum of the weights it merged equals the
-trainer's merged weights' (strop.wire.lora.merge on both sides), and the version it reports."""
+"""Weight sync of a LoRA run (``engine.sync='adapter'``): each version's adapter alone is written once, as a peft
+adapter folder (a few megabytes where the merged model is hundreds, strop.wire.lora.peft_files), and every
+engine loads it as ``policy-v<version>``:
+
+- strop serve merges it over its base weights (strop.serving.routes_lora). Receipt: its checksum of the weights
+  it merged equals the trainer's merged weights' (strop.wire.lora.merge on both sides), and the version.
+- vLLM loads it at run time (``/v1/load_lora_adapter``) beside the adapters still in use and applies it unmerged;
+  requests name it (strop.engines.vllm). Receipt: the version in the name of what each completion was served
+  with, and the router's logprob probe after the update.
+
+The newest ``keep`` folders stay on disk: a server reads one again when it has evicted it from its cache."""
 
 from __future__ import annotations
 
@@ -13,6 +20,7 @@ from strop.sync.base import Receipt, WeightSync
 from strop.sync.disk import WeightWriter
 from strop.wire.digest import state_checksum
 from strop.wire.errors import EngineRequestError, EngineUnavailable
+from strop.wire.lora import ADAPTER_FILE, CONFIG_FILE, adapter_pairs, peft_files
 from strop.wire.weights import nbytes
 
 
@@ -20,8 +28,11 @@ class AdapterSync(WeightSync):
     """Write the adapter (``writer``), merge it into every healthy engine (a failure marks it down); an engine
     that returns lagging merges the newest adapter before it is re-admitted."""
 
-    def __init__(self, writer: WeightWriter):
+    def __init__(self, writer: WeightWriter, keep: int = 2):
+        """``keep``: the versions an engine may still be serving (``rollout.max_staleness + 2``): their folders
+        stay."""
         self.writer = writer
+        writer.keep = max(writer.keep, keep)
         self.latest: tuple | None = None  # folder, scale, checksum, version
 
     async def update(self, weights, version: int) -> Receipt:
@@ -32,7 +43,10 @@ class AdapterSync(WeightSync):
                 "(model.lora_rank=0, or adapters of several scales)"
             )
         pool = self.pool
-        path, _ = await asyncio.to_thread(self.writer.write, adapter, version, "-adapter")
+        tensors, config = peft_files(adapter_pairs(adapter), scaling)
+        path, _ = await asyncio.to_thread(
+            self.writer.write, tensors, version, "-adapter", filename=ADAPTER_FILE, beside={CONFIG_FILE: config}
+        )
         checksum = await asyncio.to_thread(state_checksum, {n: weights[n] for n in weights.merged})
         self.latest, pool.weight_version = (path, scaling, checksum, version), version
         members = pool.members(HEALTHY)
@@ -47,7 +61,7 @@ class AdapterSync(WeightSync):
         path, scaling, checksum, version = self.latest
         engine, before = pool.engines[i], pool.state[i]
         if not isinstance(engine, AdapterLoader):
-            pool.mark_down(i, "it cannot merge a LoRA adapter (engine.sync='adapter' is strop serve's)")
+            pool.mark_down(i, "it cannot load a LoRA adapter (engine.sync='adapter': strop serve and vLLM)")
             return False
         try:
             held = await engine.load_adapter(str(path), version, scaling, checksum)

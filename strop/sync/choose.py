@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 from strop.config import Config
+from strop.engines.launch import adapter_slots
 from strop.sync.adapter import AdapterSync
 from strop.sync.base import WeightSync
 from strop.sync.broadcast import BroadcastSync
@@ -29,8 +30,8 @@ def choose_sync(cfg: Config, clients: list, run_dir: Path, probe_ids: list[int],
         return InProcessSync()
     writer = WeightWriter(e.sync_dir or run_dir / "weights", bucket_bytes=e.sync_bucket_bytes)
     sync, why = e.sync, "engine.sync"
-    if sync == "auto" and cfg.model.lora_rank and e.kind == "strop":
-        sync, why = "adapter", "auto: LoRA adapters into strop serve, which merges each"
+    if sync == "auto" and cfg.model.lora_rank and e.kind in ("strop", "vllm"):
+        sync, why = "adapter", f"auto: each version's LoRA adapter alone into {e.kind} servers"
 
     async def probe():
         nonlocal sync, why
@@ -38,6 +39,8 @@ def choose_sync(cfg: Config, clients: list, run_dir: Path, probe_ids: list[int],
             if e.kind == "vllm":
                 for c in clients:
                     await c.check_logprobs(cfg.rollout.temperature, probe_ids)
+                    if sync == "adapter":
+                        await c.check_adapters()
             if sync in ("auto", "broadcast") and e.kind != "strop":  # (strop serve always takes one)
                 try:
                     for c in clients:
@@ -71,8 +74,8 @@ def choose_sync(cfg: Config, clients: list, run_dir: Path, probe_ids: list[int],
             dtype=e.sync_dtype,
             host=os.environ.get("STROP_NODE_IP", "127.0.0.1"),
         )  # where engines reach rank 0
-    if sync == "adapter":
-        return AdapterSync(writer)
+    if sync == "adapter":  # (every adapter a request may still use stays on disk: the server may read it again)
+        return AdapterSync(writer, keep=adapter_slots(cfg.rollout))
     return DeltaSync(writer) if sync == "delta" else DiskSync(writer)
 
 
@@ -93,8 +96,14 @@ def weight_receipt(kind: str, sync: str) -> str:
             "adapter": "the checksum of the weights each server merged, equal to the trainer's merged weights, and "
             "the version it reports",
         }[sync]
+    if sync == "adapter":  # (vllm)
+        return (
+            "the adapter each server lists (/v1/models: policy-v<version>) after every load, the adapter named in "
+            "each completion, and the logprob probe (engine.sync_probe); vLLM computes no checksum strop can compare"
+        )
     route = "/model_info" if kind == "sglang" else "/weight_info"
     return (
         f"the version each server reports ({route}), read back after every load; {kind} reports no checksum "
         "strop can compare, so a load is not checked byte for byte"
     )
+

@@ -30,17 +30,25 @@ class WeightWriter:
         # absolute: servers resolve a relative path against their own folders (strop serve: its --weights-dir)
         self.dir, self.keep, self.bucket_bytes = Path(directory).resolve(), keep, bucket_bytes  # dir: at first write
 
-    def write(self, state: dict[str, torch.Tensor], version: int, tag: str = "") -> tuple[Path, str]:
+    def write(
+        self,
+        state: dict[str, torch.Tensor],
+        version: int,
+        tag: str = "",
+        filename: str = "model.safetensors",
+        beside: dict[str, str] | None = None,
+    ) -> tuple[Path, str]:
         """Write ``state`` as version ``version`` (``tag`` tells apart several files of one version:
-        the delta form writes one per set of changed tensors). Returns the folder and the checksum.
+        the delta form writes one per set of changed tensors) into ``filename``, and each text of ``beside``
+        (``{file name: text}``) next to it. Returns the folder and the checksum.
         Read a bucket at a time (sharded weights are never gathered whole: strop.wire.weights)."""
         final = self.dir / f"v{version}{tag}"
         tmp = self.dir / f".tmp-v{version}{tag}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)  # (and self.dir with it)
-        checksum = write_safetensors(
-            state, tmp / "model.safetensors", self.bucket_bytes
-        )  # (tied tensors under each name)
+        checksum = write_safetensors(state, tmp / filename, self.bucket_bytes)  # (tied tensors under each name)
+        for name, text in (beside or {}).items():
+            (tmp / name).write_text(text)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         versions = sorted({int(p.name[1:].split("-")[0]) for p in self.dir.glob("v*")})

@@ -12,7 +12,7 @@ from strop.process import free_port
 from strop.sync.disk import WeightWriter
 from strop.wire.digest import state_checksum
 from strop.wire.errors import EngineRequestError
-from strop.wire.lora import adapter_pairs, adapter_tensors, merge
+from strop.wire.lora import ADAPTER_FILE, CONFIG_FILE, adapter_pairs, adapter_tensors, merge, peft_files
 
 pytest.importorskip("peft")
 
@@ -64,6 +64,18 @@ def test_strop_serve_merges_an_adapter_and_its_receipt_catches_a_stale_one(tiny_
                     await client.load_adapter(str(bad), 4, 0.5, "x")
                 with pytest.raises(EngineRequestError, match="outside the weights folder"):
                     await client.load_adapter(str(tiny_model_dir), 4, 0.5, "x")
+                # a peft adapter folder: its scale (lora_alpha / r) is read from its config when none is given
+                tensors, config = peft_files(adapter_pairs(second), 0.25)
+                p5, _ = writer.write(tensors, 5, "-adapter", filename=ADAPTER_FILE, beside={CONFIG_FILE: config})
+                assert await client.load_adapter(str(p5), 5, None, _merged_checksum(base, second, 0.25)) == 5
+                # its config may not lead outside the weights folder
+                outside = tmp_path / "elsewhere"
+                outside.mkdir()
+                (outside / CONFIG_FILE).write_text(config)
+                (p5 / CONFIG_FILE).unlink()
+                (p5 / CONFIG_FILE).symlink_to(outside / CONFIG_FILE)
+                with pytest.raises(EngineRequestError, match="outside the weights folder"):
+                    await client.load_adapter(str(p5), 6, None, "x")
             finally:
                 await client.close()
 
@@ -78,7 +90,12 @@ def test_a_lora_run_into_strop_serve_sends_the_adapter_alone(tiny_model_dir, tmp
 
     engine = {"kind": "strop", "launch": 1, "launch_args": ["--threads=1"]}  # engine.sync=auto
     steps = lora_steps(tiny_model_dir, tmp_path / "run", {"engine": engine})
-    assert "weight sync: adapter (auto: LoRA adapters into strop serve" in capsys.readouterr().out
+    assert "weight sync: adapter (auto: each version's LoRA adapter alone into strop servers" in capsys.readouterr().out
+    # what travelled is a peft adapter folder per version
+    folders = sorted((tmp_path / "run" / "weights").glob("v*-adapter"))
+    assert folders and all(
+        {"adapter_config.json", "adapter_model.safetensors"} <= {f.name for f in d.iterdir()} for d in folders
+    )
     assert len(steps) == 3 and steps[-1]["kl_ref"] > 0
     # the adapter alone moved: a few percent of the merged model's bytes, every step
     assert all(0 < r["weight_sync_fraction"] < 0.05 for r in steps), [r["weight_sync_fraction"] for r in steps]

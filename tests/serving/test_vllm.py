@@ -4,6 +4,7 @@ Skipped, saying why, when .venv-vllm does not exist. Run by `.ci/run` when it do
 """
 
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -32,10 +33,17 @@ pytestmark = [
 def vllm_server(tokenizer_dir, tmp_path_factory):
     """One server for the module (start-up takes about a minute), with strop's worker extension. It runs
     outside the checkout, so the extension is imported as scripts/setup_vllm.sh installed it."""
+    with vllm_process(tokenizer_dir, tmp_path_factory.mktemp("vllm")) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def vllm_process(model, where, args=(), env=None):
+    """A vLLM OpenAI server of ``model`` on a free port of 127.0.0.1 (fp32, processed logprobs, eager, strop's
+    worker extension, dev mode), with more ``args`` and ``env``; its log in ``where``. Stopped on exit."""
     from strop.process import free_port
 
     port = free_port()
-    where = tmp_path_factory.mktemp("vllm")
     log = where / "server.log"
     check = subprocess.run(
         [str(VLLM_PY), "-c", "import strop.serving.vllm_worker"], cwd=where, capture_output=True, text=True
@@ -45,7 +53,9 @@ def vllm_server(tokenizer_dir, tmp_path_factory):
             f"strop is not importable in {VLLM_PY.parent.parent} (vLLM's worker imports the "
             f"extension): run `bash scripts/setup_vllm.sh`\n{check.stderr[-1000:]}"
         )
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", VLLM_SERVER_DEV_MODE="1", VLLM_LOGGING_LEVEL="WARNING")
+    env = dict(
+        os.environ, VLLM_CPU_KVCACHE_SPACE="2", VLLM_SERVER_DEV_MODE="1", VLLM_LOGGING_LEVEL="WARNING", **(env or {})
+    )
     with open(log, "wb") as out:
         # the `vllm` script looks up package metadata named "vllm" (the package is vllm-cpu): use the module
         proc = subprocess.Popen(
@@ -54,7 +64,7 @@ def vllm_server(tokenizer_dir, tmp_path_factory):
                 "-m",
                 "vllm.entrypoints.openai.api_server",
                 "--model",
-                str(tokenizer_dir),
+                str(model),
                 "--host",
                 "127.0.0.1",
                 "--port",
@@ -70,6 +80,7 @@ def vllm_server(tokenizer_dir, tmp_path_factory):
                 "--worker-extension-cls",
                 "strop.serving.vllm_worker.StropWorkerExtension",
                 "--enforce-eager",
+                *args,
             ],  # (compiling its graphs took 85 s of a 115 s start here)
             stdout=out,
             stderr=out,
