@@ -16,6 +16,15 @@ from typing import Callable
 from strop.algo.config import GROUP_ESTIMATORS, OFF_POLICY_CORRECTIONS
 
 
+# why LoRA is refused beside tensor / context parallel (here and in strop.train.modules)
+LORA_NOT_SPLIT = (
+    "LoRA adapters train on data-parallel ranks only (parallel.dp_mode 'replicate' or 'fsdp'). Tensor "
+    "parallel splits the named linear layers, which LoRA has wrapped in adapter layers whose A and B "
+    "matrices it does not split; context parallel is not verified with LoRA. Use "
+    "tensor_parallel_size=1 and context_parallel_size=1, or full fine-tuning (model.lora_rank=0)"
+)
+
+
 @dataclass(frozen=True)
 class Rule:
     """One refusal: ``broken(cfg)`` says the config breaks it, ``why(cfg)`` says so to the user."""
@@ -147,29 +156,23 @@ RULES: tuple[Rule, ...] = (
         ),
     ),
     Rule(
-        "LoRA trains an unsplit model",
+        "LoRA trains on data-parallel ranks only",
         lambda c: (
-            bool(c.model.lora_rank)
-            and (
-                c.parallel.dp_mode == "fsdp"
-                or c.parallel.tensor_parallel_size > 1
-                or c.parallel.context_parallel_size > 1
-            )
+            bool(c.model.lora_rank) and (c.parallel.tensor_parallel_size > 1 or c.parallel.context_parallel_size > 1)
         ),
         lambda c: (
-            f"model.lora_rank={c.model.lora_rank} trains adapters on a model that is not split: "
-            f"parallel.dp_mode={c.parallel.dp_mode!r}, tensor_parallel_size={c.parallel.tensor_parallel_size} and "
-            f"context_parallel_size={c.parallel.context_parallel_size} are not supported with LoRA yet; use "
-            "dp_mode='replicate' and sizes 1, or full fine-tuning (model.lora_rank=0)"
+            f"model.lora_rank={c.model.lora_rank} with parallel.tensor_parallel_size="
+            f"{c.parallel.tensor_parallel_size} and context_parallel_size={c.parallel.context_parallel_size}: "
+            f"{LORA_NOT_SPLIT}"
         ),
     ),
     Rule(
-        "adapter updates need LoRA and strop serve",
-        lambda c: c.engine.sync == "adapter" and (not c.model.lora_rank or c.engine.kind != "strop"),
+        "adapter updates need LoRA and strop serve or vLLM",
+        lambda c: c.engine.sync == "adapter" and (not c.model.lora_rank or c.engine.kind not in ("strop", "vllm")),
         lambda c: (
-            f"engine.sync='adapter' sends LoRA adapters to strop serve, which merges them: it needs "
-            f"model.lora_rank > 0 (it is {c.model.lora_rank}) and engine.kind='strop' (it is {c.engine.kind!r}); "
-            "vLLM and SGLang take the merged weights (engine.sync=auto)"
+            f"engine.sync='adapter' sends LoRA adapters to strop serve (which merges them) or vLLM (which loads "
+            f"them at run time): it needs model.lora_rank > 0 (it is {c.model.lora_rank}) and engine.kind 'strop' "
+            f"or 'vllm' (it is {c.engine.kind!r}); SGLang takes the merged weights (engine.sync=auto)"
         ),
     ),
     Rule(

@@ -140,6 +140,8 @@ def prepare(cfg: Config, device: torch.device, controller: bool = True, resume: 
     torch.manual_seed(cfg.train.seed)
     dtype = getattr(torch, cfg.model.dtype)
     weights, why = shard_source(dims, model_path, cfg.model.revision)
+    if weights and cfg.model.lora_rank:
+        weights, why = None, "LoRA adds its adapters to the whole model, then it is split with them"
     policy = meta_model(model_path, dtype=dtype, **opts) if weights else None
     if weights and (why := unloadable(policy, weights)):
         weights = None

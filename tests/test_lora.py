@@ -172,13 +172,22 @@ print(json.dumps([float((a - m).abs().max()), float((a - b).abs().max())]))
     assert adapted_vs_merged < 1e-5 and adapted_vs_base > 1e-4  # the adapter is what trained, and it moved
 
 
-def test_lora_beside_other_processes_is_refused_naming_them(tiny_model):
-    class TwoProcesses(SingleProcess):
+@pytest.mark.parametrize("split", ["tp_size", "cp_size"])
+def test_lora_beside_tensor_or_context_parallel_is_refused_naming_them(tiny_model, split):
+    """Data-parallel ranks train LoRA (tests/distributed/test_lora_dp.py); tensor and context parallel do not."""
+
+    class Split(SingleProcess):
         processes = 2
 
+    strategy = Split("cpu")
+    setattr(strategy, split, 2)
     section = build_config(overrides={"model": {"lora_rank": 4}}).model
-    with pytest.raises(ValueError, match=r"model.lora_rank=4 trains adapters in one process for now; this run has 2"):
-        build_modules(tiny_model, TwoProcesses("cpu"), AlgoConfig(), TrainConfig(), lora=section)
+    tp, cp = (2, 1) if split == "tp_size" else (1, 2)
+    with pytest.raises(
+        ValueError,
+        match=rf"model.lora_rank=4: this run has tensor parallel {tp} and context parallel {cp}: LoRA adapters train on data-parallel ranks only",
+    ):
+        build_modules(tiny_model, strategy, AlgoConfig(), TrainConfig(), lora=section)
 
 
 @pytest.mark.timeout(600)

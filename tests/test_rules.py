@@ -34,13 +34,13 @@ CASES = {
         {"algo": {"distill_teacher_url": "http://127.0.0.1:1"}},
         "scored at rollout.temperature=0.8",
     ),
-    "LoRA trains an unsplit model": (
-        {"model": {"lora_rank": 8}, "parallel": {"dp_mode": "fsdp"}},
-        "are not supported with LoRA yet",
+    "LoRA trains on data-parallel ranks only": (
+        {"model": {"lora_rank": 8}, "parallel": {"tensor_parallel_size": 2}},
+        "model.lora_rank=8 with parallel.tensor_parallel_size=2 and context_parallel_size=1: LoRA adapters train",
     ),
-    "adapter updates need LoRA and strop serve": (
-        {"engine": {"kind": "vllm", "urls": ["http://127.0.0.1:1"], "sync": "adapter"}, "model": {"lora_rank": 8}},
-        "engine.sync='adapter' sends LoRA adapters to strop serve",
+    "adapter updates need LoRA and strop serve or vLLM": (
+        {"engine": {"kind": "sglang", "urls": ["http://127.0.0.1:1"], "sync": "adapter"}, "model": {"lora_rank": 8}},
+        "engine.sync='adapter' sends LoRA adapters to strop serve (which merges them) or vLLM",
     ),
     "LoRA has no critic": ({"model": {"lora_rank": 8}, "algo": {"estimator": "ppo"}}, "PPO's critic is a copy"),
     "a loaded teacher is not split by tensor parallel": (
@@ -162,3 +162,11 @@ def test_the_defaults_break_no_rule():
     assert why_not_shared(Config(), world=2) == (
         "2 processes split or replicate the trainer's weights; the engine on rank 0 needs them whole"
     )
+
+
+@pytest.mark.parametrize("dp_mode", ["replicate", "fsdp"])
+def test_lora_on_data_parallel_ranks_breaks_no_rule_and_beside_context_parallel_does(dp_mode):
+    lora = {"model": {"lora_rank": 8}}
+    assert not [r.name for r in RULES if r.broken(build_config(overrides={**lora, "parallel": {"dp_mode": dp_mode}}))]
+    beside_cp = _unchecked({**lora, "parallel": {"dp_mode": dp_mode, "context_parallel_size": 2}})
+    assert [r.name for r in RULES if r.broken(beside_cp)] == ["LoRA trains on data-parallel ranks only"]

@@ -106,4 +106,3 @@ def weight_receipt(kind: str, sync: str) -> str:
         f"the version each server reports ({route}), read back after every load; {kind} reports no checksum "
         "strop can compare, so a load is not checked byte for byte"
     )
-

@@ -7,6 +7,9 @@ peft's own format, while its base weights stay frozen.
 - What engines get: the merged weights ``W + (alpha / r) B A`` under the base model's own parameter names
   (:meth:`Adapters.merged_weights`), which every engine takes as a full update; the adapter alone rides
   along for strop serve (strop.sync.adapter).
+- Over several processes: the adapters are added to the whole model before it is split, so data parallel
+  replicates them (their gradients summed) or FSDP shards them with the base weights they adapt; merging is
+  then a collective (:meth:`Adapters.merged_weights`). Tensor and context parallel are refused (strop.rules).
 - What is saved: the adapter as peft saves it (``adapter_config.json``, ``adapter_model.safetensors``), which
   ``peft.PeftModel.from_pretrained`` loads on the base model (:meth:`Adapters.save`).
 """
@@ -20,6 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from strop.parallel.fsdp import full_weights
 from strop.wire.lora import adapter_tensors, merge
 
 ADAPTER = "default"  # peft's name for a model's one adapter
@@ -68,37 +72,61 @@ class Adapters:
     def parameters(self) -> list[nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
 
-    def _pairs(self) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
-        """Each adapted linear, by its base module name: (A, B, scale)."""
+    def _scales(self) -> dict[str, float]:
+        """Each adapted linear's scale, by its base module name."""
         peft = _peft()
         return {
-            name: (m.lora_A[ADAPTER].weight.detach(), m.lora_B[ADAPTER].weight.detach(), float(m.scaling[ADAPTER]))
+            name: float(m.scaling[ADAPTER])
             for name, m in self.model.named_modules()
             if isinstance(m, peft.tuners.lora.LoraLayer) and ADAPTER in m.lora_A
         }
 
+    def sharded(self) -> bool:
+        """Whether ranks hold parts of the weights (FSDP: the adapters are sharded like the base weights)."""
+        return any(_is_dtensor(p) for p in self.model.parameters())
+
     def merged_weights(self) -> MergedWeights:
         """Every weight of the base model under its own name, each adapted linear merged (``W + scale B A``, a new
         tensor, strop.wire.lora.merge); the frozen base tensors as they are (nothing changes them). Tied tensors
-        stay tied. The adapter rides along (:class:`MergedWeights`) for a transport that sends it alone."""
-        pairs = self._pairs()
-        scales = {scale for _, _, scale in pairs.values()}
+        stay tied. The adapter rides along (:class:`MergedWeights`) for a transport that sends it alone.
+
+        Over several ranks rank 0 alone gets them (it feeds the engine), the others an empty MergedWeights.
+        Sharded (FSDP) it is a collective every rank calls: each tensor is gathered whole in state-dict order
+        (strop.parallel.fsdp.full_weights), so rank 0 holds the whole base model once, then merges it."""
+        if self.sharded():
+            state = full_weights(self.model)  # fresh whole copies on rank 0, {} elsewhere
+            if state:
+                self._whole_adapter = {k: v for k, v in state.items() if ".lora_" in k}
+                self._shards_then = [p.to_local().detach().clone() for p in self.parameters()]
+        else:
+            state = self.model.state_dict() if _rank() == 0 else {}
         out = MergedWeights()
+        if not state:
+            return out
+        scales = self._scales()
+        pairs = {
+            name: (state[f"{name}.lora_A.{ADAPTER}.weight"], state[f"{name}.lora_B.{ADAPTER}.weight"])
+            for name in scales
+        }
         with torch.no_grad():
-            for key, tensor in self.model.state_dict().items():
+            for key in list(state):
+                tensor = state.pop(key).detach()  # (gathered copies are let go as they are merged)
                 if ".lora_" in key:
                     continue
                 owner, _, leaf = key.rpartition(".base_layer.")
                 if not owner:
-                    out[key] = tensor.detach()
+                    out[key] = tensor
                 elif leaf == "weight" and owner in pairs:
-                    a, b, scale = pairs[owner]
-                    out[f"{owner}.weight"] = merge(tensor.detach(), a, b, scale)
+                    a, b = pairs[owner]
+                    out[f"{owner}.weight"] = merge(tensor, a.detach(), b.detach(), scales[owner])
                     out.merged.append(f"{owner}.weight")
                 else:
-                    out[f"{owner}.{leaf}"] = tensor.detach()
-        out.adapter = adapter_tensors({name: (a.clone(), b.clone()) for name, (a, b, _) in pairs.items()})
-        out.scaling = scales.pop() if len(scales) == 1 else None
+                    out[f"{owner}.{leaf}"] = tensor
+        out.adapter = adapter_tensors(
+            {name: (a.detach().clone(), b.detach().clone()) for name, (a, b) in pairs.items()}
+        )
+        distinct = set(scales.values())
+        out.scaling = distinct.pop() if len(distinct) == 1 else None
         return out
 
     def describe(self, section, ref_off: bool) -> str:
@@ -112,8 +140,22 @@ class Adapters:
         )
 
     def save(self, path: Path) -> Path:
-        """The adapter in peft's format: ``PeftModel.from_pretrained(base, path)`` loads it."""
-        self.peft.save_pretrained(str(path))
+        """The adapter in peft's format: ``PeftModel.from_pretrained(base, path)`` loads it. Sharded (FSDP), on
+        rank 0 alone: the whole adapter its last :meth:`merged_weights` gathered, refused if it changed since
+        (gathering again is a collective the other ranks are not in)."""
+        whole = None
+        if self.sharded():
+            held = getattr(self, "_whole_adapter", None)
+            now = [p.to_local() for p in self.parameters()]
+            then = getattr(self, "_shards_then", [])
+            if held is None or len(now) != len(then) or not all(torch.equal(a, b) for a, b in zip(now, then)):
+                raise RuntimeError(
+                    "saving sharded LoRA adapters needs them gathered since their last update: call "
+                    "merged_weights() on every rank first"
+                )
+            prefix = _prefix(self.peft, self.model)
+            whole = {prefix + k: v for k, v in held.items()}
+        self.peft.save_pretrained(str(path), state_dict=whole)
         return Path(path)
 
 
@@ -135,3 +177,21 @@ def add_adapters(model: nn.Module, rank: int, alpha: float, dropout: float, targ
     with warnings.catch_warnings():  # peft asks transformers by a name transformers 5 deprecates
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
         return Adapters(peft.get_peft_model(model, config))
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return hasattr(t, "full_tensor")
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _prefix(outer: nn.Module, inner: nn.Module) -> str:
+    """The name of ``inner`` inside ``outer`` with a trailing dot (peft's ``base_model.model.``)."""
+    for name, m in outer.named_modules():
+        if m is inner:
+            return f"{name}." if name else ""
+    raise ValueError("the causal LM is not inside its peft model")

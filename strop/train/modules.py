@@ -13,6 +13,7 @@ from torch import nn
 from strop.parallel import context as context_parallel
 from strop.parallel.loading import load_shards
 from strop.parallel.parallelize import parallelize
+from strop.rules import LORA_NOT_SPLIT
 from strop.train.critic import ValueModel
 from strop.train.lora import Adapters, add_adapters
 from strop.train.logprob import LogprobModule
@@ -43,11 +44,12 @@ def build_modules(
     critic), from the whole model or its skeleton, then each split over ``strategy``'s mesh as its dims say
     (:func:`strop.parallel.parallelize.parallelize`), noted by ``strategy`` and, from meta, loaded.
     ``teacher`` (whole, loaded by the caller) is frozen and split like the reference. ``lora``: the model
-    section when ``model.lora_rank`` > 0: adapters are added (strop.train.lora) and the reference is the model
-    with them off (no copy)."""
+    section when ``model.lora_rank`` > 0: adapters are added (strop.train.lora) before the split, so FSDP shards
+    them with the base weights they adapt, and the reference is the model with them off (no copy)."""
     device, meta = strategy.device, any(p.is_meta for p in model.parameters())
     kl = algo.kl_coef + algo.kl_in_reward_coef > 0
-    if kl and algo.ref_mode == "swap" and (strategy.mode == "fsdp" or strategy.tp_size > 1 or meta):
+    lora_on = lora is not None and bool(lora.lora_rank)  # (its reference is the model with adapters off: no swap)
+    if kl and not lora_on and algo.ref_mode == "swap" and (strategy.mode == "fsdp" or strategy.tp_size > 1 or meta):
         raise ValueError(
             "algo.ref_mode='swap' cannot swap into sharded weights (FSDP, tensor parallel, loading into "
             "shards); use ref_mode='copy'"
@@ -75,14 +77,17 @@ def build_modules(
         return module
 
     adapters = None
-    if lora is not None and lora.lora_rank:
-        if strategy.processes > 1:
+    if lora_on:
+        if strategy.tp_size > 1 or strategy.cp_size > 1:  # (the config's rules refuse both first)
             raise ValueError(
-                f"model.lora_rank={lora.lora_rank} trains adapters in one process for now; this run has "
-                f"{strategy.processes}: run one, or full fine-tuning (model.lora_rank=0)"
+                f"model.lora_rank={lora.lora_rank}: this run has tensor parallel {strategy.tp_size} and context "
+                f"parallel {strategy.cp_size}: {LORA_NOT_SPLIT}"
             )
-        if meta or algo.estimator == "ppo":  # (the config's rules refuse both first)
-            raise ValueError("LoRA adapters go on a whole model without a critic")
+        if algo.estimator == "ppo":  # (the config's rules refuse it first)
+            raise ValueError("LoRA adapters go on a model without a critic")
+        if meta:  # the adapters go on the whole model: each rank reads it whole, then FSDP shards it with them
+            load_shards(model, weights_path, device)
+            meta = False
         adapters = add_adapters(
             model, lora.lora_rank, lora.lora_alpha, lora.lora_dropout, list(lora.lora_target_modules)
         )

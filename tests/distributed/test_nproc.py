@@ -8,7 +8,7 @@ import pytest
 import torch
 
 
-def _run(tiny_model_dir, run_dir, nproc, mode="replicate", cp=1, tp=1):
+def _run(tiny_model_dir, run_dir, nproc, mode="replicate", cp=1, tp=1, extra=()):
     args = [
         sys.executable,
         "-m",
@@ -31,6 +31,7 @@ def _run(tiny_model_dir, run_dir, nproc, mode="replicate", cp=1, tp=1):
         f"--run.dir={run_dir}",
         f"--parallel.context_parallel_size={cp}",
         f"--parallel.tensor_parallel_size={tp}",
+        *extra,
     ]
     if nproc > 1:
         args.insert(4, f"--nproc={nproc}")
@@ -39,8 +40,11 @@ def _run(tiny_model_dir, run_dir, nproc, mode="replicate", cp=1, tp=1):
     if nproc > 1:
         layout = f"{nproc} processes = data parallel {nproc // cp // tp} ({mode}) x context parallel {cp}"
         assert layout + (f" x tensor parallel {tp}" if tp > 1 else "") in proc.stdout
-        split = mode == "fsdp" or tp > 1  # the trainer's weights read in slices, straight into the shards
+        # the trainer's weights read in slices, straight into the shards (LoRA: whole, adapted, then sharded)
+        lora = any(a.startswith("--model.lora_rank") for a in extra)
+        split = (mode == "fsdp" or tp > 1) and not lora
         assert ("strop: trainer weights: each rank reads only its own slices" in proc.stdout) == split
+        assert ("LoRA adds its adapters to the whole model" in proc.stdout) == (lora and mode == "fsdp")
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -204,3 +208,26 @@ def test_tensor_parallel_that_does_not_divide_the_kv_heads_fails_before_the_run_
         -2000:
     ]
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("mode", ["replicate", "fsdp"])
+def test_a_lora_run_on_2_processes_equals_one_process(tiny_model_dir, tmp_path, mode):
+    from safetensors.torch import load_file
+
+    lora = ["--model.lora_rank=4", "--model.lora_alpha=8", "--algo.kl_coef=0.1"]
+    one = _run(tiny_model_dir, tmp_path / "one", 1, extra=lora)
+    two = _run(tiny_model_dir, tmp_path / "two", 2, mode, extra=lora)
+    steps_one = [r for r in one if "reward_mean" in r]
+    steps_two = [r for r in two if "reward_mean" in r]
+    assert len(steps_one) == len(steps_two) == 2
+    for a, b in zip(steps_one, steps_two):
+        assert a["reward_mean"] == b["reward_mean"] and a["trained_samples"] == b["trained_samples"]
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 and abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * a["grad_norm"]
+        assert abs(a["kl_ref"] - b["kl_ref"]) <= 1e-6
+    assert steps_one[-1]["kl_ref"] > 0  # the adapters moved the policy off the base
+    # the adapter each run saved, whole, and equal
+    a1 = load_file(str(tmp_path / "one" / "final" / "adapter" / "adapter_model.safetensors"))
+    a2 = load_file(str(tmp_path / "two" / "final" / "adapter" / "adapter_model.safetensors"))
+    assert a1.keys() == a2.keys() and any("lora_B" in k and a1[k].abs().max() > 0 for k in a1)
+    assert all(a1[k].shape == a2[k].shape and (a1[k] - a2[k]).abs().max().item() <= 1e-6 for k in a1)

@@ -1,0 +1,125 @@
+"""vLLM's LoRA adapters loaded at run time, as a LoRA run's weight updates (``engine.sync=adapter``, strop.sync.adapter).
+
+Each version's adapter (a peft folder) is loaded as ``policy-v<version>`` (``/v1/load_lora_adapter``; the server
+runs with ``--enable-lora`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``) and every request names the newest. A
+new name per version: vLLM keys its prefix cache by adapter, so no prefix cached under an older adapter serves a
+newer one. A request in flight keeps the adapter it started with (its tokens carry that version); an older adapter
+is unloaded once no request of this client uses it. Each completion names the adapter that served it, which is
+checked, and the version the server holds is that of the adapter this client loaded last, if the server lists it
+(``/v1/models``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from strop.wire.errors import EngineRefusedError, EngineRequestError, EngineUnavailable, EngineVersionError
+
+ADAPTER_NAME = "policy-v"  # + the weight version: the name each adapter version is loaded and requested by
+LORA_FLAGS = "--enable-lora --max-lora-rank R --max-loras N --max-cpu-loras N"  # (and the environment below)
+LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True"
+
+
+def adapter_version(name: str, where: str) -> int:
+    """The weight version in an adapter's name (``policy-v<version>``)."""
+    if not name.startswith(ADAPTER_NAME) or not name[len(ADAPTER_NAME) :].isdigit():
+        raise EngineVersionError(f"{where}: served by {name!r}, not one of strop's adapters ({ADAPTER_NAME}<N>)")
+    return int(name[len(ADAPTER_NAME) :])
+
+
+class RuntimeAdapters:
+    """The adapter half of :class:`strop.engines.vllm.VLLMEngine` (its ``_call``, ``_http``, ``url`` and
+    ``timeout_s``)."""
+
+    def __init__(self):
+        self.lora = False  # weights arrive as LoRA adapters (engine.sync=adapter): versions are adapter names
+        self.adapter: str | None = None  # the newest adapter loaded: requests name it
+        self._adapters: dict[str, int] = {}  # every adapter this client loaded and has not unloaded: requests in flight
+
+    async def _adapter_completion(self, body: dict) -> tuple[dict, int]:
+        """``/v1/completions`` for ``body``, which names an adapter (``body["model"]``), kept loaded while the
+        request runs; the answer and the version of the adapter that served it."""
+        name = body["model"]
+        self._adapters[name] = self._adapters.get(name, 0) + 1
+        try:
+            out = await self._call("POST", "/v1/completions", json=body)
+        finally:
+            self._adapters[name] -= 1
+            await self._unload_idle()
+        served = out.get("model") if isinstance(out, dict) else None
+        if served != name:
+            raise EngineVersionError(f"{self.url}: asked for adapter {name!r}, the completion was served by {served!r}")
+        return out, adapter_version(name, self.url)
+
+    async def _adapter_held(self) -> int:
+        """The version of the adapter this client loaded last if the server lists it, else 0 (the base model: a
+        restarted server lists none, and before the first load there is none)."""
+        listed = self.adapter is not None and self.adapter in await self._listed()
+        return adapter_version(self.adapter, self.url) if listed else 0
+
+    async def load_adapter(self, path: str | Path, version: int, scaling: float | None = None, checksum=None) -> int:
+        """Load the peft adapter folder ``path`` as ``policy-v<version>`` (its scale is in its config; vLLM computes
+        no checksum strop can compare) and make it what requests name; unload older ones no request uses.
+        Returns ``version`` once the server lists the adapter (``/v1/models``)."""
+        name = f"{ADAPTER_NAME}{version}"
+        self.lora = True
+        try:  # (again after a restart: the server lists none of what this client loaded before)
+            await self._text("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
+        except EngineRefusedError as exc:
+            if "already been loaded" not in str(exc):
+                raise
+        self._adapters.setdefault(name, 0)
+        self.adapter = name
+        held = await self.get_weight_version()
+        if held != version:
+            raise EngineVersionError(f"{self.url}: asked to load adapter {name}, lists {ADAPTER_NAME}{held} newest")
+        await self._unload_idle()
+        return held
+
+    async def check_adapters(self) -> None:
+        """Refuse, saying how to start it, a server without runtime LoRA loading (asked to unload an adapter no
+        one loaded: vLLM answers that it cannot find it where the route exists)."""
+        try:
+            await self._text("/v1/unload_lora_adapter", {"lora_name": f"{ADAPTER_NAME}none"})
+        except EngineRefusedError:
+            pass
+        self.lora = True
+        for name in await self._listed():  # an earlier run's adapters: this run's versions start again at 1
+            if name.startswith(ADAPTER_NAME) and name not in self._adapters:
+                await self._text("/v1/unload_lora_adapter", {"lora_name": name})
+
+    async def _listed(self) -> list[str]:
+        """The names the server serves (``/v1/models``: the model, then each adapter loaded)."""
+        out = await self._call("GET", "/v1/models", timeout=10, retries=0)
+        try:
+            return [m["id"] for m in out["data"]]
+        except (KeyError, TypeError) as exc:
+            raise EngineVersionError(f"{self.url}: /v1/models lists no models ({exc!r}): {str(out)[:200]}") from None
+
+    async def _unload_idle(self) -> None:
+        """Unload every adapter older than the newest that no request of this client uses."""
+        for name in [n for n, inflight in self._adapters.items() if n != self.adapter and inflight <= 0]:
+            del self._adapters[name]
+            try:
+                await self._text("/v1/unload_lora_adapter", {"lora_name": name})
+            except (EngineRefusedError, EngineUnavailable):
+                pass  # (gone already, or the server is: nothing is served by it either way)
+
+    async def _text(self, path: str, body: dict) -> str:
+        """POST to one of vLLM's LoRA routes, which answer 200 with plain text; a 404 without the route says
+        how to start the server."""
+        import httpx
+
+        try:
+            r = await self._http().post(self.url + path, json=body, timeout=self.timeout_s)
+        except (httpx.TransportError, OSError) as exc:
+            raise EngineUnavailable(f"{self.url}{path}: {type(exc).__name__}: {exc}") from exc
+        if r.status_code == 404 and '"error"' not in r.text:  # (FastAPI's {"detail":"Not Found"}: no such route)
+            raise EngineRequestError(
+                f"{self.url}: no {path} route: start vLLM with {LORA_ENV} and {LORA_FLAGS}, or use "
+                "engine.sync=disk (the merged weights)"
+            )
+        if r.status_code >= 500:
+            raise EngineUnavailable(f"{self.url}{path}: HTTP {r.status_code}: {r.text[:300]}")
+        if r.status_code >= 400:
+            raise EngineRefusedError(f"{self.url}{path}: HTTP {r.status_code}: {r.text[:500]}", r.status_code)
+        return r.text
