@@ -176,6 +176,17 @@ RULES: tuple[Rule, ...] = (
         ),
     ),
     Rule(
+        "LoRA starts from the base weights",
+        lambda c: bool(c.model.lora_rank) and c.model.lora_init in ("pissa", "olora"),
+        lambda c: (
+            f"model.lora_init={c.model.lora_init!r} starts the adapters from the weights' own factors and subtracts "
+            "them from the base weights, so the base the trainer holds is no longer the model's: an adapter sent "
+            "alone (engine.sync=adapter) would be applied over the engines' unchanged base, the KL reference "
+            "(adapters off) would be the changed base, and the saved adapter would load only on it. Use "
+            "lora_init 'default' or 'gaussian'"
+        ),
+    ),
+    Rule(
         "LoRA has no critic",
         lambda c: bool(c.model.lora_rank) and c.algo.estimator == "ppo",
         lambda c: (

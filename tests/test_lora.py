@@ -18,8 +18,8 @@ from tests.test_trainer import make_samples
 pytest.importorskip("peft")
 
 
-def lora_trainer(model, rank=4, lr=1e-2, **algo):
-    section = build_config(overrides={"model": {"lora_rank": rank, "lora_alpha": 8}}).model
+def lora_trainer(model, rank=4, lr=1e-2, init="default", **algo):
+    section = build_config(overrides={"model": {"lora_rank": rank, "lora_alpha": 8, "lora_init": init}}).model
     train = TrainConfig(lr=lr, warmup_steps=0, micro_batch_size=8)
     algo = AlgoConfig(**algo)
     dp = SingleProcess("cpu")
@@ -65,6 +65,20 @@ def test_zero_initialised_adapters_leave_the_base_model_exactly(tiny_model):
     before = logprobs(copy.deepcopy(tiny_model), samples)
     trainer = lora_trainer(tiny_model)
     assert torch.equal(logprobs(trainer.model, samples), before)
+
+
+@pytest.mark.parametrize("init", ["default", "gaussian"])
+def test_lora_init_sets_how_a_starts_and_the_policy_still_starts_as_the_base(tiny_model, init):
+    samples = make_samples()
+    before = logprobs(copy.deepcopy(tiny_model), samples)
+    torch.manual_seed(0)
+    trainer = lora_trainer(tiny_model, rank=4, init=init)
+    assert torch.equal(logprobs(trainer.model, samples), before)  # B is zero either way
+    a = torch.cat([p.flatten() for n, p in trainer.model.named_parameters() if "lora_A" in n])
+    # gaussian: normal of std 1/rank = 0.25; default (Kaiming-uniform, a=sqrt(5)): uniform within 1/sqrt(in)
+    # = 1/sqrt(32), std 0.102
+    expected = 0.25 if init == "gaussian" else (1 / 32**0.5) / 3**0.5
+    assert abs(a.std().item() - expected) < 0.1 * expected, (init, a.std().item())
 
 
 def test_the_reference_is_the_base_with_adapters_off(tiny_model):

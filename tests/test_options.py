@@ -125,6 +125,7 @@ OPTIONS = [
     ("model.dtype", "Literal['float32', 'bfloat16']", "float32"),
     ("model.lora_alpha", "float", 32.0),
     ("model.lora_dropout", "float", 0.0),
+    ("model.lora_init", "Literal['default', 'gaussian', 'pissa', 'olora']", "default"),
     ("model.lora_rank", "int", 0),
     (
         "model.lora_target_modules",

@@ -42,6 +42,10 @@ CASES = {
         {"engine": {"kind": "sglang", "urls": ["http://127.0.0.1:1"], "sync": "adapter"}, "model": {"lora_rank": 8}},
         "engine.sync='adapter' sends LoRA adapters to strop serve (which merges them) or vLLM",
     ),
+    "LoRA starts from the base weights": (
+        {"model": {"lora_rank": 8, "lora_init": "pissa"}},
+        "model.lora_init='pissa' starts the adapters from the weights' own factors",
+    ),
     "LoRA has no critic": ({"model": {"lora_rank": 8}, "algo": {"estimator": "ppo"}}, "PPO's critic is a copy"),
     "a loaded teacher is not split by tensor parallel": (
         {"algo": {"distill_teacher": "teacher"}, "parallel": {"tensor_parallel_size": 2}},

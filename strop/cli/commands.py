@@ -25,7 +25,7 @@ def _export(args) -> int:
     from strop.train.lora import add_adapters
 
     def adapt(model, m):  # a LoRA run's adapters, to load them and merge them
-        return add_adapters(model, m.lora_rank, m.lora_alpha, m.lora_dropout, list(m.lora_target_modules))
+        return add_adapters(model, m.lora_rank, m.lora_alpha, m.lora_dropout, list(m.lora_target_modules), m.lora_init)
 
     try:
         print(f"strop: exported to {export_policy(Path(args.checkpoint), Path(args.out), adapt)}")

@@ -58,7 +58,7 @@ class VLLMEngine(RuntimeAdapters, SGLangEngine):
 
     def __init__(self, url: str, *, model: str | None = None, **kw):
         super().__init__(url, **kw)
-        RuntimeAdapters.__init__(self)
+        self._start_adapters()
         self.model = model
         self._pause_mode = None
 

@@ -30,7 +30,8 @@ class RuntimeAdapters:
     """The adapter half of :class:`strop.engines.vllm.VLLMEngine` (its ``_call``, ``_http``, ``url`` and
     ``timeout_s``)."""
 
-    def __init__(self):
+    def _start_adapters(self) -> None:
+        """(called by the engine's __init__)"""
         self.lora = False  # weights arrive as LoRA adapters (engine.sync=adapter): versions are adapter names
         self.adapter: str | None = None  # the newest adapter loaded: requests name it
         self._adapters: dict[str, int] = {}  # every adapter this client loaded and has not unloaded: requests in flight

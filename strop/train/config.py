@@ -53,6 +53,12 @@ class ModelConfig(Section):
         default_factory=lambda: list(LORA_TARGETS),
         description="LoRA: the linear layers that get adapters, by name (default: every linear of attention and MLP)",
     )
+    lora_init: Literal["default", "gaussian", "pissa", "olora"] = Field(
+        "default",
+        description="LoRA: how A starts ('default': Kaiming-uniform, 'gaussian': normal of std 1/rank; B starts at "
+        "zero, so the policy starts as the base). 'pissa' and 'olora' start from the weights' own factors and "
+        "move the base weights to keep the sum: refused, naming why (docs/lora.md)",
+    )
 
     def load_options(self) -> dict:
         """The keyword arguments of strop.models' loaders (load_model, load_tokenizer, load_config, meta_model)."""

@@ -27,6 +27,7 @@ from strop.parallel.fsdp import full_weights
 from strop.wire.lora import adapter_tensors, merge
 
 ADAPTER = "default"  # peft's name for a model's one adapter
+INITS = {"default": True, "gaussian": "gaussian"}  # model.lora_init -> peft's init_lora_weights (B zero in both)
 
 
 class MergedWeights(dict):
@@ -159,10 +160,16 @@ class Adapters:
         return Path(path)
 
 
-def add_adapters(model: nn.Module, rank: int, alpha: float, dropout: float, targets: list[str]) -> Adapters:
+def add_adapters(
+    model: nn.Module, rank: int, alpha: float, dropout: float, targets: list[str], init: str = "default"
+) -> Adapters:
     """LoRA adapters of ``rank`` on the linear layers named ``targets`` of ``model`` (changed in place: its
     linears become peft's LoRA layers, its other parameters frozen). B starts at zero: the adapted model's
-    outputs equal the base model's until the first optimizer step."""
+    outputs equal the base model's until the first optimizer step. ``init``: how A starts, peft's
+    ``init_lora_weights`` ('default': True, Kaiming-uniform; 'gaussian'); the ones that move the base weights
+    are refused (strop.rules)."""
+    if init not in INITS:
+        raise ValueError(f"model.lora_init={init!r}: strop trains LoRA adapters initialised as one of {sorted(INITS)}")
     peft = _peft()
     found = {name.rpartition(".")[2] for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     missing = sorted(set(targets) - found)
@@ -172,7 +179,13 @@ def add_adapters(model: nn.Module, rank: int, alpha: float, dropout: float, targ
             f"(its linear layers: {sorted(found)})"
         )
     config = peft.LoraConfig(
-        r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(targets), bias="none", task_type="CAUSAL_LM"
+        r=rank,
+        lora_alpha=alpha,
+        lora_dropout=dropout,
+        target_modules=list(targets),
+        bias="none",
+        task_type="CAUSAL_LM",
+        init_lora_weights=INITS[init],
     )
     with warnings.catch_warnings():  # peft asks transformers by a name transformers 5 deprecates
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)

@@ -89,7 +89,7 @@ def build_modules(
             load_shards(model, weights_path, device)
             meta = False
         adapters = add_adapters(
-            model, lora.lora_rank, lora.lora_alpha, lora.lora_dropout, list(lora.lora_target_modules)
+            model, lora.lora_rank, lora.lora_alpha, lora.lora_dropout, list(lora.lora_target_modules), lora.lora_init
         )
         model = adapters.model
     out = Modules(model=(model if meta else model.to(device)).train(), policy=None, adapters=adapters)

@@ -101,3 +101,46 @@ def test_a_lora_run_into_strop_serve_sends_the_adapter_alone(tiny_model_dir, tmp
     assert all(0 < r["weight_sync_fraction"] < 0.05 for r in steps), [r["weight_sync_fraction"] for r in steps]
     # and the server decodes exactly the trainer's merged weights (its logprobs are the trainer's)
     assert all(r["train_rollout_logprob_abs_diff"] < 1e-4 for r in steps)
+
+
+@pytest.mark.timeout(300)
+def test_every_replica_behind_the_router_gets_every_adapter(tiny_model_dir, tmp_path):
+    from strop.engines.health import HEALTHY
+    from strop.engines.router import Router
+    from strop.sync.adapter import AdapterSync
+    from strop.train.lora import add_adapters
+    from tests.tiny import make_tiny_model
+
+    adapters = add_adapters(make_tiny_model(), 2, 4, 0.0, ["q_proj", "v_proj"])
+    weights_dir = tmp_path / "weights"
+    servers = [
+        LocalServer(str(tiny_model_dir), free_port(), ["--threads=1", f"--weights-dir={weights_dir}"]).start()
+        for _ in range(2)
+    ]
+    try:
+        for s in servers:
+            s.wait_healthy(120)
+
+        async def go():
+            clients = [SGLangEngine(s.url, require_checksum=True) for s in servers]
+            router = Router(clients, sync=AdapterSync(WeightWriter(weights_dir), keep=3))
+            try:
+                for version in (1, 2):
+                    with torch.no_grad():
+                        for name, p in adapters.model.named_parameters():
+                            if "lora_B" in name:
+                                p.normal_(0, 0.1)
+                    weights = adapters.merged_weights()
+                    assert await router.update_weights(weights, version) == version
+                    # both merged it (each checked its checksum against the trainer's merged weights)
+                    assert router.state == [HEALTHY, HEALTHY]
+                    assert [await c.get_weight_version() for c in clients] == [version, version]
+                    adapter_bytes = sum(t.numel() * t.element_size() for t in weights.adapter.values())
+                    assert router.bytes_sent == 2 * adapter_bytes
+            finally:
+                await router.close()
+
+        asyncio.run(go())
+    finally:
+        for s in servers:
+            s.stop()
