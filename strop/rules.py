@@ -16,12 +16,11 @@ from typing import Callable
 from strop.algo.config import GROUP_ESTIMATORS, OFF_POLICY_CORRECTIONS
 
 
-# why LoRA is refused beside tensor / context parallel (here and in strop.train.modules)
+# why LoRA is refused beside tensor parallel (here and in strop.train.modules)
 LORA_NOT_SPLIT = (
-    "LoRA adapters train on data-parallel ranks only (parallel.dp_mode 'replicate' or 'fsdp'). Tensor "
+    "LoRA adapters train on data-parallel and context-parallel ranks, not tensor-parallel ones: tensor "
     "parallel splits the named linear layers, which LoRA has wrapped in adapter layers whose A and B "
-    "matrices it does not split; context parallel is not verified with LoRA. Use "
-    "tensor_parallel_size=1 and context_parallel_size=1, or full fine-tuning (model.lora_rank=0)"
+    "matrices it does not split. Use tensor_parallel_size=1, or full fine-tuning (model.lora_rank=0)"
 )
 
 
@@ -156,14 +155,11 @@ RULES: tuple[Rule, ...] = (
         ),
     ),
     Rule(
-        "LoRA trains on data-parallel ranks only",
-        lambda c: (
-            bool(c.model.lora_rank) and (c.parallel.tensor_parallel_size > 1 or c.parallel.context_parallel_size > 1)
-        ),
+        "LoRA is not split by tensor parallel",
+        lambda c: bool(c.model.lora_rank) and c.parallel.tensor_parallel_size > 1,
         lambda c: (
             f"model.lora_rank={c.model.lora_rank} with parallel.tensor_parallel_size="
-            f"{c.parallel.tensor_parallel_size} and context_parallel_size={c.parallel.context_parallel_size}: "
-            f"{LORA_NOT_SPLIT}"
+            f"{c.parallel.tensor_parallel_size}: {LORA_NOT_SPLIT}"
         ),
     ),
     Rule(

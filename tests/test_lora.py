@@ -186,20 +186,18 @@ print(json.dumps([float((a - m).abs().max()), float((a - b).abs().max())]))
     assert adapted_vs_merged < 1e-5 and adapted_vs_base > 1e-4  # the adapter is what trained, and it moved
 
 
-@pytest.mark.parametrize("split", ["tp_size", "cp_size"])
-def test_lora_beside_tensor_or_context_parallel_is_refused_naming_them(tiny_model, split):
-    """Data-parallel ranks train LoRA (tests/distributed/test_lora_dp.py); tensor and context parallel do not."""
+def test_lora_beside_tensor_parallel_is_refused_naming_it(tiny_model):
+    """Data- and context-parallel ranks train LoRA (tests/distributed/test_lora_dp.py, test_nproc.py); tensor
+    parallel does not."""
 
     class Split(SingleProcess):
-        processes = 2
+        processes, tp_size = 2, 2
 
     strategy = Split("cpu")
-    setattr(strategy, split, 2)
     section = build_config(overrides={"model": {"lora_rank": 4}}).model
-    tp, cp = (2, 1) if split == "tp_size" else (1, 2)
     with pytest.raises(
         ValueError,
-        match=rf"model.lora_rank=4: this run has tensor parallel {tp} and context parallel {cp}: LoRA adapters train on data-parallel ranks only",
+        match=r"model.lora_rank=4: this run has tensor parallel 2: LoRA adapters train on data-parallel and context",
     ):
         build_modules(tiny_model, strategy, AlgoConfig(), TrainConfig(), lora=section)
 

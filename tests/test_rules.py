@@ -34,9 +34,9 @@ CASES = {
         {"algo": {"distill_teacher_url": "http://127.0.0.1:1"}},
         "scored at rollout.temperature=0.8",
     ),
-    "LoRA trains on data-parallel ranks only": (
+    "LoRA is not split by tensor parallel": (
         {"model": {"lora_rank": 8}, "parallel": {"tensor_parallel_size": 2}},
-        "model.lora_rank=8 with parallel.tensor_parallel_size=2 and context_parallel_size=1: LoRA adapters train",
+        "model.lora_rank=8 with parallel.tensor_parallel_size=2: LoRA adapters train on data-parallel and context",
     ),
     "adapter updates need LoRA and strop serve or vLLM": (
         {"engine": {"kind": "sglang", "urls": ["http://127.0.0.1:1"], "sync": "adapter"}, "model": {"lora_rank": 8}},
@@ -169,8 +169,9 @@ def test_the_defaults_break_no_rule():
 
 
 @pytest.mark.parametrize("dp_mode", ["replicate", "fsdp"])
-def test_lora_on_data_parallel_ranks_breaks_no_rule_and_beside_context_parallel_does(dp_mode):
+def test_lora_on_data_and_context_parallel_ranks_breaks_no_rule_and_beside_tensor_parallel_does(dp_mode):
     lora = {"model": {"lora_rank": 8}}
-    assert not [r.name for r in RULES if r.broken(build_config(overrides={**lora, "parallel": {"dp_mode": dp_mode}}))]
-    beside_cp = _unchecked({**lora, "parallel": {"dp_mode": dp_mode, "context_parallel_size": 2}})
-    assert [r.name for r in RULES if r.broken(beside_cp)] == ["LoRA trains on data-parallel ranks only"]
+    for split in ({"dp_mode": dp_mode}, {"dp_mode": dp_mode, "context_parallel_size": 2}):
+        assert not [r.name for r in RULES if r.broken(build_config(overrides={**lora, "parallel": split}))]
+    beside_tp = _unchecked({**lora, "parallel": {"dp_mode": dp_mode, "tensor_parallel_size": 2}})
+    assert [r.name for r in RULES if r.broken(beside_tp)] == ["LoRA is not split by tensor parallel"]

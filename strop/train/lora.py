@@ -9,7 +9,8 @@ peft's own format, while its base weights stay frozen.
   along for strop serve (strop.sync.adapter).
 - Over several processes: the adapters are added to the whole model before it is split, so data parallel
   replicates them (their gradients summed) or FSDP shards them with the base weights they adapt; merging is
-  then a collective (:meth:`Adapters.merged_weights`). Tensor and context parallel are refused (strop.rules).
+  then a collective (:meth:`Adapters.merged_weights`). Context parallel splits sequences, not layers: it
+  needs nothing here. Tensor parallel is refused (strop.rules).
 - What is saved: the adapter as peft saves it (``adapter_config.json``, ``adapter_model.safetensors``), which
   ``peft.PeftModel.from_pretrained`` loads on the base model (:meth:`Adapters.save`).
 """

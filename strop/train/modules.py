@@ -78,10 +78,9 @@ def build_modules(
 
     adapters = None
     if lora_on:
-        if strategy.tp_size > 1 or strategy.cp_size > 1:  # (the config's rules refuse both first)
+        if strategy.tp_size > 1:  # (the config's rules refuse it first)
             raise ValueError(
-                f"model.lora_rank={lora.lora_rank}: this run has tensor parallel {strategy.tp_size} and context "
-                f"parallel {strategy.cp_size}: {LORA_NOT_SPLIT}"
+                f"model.lora_rank={lora.lora_rank}: this run has tensor parallel {strategy.tp_size}: {LORA_NOT_SPLIT}"
             )
         if algo.estimator == "ppo":  # (the config's rules refuse it first)
             raise ValueError("LoRA adapters go on a model without a critic")

@@ -231,3 +231,15 @@ def test_a_lora_run_on_2_processes_equals_one_process(tiny_model_dir, tmp_path, 
     a2 = load_file(str(tmp_path / "two" / "final" / "adapter" / "adapter_model.safetensors"))
     assert a1.keys() == a2.keys() and any("lora_B" in k and a1[k].abs().max() > 0 for k in a1)
     assert all(a1[k].shape == a2[k].shape and (a1[k] - a2[k]).abs().max().item() <= 1e-6 for k in a1)
+
+
+@pytest.mark.timeout(400)
+def test_a_lora_run_with_context_parallel_2_equals_one_process(tiny_model_dir, tmp_path):
+    lora = ["--model.lora_rank=4", "--model.lora_alpha=8", "--algo.kl_coef=0.1"]
+    one = [r for r in _run(tiny_model_dir, tmp_path / "one", 1, extra=lora) if "reward_mean" in r]
+    two = [r for r in _run(tiny_model_dir, tmp_path / "two", 2, "replicate", cp=2, extra=lora) if "reward_mean" in r]
+    assert len(one) == len(two) == 2 and one[-1]["kl_ref"] > 0
+    for a, b in zip(one, two):
+        assert a["reward_mean"] == b["reward_mean"] and a["trained_samples"] == b["trained_samples"]
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 and abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * a["grad_norm"]
+        assert abs(a["kl_ref"] - b["kl_ref"]) <= 1e-6
