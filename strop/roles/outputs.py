@@ -22,6 +22,7 @@ STEP_LINE = (
     ("reward_mean", "reward {:.3f}"),
     ("accuracy", "accuracy {:.1%}"),
     ("response_length_mean", "length {:.1f}"),
+    ("weight_sync_fraction", "weights sent {:.1%} of a full update"),  # (delta and adapter updates)
 )
 
 

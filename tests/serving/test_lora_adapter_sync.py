@@ -99,6 +99,11 @@ def test_a_lora_run_into_strop_serve_sends_the_adapter_alone(tiny_model_dir, tmp
     assert len(steps) == 3 and steps[-1]["kl_ref"] > 0
     # the adapter alone moved: a few percent of the merged model's bytes, every step
     assert all(0 < r["weight_sync_fraction"] < 0.05 for r in steps), [r["weight_sync_fraction"] for r in steps]
+    log = (tmp_path / "run" / "run.log").read_text()  # and each step's line says so
+    for r in steps:
+        assert (
+            f"strop: step {r['step']}/3, " in log and f"weights sent {r['weight_sync_fraction']:.1%} of a full" in log
+        )
     # and the server decodes exactly the trainer's merged weights (its logprobs are the trainer's)
     assert all(r["train_rollout_logprob_abs_diff"] < 1e-4 for r in steps)
 
