@@ -302,17 +302,26 @@ def _run_ranks(
     }
 
 
+def engine_args(cfg, run_dir: str) -> tuple[list[str], dict[str, str]]:
+    """The flags and environment of each engine server the run launches: the model's loading options, a LoRA
+    run's adapter settings for vLLM (it loads each version's adapter), strop serve's weights folder, then the
+    user's engine.launch_args and engine.launch_env."""
+    e = cfg.engine
+    args, env = [*model_flags(e.kind, cfg.model), *e.launch_args], dict(e.launch_env)
+    if e.kind == "vllm" and cfg.model.lora_rank and e.sync in ("auto", "adapter"):
+        lora_args, lora_env = vllm_lora_args(cfg.model.lora_rank, adapter_slots(cfg.rollout))
+        args, env = [*lora_args, *args], lora_env | env
+    if e.kind == "strop":  # the one folder its /update_weights_from_disk may read
+        args.append(f"--weights-dir={Path(e.sync_dir or Path(run_dir) / 'weights').resolve()}")
+    return args, env
+
+
 def start_engines(ray, cfg, plan: Plan, pg, token: str, run_dir: str, cwd: str, marker: str) -> tuple[list, list]:
     """One actor per engine, each serving on its node; Ray restarts one that dies (``cluster.engine_restarts``
     times) on the same port, where the router finds it again. Returns the actors and where each runs
     (node, pid, URL, server pid), once every one is healthy."""
     e = cfg.engine
-    args, env = [*model_flags(e.kind, cfg.model), *e.launch_args], dict(e.launch_env)
-    if e.kind == "vllm" and cfg.model.lora_rank and e.sync in ("auto", "adapter"):  # it loads each adapter version
-        lora_args, lora_env = vllm_lora_args(cfg.model.lora_rank, adapter_slots(cfg.rollout))
-        args, env = [*lora_args, *args], lora_env | env
-    if e.kind == "strop":  # the one folder its /update_weights_from_disk may read
-        args.append(f"--weights-dir={Path(e.sync_dir or Path(run_dir) / 'weights').resolve()}")
+    args, env = engine_args(cfg, run_dir)
     model = cfg.model.path
     if e.kind != "strop":  # (strop serve resolves it itself; vLLM and SGLang need a folder or a hub id)
         model = resolve_model_path(model, cfg.model.revision)

@@ -85,3 +85,37 @@ def test_an_actor_that_lands_off_the_plan_stops_the_launch_naming_it():
         _check_plan(plan, [ranks[0], {"node": engine_node}], [{"node": engine_node}])
     with pytest.raises(ClusterError, match=f"engine 0 runs on node {ranks[0]['node']}"):
         _check_plan(plan, ranks, [{"node": ranks[0]["node"]}])
+
+
+@pytest.mark.parametrize("mode,slots", [("sync", 2), ("one_step_off", 3), ("async", 5)])
+def test_a_lora_run_launches_vllm_with_runtime_adapters_and_a_slot_for_every_version_in_flight(tmp_path, mode, slots):
+    from strop.cluster.ray_cluster import engine_args
+    from strop.config import build_config
+
+    def config(**engine):
+        return build_config(
+            overrides={
+                "model": {"lora_rank": 12},
+                "engine": {"kind": "vllm", "launch": 1, **engine},
+                "cluster": {"launcher": "ray"},
+                "rollout": {"mode": mode, "max_staleness": 3},
+                "algo": {"off_policy_correction": "icepop"},
+            }
+        )
+
+    args, env = engine_args(config(launch_args=["--seed=1"]), str(tmp_path))
+    # rank 12 rounds up to vLLM's 16; every adapter a rollout may still use has a slot, in a batch and cached
+    assert args[:8] == [
+        "--enable-lora",
+        "--max-lora-rank",
+        "16",
+        "--max-loras",
+        str(slots),
+        "--max-cpu-loras",
+        str(slots),
+        "--seed=1",
+    ]
+    assert env == {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+    # the merged weights by another transport: no adapter settings
+    args, env = engine_args(config(sync="disk"), str(tmp_path))
+    assert "--enable-lora" not in args and env == {}
