@@ -43,9 +43,11 @@ ROUTES = {
     "CheckWeightsReqInput": "/weights_checker",
     "GenerateReqInput": "/generate",
     "AbortReq": "/abort_request",
+    "LoadLoRAAdapterReqInput": "/load_lora_adapter",
+    "UnloadLoRAAdapterReqInput": "/unload_lora_adapter",
 }
 # GenerateReqInput has ~60 fields; only those strop's /generate body carries are pinned.
-GENERATE_FIELDS = ("rid", "input_ids", "sampling_params", "return_logprob", "logprob_start_len")
+GENERATE_FIELDS = ("rid", "input_ids", "sampling_params", "return_logprob", "logprob_start_len", "lora_path")
 ROUTE_DECORATORS = {"get", "post", "put", "delete", "api_route"}
 
 

@@ -163,12 +163,12 @@ RULES: tuple[Rule, ...] = (
         ),
     ),
     Rule(
-        "adapter updates need LoRA and strop serve or vLLM",
-        lambda c: c.engine.sync == "adapter" and (not c.model.lora_rank or c.engine.kind not in ("strop", "vllm")),
+        "adapter updates need LoRA and a server",
+        lambda c: c.engine.sync == "adapter" and (not c.model.lora_rank or c.engine.kind == "embedded"),
         lambda c: (
-            f"engine.sync='adapter' sends LoRA adapters to strop serve (which merges them) or vLLM (which loads "
-            f"them at run time): it needs model.lora_rank > 0 (it is {c.model.lora_rank}) and engine.kind 'strop' "
-            f"or 'vllm' (it is {c.engine.kind!r}); SGLang takes the merged weights (engine.sync=auto)"
+            f"engine.sync='adapter' sends LoRA adapters to servers (strop serve merges them, vLLM and SGLang load "
+            f"them at run time): it needs model.lora_rank > 0 (it is {c.model.lora_rank}) and engine.kind 'strop', "
+            f"'vllm' or 'sglang' (it is {c.engine.kind!r}); the embedded engine takes the merged weights"
         ),
     ),
     Rule(

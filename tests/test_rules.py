@@ -38,9 +38,9 @@ CASES = {
         {"model": {"lora_rank": 8}, "parallel": {"tensor_parallel_size": 2}},
         "model.lora_rank=8 with parallel.tensor_parallel_size=2: LoRA adapters train on data-parallel and context",
     ),
-    "adapter updates need LoRA and strop serve or vLLM": (
-        {"engine": {"kind": "sglang", "urls": ["http://127.0.0.1:1"], "sync": "adapter"}, "model": {"lora_rank": 8}},
-        "engine.sync='adapter' sends LoRA adapters to strop serve (which merges them) or vLLM",
+    "adapter updates need LoRA and a server": (
+        {"engine": {"kind": "sglang", "urls": ["http://127.0.0.1:1"], "sync": "adapter"}},
+        "engine.sync='adapter' sends LoRA adapters to servers (strop serve merges them, vLLM and SGLang load them",
     ),
     "LoRA starts from the base weights": (
         {"model": {"lora_rank": 8, "lora_init": "pissa"}},

@@ -29,7 +29,7 @@ from typing import Callable
 
 from strop.cluster.placement import Node, Plan, PlacementError, plan_placement
 from strop.cluster.ray_actors import ClusterError, EngineServer, TrainerRank, free_port_here
-from strop.engines.launch import LocalServer, adapter_slots, model_flags, vllm_lora_args
+from strop.engines.launch import LocalServer, adapter_slots, model_flags, sglang_lora_args, vllm_lora_args
 from strop.config import secret_fields
 from strop.models import resolve_model_path
 from strop.process import free_port
@@ -304,13 +304,16 @@ def _run_ranks(
 
 def engine_args(cfg, run_dir: str) -> tuple[list[str], dict[str, str]]:
     """The flags and environment of each engine server the run launches: the model's loading options, a LoRA
-    run's adapter settings for vLLM (it loads each version's adapter), strop serve's weights folder, then the
-    user's engine.launch_args and engine.launch_env."""
+    run's adapter settings for vLLM and SGLang (they load each version's adapter), strop serve's weights folder,
+    then the user's engine.launch_args and engine.launch_env."""
     e = cfg.engine
     args, env = [*model_flags(e.kind, cfg.model), *e.launch_args], dict(e.launch_env)
-    if e.kind == "vllm" and cfg.model.lora_rank and e.sync in ("auto", "adapter"):
-        lora_args, lora_env = vllm_lora_args(cfg.model.lora_rank, adapter_slots(cfg.rollout))
+    lora, slots = cfg.model.lora_rank and e.sync in ("auto", "adapter"), adapter_slots(cfg.rollout)
+    if lora and e.kind == "vllm":
+        lora_args, lora_env = vllm_lora_args(cfg.model.lora_rank, slots)
         args, env = [*lora_args, *args], lora_env | env
+    elif lora and e.kind == "sglang":
+        args = [*sglang_lora_args(cfg.model.lora_rank, slots, list(cfg.model.lora_target_modules)), *args]
     if e.kind == "strop":  # the one folder its /update_weights_from_disk may read
         args.append(f"--weights-dir={Path(e.sync_dir or Path(run_dir) / 'weights').resolve()}")
     return args, env

@@ -97,10 +97,10 @@ class EngineConfig(Section):
         description="how new weights reach remote engines: 'broadcast' (a process group of the trainer's "
         "rank 0 and the servers, through SGLang's update_weights_from_distributed; vLLM through strop's worker "
         "extension), 'disk' (safetensors written atomically and reloaded), 'delta' (through disk, only the tensors "
-        "that changed, each checked by its digest; kind strop), 'adapter' (model.lora_rank > 0, kind strop or vllm: "
-        "each version's LoRA adapter alone, merged by strop serve, loaded at run time by vLLM; docs/lora.md). "
-        "'auto': the adapter for LoRA into strop serve or vLLM, else broadcast where the engine takes it, disk "
-        "otherwise; the run prints which and why",
+        "that changed, each checked by its digest; kind strop), 'adapter' (model.lora_rank > 0: each version's "
+        "LoRA adapter alone, merged by strop serve, loaded at run time by vLLM and SGLang; docs/lora.md). "
+        "'auto': the adapter for LoRA, else broadcast where the engine takes it, disk otherwise; the run prints "
+        "which and why",
     )
     sync_bucket_bytes: int = Field(
         64 << 20,

@@ -199,6 +199,24 @@ def vllm_lora_args(rank: int, slots: int) -> tuple[list[str], dict[str, str]]:
     return args, {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
 
 
+def sglang_lora_args(rank: int, slots: int, targets: list[str]) -> list[str]:
+    """The flags of an SGLang server (0.5.23) that loads a LoRA run's adapters at run time: rank ``rank`` on the
+    modules ``targets``, and ``slots`` adapters loaded at once, each of them in a running batch (which counts
+    requests of the base model too)."""
+    n = str(slots)
+    return [
+        "--enable-lora",
+        "--max-lora-rank",
+        str(rank),
+        "--lora-target-modules",
+        *targets,
+        "--max-loaded-loras",
+        n,
+        "--max-loras-per-batch",
+        str(slots + 1),
+    ]
+
+
 def launch_servers(
     n: int, model_path: str, *, args: list[str] = (), token: str | None = None, timeout_s: float = 180.0
 ) -> list[LocalServer]:

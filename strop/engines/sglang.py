@@ -9,10 +9,12 @@ timeouts as every HTTP client's (:class:`strop.engines.http.HTTPEngine`). Weight
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import re
 import uuid
 from pathlib import Path
 
+from strop.engines.adapters import SGLangAdapters
 from strop.engines.http import HTTPEngine
 from strop.sync.disk import WeightWriter
 from strop.types import Completion, SamplingParams
@@ -37,7 +39,7 @@ def _release(version: str) -> tuple[int, ...]:
     )
 
 
-class SGLangEngine(HTTPEngine):
+class SGLangEngine(SGLangAdapters, HTTPEngine):
     """An SGLang (or ``strop serve``) server at ``url`` as an Engine."""
 
     def __init__(
@@ -60,6 +62,7 @@ class SGLangEngine(HTTPEngine):
         self.weight_version = 0  # the version the engine last reported holding (never a count kept here)
         self.group_ranks = 1  # ranks the server joins a weight-update group with (SGLang: one per TP worker)
         self._session_checksum = None  # strop serve's receipt of the last update session
+        self._start_adapters()
 
     def __repr__(self) -> str:
         return f"SGLangEngine({self.url})"
@@ -85,8 +88,10 @@ class SGLangEngine(HTTPEngine):
             "return_logprob": True,
             "rid": request_id or uuid.uuid4().hex,
         }
-        out = await self._call("POST", "/generate", json=body)
-        return parse_generate(out, self.url)
+        if self.adapter is None:
+            return parse_generate(await self._call("POST", "/generate", json=body), self.url)
+        out, version = await self._adapter_request("/generate", body)
+        return dataclasses.replace(parse_generate(out, self.url), weight_version=version)  # (its meta: the base's)
 
     async def score(self, ids: list[int]) -> list[float]:
         """The engine's logprob of each token of ``ids`` after the first, given the ones before it (SGLang's
@@ -98,7 +103,10 @@ class SGLangEngine(HTTPEngine):
             "rid": uuid.uuid4().hex,
             "sampling_params": {"max_new_tokens": 1, "temperature": 1.0},
         }
-        out = await self._call("POST", "/generate", json=body)
+        if self.adapter is None:
+            out = await self._call("POST", "/generate", json=body)
+        else:
+            out, _ = await self._adapter_request("/generate", body)
         try:
             entries = out["meta_info"]["input_token_logprobs"]
             scored = [float(e[0]) for e in entries if e[0] is not None]
@@ -126,7 +134,11 @@ class SGLangEngine(HTTPEngine):
 
     async def get_weight_version(self) -> int:
         """The version the engine reports holding: ``GET /model_info`` (SGLang 0.5.23 has no other route),
-        or ``GET /get_weight_version`` on servers without it (older SGLang and strop serve)."""
+        or ``GET /get_weight_version`` on servers without it (older SGLang and strop serve). With adapters loaded
+        at run time: the version of the newest, if the server lists it (strop.engines.adapters)."""
+        if self.lora:
+            self.weight_version = await self._adapter_held()
+            return self.weight_version
         try:
             out = await self._call("GET", "/model_info", timeout=10, retries=0)
         except EngineRequestError as exc:
@@ -170,7 +182,9 @@ class SGLangEngine(HTTPEngine):
     async def load_adapter(self, path: str | Path, version: int, scaling: float, checksum: str) -> int:
         """strop serve: merge the LoRA adapter at ``path`` (strop.wire.lora) as ``version``; return the version it
         then reports. Receipt: the checksum of the weights it merged must be the trainer's, and the version
-        ``version``."""
+        ``version``. SGLang (no checksum required): loaded at run time, and requests name it."""
+        if not self.require_checksum:
+            return await self.load_runtime_adapter(path, version)
         body = {"lora_name": f"policy-v{version}", "lora_path": str(path), "scaling": scaling}
         out = await self._call("POST", "/load_lora_adapter", json=body | {"weight_version": version}, retries=1)
         if not out.get("success", False):

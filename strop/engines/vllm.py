@@ -15,7 +15,7 @@ labelled with its version (``/update_weight_version``) and the label read back
 restarted server says ``"default"`` (its initial weights), whatever strop loaded before.
 
 LoRA (``engine.sync=adapter``): each version's adapter is loaded at run time under its own name and requests
-name it (:mod:`strop.engines.vllm_adapters`).
+name it (:mod:`strop.engines.adapters`).
 
 Broadcast (``engine.sync=broadcast``): strop's worker extension (:mod:`strop.serving.vllm_worker`,
 loaded with ``--worker-extension-cls``) joins a torch.distributed group with the trainer and receives
@@ -32,8 +32,8 @@ import json
 import math
 from pathlib import Path
 
+from strop.engines.adapters import VLLMAdapters
 from strop.engines.sglang import SGLangEngine
-from strop.engines.vllm_adapters import RuntimeAdapters
 from strop.types import Completion, SamplingParams
 from strop.wire.errors import (
     EngineReceiptError,
@@ -49,7 +49,7 @@ NO_EXTENSION_FALLBACK = f"start vLLM with --worker-extension-cls {EXTENSION}, or
 PAUSE_MODES = ("abort", "wait", "keep")
 
 
-class VLLMEngine(RuntimeAdapters, SGLangEngine):
+class VLLMEngine(VLLMAdapters, SGLangEngine):
     """A vLLM OpenAI-compatible server at ``url`` (pooled connections, retries and timeouts as
     :class:`SGLangEngine`)."""
 
@@ -58,7 +58,6 @@ class VLLMEngine(RuntimeAdapters, SGLangEngine):
 
     def __init__(self, url: str, *, model: str | None = None, **kw):
         super().__init__(url, **kw)
-        self._start_adapters()
         self.model = model
         self._pause_mode = None
 
@@ -94,7 +93,7 @@ class VLLMEngine(RuntimeAdapters, SGLangEngine):
         if sampling.seed is not None:  # (a per-request seed needs --max-num-batched-tokens large enough on CPU)
             body["seed"] = sampling.seed
         if self.adapter is not None:  # (the completion names the adapter, whose name gives the version)
-            out, version = await self._adapter_completion(body)
+            out, version = await self._adapter_request("/v1/completions", body)
         else:  # vLLM's completions carry no weight version: stamped with the one the server last reported holding
             version = self.weight_version  # when the request left (read back after every load, and by the probes)
             out = await self._call("POST", "/v1/completions", json=body)

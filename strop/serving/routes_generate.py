@@ -88,6 +88,7 @@ class GenerateBody(StrictBody):
     rid: Rid | list[Rid] | None = None
     stream: bool = False
     log_metrics: bool = True
+    lora_path: str | None = Field(None, description="SGLang's: the adapter to decode with, by name: the one merged")
 
 
 class AbortBody(StrictBody):
@@ -143,6 +144,12 @@ async def generate(body: GenerateBody, request: Request):
         )
     if (body.text is None) == (body.input_ids is None):
         raise HTTPException(status_code=400, detail="give exactly one of text and input_ids")
+    if body.lora_path is not None and body.lora_path != svc.lora_name:  # (one adapter at a time: merged)
+        raise HTTPException(
+            status_code=400,
+            detail=f"lora_path {body.lora_path[:100]!r} is not the adapter this server decodes with "
+            f"({svc.lora_name!r}): strop serve merges one adapter at a time, the one loaded last",
+        )
     batched = isinstance(body.text, list) or bool(body.input_ids and isinstance(body.input_ids[0], list))
     if body.text is not None:
         prompts = [svc.encode(t) for t in (body.text if batched else [body.text])]

@@ -7,8 +7,11 @@ strop.wire.lora), and strop's own: ``scaling`` (``lora_alpha / lora_rank``; else
 ``adapter_config.json``) and ``weight_version``. Each adapted weight becomes ``base + scaling
 B A`` (strop.wire.lora.merge, the trainer's own formula), where ``base`` is that weight as it was before the
 first adapter was merged (a full weight update resets it). The answer carries the checksum of the merged
-weights: the trainer compares it with its own. Requests need not name the adapter: every request decodes the
-newest merged weights, whose version each completion reports."""
+weights: the trainer compares it with its own, and ``loaded_adapters`` (SGLang's answer). Requests need not name
+the adapter: every request decodes the newest merged weights, whose version each completion reports. A client
+speaking SGLang's runtime adapters gets their answers: ``/generate`` takes ``lora_path`` naming the merged adapter
+(another name is refused: one adapter at a time), ``/v1/models`` lists it, and ``POST /unload_lora_adapter``
+forgets any other (the merged one stays until the next replaces it)."""
 
 from __future__ import annotations
 
@@ -32,6 +35,11 @@ class AdapterBody(StrictBody):
     lora_path: str = Field(min_length=1)
     scaling: float | None = Field(None, gt=0, allow_inf_nan=False)
     weight_version: Version | None = None
+    pinned: bool = False  # (SGLang's: keep it loaded; the merged adapter stays until the next one)
+
+
+class UnloadBody(StrictBody):
+    lora_name: str = Field(min_length=1)
 
 
 def merged_state(svc, state: dict, scaling: float) -> dict:
@@ -78,9 +86,26 @@ async def load_lora_adapter(body: AdapterBody, request: Request):
     except (OSError, ValueError) as exc:
         raise HTTPException(status_code=400, detail=f"{where}: {exc}") from exc
     version = await engine.update_weights(merged, version=body.weight_version, strict=False)
+    svc.lora_name = body.lora_name
     return {
         "success": True,
         "message": f"adapter {body.lora_name} merged into {len(merged)} weights",
+        "loaded_adapters": {body.lora_name: body.lora_path},  # (SGLang's answer: what requests may name)
         "weight_version": version,
         "checksum": await asyncio.to_thread(releasing(state_checksum), merged),
     }
+
+
+@router.post("/unload_lora_adapter")
+async def unload_lora_adapter(body: UnloadBody, request: Request):
+    """SGLang's: forget an adapter. strop serve holds one, merged, until the next: any other name is not held (a
+    success, as SGLang answers for one it unloads), and the merged one stays until another replaces it."""
+    svc = service_of(request)
+    if body.lora_name == svc.lora_name:
+        raise HTTPException(
+            status_code=400,
+            detail=f"{body.lora_name[:100]!r} is merged into the weights this server decodes: load the next adapter "
+            "(or full weights) to replace it",
+        )
+    held = {svc.lora_name: "merged"} if svc.lora_name else {}
+    return {"success": True, "error_message": None, "loaded_adapters": held}

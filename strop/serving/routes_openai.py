@@ -42,7 +42,10 @@ router = APIRouter()
 @router.get("/v1/models")
 async def models(request: Request):
     svc = service_of(request)
-    return models_answer(svc.model_name, created=0, owned_by="strop", max_model_len=svc.engine.context_window)
+    out = models_answer(svc.model_name, created=0, owned_by="strop", max_model_len=svc.engine.context_window)
+    if svc.lora_name:  # the adapter merged into its weights, as vLLM and SGLang list theirs
+        out["data"].append({"id": svc.lora_name, "object": "model", "parent": svc.model_name, "owned_by": "strop"})
+    return out
 
 
 def openai_jobs(prompts: list[list[int]], body: OpenAIBody, max_tokens: int) -> list[tuple[int, SamplingParams]]:

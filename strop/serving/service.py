@@ -35,6 +35,7 @@ class ServeService:
         self.groups: dict[str, Any] = {}  # weight-sync groups joined, by name
         self.warned: set[str] = set()  # sampling fields already logged as ignored
         self.lora_base: dict[str, Any] = {}  # weights as before the first LoRA adapter merged (a full update resets)
+        self.lora_name: str | None = None  # the adapter merged into the weights (/load_lora_adapter), by its name
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         tokenizer = self.tokenizer

@@ -30,7 +30,7 @@ def choose_sync(cfg: Config, clients: list, run_dir: Path, probe_ids: list[int],
         return InProcessSync()
     writer = WeightWriter(e.sync_dir or run_dir / "weights", bucket_bytes=e.sync_bucket_bytes)
     sync, why = e.sync, "engine.sync"
-    if sync == "auto" and cfg.model.lora_rank and e.kind in ("strop", "vllm"):
+    if sync == "auto" and cfg.model.lora_rank:
         sync, why = "adapter", f"auto: each version's LoRA adapter alone into {e.kind} servers"
 
     async def probe():
@@ -39,8 +39,9 @@ def choose_sync(cfg: Config, clients: list, run_dir: Path, probe_ids: list[int],
             if e.kind == "vllm":
                 for c in clients:
                     await c.check_logprobs(cfg.rollout.temperature, probe_ids)
-                    if sync == "adapter":
-                        await c.check_adapters()
+            if sync == "adapter" and e.kind != "strop":  # (strop serve merges each adapter; the others load them)
+                for c in clients:
+                    await c.check_adapters()
             if sync in ("auto", "broadcast") and e.kind != "strop":  # (strop serve always takes one)
                 try:
                     for c in clients:
@@ -96,10 +97,11 @@ def weight_receipt(kind: str, sync: str) -> str:
             "adapter": "the checksum of the weights each server merged, equal to the trainer's merged weights, and "
             "the version it reports",
         }[sync]
-    if sync == "adapter":  # (vllm)
+    if sync == "adapter":  # (vllm, sglang)
         return (
-            "the adapter each server lists (/v1/models: policy-v<version>) after every load, the adapter named in "
-            "each completion, and the logprob probe (engine.sync_probe); vLLM computes no checksum strop can compare"
+            "the adapter each server lists (/v1/models: policy-v<version>) after every load"
+            + (", the adapter named in each completion" if kind == "vllm" else "")
+            + f", and the logprob probe (engine.sync_probe); {kind} computes no checksum strop can compare"
         )
     route = "/model_info" if kind == "sglang" else "/weight_info"
     return (

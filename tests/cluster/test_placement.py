@@ -119,3 +119,9 @@ def test_a_lora_run_launches_vllm_with_runtime_adapters_and_a_slot_for_every_ver
     # the merged weights by another transport: no adapter settings
     args, env = engine_args(config(sync="disk"), str(tmp_path))
     assert "--enable-lora" not in args and env == {}
+    # SGLang (0.5.23's flags): the rank, the targets, the adapters loaded and those in a batch (and the base)
+    args, env = engine_args(config(kind="sglang"), str(tmp_path))
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    batch = ["--max-loaded-loras", str(slots), "--max-loras-per-batch", str(slots + 1)]
+    assert args == ["--enable-lora", "--max-lora-rank", "12", "--lora-target-modules", *targets, *batch]
+    assert env == {}

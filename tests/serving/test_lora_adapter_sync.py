@@ -149,3 +149,63 @@ def test_every_replica_behind_the_router_gets_every_adapter(tiny_model_dir, tmp_
     finally:
         for s in servers:
             s.stop()
+
+
+@pytest.mark.timeout(300)
+def test_sglangs_runtime_adapters_against_strop_serve_speaking_its_routes(tiny_model_dir, tmp_path):
+    """The SGLang client's adapter dialect (what a LoRA run sends a real SGLang server: load by name, every
+    request naming it, the older one unloaded), against strop serve answering SGLang's LoRA routes; the
+    payloads themselves are checked against SGLang 0.5.23's structures in test_sglang_contract.py."""
+    from strop.engines.health import HEALTHY
+    from strop.engines.router import Router
+    from strop.serving.probe import reference_logprobs
+    from strop.sync.adapter import AdapterSync
+    from strop.train.lora import add_adapters
+    from strop.types import SamplingParams
+    from strop.wire.errors import EngineReceiptError
+    from tests.tiny import make_tiny_model
+
+    adapters = add_adapters(make_tiny_model(), 2, 4, 0.0, ["q_proj", "v_proj"])
+    weights_dir = tmp_path / "weights"
+    server = LocalServer(str(tiny_model_dir), free_port(), ["--threads=1", f"--weights-dir={weights_dir}"])
+    server.start().wait_healthy(120)
+    ids = [1, 5, 9, 13, 17, 21]
+    try:
+
+        async def go():
+            client = SGLangEngine(server.url)  # SGLang's dialect: no checksum, adapters by name
+            await client.check_adapters()
+            router = Router([client], sync=AdapterSync(WeightWriter(weights_dir), keep=3))
+            try:
+                for version in (1, 2):
+                    with torch.no_grad():
+                        for name, p in adapters.model.named_parameters():
+                            if "lora_B" in name:
+                                p.normal_(0, 0.1)
+                    assert await router.update_weights(adapters.merged_weights(), version) == version
+                    assert router.state == [HEALTHY] and client.adapter == f"policy-v{version}"
+                    # the server decodes with what the trainer holds (the probe), and says which adapter
+                    assert await router.probe(ids, reference_logprobs(adapters.model, ids), 1e-4) < 1e-4
+                    done = await router.generate(ids, SamplingParams(max_new_tokens=3))
+                    assert done.weight_version == version
+                    listed = [m["id"] for m in (await client._call("GET", "/v1/models"))["data"]]
+                    assert listed[1:] == [f"policy-v{version}"]
+                # a request naming an adapter the server does not decode with is refused, naming both
+                stale = {"input_ids": ids, "lora_path": "policy-v1", "sampling_params": {"max_new_tokens": 1}}
+                with pytest.raises(EngineRequestError, match="'policy-v1' is not the adapter this server decodes"):
+                    await client._call("POST", "/generate", json=stale)
+                # an update skipped on purpose: the probe sees the server decoding the older adapter
+                with torch.no_grad():
+                    for name, p in adapters.model.named_parameters():
+                        if "lora_B" in name:
+                            p.normal_(0, 0.1)
+                client.load_runtime_adapter = lambda path, version: asyncio.sleep(0, result=version)
+                await router.update_weights(adapters.merged_weights(), 3)
+                with pytest.raises(EngineReceiptError, match=rf"SGLangEngine\({server.url}\) at weight version 3"):
+                    await router.probe(ids, reference_logprobs(adapters.model, ids), 1e-4)
+            finally:
+                await router.close()
+
+        asyncio.run(go())
+    finally:
+        server.stop()

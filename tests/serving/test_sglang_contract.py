@@ -259,3 +259,37 @@ def test_a_server_without_the_update_session_is_named_with_the_fallback():
                 }
             ).begin_update()
         )
+
+
+def test_the_runtime_adapter_payloads_fit_sglangs_lora_structures():
+    """A LoRA run into SGLang (engine.sync=adapter): load each version's adapter, name it in every request,
+    unload the older one; each body checked against SGLang 0.5.23's LoadLoRAAdapterReqInput,
+    UnloadLoRAAdapterReqInput and GenerateReqInput."""
+    listed = {"data": [{"id": "base"}]}
+    answers = dict(ANSWERS)
+    answers["/v1/models"] = listed
+    answers["/generate"] = dict(
+        ANSWERS["/generate"],
+        meta_info=ANSWERS["/generate"]["meta_info"]
+        | {"input_token_logprobs": [[None, 1, None], [-1.0, 2, None], [-2.0, 3, None]]},
+    )
+    engine, seen = recording_engine(answers)
+
+    async def run():
+        await engine.check_adapters()
+        for version in (1, 2):
+            listed["data"] = [{"id": "base"}, {"id": f"policy-v{version}"}]
+            assert await engine.load_adapter(f"/w/v{version}-adapter", version, 2.0, "unused") == version
+            done = await engine.generate([1, 2, 3], SamplingParams(max_new_tokens=4), request_id=f"r{version}")
+            assert done.weight_version == version  # the adapter's version, not the base's label ("8")
+        await engine.score([1, 2, 3])
+
+    asyncio.run(run())
+    posted = [(path, body) for method, path, body in seen if method == "POST"]
+    for path, body in posted:
+        check_payload(path, body)
+    loads = [b for p, b in posted if p == "/load_lora_adapter"]
+    assert loads == [{"lora_name": f"policy-v{v}", "lora_path": f"/w/v{v}-adapter"} for v in (1, 2)]
+    assert [b["lora_path"] for p, b in posted if p == "/generate"] == ["policy-v1", "policy-v2", "policy-v2"]
+    # the older adapter unloaded once idle (after the start's probe of a name no one loaded)
+    assert [b["lora_name"] for p, b in posted if p == "/unload_lora_adapter"] == ["policy-vnone", "policy-v1"]
