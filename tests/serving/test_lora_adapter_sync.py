@@ -29,6 +29,14 @@ def _adapter(model, seed: int, rank: int = 2) -> dict[str, torch.Tensor]:
     return adapter_tensors(pairs)
 
 
+def _move(adapters) -> None:
+    """Every adapter B to new random values (a training step that moved them)."""
+    with torch.no_grad():
+        for name, p in adapters.model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+
+
 def _merged_checksum(model, adapter, scaling) -> str:
     own = model.state_dict()
     return state_checksum(
@@ -131,10 +139,7 @@ def test_every_replica_behind_the_router_gets_every_adapter(tiny_model_dir, tmp_
             router = Router(clients, sync=AdapterSync(WeightWriter(weights_dir), keep=3))
             try:
                 for version in (1, 2):
-                    with torch.no_grad():
-                        for name, p in adapters.model.named_parameters():
-                            if "lora_B" in name:
-                                p.normal_(0, 0.1)
+                    _move(adapters)
                     weights = adapters.merged_weights()
                     assert await router.update_weights(weights, version) == version
                     # both merged it (each checked its checksum against the trainer's merged weights)
@@ -178,10 +183,7 @@ def test_sglangs_runtime_adapters_against_strop_serve_speaking_its_routes(tiny_m
             router = Router([client], sync=AdapterSync(WeightWriter(weights_dir), keep=3))
             try:
                 for version in (1, 2):
-                    with torch.no_grad():
-                        for name, p in adapters.model.named_parameters():
-                            if "lora_B" in name:
-                                p.normal_(0, 0.1)
+                    _move(adapters)
                     assert await router.update_weights(adapters.merged_weights(), version) == version
                     assert router.state == [HEALTHY] and client.adapter == f"policy-v{version}"
                     # the server decodes with what the trainer holds (the probe), and says which adapter
@@ -195,10 +197,7 @@ def test_sglangs_runtime_adapters_against_strop_serve_speaking_its_routes(tiny_m
                 with pytest.raises(EngineRequestError, match="'policy-v1' is not the adapter this server decodes"):
                     await client._call("POST", "/generate", json=stale)
                 # an update skipped on purpose: the probe sees the server decoding the older adapter
-                with torch.no_grad():
-                    for name, p in adapters.model.named_parameters():
-                        if "lora_B" in name:
-                            p.normal_(0, 0.1)
+                _move(adapters)
                 client.load_runtime_adapter = lambda path, version: asyncio.sleep(0, result=version)
                 await router.update_weights(adapters.merged_weights(), 3)
                 with pytest.raises(EngineReceiptError, match=rf"SGLangEngine\({server.url}\) at weight version 3"):
