@@ -330,3 +330,55 @@ def test_vllm_scores_a_probe_from_its_prompt_logprobs():
     engine = VLLMEngine("http://vllm.test")
     engine._client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
     assert asyncio.run(engine.score([7, 8, 9])) == [-1.5, -0.25]
+
+
+def _lora_server(loaded: set, routes: bool = True):
+    """vLLM's answers for runtime LoRA (or, ``routes=False``, a server started without them)."""
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        if path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "m"}] + [{"id": n} for n in sorted(loaded)]})
+        if path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter") and not routes:
+            return httpx.Response(404, json={"detail": "Not Found"})
+        name = json.loads(request.content).get("lora_name")
+        if path == "/v1/load_lora_adapter":
+            loaded.add(name)
+            return httpx.Response(200, text=f"Success: LoRA adapter '{name}' added successfully.")
+        if path == "/v1/unload_lora_adapter":
+            if name not in loaded:
+                return httpx.Response(404, json={"error": {"message": f"The lora adapter '{name}' cannot be found."}})
+            loaded.discard(name)
+            return httpx.Response(200, text="Success")
+        served = json.loads(request.content)["model"]
+        return httpx.Response(
+            200,
+            json={"model": served, "choices": [{"token_ids": [5], "finish_reason": "length", "logprobs": None}]},
+        )
+
+    return handler
+
+
+def test_a_vllm_server_without_runtime_lora_loading_is_refused_saying_how_to_start_it():
+    engine = VLLMEngine("http://vllm.test")
+    engine._client = httpx.AsyncClient(transport=httpx.MockTransport(_lora_server(set(), routes=False)))
+    with pytest.raises(EngineRequestError, match="VLLM_ALLOW_RUNTIME_LORA_UPDATING=True and --enable-lora"):
+        asyncio.run(engine.check_adapters())
+
+
+def test_a_restarted_vllm_server_lists_no_adapter_and_reads_as_the_base_until_it_is_loaded_again():
+    loaded = {"policy-v7"}  # an earlier run's adapter
+    engine = VLLMEngine("http://vllm.test")
+    engine._client = httpx.AsyncClient(transport=httpx.MockTransport(_lora_server(loaded)))
+
+    async def run():
+        await engine.check_adapters()
+        assert loaded == set() and await engine.get_weight_version() == 0  # the earlier run's, unloaded
+        assert await engine.load_adapter("/w/v1-adapter", 1) == 1
+        done = await engine.generate([1, 2], SamplingParams(max_new_tokens=1))
+        assert done.weight_version == 1
+        loaded.clear()  # the server restarted
+        assert await engine.get_weight_version() == 0
+        assert await engine.load_adapter("/w/v1-adapter", 1) == 1 and loaded == {"policy-v1"}
+
+    asyncio.run(run())
