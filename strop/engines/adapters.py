@@ -87,7 +87,7 @@ class RuntimeAdapters:
         await self._unload_idle()
         return held
 
-    async def check_adapters(self) -> None:
+    async def check_adapters(self, rank: int = 0, slots: int = 0) -> None:
         """Refuse, saying how to start it, a server without runtime LoRA loading (asked to unload an adapter no
         one loaded: the server answers that it has no such adapter where the route exists)."""
         try:
@@ -145,6 +145,32 @@ class SGLangAdapters(RuntimeAdapters):
 
     def _name(self, body: dict, name: str) -> None:
         body["lora_path"] = name
+
+    async def check_adapters(self, rank: int = 0, slots: int = 0) -> None:
+        """As every server's, and from SGLang's ``/server_info`` (its server arguments) before the run starts: LoRA
+        enabled, adapters of ``rank`` taken, ``slots`` adapters loaded at once (a server without the route,
+        strop serve, is not asked)."""
+        await super().check_adapters(rank, slots)
+        try:
+            info = await self._call("GET", "/server_info", timeout=10, retries=0)
+        except EngineRequestError as exc:
+            if "HTTP 404" in str(exc):
+                return
+            raise
+        if not isinstance(info, dict):
+            return
+        fix = f"start it with {self.howto} (R >= {rank}, N >= {slots}), or use engine.sync=disk (the merged weights)"
+        if info.get("enable_lora") is False:
+            raise EngineRequestError(f"{self.url}: SGLang runs without LoRA (enable_lora false): {fix}")
+        if rank and isinstance(info.get("max_lora_rank"), int) and info["max_lora_rank"] < rank:
+            raise EngineRequestError(
+                f"{self.url}: SGLang takes adapters of rank {info['max_lora_rank']} at most, this run's are {rank}: {fix}"
+            )
+        if slots and isinstance(info.get("max_loaded_loras"), int) and info["max_loaded_loras"] < slots:
+            raise EngineRequestError(
+                f"{self.url}: SGLang keeps {info['max_loaded_loras']} adapters loaded, this run may be serving "
+                f"{slots} versions at once (rollout.max_staleness + 2): {fix}"
+            )
 
 
 class VLLMAdapters(RuntimeAdapters):

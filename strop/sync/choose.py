@@ -41,7 +41,7 @@ def choose_sync(cfg: Config, clients: list, run_dir: Path, probe_ids: list[int],
                     await c.check_logprobs(cfg.rollout.temperature, probe_ids)
             if sync == "adapter" and e.kind != "strop":  # (strop serve merges each adapter; the others load them)
                 for c in clients:
-                    await c.check_adapters()
+                    await c.check_adapters(cfg.model.lora_rank, adapter_slots(cfg.rollout))
             if sync in ("auto", "broadcast") and e.kind != "strop":  # (strop serve always takes one)
                 try:
                     for c in clients:

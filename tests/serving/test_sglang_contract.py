@@ -293,3 +293,27 @@ def test_the_runtime_adapter_payloads_fit_sglangs_lora_structures():
     assert [b["lora_path"] for p, b in posted if p == "/generate"] == ["policy-v1", "policy-v2", "policy-v2"]
     # the older adapter unloaded once idle (after the start's probe of a name no one loaded)
     assert [b["lora_name"] for p, b in posted if p == "/unload_lora_adapter"] == ["policy-vnone", "policy-v1"]
+
+
+@pytest.mark.parametrize(
+    "info,why",
+    [
+        ({"version": "0.5.23", "enable_lora": False}, r"SGLang runs without LoRA \(enable_lora false\): start it with"),
+        ({"enable_lora": True, "max_lora_rank": 8, "max_loaded_loras": 4}, "rank 8 at most, this run's are 16"),
+        ({"enable_lora": True, "max_lora_rank": 16, "max_loaded_loras": 2}, "keeps 2 adapters loaded, this run may"),
+    ],
+)
+def test_an_sglang_server_that_cannot_serve_the_runs_adapters_is_refused_at_start(info, why):
+    from strop.wire.errors import EngineRequestError
+
+    routes = {
+        "/unload_lora_adapter": (400, {"success": False, "error_message": "policy-vnone is not loaded"}),
+        "/v1/models": (200, {"data": [{"id": "m"}]}),
+        "/server_info": (200, info),
+    }
+    with pytest.raises(EngineRequestError, match=why):
+        asyncio.run(serving(routes).check_adapters(16, 3))
+    # the same server with room for them, and strop serve (no /server_info), are taken
+    ok = dict(routes, **{"/server_info": (200, {"enable_lora": True, "max_lora_rank": 16, "max_loaded_loras": 3})})
+    asyncio.run(serving(ok).check_adapters(16, 3))
+    asyncio.run(serving({k: v for k, v in routes.items() if k != "/server_info"}).check_adapters(16, 3))
