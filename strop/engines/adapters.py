@@ -186,6 +186,8 @@ class VLLMAdapters(RuntimeAdapters):
     def _served(self, out: dict) -> str | None:
         return str(out.get("model"))
 
+    check_adapters = RuntimeAdapters.check_adapters  # (not SGLang's, which VLLMEngine inherits through SGLangEngine)
+
     async def load_adapter(self, path: str | Path, version: int, scaling: float | None = None, checksum=None) -> int:
         """Load the adapter at run time as ``policy-v<version>`` (vLLM computes no checksum strop can compare)."""
         return await self.load_runtime_adapter(path, version)
