@@ -82,9 +82,10 @@ class Metered(Protocol):
 class AdapterLoader(Protocol):
     """Loads the LoRA adapter folder ``path`` (strop.wire.lora.peft_files) as weight ``version`` and returns the
     version it then reports: strop serve merges it into the weights it decodes and its checksum of what it merged
-    must equal ``checksum``; vLLM serves it by name (``policy-v<version>``), unmerged."""
+    must equal ``checksum``; vLLM and SGLang serve it by name (``policy-v<version>``), unmerged, and ignore
+    ``checksum`` (None when no engine of the router computes one)."""
 
-    async def load_adapter(self, path: str, version: int, scaling: float, checksum: str) -> int: ...
+    async def load_adapter(self, path: str, version: int, scaling: float, checksum: str | None) -> int: ...
 
 
 @runtime_checkable

@@ -190,7 +190,7 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the values vLLM 0.32
 def vllm_lora_args(rank: int, slots: int) -> tuple[list[str], dict[str, str]]:
     """The flags and environment of a vLLM server that loads a LoRA run's adapters at run time: rank ``rank``
     (rounded up to a value vLLM takes) and ``slots`` adapters at once, in a batch and in its cache, so no adapter a
-    request still uses is evicted (strop.sync.choose.adapter_slots)."""
+    request still uses is evicted (:func:`adapter_slots`)."""
     fits = [r for r in VLLM_LORA_RANKS if r >= rank]
     if not fits:
         raise ValueError(f"model.lora_rank={rank}: vLLM serves LoRA adapters of rank {VLLM_LORA_RANKS[-1]} at most")

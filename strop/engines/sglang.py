@@ -14,7 +14,7 @@ import re
 import uuid
 from pathlib import Path
 
-from strop.engines.adapters import SGLangAdapters
+from strop.engines.adapters import ADAPTER_NAME, SGLangAdapters
 from strop.engines.http import HTTPEngine
 from strop.sync.disk import WeightWriter
 from strop.types import Completion, SamplingParams
@@ -179,13 +179,13 @@ class SGLangEngine(SGLangAdapters, HTTPEngine):
             raise EngineVersionError(f"{self.url}: asked to load weight version {version}, reports {held}")
         return held
 
-    async def load_adapter(self, path: str | Path, version: int, scaling: float, checksum: str) -> int:
+    async def load_adapter(self, path: str | Path, version: int, scaling: float, checksum: str | None) -> int:
         """strop serve: merge the LoRA adapter at ``path`` (strop.wire.lora) as ``version``; return the version it
         then reports. Receipt: the checksum of the weights it merged must be the trainer's, and the version
         ``version``. SGLang (no checksum required): loaded at run time, and requests name it."""
         if not self.require_checksum:
             return await self.load_runtime_adapter(path, version)
-        body = {"lora_name": f"policy-v{version}", "lora_path": str(path), "scaling": scaling}
+        body = {"lora_name": f"{ADAPTER_NAME}{version}", "lora_path": str(path), "scaling": scaling}
         out = await self._call("POST", "/load_lora_adapter", json=body | {"weight_version": version}, retries=1)
         if not out.get("success", False):
             raise EngineRequestError(f"{self.url}: load_lora_adapter failed: {out.get('message')}")

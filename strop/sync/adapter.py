@@ -4,9 +4,9 @@ engine loads it as ``policy-v<version>``:
 
 - strop serve merges it over its base weights (strop.serving.routes_lora). Receipt: its checksum of the weights
   it merged equals the trainer's merged weights' (strop.wire.lora.merge on both sides), and the version.
-- vLLM loads it at run time (``/v1/load_lora_adapter``) beside the adapters still in use and applies it unmerged;
-  requests name it (strop.engines.vllm). Receipt: the version in the name of what each completion was served
-  with, and the router's logprob probe after the update.
+- vLLM and SGLang load it at run time beside the adapters still in use and apply it unmerged; requests name it
+  (strop.engines.adapters). Receipt: the adapter each server lists (and, vLLM, the one each completion names),
+  and the router's logprob probe after the update.
 
 The newest ``keep`` folders stay on disk: a server reads one again when it has evicted it from its cache."""
 
@@ -47,7 +47,9 @@ class AdapterSync(WeightSync):
         path, _ = await asyncio.to_thread(
             self.writer.write, tensors, version, "-adapter", filename=ADAPTER_FILE, beside={CONFIG_FILE: config}
         )
-        checksum = await asyncio.to_thread(state_checksum, {n: weights[n] for n in weights.merged})
+        checksum = None  # (only strop serve, which merges, computes one to compare: vLLM and SGLang do not)
+        if any(getattr(e, "require_checksum", False) for e in pool.engines):
+            checksum = await asyncio.to_thread(state_checksum, {n: weights[n] for n in weights.merged})
         self.latest, pool.weight_version = (path, scaling, checksum, version), version
         members = pool.members(HEALTHY)
         loaded = await asyncio.gather(*(self.load(i) for i in members))
@@ -61,7 +63,7 @@ class AdapterSync(WeightSync):
         path, scaling, checksum, version = self.latest
         engine, before = pool.engines[i], pool.state[i]
         if not isinstance(engine, AdapterLoader):
-            pool.mark_down(i, "it cannot load a LoRA adapter (engine.sync='adapter': strop serve and vLLM)")
+            pool.mark_down(i, "it cannot load a LoRA adapter (engine.sync='adapter': strop serve, vLLM and SGLang)")
             return False
         try:
             held = await engine.load_adapter(str(path), version, scaling, checksum)
