@@ -175,6 +175,20 @@ def _serve_args(parser) -> None:
         help="the only folder /update_weights_from_disk loads from (unset: that route is refused; "
         "env STROP_SERVE_WEIGHTS_DIR)",
     )
+    parser.add_argument(
+        "--weight-transfer-backend",
+        default="gloo",
+        choices=["gloo", "nccl", "disk", "checkpoint"],
+        help="how vLLM's transfer phases (/init_weight_transfer_engine ... /finish_weight_update) carry "
+        "tensors: a broadcast from the trainer (gloo, nccl), safetensors in --weights-dir (disk), or in the "
+        "request body (checkpoint: small models and tests)",
+    )
+    parser.add_argument(
+        "--weight-version",
+        type=int,
+        default=0,
+        help="the version of the weights the server starts with (/weight_info, /get_weight_version)",
+    )
     parser.add_argument("--max-batch-size", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0, help="sampling seed of the engine")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
@@ -218,6 +232,8 @@ def _serve(args) -> int:
             batch_wait_ms=args.batch_wait_ms,
             fast_decode=args.fast_decode,
             model_options=_model_options(args),
+            weight_transfer=args.weight_transfer_backend,
+            weight_version=args.weight_version,
         )
     except (FileNotFoundError, ValueError) as exc:
         print(f"strop serve: error: {exc}", file=sys.stderr)
@@ -262,7 +278,7 @@ DESCRIPTIONS = {
     "(docs/agents.md).",
     "check-plugin": "Check a plugin's signature and run it on synthetic samples.",
     "serve": "Serve a model with strop's engine over HTTP "
-    "(SGLang's native /generate and OpenAI-compatible completions).",
+    "(vLLM's RL API, SGLang's native /generate and OpenAI-compatible completions).",
     "plot": "Draw the metrics of one or several runs side by side (one panel per metric, one line per run).",
 }
 COMMANDS = {

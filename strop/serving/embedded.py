@@ -58,6 +58,7 @@ class EmbeddedEngine(BatchScheduler, WeightUpdates):
         batch_wait_s: float = 0.0,
         fast_decode: bool = True,
         shared: bool = False,
+        batch_invariant: bool = False,
     ):
         """``batch_wait_s``: before a batch starts, wait while requests keep arriving (each wait this
         long, at most 40) so requests sent together over a network form one batch.
@@ -65,7 +66,9 @@ class EmbeddedEngine(BatchScheduler, WeightUpdates):
         engine as it was before :mod:`strop.serving.kvdecode`; benchmarks compare the two.
         ``shared``: ``model`` is the trainer's own module (engine.share_weights): its train/eval mode
         stays the trainer's (the fast decoder, which ``shared`` needs, reads the weights, never the
-        mode), and an update that hands back these very tensors copies nothing."""
+        mode), and an update that hands back these very tensors copies nothing.
+        ``batch_invariant``: a request's tokens and logprobs are bitwise the same alone and in any
+        batch (seeded or greedy sampling; :mod:`strop.serving.invariant`), at a cost in throughput."""
         self.shared = shared
         self.model = model if shared else model.eval()
         self.pad_token_id = pad_token_id
@@ -93,13 +96,20 @@ class EmbeddedEngine(BatchScheduler, WeightUpdates):
         self._draining = 0  # weight loads and abort_all waiting: admit nothing new until they ran
         self._paused: str | None = None  # a PAUSE_MODES entry while paused: no row decodes
         self._held: Batch | None = None  # the batch an in_place pause stopped, rows and KV cache kept
+        self._weights_epoch = 0  # counts weight loads: a held batch whose KV predates one is recomputed
+        self._held_epoch: int | None = None  # the epoch the held batch's KV cache was computed in
+        self._gate = False  # a pause in wait mode is draining: requests arriving now wait in _parked
+        self._parked: list[PendingRequest] = []
+        self._in_flight = 0  # generate() calls not answered yet
         self._session: str | None = None  # "opening" / "open": a weight-update session (holds _busy)
         self._receiving = False  # a bucket of the session is being received
         self._receipt = None  # the open session's ReceiptSession (strop.serving.receipt)
         reason = unsupported_reason(model) if fast_decode else "fast_decode=False"
         if shared and reason is not None:
             raise ValueError(f"an engine sharing the trainer's weights needs the fast decoder: {reason}")
-        self._fast = LlamaDecoder(model) if reason is None else None
+        # batch invariance: the fast decoder's own mode; the fallback decodes each request alone
+        self.batch_invariant = batch_invariant
+        self._fast = LlamaDecoder(model, batch_invariant=batch_invariant) if reason is None else None
         self.decode_path = (
             "kv-cache decoder (shared prefixes, continuous batching)"
             if reason is None
@@ -132,7 +142,7 @@ class EmbeddedEngine(BatchScheduler, WeightUpdates):
         if request_id is not None and self._aborted_ids.pop(request_id, None) is not None:
             return Completion([], [], "abort", self.weight_version)  # aborted before it arrived
         future = asyncio.get_running_loop().create_future()
-        self._pending.append(
+        (self._parked if self._gate else self._pending).append(
             PendingRequest(
                 list(prompt_ids),
                 sampling,
@@ -143,7 +153,11 @@ class EmbeddedEngine(BatchScheduler, WeightUpdates):
             )
         )
         self._kick()
-        return await future
+        self._in_flight += 1
+        try:
+            return await future
+        finally:
+            self._in_flight -= 1
 
     async def _off_loop(self, fn, *args):
         """``fn(*args)`` on the engine's own thread. Every piece of model work the event loop hands off
@@ -190,7 +204,7 @@ class EmbeddedEngine(BatchScheduler, WeightUpdates):
     async def abort_all(self) -> None:
         """Finish every running, held and queued request with finish_reason 'abort'."""
         self._abort_gen += 1
-        pending, self._pending = self._pending, []
+        pending, self._pending, self._parked = self._pending + self._parked, [], []
         for r in pending:
             self._settle(r, r.completion([], [], "abort", self.weight_version))
         # wait for the running batch to notice (a session holds the model: none runs); nothing is

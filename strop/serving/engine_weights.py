@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import torch
 
+import asyncio
+
 from strop.serving.probe import prompt_logprobs, reference_logprobs
 from strop.serving.receipt import ReceiptSession
 from strop.serving.request import PAUSE_MODES, SessionError
 from strop.serving.sampling import GREEDY_BELOW
 from strop.types import SamplingParams
 from strop.wire.buckets import manifest_of
-from strop.wire.digest import state_checksum
+from strop.wire.digest import state_checksum, tensor_digest
 from strop.wire.group import receive_bucket
 from strop.wire.weights import in_buckets
 
@@ -27,6 +29,7 @@ class WeightUpdates:
     def _load(self, fn, *args):
         """A weight load; the fast decoder's fused copies are rebuilt after it (a broadcast into the
         parameters does not bump their version counters)."""
+        self._weights_epoch += 1  # (before: a load that fails midway may have written some tensors)
         fn(*args)
         if self._fast is not None:
             self._fast.invalidate()
@@ -74,28 +77,69 @@ class WeightUpdates:
         return {name: named[name] for name, _, _ in manifest_of(named)}
 
     async def pause(self, mode: str = "abort") -> None:
-        """SGLang's ``pause_generation``: no row decodes until :meth:`resume`; requests that arrive
-        meanwhile wait (they are not refused). ``abort`` ends every running and queued request now
-        (finish_reason abort, tokens kept); ``retract`` and ``in_place`` stop the running batch
-        after its current step (see :meth:`_hold`). Returns once no batch runs.
+        """Stop decoding until :meth:`resume`; requests that arrive meanwhile wait (never refused) and
+        decode after it. The modes, SGLang's and vLLM's:
+
+        - ``abort``: every running and queued request ends now (finish_reason abort, tokens kept);
+        - ``wait`` (vLLM): returns once the requests already running or queued have finished;
+        - ``keep`` (vLLM) and ``in_place`` (SGLang): the running batch stops after its current step and
+          continues after :meth:`resume`, its KV cache kept;
+        - ``retract`` (SGLang): the running rows go back to the queue as prompt plus tokens so far.
+
+        A batch kept across a weight load is recomputed on the new weights at :meth:`resume` (its KV
+        cache is never reused): no token decodes on a cache computed with other weights. Pausing again
+        while paused is no error (``abort`` aborts what waits). Returns once no batch runs.
 
         Only :meth:`resume` ends a pause; there is no deadline, because resuming on its own could
         serve weights a dead trainer left half-updated. A trainer that dies paused leaves the
         engine paused (``/health`` says so) until the next trainer's update resumes it or an
-        operator calls ``/continue_generation``; waiting clients meet their own timeouts."""
+        operator resumes it; waiting clients meet their own timeouts."""
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause mode {mode!r}: one of {', '.join(PAUSE_MODES)}")
+        if mode == "wait" and self._paused is None:
+            await self._drain_in_flight()
         self._paused = mode
         if mode == "abort":
             await self.abort_all()
         elif self._session is None:  # (a session holds the model: no batch runs)
             async with self._busy:  # the running batch stops at its next step
                 pass
+            if self._held is not None and self._held_epoch is None:
+                self._held_epoch = self._weights_epoch
+
+    async def _drain_in_flight(self) -> None:
+        """vLLM's ``wait``: let what runs or waits now finish; what arrives from now waits in ``_parked``."""
+        self._gate = True
+        try:
+            while self._pending or self._held is not None or (self._flush_task and not self._flush_task.done()):
+                await asyncio.sleep(0.005)
+        except BaseException:  # cancelled: no pause was taken
+            self.resume()
+            raise
 
     def resume(self) -> None:
-        """End a pause: held and waiting requests decode on the weights current now."""
-        self._paused = None
+        """End a pause: held and waiting requests decode on the weights current now. A held batch whose
+        weights changed since it stopped goes back to the queue as prompt plus tokens so far (its KV cache
+        holds the old weights' keys and values), continuing where it stopped."""
+        batch, epoch, self._held_epoch = self._held, self._held_epoch, None
+        if batch is not None and epoch != self._weights_epoch:
+            live = [r for r in batch.rows if r.finish is None]
+            self._pending[:0] = [self._retracted(r) for r in live]
+            self._held = None
+        self._paused, self._gate = None, False
+        self._pending.extend(self._parked)
+        self._parked = []
         self._kick()
+
+    def forget_held_cache(self) -> None:
+        """The held batch's KV cache is not to be reused (vLLM's ``reset_running_requests``): it is
+        recomputed at :meth:`resume`, as after a weight load."""
+        self._held_epoch = -1
+
+    @property
+    def in_flight(self) -> int:
+        """Requests not answered yet (running, held, queued or waiting for a pause to end)."""
+        return self._in_flight
 
     @property
     def paused(self) -> str | None:
@@ -157,6 +201,27 @@ class WeightUpdates:
             return [], []
         t = 1.0 if temperature < GREEDY_BELOW else temperature
         return await self._drained(prompt_logprobs, self.model, list(ids), t, top_logprobs)
+
+    async def zero_weights(self) -> None:
+        """Set every weight to zero, between batches (vLLM's ``/weight_checker`` reset: the start of a
+        corrupt-then-restore check). Refused for an engine sharing the trainer's own tensors."""
+        if self.shared:
+            raise SessionError("this engine computes with the trainer's own tensors: zeroing them would zero those")
+
+        def zero(weights):
+            for t in weights.values():
+                t.zero_()
+
+        await self._drained(self._load, zero, self.weights())
+
+    async def tensor_digests(self) -> dict[str, str]:
+        """A digest per tensor held (:func:`strop.wire.digest.tensor_digest`), keyed as vLLM keys its one
+        worker's: ``dp0:pp0:pcp0:tp0:`` + name."""
+
+        def digests(weights):
+            return {f"dp0:pp0:pcp0:tp0:{n}": tensor_digest(t) for n, t in weights.items()}
+
+        return await self._off_loop(self._locked, digests, self.weights())
 
     async def weights_checksum(self) -> str:
         """:func:`strop.wire.digest.state_checksum` of :meth:`weights`, in a thread, between decode steps."""

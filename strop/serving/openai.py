@@ -186,7 +186,7 @@ def stops_of(body: OpenAIBody) -> list[str]:
 
 
 def finish(out: Completion) -> str:
-    return "length" if out.finish_reason == "abort" else out.finish_reason  # OpenAI has no "abort"
+    return out.finish_reason  # "stop", "length" or "abort" (aborted: its tokens so far), as vLLM answers
 
 
 def usage(prompts, completion_tokens: int) -> dict:

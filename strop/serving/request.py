@@ -29,7 +29,8 @@ class SessionError(RequestError):
 SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes
 
 
-PAUSE_MODES = ("abort", "retract", "in_place")
+# SGLang's three modes and vLLM's (abort is both): see strop.serving.engine_weights.WeightUpdates.pause
+PAUSE_MODES = ("abort", "retract", "in_place", "wait", "keep")
 
 # called with (token id, its logprob, {token id: logprob} of the most likely tokens or None) per decoded token
 TokenListener = Callable[[int, float, dict[int, float] | None], None]

@@ -1,6 +1,6 @@
 """strop serve's weight-update routes (SGLang's names and payloads), over the one
 :class:`strop.serving.service.ServeService`:
-  POST /update_weights_from_disk {model_path, weight_version}; /update_weight_version {new_version}
+  POST /update_weights_from_disk {model_path, weight_version}
   POST /pause_generation {mode}, /continue_generation, /begin_weight_update, /end_weight_update
   POST /init_weights_update_group, /update_weights_from_distributed, /destroy_weights_update_group
   GET|POST /weights_checker {action: "checksum"};  GET /weights_manifest (strop's own)
@@ -14,20 +14,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from pathlib import Path
 from typing import Annotated, Literal
 
 import torch
 from fastapi import APIRouter, HTTPException, Request
 from pydantic import Field, StrictInt, StrictStr, model_validator
-from safetensors.torch import load_file
 
 from strop.openmp import releasing
 from strop.serving.embedded import EmbeddedEngine
 from strop.serving.request import PAUSE_MODES, RequestError
 from strop.serving.service import StrictBody, service_of
+from strop.serving.transfer import check_state, load_weights_dir
 from strop.wire.buckets import Bucket, first_mismatch, manifest_of
-from strop.wire.digest import state_checksum, tensor_digest
+from strop.wire.digest import state_checksum
 from strop.wire.errors import EngineVersionError, parse_weight_version
 from strop.wire import group as wire_group  # (called through the module: tests stand in for its functions)
 
@@ -97,52 +96,8 @@ class SessionBody(StrictBody):
     selector: Selector = "all"
 
 
-class VersionBody(StrictBody):
-    new_version: StrictStr | StrictInt
-    abort_all_requests: bool = True  # SGLang's default
-
-
 class CheckerBody(StrictBody):
     action: str = "checksum"
-
-
-def load_weights_dir(path: str, device, root: str | None = None) -> dict:
-    """Every ``*.safetensors`` file of a folder (or one file) as one state dict, on ``device``.
-    With ``root``, every file must resolve (symlinks and ``..`` followed) inside it."""
-
-    def inside(f: Path) -> bool:
-        return root is None or f.resolve().is_relative_to(Path(root).resolve())
-
-    p = Path(root or ".", path).resolve()
-    files = sorted(p.glob("*.safetensors")) if inside(p) and p.is_dir() else [p]
-    if not all(inside(f) for f in files):
-        raise PermissionError(f"{path!r} is outside the weights folder {root} (strop serve --weights-dir)")
-    if not files or not all(f.is_file() for f in files):
-        raise FileNotFoundError(f"no safetensors weights at {path!r}")
-    state = {}
-    for f in files:
-        try:
-            state.update(load_file(str(f), device=str(device)))
-        except Exception as exc:  # safetensors' own error for a file that is not one
-            raise ValueError(f"{f} is not a safetensors file: {exc}") from exc
-    return state
-
-
-def _check_state(state: dict, own: dict, digests: dict | None) -> None:
-    """Names, shapes (and, delta form, digests) before anything is copied: a rejected load leaves
-    the model as it was. Without ``digests`` every tensor of the model must be there."""
-    unknown = [n for n in state if n not in own]
-    shapes = [n for n in state if n in own and tuple(state[n].shape) != tuple(own[n].shape)]
-    missing = sorted(set(digests) ^ set(state)) if digests is not None else sorted(set(own) - set(state))
-    changed = [n for n in state if digests and n in digests and tensor_digest(state[n]) != digests[n]]
-    for what, names in (
-        ("unknown tensors", unknown),
-        ("wrong shapes", shapes),
-        ("missing tensors", missing),
-        ("tensors not matching their checksum", changed),
-    ):
-        if names:
-            raise ValueError(f"{what}: {names[:5]}")
 
 
 @router.post("/update_weights_from_disk")
@@ -160,7 +115,7 @@ async def update_weights_from_disk(body: DiskUpdateBody, request: Request):
     own = engine.model.state_dict()
     try:
         state = await asyncio.to_thread(releasing(load_weights_dir), body.model_path, engine.device, weights_dir)
-        await asyncio.to_thread(releasing(_check_state), state, own, body.digests)
+        await asyncio.to_thread(releasing(check_state), state, own, body.digests)
     except PermissionError as exc:
         raise HTTPException(status_code=403, detail=f"update_weights_from_disk: {exc}") from exc
     except (OSError, ValueError) as exc:
@@ -329,18 +284,6 @@ async def update_from_distributed(body: DistributedUpdateBody, request: Request)
         engine.weight_version = out["weight_version"] = version
     empty_cache(engine, body.torch_empty_cache)
     return out
-
-
-@router.post("/update_weight_version")
-async def update_weight_version(body: VersionBody, request: Request):
-    """SGLang's relabel: the version changes, the weights do not (by default every request is
-    aborted first, as SGLang does)."""
-    engine = service_of(request).engine
-    version = version_of(body.new_version, "update_weight_version")
-    if body.abort_all_requests:
-        await engine.abort_all()
-    engine.weight_version = version
-    return {"success": True, "message": f"weight version set to {version}", "weight_version": version}
 
 
 @router.get("/weights_manifest")

@@ -39,7 +39,14 @@ from strop.process import resolve_device
 from strop.observe.logs import console
 from strop.models import load_model, load_tokenizer, resolve_model_path
 from strop.openmp import release_threads
-from strop.serving import routes_generate, routes_lora, routes_openai, routes_weights
+from strop.serving import (
+    routes_generate,
+    routes_lora,
+    routes_openai,
+    routes_rl,
+    routes_transfer,
+    routes_weights,
+)
 from strop.serving.embedded import EmbeddedEngine
 from strop.serving.openai import MAX_BODY_BYTES, BodyLimit, error
 from strop.serving.service import ServeService
@@ -68,18 +75,27 @@ def create_app(
     public_generate: bool = False,
     weights_dir: str | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
+    weight_transfer: str = "gloo",
 ):
     """The FastAPI application around ``engine``. ``token``: needed on every route, /health included
     (generation routes and /health stay open with ``public_generate``). ``weights_dir``: the only folder
     /update_weights_from_disk reads (None: that route is refused). ``max_body_bytes``: a longer
-    request body gets 413 on every route."""
+    request body gets 413 on every route. ``weight_transfer``: the backend of vLLM's transfer phases
+    (:mod:`strop.serving.transfer`)."""
     app = FastAPI(title="strop serve", docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.service = ServeService(engine, tokenizer=tokenizer, model_name=model_name, weights_dir=weights_dir)
+    app.state.service = ServeService(
+        engine, tokenizer=tokenizer, model_name=model_name, weights_dir=weights_dir, weight_transfer=weight_transfer
+    )
+    vllm_routes = {route.path for r in (routes_rl, routes_transfer) for route in r.router.routes}
 
     @app.exception_handler(RequestValidationError)
     async def _bad_request(request: Request, exc: RequestValidationError):
-        where = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
-        return error(400 if "json_invalid" in str(exc.errors()) else 422, where)
+        errors = exc.errors()
+        where = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in errors)
+        param = ".".join(str(p) for p in errors[0]["loc"]) if errors else None
+        if request.url.path in vllm_routes:  # vLLM's dialect: 400, the first field named as "param"
+            return routes_rl.rl_error(400, where, param)
+        return error(400 if "json_invalid" in str(errors) else 422, where)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
@@ -101,7 +117,7 @@ def create_app(
             return error(401, f"{path} needs the server's token: 'Authorization: Bearer <token>'")
         return await call_next(request)
 
-    for routes in (routes_generate, routes_weights, routes_lora, routes_openai):
+    for routes in (routes_generate, routes_weights, routes_rl, routes_transfer, routes_lora, routes_openai):
         app.include_router(routes.router)
     # outermost: a body over the limit is refused before anything (authorisation included) reads it
     app.add_middleware(BodyLimit, limit=lambda: max_body_bytes, error=error)
@@ -123,9 +139,15 @@ def serve(
     batch_wait_ms: float = 5.0,
     fast_decode: bool = True,
     model_options: dict | None = None,
+    weight_transfer: str = "gloo",
+    weight_version: int = 0,
 ) -> None:
     """Load the model and serve until stopped (SIGINT / SIGTERM). ``model_options``: strop.models' loading
-    options (revision, trust_remote_code, attn_implementation), as a run's ``model`` section gives them."""
+    options (revision, trust_remote_code, attn_implementation), as a run's ``model`` section gives them.
+    ``weight_transfer``: the backend of vLLM's transfer phases; ``weight_version``: the version the weights
+    start as."""
+    if weight_version < 0 or weight_version >= 2**63:
+        raise ValueError(f"--weight-version {weight_version}: a non-negative integer below 2**63")
     console()  # its lines on the terminal, unless the caller set up strop's logging
     if host not in LOOPBACK and not token:
         raise ValueError(
@@ -150,6 +172,7 @@ def serve(
         batch_wait_s=batch_wait_ms / 1000,
         fast_decode=fast_decode,
     )
+    engine.weight_version = weight_version
     app = create_app(
         engine,
         tokenizer=tokenizer,
@@ -157,7 +180,11 @@ def serve(
         model_name=model_path,
         public_generate=public_generate,
         weights_dir=weights_dir,
+        weight_transfer=weight_transfer,
     )
-    log.info(f"strop serve: {model_path} on http://{host}:{port} (device {engine.device}; {engine.decode_path})")
+    log.info(
+        f"strop serve: {model_path} on http://{host}:{port} (device {engine.device}; {engine.decode_path}; "
+        f"weight transfer: {weight_transfer}; weight version {weight_version})"
+    )
     release_threads()  # this thread runs the event loop from here on; the engine's thread decodes (strop.openmp)
     uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)

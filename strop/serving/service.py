@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict
 
 from strop.serving.embedded import EmbeddedEngine
 from strop.serving.request import RequestError
+from strop.serving.transfer import WeightTransfer
 from strop.serving.openai import cut_at_stops
 from strop.types import Completion, SamplingParams
 from strop.wire import group as wire_group  # (called through the module: tests stand in for its functions)
@@ -29,9 +30,17 @@ class ServeService:
     (None: that route is refused)."""
 
     def __init__(
-        self, engine: EmbeddedEngine, tokenizer=None, model_name: str = "strop", weights_dir: str | None = None
+        self,
+        engine: EmbeddedEngine,
+        tokenizer=None,
+        model_name: str = "strop",
+        weights_dir: str | None = None,
+        weight_transfer: str = "gloo",
     ):
         self.engine, self.tokenizer, self.model_name, self.weights_dir = engine, tokenizer, model_name, weights_dir
+        self.transfer = WeightTransfer(weight_transfer, weights_dir)  # vLLM's transfer phases (routes_transfer)
+        self.transfer_lock = asyncio.Lock()  # one transfer call at a time: chunks pair with the trainer's sends
+        self.sleeping = False  # /sleep (level 0) until /wake_up
         self.groups: dict[str, Any] = {}  # weight-sync groups joined, by name
         self.warned: set[str] = set()  # sampling fields already logged as ignored
         self.lora_base: dict[str, Any] = {}  # weights as before the first LoRA adapter merged (a full update resets)
