@@ -62,6 +62,7 @@ class OpenAIBody(BaseModel):
     presence_penalty: float | None = None
     logit_bias: dict | None = None
     model: str | None = None
+    ignore_eos: bool = False  # vLLM's extension: generate to max_tokens, past end-of-sequence tokens
 
     @model_validator(mode="after")
     def _only_neutral(self):

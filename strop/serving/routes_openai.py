@@ -48,10 +48,18 @@ async def models(request: Request):
     return out
 
 
+NO_STOP = [-1]  # a stop token no model has: the engine's end-of-sequence tokens do not apply
+
+
 def openai_jobs(prompts: list[list[int]], body: OpenAIBody, max_tokens: int) -> list[tuple[int, SamplingParams]]:
     """n jobs per prompt (prompt-major, as OpenAI numbers choices): [(prompt index, sampling)]."""
     return [
-        (p, sampling_of(body.temperature, body.top_p, body.top_k, max_tokens, None, seed))
+        (
+            p,
+            sampling_of(
+                body.temperature, body.top_p, body.top_k, max_tokens, NO_STOP if body.ignore_eos else None, seed
+            ),
+        )
         for p in range(len(prompts))
         for seed in seeds(body.seed, body.n or 1)
     ]

@@ -18,6 +18,7 @@ Errors are 4xx with vLLM's error body, ``{"error": {"message", "type", "param", 
 
 from __future__ import annotations
 
+import asyncio
 import platform
 from typing import Annotated, Literal
 
@@ -59,6 +60,7 @@ async def pause(
     """``abort``: in-flight requests end now with their tokens so far; ``wait``: returns when they have
     finished; ``keep``: they freeze and continue after /resume (recomputed if the weights changed)."""
     await service_of(request).engine.pause(mode)
+    await asyncio.sleep(0.02)  # the last tokens decoded before the pause go out to their streams first (as vLLM)
     return {"status": "paused"}
 
 

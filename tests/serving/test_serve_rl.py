@@ -34,9 +34,9 @@ def b64(state: dict) -> str:
 class Streamed:
     """One streamed /v1/completions request in a thread: the time each chunk arrived, its end."""
 
-    def __init__(self, url, max_tokens=200):
+    def __init__(self, url, max_tokens=200, model="m"):
         self.times, self.tokens, self.finish, self.first = [], 0, None, threading.Event()
-        body = {"model": "m", "prompt": [3, 40, 7, 9], "max_tokens": max_tokens, "temperature": 1.0, "stream": True}
+        body = {"model": model, "prompt": [3, 40, 7, 9], "max_tokens": max_tokens, "temperature": 1.0, "stream": True}
         body["ignore_eos"] = True
         self.thread = threading.Thread(target=self._run, args=(url, body))
         self.thread.start()
@@ -57,13 +57,14 @@ class Streamed:
         assert not self.thread.is_alive()
 
 
-def late_request(url, out: dict):
+def late_request(url, out: dict, model="m"):
     """A request sent while paused, in a thread: its status, finish reason and when it was answered."""
-    body = {"model": "m", "prompt": [5, 6], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    body = {"model": model, "prompt": [5, 6], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
 
     def run():
         r = httpx.post(url + "/v1/completions", json=body, timeout=120)
-        out.update(status=r.status_code, finish=r.json()["choices"][0]["finish_reason"], at=time.monotonic())
+        finish = r.json()["choices"][0]["finish_reason"] if r.status_code == 200 else r.text[:200]
+        out.update(status=r.status_code, finish=finish, at=time.monotonic())
 
     t = threading.Thread(target=run)
     t.start()
@@ -99,11 +100,12 @@ def test_pause_modes_with_requests_in_flight(start_server, mode):
         assert all(f.finish == "abort" and 0 < f.tokens < 200 for f in flights), [(f.finish, f.tokens) for f in flights]
     else:
         assert all(f.finish == "length" and f.tokens == 200 for f in flights)
+    slack = 0.25  # a chunk sent before the pause answered may still be on its way
     if mode == "wait":  # they had all finished when the pause answered
-        assert all(f.times[-1] <= paused_at for f in flights)
+        assert all(f.times[-1] <= paused_at + slack for f in flights)
     if mode == "keep":  # frozen: nothing between the pause and the resume, the rest after it
         chunks = [t for f in flights for t in f.times]
-        assert not [t for t in chunks if paused_at < t < resumed_at]
+        assert not [t for t in chunks if paused_at + slack < t < resumed_at]
         assert any(t > resumed_at for t in chunks)
     assert call(url, "GET", "/is_paused").json() == {"is_paused": False}
 
