@@ -236,8 +236,8 @@ def launch_servers(
 
 
 def vllm_command(program: list[str], model_path: str, socket_path: str, args: list[str] = ()) -> list[str]:
-    """One vLLM OpenAI server as strop drives it: sampled-token logprobs after temperature, and strop's worker
-    extension for the broadcast (its API key, VLLM_API_KEY, and VLLM_SERVER_DEV_MODE=1 travel in the
+    """One vLLM OpenAI server as strop drives it: sampled-token logprobs after temperature, strop's worker
+    extension and its broadcast as the weight-transfer backend (``gloo``, unless ``args`` name one) (its API key, VLLM_API_KEY, and VLLM_SERVER_DEV_MODE=1 travel in the
     environment), listening on the Unix socket ``socket_path`` only (its key guards /v1 alone: strop's token
     guard stands in front). ``program``: what starts it, e.g.
     ``[".../bin/python", "-m", "vllm.entrypoints.openai.api_server"]``."""
@@ -251,6 +251,7 @@ def vllm_command(program: list[str], model_path: str, socket_path: str, args: li
         "processed_logprobs",
         "--worker-extension-cls",
         "strop.serving.vllm_worker.StropWorkerExtension",
+        *([] if "--weight-transfer-config" in args else ["--weight-transfer-config", '{"backend": "gloo"}']),
         *args,
     ]
 

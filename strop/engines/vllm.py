@@ -17,18 +17,18 @@ restarted server says ``"default"`` (its initial weights), whatever strop loaded
 LoRA (``engine.sync=adapter``): each version's adapter is loaded at run time under its own name and requests
 name it (:mod:`strop.engines.adapters`).
 
-Broadcast (``engine.sync=broadcast``): strop's worker extension (:mod:`strop.serving.vllm_worker`,
-loaded with ``--worker-extension-cls``) joins a torch.distributed group with the trainer and receives
-its buckets, driven through ``/collective_rpc``; generation is paused around the update (``/pause``,
-``/resume``), the prefix cache reset after it (retried while blocks are still held) and the version
-labelled and read back. The receipt is the extension's digest of every byte it received, which the
-trainer compares with the digest of what it sent.
+Broadcast (``engine.sync=broadcast``): vLLM's weight-transfer routes (``/init_weight_transfer_engine``,
+``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``) with strop's broadcast as the server's
+backend (:mod:`strop.serving.vllm_transfer`, ``--weight-transfer-config '{"backend": "gloo"}'``, registered by
+strop's worker extension); generation is paused around the update (``/pause``, ``/resume``), the prefix cache
+reset after it (retried while blocks are still held) and the version read back. The receipt is each worker's
+digest of every byte it received (the extension's ``strop_receipt``), which the trainer compares with the digest
+of what it sent. strop serve answers every one of these routes, so this class drives it too.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 from pathlib import Path
 
@@ -241,30 +241,36 @@ class VLLMEngine(VLLMAdapters, SGLangEngine):
         )
 
     async def check_broadcast(self) -> list[dict]:
-        """Refuse, naming the engine, its vLLM version and the fallback, an engine without the extension.
-        Every worker (TP and PP ranks) joins the group, as rank offset + its vLLM rank. Returns what each
-        worker reports (pid, rank, device, dtype)."""
+        """Refuse, naming the engine, its vLLM version and the fallback, an engine without the extension or
+        without strop's transfer backend. Every worker (TP and PP ranks) joins the group, as rank offset + its
+        vLLM rank. Returns what each worker reports (pid, rank, device, dtype, transfer backend)."""
         workers = await self._rpc("strop_info", timeout=30)
+        backends = {str(w.get("transfer_backend")) for w in workers}
+        if not all(b == "StropGlooTransfer" or b.startswith("strop serve") for b in backends):
+            raise EngineRequestError(
+                f"{self.url}: its weight-transfer backend is {sorted(backends)}, not strop's broadcast: start "
+                f'vLLM with --weight-transfer-config \'{{"backend": "gloo"}}\' (and --worker-extension-cls '
+                f"{EXTENSION}), or use engine.sync=disk"
+            )
         self.group_ranks = len(workers)
         return workers
 
     async def join_group(self, host: str, port: int, rank: int, world: int, backend: str, name: str) -> None:
-        # the worker waits for the group as long as this client waits for any answer; the HTTP wait is a
-        # little longer, so a group that never forms comes back as the worker's error, not a client timeout
-        await self._rpc(
-            "strop_join_group",
-            timeout=self.timeout_s + 30,
-            host=host,
-            port=port,
-            rank_offset=rank,
-            world=world,
-            backend=backend,
-            name=name,
-            timeout_s=self.timeout_s,
-        )
+        """``/init_weight_transfer_engine``. The server waits for the group as long as this client waits for any
+        answer; the HTTP wait is a little longer, so a group that never forms comes back as the server's error."""
+        info = {
+            "master_address": host,
+            "master_port": port,
+            "rank_offset": rank,
+            "world_size": world,
+            "group_name": name,
+            "backend": backend,
+            "timeout_s": self.timeout_s,
+        }
+        await self._once("/init_weight_transfer_engine", {"init_info": info}, self.timeout_s + 30)
 
     async def leave_group(self, name: str) -> None:
-        await self._rpc("strop_leave_group", timeout=30, name=name)
+        await self._once("/shutdown_weight_transfer_engine", None, 30)
 
     async def weights_manifest(self) -> list[tuple[str, str, tuple[int, ...]]]:
         """(name, dtype, shape) of every tensor the engine expects, from its checkpoint's headers."""
@@ -286,30 +292,32 @@ class VLLMEngine(VLLMAdapters, SGLangEngine):
         self._pause_mode = None
 
     async def begin_update(self) -> None:
-        await self._rpc("strop_begin", timeout=60)
+        await self._once("/start_weight_update", None, 60)
 
     async def receive_bucket(self, bucket, group_name: str, version: int | None, last: bool) -> None:
-        """Receive one bucket, concurrently with the trainer's broadcast of it (SGLang's fields; the
-        version travels with the last bucket only)."""
-        meta = {
-            **bucket.payload(),
-            "group_name": group_name,
-            "flush_cache": last,
-            "weight_version": str(version) if last and version is not None else None,
+        """``/update_weights`` for one bucket, concurrently with the trainer's broadcast of it (vLLM's NCCL
+        fields; ``packed``: the bucket's tensors travel as one buffer)."""
+        payload = bucket.payload()
+        info = {
+            "names": payload["names"],
+            "dtype_names": payload["dtypes"],
+            "shapes": payload["shapes"],
+            "packed": bucket.flattened,
         }
-        await self._rpc("strop_receive_bucket", timeout=self.timeout_s + 30, meta=json.dumps(meta))
+        await self._once("/update_weights", {"update_info": info}, self.timeout_s + 30)
 
     async def end_update(self, version: int) -> None:
-        """Close the session (the layers are processed as vLLM's own reload does), reset the prefix cache,
-        label the weights ``version`` and read the label back."""
-        await self._rpc("strop_finish", timeout=self.timeout_s)
+        """``/finish_weight_update`` (the layers are processed as vLLM's own reload does), reset the prefix cache,
+        then label the weights ``version`` and read it back: the version is published only once no cached
+        prefix of the old weights can serve it."""
+        await self._once("/finish_weight_update", {}, self.timeout_s)
         await self._reset_prefix_cache()
         await self._label(version)
 
     async def receipt(self) -> tuple[int, str, str]:
-        """(version, "stream", checksum) of the last update as every worker received it: the version that
-        came with its last bucket and the digest of its bytes, in order. An update that did not write
-        every parameter is refused here: the engine would serve some of its old weights."""
+        """(version, "stream", checksum) of the last update as every worker received it: the version the server
+        reports holding and the digest of the bytes each worker received, in order. An update that did not
+        write every parameter is refused here: the engine would serve some of its old weights."""
         answers = await self._rpc("strop_receipt", timeout=30)
         for r in answers:
             if not r.get("loaded"):
@@ -319,11 +327,32 @@ class VLLMEngine(VLLMAdapters, SGLangEngine):
                     f"{', still open' if r.get('open') else ''}): it would serve stale weights"
                 )
         checksums = {r["checksum"] for r in answers}
-        if len(checksums) != 1 or len({r["version"] for r in answers}) != 1:
+        if len(checksums) != 1:
             raise EngineReceiptError(f"{self.url}: its workers received different updates: {answers}")
-        if answers[0]["version"] is None:
-            raise EngineVersionError(f"{self.url}: no weight version came with the last update's buckets")
-        return parse_weight_version(answers[0]["version"], self.url), "stream", checksums.pop()
+        return await self.get_weight_version(), "stream", checksums.pop()
+
+    async def _once(self, path: str, body: dict | None, timeout: float) -> dict:
+        """POST one weight-transfer call, never retried (a chunk is one collective with the trainer), on a
+        connection of its own (vLLM 0.32 closes a connection after a call that raised in its worker)."""
+        import httpx
+
+        try:
+            r = await self._http().post(
+                self.url + path, json=body or {}, headers={"Connection": "close"}, timeout=timeout
+            )
+        except (httpx.TransportError, OSError) as exc:
+            raise EngineUnavailable(f"{self.url}{path}: {type(exc).__name__}: {exc}") from exc
+        if r.status_code == 404:
+            raise EngineRequestError(
+                f"{self.url}: no {path} route: start vLLM with VLLM_SERVER_DEV_MODE=1 and --weight-transfer-config "
+                f'\'{{"backend": "gloo"}}\', or use engine.sync=disk'
+            )
+        if r.status_code >= 400:
+            raise EngineRequestError(f"{self.url}: {path} failed: HTTP {r.status_code}: {r.text[:500]}")
+        try:
+            return r.json()
+        except ValueError:
+            return {}
 
     async def worker_memory(self, reset: bool = False) -> list[dict]:
         """Each worker process's resident and peak memory in MiB (``reset``: restart the peak after reading)."""

@@ -18,6 +18,7 @@ serving, the version unchanged.
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Body, Request
@@ -26,7 +27,9 @@ from pydantic import StrictStr
 from strop.openmp import releasing
 from strop.serving.routes_rl import rl_error, version_number
 from strop.serving.service import StrictBody, service_of
-from strop.serving.transfer import TransferError
+from strop.serving.receipt import no_receipt
+from strop.serving.transfer import TransferError, check_state, load_weights_dir
+from strop.wire.buckets import manifest_of
 
 router = APIRouter()
 
@@ -61,7 +64,7 @@ async def shutdown_weight_transfer_engine(request: Request):
 async def start_weight_update(request: Request):
     svc = service_of(request)
     try:
-        svc.transfer.start()
+        svc.transfer.start(set(svc.engine.weights()))
     except TransferError as exc:
         return _refused(exc)
     return {"message": "Weight update started"}
@@ -127,3 +130,51 @@ async def weight_checker(body: CheckerBody, request: Request):
         return {"checksums": checksums}
     mismatches = sorted(k for k in checksums.keys() | body.baseline.keys() if checksums.get(k) != body.baseline.get(k))
     return {"match": not mismatches, "mismatches": mismatches}
+
+
+class RpcBody(StrictBody):
+    method: str
+    args: list = []
+    kwargs: dict[str, str] = {}
+    timeout: float | None = None
+
+
+@router.post("/collective_rpc")
+async def collective_rpc(body: RpcBody, request: Request):
+    """The methods strop's vLLM worker extension answers (:mod:`strop.serving.vllm_worker`), and vLLM's
+    ``reload_weights``, answered as vLLM answers: ``{"results": [one per worker]}`` (strop serve is one)."""
+    svc = service_of(request)
+    engine, method = svc.engine, body.method
+    if method == "strop_info":
+        dtype = str(next(engine.model.parameters()).dtype).removeprefix("torch.")
+        info = {"pid": os.getpid(), "rank": 0, "device": str(engine.device), "dtype": dtype}
+        return {"results": [{**info, "transfer_backend": f"strop serve ({svc.transfer.backend})"}]}
+    if method == "strop_manifest":
+        manifest = manifest_of(engine.model.state_dict())
+        names, dtypes, shapes = ([m[i] for m in manifest] for i in range(3))
+        return {"results": [{"names": names, "dtypes": dtypes, "shapes": [list(s) for s in shapes]}]}
+    if method == "strop_receipt":
+        return {"results": [svc.transfer.receipt_now() or no_receipt()]}
+    if method == "reload_weights":
+        return await _reload(svc, body.kwargs)
+    return rl_error(501, f"Method {method!r} is not implemented by strop serve", "body.method")
+
+
+async def _reload(svc, kwargs: dict):
+    """vLLM's disk reload: every tensor of the model from ``weights_path`` (inside ``--weights-dir``)."""
+    engine, where = svc.engine, "body.kwargs.weights_path"
+    if svc.weights_dir is None:
+        return rl_error(403, "reload_weights reads only from --weights-dir, and none was given", where)
+    try:
+        state = await asyncio.to_thread(
+            releasing(load_weights_dir), kwargs.get("weights_path", ""), engine.device, svc.weights_dir
+        )
+        await asyncio.to_thread(releasing(check_state), state, engine.model.state_dict(), None)
+    except PermissionError as exc:
+        return rl_error(403, str(exc), where)
+    except (OSError, ValueError) as exc:
+        return rl_error(400, str(exc), where)
+    await engine.update_weights(state, version=engine.weight_version)
+    svc.lora_base.clear()
+    svc.lora_name = None
+    return {"results": [None]}

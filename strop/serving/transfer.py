@@ -65,7 +65,7 @@ class WeightTransfer:
         self.group = None  # the broadcast backends' group, once init joined it
         self.staged: dict[str, torch.Tensor] | None = None  # the open round's tensors (None: no round open)
         self.receipt: ReceiptSession | None = None  # every byte the open round received, in order
-        self.last_receipt: str | None = None  # the digest of the last finished round
+        self.last_receipt: dict | None = None  # the last finished round's receipt (ReceiptSession.receipt)
 
     @property
     def broadcast(self) -> bool:
@@ -85,6 +85,12 @@ class WeightTransfer:
         if self.staged is not None:
             raise TransferError(409, "a weight update is open: finish it before joining a new trainer")
         fields = _group_fields(init_info)
+        if init_info.get("backend", self.backend) != self.backend:
+            raise _bad(
+                f"backend {init_info['backend']!r}: this server's transfer backend is {self.backend!r} "
+                "(strop serve --weight-transfer-backend)",
+                "body.init_info.backend",
+            )
         self.shutdown()
         try:
             self.group = wire_group.make_group(*fields[:4], self.backend, fields[5], name=fields[4])
@@ -98,12 +104,13 @@ class WeightTransfer:
         if group is not None:
             wire_group.close_group(group)
 
-    def start(self) -> None:
+    def start(self, expected: set[str]) -> None:
+        """Open a round; ``expected``: the names a complete update writes (the receipt says which were)."""
         if self.staged is not None:
             raise TransferError(
                 409, "start_weight_update called while a weight update is already active: finish_weight_update first"
             )
-        self.staged, self.receipt = {}, ReceiptSession()
+        self.staged, self.receipt = {}, ReceiptSession(expected)
 
     def update(self, update_info: Any, own: dict[str, torch.Tensor], device) -> list[str]:
         """Stage one chunk, checked against the model's tensors ``own`` before any byte moves (a refused
@@ -120,6 +127,7 @@ class WeightTransfer:
         else:
             received = self._checkpoint(update_info, own, device)
         self.staged.update(received)
+        self.receipt.bucket(list(received), sum(t.numel() * t.element_size() for t in received.values()))
         return list(received)
 
     def finish(self) -> dict[str, torch.Tensor]:
@@ -127,8 +135,12 @@ class WeightTransfer:
         if self.staged is None:
             raise TransferError(409, "finish_weight_update called without a matching start_weight_update")
         staged, self.staged = self.staged, None
-        self.last_receipt, self.receipt = self.receipt.checksum(), None
+        self.last_receipt, self.receipt = self.receipt.receipt(open_=False), None
         return staged
+
+    def receipt_now(self) -> dict | None:
+        """The open round's receipt (``loaded`` false), else the last finished round's, else None."""
+        return self.receipt.receipt(open_=True) if self.receipt is not None else self.last_receipt
 
     def drop(self) -> None:
         """End the open round without loading anything (a failed transfer)."""
@@ -166,7 +178,6 @@ class WeightTransfer:
             for bucket in buckets:
                 for name, t in wire_group.receive_bucket(self.group, bucket, device, digest=self.receipt.digest):
                     out[name] = t
-                self.receipt.bucket(bucket.names, bucket.nbytes)
         except Exception as exc:  # the collective failed: a peer is gone or the group timed out
             self.drop()
             raise TransferError(
@@ -278,7 +289,9 @@ def _check_manifest(sent, own: dict[str, torch.Tensor]) -> None:
 def _group_fields(info: dict) -> tuple:
     """(address, port, rank, world, group name, timeout) from vLLM's NCCL ``init_info`` fields and strop's
     ``group_name`` and ``timeout_s`` (how long a broadcast may wait for the trainer: 600 s unless given)."""
-    _only_init(info, {"master_address", "master_port", "rank_offset", "world_size", "group_name", "timeout_s"})
+    _only_init(
+        info, {"master_address", "master_port", "rank_offset", "world_size", "group_name", "timeout_s", "backend"}
+    )
     timeout = info.get("timeout_s", 600.0)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 86400:
         raise _bad(f"timeout_s must be a number of seconds in (0, 86400], got {timeout!r}", "body.init_info.timeout_s")

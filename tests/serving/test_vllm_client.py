@@ -147,8 +147,8 @@ class _SyncServer:
     """A scripted vLLM 0.32 dev-mode server's update routes, with or without strop's worker extension;
     ``reset_fails``: how many times /reset_prefix_cache answers success=false first (None: always)."""
 
-    def __init__(self, extension=True, reset_fails=0):
-        self.extension, self.reset_fails = extension, reset_fails
+    def __init__(self, extension=True, reset_fails=0, backend="StropGlooTransfer"):
+        self.extension, self.reset_fails, self.backend = extension, reset_fails, backend
         self.calls, self.label = [], "default"
         self.receipt = {
             "checksum": "ab" * 16,
@@ -184,22 +184,25 @@ class _SyncServer:
                         }
                     },
                 )
-            if method == "strop_receive_bucket":
-                return httpx.Response(
-                    500,
-                    json={
-                        "error": {
-                            "message": "Call to collective_rpc method failed: Worker "
-                            "failed with error 'Connection closed by peer'",
-                            "type": "InternalServerError",
-                            "param": None,
-                            "code": 500,
-                        }
-                    },
-                )
             if method == "strop_info":  # a server of two tensor-parallel workers
-                return httpx.Response(200, json={"results": [{"rank": 0}, {"rank": 1}]})
+                workers = [{"rank": r, "transfer_backend": self.backend} for r in (0, 1)]
+                return httpx.Response(200, json={"results": workers})
             return httpx.Response(200, json={"results": [self.receipt if method == "strop_receipt" else {}]})
+        if path == "/update_weights":  # vLLM's answer when its worker's receive fails
+            return httpx.Response(
+                500,
+                json={
+                    "error": {
+                        "message": "Call to collective_rpc method failed: Worker "
+                        "failed with error 'Connection closed by peer'",
+                        "type": "InternalServerError",
+                        "param": None,
+                        "code": 500,
+                    }
+                },
+            )
+        if path in ("/init_weight_transfer_engine", "/start_weight_update", "/finish_weight_update"):
+            return httpx.Response(200, json={"message": "ok"})
         if path == "/reset_prefix_cache":
             failing = self.reset_fails is None or self.reset_fails > 0
             if self.reset_fails:
@@ -227,22 +230,23 @@ def _sync_engine(**kw):
 @pytest.mark.timeout(30)
 def test_a_vllm_engine_without_the_extension_is_refused_naming_it_its_version_and_the_fallback():
     _, engine = _sync_engine(extension=False)
-    for call in (engine.check_broadcast(), engine.join_group("127.0.0.1", 1234, 1, 2, "gloo", "g")):
-        with pytest.raises(EngineRequestError) as err:
-            asyncio.run(call)
-        assert str(err.value).startswith("http://vllm.test: vLLM 0.32.0 has no strop worker extension")
-        assert (
-            "start vLLM with --worker-extension-cls strop.serving.vllm_worker.StropWorkerExtension, "
-            "or use engine.sync=disk"
-        ) in str(err.value)
+    with pytest.raises(EngineRequestError) as err:
+        asyncio.run(engine.check_broadcast())
+    assert str(err.value).startswith("http://vllm.test: vLLM 0.32.0 has no strop worker extension")
+    assert (
+        "start vLLM with --worker-extension-cls strop.serving.vllm_worker.StropWorkerExtension, or use engine.sync=disk"
+    ) in str(err.value)
+    # the extension, but vLLM's own transfer backend (or none): refused naming the setting
+    for backend in ("NCCLWeightTransferEngine", "NoneType"):
+        _, engine = _sync_engine(backend=backend)
+        with pytest.raises(EngineRequestError, match=f"backend is \\['{backend}'\\].*--weight-transfer-config"):
+            asyncio.run(engine.check_broadcast())
     # with the extension every worker joins the group: the engine takes one rank per worker
     server, engine = _sync_engine()
     asyncio.run(engine.check_broadcast())
     assert engine.group_ranks == 2
     # a worker that has the extension but fails is reported as that failure, not as a missing extension
-    with pytest.raises(
-        EngineRequestError, match="collective_rpc strop_receive_bucket failed: HTTP 500.*Connection closed by peer"
-    ) as err:
+    with pytest.raises(EngineRequestError, match="/update_weights failed: HTTP 500.*Connection closed by peer") as err:
         asyncio.run(engine.receive_bucket(_bucket(), "g", 1, True))
     assert "no strop worker extension" not in str(err.value)
 
@@ -266,12 +270,13 @@ def test_reset_prefix_cache_is_retried_while_vllm_reports_blocks_held():
     assert asyncio.run(main()) == (5, "stream", "ab" * 16)
     assert server.calls == [
         "/pause?mode=abort",
-        "/collective_rpc strop_finish",
+        "/finish_weight_update",
         *["/reset_prefix_cache"] * 3,
         "/update_weight_version",
         "/weight_info",
         "/resume",
         "/collective_rpc strop_receipt",
+        "/weight_info",
     ]
     # paused with keep, the kept requests hold their blocks until resume: they are preempted by the reset
     server, engine = _sync_engine()
