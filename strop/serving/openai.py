@@ -93,11 +93,19 @@ class CompletionBody(OpenAIBody):
     )
     best_of: int | None = None
     suffix: str | None = None
+    prompt_logprobs: int | None = Field(
+        None,
+        ge=0,
+        description="vLLM's extension: per prompt token (the first null) its logprob and those of this many most "
+        f"likely tokens (at most {MAX_LOGPROBS}), as choices[].prompt_logprobs",
+    )
 
     @model_validator(mode="after")
     def _supported(self):
         if self.suffix or self.best_of not in (None, self.n or 1):
             raise ValueError("suffix and best_of (other than n) are not supported by strop serve")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs with stream is not supported by strop serve: ask without stream")
         if self.max_tokens == 0 and not self.echo:
             raise ValueError("max_tokens 0 generates nothing: it needs echo (the prompt and its logprobs)")
         return self
@@ -313,3 +321,25 @@ def text_message(i: int, message: dict) -> dict:
     elif content is not None and not isinstance(content, str):
         raise HTTPException(status_code=400, detail=f"messages[{i}].content must be a string or a list of text parts")
     return message
+
+
+def vllm_prompt_logprobs(ids: list[int], logprobs: list, tops: list, token_text) -> list:
+    """vLLM's ``prompt_logprobs``: per prompt position (the first None) ``{token id: {"logprob", "rank",
+    "decoded_token"}}``, the prompt's own token always there, with the most likely tokens asked for. ``rank``
+    is known for a listed token (1 + how many listed tokens are likelier), else None."""
+    out: list = [None]
+    for t, lp, top in zip(ids[1:], logprobs[1:], tops[1:]):
+        entries = dict(top or {})
+        entries.setdefault(t, lp)
+        listed = sorted(entries.values(), reverse=True)
+        out.append(
+            {
+                str(k): {
+                    "logprob": v,
+                    "rank": 1 + sum(x > v for x in listed) if top and k in top else None,
+                    "decoded_token": token_text(k),
+                }
+                for k, v in entries.items()
+            }
+        )
+    return out

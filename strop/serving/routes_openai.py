@@ -30,6 +30,7 @@ from strop.serving.openai import (
     stops_of,
     text_message,
     usage,
+    vllm_prompt_logprobs,
 )
 from strop.serving.service import ServeService, sampling_of, seeds, service_of
 from strop.serving.textstream import StreamedText
@@ -150,6 +151,11 @@ async def completions(body: CompletionBody, request: Request):
     scores = None
     if body.echo and body.logprobs is not None:  # the prompt's logprobs (lm-eval-harness's loglikelihood)
         scores = await asyncio.gather(*(svc.prompt_scores(ids, body.temperature, top) for ids in prompts))
+    prompt_scores = None
+    if body.prompt_logprobs is not None:  # vLLM's: the same scores, in vLLM's shape
+        at_most_max_logprobs("prompt_logprobs", body.prompt_logprobs)
+        asked = body.prompt_logprobs
+        prompt_scores = await asyncio.gather(*(svc.prompt_scores(ids, body.temperature, asked) for ids in prompts))
 
     def echoed(p: int) -> str:
         return texts[p] if isinstance(texts[p], str) else decode(prompts[p], False)
@@ -179,6 +185,8 @@ async def completions(body: CompletionBody, request: Request):
             if scores is not None:
                 ids, logprobs, alternatives = (prompts[p] + ids, scores[p][0] + logprobs, scores[p][1] + tops)
             choice["logprobs"] = completion_logprobs(ids, logprobs, alternatives, svc.token_text)
+        if prompt_scores is not None:
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(prompts[p], *prompt_scores[p], svc.token_text)
         out_choices.append(choice)
     used = usage(prompts, sum(len(out.token_ids) for _, out, _, _ in choices))
     if not body.stream:
