@@ -440,6 +440,7 @@ def _engine(
             seed=r.seed,
             fast_decode=cfg.engine.fast_decode,
             shared=p.engine_model is p.policy,
+            batch_invariant=r.exact_logprobs,  # a sample's tokens do not depend on the batch it ran in
         )
         weight_sync = choose_sync(cfg, [engine], run_dir, [], device)
         weight_sync.connect(engine)

@@ -207,6 +207,12 @@ def _serve_args(parser) -> None:
         action="store_false",
         help="decode with transformers' forward and static batches instead of strop's KV-cache decoder",
     )
+    parser.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="a request's tokens and logprobs are bitwise the same alone and in any batch (seeded or "
+        "greedy sampling), at a cost in throughput (docs/engine.md)",
+    )
 
 
 def _serve(args) -> int:
@@ -231,6 +237,7 @@ def _serve(args) -> int:
             dtype=args.dtype,
             batch_wait_ms=args.batch_wait_ms,
             fast_decode=args.fast_decode,
+            batch_invariant=args.batch_invariant,
             model_options=_model_options(args),
             weight_transfer=args.weight_transfer_backend,
             weight_version=args.weight_version,

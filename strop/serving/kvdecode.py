@@ -18,6 +18,10 @@ materialising repeated keys.
 Prefix sharing. Requests with the same prompt that are admitted together are prefilled once; the
 prompt's keys and values are copied into each of their rows, and each row samples its first
 token independently from the shared last-position logits.
+
+Batch invariance. With ``batch_invariant=True`` a row's tokens and logprobs do not depend on its
+batch: each prompt is prefilled alone, a step's linear layers use a kernel whose rows do not change
+with the row count, and each row attends exactly its own columns (:mod:`strop.serving.invariant`).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from strop.serving.invariant import attend_rows, packed_rows, prefill_each, prefill_packed, rows_linear
 from strop.serving.linear import PackedLinear, can_pack, return_freed_memory
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
@@ -77,7 +82,7 @@ class Row:
 
 
 class LlamaDecoder:
-    def __init__(self, model, *, prepack: bool = True):
+    def __init__(self, model, *, prepack: bool = True, batch_invariant: bool = False):
         reason = unsupported_reason(model)
         if reason:
             raise ValueError(f"the fast decoder cannot run this model: {reason}")
@@ -107,6 +112,7 @@ class LlamaDecoder:
         self.linears = [lin for parts in self.layers for lin in parts[1:3] + parts[4:6]] + [self.head]
         self.prepack = prepack and can_pack(self.backbone.embed_tokens.weight)
         self._seen = None  # the parameters' (address, version) when the fused weights were built
+        self.batch_invariant = batch_invariant
 
     @property
     def device(self):
@@ -169,6 +175,13 @@ class LlamaDecoder:
         """Left-padded prompts ``ids`` (N, P). Returns last-position logits (N, V) and the keys and
         values (layers, N, KV, P, D), rotary embedding applied."""
         self._sync()
+        if self.batch_invariant and self.prepack and self.dtype == torch.float32:
+            return prefill_packed(self, ids, lengths)
+        if self.batch_invariant:  # each prompt alone, unpadded; the logits through F.linear (3-D input)
+            return prefill_each(self._prefill, ids, lengths)
+        return self._prefill(ids, lengths)
+
+    def _prefill(self, ids: torch.Tensor, lengths: torch.Tensor):
         N, P = ids.shape
         dev = ids.device
         cols = torch.arange(P, device=dev)
@@ -191,6 +204,8 @@ class LlamaDecoder:
             x = x + o_proj(o.transpose(1, 2).reshape(N, P, -1))
             g, u = gate_up(self._norm(ln2, x)).chunk(2, dim=-1)
             x = x + down(act(g) * u)
+        if self.batch_invariant:
+            return self.head(self._norm(self.backbone.norm, x[:, -1:]))[:, 0], keys, values
         return self.head(self._norm(self.backbone.norm, x[:, -1])), keys, values
 
     @torch.no_grad()
@@ -203,27 +218,35 @@ class LlamaDecoder:
         col: int,
         lo: int,
         bias: torch.Tensor,
+        starts: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Feed one token per row (B,) at cache column ``col``; attend over columns ``lo..col``
-        with the additive ``bias`` (B, 1, 1, col-lo+1). Returns next-token logits (B, V)."""
+        with the additive ``bias`` (B, 1, 1, col-lo+1). Returns next-token logits (B, V).
+        Batch-invariant, each row attends exactly the columns ``starts[r]..col`` instead."""
         B = tokens.shape[0]
-        self._sync(B)
+        exact = self.batch_invariant
+        self._sync(packed_rows(B) if exact else B)
+        lin = rows_linear if exact else PackedLinear.__call__
+        firsts = starts[:B].tolist() if exact else None
         x = self.backbone.embed_tokens(tokens)  # (B, hidden)
         cos, sin = self.backbone.rotary_emb(x, positions.unsqueeze(1))  # (B, 1, D): broadcasts over heads
         for i, (ln1, qkv, o_proj, ln2, gate_up, down, act) in enumerate(self.layers):
-            q, k, v = self._split_rope(qkv(self._norm(ln1, x)), cos, sin, self.qk_norms[i])
+            q, k, v = self._split_rope(lin(qkv, self._norm(ln1, x)), cos, sin, self.qk_norms[i])
             keys[i, :B, :, col] = k
             values[i, :B, :, col] = v
-            kc = keys[i, :B, :, lo : col + 1]  # (B, KV, T, D)
-            vc = values[i, :B, :, lo : col + 1]
             # a kv head's group of query heads act as G query positions against its keys: grouped
             # attention without repeating keys, one fused kernel (masked by bias, no causal mask)
             q = q.reshape(B, self.n_kv, self.group, self.head_dim)
-            o = F.scaled_dot_product_attention(q, kc, vc, attn_mask=bias, scale=self.scale)  # (B, KV, G, D)
-            x = x + o_proj(o.reshape(B, -1))
-            g, u = gate_up(self._norm(ln2, x)).chunk(2, dim=-1)
-            x += down(act(g).mul_(u))  # x is this step's own tensor: in place saves an allocation
-        return self.head(self._norm(self.backbone.norm, x))
+            if exact:
+                o = attend_rows(q, keys[i, :B], values[i, :B], firsts, col, self.scale)
+            else:
+                kc = keys[i, :B, :, lo : col + 1]  # (B, KV, T, D)
+                vc = values[i, :B, :, lo : col + 1]
+                o = F.scaled_dot_product_attention(q, kc, vc, attn_mask=bias, scale=self.scale)  # (B, KV, G, D)
+            x = x + lin(o_proj, o.reshape(B, -1))
+            g, u = lin(gate_up, self._norm(ln2, x)).chunk(2, dim=-1)
+            x += lin(down, act(g).mul_(u))  # x is this step's own tensor: in place saves an allocation
+        return lin(self.head, self._norm(self.backbone.norm, x))
 
 
 def slots_for(rows: int) -> int:
@@ -385,6 +408,7 @@ class Batch:
             self.col,
             lo,
             bias.view(B, 1, 1, -1).to(dev),
+            self.start,
         )
         self.col += 1
         self.positions += 1

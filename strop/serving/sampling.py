@@ -1,7 +1,11 @@
 """The embedded engine's sampler: temperature, top-k and top-p over one row of logits each, one token
 per row drawn by inverse CDF from one uniform number (a two-level search over blocks of the
 vocabulary, so the (B, V) probabilities are built only when a filter needs them), its logprob under
-the temperature-scaled distribution the trainer computes."""
+the temperature-scaled distribution the trainer computes.
+
+A row is sampled as it would be alone: only the rows that ask for top-k or top-p go through the
+filtered probabilities, and each filter applies to the rows that set it (the blocks' CDF and the
+filtered softmax's round differently, so a row's token must not depend on its neighbours' settings)."""
 
 from __future__ import annotations
 
@@ -23,19 +27,6 @@ def sample(logits, temperature, top_p, top_k, generators, default_generator: tor
     blocks = _blocks(scaled)  # (B, V / chunk, chunk): the sampler's two levels
     block_lse = torch.logsumexp(blocks, dim=-1)
     lse = torch.logsumexp(block_lse, dim=-1, keepdim=True)  # (B, 1)
-    filtered = scaled
-    if bool((top_k > 0).any()):
-        k = torch.where(top_k > 0, top_k, torch.full_like(top_k, logits.shape[-1]))
-        kth = torch.sort(filtered, dim=-1, descending=True).values.gather(-1, (k - 1).unsqueeze(-1))
-        filtered = filtered.masked_fill(filtered < kth, float("-inf"))
-    if bool((top_p < 1.0).any()):
-        sorted_logits, order = torch.sort(filtered, dim=-1, descending=True)
-        probs_sorted = torch.softmax(sorted_logits, dim=-1)
-        # drop a token when the mass before it already reaches top_p (the first always stays)
-        drop_sorted = (probs_sorted.cumsum(-1) - probs_sorted) >= top_p.unsqueeze(-1)
-        drop_sorted[..., 0] = False  # (a top_p that rounds to 0 in float32 would drop it too)
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        filtered = filtered.masked_fill(drop, float("-inf"))
     # inverse-CDF sampling: one uniform number per row (drawing a Gumbel or exponential
     # per vocabulary entry costs more than a whole decoder layer on a CPU)
     uniform = torch.empty(len(scaled), 1)
@@ -45,10 +36,13 @@ def sample(logits, temperature, top_p, top_k, generators, default_generator: tor
         for i, g in enumerate(generators):
             uniform[i].uniform_(generator=g if g is not None else default_generator)
     uniform = uniform.to(scaled.device)  # drawn on the host generator: the same numbers on every device
-    if filtered is scaled:  # the whole distribution: never materialise the (B, V) probabilities
-        sampled = _sample_blocks(blocks, block_lse, lse, uniform)
-    else:
-        sampled = _invert_cdf(torch.softmax(filtered, dim=-1), uniform)
+    # the whole distribution: never materialise the (B, V) probabilities
+    sampled = _sample_blocks(blocks, block_lse, lse, uniform)
+    filters = (top_k > 0) | (top_p < 1.0)
+    if bool(filters.any()):  # those rows again, from their filtered probabilities
+        rows = filters.nonzero().squeeze(-1)
+        probs = torch.softmax(_filter(scaled[rows], top_k[rows], top_p[rows]), dim=-1)
+        sampled[rows] = _invert_cdf(probs, uniform[rows])
     tokens = torch.where(greedy, torch.argmax(logits, dim=-1), sampled) if any_greedy else sampled
     # logprob under the full temperature-scaled distribution (what the trainer computes)
     logprobs = scaled.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - lse.squeeze(-1)
@@ -56,6 +50,26 @@ def sample(logits, temperature, top_p, top_k, generators, default_generator: tor
         return tokens, logprobs
     values, ids = torch.topk(scaled, min(top_n, scaled.shape[-1]), dim=-1)  # (B, top_n)
     return tokens, logprobs, (values - lse, ids)
+
+
+def _filter(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """``scaled`` (B, V) with the tokens outside each row's top-k, then outside its top-p, at -inf;
+    a row's filter leaves the other rows as they are."""
+    filtered = scaled
+    if bool((top_k > 0).any()):
+        k = torch.where(top_k > 0, top_k, torch.full_like(top_k, scaled.shape[-1]))
+        kth = torch.sort(filtered, dim=-1, descending=True).values.gather(-1, (k - 1).unsqueeze(-1))
+        filtered = filtered.masked_fill((filtered < kth) & (top_k > 0).unsqueeze(-1), float("-inf"))
+    if bool((top_p < 1.0).any()):
+        sorted_logits, order = torch.sort(filtered, dim=-1, descending=True)
+        probs_sorted = torch.softmax(sorted_logits, dim=-1)
+        # drop a token when the mass before it already reaches top_p (the first always stays)
+        drop_sorted = (probs_sorted.cumsum(-1) - probs_sorted) >= top_p.unsqueeze(-1)
+        drop_sorted &= (top_p < 1.0).unsqueeze(-1)  # (a cumsum that rounds up to 1 drops nothing at top_p 1)
+        drop_sorted[..., 0] = False  # (a top_p that rounds to 0 in float32 would drop it too)
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        filtered = filtered.masked_fill(drop, float("-inf"))
+    return filtered
 
 
 _CHUNK = 1024  # vocabulary entries per block of the two-level sampler

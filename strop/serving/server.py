@@ -138,6 +138,7 @@ def serve(
     dtype: str = "float32",
     batch_wait_ms: float = 5.0,
     fast_decode: bool = True,
+    batch_invariant: bool = False,
     model_options: dict | None = None,
     weight_transfer: str = "gloo",
     weight_version: int = 0,
@@ -145,7 +146,8 @@ def serve(
     """Load the model and serve until stopped (SIGINT / SIGTERM). ``model_options``: strop.models' loading
     options (revision, trust_remote_code, attn_implementation), as a run's ``model`` section gives them.
     ``weight_transfer``: the backend of vLLM's transfer phases; ``weight_version``: the version the weights
-    start as."""
+    start as. ``batch_invariant``: a request's tokens and logprobs do not depend on its batch (the
+    engine's ``batch_invariant``)."""
     if weight_version < 0 or weight_version >= 2**63:
         raise ValueError(f"--weight-version {weight_version}: a non-negative integer below 2**63")
     console()  # its lines on the terminal, unless the caller set up strop's logging
@@ -171,6 +173,7 @@ def serve(
         seed=seed,
         batch_wait_s=batch_wait_ms / 1000,
         fast_decode=fast_decode,
+        batch_invariant=batch_invariant,
     )
     engine.weight_version = weight_version
     app = create_app(

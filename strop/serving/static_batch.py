@@ -1,5 +1,7 @@
 """The embedded engine's fallback path, for models the fast decoder does not support: Hugging Face's
-forward with a ``DynamicCache`` and static batches (prompts left-padded, finished rows dropped)."""
+forward with a ``DynamicCache`` and static batches (prompts left-padded, finished rows dropped). A
+batch-invariant engine decodes each request of a batch alone (padding and the batch's size would
+change its numbers)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,6 @@ from transformers import DynamicCache
 from strop.types import Completion, SamplingParams
 
 
-@torch.no_grad()
 def decode_static(
     engine,
     prompts: list[list[int]],
@@ -17,10 +18,23 @@ def decode_static(
     request_ids: list[str | None],
     listeners: list | None = None,
 ) -> list[Completion]:
-    """The fallback path's static batch of ``engine`` (:class:`strop.serving.embedded.EmbeddedEngine`). ``listeners``: per row None or (top_logprobs, fn), fn called
-    from this thread with (token, logprob, top alternatives or None) as each token is decoded."""
-    n = len(prompts)
-    version, abort_gen = engine.weight_version, engine._abort_gen
+    """The fallback path's static batch of ``engine`` (:class:`strop.serving.embedded.EmbeddedEngine`).
+    ``listeners``: per row None or (top_logprobs, fn), fn called from this thread with (token, logprob,
+    top alternatives or None) as each token is decoded."""
+    abort_gen, listeners = engine._abort_gen, listeners or [None] * len(prompts)
+    if engine.batch_invariant and len(prompts) > 1:
+        return [
+            _decode(engine, [p], [s], [rid], [li], abort_gen)[0]
+            for p, s, rid, li in zip(prompts, samplings, request_ids, listeners)
+        ]
+    return _decode(engine, prompts, samplings, request_ids, listeners, abort_gen)
+
+
+@torch.no_grad()
+def _decode(engine, prompts, samplings, request_ids, listeners, abort_gen: int) -> list[Completion]:
+    """One static batch; ``abort_gen``: the engine's abort generation it started in (an abort_all
+    since then ends it)."""
+    n, version = len(prompts), engine.weight_version
     # per-row budgets: never run past the context window
     budgets = [min(s.max_new_tokens, engine.context_window - len(p)) for p, s in zip(prompts, samplings)]
     max_len = max(len(p) for p in prompts)
@@ -38,7 +52,6 @@ def decode_static(
     top_k = torch.tensor([min(s.top_k, engine.vocab_size) for s in samplings], dtype=torch.long, device=dev)
     stop_sets = [set(s.stop_token_ids or engine.default_stop_token_ids) for s in samplings]
     generators = [torch.Generator().manual_seed(s.seed) if s.seed is not None else None for s in samplings]
-    listeners = listeners or [None] * n
     top_n = max((li[0] for li in listeners if li is not None), default=0)
 
     out_ids: list[list[int]] = [[] for _ in range(n)]
