@@ -90,6 +90,9 @@ class Completion:
     logprobs: list[float] | None
     finish_reason: FinishReason
     weight_version: int
+    # per token, the version of the weights that sampled it, when a request spans an update (a kept or
+    # retracted request); None: every token is ``weight_version``'s
+    token_versions: list[int] | None = None
 
 
 @dataclass
@@ -168,6 +171,14 @@ class Sample:
     def apply_completion(self, completion: Completion) -> None:
         """Append an engine completion and set the status from its finish reason."""
         self.append(completion.token_ids, completion.logprobs, weight_version=completion.weight_version)
+        versions = completion.token_versions
+        if versions is not None and completion.token_ids:
+            if len(versions) != len(completion.token_ids):
+                raise ValueError(
+                    f"sample group={self.group_id} index={self.index}: {len(completion.token_ids)} token ids but "
+                    f"{len(versions)} token versions"
+                )
+            self.weight_versions[-len(versions) :] = [int(v) for v in versions]
         self.status = _FINISH_TO_STATUS[completion.finish_reason]
 
     def reset_response(self) -> None:

@@ -6,6 +6,7 @@ import random
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from strop.config import build_config
 from strop.data.sources import PromptSampler
@@ -608,3 +609,40 @@ def test_the_routers_failovers_and_engine_events_reach_the_steps_metrics():
     manager, _ = _manager(Routed(), mode="sync", over_sample=1.25)
     _, metrics = asyncio.run(_first_step(manager))
     assert (metrics["engine_failovers"], metrics["engine_down"], metrics["engines_healthy"]) == (3, 1, 1)
+
+
+@pytest.mark.timeout(120)
+def test_partial_keep_freezes_samples_in_the_engine_and_each_token_keeps_its_version(tiny_model_dir):
+    """rollout.partial=keep on the embedded engine: what is generating at an update freezes (the engine's keep
+    pause), the weights load, it continues on them; a sample spanning the update reports per token the version
+    that sampled it (old tokens first), and none was aborted or restarted."""
+    from transformers import AutoModelForCausalLM
+
+    from strop.serving.embedded import EmbeddedEngine
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    engine = EmbeddedEngine(model, pad_token_id=0, max_batch_size=4)  # (rows queue: the update lands mid-sample)
+    states = [{n: t + 0.01 * k * torch.randn_like(t) for n, t in model.state_dict().items()} for k in range(1, 5)]
+    manager, _ = _manager(engine, mode="one_step_off", partial="keep", max_new_tokens=200, resumed_tokens="mask")
+    manager.c.sampling = SamplingParams(temperature=1.0, max_new_tokens=200, stop_token_ids=[-1])
+
+    async def drive():
+        seen = []
+        for step in range(1, 4):
+            groups, _ = await asyncio.wait_for(manager.batch(step), timeout=60)
+            seen.append(groups)
+            await asyncio.sleep(0.3)  # "training", while the next step's samples generate
+            await manager.update_weights(lambda: engine.update_weights(states[step], version=step), step)
+        await asyncio.wait_for(manager.close(), timeout=60)
+        return seen
+
+    seen = asyncio.run(drive())
+    samples = [s for groups in seen for g in groups for s in g]
+    spanning = [s for s in samples if len(set(s.weight_versions)) > 1]
+    assert spanning, [sorted(set(s.weight_versions)) for s in samples]
+    for s in spanning:
+        assert s.weight_versions == sorted(s.weight_versions) and len(s.weight_versions) == s.response_length == 200
+        last = s.weight_versions[-1]
+        assert s.loss_mask == [int(v == last) for v in s.weight_versions]  # resumed_tokens=mask: old ones out
+        assert not s.metadata.get("resumed")  # kept in the engine, never aborted and sent again
+    assert engine.paused is None

@@ -52,21 +52,24 @@ class RolloutConfig(Section):
     stale_groups: Literal["drop", "regenerate"] = Field(
         "drop", description="async: a group with a too-stale token is dropped, or regenerated from its prompts"
     )
-    partial: Literal["finish", "resume"] = Field(
+    partial: Literal["finish", "resume", "keep"] = Field(
         "finish",
-        description="one_step_off / async, at a weight update: unfinished samples finish on the old "
-        "weights, or are aborted and resumed on the new ones from the tokens they have",
+        description="one_step_off / async, at a weight update, unfinished samples: finish on the old weights "
+        "(the engine's wait pause), are aborted and resumed on the new ones from the tokens they have (abort), "
+        "or freeze in the engine and continue on the new ones (keep; the embedded engine), each token "
+        "keeping the version that sampled it",
     )
     resumed_tokens: Literal["correct", "mask"] = Field(
         "correct",
-        description="partial=resume: tokens sampled before the update are trained with the importance "
+        description="partial=resume or keep: tokens sampled before the update are trained with the importance "
         "correction against their own logprobs (needs algo.use_rollout_logprobs, tis_cap or mis_*), or masked",
     )
     exact_logprobs: bool = Field(
         False,
         description="report as the rollout's logprobs the trainer's own forward on the sampling weights "
         "(bitwise what the trainer computes: train_rollout_logprob_abs_diff is 0); costs one no-grad forward "
-        "when no pre-pass runs anyway; sync mode only (docs/rollout.md)",
+        "when no pre-pass runs anyway; sync mode only (docs/rollout.md); the embedded engine then decodes "
+        "batch-invariantly (a sample's tokens do not depend on its batch)",
     )
     over_sample: float = Field(
         1.0,

@@ -18,7 +18,8 @@ Modes (``rollout.mode``), each a scheduler of strop.rollout.schedulers behind on
 
 At a weight update, unfinished samples either finish on the old weights (``rollout.partial=finish``)
 or are aborted and resumed on the new ones from their prompt plus the tokens they have, with the
-budget they have left (``partial=resume``); the tokens keep their versions. Tokens of a resumed
+budget they have left (``partial=resume``), or stay in the engine, frozen while the weights load, and
+continue on the new ones (``partial=keep``, the embedded engine's keep pause); the tokens keep their versions. Tokens of a resumed
 sample from before the update are trained with the importance correction against their own
 logprobs (``resumed_tokens=correct``) or masked out of the loss (``mask``).
 
@@ -80,7 +81,7 @@ class RolloutManager:
         self.trained += len(trained)
         if self.r.resumed_tokens == "mask":
             for s in trained:
-                if s.metadata.get("resumed"):
+                if s.metadata.get("resumed") or len(set(s.weight_versions)) > 1:  # (resumed, or kept)
                     last = s.weight_versions[-1]
                     s.loss_mask = [m if v == last else 0 for m, v in zip(s.loss_mask, s.weight_versions)]
         metrics = self._metrics(step, groups, trained)
@@ -110,7 +111,15 @@ class RolloutManager:
         self.wake.set()
 
     async def _update(self, update) -> None:
-        if self.r.partial != "resume" or self.r.mode == "sync":
+        if self.r.partial == "keep" and self.r.mode != "sync":
+            # the engine's keep pause: what is generating freezes, the weights load, it continues on them from
+            # its tokens so far (recomputed, never from a cache of the old weights), each token keeping its version
+            await self.c.engine.pause("keep")
+            try:
+                await update()
+            finally:
+                self.c.engine.resume()
+        elif self.r.partial != "resume" or self.r.mode == "sync":
             await update()
         else:
             self.resume_gate.clear()

@@ -98,6 +98,7 @@ class EmbeddedEngine(BatchScheduler, WeightUpdates):
         self._held: Batch | None = None  # the batch an in_place pause stopped, rows and KV cache kept
         self._weights_epoch = 0  # counts weight loads: a held batch whose KV predates one is recomputed
         self._held_epoch: int | None = None  # the epoch the held batch's KV cache was computed in
+        self._held_version = 0  # the weight version the held batch decoded with
         self._gate = False  # a pause in wait mode is draining: requests arriving now wait in _parked
         self._parked: list[PendingRequest] = []
         self._in_flight = 0  # generate() calls not answered yet

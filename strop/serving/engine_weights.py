@@ -105,7 +105,7 @@ class WeightUpdates:
             async with self._busy:  # the running batch stops at its next step
                 pass
             if self._held is not None and self._held_epoch is None:
-                self._held_epoch = self._weights_epoch
+                self._held_epoch, self._held_version = self._weights_epoch, self.weight_version
 
     async def _drain_in_flight(self) -> None:
         """vLLM's ``wait``: let what runs or waits now finish; what arrives from now waits in ``_parked``."""
@@ -124,7 +124,7 @@ class WeightUpdates:
         batch, epoch, self._held_epoch = self._held, self._held_epoch, None
         if batch is not None and epoch != self._weights_epoch:
             live = [r for r in batch.rows if r.finish is None]
-            self._pending[:0] = [self._retracted(r) for r in live]
+            self._pending[:0] = [self._retracted(r, self._held_version) for r in live]
             self._held = None
         self._paused, self._gate = None, False
         self._pending.extend(self._parked)

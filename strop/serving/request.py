@@ -51,6 +51,10 @@ class PendingRequest:
     on_token: TokenListener | None = None
     top_logprobs: int = 0  # alternatives per token handed to on_token (0: none computed)
     emitted: int = 0  # tokens of the current row handed to on_token so far
+    done_versions: list[int] = field(default_factory=list)  # per done_ids token, the weights' version that sampled it
 
     def completion(self, token_ids: list[int], logprobs: list[float], finish: str, version: int) -> Completion:
-        return Completion(self.done_ids + token_ids, self.done_logprobs + logprobs, finish, version)
+        """The answer; a request retracted across a weight version says which version sampled each token."""
+        versions = self.done_versions + [version] * len(token_ids)
+        spans = versions if self.done_versions and len(set(versions)) > 1 else None
+        return Completion(self.done_ids + token_ids, self.done_logprobs + logprobs, finish, version, spans)

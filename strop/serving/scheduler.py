@@ -213,8 +213,11 @@ class BatchScheduler:
         else:
             self._held = batch
 
-    def _retracted(self, row: Row) -> PendingRequest:
+    def _retracted(self, row: Row, version: int | None = None) -> PendingRequest:
+        """The row back as a request: its prompt plus its tokens so far, sampled by weights ``version`` (the
+        current ones unless given)."""
         req = row.owner
+        version = self.weight_version if version is None else version
         return PendingRequest(
             req.prompt_ids + row.token_ids,
             replace(req.sampling, max_new_tokens=(req.sampling.max_new_tokens - len(row.token_ids))),
@@ -225,6 +228,7 @@ class BatchScheduler:
             row.generator,
             req.on_token,
             req.top_logprobs,
+            done_versions=req.done_versions + [version] * len(row.token_ids),
         )  # (its tokens so far were handed over already)
 
     def _row(self, prompt_ids, sampling: SamplingParams, request_id=None, owner=None) -> Row:

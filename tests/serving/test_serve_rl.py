@@ -112,7 +112,8 @@ def test_pause_modes_with_requests_in_flight(start_server, mode):
 
 def test_kept_batch_is_recomputed_on_the_new_weights(tiny_model_dir):
     """keep: a batch frozen across a weight load continues from its tokens so far on the new weights,
-    token for token what the new weights give from that prefix (greedy), never from its old KV cache."""
+    token for token what the new weights give from that prefix (greedy), never from its old KV cache; each
+    token says which weights sampled it."""
     from transformers import AutoModelForCausalLM
 
     from strop.serving.embedded import EmbeddedEngine
@@ -146,6 +147,10 @@ def test_kept_batch_is_recomputed_on_the_new_weights(tiny_model_dir):
     k, out, rest = asyncio.run(main())
     assert 5 <= k < 30 and len(out.token_ids) == 30
     assert out.token_ids[k:] == rest.token_ids
+    # the logprobs after the pause are the new weights' from the whole prefix (a stale KV cache changes them)
+    torch.testing.assert_close(torch.tensor(out.logprobs[k:]), torch.tensor(rest.logprobs), atol=1e-5, rtol=0)
+    assert out.weight_version == 1 and out.token_versions == [0] * k + [1] * (30 - k)
+    assert rest.token_versions is None  # one version throughout
 
 
 def test_transfer_phases_in_and_out_of_order_and_bad_chunks(start_server, tiny_model_dir):
