@@ -1,20 +1,22 @@
-"""``strop serve``: the embedded engine behind HTTP, speaking the subset of SGLang's native API
-strop uses, plus OpenAI-compatible completions for agent code.
+"""``strop serve``: the embedded engine behind HTTP, speaking vLLM's RL API (:mod:`strop.serving.routes_rl`,
+:mod:`strop.serving.routes_transfer`: pause modes, the weight-transfer phases, versions, the weight checker),
+the subset of SGLang's native API strop uses, and OpenAI-compatible completions for agent code.
 
-Routes (SGLang names and payloads, so one client serves both):
+SGLang's routes (its names and payloads, so an SGLang client drives strop serve too):
   POST /generate                {text | input_ids, sampling_params, return_logprob, rid}
   GET  /health, /health_generate, /get_weight_version, /model_info, /v1/models
   POST /abort_request {rid}, /flush_cache, /update_weights_from_disk {model_path, weight_version}
   POST /pause_generation {mode}, /continue_generation, /begin_weight_update, /end_weight_update
   POST /init_weights_update_group, /update_weights_from_distributed, /destroy_weights_update_group
-  POST /update_weight_version {new_version};  GET|POST /weights_checker {action: "checksum"}
+  GET|POST /weights_checker {action: "checksum"}
   GET  /weights_manifest  (strop's own: the names, dtypes and shapes an update must carry)
   POST /tokenize {prompt, add_special_tokens}  (as SGLang and vLLM: {tokens, count, max_model_len})
   POST /v1/completions, /v1/chat/completions  (token ids, logprobs and up to 20 top logprobs included;
                                               echo; stream (a chunk per decoded token), stop, n)
 
 The routes live in :mod:`strop.serving.routes_generate`, :mod:`strop.serving.routes_weights`,
-:mod:`strop.serving.routes_lora` and :mod:`strop.serving.routes_openai`, over one :class:`strop.serving.service.ServeService`; this module
+:mod:`strop.serving.routes_rl`, :mod:`strop.serving.routes_transfer`, :mod:`strop.serving.routes_lora` and
+:mod:`strop.serving.routes_openai`, over one :class:`strop.serving.service.ServeService`; this module
 builds the app (errors, authorisation, the body limit) and runs the process (:func:`serve`).
 
 Concurrent requests are batched by the engine. Access: open on 127.0.0.1 without a token;

@@ -301,3 +301,31 @@ def test_gloo_transfer_loads_a_broadcast_and_a_broken_one_leaves_the_old_weights
         assert call(url, "POST", "/finish_weight_update", json={}).status_code == 409  # the round was dropped
     finally:
         close_group(group)
+
+
+def test_a_prompt_scored_before_an_update_is_scored_with_the_new_weights_after_it(start_server, tiny_model_dir):
+    """Nothing stale after an update: the same prompt, asked before and after a transfer round, gets the logprobs
+    of the weights held each time (the trainer's own forward on each), never the earlier answer."""
+    from transformers import AutoModelForCausalLM
+
+    from strop.serving.probe import reference_logprobs
+
+    url = start_server(None, "--weight-transfer-backend=checkpoint").url
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    prompt = [3, 40, 7, 9, 11, 5]
+    body = {"model": "m", "prompt": prompt, "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0}
+
+    def served():
+        choice = call(url, "POST", "/v1/completions", json=body).json()["choices"][0]
+        return torch.tensor([at[str(t)]["logprob"] for t, at in zip(prompt[1:], choice["prompt_logprobs"][1:])])
+
+    before = served()
+    torch.testing.assert_close(before, torch.tensor(reference_logprobs(model, prompt)), atol=1e-5, rtol=0)
+    new = {n: t + 0.5 * torch.randn_like(t) for n, t in model.state_dict().items() if "layers.1." in n}
+    assert call(url, "POST", "/start_weight_update").status_code == 200
+    assert call(url, "POST", "/update_weights", json={"update_info": {"safetensors_b64": b64(new)}}).status_code == 200
+    assert call(url, "POST", "/finish_weight_update", json={"weight_version": "1"}).status_code == 200
+    model.load_state_dict(new, strict=False)
+    after = served()
+    torch.testing.assert_close(after, torch.tensor(reference_logprobs(model, prompt)), atol=1e-5, rtol=0)
+    assert (after - before).abs().max() > 1e-3  # the update changed them: the comparison can fail
