@@ -247,6 +247,22 @@ def test_gloo_transfer_loads_a_broadcast_and_a_broken_one_leaves_the_old_weights
     own = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
     port = free_port()
     init = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2, "timeout_s": 5}
+    for bad, param in (
+        ({**init, "master_port": 0}, "body.init_info.master_port"),
+        ({**init, "rank_offset": 2}, "body.init_info.rank_offset"),
+        ({**init, "world_size": "2"}, "body.init_info.world_size"),
+        ({**init, "backend": "nccl"}, "body.init_info.backend"),
+        ({**init, "surprise": 1}, "body.init_info.surprise"),
+        ({k: v for k, v in init.items() if k != "master_address"}, "body.init_info.master_address"),
+    ):
+        r = call(url, "POST", "/init_weight_transfer_engine", json={"init_info": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (bad, r.text)
+    r = call(url, "POST", "/update_weights", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"], r.text
+    assert call(url, "POST", "/start_weight_update").status_code == 200
+    r = call(url, "POST", "/update_weights", json={"update_info": {"names": ["x"], "dtype_names": [], "shapes": []}})
+    assert r.status_code == 409, r.text  # a broadcast round needs the trainer's group first
+    assert call(url, "POST", "/finish_weight_update", json={}).status_code == 200
     holder = {}
     t = threading.Thread(target=lambda: holder.update(g=make_group("127.0.0.1", port, 0, 2, "gloo", 5)))
     t.start()
