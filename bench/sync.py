@@ -4,7 +4,9 @@ For each model and engine one server is started (vLLM with strop's worker extens
 then the forms alternate on it (A B A B: this machine drifts), each in a fresh trainer-side
 process: it loads the model, syncs one version (warm-up, untimed), perturbs every tensor (what
 an RL step does to them) and syncs the next version through the router, as a run does. Reported
-per update: seconds, and the rise of peak memory on both sides during it (VmHWM after against
+per update: seconds, the seconds generation stood paused for it (from the engine's pause to its resume:
+the broadcast pauses, the disk and delta forms do not, the server stops decoding only while it copies), and
+the rise of peak memory on both sides during it (VmHWM after against
 VmRSS before, the peak reset just before with ``5 > /proc/PID/clear_refs``; vLLM's figure is its
 worker process's, read by the extension). The trainer side's figure does not count the perturbed
 copy it syncs from. Also: the longest the trainer side's event loop went without running a 5 ms
@@ -91,6 +93,27 @@ def random_1b(work: Path) -> str:
     return str(target)
 
 
+def _time_pauses(engine) -> list[float]:
+    """Wrap ``engine.pause`` / ``resume``: each pause's seconds, from the pause call to the resume's answer (the
+    time generation on that engine stood still for the update; a transport that does not pause adds none)."""
+    spans, started = [], []
+    pause, resume = engine.pause, engine.resume
+
+    async def timed_pause(*a, **kw):
+        started.append(time.perf_counter())
+        return await pause(*a, **kw)
+
+    async def timed_resume(*a, **kw):
+        try:
+            return await resume(*a, **kw)
+        finally:
+            if started:
+                spans.append(time.perf_counter() - started.pop())
+
+    engine.pause, engine.resume = timed_pause, timed_resume
+    return spans
+
+
 def child(form: str, kind: str, model: str, url: str, pid: int, bucket: int, work: str, version: int) -> dict:
     import asyncio
     import ctypes
@@ -134,6 +157,7 @@ def child(form: str, kind: str, model: str, url: str, pid: int, bucket: int, wor
     else:
         server_before = _reset_peak(pid) / 1024
     own_before = _reset_peak("self")
+    paused = _time_pauses(engine)
     write_s = []
     if form == "disk":  # the disk form's own write, timed apart from the engine's reload
         writer.write = timed(writer.write, write_s)
@@ -157,6 +181,7 @@ def child(form: str, kind: str, model: str, url: str, pid: int, bucket: int, wor
     phases = " / ".join(f"{v:.1f}" for v in router.sync.timings.values()) if form == "broadcast" else ""
     return {
         "seconds": seconds,
+        "paused_s": sum(paused),
         "full_mib": full / 2**20,
         "stall_ms": stall * 1000,
         "phases": phases,
@@ -199,6 +224,8 @@ class VLLMServer:
                     "processed_logprobs",
                     "--worker-extension-cls",
                     "strop.serving.vllm_worker.StropWorkerExtension",
+                    "--weight-transfer-config",
+                    '{"backend": "gloo"}',
                 ],
                 stdout=out,
                 stderr=out,
@@ -255,11 +282,11 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     print(f"broadcast bucket {args.bucket_mib} MiB; one full update after a warm-up, per row")
     print(
-        "| model | engine | form | round | seconds | broadcast phases: prepare / buckets / finish / receipt s | "
+        "| model | engine | form | round | seconds | paused s | broadcast phases: prepare / buckets / finish / receipt s | "
         "split s (disk: trainer's write / engine's reload; vLLM broadcast: its worker's receive / load / finish) | "
         "server peak extra MiB | trainer peak extra MiB | trainer loop stall ms |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name in args.models:
         model = random_1b(work) if name == "random-1b" else resolve_model_path(name)
         for kind in args.engines:
@@ -304,7 +331,7 @@ def main() -> None:
                                 seconds.setdefault("engine work", []).append(r["engine_work_s"])
                             print(
                                 f"| {Path(name).name} ({r['full_mib']:.0f} MiB) | {kind} | {form} | {k + 1} | "
-                                f"{r['seconds']:.2f} | {r['phases']} | {r['split']} | {r['server_extra_mib']:.0f} | "
+                                f"{r['seconds']:.2f} | {r['paused_s']:.2f} | {r['phases']} | {r['split']} | {r['server_extra_mib']:.0f} | "
                                 f"{r['trainer_extra_mib']:.0f} | "
                                 f"{r['stall_ms']:.0f} |",
                                 flush=True,
@@ -313,14 +340,14 @@ def main() -> None:
                         ratios = [d / b for d, b in zip(seconds["disk"], seconds["broadcast"])]
                         print(
                             f"| {Path(name).name} | {kind} | disk / broadcast | | "
-                            f"{' and '.join(f'{x:.2f}x' for x in ratios)} | | | | | |",
+                            f"{' and '.join(f'{x:.2f}x' for x in ratios)} | | | | | | |",
                             flush=True,
                         )
                     if "disk" in seconds and "engine work" in seconds:  # the most any transport could gain
                         bounds = [d / w for d, w in zip(seconds["disk"], seconds["engine work"])]
                         print(
                             f"| {Path(name).name} | {kind} | disk / (worker load + finish): the ceiling | | "
-                            f"{' and '.join(f'{x:.2f}x' for x in bounds)} | | | | | |",
+                            f"{' and '.join(f'{x:.2f}x' for x in bounds)} | | | | | | |",
                             flush=True,
                         )
                 finally:
