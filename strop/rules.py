@@ -39,6 +39,11 @@ def why_not_shared(cfg, world: int = 1) -> str | None:
     e = cfg.engine
     if e.kind != "embedded":
         return f"engine.kind={e.kind!r} runs in servers of its own"
+    if e.verify_updates != "off":
+        return (
+            f"engine.verify_updates={e.verify_updates!r} overwrites the engine's weights with noise: shared, they "
+            "would be the trainer's own"
+        )
     if cfg.rollout.mode != "sync":
         return (
             f"rollout.mode={cfg.rollout.mode!r} generates while the trainer changes its weights: the engine "
@@ -79,6 +84,12 @@ def _other_generation(c) -> str:
         or (f"plugins.generate={p.generate!r}" if p.generate else "")
         or (f"plugins.rollout={p.rollout!r}" if p.rollout else "")
     )
+
+
+def _adapter_sync(c) -> bool:
+    """Whether weights reach servers as a LoRA adapter alone (engine.sync='adapter', or 'auto' with LoRA)."""
+    e = c.engine
+    return e.sync == "adapter" or (e.sync == "auto" and bool(c.model.lora_rank) and e.kind != "embedded")
 
 
 def _corrected(a) -> bool:
@@ -259,6 +270,16 @@ RULES: tuple[Rule, ...] = (
         ),
     ),
     Rule(
+        "kept samples need the embedded engine",
+        lambda c: c.rollout.partial == "keep" and c.rollout.mode != "sync" and c.engine.kind != "embedded",
+        lambda c: (
+            "rollout.partial='keep' freezes the requests in the engine across a weight update and needs each "
+            f"token's weight version back; engine.kind={c.engine.kind!r} answers one version per request "
+            "(vLLM's /v1/completions, SGLang's /generate): use rollout.partial='resume' (its abort pause) or "
+            "'finish' (wait), or engine.kind='embedded'"
+        ),
+    ),
+    Rule(
         "an agent session restarts clean",
         lambda c: bool(c.plugins.agent) and c.rollout.partial == "resume",
         lambda c: (
@@ -322,6 +343,29 @@ RULES: tuple[Rule, ...] = (
         lambda c: f"engine.share_weights=true: {why_not_shared(c)}",
     ),
     Rule(
+        "verified updates need engines that report their tensors",
+        lambda c: c.engine.verify_updates != "off" and c.engine.kind in ("vllm", "sglang"),
+        lambda c: (
+            f"engine.verify_updates={c.engine.verify_updates!r} compares a digest of every tensor each engine "
+            f"holds with the trainer's; the embedded engine and strop serve report them, but engine.kind="
+            f"{c.engine.kind!r} reports digests of its own fused or repacked tensors (SGLang fuses linear weights, "
+            "vLLM's CPU build repacks them), which the trainer cannot reproduce: there the weight probe "
+            "(engine.sync_probe) is the receipt. Check the transport with engine.kind='strop', or set "
+            "verify_updates='off'"
+        ),
+    ),
+    Rule(
+        "verified updates need whole weights",
+        lambda c: c.engine.verify_updates != "off" and _adapter_sync(c),
+        lambda c: (
+            f"engine.verify_updates={c.engine.verify_updates!r} with the adapter transport (engine.sync="
+            f"{c.engine.sync!r}, model.lora_rank={c.model.lora_rank}): it sends the LoRA adapter alone and merges "
+            "it over the base weights each server already holds, so noise over those is beyond what it sends. "
+            "Check the transport with engine.sync='disk', 'delta' or 'broadcast' (the merged weights), or set "
+            "verify_updates='off'"
+        ),
+    ),
+    Rule(
         "exact logprobs are not with bf16 autocast",
         lambda c: c.rollout.exact_logprobs and c.train.bf16_autocast,
         lambda c: (
@@ -371,7 +415,7 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "corrected resumed tokens need a correction",
         lambda c: (
-            c.rollout.partial == "resume"
+            c.rollout.partial in ("resume", "keep")
             and c.rollout.resumed_tokens == "correct"
             and c.rollout.mode != "sync"
             and not _corrected(c.algo)

@@ -124,6 +124,22 @@ CASES = {
         {"rollout": {"partial": "resume"}, "plugins": {"generate": "my.g:f"}},
         "plugins.generate='my.g:f' may not: use partial='finish'",
     ),
+    "verified updates need engines that report their tensors": (
+        {"engine": {"kind": "vllm", "urls": ["http://127.0.0.1:1"], "verify_updates": "first"}},
+        "reports digests of its own fused or repacked tensors",
+    ),
+    "verified updates need whole weights": (
+        {"model": {"lora_rank": 8}, "engine": {"kind": "strop", "launch": 1, "verify_updates": "first"}},
+        "with the adapter transport",
+    ),
+    "kept samples need the embedded engine": (
+        {
+            "rollout": {"mode": "async", "partial": "keep"},
+            "algo": {"use_rollout_logprobs": True},
+            "engine": {"kind": "vllm", "urls": ["http://127.0.0.1:1"]},
+        },
+        "engine.kind='vllm' answers one version per request",
+    ),
     "corrected resumed tokens need a correction": (
         {"rollout": {"mode": "async", "partial": "resume"}, "algo": {"opsm_delta": 0.1}},
         "trains tokens of older weights with an importance correction",

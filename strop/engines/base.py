@@ -79,6 +79,13 @@ class Metered(Protocol):
 
 
 @runtime_checkable
+class Stoppable(Protocol):
+    """Counts the seconds no request could decode because of a pause or a weight load (the embedded engine)."""
+
+    stopped_seconds: float
+
+
+@runtime_checkable
 class AdapterLoader(Protocol):
     """Loads the LoRA adapter folder ``path`` (strop.wire.lora.peft_files) as weight ``version`` and returns the
     version it then reports: strop serve merges it into the weights it decodes and its checksum of what it merged
@@ -93,6 +100,38 @@ class GroupMember(Protocol):
     """Joins the trainer's weight-update group with ``group_ranks`` ranks (SGLang: one per TP worker)."""
 
     group_ranks: int
+
+
+@runtime_checkable
+class InProcess(Protocol):
+    """Runs in this process (the embedded engine): ``weights()`` the tensors it decodes with, each once;
+    ``tensor_digests()`` a digest of each (strop.wire.digest.tensor_digest, keyed as vLLM's ``/weight_checker``
+    keys them: ``dp0:pp0:pcp0:tp0:<name>``), read between batches; ``pause``/``resume`` hold its batches
+    (``paused``: the mode it is paused in, or None). What engine.verify_updates overwrites and reads back
+    (strop.sync.verify)."""
+
+    paused: str | None
+
+    def weights(self) -> dict[str, Any]: ...
+
+    async def tensor_digests(self) -> dict[str, str]: ...
+
+    async def pause(self, mode: str = "abort") -> None: ...
+
+    def resume(self) -> None: ...
+
+
+@runtime_checkable
+class WeightChecked(Protocol):
+    """A server that reports a digest of each tensor it holds (strop serve's ``/weight_checker``, keyed as
+    :class:`InProcess` keys them) and which tensors those are (``weights_manifest``), and loads weights from
+    a file (``load_weights``): what engine.verify_updates overwrites and reads back (strop.sync.verify)."""
+
+    async def tensor_digests(self) -> dict[str, str]: ...
+
+    async def weights_manifest(self) -> list[tuple[str, str, tuple[int, ...]]] | None: ...
+
+    async def load_weights(self, path, version: int, checksum: str | None = None) -> int: ...
 
 
 class EngineWrapper:

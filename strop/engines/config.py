@@ -131,6 +131,15 @@ class EngineConfig(Section):
         description="largest logprob difference the probe accepts "
         "(fp32 engines agree within ~1e-5; bfloat16 engines need ~0.05)",
     )
+    verify_updates: Literal["off", "first", "every"] = Field(
+        "off",
+        description="a corrupt-then-restore check of the weight transport: before the first weight update "
+        "('first'; 'every': before each one) every engine's weights are overwritten with seeded noise, then the "
+        "update runs through the run's transport, and each tensor every engine then holds must equal the "
+        "trainer's bit for bit, or the step fails naming the engine, the transport and the first tensor that "
+        "differs. The embedded engine and strop serve (engine.sync disk, delta or broadcast); each check costs "
+        "a noise load, digests of every tensor on both sides and (delta) a full update (docs/serving.md)",
+    )
     colocate: bool = Field(
         False,
         description="run the engines on the trainer's GPU and update them in place "

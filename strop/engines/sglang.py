@@ -330,6 +330,16 @@ class SGLangEngine(SGLangAdapters, HTTPEngine):
         path, checksum = await asyncio.to_thread(self.writer.write, state_dict, version)  # off the event loop
         return await self.load_weights(path, version, checksum)
 
+    async def tensor_digests(self) -> dict[str, str]:
+        """strop serve: a digest of each tensor it holds (``POST /weight_checker {action: checksum}``, vLLM's
+        route: strop.wire.digest.tensor_digest, keyed ``dp0:pp0:pcp0:tp0:<name>``), for engine.verify_updates
+        to compare with the trainer's. (vLLM answers the same route with digests of its own tensors.)"""
+        out = await self._call("POST", "/weight_checker", json={"action": "checksum"}, retries=1)
+        checksums = out.get("checksums") if isinstance(out, dict) else None
+        if not isinstance(checksums, dict) or not checksums:
+            raise EngineRequestError(f"{self.url}: /weight_checker answered no checksums: {str(out)[:200]}")
+        return checksums
+
 
 def parse_generate(out: dict, where: str) -> Completion:
     """An SGLang ``/generate`` answer as a Completion (logprobs from ``meta_info.output_token_logprobs``)."""

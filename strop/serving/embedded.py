@@ -99,6 +99,8 @@ class EmbeddedEngine(BatchScheduler, WeightUpdates):
         self._weights_epoch = 0  # counts weight loads: a held batch whose KV predates one is recomputed
         self._held_epoch: int | None = None  # the epoch the held batch's KV cache was computed in
         self._held_version = 0  # the weight version the held batch decoded with
+        self.stopped_seconds = 0.0  # time no row could decode for a pause or a weight load (engine_weights)
+        self._stopped_at: float | None = None  # when the pause now running began
         self._gate = False  # a pause in wait mode is draining: requests arriving now wait in _parked
         self._parked: list[PendingRequest] = []
         self._in_flight = 0  # generate() calls not answered yet

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 import asyncio
+import time
 
 from strop.serving.probe import prompt_logprobs, reference_logprobs
 from strop.serving.receipt import ReceiptSession
@@ -49,9 +50,18 @@ class WeightUpdates:
         trainer shares this process's device: nothing goes through host memory). ``strict=False``
         loads a subset (the delta form). Running rows finish on the old weights first; requests
         that arrive meanwhile wait and decode on the new ones."""
-        await self._drained(self._load, self._copy_in, state_dict, strict)
+        await self._drained(self._stopping, self._load, self._copy_in, state_dict, strict)
         self.weight_version = self.weight_version + 1 if version is None else version
         return self.weight_version
+
+    def _stopping(self, fn, *args):
+        """``fn(*args)`` with no row decoding, counted in :attr:`stopped_seconds` (unless a pause counts it)."""
+        t = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            if self._stopped_at is None:
+                self.stopped_seconds += time.perf_counter() - t
 
     def _copy_in(self, state_dict, strict: bool) -> None:
         """``load_state_dict``; sharded weights (strop.parallel.gather) a bucket at a time, as gathered; with
@@ -98,6 +108,8 @@ class WeightUpdates:
             raise ValueError(f"pause mode {mode!r}: one of {', '.join(PAUSE_MODES)}")
         if mode == "wait" and self._paused is None:
             await self._drain_in_flight()
+        if self._stopped_at is None:
+            self._stopped_at = time.perf_counter()
         self._paused = mode
         if mode == "abort":
             await self.abort_all()
@@ -126,6 +138,9 @@ class WeightUpdates:
             live = [r for r in batch.rows if r.finish is None]
             self._pending[:0] = [self._retracted(r, self._held_version) for r in live]
             self._held = None
+        if self._stopped_at is not None:
+            self.stopped_seconds += time.perf_counter() - self._stopped_at
+            self._stopped_at = None
         self._paused, self._gate = None, False
         self._pending.extend(self._parked)
         self._parked = []

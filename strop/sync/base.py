@@ -46,6 +46,10 @@ class WeightSync(ABC):
     async def forget(self, i: int) -> None:
         """Engine ``i`` restarted (it answers again lagging): what it held, and any link to it, is gone."""
 
+    async def overwritten(self, i: int) -> None:
+        """Engine ``i``'s weights were overwritten outside this transport (engine.verify_updates' noise): it
+        holds nothing this transport sent it, and the next update must send it every tensor."""
+
     async def catch_up(self, i: int) -> bool:
         """Load the current weights into engine ``i``, which lags, now. False: there are none to load yet."""
         return False

@@ -15,6 +15,7 @@ from strop.sync.broadcast import BroadcastSync
 from strop.sync.delta import DeltaSync
 from strop.sync.disk import DiskSync, WeightWriter
 from strop.sync.inprocess import InProcessSync
+from strop.sync.verify import VerifiedSync
 from strop.wire.errors import EngineRequestError, EngineUnavailable
 
 log = logging.getLogger(__name__)
@@ -24,11 +25,33 @@ def choose_sync(cfg: Config, clients: list, run_dir: Path, probe_ids: list[int],
     """The transport of the engines ``clients`` (the run's engine.kind): in-process for the embedded engine;
     for servers broadcast or through disk (engine.sync, 'auto' resolved here and printed with its reason).
     vLLM servers are probed first: one whose logprobs ignore the temperature is refused, and one without
-    strop's worker extension cannot take a broadcast."""
+    strop's worker extension cannot take a broadcast. With engine.verify_updates, the transport comes wrapped
+    in the corrupt-then-restore check (strop.sync.verify)."""
     e = cfg.engine
-    if e.kind == "embedded":
-        return InProcessSync()
     writer = WeightWriter(e.sync_dir or run_dir / "weights", bucket_bytes=e.sync_bucket_bytes)
+    transport, name = (
+        (InProcessSync(), "in-process") if e.kind == "embedded" else _remote(cfg, clients, writer, probe_ids, device)
+    )
+    if e.verify_updates == "off":
+        return transport
+    log.info(
+        f"strop: engine.verify_updates={e.verify_updates}: before "
+        + ("the first weight update" if e.verify_updates == "first" else "every weight update")
+        + f" each engine's weights are overwritten with noise, and the {name} update must restore them bit for bit"
+    )
+    return VerifiedSync(
+        transport,
+        name,
+        every=e.verify_updates == "every",
+        writer=writer if e.kind != "embedded" else None,
+        pause_mode=e.sync_pause,
+        bucket_bytes=e.sync_bucket_bytes,
+    )
+
+
+def _remote(cfg: Config, clients: list, writer: WeightWriter, probe_ids: list[int], device) -> tuple[WeightSync, str]:
+    """The transport of servers, and its name (engine.sync, 'auto' resolved against the servers)."""
+    e = cfg.engine
     sync, why = e.sync, "engine.sync"
     if sync == "auto" and cfg.model.lora_rank:
         sync, why = "adapter", f"auto: each version's LoRA adapter alone into {e.kind} servers"
@@ -74,10 +97,10 @@ def choose_sync(cfg: Config, clients: list, run_dir: Path, probe_ids: list[int],
             pause_mode=e.sync_pause,
             dtype=e.sync_dtype,
             host=os.environ.get("STROP_NODE_IP", "127.0.0.1"),
-        )  # where engines reach rank 0
+        ), sync  # where engines reach rank 0
     if sync == "adapter":  # (every adapter a request may still use stays on disk: the server may read it again)
-        return AdapterSync(writer, keep=adapter_slots(cfg.rollout))
-    return DeltaSync(writer) if sync == "delta" else DiskSync(writer)
+        return AdapterSync(writer, keep=adapter_slots(cfg.rollout)), sync
+    return (DeltaSync(writer) if sync == "delta" else DiskSync(writer)), sync
 
 
 def weight_receipt(kind: str, sync: str) -> str:

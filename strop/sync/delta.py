@@ -36,6 +36,9 @@ class DeltaSync(WeightSync):
     async def forget(self, i: int) -> None:
         self.held[i] = {}  # a restarted engine holds its initial weights: everything is sent
 
+    async def overwritten(self, i: int) -> None:
+        self.held[i] = {}  # (engine.verify_updates' noise: every tensor differs from what it was sent)
+
     async def update(self, weights, version: int) -> Receipt:
         pool = self.pool
         unique = [name for name, _, _ in manifest_of(weights)]
