@@ -101,7 +101,7 @@ def _digests(named: Mapping, names: list[str], dtypes: dict[str, str], bucket_by
             raw[name] = tensor_digest(t)
             if name in dtypes:
                 held = getattr(torch, dtypes[name])
-                cast[name] = tensor_digest(t if t.dtype == held else t.to(held))
+                cast[name] = raw[name] if t.dtype == held else tensor_digest(t.to(held))
     return raw, cast
 
 
