@@ -102,8 +102,7 @@ async def finish_weight_update(request: Request, weight_version: Annotated[Stric
             return _refused(exc)
         if staged:
             await engine.update_weights(staged, version=version, strict=False)
-            svc.lora_base.clear()  # a LoRA adapter loaded later merges over these weights
-            svc.lora_name = None
+            svc.weights_replaced()
         engine.weight_version = version
     return {"message": "Weight update finished"}
 
@@ -175,6 +174,5 @@ async def _reload(svc, kwargs: dict):
     except (OSError, ValueError) as exc:
         return rl_error(400, str(exc), where)
     await engine.update_weights(state, version=engine.weight_version)
-    svc.lora_base.clear()
-    svc.lora_name = None
+    svc.weights_replaced()
     return {"results": [None]}

@@ -123,8 +123,7 @@ async def update_weights_from_disk(body: DiskUpdateBody, request: Request):
     if body.abort_all_requests:
         await engine.abort_all()
     version = await engine.update_weights(state, version=body.weight_version, strict=body.digests is None)
-    svc.lora_base.clear()  # a LoRA adapter loaded later merges over these weights (strop.serving.routes_lora)
-    svc.lora_name = None
+    svc.weights_replaced()
     return {
         "success": True,
         "message": "weights loaded",
@@ -228,8 +227,7 @@ async def end_weight_update(request: Request, body: SessionBody | None = None):
         digest = engine.end_update()
     except RequestError as exc:
         raise HTTPException(status_code=400, detail=f"end_weight_update: {exc}") from exc
-    svc.lora_base.clear()  # a LoRA adapter loaded later merges over these weights (strop.serving.routes_lora)
-    svc.lora_name = None
+    svc.weights_replaced()
     # (strop's own field, the session's receipt: a digest of every byte received, in order)
     return {"success": True, "message": "weight update ended", "checksum": digest}
 

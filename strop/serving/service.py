@@ -46,6 +46,11 @@ class ServeService:
         self.lora_base: dict[str, Any] = {}  # weights as before the first LoRA adapter merged (a full update resets)
         self.lora_name: str | None = None  # the adapter merged into the weights (/load_lora_adapter), by its name
 
+    def weights_replaced(self) -> None:
+        """A full load replaced the weights: a LoRA adapter loaded later merges over these (strop.serving.routes_lora)."""
+        self.lora_base.clear()
+        self.lora_name = None
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         tokenizer = self.tokenizer
         return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens) if tokenizer is not None else ""
