@@ -166,6 +166,7 @@ OPTIONS = [
     ("rollout.prompts_per_step", "int", 8),
     ("rollout.resumed_tokens", "Literal['correct', 'mask']", "correct"),
     ("rollout.reward", "str", "math"),
+    ("rollout.sample_retries", "int", 1),
     ("rollout.seed", "int", 0),
     ("rollout.stale_groups", "Literal['drop', 'regenerate']", "drop"),
     ("rollout.temperature", "float", 0.8),

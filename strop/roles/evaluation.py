@@ -32,9 +32,12 @@ class Evaluation:
             return
         t = time.perf_counter()
         groups = [c.eval_prompts.make_group(i, 1, group_id=-1 - i) for i in range(len(c.eval_prompts))]
+        training_counts = d.ctx.take_counts()  # (the step's failures and retries stay the step's)
         groups = d.loop.run(rollout_groups(d.ctx, groups, c.eval_sampling, apply_filter=False))
         seconds = time.perf_counter() - t
         row = {"step": step, **eval_metrics(groups, d.cfg.eval.accuracy_threshold), "eval_seconds": seconds}
+        row |= {f"eval_{k}": v for k, v in d.ctx.take_counts().items()}
+        d.ctx.counts.update(training_counts)
         if any("tool_calls" in g[0].metadata for g in groups):  # multi-turn: how often the answer used a tool
             row["eval_tool_call_fraction"] = sum(g[0].metadata.get("tool_calls", 0) > 0 for g in groups) / len(groups)
         if any("agent_session" in g[0].metadata for g in groups):  # agents: calls per session, how sessions ended

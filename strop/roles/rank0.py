@@ -28,6 +28,7 @@ class Rank0:
             filter=c.hooks.get("filter"),
             run_dir=self.run_dir,
             extra=dict(c.rollout_extra),
+            sample_retries=cfg.rollout.sample_retries,
         )
         # the bar on a terminal only: in a file or a pipe the step lines say the same (strop.roles.outputs)
         self.bar_shown = cfg.run.progress and sys.stderr.isatty()

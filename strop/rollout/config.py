@@ -31,6 +31,13 @@ class RolloutConfig(Section):
         "model loads, and refuse one that raises or returns no number; false for a reward that must not be "
         "called before the run (cost, side effects)",
     )
+    sample_retries: int = Field(
+        1,
+        ge=0,
+        description="a sample whose own work failed (its generate hook, agent or environment, its reward or judge) "
+        "starts over, a fresh run of all of it, at most this many times; a group with a member failed past it is "
+        "dropped whole (never trained with a member missing) and counted in groups_failed",
+    )
     seed: int = Field(0, description="sampling seed")
     filter_max_rounds: int = Field(
         3,

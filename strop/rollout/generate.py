@@ -7,6 +7,7 @@ import dataclasses
 import inspect
 import json
 import traceback
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -63,12 +64,20 @@ class RolloutContext:
     filter: Callable | None = None  # the dynamic sampling filter, if any
     extra: dict = field(default_factory=dict)
     run_dir: Path | None = None  # failed samples are written to run_dir/failed_samples.jsonl
+    sample_retries: int = 0  # rollout.sample_retries: a failed sample starts over this many times at most
+    counts: Counter = field(default_factory=Counter)  # failures, retries and failed groups since take_counts()
 
     def __post_init__(self):
         if not isinstance(self.engine, GuardedEngine):
             self.engine = GuardedEngine(self.engine)
         self.generate = self.generate or generate
         self.reward_form = check_signature("reward", self.reward) if self.reward else None
+
+    def take_counts(self) -> dict[str, int]:
+        """The failures (``sample_failures/<stage>/<error type>``), retries (``samples_retried``) and groups
+        dropped for a failed member (``groups_failed``) since the last call."""
+        out, self.counts = {k: v for k, v in self.counts.items() if not k.startswith("_")}, Counter()
+        return out
 
 
 async def generate(ctx: RolloutContext, sample: Sample, sampling: SamplingParams) -> Sample:
@@ -108,6 +117,7 @@ def fail_sample(ctx: RolloutContext, sample: Sample, stage: str, exc: Exception)
     sample.status = Status.FAILED
     sample.metadata["error"] = f"{type(exc).__name__}: {exc}"
     sample.metadata["error_stage"] = stage
+    ctx.counts[f"sample_failures/{stage}/{type(exc).__name__}"] += 1
     if ctx.run_dir is not None:
         record = {
             "step": ctx.step,
@@ -115,6 +125,7 @@ def fail_sample(ctx: RolloutContext, sample: Sample, stage: str, exc: Exception)
             "index": sample.index,
             "stage": stage,
             "error": sample.metadata["error"],
+            "attempt": sample.metadata.get("retried", 0) + 1,
             "traceback": traceback.format_exception(exc)[-6:],
         }
         with open(Path(ctx.run_dir) / "failed_samples.jsonl", "a") as f:
@@ -150,14 +161,56 @@ def with_segments(samples: list[Sample]) -> list[Sample]:
     return out
 
 
+async def settle(ctx: RolloutContext, sample: Sample, sampling: SamplingParams, generate_one=None) -> list[Sample]:
+    """Generate ``sample`` (with ``generate_one``: default the generate hook) and, for a per-sample reward,
+    score it as soon as it finishes: no sample waits for its group or the batch. Returns the sample and the
+    segments its generate function made beside it. A sample whose own work failed (its generate hook, agent
+    or environment, its reward or judge) starts over, a fresh run of all of it, at most
+    ``ctx.sample_retries`` times (each counted in ``samples_retried``); it stays FAILED past that."""
+    generate_one = generate_one or _generate_one
+    attempt = 0
+    while True:
+        done = with_segments([await generate_one(ctx, sample, sampling)])
+        if ctx.reward_form != "group":
+            await _score_each(ctx, done)
+        failed = [s for s in done if s.status == Status.FAILED]
+        if not failed or attempt >= ctx.sample_retries:
+            return done
+        attempt += 1
+        ctx.counts["samples_retried"] += 1
+        sample = done[0]
+        sample.reset_response()
+        for key in ("error", "error_stage", "extra_samples", "reward_given"):
+            sample.metadata.pop(key, None)
+        sample.metadata["retried"] = attempt
+
+
+async def _score_each(ctx: RolloutContext, samples: list[Sample]) -> None:
+    """Per-sample rewards for those not scored yet (an agent session's come with its reward), then tool shaping."""
+    todo = [s for s in samples if s.status.trainable and s.reward is None and not s.metadata.get("reward_given")]
+    await asyncio.gather(*(_reward_one(ctx, s) for s in todo))
+    _shape_tool_calls(ctx, todo)
+
+
+def failed_group(ctx: RolloutContext, group: list[Sample]) -> bool:
+    """True when a member of ``group`` failed (past its retries): the whole group is then dropped, never
+    trained with a member missing (its baseline would be another group's). Counted in ``groups_failed``."""
+    if any(s.status == Status.FAILED for s in group):
+        ctx.counts["groups_failed"] += 1
+        ctx.counts["samples_in_failed_groups"] += len(group)
+        ctx.counts["_forks_in_failed_groups"] += sum(s.metadata.get("segment", 0) > 0 for s in group)
+        return True
+    return False
+
+
 async def score_group(ctx: RolloutContext, group: list[Sample]) -> None:
+    """Score what is not scored yet: each sample (per-sample rewards), or the group at once (group rewards)."""
     # (an agent session's samples come with their session's reward: metadata['reward_given'])
+    if ctx.reward_form != "group":
+        await _score_each(ctx, group)
+        return
     scorable = [s for s in group if s.status.trainable and not s.metadata.get("reward_given")]
     if not scorable:
-        return
-    if ctx.reward_form != "group":
-        await asyncio.gather(*(_reward_one(ctx, s) for s in scorable))
-        _shape_tool_calls(ctx, scorable)
         return
     try:
         rewards = await call_hook("reward", ctx.reward, samples=scorable)
@@ -186,15 +239,17 @@ def _shape_tool_calls(ctx: RolloutContext, samples: list[Sample]) -> None:
 async def rollout_groups(
     ctx: RolloutContext, groups: list[list[Sample]], sampling: SamplingParams, *, apply_filter: bool = True
 ) -> list[list[Sample]]:
-    """Generate and score every sample of every group concurrently (the engine batches them)."""
-    flat = [(gi, s) for gi, g in enumerate(groups) for s in g]
-    done = await asyncio.gather(*(_generate_one(ctx, s, sampling) for _, s in flat))
-    regrouped = [[] for _ in groups]
-    for (gi, _), s in zip(flat, done):  # a generate hook may return a different Sample object
-        regrouped[gi] += with_segments([s])
+    """Generate and score every sample of every group concurrently (the engine batches them); each
+    sample is scored as it finishes and retried on its own failure (:func:`settle`). With
+    ``apply_filter`` (training), a group with a member failed past its retries is dropped whole
+    (:func:`failed_group`), then the filter hook runs; evaluation keeps every sample."""
+    settled = await asyncio.gather(*(asyncio.gather(*(settle(ctx, s, sampling) for s in g)) for g in groups))
+    regrouped = [[s for done in g for s in done] for g in settled]
     await asyncio.gather(*(score_group(ctx, g) for g in regrouped))
-    if apply_filter and ctx.filter is not None:
-        regrouped = [g for g in regrouped if call_hook_sync("filter", ctx.filter, group=g)]
+    if apply_filter:
+        regrouped = [g for g in regrouped if not failed_group(ctx, g)]
+        if ctx.filter is not None:
+            regrouped = [g for g in regrouped if call_hook_sync("filter", ctx.filter, group=g)]
     return regrouped
 
 

@@ -34,11 +34,11 @@ from collections import Counter
 
 from strop.engines.base import Counted
 from strop.plugins import call_hook_sync
-from strop.rollout.generate import _generate_one, score_group, with_segments
+from strop.rollout.generate import _generate_one, failed_group, score_group, settle
 from strop.rollout.schedulers import SCHEDULERS, staleness
 from strop.types import Sample, Status
 
-DROP_REASONS = ("filter", "all_equal_reward", "stale", "over_sampled", "aborted_leftover", "no_trainable_sample")
+DROP_REASONS = ("filter", "failed_group", "all_equal_reward", "stale", "over_sampled", "aborted_leftover", "no_trainable_sample")
 
 
 class RolloutManager:
@@ -90,6 +90,7 @@ class RolloutManager:
         )  # the router: failovers and engine events
         if take_counts is not None:
             metrics |= take_counts()
+        metrics |= self.ctx.take_counts()  # failures, retries, groups dropped for a failed member
         if "agent" in self.ctx.extra:  # the proxy: calls, 429s, idle sessions, bad requests; agents stopped
             metrics |= self.ctx.extra["agent"].take_counts()
         self.step_dropped, self.step_drawn = Counter(), 0
@@ -215,8 +216,7 @@ class RolloutManager:
         self.tasks.add(task)
         return task
 
-    async def _sample(self, s: Sample) -> Sample:
-        sampling = self.c.sampling
+    async def _sample(self, ctx, s: Sample, sampling) -> Sample:
         while True:
             await self.resume_gate.wait()  # no request goes out while an update with partial=resume runs
             s = await _generate_one(self.ctx, s, sampling)
@@ -247,13 +247,16 @@ class RolloutManager:
 
     async def _run_group(self, group: list[Sample]) -> tuple[list[Sample], str | None]:
         """Generate and score ``group``: (group, None), or (group, the reason a filter drops it)."""
-        done = with_segments(await asyncio.gather(*(self._sample(s) for s in group)))
+        settled = await asyncio.gather(*(settle(self.ctx, s, self.c.sampling, self._sample) for s in group))
+        done = [x for d in settled for x in d]
         self.generated += len(done) - len(group)  # an agent session's forks are samples of the group too
         group[:] = done
         self.finished_lengths += [s.response_length for s in group]
         if any(s.metadata.get("leftover") and s.status == Status.ABORTED for s in group):
             return group, "aborted_leftover"  # stopped because the step was already full
         await score_group(self.ctx, group)
+        if failed_group(self.ctx, group):  # a member failed past rollout.sample_retries: never a partial group
+            return group, "failed_group"
         if self.r.dynamic_sampling and len({s.reward for s in group if s.status.trainable}) <= 1:
             return group, "all_equal_reward"
         if self.ctx.filter is not None and not call_hook_sync("filter", self.ctx.filter, group=group):

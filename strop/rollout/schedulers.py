@@ -95,22 +95,27 @@ class Rounds:
 
     async def _simple_step(self, step: int) -> list[list[Sample]]:
         """Exactly the path strop always had: the rollout hook on the step's groups (refilled when its
-        filter drops some, for at most ``filter_max_rounds`` rounds)."""
+        filter drops some, or a group is dropped for a member that failed past its retries, for at most
+        ``filter_max_rounds`` rounds)."""
         m = self.m
         groups = []
-        for _ in range(self.r.filter_max_rounds if m.ctx.filter is not None else 1):
+        for _ in range(self.r.filter_max_rounds):
             new = m.draw(self.r.prompts_per_step - len(groups))
             m.generated += sum(len(g) for g in new)
+            failed_before = (m.ctx.counts["samples_in_failed_groups"], m.ctx.counts["_forks_in_failed_groups"])
             got = await call_hook("rollout", m.c.hooks["rollout"], ctx=m.ctx, groups=new, sampling=m.c.sampling)
             forks = sum(s.metadata.get("segment", 0) > 0 for g in got for s in g)  # agent sessions' extra samples
             m.generated += forks
             m.finished_lengths += [s.response_length for g in got for s in g]
-            filtered = sum(len(g) for g in new) + forks - sum(len(g) for g in got)
-            if filtered > 0:  # the hook's filter dropped whole groups
-                m.dropped["filter"] += filtered
-                m.step_dropped["filter"] += filtered
+            failed = m.ctx.counts["samples_in_failed_groups"] - failed_before[0]  # (their forks included)
+            m.generated += m.ctx.counts["_forks_in_failed_groups"] - failed_before[1]
+            filtered = sum(len(g) for g in new) + forks - sum(len(g) for g in got) - failed
+            for reason, n in (("failed_group", failed), ("filter", filtered)):
+                if n > 0:  # the hook dropped whole groups: a member failed, or its filter said so
+                    m.dropped[reason] += n
+                    m.step_dropped[reason] += n
             groups += got
-            if len(groups) >= self.r.prompts_per_step:
+            if len(groups) >= self.r.prompts_per_step or (m.ctx.filter is None and not failed):
                 break
         return groups
 

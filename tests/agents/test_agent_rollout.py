@@ -78,11 +78,14 @@ def test_posted_and_async_rewards(tiny_model_dir, tmp_path, agent):
 
 def test_a_session_without_a_reward_is_failed_not_zero(tiny_model_dir, tmp_path):
     run_dir = tmp_path / "run"
-    cfg = build_config(overrides=agent_overrides(tiny_model_dir, run_dir, "silent", train={"steps": 1}))
+    overrides = agent_overrides(tiny_model_dir, run_dir, "silent", train={"steps": 1})
+    overrides["rollout"] |= {"sample_retries": 1, "filter_max_rounds": 1}
     with pytest.raises(RuntimeError, match="no trainable sample"):  # not a step of zeros
-        rollout_only(cfg)
+        rollout_only(build_config(overrides=overrides))
     records = [json.loads(line) for line in (run_dir / "failed_samples.jsonl").read_text().splitlines()]
-    assert len(records) == 4 + 8  # the held-out evaluation's 4 sessions, then the step's 8
+    # the held-out evaluation's 4 sessions, then the step's 8, each tried twice (a fresh session the second time)
+    assert len(records) == 2 * (4 + 8)
+    assert sorted(r["attempt"] for r in records) == [1] * 12 + [2] * 12
     assert all(r["stage"] == "reward" and "without a reward" in r["error"] for r in records)
 
 
@@ -98,14 +101,23 @@ def test_the_reward_hook_scores_the_last_answer(tiny_model_dir, tmp_path):
         assert s["reward"] == pytest.approx(sum(t % 2 == 0 for t in s["response_ids"]) / len(s["response_ids"]))
 
 
-def test_an_agent_that_raises_fails_only_its_sample(tiny_model_dir, tmp_path):
+def test_an_agent_that_raises_is_run_again_and_its_group_trains_whole_or_not_at_all(tiny_model_dir, tmp_path):
     run_dir = tmp_path / "run"
-    cfg = build_config(overrides=agent_overrides(tiny_model_dir, run_dir, "fails_every_other", train={"steps": 1}))
-    trained = read_samples(rollout_only(cfg))  # (the samples file holds the trainable ones)
+    overrides = agent_overrides(tiny_model_dir, run_dir, "fails_every_other", train={"steps": 1}, eval={"every": 0})
+    overrides["rollout"] |= {"prompts_per_step": 4, "n_samples_per_prompt": 2, "sample_retries": 1}
+    trained = read_samples(rollout_only(build_config(overrides=overrides)))  # (the trainable ones)
     records = [json.loads(line) for line in (run_dir / "failed_samples.jsonl").read_text().splitlines()]
     step = [r for r in records if r["step"] == 1]
-    assert 0 < len(trained) < 8 and len(trained) + len(step) == 8
-    assert all(r["stage"] == "agent" and "broke" in r["error"] for r in records)
+    assert step and all(r["stage"] == "agent" and "broke" in r["error"] for r in records)
+    members = {}
+    for s in trained:
+        members.setdefault(s["group_id"], []).append(s["index"])
+    assert members and all(sorted(i) == [0, 1] for i in members.values())  # never a group with a member missing
+    retried = [s for s in trained if s["metadata"].get("retried")]
+    assert retried  # an agent that raised ran again, in a fresh session, and its sample trains
+    row = next(r for r in metrics_of(run_dir) if "samples_retried" in r)
+    assert row["samples_retried"] == sum(r["attempt"] == 1 for r in step)
+    assert row["sample_failures/agent/ValueError"] == len(step)
 
 
 def test_agents_in_worker_processes(tiny_model_dir, tmp_path):
