@@ -30,7 +30,7 @@ from strop.observe.config import RunConfig
 from strop.parallel.config import ParallelConfig
 from strop.plugins_config import PluginsConfig
 from strop.presets import PRESETS
-from strop.rollout.config import EvalConfig, RolloutConfig
+from strop.rollout.config import EvalConfig, RewardEndpointConfig, RolloutConfig
 from strop.rules import check_rules
 from strop.tools.config import ToolsConfig
 from strop.train.config import ModelConfig, TrainConfig
@@ -40,6 +40,10 @@ class Config(Section):
     model: ModelConfig = Field(default_factory=ModelConfig, description="the policy model")
     data: DataConfig = Field(default_factory=DataConfig, description="prompt sources")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="generation and rewards")
+    reward: RewardEndpointConfig = Field(
+        default_factory=RewardEndpointConfig,
+        description="a judge or reward model behind an OpenAI-compatible endpoint (docs/environments.md)",
+    )
     algo: AlgoConfig = Field(default_factory=AlgoConfig, description="advantages and policy loss")
     train: TrainConfig = Field(default_factory=TrainConfig, description="optimizer and batching")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="held-out evaluation")

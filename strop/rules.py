@@ -280,6 +280,23 @@ RULES: tuple[Rule, ...] = (
         ),
     ),
     Rule(
+        "one reward: the judge or rollout.reward",
+        lambda c: bool(c.reward.endpoint) and "reward" in c.rollout.model_fields_set,
+        lambda c: (
+            f"reward.endpoint={c.reward.endpoint!r} scores every sample with its judge, and rollout.reward="
+            f"{c.rollout.reward!r} names another reward: set one of them"
+        ),
+    ),
+    Rule(
+        "an agent's own reward leaves no room for the judge",
+        lambda c: bool(c.reward.endpoint) and bool(c.plugins.agent) and c.agent.reward == "session",
+        lambda c: (
+            f"reward.endpoint={c.reward.endpoint!r} would never be asked: with agent.reward='session' each "
+            f"session's reward is what the agent (plugins.agent={c.plugins.agent!r}) gives; set "
+            "agent.reward='hook' to have the judge score each session's last answer"
+        ),
+    ),
+    Rule(
         "an agent session restarts clean",
         lambda c: bool(c.plugins.agent) and c.rollout.partial == "resume",
         lambda c: (

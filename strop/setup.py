@@ -34,6 +34,7 @@ from strop.observe.run_dir import check_run_dir, make_run_dir
 from strop.observe.tracking import require_trackers
 from strop.plugins import check_signature, load_hook
 from strop.rules import why_not_shared
+from strop.rollout.judge import JudgeReward
 from strop.rollout.reward_check import check_reward
 from strop.rollout.generate import resolve_reward, rollout as default_rollout
 from strop.rollout.multiturn import generate as multiturn_generate
@@ -213,7 +214,7 @@ def _check_controller_inputs(cfg: Config, hooks: dict, resume: bool) -> tuple:
     require_trackers(cfg.run.trackers)
     if cfg.engine.urls:  # servers the user named must answer now, not as a first step that fails every sample
         check_reachable(cfg.engine.urls)
-    reward_fn = resolve_reward(cfg.rollout.reward, cfg)
+    reward_fn = JudgeReward(cfg.reward).score if cfg.reward.endpoint else resolve_reward(cfg.rollout.reward, cfg)
     tools = None
     if cfg.tools.enabled or "tools" in hooks:  # the sandbox and the tools hook: checked before the model loads
         hooks["generate"] = multiturn_generate
@@ -372,6 +373,8 @@ def _controller_parts(
         stop_token_ids=stop_ids,
     )
     extra = dict(p.tools or {})
+    if cfg.reward.endpoint:  # the judge's counts (calls, retries, failures by cause) join each step's metrics
+        extra["judge"] = p.reward_fn.__self__
     if "agent" in p.hooks:
         extra["agent"] = AgentRollout(
             cfg, engine, tokenizer, p.hooks["agent"], context_window=context_window, stop_token_ids=stop_ids

@@ -71,7 +71,9 @@ def _flaky(fail_times: dict):
 
 def test_a_generate_plugins_own_error_fails_that_sample_and_drops_its_group_whole(tmp_path):
     tool, attempts = _flaky({0: 9, 1: 9})
-    ctx = RolloutContext(engine=FakeEngine(), tokenizer=Tok(), generate=tool, reward=lambda sample: 1.0, run_dir=tmp_path)
+    ctx = RolloutContext(
+        engine=FakeEngine(), tokenizer=Tok(), generate=tool, reward=lambda sample: 1.0, run_dir=tmp_path
+    )
     groups = _run(None, tmp_path, ctx=ctx)
     assert groups == []  # never trained with a member missing
     assert ctx.take_counts() == {
@@ -93,7 +95,12 @@ def test_evaluation_keeps_a_failed_sample_and_its_group(tmp_path):
 def test_a_failed_sample_starts_over_within_its_retries_and_its_group_trains(tmp_path):
     tool, attempts = _flaky({0: 1, 1: 2})  # group 0's sample fails once, group 1's twice
     ctx = RolloutContext(
-        engine=FakeEngine(), tokenizer=Tok(), generate=tool, reward=lambda sample: 1.0, run_dir=tmp_path, sample_retries=1
+        engine=FakeEngine(),
+        tokenizer=Tok(),
+        generate=tool,
+        reward=lambda sample: 1.0,
+        run_dir=tmp_path,
+        sample_retries=1,
     )
     groups = _run(None, tmp_path, ctx=ctx)
     assert [g[0].group_id for g in groups] == [0]  # group 1 ran out of retries: dropped whole
@@ -128,7 +135,10 @@ def test_a_reward_that_raises_is_retried_and_each_sample_is_scored_as_it_finishe
         return 0.5
 
     ctx = RolloutContext(engine=Slow(), tokenizer=Tok(), reward=reward, run_dir=tmp_path, sample_retries=1)
-    group = [Sample(prompt="p", prompt_ids=[1], group_id=0, index=0), Sample(prompt="p", prompt_ids=[9], group_id=0, index=1)]
+    group = [
+        Sample(prompt="p", prompt_ids=[1], group_id=0, index=0),
+        Sample(prompt="p", prompt_ids=[9], group_id=0, index=1),
+    ]
     (got,) = asyncio.run(rollout_groups(ctx, [group], SamplingParams(max_new_tokens=4)))
     assert [s.reward for s in got] == [0.5, 0.5] and calls == {0: 2, 1: 1}
     # the fast sample was scored (twice: the retry) before the slow one finished generating

@@ -76,6 +76,14 @@ CASES = {
         {"plugins": {**AGENT, "generate": "my.g:f"}},
         "and plugins.generate='my.g:f' generates it another way",
     ),
+    "one reward: the judge or rollout.reward": (
+        {"reward": {"endpoint": "http://127.0.0.1:9/v1"}, "rollout": {"reward": "math"}},
+        "and rollout.reward='math' names another reward: set one of them",
+    ),
+    "an agent's own reward leaves no room for the judge": (
+        {"reward": {"endpoint": "http://127.0.0.1:9/v1"}, "plugins": AGENT},
+        "set agent.reward='hook' to have the judge score each session's last answer",
+    ),
     "an agent session restarts clean": (
         {"plugins": AGENT, "rollout": {"partial": "resume"}},
         "an agent session (plugins.agent='my.agent:run')",

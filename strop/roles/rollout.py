@@ -52,7 +52,14 @@ class Rollout:
         c, cfg = self.c, self.cfg
         log.info(f"strop: model {cfg.model.path}")
         log.info(f"strop: data: {describe_data(cfg, c)}")
-        log.info(f"strop: reward: {cfg.rollout.reward}")
+        if cfg.reward.endpoint:
+            rc = cfg.reward
+            log.info(
+                f"strop: reward: the judge at {rc.endpoint} (model {rc.model!r}, parser {rc.parser}, "
+                f"{rc.concurrency} calls at once, {rc.retries} retries, {rc.timeout_s:g}s each)"
+            )
+        else:
+            log.info(f"strop: reward: {cfg.rollout.reward}")
         if cfg.engine.kind != "embedded":
             urls = ", ".join(e.url for e in c.engine.engines)
             how = f"{len(c.servers)} launched strop serve processes" if c.servers else cfg.engine.kind

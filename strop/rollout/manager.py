@@ -38,7 +38,15 @@ from strop.rollout.generate import _generate_one, failed_group, score_group, set
 from strop.rollout.schedulers import SCHEDULERS, staleness
 from strop.types import Sample, Status
 
-DROP_REASONS = ("filter", "failed_group", "all_equal_reward", "stale", "over_sampled", "aborted_leftover", "no_trainable_sample")
+DROP_REASONS = (
+    "filter",
+    "failed_group",
+    "all_equal_reward",
+    "stale",
+    "over_sampled",
+    "aborted_leftover",
+    "no_trainable_sample",
+)
 
 
 class RolloutManager:
@@ -91,6 +99,8 @@ class RolloutManager:
         if take_counts is not None:
             metrics |= take_counts()
         metrics |= self.ctx.take_counts()  # failures, retries, groups dropped for a failed member
+        if "judge" in self.ctx.extra:  # reward.endpoint: calls, retries, rule-scored, failures by cause
+            metrics |= self.ctx.extra["judge"].take_counts()
         if "agent" in self.ctx.extra:  # the proxy: calls, 429s, idle sessions, bad requests; agents stopped
             metrics |= self.ctx.extra["agent"].take_counts()
         self.step_dropped, self.step_drawn = Counter(), 0
