@@ -12,6 +12,7 @@ import pytest
 from pydantic import BaseModel
 
 from strop.config import Config, parse_overrides
+from strop.rollout.config import DEFAULT_TEMPLATE
 
 # (dotted option, type, default), sorted by option
 OPTIONS = [
@@ -152,6 +153,19 @@ OPTIONS = [
     ("plugins.postprocess", "str | None", None),
     ("plugins.rollout", "str | None", None),
     ("plugins.tools", "str | None", None),
+    ("reward.api_key_env", "str | None", None),
+    ("reward.backoff_s", "float", 0.5),
+    ("reward.concurrency", "int", 8),
+    ("reward.endpoint", "str | None", None),
+    ("reward.max_score", "float", 1.0),
+    ("reward.max_tokens", "int", 64),
+    ("reward.min_score", "float", 0.0),
+    ("reward.model", "str", "judge"),
+    ("reward.parser", "Literal['verdict', 'number', 'yes_no']", "verdict"),
+    ("reward.retries", "int", 3),
+    ("reward.rule_reward", "float", 0.0),
+    ("reward.template", "str", DEFAULT_TEMPLATE),
+    ("reward.timeout_s", "float", 30.0),
     ("rollout.check_reward", "bool", True),
     ("rollout.dynamic_sampling", "bool", False),
     ("rollout.exact_logprobs", "bool", False),
