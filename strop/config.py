@@ -26,6 +26,7 @@ from strop.cluster.config import ClusterConfig
 from strop.configbase import ConfigError, Section
 from strop.data.config import DataConfig
 from strop.engines.config import EngineConfig
+from strop.envs.config import AGENT_HOOKS, EnvConfig
 from strop.observe.config import RunConfig
 from strop.parallel.config import ParallelConfig
 from strop.plugins_config import PluginsConfig
@@ -64,11 +65,39 @@ class Config(Section):
         default_factory=AgentConfig,
         description="agent programs behind the OpenAI-compatible proxy (plugins.agent; docs/agents.md)",
     )
+    env: EnvConfig = Field(
+        default_factory=EnvConfig,
+        description="a verifiers or OpenEnv environment, trained through the agent proxy (docs/environments.md)",
+    )
 
     @model_validator(mode="after")
     def _check_rules(self):
+        self._environment_hooks()
         check_rules(self)  # the refusals that span sections: one table, strop/rules.py
         return self
+
+    def _environment_hooks(self) -> None:
+        """env.verifiers / env.openenv: each sample is an episode run by strop's agent hook for that kind,
+        the environment's tasks are the prompts (strop.envs.wiring). A hook of the user's in either place
+        would be replaced: refused."""
+        kind = self.env.kind
+        if kind is None:
+            return
+        hook = AGENT_HOOKS[kind]
+        for name, value in (("agent", self.plugins.agent), ("data_source", self.plugins.data_source)):
+            if value and value != (hook if name == "agent" else None):
+                raise ValueError(
+                    f"env.{kind}={getattr(self.env, kind)!r} runs each sample as an episode of its environment "
+                    f"and takes its prompts from it; plugins.{name}={value!r} would replace that: set one of them"
+                )
+        given = [k for k in ("source", "path", "eval_path", "task", "task_options") if k in self.data.model_fields_set]
+        if given:
+            raise ValueError(
+                f"env.{kind}={getattr(self.env, kind)!r} takes its prompts from the environment; "
+                f"data.{given[0]}={getattr(self.data, given[0])!r} would be ignored: remove it"
+            )
+        if self.plugins.agent != hook:
+            self.plugins.agent = hook
 
 
 def _deep_merge(base: dict, over: dict) -> dict:

@@ -297,6 +297,14 @@ RULES: tuple[Rule, ...] = (
         ),
     ),
     Rule(
+        "an environment's turns fit its session",
+        lambda c: bool(c.env.openenv) and c.env.max_turns > c.agent.max_calls,
+        lambda c: (
+            f"env.max_turns={c.env.max_turns} model turns per episode, but a session takes agent.max_calls="
+            f"{c.agent.max_calls} calls: raise agent.max_calls or lower env.max_turns"
+        ),
+    ),
+    Rule(
         "an agent session restarts clean",
         lambda c: bool(c.plugins.agent) and c.rollout.partial == "resume",
         lambda c: (

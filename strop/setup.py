@@ -34,6 +34,7 @@ from strop.observe.run_dir import check_run_dir, make_run_dir
 from strop.observe.tracking import require_trackers
 from strop.plugins import check_signature, load_hook
 from strop.rules import why_not_shared
+from strop.envs.wiring import environment_rows
 from strop.rollout.judge import JudgeReward
 from strop.rollout.reward_check import check_reward
 from strop.rollout.generate import resolve_reward, rollout as default_rollout
@@ -125,6 +126,8 @@ def prepare(cfg: Config, device: torch.device, controller: bool = True, resume: 
     if controller and resume:  # before anything loads or is written
         check_resumable(Path(cfg.run.dir))
     hooks = {name: load_hook(name, path) for name, path in cfg.plugins.model_dump().items() if path}
+    if cfg.env.kind:  # env.verifiers / env.openenv: the environment's tasks are the prompts
+        hooks["data_source"] = environment_rows(cfg)
     reward_fn = train_rows = eval_rows = engine_model = replay = tools = None
     if controller and cfg.data.samples:  # train only: samples from a file, no prompts or engine
         if not resume:

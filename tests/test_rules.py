@@ -84,6 +84,10 @@ CASES = {
         {"reward": {"endpoint": "http://127.0.0.1:9/v1"}, "plugins": AGENT},
         "set agent.reward='hook' to have the judge score each session's last answer",
     ),
+    "an environment's turns fit its session": (
+        {"env": {"openenv": "my.env:Env", "max_turns": 9}},
+        "env.max_turns=9 model turns per episode, but a session takes agent.max_calls=8",
+    ),
     "an agent session restarts clean": (
         {"plugins": AGENT, "rollout": {"partial": "resume"}},
         "an agent session (plugins.agent='my.agent:run')",

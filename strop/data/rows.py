@@ -31,8 +31,9 @@ def _rows(cfg: Config, which: str, data_source: Callable | None = None):
     d = cfg.data
     if data_source is not None:
         records = call_hook_sync("data_source", data_source, config=d, split=which)
+        source = f"env.{cfg.env.kind}" if cfg.env.kind else f"data_source hook {cfg.plugins.data_source}"
         rows = [
-            _row_from_record(r, f"data_source hook {cfg.plugins.data_source} ({which}) row {i}", "prompt", "label", [])
+            _row_from_record(r, f"{source} ({which}) row {i}", "prompt", "label", [])
             if not isinstance(r, PromptRow)
             else r
             for i, r in enumerate(records)
@@ -41,7 +42,7 @@ def _rows(cfg: Config, which: str, data_source: Callable | None = None):
             if isinstance(rec, dict) and isinstance(rec.get("metadata"), dict):
                 r.metadata = dict(rec["metadata"])
         if which == "train" and not rows:
-            raise DataError(f"data_source hook {cfg.plugins.data_source}: no training rows")
+            raise DataError(f"{source}: no training rows")
         return rows or None
     if d.source == "reasoning_gym":
         if which == "eval":  # oversample: duplicates of training prompts are removed afterwards
@@ -60,7 +61,9 @@ def _rows(cfg: Config, which: str, data_source: Callable | None = None):
 
 
 def _check_labels(cfg: Config, rows, which: str) -> None:
-    if cfg.rollout.reward in LABELLED_REWARDS:
+    if cfg.plugins.agent and cfg.agent.reward == "session":  # the agent's (or environment's) reward, not rollout.reward
+        return
+    if cfg.rollout.reward in LABELLED_REWARDS and not cfg.reward.endpoint:
         missing = [r for r in rows if r.label is None]
         if missing:
             raise DataError(

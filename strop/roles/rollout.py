@@ -52,7 +52,9 @@ class Rollout:
         c, cfg = self.c, self.cfg
         log.info(f"strop: model {cfg.model.path}")
         log.info(f"strop: data: {describe_data(cfg, c)}")
-        if cfg.reward.endpoint:
+        if cfg.env.kind and cfg.agent.reward == "session":
+            log.info(f"strop: reward: the environment's own (env.{cfg.env.kind}={getattr(cfg.env, cfg.env.kind)!r})")
+        elif cfg.reward.endpoint:
             rc = cfg.reward
             log.info(
                 f"strop: reward: the judge at {rc.endpoint} (model {rc.model!r}, parser {rc.parser}, "
@@ -121,6 +123,14 @@ def describe_data(cfg, c) -> str:
     d = cfg.data
     train = len(c.train_prompts) if c.train_prompts is not None else 0
     held = len(c.eval_prompts) if c.eval_prompts is not None else 0
+    if cfg.env.kind == "verifiers":
+        split = f"its split {cfg.env.verifiers_eval}" if cfg.env.verifiers_eval else "its last tasks, never trained on"
+        return f"the tasks of env.verifiers={cfg.env.verifiers!r}: {train} training, {held} held-out ({split})"
+    if cfg.env.kind == "openenv":
+        return (
+            f"episodes of env.openenv={cfg.env.openenv!r}: {train} training seeds, {held} held-out seeds "
+            f"(disjoint), up to {cfg.env.max_turns} steps each"
+        )
     if cfg.plugins.data_source:
         return f"data_source hook {cfg.plugins.data_source}: {train} training prompts, {held} held-out"
     if d.source == "file":

@@ -21,8 +21,8 @@ def check_reward(cfg: Config, reward_fn: Callable, train_rows, eval_rows=None) -
     these rows (reasoning_gym on a file's rows, a TRL reward reading a column the data lacks) is refused here,
     naming the reward, the row and the error, instead of failing every sample of the first step.
     ``rollout.check_reward=false`` skips the trial (a reward that must not be called before the run)."""
-    if not cfg.rollout.check_reward:
-        return
+    if not cfg.rollout.check_reward or (cfg.plugins.agent and cfg.agent.reward == "session"):
+        return  # (an agent's or environment's sessions carry their own reward: rollout.reward is never called)
     grouped = check_signature("reward", reward_fn) == "group"
     for rows in (train_rows, eval_rows):
         if not rows:
