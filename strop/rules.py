@@ -14,14 +14,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from strop.algo.config import GROUP_ESTIMATORS, OFF_POLICY_CORRECTIONS
-
-
-# why LoRA is refused beside tensor parallel (here and in strop.train.modules)
-LORA_NOT_SPLIT = (
-    "LoRA adapters train on data-parallel and context-parallel ranks, not tensor-parallel ones: tensor "
-    "parallel splits the named linear layers, which LoRA has wrapped in adapter layers whose A and B "
-    "matrices it does not split. Use tensor_parallel_size=1, or full fine-tuning (model.lora_rank=0)"
-)
+from strop.rule_reasons import LORA_NOT_SPLIT, why_not_shared
 
 
 @dataclass(frozen=True)
@@ -31,38 +24,6 @@ class Rule:
     name: str
     broken: Callable[[object], bool]  # the condition that breaks the rule, of the whole config
     why: Callable[[object], str]  # the refusal, phrased for the user (read only when broken)
-
-
-def why_not_shared(cfg, world: int = 1) -> str | None:
-    """Why the embedded engine cannot decode from the trainer's own parameters (engine.share_weights),
-    or None: it decodes while nothing else changes them, from the same numbers, in one process."""
-    e = cfg.engine
-    if e.kind != "embedded":
-        return f"engine.kind={e.kind!r} runs in servers of its own"
-    if e.verify_updates != "off":
-        return (
-            f"engine.verify_updates={e.verify_updates!r} overwrites the engine's weights with noise: shared, they "
-            "would be the trainer's own"
-        )
-    if cfg.rollout.mode != "sync":
-        return (
-            f"rollout.mode={cfg.rollout.mode!r} generates while the trainer changes its weights: the engine "
-            "needs a copy that changes only at an update"
-        )
-    if e.dtype not in ("auto", cfg.model.dtype):
-        return f"engine.dtype={e.dtype!r} decodes from a {e.dtype} copy of the {cfg.model.dtype} weights"
-    if not e.fast_decode:
-        return "engine.fast_decode=false runs the model's own forward, which would run in the trainer's train mode"
-    if cfg.data.samples:
-        return f"data.samples={cfg.data.samples!r} replays samples: there is no engine"
-    if cfg.model.lora_rank:
-        return (
-            f"model.lora_rank={cfg.model.lora_rank}: the trainer's linear layers hold LoRA adapters; the engine "
-            "decodes the merged weights from a copy of its own"
-        )
-    if world > 1:
-        return f"{world} processes split or replicate the trainer's weights; the engine on rank 0 needs them whole"
-    return None
 
 
 def _tools(c) -> str:
@@ -90,6 +51,10 @@ def _adapter_sync(c) -> bool:
     """Whether weights reach servers as a LoRA adapter alone (engine.sync='adapter', or 'auto' with LoRA)."""
     e = c.engine
     return e.sync == "adapter" or (e.sync == "auto" and bool(c.model.lora_rank) and e.kind != "embedded")
+
+
+def _agent_rewards(c) -> bool:
+    return bool(c.plugins.agent) and c.agent.reward == "session"
 
 
 def _corrected(a) -> bool:
@@ -280,20 +245,16 @@ RULES: tuple[Rule, ...] = (
         ),
     ),
     Rule(
-        "one reward: the judge or rollout.reward",
-        lambda c: bool(c.reward.endpoint) and "reward" in c.rollout.model_fields_set,
+        "the judge is the one reward",
+        lambda c: bool(c.reward.endpoint) and (_agent_rewards(c) or "reward" in c.rollout.model_fields_set),
         lambda c: (
-            f"reward.endpoint={c.reward.endpoint!r} scores every sample with its judge, and rollout.reward="
-            f"{c.rollout.reward!r} names another reward: set one of them"
-        ),
-    ),
-    Rule(
-        "an agent's own reward leaves no room for the judge",
-        lambda c: bool(c.reward.endpoint) and bool(c.plugins.agent) and c.agent.reward == "session",
-        lambda c: (
-            f"reward.endpoint={c.reward.endpoint!r} would never be asked: with agent.reward='session' each "
-            f"session's reward is what the agent (plugins.agent={c.plugins.agent!r}) gives; set "
-            "agent.reward='hook' to have the judge score each session's last answer"
+            f"reward.endpoint={c.reward.endpoint!r} scores every sample with its judge, "
+            + (
+                f"but with agent.reward='session' each session's reward is what plugins.agent={c.plugins.agent!r} gives: "
+                "set agent.reward='hook' to have the judge score each session's last answer"
+                if _agent_rewards(c)
+                else f"and rollout.reward={c.rollout.reward!r} names another reward: set one of them"
+            )
         ),
     ),
     Rule(

@@ -33,9 +33,8 @@ from strop.observe.logs import close_run_log
 from strop.observe.run_dir import check_run_dir, make_run_dir
 from strop.observe.tracking import require_trackers
 from strop.plugins import check_signature, load_hook
-from strop.rules import why_not_shared
-from strop.envs.wiring import environment_rows
-from strop.rollout.judge import JudgeReward
+from strop.rule_reasons import why_not_shared
+from strop.envs.wiring import environment_hooks
 from strop.rollout.reward_check import check_reward
 from strop.rollout.generate import resolve_reward, rollout as default_rollout
 from strop.rollout.multiturn import generate as multiturn_generate
@@ -100,8 +99,7 @@ class Components:
 
 @dataclass
 class _Prepared:
-    """What a rank loaded before any collective: checked inputs and the policy's weights.
-    The last four are rank 0's only (the controller's data, reward and engine copy)."""
+    """What a rank loaded before any collective: checked inputs, the policy's weights; rank 0's data and reward."""
 
     policy: Any
     model_path: str
@@ -125,9 +123,8 @@ def prepare(cfg: Config, device: torch.device, controller: bool = True, resume: 
     reward, plugins; the model path (converting the embedded model on a cold cache) after them."""
     if controller and resume:  # before anything loads or is written
         check_resumable(Path(cfg.run.dir))
-    hooks = {name: load_hook(name, path) for name, path in cfg.plugins.model_dump().items() if path}
-    if cfg.env.kind:  # env.verifiers / env.openenv: the environment's tasks are the prompts
-        hooks["data_source"] = environment_rows(cfg)
+    # (env.verifiers / env.openenv: the environment's tasks are the prompts)
+    hooks = {n: load_hook(n, path) for n, path in cfg.plugins.model_dump().items() if path} | environment_hooks(cfg)
     reward_fn = train_rows = eval_rows = engine_model = replay = tools = None
     if controller and cfg.data.samples:  # train only: samples from a file, no prompts or engine
         if not resume:
@@ -217,7 +214,7 @@ def _check_controller_inputs(cfg: Config, hooks: dict, resume: bool) -> tuple:
     require_trackers(cfg.run.trackers)
     if cfg.engine.urls:  # servers the user named must answer now, not as a first step that fails every sample
         check_reachable(cfg.engine.urls)
-    reward_fn = JudgeReward(cfg.reward).score if cfg.reward.endpoint else resolve_reward(cfg.rollout.reward, cfg)
+    reward_fn = resolve_reward(cfg.rollout.reward, cfg)  # (reward.endpoint: its judge)
     tools = None
     if cfg.tools.enabled or "tools" in hooks:  # the sandbox and the tools hook: checked before the model loads
         hooks["generate"] = multiturn_generate
@@ -376,8 +373,6 @@ def _controller_parts(
         stop_token_ids=stop_ids,
     )
     extra = dict(p.tools or {})
-    if cfg.reward.endpoint:  # the judge's counts (calls, retries, failures by cause) join each step's metrics
-        extra["judge"] = p.reward_fn.__self__
     if "agent" in p.hooks:
         extra["agent"] = AgentRollout(
             cfg, engine, tokenizer, p.hooks["agent"], context_window=context_window, stop_token_ids=stop_ids

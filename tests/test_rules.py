@@ -4,7 +4,8 @@ that rule and no earlier one fires, with its message, and the config is refused 
 import pytest
 
 from strop.config import Config, ConfigError, build_config
-from strop.rules import RULES, check_rules, why_not_shared
+from strop.rule_reasons import why_not_shared
+from strop.rules import RULES, check_rules
 
 RAY = {"launcher": "ray"}
 TOOLS = {"tools": {"enabled": ["calculator"]}}
@@ -76,13 +77,9 @@ CASES = {
         {"plugins": {**AGENT, "generate": "my.g:f"}},
         "and plugins.generate='my.g:f' generates it another way",
     ),
-    "one reward: the judge or rollout.reward": (
+    "the judge is the one reward": (
         {"reward": {"endpoint": "http://127.0.0.1:9/v1"}, "rollout": {"reward": "math"}},
         "and rollout.reward='math' names another reward: set one of them",
-    ),
-    "an agent's own reward leaves no room for the judge": (
-        {"reward": {"endpoint": "http://127.0.0.1:9/v1"}, "plugins": AGENT},
-        "set agent.reward='hook' to have the judge score each session's last answer",
     ),
     "an environment's turns fit its session": (
         {"env": {"openenv": "my.env:Env", "max_turns": 9}},
@@ -186,6 +183,15 @@ def test_the_rule_fires_first_with_its_message(name):
     with pytest.raises(ValueError) as direct:
         check_rules(_unchecked(overrides))
     assert message in str(direct.value) and str(direct.value) in str(err.value)
+
+
+def test_an_agents_own_reward_leaves_no_room_for_the_judge():
+    with pytest.raises(ConfigError, match="set agent.reward='hook' to have the judge score each session's last"):
+        build_config(overrides={"reward": {"endpoint": "http://127.0.0.1:9/v1"}, "plugins": AGENT})
+    cfg = build_config(
+        overrides={"reward": {"endpoint": "http://127.0.0.1:9/v1"}, "plugins": AGENT, "agent": {"reward": "hook"}}
+    )
+    assert cfg.reward.endpoint and cfg.agent.reward == "hook"
 
 
 def test_the_defaults_break_no_rule():

@@ -5,7 +5,8 @@ tensors; it is accepted with the embedded engine and with strop serve over disk,
 import pytest
 
 from strop.config import ConfigError, build_config
-from strop.rules import RULES, why_not_shared
+from strop.rule_reasons import why_not_shared
+from strop.rules import RULES
 
 SERVER = {"urls": ["http://127.0.0.1:1"]}
 

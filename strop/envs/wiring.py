@@ -6,6 +6,12 @@ from __future__ import annotations
 from typing import Callable
 
 
+def environment_hooks(cfg) -> dict[str, Callable]:
+    """The hooks the run's environment puts in place ({} without one): its data source."""
+    rows = environment_rows(cfg)
+    return {"data_source": rows} if rows is not None else {}
+
+
 def environment_rows(cfg) -> Callable | None:
     """The data source hook (``def data_source(config, split)``) of the run's environment, or None."""
     env = cfg.env

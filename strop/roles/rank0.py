@@ -27,7 +27,8 @@ class Rank0:
             reward=c.reward_fn,
             filter=c.hooks.get("filter"),
             run_dir=self.run_dir,
-            extra=dict(c.rollout_extra),
+            # (reward.endpoint: the judge's counts, calls, retries and failures by cause, join each step's metrics)
+            extra=dict(c.rollout_extra) | ({"judge": c.reward_fn.__self__} if cfg.reward.endpoint else {}),
             sample_retries=cfg.rollout.sample_retries,
         )
         # the bar on a terminal only: in a file or a pipe the step lines say the same (strop.roles.outputs)

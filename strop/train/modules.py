@@ -13,7 +13,7 @@ from torch import nn
 from strop.parallel import context as context_parallel
 from strop.parallel.loading import load_shards
 from strop.parallel.parallelize import parallelize
-from strop.rules import LORA_NOT_SPLIT
+from strop.rule_reasons import LORA_NOT_SPLIT
 from strop.train.critic import ValueModel
 from strop.train.lora import Adapters, add_adapters
 from strop.train.logprob import LogprobModule

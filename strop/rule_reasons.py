@@ -1,0 +1,44 @@
+"""Why a setting cannot work, said once: read by the rules table (strop/rules.py) and by the code that
+applies the setting (setup decides whether the engine shares the trainer's weights; the trainer's modules
+refuse LoRA beside tensor parallel)."""
+
+from __future__ import annotations
+
+# why LoRA is refused beside tensor parallel (here and in strop.train.modules)
+LORA_NOT_SPLIT = (
+    "LoRA adapters train on data-parallel and context-parallel ranks, not tensor-parallel ones: tensor "
+    "parallel splits the named linear layers, which LoRA has wrapped in adapter layers whose A and B "
+    "matrices it does not split. Use tensor_parallel_size=1, or full fine-tuning (model.lora_rank=0)"
+)
+
+
+def why_not_shared(cfg, world: int = 1) -> str | None:
+    """Why the embedded engine cannot decode from the trainer's own parameters (engine.share_weights),
+    or None: it decodes while nothing else changes them, from the same numbers, in one process."""
+    e = cfg.engine
+    if e.kind != "embedded":
+        return f"engine.kind={e.kind!r} runs in servers of its own"
+    if e.verify_updates != "off":
+        return (
+            f"engine.verify_updates={e.verify_updates!r} overwrites the engine's weights with noise: shared, they "
+            "would be the trainer's own"
+        )
+    if cfg.rollout.mode != "sync":
+        return (
+            f"rollout.mode={cfg.rollout.mode!r} generates while the trainer changes its weights: the engine "
+            "needs a copy that changes only at an update"
+        )
+    if e.dtype not in ("auto", cfg.model.dtype):
+        return f"engine.dtype={e.dtype!r} decodes from a {e.dtype} copy of the {cfg.model.dtype} weights"
+    if not e.fast_decode:
+        return "engine.fast_decode=false runs the model's own forward, which would run in the trainer's train mode"
+    if cfg.data.samples:
+        return f"data.samples={cfg.data.samples!r} replays samples: there is no engine"
+    if cfg.model.lora_rank:
+        return (
+            f"model.lora_rank={cfg.model.lora_rank}: the trainer's linear layers hold LoRA adapters; the engine "
+            "decodes the merged weights from a copy of its own"
+        )
+    if world > 1:
+        return f"{world} processes split or replicate the trainer's weights; the engine on rank 0 needs them whole"
+    return None
