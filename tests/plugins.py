@@ -27,6 +27,13 @@ def flaky_reward(sample: Sample) -> float:
     return even_token_reward(sample)
 
 
+def first_try_fails_reward(sample: Sample) -> float:
+    """The reward's own work fails the first try of every sample of index 0; the retry scores it."""
+    if sample.index == 0 and not sample.metadata.get("retried"):
+        raise KeyError("no verifier for this answer")
+    return even_token_reward(sample)
+
+
 def group_even_token_reward(samples: list[Sample]) -> list[float]:
     """A group-form reward (one call per group)."""
     return [even_token_reward(s) for s in samples]

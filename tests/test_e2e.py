@@ -274,20 +274,30 @@ def test_check_plugin_refuses_a_nan_reward(capsys):
     assert "rewards must be finite" in capsys.readouterr().err
 
 
-def test_a_reward_error_fails_only_its_samples_and_is_written_down(tiny_model_dir, tmp_path):
+def test_a_reward_error_fails_its_sample_is_written_down_and_retried(tiny_model_dir, tmp_path):
     run_dir = tmp_path / "run"
-    cfg = tiny_overrides(
-        tiny_model_dir, run_dir, rollout={"reward": "tests.plugins:flaky_reward", "check_reward": False}
-    )  # (the run-time path: the trial at start would refuse it first, tests/test_reward_adapters.py)
+    reward = {"reward": "tests.plugins:first_try_fails_reward", "check_reward": False}
+    # (check_reward=false: the run-time path; the trial at start would refuse it first, tests/test_reward_adapters.py)
+    cfg = tiny_overrides(tiny_model_dir, run_dir, rollout=reward)
     train(build_config(overrides=cfg))
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "reward_mean" in r]
-    per_step = cfg["rollout"]["prompts_per_step"]
-    assert all(r["failed_samples"] == per_step and r["failed/reward/KeyError"] == per_step for r in steps)
+    per_step, n = cfg["rollout"]["prompts_per_step"], cfg["rollout"]["n_samples_per_prompt"]
+    assert all(r["sample_failures/reward/KeyError"] == per_step and r["samples_retried"] == per_step for r in steps)
+    assert all(r["samples_trained"] == per_step * n and r["failed_fraction"] == 0 for r in steps)  # whole groups
     failed = [json.loads(x) for x in (run_dir / "failed_samples.jsonl").read_text().splitlines()]
     failed = [f for f in failed if f["group_id"] >= 0]  # (held-out prompts, group ids < 0, fail the same way)
     assert len(failed) == per_step * len(steps) and all("no verifier" in f["error"] for f in failed)
-    assert all(f["index"] == 0 and f["stage"] == "reward" for f in failed)
+    assert all(f["index"] == 0 and f["stage"] == "reward" and f["attempt"] == 1 for f in failed)
+
+
+def test_a_reward_that_always_fails_drops_whole_groups_and_says_why(tiny_model_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    reward = {"reward": "tests.plugins:flaky_reward", "check_reward": False, "filter_max_rounds": 1}
+    with pytest.raises(RuntimeError, match="2 groups had a sample that failed past rollout.sample_retries=1"):
+        train(build_config(overrides=tiny_overrides(tiny_model_dir, run_dir, rollout=reward, train={"steps": 1})))
+    failed = [json.loads(x) for x in (run_dir / "failed_samples.jsonl").read_text().splitlines()]
+    assert sorted(f["attempt"] for f in failed if f["group_id"] >= 0) == [1, 1, 2, 2]
 
 
 def _step_numbers(run_dir):

@@ -76,9 +76,17 @@ class Rollout:
         d.t_step, d.ctx.step = time.perf_counter(), step
         groups, managed = self._groups(step)
         if not any(s.status.trainable for g in groups for s in g):
+            failed = managed.get("groups_failed", 0)
             raise RuntimeError(
                 f"step {step}: no trainable sample after {managed['groups_drawn']} prompts "
-                "(every group filtered out, or every sample aborted/failed)"
+                "(every group filtered out, or every sample aborted/failed"
+                + (
+                    f"; {failed} groups had a sample that failed past rollout.sample_retries="
+                    f"{self.cfg.rollout.sample_retries}: see failed_samples.jsonl"
+                    if failed
+                    else ""
+                )
+                + ")"
             )
         histogram = managed.pop("staleness_histogram")
         if self.cfg.rollout.mode != "sync":

@@ -51,10 +51,11 @@ def resolve_reward(name: str, cfg: Any = None) -> Callable:
     """``rollout.reward`` as a strop reward hook: a built-in, or a function of any known shape, loaded
     by import path or by file and adapted (checked now, before any model loads). ``cfg``, the run's
     config, gives the label's column name (``data.label_key``) and slime's ``args``."""
-    if cfg is not None and cfg.reward.endpoint:  # a judge behind an OpenAI-compatible server (strop.rollout.judge)
+    judge = getattr(cfg, "reward", None)  # (cfg: the run's Config, or what a caller has of it)
+    if judge is not None and judge.endpoint:  # a judge behind an OpenAI-compatible server (strop.rollout.judge)
         from strop.rollout.judge import JudgeReward
 
-        return JudgeReward(cfg.reward).score
+        return JudgeReward(judge).score
     style, target = _split_style(name)
     if style in (None, "strop") and target in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[target]
