@@ -29,7 +29,7 @@ from strop.roles.rank0 import Rank0
 from strop.roles.rollout import Rollout, SamplesFileRollout
 from strop.roles.sync import EngineSync
 from strop.roles.train import TrainStep
-from strop.roles.untrained import FirstEvaluation, NoCheckpoints, NoSync, NoTraining
+from strop.roles.untrained import EvaluationOnly, FirstEvaluation, NoCheckpoints, NoSync, NoTraining
 from strop.setup import Components, build
 
 log = logging.getLogger(__name__)
@@ -82,6 +82,18 @@ def rollout_only(cfg: Config, out: Path | None = None) -> Path:
         return drive(cfg, c, control, closing, samples_out=out, trains=False)
 
 
+def evaluate_only(cfg: Config, out: Path | None = None) -> dict:
+    """``strop eval``: the held-out prompts scored once on the model as it is (greedy, as a run's evaluation
+    scores them), each sample written to ``out`` (default <run dir>/eval_samples.jsonl); returns the metrics."""
+    console()
+    with stop_on_signals() as closing, _run_log_closed():
+        if cfg.run.threads:
+            torch.set_num_threads(cfg.run.threads)
+        device = resolve_device(cfg.run.device)
+        c = build(cfg, device, Control())
+        return drive(cfg, c, Control(), closing, samples_out=out, trains=False, evaluates=True)
+
+
 def story(cfg: Config, roles: Roles, resume: bool = False):
     """The run, on every rank: start (or resume), then each step, then the end."""
     roles.outputs.start()  # the config first: from here on the run can be resumed
@@ -113,12 +125,17 @@ def drive(
     resume: bool = False,
     samples_out: Path | None = None,
     trains: bool = True,
+    evaluates: bool = False,
 ):
     """Cast the roles (``trains=False``: the train side's stand-ins, the samples to ``samples_out``), tell
     the story, and stop everything the run started however it ends."""
     roles, error = None, None
     try:
-        roles = cast(cfg, c, control) if trains else cast_untrained(cfg, c, control, samples_out)
+        roles = cast(cfg, c, control) if trains else cast_untrained(cfg, c, control, samples_out, evaluates)
+        if evaluates:  # strop eval: the start lines, then the one evaluation
+            roles.outputs.start()
+            roles.rollout.announce()
+            return roles.evaluation.at(0)
         return story(cfg, roles, resume)
     except BaseException as exc:  # leave a summary that says the run did not finish, then re-raise
         error = exc
@@ -173,29 +190,31 @@ def _rank0_cast(cfg: Config, c: Components, rollout_role: type) -> dict:
     return here
 
 
-def cast_untrained(cfg: Config, c: Components, control: Control, samples_out: Path | None) -> Roles:
+def cast_untrained(
+    cfg: Config, c: Components, control: Control, samples_out: Path | None, evaluates: bool = False
+) -> Roles:
     """The roles of ``strop rollout``: the train side's stand-ins (strop.roles.untrained); the rollout writes
-    every step's samples to ``samples_out``."""
-    here = control.on_controller(_rank0_untrained_cast, cfg, c, samples_out, share=False) or {}
+    every step's samples to ``samples_out``. ``evaluates`` (``strop eval``): the evaluation writes them."""
+    here = control.on_controller(_rank0_untrained_cast, cfg, c, samples_out, evaluates, share=False) or {}
     return Roles(
         rollout=Placed(control, Rollout, here.get("rollout")),
         train=Placed(control, NoTraining, NoTraining()),
         sync=Placed(control, NoSync, NoSync()),
         outputs=Placed(control, SamplesOutputs, here.get("outputs")),
-        evaluation=Placed(control, FirstEvaluation, here.get("evaluation")),
+        evaluation=Placed(control, EvaluationOnly if evaluates else FirstEvaluation, here.get("evaluation")),
         checkpoints=Placed(control, NoCheckpoints, NoCheckpoints()),
         desk=here.get("desk"),
     )
 
 
-def _rank0_untrained_cast(cfg: Config, c: Components, samples_out: Path | None) -> dict:
+def _rank0_untrained_cast(cfg: Config, c: Components, samples_out: Path | None, evaluates: bool) -> dict:
     desk = Rank0(cfg, c)
-    out = Path(samples_out) if samples_out else desk.run_dir / "rollout_samples.jsonl"
+    out = Path(samples_out) if samples_out else desk.run_dir / f"{'eval' if evaluates else 'rollout'}_samples.jsonl"
     here = {
         "desk": desk,
-        "rollout": Rollout(desk, out),
+        "rollout": Rollout(desk, None if evaluates else out),
         "outputs": SamplesOutputs(desk, out),
-        "evaluation": FirstEvaluation(desk),
+        "evaluation": EvaluationOnly(desk, out) if evaluates else FirstEvaluation(desk),
     }
     desk.start_loop()
     return here

@@ -291,6 +291,7 @@ DESCRIPTIONS = {
 COMMANDS = {
     "train": None,
     "rollout": None,
+    "eval": None,
     "serve": _serve,
     "proxy": _proxy,
     "plot": _plot,
@@ -314,7 +315,7 @@ def build_parser() -> tuple[Parser, dict[str, Parser]]:
     sub = top.add_subparsers(dest="command", parser_class=Parser)
     parsers = {}
     for name in COMMANDS:
-        if name in ("train", "rollout"):
+        if name in ("train", "rollout", "eval"):
             parsers[name] = sub.add_parser(name, add_help=False)
             add_run_arguments(parsers[name], train=name == "train")
         else:
@@ -338,8 +339,8 @@ def main(argv: list[str] | None = None) -> int:
         args, extras = top.parse_known_args(argv)
         if args.command is None:
             top.error(f"unrecognized arguments: {' '.join(extras)}; a command comes first (strop --help)")
-        if args.command in ("train", "rollout"):
-            return run_main(args, extras, train=args.command == "train")
+        if args.command in ("train", "rollout", "eval"):
+            return run_main(args, extras, train=args.command == "train", command=args.command)
         if extras:
             parsers[args.command].error(f"unrecognized arguments: {' '.join(extras)}")
         if args.command in ("serve", "proxy"):

@@ -22,6 +22,8 @@ commands:
   strop train --resume RUN_DIR|latest                   continue a run from its newest checkpoint
   strop rollout [CONFIG.yaml] [--out FILE] [--section.key=value ...]
                                                         generate and score a run's steps, write them, no training
+  strop eval [CONFIG.yaml] [--out FILE] [--section.key=value ...]
+                                                        score the held-out prompts (an environment's eval split) once
   strop train --data.samples=FILE                       train on such a file, with no engine
   strop plot RUN_DIR [RUN_DIR ...] [--metrics a,b] [--out FILE]
                                                         the curves of one or several runs side by side
@@ -50,6 +52,12 @@ ROLLOUT_FLAGS = """  CONFIG.yaml          a config file, anywhere on the line (l
   --preset NAME        an algorithm preset: {presets}
 """
 
+EVAL_FLAGS = """  CONFIG.yaml          a config file, anywhere on the line (later sources win: defaults, preset,
+                       file, command line)
+  --out FILE           where the scored samples go (default: <run dir>/eval_samples.jsonl)
+  --preset NAME        an algorithm preset: {presets}
+"""
+
 COMMON_FLAGS = """  --log-level LEVEL    DEBUG, INFO (default), WARNING or ERROR; the run directory's run.log
                        holds the same lines
   -h, --help           this help
@@ -61,7 +69,8 @@ def run_help(prog: str) -> str:
     """``strop train --help`` / ``strop rollout --help``: the command's flags and the config's sections, one
     line each (``--help-all`` lists every option)."""
     train = prog == "strop train"
-    flags = (TRAIN_FLAGS if train else ROLLOUT_FLAGS).format(presets=", ".join(sorted(PRESETS)))
+    flags = {"strop train": TRAIN_FLAGS, "strop eval": EVAL_FLAGS}.get(prog, ROLLOUT_FLAGS)
+    flags = flags.format(presets=", ".join(sorted(PRESETS)))
     usage = (
         f"usage: {prog} [CONFIG.yaml] [--preset NAME] [--nproc N] [--resume RUN_DIR|latest]\n"
         "                   [--allow-change FIELD,...] [--log-level LEVEL] [--section.key=value ...]"
@@ -71,6 +80,9 @@ def run_help(prog: str) -> str:
     what = (
         "Run RL post-training (no arguments: GRPO on the embedded default model)."
         if train
+        else "Score the held-out prompts once (greedy, as the run's evaluation does) and write each sample; "
+        "against the embedded model or served engines (engine.kind, engine.urls), as vf-eval scores an environment."
+        if prog == "strop eval"
         else "Generate and score the steps a sync run would train on and write them; no training."
     )
     lines = [usage, "", what, "", "options:", flags + COMMON_FLAGS.rstrip("\n"), ""]

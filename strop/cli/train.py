@@ -108,9 +108,10 @@ def train_main(argv: list[str]) -> int:
     return run_main(ns, extras, train=True)
 
 
-def run_main(ns: argparse.Namespace, extras: list[str], train: bool) -> int:
-    """``strop train`` (``train``) or ``strop rollout``, its flags parsed into ``ns``, the rest in ``extras``."""
-    prog = "strop train" if train else "strop rollout"
+def run_main(ns: argparse.Namespace, extras: list[str], train: bool, command: str | None = None) -> int:
+    """``strop train`` (``train``), ``strop rollout`` or ``strop eval``, its flags parsed into ``ns``, the rest in
+    ``extras``."""
+    prog = f"strop {command or ('train' if train else 'rollout')}"
     if ns.help:
         print(run_help(prog))
         raise SystemExit(0)
@@ -126,7 +127,7 @@ def run_main(ns: argparse.Namespace, extras: list[str], train: bool) -> int:
     except ConfigError as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 2
-    return _rollout(cfg, ns.out)
+    return _rollout(cfg, ns.out, evaluate=prog == "strop eval")
 
 
 def _train_main(ns: argparse.Namespace, yaml_path: str | None, overrides: list[str]) -> int:
@@ -194,15 +195,15 @@ def _train(cfg, resumed: bool) -> int:
     return 0
 
 
-def _rollout(cfg, out: str | None) -> int:
+def _rollout(cfg, out: str | None, evaluate: bool = False) -> int:
     quiet_libraries()
     from strop.data.sources import DataError
-    from strop.loop import rollout_only
+    from strop.loop import evaluate_only, rollout_only
     from strop.plugins import PluginError
 
     try:
-        rollout_only(cfg, out)
+        (evaluate_only if evaluate else rollout_only)(cfg, out)
     except (FileNotFoundError, FileExistsError, DataError, PluginError, ValueError) as exc:
-        print(f"strop rollout: error: {exc}", file=sys.stderr)
+        print(f"strop {'eval' if evaluate else 'rollout'}: error: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -24,12 +24,13 @@ class Evaluation:
         if step == cfg.train.steps or (cfg.eval.every and step % cfg.eval.every == 0):
             self.at(step)
 
-    def at(self, step: int) -> None:
+    def at(self, step: int) -> dict | None:
         """Greedy accuracy on the held-out prompts (the fraction whose reward reaches ``eval.accuracy_threshold``)
-        and their mean reward, logged at ``step``."""
+        and their mean reward, logged at ``step`` and returned (None: no held-out prompts); the scored groups
+        are kept in ``self.groups``."""
         d, c = self.desk, self.desk.c
         if c.eval_prompts is None:
-            return
+            return None
         t = time.perf_counter()
         groups = [c.eval_prompts.make_group(i, 1, group_id=-1 - i) for i in range(len(c.eval_prompts))]
         training_counts = d.ctx.take_counts()  # (the step's failures and retries stay the step's)
@@ -49,3 +50,5 @@ class Evaluation:
             ) / len(groups)
         d.log.log(row)
         d.progress.update(eval_acc=row["eval_accuracy"])
+        self.groups = groups
+        return row

@@ -183,3 +183,21 @@ def test_a_server_that_is_down_is_refused_before_any_model_loads(tmp_path, monke
     with pytest.raises(Exception) as err:
         rollout_only(build_config(overrides=env_overrides("unused", tmp_path / "run", url, train={"steps": 1})))
     assert "no OpenEnv server answers GET /schema" in str(err.value)
+
+
+def test_strop_eval_scores_the_held_out_episodes_and_writes_each(tiny_model_dir, tmp_path):
+    from strop.loop import evaluate_only
+
+    overrides = env_overrides(tiny_model_dir, tmp_path / "run", WORD)
+    overrides["data"]["eval_size"] = 5
+    row = evaluate_only(build_config(overrides=overrides), tmp_path / "eval.jsonl")
+    written = [json.loads(x) for x in (tmp_path / "eval.jsonl").read_text().splitlines()]
+    assert len(written) == 5 and {w["metadata"]["seed"] for w in written} == {
+        10**6 + HELD_OUT_OFFSET + i for i in range(5)
+    }
+    assert row["eval_reward_mean"] == pytest.approx(sum(w["reward"] for w in written) / 5)
+    # what the model was asked: the environment's reset observation for the seed, rendered by the chat template
+    assert all(
+        "Reply with exactly one word" in w["prompt_text"] and w["metadata"]["session_calls"] >= 1 for w in written
+    )
+    assert not (tmp_path / "run" / "rollout_samples.jsonl").exists()  # nothing trained or rolled out
