@@ -26,7 +26,7 @@ from strop.presets import PRESETS
 
 ROOT = Path(__file__).resolve().parent.parent
 HISTORY = {"docs/benchmarks.md"}  # the dated measurements, with the work that led to them
-COMMANDS = ("train", "rollout", "serve", "proxy", "plot", "check-plugin", "export")
+COMMANDS = ("train", "rollout", "eval", "serve", "proxy", "plot", "check-plugin", "export")
 SHELLS = ("bash", "sh", "shell", "console")
 # dotted names in the docs that look like options but are code: a Hugging Face method, not strop's config
 NOT_OPTIONS = {"model.generate"}
@@ -156,7 +156,7 @@ def check_run_line(command: str, argv: list[str], tmp_path: Path) -> None:
     preset, argv = _take(argv, "--preset")
     _, argv = _take(argv, "--log-level")
     assert preset is None or preset in PRESETS, f"--preset {preset!r}: no such preset ({sorted(PRESETS)})"
-    if command == "rollout":
+    if command in ("rollout", "eval"):
         out, argv = _take(argv, "--out")
         assert out != "", "--out needs a file"
     else:
@@ -212,7 +212,7 @@ def test_every_strop_command_line_in_the_docs_is_valid(where, cmd, tmp_path, cap
     if any(arg in ("-h", "--help", "--help-all") for arg in rest):
         help_text(command, capsys, rest)
         return
-    if command in ("train", "rollout"):
+    if command in ("train", "rollout", "eval"):
         try:
             check_run_line(command, rest, tmp_path)
         except (ConfigError, AssertionError, SystemExit) as exc:
