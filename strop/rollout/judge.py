@@ -97,6 +97,7 @@ class JudgeReward:
         self.rc = rc
         self.base = rc.endpoint.rstrip("/")
         self.counts: Counter = Counter()
+        self.in_flight = 0  # calls waiting for the judge now (judge/max_in_flight: the most since take_counts)
         self._per_loop: dict = {}  # event loop -> (client, semaphore): the check at start runs in another loop
         key = os.environ.get(rc.api_key_env, "") if rc.api_key_env else ""
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
@@ -150,7 +151,12 @@ class JudgeReward:
                         self.counts["judge/retries"] += 1
                     async with slots:
                         self.counts["judge/calls"] += 1
-                        response = await client.post(f"{self.base}/chat/completions", json=body)
+                        self.in_flight += 1
+                        self.counts["judge/max_in_flight"] = max(self.counts["judge/max_in_flight"], self.in_flight)
+                        try:
+                            response = await client.post(f"{self.base}/chat/completions", json=body)
+                        finally:
+                            self.in_flight -= 1
                     response.raise_for_status()
                     answer = _answer_text(response)
                     return parse_verdict(self.rc.parser, answer, self.rc.min_score, self.rc.max_score)

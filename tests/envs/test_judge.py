@@ -96,6 +96,7 @@ def test_64_samples_scored_by_the_judge_at_most_8_at_a_time(judge):
     assert [len(g) for g in out] == [4] * 16
     assert [s.reward for g in out for s in g] == [1.0, 0.0, 1.0, 0.0] * 16  # the judge's verdicts
     assert counts["judge/calls"] == 64 and stats(url)["max_in_flight"] == 8  # reached, never passed
+    assert counts["judge/max_in_flight"] == 8  # (what the judge saw, counted on strop's side too)
 
 
 def test_a_judge_killed_mid_step_gives_counted_failures_retries_and_no_partial_group(judge):
@@ -117,7 +118,9 @@ def test_a_judge_that_answers_garbage_fails_the_sample_naming_the_judge_not_a_ze
     (g,) = asyncio.run(rollout_groups(ctx, groups(1, 2), SamplingParams(max_new_tokens=4), apply_filter=False))
     assert [s.status for s in g] == [Status.FAILED] * 2 and [s.reward for s in g] == [None, None]
     assert f"judge {url}/v1" in g[0].metadata["error"] and "unreadable" in g[0].metadata["error"]
-    assert j.take_counts() == {"judge/calls": 4, "judge/retries": 2, "judge/failures/unreadable": 2}
+    counts = j.take_counts()
+    assert counts.pop("judge/max_in_flight") <= 2
+    assert counts == {"judge/calls": 4, "judge/retries": 2, "judge/failures/unreadable": 2}
     assert stats(url)["calls"] == 4
 
 
@@ -184,6 +187,7 @@ def test_a_run_scored_by_a_strop_serve_judge(tiny_model_dir, tmp_path, monkeypat
     try:
         server.wait_healthy(120)
         overrides = tiny_overrides(tiny_model_dir, tmp_path / "run", train={"steps": 1}, eval={"every": 0})
+        overrides["data"]["size"] = 16
         del overrides["rollout"]["reward"]
         overrides["data"]["eval_size"] = 0
         overrides["reward"] = {
@@ -196,7 +200,7 @@ def test_a_run_scored_by_a_strop_serve_judge(tiny_model_dir, tmp_path, monkeypat
             "retries": 0,
         }
         overrides["rollout"] |= {
-            "prompts_per_step": 4,
+            "prompts_per_step": 16,
             "n_samples_per_prompt": 4,
             "check_reward": False,
             "sample_retries": 0,
@@ -213,9 +217,10 @@ def test_a_run_scored_by_a_strop_serve_judge(tiny_model_dir, tmp_path, monkeypat
     )
     print(row)
     # every sample asked the judge once (retries=0) or was scored by rule; each unreadable verdict failed one
-    assert row["judge/calls"] + row.get("judge/rule_scored", 0) == 16
+    assert row["judge/calls"] + row.get("judge/rule_scored", 0) == 64
+    assert row["judge/max_in_flight"] == 8  # reward.concurrency: reached, never passed
     assert row.get("judge/failures/unreadable", 0) == row.get("sample_failures/reward/JudgeError", 0)
-    assert len(trained) + row.get("samples_in_failed_groups", 0) == 16
+    assert len(trained) + row.get("samples_in_failed_groups", 0) == 64
     members = {}
     for s in trained:
         members.setdefault(s["group_id"], []).append(s["reward"])
