@@ -225,3 +225,41 @@ def test_a_run_scored_by_a_strop_serve_judge(tiny_model_dir, tmp_path, monkeypat
     for s in trained:
         members.setdefault(s["group_id"], []).append(s["reward"])
     assert all(len(r) == 4 and None not in r for r in members.values())
+
+
+@pytest.mark.slow
+def test_64_samples_scored_by_strop_serve_running_smollm2_8_at_a_time(monkeypatch):
+    """A real served judge: strop serve with SmolLM2-135M-Instruct, asked yes or no (the one verdict form
+    that model writes), 64 samples scored with reward.concurrency=8, none failed."""
+    from strop.engines.launch import LocalServer
+    from strop.models import resolve_model_path
+
+    template = (
+        "Question: {prompt}\nCorrect answer: {label}\nStudent answer: <response>{response}</response>\n"
+        "Is the student answer correct? Reply Yes or No."
+    )
+    monkeypatch.setenv(KEY_ENV, "s3cret")
+    path = resolve_model_path("embedded:smollm2-135m-instruct")
+    server = LocalServer(str(path), free_port(), ["--threads=2", "--token=s3cret"], token="s3cret").start()
+    try:
+        server.wait_healthy(180)
+        rc = RewardEndpointConfig(
+            endpoint=server.url + "/v1", api_key_env=KEY_ENV, parser="yes_no", template=template, max_tokens=8
+        )
+        j = JudgeReward(rc)
+        samples = [
+            Sample(prompt=f"What is {i % 7}+{i % 5}?", prompt_ids=[1], label=str(i % 7 + i % 5), index=i)
+            for i in range(64)
+        ]
+        for i, s in enumerate(samples):  # every second one wrong by 1
+            s.response_text, s.status = f"The answer is {i % 7 + i % 5 + i % 2}.", Status.COMPLETED
+
+        async def score_all():
+            return await asyncio.gather(*(j.score(s) for s in samples))
+
+        scores = asyncio.run(score_all())
+    finally:
+        server.stop()
+    counts = j.take_counts()
+    assert len(scores) == 64 and set(scores) <= {0.0, 1.0}
+    assert counts == {"judge/calls": 64, "judge/max_in_flight": 8}  # no retry, no failure, 8 at once
