@@ -157,7 +157,7 @@ OPTIONS = [
     ("plugins.postprocess", "str | None", None),
     ("plugins.rollout", "str | None", None),
     ("plugins.tools", "str | None", None),
-    ("reward.api_key_env", "str | None", None),
+    ("reward.api_key", "pydantic.types.SecretStr | None", None),
     ("reward.backoff_s", "float", 0.5),
     ("reward.concurrency", "int", 8),
     ("reward.endpoint", "str | None", None),

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, SecretStr, model_validator
 
-from strop.configbase import Section
+from strop.configbase import Section, secret
 
 
 class RolloutConfig(Section):
@@ -134,9 +134,7 @@ class RewardEndpointConfig(Section):
         "is tried again this many times, with exponential backoff; then the sample fails (counted)",
     )
     backoff_s: float = Field(0.5, gt=0, description="the first backoff between judge tries (doubling)")
-    api_key_env: str | None = Field(
-        None, description="the environment variable holding the endpoint's API key (sent as a Bearer token)"
-    )
+    api_key: SecretStr | None = secret("STROP_JUDGE_API_KEY", "the endpoint's API key, sent as a Bearer token")
 
     @model_validator(mode="after")
     def _check(self):

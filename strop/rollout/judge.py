@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import os
 import re
 from collections import Counter
 
@@ -99,7 +98,7 @@ class JudgeReward:
         self.counts: Counter = Counter()
         self.in_flight = 0  # calls waiting for the judge now (judge/max_in_flight: the most since take_counts)
         self._per_loop: dict = {}  # event loop -> (client, semaphore): the check at start runs in another loop
-        key = os.environ.get(rc.api_key_env, "") if rc.api_key_env else ""
+        key = rc.api_key.get_secret_value() if rc.api_key is not None else ""
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
 
     def take_counts(self) -> dict[str, int]:
