@@ -197,3 +197,18 @@ def test_batch_wait_gathers_requests_that_arrive_one_by_one(tiny_model, wait, ba
     outs = asyncio.run(main())
     assert len(outs) == 8 and sum(sizes) == 8
     assert len(sizes) == batches if wait else len(sizes) > 1
+
+
+def test_a_run_leaves_no_thread_of_its_own_behind(tiny_model_dir, tmp_path):
+    """Each thread that ran torch holds an OpenMP team for its life; a process that runs strop again (a
+    notebook, this suite) must not collect one per run (strop.openmp: more teams than CPUs stop spinning)."""
+    import threading
+
+    from strop.config import build_config
+    from strop.loop import train
+    from tests.test_e2e import tiny_overrides
+
+    before = set(threading.enumerate())
+    train(build_config(overrides=tiny_overrides(tiny_model_dir, tmp_path / "run", train={"steps": 1})))
+    left = [t.name for t in threading.enumerate() if t not in before and t.name.startswith("strop")]
+    assert not left, left

@@ -162,6 +162,12 @@ class EmbeddedEngine(BatchScheduler, WeightUpdates):
         finally:
             self._in_flight -= 1
 
+    async def close(self) -> None:
+        """End the engine's thread, and with it the OpenMP team it holds: a program that runs again in this
+        process (a notebook, a test suite) would otherwise keep one idle team per run, and once a process
+        holds more teams than the machine has CPUs, libgomp stops spinning between regions (strop.openmp)."""
+        self._worker.shutdown(wait=False, cancel_futures=True)
+
     async def _off_loop(self, fn, *args):
         """``fn(*args)`` on the engine's own thread. Every piece of model work the event loop hands off
         (decode steps, whole batches, weight loads, checksums) runs on the same thread: on a CPU each

@@ -242,9 +242,7 @@ def test_64_samples_scored_by_strop_serve_running_smollm2_8_at_a_time(monkeypatc
     server = LocalServer(str(path), free_port(), ["--threads=2", "--token=s3cret"], token="s3cret").start()
     try:
         server.wait_healthy(180)
-        rc = RewardEndpointConfig(
-            endpoint=server.url + "/v1", parser="yes_no", template=template, max_tokens=8
-        )
+        rc = RewardEndpointConfig(endpoint=server.url + "/v1", parser="yes_no", template=template, max_tokens=8)
         j = JudgeReward(rc)
         samples = [
             Sample(prompt=f"What is {i % 7}+{i % 5}?", prompt_ids=[1], label=str(i % 7 + i % 5), index=i)

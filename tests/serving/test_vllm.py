@@ -389,7 +389,11 @@ def _vllm_run(vllm_server, run_dir, sync: str, steps: int):
             "engine": {"kind": "vllm", "urls": [vllm_server], "sync": sync, "sync_bucket_bytes": 16 << 20},
             "data": {"eval_size": 0},
             "train": {"steps": steps},
-            "rollout": {"prompts_per_step": 4},
+            "rollout": {
+                "prompts_per_step": 2,
+                "n_samples_per_prompt": 4,
+                "max_new_tokens": 24,
+            },  # (small: the suite's time)
             "run": {"dir": str(run_dir), "progress": False, "plot": False, "save_final": False, "save_every": 0},
         }
     )
@@ -405,7 +409,7 @@ def _label(url: str, version: str) -> None:
 
 
 def test_rl_steps_with_vllm_rollouts_match_the_trainer_after_every_update(vllm_server, tokenizer_dir, tmp_path, capsys):
-    """Through disk. (The broadcast form of this test is tests/cluster/test_ray.py's vLLM engine actor: 3 RL
+    """Through disk. (The broadcast form of this test is tests/cluster/test_ray.py's vLLM engine actor: 2 RL
     steps into a vLLM server that strop launched, with the same checks.)"""
     from strop.loop import train
     from strop.models import load_model

@@ -32,7 +32,11 @@ def _run(urls, run_dir, steps):
             "engine": {"kind": "vllm", "urls": urls, "sync": "broadcast", "sync_bucket_bytes": 16 << 20},
             "data": {"eval_size": 0},
             "train": {"steps": steps},
-            "rollout": {"prompts_per_step": 4},
+            "rollout": {
+                "prompts_per_step": 2,
+                "n_samples_per_prompt": 4,
+                "max_new_tokens": 24,
+            },  # (small: the suite's time)
             "run": {"dir": str(run_dir), "progress": False, "plot": False, "save_final": False, "save_every": 0},
         }
     )
