@@ -1,13 +1,17 @@
 """The quickstart in each rollout mode, one after the other on this machine, side by side.
 
 Each mode is a full `strop train` run of the default quickstart (plus any extra arguments)
-with `--rollout.mode=MODE`. The table is read from each run's metrics.jsonl: seconds per
-step (the mean over steps 2.. so start-up is not counted), how long a step waited for its
-groups (rollout_seconds), the train step and the weight sync, held-out accuracy first and
-last, trained-token staleness, and the samples dropped. Off-policy modes add the correction
-given by --offpolicy-args (default: TIS with cap 2 against the rollout's logprobs).
+with `--rollout.mode=MODE`; with --repeats 2 the modes run interleaved (A B C A B C), a table
+per round. The table is read from each run's metrics.jsonl: seconds per step (the mean over
+steps 2.. so start-up is not counted), how long a step waited for its groups (rollout_seconds),
+the train step and the weight sync, held-out accuracy first and last, trained-token staleness,
+the samples dropped (and how many as stale), and the pacing diagnostics: the trainer starved
+(rollout_wait_seconds), generation idle behind the staleness bound (rollout_backpressure_seconds),
+and the groups finished and waiting / generating against their bound when a step asked. Off-policy
+modes add the correction given by --offpolicy-args (default: TIS with cap 2 against the rollout's
+logprobs). The diagnostics of every run are drawn in ROOT/pacing.png (`strop plot`).
 
-    python bench/rollout_modes.py [--modes sync one_step_off async] [-- extra strop train args]
+    python bench/rollout_modes.py [--modes sync one_step_off async] [--repeats 2] [-- extra strop train args]
 """
 
 from __future__ import annotations
@@ -44,6 +48,12 @@ def run(mode: str, run_dir: Path, extra: list[str], offpolicy: list[str]) -> dic
         "eval_best": max(evals),
         "staleness": statistics.fmean(r.get("staleness_mean", 0.0) for r in steps),
         "dropped": sum(r.get("samples_dropped", 0) for r in steps),
+        "stale": sum(r.get("dropped/stale", 0) for r in steps),
+        "starved": mean("rollout_wait_seconds"),
+        "blocked": mean("rollout_backpressure_seconds"),
+        "queue": mean("rollout_queue_groups"),
+        "inflight": mean("rollout_inflight_groups"),
+        "bound": mean("rollout_max_inflight"),
         "len_trained": statistics.fmean(r["response_length_trained_mean"] for r in steps),
         "len_generated": statistics.fmean(
             r["response_length_generated_mean"] for r in steps if "response_length_generated_mean" in r
@@ -62,11 +72,42 @@ def main() -> None:
         help="extra arguments for the off-policy modes (default: TIS, cap 2)",
     )
     ap.add_argument("--keep", default=None, help="keep the run directories under this folder")
+    ap.add_argument("--repeats", type=int, default=1, help="rounds of all the modes, interleaved")
     args = ap.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="strop-modes-"))
-    results = [run(m, root / m, extra, shlex.split(args.offpolicy_args)) for m in args.modes]
+    offpolicy = shlex.split(args.offpolicy_args)
+    dirs = []
+    for k in range(args.repeats):
+        results = []
+        for m in args.modes:
+            dirs.append(root / (f"{m}-{k + 1}" if args.repeats > 1 else m))
+            results.append(run(m, dirs[-1], extra, offpolicy))
+        table(results, extra, args.offpolicy_args, root, f"round {k + 1} of {args.repeats}")
+    from strop.observe.metrics import plot_runs
+
+    drawn = plot_runs(dirs, root / "pacing.png", [m for m in PACING if any(m in r for d in dirs for r in metrics_of(d))])
+    print(f"pacing diagnostics ({', '.join(drawn)}) of every run: {root / 'pacing.png'}")
+
+
+PACING = (
+    "rollout_wait_seconds",
+    "rollout_backpressure_seconds",
+    "rollout_queue_groups",
+    "rollout_inflight_groups",
+    "staleness_mean",
+    "step_seconds",
+)
+
+
+def metrics_of(run_dir: Path) -> list[dict]:
+    from strop.observe.metrics import read_metrics
+
+    return read_metrics(run_dir)
+
+
+def table(results: list[dict], extra: list[str], offpolicy: str, root: Path, title: str) -> None:
     base = results[0]["step"]
-    print(f"strop train (quickstart) {' '.join(extra)}; off-policy modes: {args.offpolicy_args}; runs in {root}")
+    print(f"strop train (quickstart) {' '.join(extra)}; off-policy modes: {offpolicy}; runs in {root}; {title}")
     head = (
         "mode",
         "s/step",
@@ -76,7 +117,10 @@ def main() -> None:
         "sync s",
         "held-out first->last (best)",
         "staleness",
-        "dropped",
+        "dropped (stale)",
+        "trainer starved s",
+        "generation idle s",
+        "queue+generating/bound",
         "len trained/generated",
         "wall s",
     )
@@ -93,7 +137,10 @@ def main() -> None:
                     f"{r['sync']:.2f}",
                     f"{r['eval_first']:.1%}->{r['eval_last']:.1%} ({r['eval_best']:.1%})",
                     f"{r['staleness']:.2f}",
-                    str(r["dropped"]),
+                    f"{r['dropped']} ({r['stale']})",
+                    f"{r['starved']:.1f}",
+                    f"{r['blocked']:.1f}",
+                    f"{r['queue']:.1f}+{r['inflight']:.1f}/{r['bound']:.1f}",
                     f"{r['len_trained']:.1f}/{r['len_generated']:.1f}",
                     f"{r['wall']:.0f}",
                 ]

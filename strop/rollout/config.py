@@ -56,8 +56,18 @@ class RolloutConfig(Section):
         description="async: a token sampled more than this many weight versions "
         "before the trainer's current weights is never trained on",
     )
-    stale_groups: Literal["drop", "regenerate"] = Field(
-        "drop", description="async: a group with a too-stale token is dropped, or regenerated from its prompts"
+    stale_groups: Literal["wait", "drop", "regenerate"] = Field(
+        "wait",
+        description="async: 'wait' (pacing): each step first takes the groups it is the last step to be able to "
+        "train, waiting for those still generating, so none is dropped for staleness; 'drop' / 'regenerate': "
+        "steps take groups in finishing order, and a group with a too-stale token is dropped, or regenerated "
+        "from its prompts",
+    )
+    straggler_warning_seconds: float = Field(
+        60.0,
+        gt=0,
+        description="async with stale_groups='wait': a warning line when a step has waited this long on groups "
+        "it must train that are still generating, every other group it needs being ready",
     )
     partial: Literal["finish", "resume", "keep"] = Field(
         "finish",

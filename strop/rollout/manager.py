@@ -30,6 +30,7 @@ and waiting, or being generated) -- :meth:`RolloutManager.check_accounts` verifi
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter
 
 from strop.engines.base import Counted
@@ -80,7 +81,9 @@ class RolloutManager:
     async def batch(self, step: int) -> tuple[list[list[Sample]], dict]:
         """The groups step ``step`` trains on, and the manager's metrics for it."""
         self.step = step  # the step counters run from the previous batch() (one_step_off: the prefetch)
+        asked = time.perf_counter()
         groups = await self.scheduler.next(step)
+        waited = time.perf_counter() - asked  # the trainer, starved of groups
         trained = [s for g in groups for s in g if s.status.trainable]
         for g in groups:
             for s in g:
@@ -92,7 +95,8 @@ class RolloutManager:
                 if s.metadata.get("resumed") or len(set(s.weight_versions)) > 1:  # (resumed, or kept)
                     last = s.weight_versions[-1]
                     s.loss_mask = [m if v == last else 0 for m, v in zip(s.loss_mask, s.weight_versions)]
-        metrics = self._metrics(step, groups, trained)
+        metrics = self._metrics(step, groups, trained) | {"rollout_wait_seconds": waited}
+        metrics |= self.scheduler.take_diagnostics()
         take_counts = (
             self.c.engine.take_counts if isinstance(self.c.engine, Counted) else None
         )  # the router: failovers and engine events
@@ -222,6 +226,7 @@ class RolloutManager:
             s.metadata.pop("resumed", None)
         task = asyncio.ensure_future(self._run_group(group))
         task.group, task.order = group, self.launched  # type: ignore[attr-defined]
+        task.version, task.started = self.version, time.perf_counter()  # type: ignore[attr-defined]
         self.launched += 1
         self.tasks.add(task)
         return task

@@ -11,12 +11,16 @@ counts and holds the groups; a scheduler decides when groups start and which a s
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
+import time
 from collections import Counter
 
 from strop.engines.base import Versioned
 from strop.plugins import call_hook
 from strop.types import Sample
+
+log = logging.getLogger(__name__)
 
 
 def staleness(sample: Sample, step: int) -> list[int]:
@@ -30,6 +34,7 @@ class Rounds:
     def __init__(self, manager):
         self.m, self.r = manager, manager.r
         self.prefetch: asyncio.Future | None = None  # one_step_off: the next step's groups
+        self.kept: list[list[Sample]] = []  # the groups the round being generated has kept so far
 
     @property
     def simple(self) -> bool:
@@ -50,6 +55,10 @@ class Rounds:
         self.prefetch.set_result(prefetched)
         self.m.round_held = sum(len(g) for g in prefetched)
 
+    def take_diagnostics(self) -> dict:
+        """Pacing diagnostics of the step just taken (sync: none, nothing generates between steps)."""
+        return {}
+
     def took(self, groups: list[list[Sample]]) -> list[list[Sample]]:
         """The step took ``groups``: a round no longer holds them."""
         if not self.simple:
@@ -65,6 +74,7 @@ class Rounds:
             return await self._simple_step(step)
         m = self.m
         want, kept = self.r.prompts_per_step, []
+        self.kept = kept  # (what one_step_off's diagnostics count as finished and waiting)
         for _ in range(self.r.filter_max_rounds):
             pending = {m.launch(g) for g in m.draw(math.ceil((want - len(kept)) * self.r.over_sample))}
             while pending:
@@ -154,21 +164,50 @@ class OneStepOffScheduler(Rounds):
     """``one_step_off``: the step's groups were generated while the step before trained; the next step's
     start as this one is taken."""
 
+    def __init__(self, manager):
+        super().__init__(manager)
+        self.prefetched_at: float | None = None  # when the next step's groups were all ready
+        self.diagnostics: dict = {}
+
     async def next(self, step: int) -> list[list[Sample]]:
         if self.prefetch is None:
-            self.prefetch = asyncio.ensure_future(self.round_robin(step))
+            self._start(step)
+        done = self.prefetch.done()
+        self.diagnostics = {  # when the trainer asks: groups finished and waiting, generating, and their bound
+            "rollout_queue_groups": len(self.prefetch.result()) if done else len(self.kept),
+            "rollout_inflight_groups": len(self.m.tasks),
+            "rollout_max_inflight": math.ceil(self.r.prompts_per_step * self.r.over_sample),
+        }
         groups = await self.prefetch
-        self.prefetch = asyncio.ensure_future(self.round_robin(step + 1)) if step < self.m.cfg.train.steps else None
+        blocked = time.perf_counter() - self.prefetched_at if done and self.prefetched_at is not None else 0.0
+        self.diagnostics["rollout_backpressure_seconds"] = blocked
+        if step < self.m.cfg.train.steps:
+            self._start(step + 1)
+        else:
+            self.prefetch = None
         return self.took(groups)
+
+    def _start(self, step: int) -> None:
+        self.prefetched_at = None
+        self.prefetch = asyncio.ensure_future(self.round_robin(step))
+        self.prefetch.add_done_callback(lambda _f: setattr(self, "prefetched_at", time.perf_counter()))
+
+    def take_diagnostics(self) -> dict:
+        out, self.diagnostics = self.diagnostics, {}
+        return out
 
 
 class AsyncScheduler:
     """``async``: groups are generated continuously. A group is started only if a step it can still be
     trained at is free: started on weights of version ``w``, it is trained at step ``w + max_staleness + 1``
-    at the latest, so at most ``prompts_per_step`` groups are held (finished or generating) for each step
-    from the next one to that one (:meth:`capacity`; AReaL bounds its rollouts the same way). A group with
-    a token staler than ``max_staleness`` all the same (it finished late, behind groups started after it)
-    is dropped or regenerated (``rollout.stale_groups``)."""
+    at the latest (its *deadline*), so at most ``prompts_per_step`` groups are held (finished or generating)
+    for each step from the next one to that one (:meth:`capacity`; AReaL bounds its rollouts the same way).
+
+    ``stale_groups='wait'`` (pacing, the default): a step takes ready groups earliest deadline first and
+    keeps a place for each group whose deadline it is that is still generating, waiting for it; under the
+    bound above no group then turns stale, so none is dropped for it. ``drop`` / ``regenerate``: a step
+    takes groups in finishing order, and a group with a token staler than ``max_staleness`` (it finished
+    late, behind groups started after it) is dropped or regenerated."""
 
     def __init__(self, manager):
         self.m, self.r = manager, manager.r
@@ -177,6 +216,9 @@ class AsyncScheduler:
         self.collecting = 0  # groups the step being taken has collected so far
         self.step_stale_groups = 0  # groups dropped as stale while this step waited
         self.stale_versions: Counter = Counter()  # the weight versions of stale tokens, for the error
+        self.blocked_since: float | None = None  # generation held back by the bound since (perf_counter)
+        self.blocked = 0.0  # seconds generation was held back by the bound since the last step's take
+        self.diagnostics: dict = {}
 
     def background(self) -> list[asyncio.Future | None]:
         return [self.producer]
@@ -200,15 +242,39 @@ class AsyncScheduler:
         steps = min(m.version + self.r.max_staleness + 1, m.cfg.train.steps) - m.taken
         return max(0, math.ceil(self.r.prompts_per_step * steps * self.r.over_sample))
 
+    def deadline(self, group: list[Sample]) -> float:
+        """The last step ``group`` can train at: its oldest token's version + max_staleness + 1."""
+        versions = [v for s in group for v in s.weight_versions]
+        return min(versions) + self.r.max_staleness + 1 if versions else math.inf
+
+    def due_generating(self, step: int) -> list[asyncio.Task]:
+        """``wait``: the groups still generating whose deadline is ``step`` (started on weights
+        ``step - max_staleness - 1``): the step keeps a place for each."""
+        if self.r.stale_groups != "wait":
+            return []
+        return [t for t in self.m.tasks if t.version + self.r.max_staleness + 1 == step]  # type: ignore[attr-defined]
+
     async def _produce(self) -> None:
         m = self.m
         while not m.closing:
-            held = len(m.ready) + len(m.tasks) + self.collecting
-            if held < self.capacity() and not m.paused:
-                for group in m.draw(self.capacity() - held):
+            held, room = len(m.ready) + len(m.tasks) + self.collecting, self.capacity()
+            if held < room and not m.paused:
+                for group in m.draw(room - held):
                     m.launch(group).add_done_callback(self._finished)
+                self._blocked(False)
+            elif not m.paused and m.version + self.r.max_staleness + 1 <= m.cfg.train.steps:
+                # nothing generating, held back by the staleness bound (not by the run's end or a checkpoint)
+                self._blocked(not m.tasks)
             m.wake.clear()
             await m.wake.wait()
+
+    def _blocked(self, now_blocked: bool) -> None:
+        """Generation is (or is no longer) idle, held back by the bound: ``rollout_backpressure_seconds``."""
+        if now_blocked and self.blocked_since is None:
+            self.blocked_since = time.perf_counter()
+        elif not now_blocked and self.blocked_since is not None:
+            self.blocked += time.perf_counter() - self.blocked_since
+            self.blocked_since = None
 
     def _finished(self, task: asyncio.Task) -> None:
         """Count a finished group (ready, or dropped with its reason) as it leaves ``tasks``."""
@@ -230,9 +296,15 @@ class AsyncScheduler:
         self.ready_event.set()
 
     def _take_ready(self, step: int, out: list) -> None:
-        """Move finished groups into ``out`` until the step is full; drop (or regenerate) stale ones."""
-        m = self.m
+        """Move finished groups into ``out`` until the step is full (``wait``: earliest deadline first,
+        leaving the places of due groups still generating); drop (or regenerate) stale ones."""
+        m, wait = self.m, self.r.stale_groups == "wait"
+        if wait:
+            m.ready.sort(key=self.deadline)  # (stable: in finishing order among equal deadlines)
+        due = len(self.due_generating(step))
         while m.ready and len(out) < self.r.prompts_per_step:
+            if wait and self.deadline(m.ready[0]) > step and len(out) + due >= self.r.prompts_per_step:
+                break  # the places left are those of the groups due now, still generating
             group = m.ready.pop(0)
             if max(max(staleness(s, step), default=0) for s in group) > self.r.max_staleness:
                 m.drop(group, "stale")
@@ -245,12 +317,23 @@ class AsyncScheduler:
                 continue
             out.append(group)
 
+    def take_diagnostics(self) -> dict:
+        out, self.diagnostics = self.diagnostics, {}
+        return out
+
     async def next(self, step: int) -> list[list[Sample]]:
         m = self.m
         if self.producer is None:
             self.producer = asyncio.ensure_future(self._produce())
+        self.diagnostics = {  # when the trainer asks: groups finished and waiting, generating, and their bound
+            "rollout_queue_groups": len(m.ready),
+            "rollout_inflight_groups": len(m.tasks),
+            "rollout_max_inflight": self.capacity(),
+        }
         out, m.step_filtered_groups, self.step_stale_groups = [], 0, 0
         self.stale_versions.clear()
+        straggling: float | None = None  # since when the step waits only on due groups still generating
+        straggled, warned = 0.0, False
         limit = math.ceil(self.r.prompts_per_step * self.r.over_sample * self.r.filter_max_rounds)
         while len(out) < self.r.prompts_per_step:
             if m.error is not None:
@@ -277,13 +360,42 @@ class AsyncScheduler:
                 )
             m.wake.set()
             if len(out) < self.r.prompts_per_step:
+                due = self.due_generating(step)
+                if due and len(out) + len(m.ready) + len(due) >= self.r.prompts_per_step:
+                    straggling = straggling if straggling is not None else time.perf_counter()
+                elif straggling is not None:
+                    straggled, straggling = straggled + time.perf_counter() - straggling, None
                 self.ready_event.clear()
-                if not m.ready and m.error is None:
+                if m.error is None:
                     waiting = asyncio.ensure_future(self.ready_event.wait())
-                    await asyncio.wait([waiting, self.producer], return_when=asyncio.FIRST_COMPLETED)
+                    timeout = None
+                    if straggling is not None and not warned:
+                        timeout = max(0.0, straggling + self.r.straggler_warning_seconds - time.perf_counter())
+                    await asyncio.wait([waiting, self.producer], timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
                     waiting.cancel()
+                    if straggling is not None and not warned and not self.ready_event.is_set():
+                        warned = self._warn_straggler(step, len(out), straggling)
         self.collecting = 0
+        now = time.perf_counter()
+        if self.blocked_since is not None:  # (the time so far counts for this step)
+            self.blocked, self.blocked_since = self.blocked + now - self.blocked_since, now
+        self.diagnostics["rollout_backpressure_seconds"], self.blocked = self.blocked, 0.0
+        self.diagnostics["rollout_straggler_wait_seconds"] = straggled + (now - straggling if straggling else 0.0)
         return out
+
+    def _warn_straggler(self, step: int, ready: int, since: float) -> bool:
+        due = self.due_generating(step)
+        if not due or time.perf_counter() - since < self.r.straggler_warning_seconds:
+            return False
+        oldest = min(t.started for t in due)  # type: ignore[attr-defined]
+        log.warning(
+            f"strop: step {step} has waited {time.perf_counter() - since:.0f}s on {len(due)} group(s) still "
+            f"generating that it is the last step able to train (started on weights {due[0].version}, "  # type: ignore[attr-defined]
+            f"{time.perf_counter() - oldest:.0f}s ago); its other {ready} groups are ready "
+            f"(rollout.straggler_warning_seconds={self.r.straggler_warning_seconds:g}; stale_groups='drop' "
+            "trains without them, dropping them)"
+        )
+        return True
 
 
 SCHEDULERS = {"sync": SyncScheduler, "one_step_off": OneStepOffScheduler, "async": AsyncScheduler}
