@@ -85,7 +85,9 @@ def main() -> None:
         table(results, extra, args.offpolicy_args, root, f"round {k + 1} of {args.repeats}")
     from strop.observe.metrics import plot_runs
 
-    drawn = plot_runs(dirs, root / "pacing.png", [m for m in PACING if any(m in r for d in dirs for r in metrics_of(d))])
+    drawn = plot_runs(
+        dirs, root / "pacing.png", [m for m in PACING if any(m in r for d in dirs for r in metrics_of(d))]
+    )
     print(f"pacing diagnostics ({', '.join(drawn)}) of every run: {root / 'pacing.png'}")
 
 

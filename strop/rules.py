@@ -57,6 +57,18 @@ def _agent_rewards(c) -> bool:
     return bool(c.plugins.agent) and c.agent.reward == "session"
 
 
+def shared_prefix_off(c) -> str:
+    """Why a shared-prefix row (strop.parallel.prefix) cannot be used with ``c`` ('' when it can)."""
+    if c.parallel.context_parallel_size > 1:
+        return (
+            f"parallel.context_parallel_size={c.parallel.context_parallel_size} splits rows by tokens with its own "
+            "block-diagonal mask, which has no place for a prefix shared by several samples"
+        )
+    if c.model.attn_implementation == "flash_attention_2":
+        return "model.attn_implementation='flash_attention_2' takes no (L, L) mask, which the shared row needs"
+    return ""
+
+
 def _corrected(a) -> bool:
     return a.use_rollout_logprobs or a.tis_cap is not None or a.mis_low is not None or a.mis_high is not None
 
@@ -304,6 +316,11 @@ RULES: tuple[Rule, ...] = (
             "context-parallel attention reads the running plan when it is called, and a recompute "
             "in backward would run outside it; use one of them"
         ),
+    ),
+    Rule(
+        "shared prefix needs a masked row",
+        lambda c: c.train.shared_prefix is True and bool(shared_prefix_off(c)),
+        lambda c: f"train.shared_prefix=true: {shared_prefix_off(c)}; leave it unset (on where it holds) or false",
     ),
     Rule(
         "engine.dtype is the embedded engine's",

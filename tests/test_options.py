@@ -236,6 +236,7 @@ OPTIONS = [
     ("train.min_lr_ratio", "float", 0.0),
     ("train.mini_batches", "int", 1),
     ("train.seed", "int", 0),
+    ("train.shared_prefix", "bool | None", None),
     ("train.steps", "int", 15),
     ("train.warmup_steps", "int", 2),
     ("train.weight_decay", "float", 0.0),

@@ -27,9 +27,7 @@ class StragglerEngine(ScriptedEngine):
 
 def _run(stale_groups, partial="finish", max_staleness=1, seed=0, train_seconds=0.02, **engine):
     engine = StragglerEngine(delay=0.002, seed=seed, **engine)
-    manager, _ = _manager(
-        engine, mode="async", max_staleness=max_staleness, stale_groups=stale_groups, partial=partial
-    )
+    manager, _ = _manager(engine, mode="async", max_staleness=max_staleness, stale_groups=stale_groups, partial=partial)
     seen, accounts = asyncio.run(_drive(manager, engine, steps=6, train_seconds=train_seconds))
     return manager, seen, accounts
 

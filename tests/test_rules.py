@@ -101,6 +101,10 @@ CASES = {
         {"train": {"activation_checkpointing": True}, "parallel": {"context_parallel_size": 2}},
         "a recompute in backward would run outside it",
     ),
+    "shared prefix needs a masked row": (
+        {"train": {"shared_prefix": True}, "parallel": {"context_parallel_size": 2}},
+        "has no place for a prefix shared by several samples",
+    ),
     "engine.dtype is the embedded engine's": (
         {"engine": {"kind": "strop", "launch": 1, "dtype": "bfloat16"}},
         "a strop server chooses its own",

@@ -55,6 +55,7 @@ def run_step(
     bf16_autocast=False,
     exact_logprobs=False,
     logprob_chunk_size=1024,
+    shared_prefix=False,
     **algo,
 ):
     # Adam divides by |grad|: near-zero gradients amplify rounding, so keep lr small for 1e-6 checks
@@ -66,6 +67,7 @@ def run_step(
         max_tokens_per_micro_batch=max_tokens,
         bf16_autocast=bf16_autocast,
         logprob_chunk_size=logprob_chunk_size,
+        shared_prefix=shared_prefix,
     )
     trainer = Trainer(
         model,

@@ -54,6 +54,7 @@ class Outputs:
         if d.c.trainer.dp.processes > 1:
             log.info(f"strop: {d.c.trainer.dp.describe()}")
         log.info(f"strop: device {d.c.trainer.device}")
+        log.info(f"strop: train: {d.c.trainer.describe_layout()}")
 
     def open_trackers(self, resume: bool, found: str | None) -> None:
         """The trackers (wandb...), told the step a resumed run continues after (-1: from step 0)."""

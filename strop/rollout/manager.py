@@ -30,6 +30,7 @@ and waiting, or being generated) -- :meth:`RolloutManager.check_accounts` verifi
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections import Counter
 
@@ -320,7 +321,15 @@ def describe(cfg) -> str:
     r, a = cfg.rollout, cfg.algo
     parts = [f"rollout {r.mode}"]
     if r.mode == "async":
-        parts.append(f"max_staleness {r.max_staleness}, stale groups: {r.stale_groups}")
+        bound = math.ceil(r.prompts_per_step * (r.max_staleness + 1) * r.over_sample)
+        parts.append(
+            f"max_staleness {r.max_staleness}, at most {bound} groups in flight, stale groups: {r.stale_groups}"
+            + (
+                " (paced: a step waits for the groups due at it; none dropped as stale)"
+                if r.stale_groups == "wait"
+                else ""
+            )
+        )
     if r.mode != "sync":
         parts.append(
             f"unfinished samples at an update: {r.partial}"

@@ -99,6 +99,14 @@ class TrainConfig(Section):
         description="pack samples into micro-batches of at most this many tokens, with no padding "
         "(replaces micro_batch_size)",
     )
+    shared_prefix: bool | None = Field(
+        None,
+        description="forward each group's common prefix (its prompt; a multi-turn group's first turns too) once "
+        "per micro-batch, the samples' own tokens after it in one row with a mask (strop.parallel.prefix): the "
+        "same logprobs and gradients from fewer tokens; micro-batches then keep groups together. None (default): "
+        "on wherever it holds, that is not with context parallel or flash_attention_2 (neither takes the row's "
+        "mask); true: refused where it does not hold; false: off",
+    )
     logprob_chunk_size: int = Field(
         1024, ge=0, description="tokens per lm_head chunk when computing logprobs (0 = full logits, more memory)"
     )

@@ -31,9 +31,12 @@ class ValueModel(nn.Module):
         positions: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         cp=None,
+        pred_positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         # the state before each response token (N, H); with ``cp`` only this CP rank's entries
-        h, _, restore = response_hidden(self.backbone, input_ids, attention_mask, positions, position_ids, cp)
+        h, _, restore = response_hidden(
+            self.backbone, input_ids, attention_mask, positions, position_ids, cp, pred_positions
+        )
         return restore(self.value_head(h).squeeze(-1).float())  # (B, T)
 
 

@@ -29,13 +29,16 @@ def response_logprobs(
     chunk_size: int = 1024,
     position_ids: torch.Tensor | None = None,
     cp=None,
+    pred_positions: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprobs of the tokens at ``response_positions`` under ``log_softmax(logits / temperature)``.
 
     input_ids, attention_mask: (B, L), right-padded. response_positions: (B, T)
     indices into L of each response token (padding entries may repeat any
     valid index; the caller masks them). A packed row passes a 4D block-diagonal
-    ``attention_mask`` and its own ``position_ids``. Returns logprobs (B, T) and, if asked,
+    ``attention_mask`` and its own ``position_ids``; a shared-prefix row
+    (strop.parallel.prefix) also ``pred_positions``, the columns whose hidden states predict
+    the response tokens (default: each one's column - 1). Returns logprobs (B, T) and, if asked,
     the entropy (B, T) of the same distribution (detached unless ``entropy_grad``:
     an entropy bonus needs its gradient, a metric does not).
 
@@ -50,6 +53,7 @@ def response_logprobs(
         response_positions,
         position_ids,
         cp,
+        pred_positions,
     )
     head = model.get_output_embeddings()
     temperature = temperature if temperature > 0 else 1.0  # greedy rollouts report the raw distribution
@@ -80,7 +84,9 @@ def response_logprobs(
     return restore(logprobs), (restore(entropy) if entropy is not None else None)
 
 
-def response_hidden(backbone, input_ids, attention_mask, response_positions, position_ids=None, cp=None):
+def response_hidden(
+    backbone, input_ids, attention_mask, response_positions, position_ids=None, cp=None, pred_positions=None
+):
     """Hidden states that predict each response token: (N, H), their targets (N,), and ``restore``,
     which turns per-entry values (N,) back into (B, T).
 
@@ -99,12 +105,17 @@ def response_hidden(backbone, input_ids, attention_mask, response_positions, pos
     L, n = input_ids.shape[1], getattr(backbone, "sequence_parallel_size", 1)
     if L % n:  # sequence parallel splits the columns evenly: pad them (masked, dropped again below)
         pad = (0, n - L % n)
-        input_ids, attention_mask, position_ids = (F.pad(t, pad) for t in (input_ids, attention_mask, position_ids))
+        input_ids, position_ids = F.pad(input_ids, pad), F.pad(position_ids, pad)
+        if attention_mask.dim() == 4:  # a packed / shared-prefix row's (1, 1, L, L): pad columns only see themselves
+            attention_mask = F.pad(attention_mask, (0, pad[1], 0, pad[1]))
+            attention_mask[..., range(L, L + pad[1]), range(L, L + pad[1])] = True
+        else:
+            attention_mask = F.pad(attention_mask, pad)
     hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state[
         :, :L
     ]
-    # the token at position p is predicted by the hidden state at p - 1
-    pred_pos = (response_positions - 1).clamp(min=0)  # (B, T)
+    # the token at position p is predicted by the hidden state at p - 1 (in a shared-prefix row: its sequence's)
+    pred_pos = (response_positions - 1).clamp(min=0) if pred_positions is None else pred_positions  # (B, T)
     h = hidden.gather(1, pred_pos.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))  # (B, T, H)
     targets = input_ids.gather(1, response_positions)  # (B, T)
     return h.reshape(B * T, -1), targets.reshape(-1), lambda values: values.reshape(B, T)
@@ -129,6 +140,7 @@ class LogprobModule(nn.Module):
         entropy_grad=False,
         chunk_size=1024,
         cp=None,
+        pred_positions=None,
     ):
         lp, ent = response_logprobs(
             self.lm,
@@ -141,6 +153,7 @@ class LogprobModule(nn.Module):
             chunk_size=chunk_size,
             position_ids=position_ids,
             cp=cp,
+            pred_positions=pred_positions,
         )
         # FSDP hooks the outputs for backward; fresh tensors, not views, keep those hooks intact
         return lp.clone(), (ent.clone() if ent is not None else None)

@@ -75,6 +75,8 @@ def train_policy(trainer, b: StepBatch, mini: list[int], m: StepStats, first: bo
             m.tok("entropy", entropy, mask)
             m.policy_tokens(tok, mask)
             m.add("train_tokens", float(batch["tokens"] if "tokens" in batch else batch["attention_mask"].sum()))
+            if "tokens_unshared" in batch:
+                m.add("train_tokens_unshared", float(batch["tokens_unshared"]))
             m.add("trained_samples", float(len(idx)) if has_signal else 0.0)
     m.last("lr", trainer.policy_opt.lr)
     m.last("grad_norm", trainer.policy_opt.step(m) if has_signal else 0.0)

@@ -21,6 +21,7 @@ from strop.algo.advantages import compute_advantages, explained_variance
 from strop.observe.metrics import StepStats
 from strop.parallel import context as context_parallel
 from strop.parallel.packing import collate_packed, unpack
+from strop.parallel.prefix import collate_shared_prefix, split_by_group
 from strop.parallel.strategy import SingleProcess
 from strop.plugins import call_hook_sync
 from strop.train.batch import StepBatch, collate, pad_rows, split_micro_batches, swapped_weights, to_device
@@ -72,6 +73,30 @@ class Trainer:
             self.critic_opt = GuardedOptimizer("critic", self.critic, algo.critic_lr, train, self.dp)
         self.policy_opt = GuardedOptimizer("policy", self.model, train.lr, train, self.dp)
         self.steps_done = 0
+        attn = getattr(getattr(self.model, "config", None), "_attn_implementation", None)
+        self.shared_prefix_off = (  # why each group's common prefix is not forwarded once ('' when it is)
+            "train.shared_prefix=false"
+            if train.shared_prefix is False
+            else f"context parallel ({self.dp.cp_size} ranks) masks rows its own way"
+            if self.dp.cp_size > 1
+            else "flash_attention_2 takes no (L, L) mask"
+            if attn == "flash_attention_2"
+            else ""
+        )
+        self.shared_prefix = not self.shared_prefix_off
+
+    def describe_layout(self) -> str:
+        """How micro-batches are laid out, for the start lines."""
+        c = self.cfg
+        size = (
+            f"{c.max_tokens_per_micro_batch} tokens"
+            if c.max_tokens_per_micro_batch
+            else f"{c.micro_batch_size} samples"
+        )
+        if self.shared_prefix:
+            return f"micro-batches of {size}, each group's common prefix forwarded once (train.shared_prefix)"
+        how = "packed" if c.max_tokens_per_micro_batch else "padded"
+        return f"{how} micro-batches of {size}; no shared prefix ({self.shared_prefix_off})"
 
     # the strategy's shape, for callers that print or branch on it
     cp_size = property(lambda self: self.dp.cp_size)
@@ -82,12 +107,13 @@ class Trainer:
 
     # ---- forward passes -------------------------------------------------------------------------
     def _micro_batches(self, indices, samples) -> list[list[int]]:
-        return split_micro_batches(
-            list(indices), samples, self.cfg.micro_batch_size, self.cfg.max_tokens_per_micro_batch
-        )
+        split = split_by_group if self.shared_prefix else split_micro_batches
+        return split(list(indices), samples, self.cfg.micro_batch_size, self.cfg.max_tokens_per_micro_batch)
 
     def _collate(self, samples: list[Sample]) -> dict:
-        if self.cfg.max_tokens_per_micro_batch:  # under CP the plan builds its own, smaller mask
+        if self.shared_prefix:  # each group's common prefix once (strop.parallel.prefix)
+            batch = collate_shared_prefix(samples)
+        elif self.cfg.max_tokens_per_micro_batch:  # under CP the plan builds its own, smaller mask
             batch = collate_packed(samples, with_mask=self.cp_size == 1)
         else:
             batch = collate(samples, self.pad_token_id)
@@ -110,6 +136,7 @@ class Trainer:
                 entropy_grad=entropy_grad,
                 chunk_size=self.cfg.logprob_chunk_size,
                 cp=batch.get("cp"),
+                pred_positions=batch.get("pred_positions"),
             )
         lp, ent = lp.float(), (ent.float() if ent is not None else None)
         if "scatter" in batch:  # a packed row back to (n, T)
@@ -124,6 +151,7 @@ class Trainer:
                 batch["positions"],
                 position_ids=batch.get("position_ids"),
                 cp=batch.get("cp"),
+                pred_positions=batch.get("pred_positions"),
             ).float()
         return unpack(values, batch) if "scatter" in batch else values
 
@@ -230,6 +258,9 @@ class Trainer:
             "advantage_std": adv_tokens.std().item() if adv_tokens.numel() > 1 else 0.0,
             "train_seconds": time.perf_counter() - t0,
         }
+        out["train_tokens_forwarded"] = out["train_tokens"]
+        if "train_tokens_unshared" in out:  # the tokens the same samples take in rows of their own
+            out["shared_prefix_tokens_saved"] = 1.0 - out["train_tokens"] / max(out.pop("train_tokens_unshared"), 1.0)
         out["train_tokens_per_s"] = out.pop("train_tokens") / out["train_seconds"]
         out["clip_fraction"] = out["clip_fraction_low"] + out["clip_fraction_high"]
         if b.returns is not None and b.old_values is not None:

@@ -41,7 +41,7 @@ def _strategy(rank, world, mode, bucket_bytes=1 << 30):
     return make_strategy(dims, dims.build_mesh(torch.device(device).type), device)
 
 
-def _step(rank, world, algo_name, packed, mode="replicate"):
+def _step(rank, world, algo_name, packed, mode="replicate", shared=False):
     from strop.config import AlgoConfig, TrainConfig
     from strop.train.trainer import Sampling, Trainer
     from tests.test_trainer import make_samples, near_policy
@@ -50,9 +50,19 @@ def _step(rank, world, algo_name, packed, mode="replicate"):
     teacher = teacher_for(algo_name)
     model = make_tiny_model()
     samples = make_samples(10)
+    if shared:  # groups with one prompt each: rows share it (train.shared_prefix)
+        from tests.test_shared_prefix import grouped_samples
+
+        samples = grouped_samples()
     if algo_name in ("icepop_opsm", "dppo"):  # the corrections act on rollout logprobs near the model's own
         samples = near_policy(model, samples)
-    train = TrainConfig(lr=1e-3, warmup_steps=0, micro_batch_size=3, max_tokens_per_micro_batch=20 if packed else None)
+    train = TrainConfig(
+        lr=1e-3,
+        warmup_steps=0,
+        micro_batch_size=3,
+        max_tokens_per_micro_batch=20 if packed else None,
+        shared_prefix=shared,
+    )
     trainer = Trainer(
         model,
         pad_token_id=0,
@@ -88,6 +98,17 @@ DP_CASES = [
 def test_two_ranks_equal_one_process(algo, packed, mode):
     assert_same_update(
         run_on_ranks(_step, 2, algo, packed, mode, timeout=150, backend=BACKEND), _step(0, 1, algo, packed)
+    )
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("algo,mode", [("grpo", "replicate"), ("ppo", "fsdp"), ("seq_mean_kl", "fsdp")])
+def test_two_ranks_equal_one_process_with_shared_prefix_rows(algo, mode):
+    """Each rank forwards its micro-batches' groups as shared-prefix rows; the update is one process's
+    (itself checked equal to the padded path in tests/test_shared_prefix.py)."""
+    assert_same_update(
+        run_on_ranks(_step, 2, algo, False, mode, True, timeout=150, backend=BACKEND),
+        _step(0, 1, algo, False, shared=True),
     )
 
 

@@ -14,7 +14,9 @@ def _model(kind):
     return {"llama": make_tiny_model, "qwen3": make_tiny_qwen3, "qwen3_moe": make_tiny_qwen3_moe}[kind]()
 
 
-def _tp_step(rank, world, algo_name, kind, tp=1, mode="replicate", path=None, checkpointing=False, sequence=True):
+def _tp_step(
+    rank, world, algo_name, kind, tp=1, mode="replicate", path=None, checkpointing=False, sequence=True, shared=False
+):
     from strop.config import AlgoConfig, TrainConfig
     from strop.parallel.dims import ParallelDims
     from strop.parallel.strategy import SingleProcess, make_strategy
@@ -26,7 +28,9 @@ def _tp_step(rank, world, algo_name, kind, tp=1, mode="replicate", path=None, ch
     if world > 1:
         dims = ParallelDims(world, tp=tp, dp_mode=mode, sequence_parallel=sequence, bucket_bytes=1 << 20)
         strategy = make_strategy(dims, dims.build_mesh("cpu"))
-    train = TrainConfig(lr=1e-3, warmup_steps=0, micro_batch_size=3, activation_checkpointing=checkpointing)
+    train = TrainConfig(
+        lr=1e-3, warmup_steps=0, micro_batch_size=3, activation_checkpointing=checkpointing, shared_prefix=shared
+    )
     if path is not None:  # built on the meta device; each rank reads its own slices of the saved model
         from strop.models import meta_model
 
@@ -46,6 +50,10 @@ def _tp_step(rank, world, algo_name, kind, tp=1, mode="replicate", path=None, ch
     backbone = trainer.model.model
     backbone.layers[0].register_forward_hook(lambda m, a, out: rows.append([_local(out).shape[1]]))
     backbone.norm.register_forward_hook(lambda m, a, out: rows[-1].append(_local(out).shape[1]))
+    if shared:  # groups with one prompt each, their rows sharing it: a (1, 1, L, L) mask, padded for SP
+        from tests.test_shared_prefix import grouped_samples
+
+        make_samples = lambda n, seed=0: grouped_samples(seed=seed)  # noqa: E731
     metrics = trainer.step(make_samples(10))
     grads = [
         _full(trainer.optimizer.state[p]["exp_avg"]).cpu().clone()  # (a copy: the next steps change it)
@@ -66,15 +74,16 @@ def _local(t):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
-    "kind,algo,sequence",
-    [("llama", "seq_mean_kl", True), ("qwen3", "grpo", True), ("qwen3", "grpo", False)],
-    ids=["llama-sp", "qwen3-sp", "qwen3-no-sp"],
+    "kind,algo,sequence,shared",
+    [("llama", "seq_mean_kl", True, False), ("qwen3", "grpo", True, True), ("qwen3", "grpo", False, False)],
+    ids=["llama-sp", "qwen3-sp-shared-prefix", "qwen3-no-sp"],
 )
-def test_tensor_parallel_2_equals_one_process(kind, algo, sequence):
+def test_tensor_parallel_2_equals_one_process(kind, algo, sequence, shared):
     """(PPO: the checkpointing test.) With sequence parallel each rank's residual stream holds half the tokens
-    (an odd count padded by one), all of them again after the final norm; without it, all of them throughout."""
-    results = run_on_ranks(_tp_step, 2, algo, kind, 2, "replicate", None, False, sequence, timeout=250)
-    single = _tp_step(0, 1, algo, kind)
+    (an odd count padded by one), all of them again after the final norm; without it, all of them throughout.
+    Shared-prefix rows: their (1, 1, L, L) mask is padded with the tokens."""
+    results = run_on_ranks(_tp_step, 2, algo, kind, 2, "replicate", None, False, sequence, shared, timeout=250)
+    single = _tp_step(0, 1, algo, kind, shared=shared)
     rows = results[0][5]
     assert rows == results[1][5] and all(b == (2 * a if sequence else a) for a, b in rows)
     assert rows and (not sequence or any(n % 2 for n, _ in single[5]))  # (one took the padding)

@@ -1,0 +1,146 @@
+"""Shared-prefix ("tree") rows: a group's samples forwarded with their common prefix once.
+
+The n samples of a GRPO group start with the same prompt (a multi-turn group's, with the same first
+turns), and a padded or packed micro-batch forwards and backpropagates that prefix n times. A shared
+row lays a group out as its longest common prefix once, then each sample's own tokens after it:
+
+    [ prefix (positions 0..S-1) | sample 0's rest (S..) | sample 1's rest (S..) | ... ]
+
+A 4D mask lets each sample's tokens see the prefix and their own earlier tokens, nothing else, and
+position ids continue at S, so every token sees exactly what it sees in its own padded row: the
+logprobs are the same function of the weights, and the gradient of every sample's loss flows into
+the prefix's activations through attention (summed over the samples, as n separate rows would sum
+it). Each response token is read where its own sequence puts it; the hidden state that predicts it
+is the one of its sequence's previous token (``pred_positions``), which for a sample's first own
+token is the prefix's last. Losses stay per sample: the row is unpacked to (n, T) as a packed row is.
+
+Exact by construction (it is a different layout of the same computation); with fp32 the results
+equal the padded path's to rounding (tests/test_shared_prefix.py). The mask is dense (L, L): rows
+here are a few groups of a micro-batch, so it stays small.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from strop.types import Sample
+
+
+def common_prefix(seqs: list[list[int]]) -> int:
+    """Length of the longest common prefix of ``seqs`` (0 for fewer than two)."""
+    if len(seqs) < 2:
+        return 0
+    first, n = seqs[0], min(len(s) for s in seqs)
+    for k in range(n):
+        if any(s[k] != first[k] for s in seqs[1:]):
+            return k
+    return n
+
+
+def _clusters(samples: list[Sample]) -> list[list[int]]:
+    """Indices of ``samples`` by group, each group where its first member is."""
+    by: dict = {}
+    for i, s in enumerate(samples):
+        by.setdefault(s.group_id, []).append(i)
+    return list(by.values())
+
+
+def tree_tokens(samples: list[Sample]) -> int:
+    """Tokens of the shared row of ``samples`` (what :func:`collate_shared_prefix` lays out)."""
+    total = 0
+    for members in _clusters(samples):
+        seqs = [samples[i].prompt_ids + samples[i].response_ids for i in members]
+        S = common_prefix(seqs)
+        total += S + sum(len(x) - S for x in seqs)
+    return total
+
+
+def collate_shared_prefix(samples: list[Sample]) -> dict[str, torch.Tensor]:
+    """One row of ``samples``, each group's common prefix once (see the module), plus the per-sample
+    (n, T) tensors the loss works on. The keys of :func:`strop.parallel.packing.collate_packed`, and
+    ``pred_positions`` (1, R): the column whose hidden state predicts each response token."""
+    n = len(samples)
+    T = max(max(s.response_length for s in samples), 1)
+    ids: list[int] = []
+    pos_ids: list[int] = []
+    segment: list[int] = []  # each prefix and each sample's own tokens: a segment
+    parent: list[int] = []  # a sample's own tokens also see their group's prefix segment (-1: none)
+    positions: list[int] = []
+    preds: list[int] = []
+    rows: list[int] = []
+    cols: list[int] = []
+    next_seg = 0
+    for members in _clusters(samples):
+        seqs = [samples[i].prompt_ids + samples[i].response_ids for i in members]
+        S, base, prefix_seg = common_prefix(seqs), len(ids), -1
+        if S:
+            prefix_seg, next_seg = next_seg, next_seg + 1
+            ids += seqs[0][:S]
+            pos_ids += range(S)
+            segment += [prefix_seg] * S
+            parent += [-1] * S
+        for i, seq in zip(members, seqs):
+            own, next_seg, start = next_seg, next_seg + 1, len(ids)
+            ids += seq[S:]
+            pos_ids += range(S, len(seq))
+            segment += [own] * (len(seq) - S)
+            parent += [prefix_seg] * (len(seq) - S)
+            column = lambda p: base + p if p < S else start + p - S  # noqa: E731  (p: a position in seq)
+            P, R = len(samples[i].prompt_ids), samples[i].response_length
+            positions += [column(p) for p in range(P, P + R)]
+            preds += [column(p - 1) for p in range(P, P + R)]
+            rows += [i] * R
+            cols += range(R)
+    L = len(ids)
+    seg, par = torch.tensor(segment), torch.tensor(parent)
+    causal = torch.ones(L, L, dtype=torch.bool).tril()
+    sees = (seg.unsqueeze(1) == seg.unsqueeze(0)) | (par.unsqueeze(1) == seg.unsqueeze(0))  # [query, key]
+    loss_mask, response_mask, rollout_logprobs = torch.zeros(n, T), torch.zeros(n, T), torch.zeros(n, T)
+    for i, s in enumerate(samples):
+        R = s.response_length
+        loss_mask[i, :R] = torch.tensor(s.loss_mask, dtype=torch.float32)
+        response_mask[i, :R] = 1.0
+        rollout_logprobs[i, :R] = torch.tensor(s.rollout_logprobs)
+    return {
+        "input_ids": torch.tensor([ids]),
+        "attention_mask": (causal & sees).view(1, 1, L, L),
+        "position_ids": torch.tensor([pos_ids]),
+        "positions": torch.tensor([positions]),
+        "pred_positions": torch.tensor([preds]),
+        "scatter": (torch.tensor(rows), torch.tensor(cols)),
+        "loss_mask": loss_mask,
+        "response_mask": response_mask,
+        "rollout_logprobs": rollout_logprobs,
+        "tokens": L,
+        "tokens_unshared": sum(s.total_length for s in samples),
+    }
+
+
+def split_by_group(
+    indices: list[int], samples: list[Sample], micro_batch_size: int, max_tokens: int | None
+) -> list[list[int]]:
+    """Micro-batches that keep a group's samples together (so they can share their prefix): whole
+    groups, in order, up to ``micro_batch_size`` samples, or up to ``max_tokens`` tokens of the shared
+    row; a group larger than that is cut into pieces that each share their own prefix."""
+    ordered = sorted(indices, key=lambda i: (samples[i].group_id, i))
+    groups: list[list[int]] = []
+    for i in ordered:
+        if groups and samples[groups[-1][0]].group_id == samples[i].group_id:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    size = (lambda idx: tree_tokens([samples[i] for i in idx])) if max_tokens else len
+    limit = max_tokens or micro_batch_size
+    out: list[list[int]] = []
+    for g in groups:
+        pieces = [[]]
+        for i in g:  # a group over the limit: pieces of it
+            if pieces[-1] and size(pieces[-1] + [i]) > limit:
+                pieces.append([])
+            pieces[-1].append(i)
+        for piece in pieces:
+            if out and size(out[-1] + piece) <= limit:
+                out[-1] += piece
+            else:
+                out.append(piece)
+    return out
