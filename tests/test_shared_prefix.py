@@ -82,6 +82,29 @@ def test_micro_batches_keep_groups_together_within_their_bounds():
     assert all(tree_tokens([samples[i] for i in mb]) <= budget or len(mb) == 1 for mb in by_tokens)
 
 
+def test_rows_stay_under_their_token_cap_and_a_micro_batch_sharing_nothing_keeps_its_layout(tiny_model, monkeypatch):
+    import strop.parallel.prefix as prefix
+
+    samples = grouped_samples(groups=3, n=4)
+    monkeypatch.setattr(prefix, "ROW_TOKENS", 15)
+    rows = split_by_group(list(range(len(samples))), samples, micro_batch_size=16, max_tokens=None)
+    assert all(tree_tokens([samples[i] for i in mb]) <= 15 or len(mb) == 1 for mb in rows)
+    assert len(rows) > 3  # (16 samples would have fit: the cap cut them)
+    lone = [_sample([5, 6], [7], 0, 0), _sample([8, 9], [10, 11], 1, 0)]  # two groups of one: nothing shared
+    trainer = Trainer(
+        copy.deepcopy(tiny_model),
+        pad_token_id=0,
+        train=TrainConfig(),
+        algo=AlgoConfig(),
+        rollout=Sampling(max_new_tokens=8),
+        parallel=SingleProcess("cpu"),
+    )
+    assert "pred_positions" not in trainer._collate(lone)  # padded rows, a 2D mask: no (L, L) one for nothing
+    assert trainer._collate(samples[:4])["attention_mask"].dim() == 4
+    _, m = run_step(copy.deepcopy(tiny_model), lone, shared_prefix=True)
+    assert m["shared_prefix_tokens_saved"] == 0.0
+
+
 def test_shared_logprobs_equal_the_padded_rows_logprobs(tiny_model):
     samples = grouped_samples()
     padded = collate(samples, pad_token_id=0)

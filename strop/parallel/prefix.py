@@ -45,6 +45,20 @@ def _clusters(samples: list[Sample]) -> list[list[int]]:
     return list(by.values())
 
 
+ROW_TOKENS = 4096
+"""Without ``train.max_tokens_per_micro_batch``, the most tokens of one shared row: its mask is (L, L), so a
+micro-batch of long samples is cut into rows of at most this many tokens (a 16 MiB mask)."""
+
+
+def shares(samples: list[Sample]) -> bool:
+    """Whether two of ``samples`` share a prefix (else a shared row is just a packed one, with its (L, L) mask)."""
+    return any(
+        common_prefix([samples[i].prompt_ids + samples[i].response_ids for i in members]) > 0
+        for members in _clusters(samples)
+        if len(members) > 1
+    )
+
+
 def tree_tokens(samples: list[Sample]) -> int:
     """Tokens of the shared row of ``samples`` (what :func:`collate_shared_prefix` lays out)."""
     total = 0
@@ -120,8 +134,9 @@ def split_by_group(
     indices: list[int], samples: list[Sample], micro_batch_size: int, max_tokens: int | None
 ) -> list[list[int]]:
     """Micro-batches that keep a group's samples together (so they can share their prefix): whole
-    groups, in order, up to ``micro_batch_size`` samples, or up to ``max_tokens`` tokens of the shared
-    row; a group larger than that is cut into pieces that each share their own prefix."""
+    groups, in order, up to ``micro_batch_size`` samples and :data:`ROW_TOKENS` tokens of the shared row,
+    or up to ``max_tokens`` tokens of it; a group larger than that is cut into pieces that each share
+    their own prefix."""
     ordered = sorted(indices, key=lambda i: (samples[i].group_id, i))
     groups: list[list[int]] = []
     for i in ordered:
@@ -129,17 +144,17 @@ def split_by_group(
             groups[-1].append(i)
         else:
             groups.append([i])
-    size = (lambda idx: tree_tokens([samples[i] for i in idx])) if max_tokens else len
-    limit = max_tokens or micro_batch_size
+    tokens, budget = (lambda idx: tree_tokens([samples[i] for i in idx])), max_tokens or ROW_TOKENS
+    fits = lambda idx: tokens(idx) <= budget and (max_tokens or len(idx) <= micro_batch_size)  # noqa: E731
     out: list[list[int]] = []
     for g in groups:
-        pieces = [[]]
+        pieces: list[list[int]] = [[]]
         for i in g:  # a group over the limit: pieces of it
-            if pieces[-1] and size(pieces[-1] + [i]) > limit:
+            if pieces[-1] and not fits(pieces[-1] + [i]):
                 pieces.append([])
             pieces[-1].append(i)
         for piece in pieces:
-            if out and size(out[-1] + piece) <= limit:
+            if out and fits(out[-1] + piece):
                 out[-1] += piece
             else:
                 out.append(piece)

@@ -74,9 +74,10 @@ def train_policy(trainer, b: StepBatch, mini: list[int], m: StepStats, first: bo
                 m.tok("train_rollout_logprob_abs_diff", (logprobs - batch["rollout_logprobs"]).abs(), mask)
             m.tok("entropy", entropy, mask)
             m.policy_tokens(tok, mask)
-            m.add("train_tokens", float(batch["tokens"] if "tokens" in batch else batch["attention_mask"].sum()))
-            if "tokens_unshared" in batch:
-                m.add("train_tokens_unshared", float(batch["tokens_unshared"]))
+            tokens = float(batch["tokens"] if "tokens" in batch else batch["attention_mask"].sum())
+            m.add("train_tokens", tokens)
+            if trainer.shared_prefix:  # what the same samples take in rows of their own
+                m.add("train_tokens_unshared", float(batch.get("tokens_unshared", tokens)))
             m.add("trained_samples", float(len(idx)) if has_signal else 0.0)
     m.last("lr", trainer.policy_opt.lr)
     m.last("grad_norm", trainer.policy_opt.step(m) if has_signal else 0.0)

@@ -21,7 +21,7 @@ from strop.algo.advantages import compute_advantages, explained_variance
 from strop.observe.metrics import StepStats
 from strop.parallel import context as context_parallel
 from strop.parallel.packing import collate_packed, unpack
-from strop.parallel.prefix import collate_shared_prefix, split_by_group
+from strop.parallel.prefix import collate_shared_prefix, shares, split_by_group
 from strop.parallel.strategy import SingleProcess
 from strop.plugins import call_hook_sync
 from strop.train.batch import StepBatch, collate, pad_rows, split_micro_batches, swapped_weights, to_device
@@ -111,7 +111,7 @@ class Trainer:
         return split(list(indices), samples, self.cfg.micro_batch_size, self.cfg.max_tokens_per_micro_batch)
 
     def _collate(self, samples: list[Sample]) -> dict:
-        if self.shared_prefix:  # each group's common prefix once (strop.parallel.prefix)
+        if self.shared_prefix and shares(samples):  # each group's common prefix once (strop.parallel.prefix)
             batch = collate_shared_prefix(samples)
         elif self.cfg.max_tokens_per_micro_batch:  # under CP the plan builds its own, smaller mask
             batch = collate_packed(samples, with_mask=self.cp_size == 1)
