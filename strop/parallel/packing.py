@@ -43,7 +43,6 @@ def collate_packed(samples: list[Sample], with_mask: bool = True) -> dict[str, t
     ``with_mask`` the (L, L) attention mask is not built (context parallel builds its
     own from ``segment_ids``) and ``attention_mask`` is None.
     """
-    n = len(samples)
     T = max(max(s.response_length for s in samples), 1)
     ids, pos_ids, segment, positions, rows, cols = [], [], [], [], [], []
     offset = 0
@@ -63,14 +62,6 @@ def collate_packed(samples: list[Sample], with_mask: bool = True) -> dict[str, t
     if with_mask:
         causal = torch.ones(L, L, dtype=torch.bool).tril()
         mask = (causal & (seg.unsqueeze(0) == seg.unsqueeze(1))).view(1, 1, L, L)  # (1, 1, L, L) block-diagonal
-    loss_mask = torch.zeros(n, T)
-    response_mask = torch.zeros(n, T)
-    rollout_logprobs = torch.zeros(n, T)
-    for i, s in enumerate(samples):
-        R = s.response_length
-        loss_mask[i, :R] = torch.tensor(s.loss_mask, dtype=torch.float32)
-        response_mask[i, :R] = 1.0
-        rollout_logprobs[i, :R] = torch.tensor(s.rollout_logprobs)
     return {
         "input_ids": torch.tensor([ids]),
         "attention_mask": mask,
@@ -78,11 +69,21 @@ def collate_packed(samples: list[Sample], with_mask: bool = True) -> dict[str, t
         "segment_ids": seg.view(1, L),
         "positions": torch.tensor([positions]),
         "scatter": (torch.tensor(rows), torch.tensor(cols)),
-        "loss_mask": loss_mask,
-        "response_mask": response_mask,
-        "rollout_logprobs": rollout_logprobs,
+        **per_sample(samples, T),
         "tokens": L,
     }
+
+
+def per_sample(samples: list[Sample], T: int) -> dict[str, torch.Tensor]:
+    """The (n, T) tensors the loss works on, of a row's samples: loss mask, response mask, rollout logprobs."""
+    n = len(samples)
+    out = {k: torch.zeros(n, T) for k in ("loss_mask", "response_mask", "rollout_logprobs")}
+    for i, s in enumerate(samples):
+        R = s.response_length
+        out["loss_mask"][i, :R] = torch.tensor(s.loss_mask, dtype=torch.float32)
+        out["response_mask"][i, :R] = 1.0
+        out["rollout_logprobs"][i, :R] = torch.tensor(s.rollout_logprobs)
+    return out
 
 
 def unpack(values: torch.Tensor, batch: dict) -> torch.Tensor:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from strop.parallel.packing import per_sample
 from strop.types import Sample
 
 
@@ -73,7 +74,6 @@ def collate_shared_prefix(samples: list[Sample]) -> dict[str, torch.Tensor]:
     """One row of ``samples``, each group's common prefix once (see the module), plus the per-sample
     (n, T) tensors the loss works on. The keys of :func:`strop.parallel.packing.collate_packed`, and
     ``pred_positions`` (1, R): the column whose hidden state predicts each response token."""
-    n = len(samples)
     T = max(max(s.response_length for s in samples), 1)
     ids: list[int] = []
     pos_ids: list[int] = []
@@ -109,12 +109,6 @@ def collate_shared_prefix(samples: list[Sample]) -> dict[str, torch.Tensor]:
     seg, par = torch.tensor(segment), torch.tensor(parent)
     causal = torch.ones(L, L, dtype=torch.bool).tril()
     sees = (seg.unsqueeze(1) == seg.unsqueeze(0)) | (par.unsqueeze(1) == seg.unsqueeze(0))  # [query, key]
-    loss_mask, response_mask, rollout_logprobs = torch.zeros(n, T), torch.zeros(n, T), torch.zeros(n, T)
-    for i, s in enumerate(samples):
-        R = s.response_length
-        loss_mask[i, :R] = torch.tensor(s.loss_mask, dtype=torch.float32)
-        response_mask[i, :R] = 1.0
-        rollout_logprobs[i, :R] = torch.tensor(s.rollout_logprobs)
     return {
         "input_ids": torch.tensor([ids]),
         "attention_mask": (causal & sees).view(1, 1, L, L),
@@ -122,9 +116,7 @@ def collate_shared_prefix(samples: list[Sample]) -> dict[str, torch.Tensor]:
         "positions": torch.tensor([positions]),
         "pred_positions": torch.tensor([preds]),
         "scatter": (torch.tensor(rows), torch.tensor(cols)),
-        "loss_mask": loss_mask,
-        "response_mask": response_mask,
-        "rollout_logprobs": rollout_logprobs,
+        **per_sample(samples, T),
         "tokens": L,
         "tokens_unshared": sum(s.total_length for s in samples),
     }
