@@ -34,12 +34,12 @@ LAYOUTS = {
 }
 
 
-def samples(tok, groups: int, n: int, lo: int, hi: int, dtype_seed: int = 0):
+def samples(tok, groups: int, n: int, lo: int, hi: int, seed: int = 0):
     import torch
 
     from strop.types import Sample, Status
 
-    g = torch.Generator().manual_seed(dtype_seed)
+    g = torch.Generator().manual_seed(seed)
     out = []
     for k in range(groups):
         prompt = tok.apply_chat_template(
@@ -158,7 +158,10 @@ def main() -> None:
     args = ap.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     if args.layout:
         return child(args)
-    (part_step(args) if args.part == "step" else part_quickstart(args, extra))
+    if args.part == "step":
+        part_step(args)
+    else:
+        part_quickstart(args, extra)
 
 
 if __name__ == "__main__":
