@@ -286,6 +286,12 @@ class StepStats:
         return out | self.raw | self.maxes | self.lasts
 
 
+def advantage_stats(advantages, mask) -> dict[str, float]:
+    """Mean and standard deviation of the advantages over the tokens ``mask`` keeps (torch tensors)."""
+    kept = advantages[mask > 0]
+    return {"advantage_mean": kept.mean().item(), "advantage_std": kept.std().item() if kept.numel() > 1 else 0.0}
+
+
 DEFAULT_PLOT_METRICS = (
     "reward_mean",
     "eval_accuracy",

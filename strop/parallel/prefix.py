@@ -148,3 +148,32 @@ def split_by_group(
             else:
                 out.append(piece)
     return out
+
+
+def off_reason(setting: bool | None, cp_size: int, attn: str | None) -> str:
+    """Why a trainer lays out no shared-prefix rows ('' when it does): ``setting`` is train.shared_prefix,
+    ``attn`` the model's attention implementation."""
+    if setting is False:
+        return "train.shared_prefix=false"
+    if cp_size > 1:
+        return f"context parallel ({cp_size} ranks) masks rows its own way"
+    return "flash_attention_2 takes no (L, L) mask" if attn == "flash_attention_2" else ""
+
+
+def describe(micro_batch_size: int, max_tokens: int | None, off: str) -> str:
+    """The micro-batch layout, for the start lines; ``off`` as :func:`off_reason` gives it."""
+    size = f"{max_tokens} tokens" if max_tokens else f"{micro_batch_size} samples"
+    if not off:
+        return f"micro-batches of {size}, each group's common prefix forwarded once (train.shared_prefix)"
+    return f"{'packed' if max_tokens else 'padded'} micro-batches of {size}; no shared prefix ({off})"
+
+
+def token_metrics(out: dict[str, float]) -> float:
+    """Turn a step's token counts into its metrics, in place: ``train_tokens_forwarded`` and, when rows shared
+    prefixes, ``shared_prefix_tokens_saved`` (against the tokens the same samples take in rows of their own).
+    Returns the tokens forwarded."""
+    tokens = out.pop("train_tokens")
+    out["train_tokens_forwarded"] = tokens
+    if "train_tokens_unshared" in out:
+        out["shared_prefix_tokens_saved"] = 1.0 - tokens / max(out.pop("train_tokens_unshared"), 1.0)
+    return tokens

@@ -18,10 +18,10 @@ import torch
 from torch import nn
 
 from strop.algo.advantages import compute_advantages, explained_variance
-from strop.observe.metrics import StepStats
+from strop.observe.metrics import StepStats, advantage_stats
 from strop.parallel import context as context_parallel
 from strop.parallel.packing import collate_packed, unpack
-from strop.parallel.prefix import collate_shared_prefix, shares, split_by_group
+from strop.parallel import prefix
 from strop.parallel.strategy import SingleProcess
 from strop.plugins import call_hook_sync
 from strop.train.batch import StepBatch, collate, pad_rows, split_micro_batches, swapped_weights, to_device
@@ -74,29 +74,12 @@ class Trainer:
         self.policy_opt = GuardedOptimizer("policy", self.model, train.lr, train, self.dp)
         self.steps_done = 0
         attn = getattr(getattr(self.model, "config", None), "_attn_implementation", None)
-        self.shared_prefix_off = (  # why each group's common prefix is not forwarded once ('' when it is)
-            "train.shared_prefix=false"
-            if train.shared_prefix is False
-            else f"context parallel ({self.dp.cp_size} ranks) masks rows its own way"
-            if self.dp.cp_size > 1
-            else "flash_attention_2 takes no (L, L) mask"
-            if attn == "flash_attention_2"
-            else ""
-        )
+        self.shared_prefix_off = prefix.off_reason(train.shared_prefix, self.dp.cp_size, attn)  # '' when on
         self.shared_prefix = not self.shared_prefix_off
 
     def describe_layout(self) -> str:
         """How micro-batches are laid out, for the start lines."""
-        c = self.cfg
-        size = (
-            f"{c.max_tokens_per_micro_batch} tokens"
-            if c.max_tokens_per_micro_batch
-            else f"{c.micro_batch_size} samples"
-        )
-        if self.shared_prefix:
-            return f"micro-batches of {size}, each group's common prefix forwarded once (train.shared_prefix)"
-        how = "packed" if c.max_tokens_per_micro_batch else "padded"
-        return f"{how} micro-batches of {size}; no shared prefix ({self.shared_prefix_off})"
+        return prefix.describe(self.cfg.micro_batch_size, self.cfg.max_tokens_per_micro_batch, self.shared_prefix_off)
 
     # the strategy's shape, for callers that print or branch on it
     cp_size = property(lambda self: self.dp.cp_size)
@@ -107,12 +90,12 @@ class Trainer:
 
     # ---- forward passes -------------------------------------------------------------------------
     def _micro_batches(self, indices, samples) -> list[list[int]]:
-        split = split_by_group if self.shared_prefix else split_micro_batches
+        split = prefix.split_by_group if self.shared_prefix else split_micro_batches
         return split(list(indices), samples, self.cfg.micro_batch_size, self.cfg.max_tokens_per_micro_batch)
 
     def _collate(self, samples: list[Sample]) -> dict:
-        if self.shared_prefix and shares(samples):  # each group's common prefix once (strop.parallel.prefix)
-            batch = collate_shared_prefix(samples)
+        if self.shared_prefix and prefix.shares(samples):  # each group's common prefix once (strop.parallel.prefix)
+            batch = prefix.collate_shared_prefix(samples)
         elif self.cfg.max_tokens_per_micro_batch:  # under CP the plan builds its own, smaller mask
             batch = collate_packed(samples, with_mask=self.cp_size == 1)
         else:
@@ -157,8 +140,8 @@ class Trainer:
 
     @torch.no_grad()
     def _pre_pass(self, b: StepBatch, need_old: bool) -> dict[str, torch.Tensor]:
-        """Everything that must see pre-update weights: old, reference and teacher logprobs, critic values.
-        Ranks split the micro-batches (as in training); the strategy merges their disjoint rows."""
+        """Everything that must see pre-update weights: old, reference and teacher logprobs, critic values
+        (none: {}, and no forward pass). Ranks split the micro-batches (as in training); the strategy merges their disjoint rows."""
         wanted = [
             k
             for k, on in (
@@ -169,6 +152,8 @@ class Trainer:
             )
             if on
         ]
+        if not wanted:
+            return {}
         out = {k: torch.zeros(b.shape, device=self.device) for k in wanted}
         for idx, real in self.dp.share(self._micro_batches(range(len(b.samples)), b.samples)):
             batch = self._collate([b.samples[i] for i in idx])  # under FSDP every forward is a collective:
@@ -227,12 +212,7 @@ class Trainer:
             or not a.use_rollout_logprobs
             and (self.cfg.mini_batches > 1 and a.proximal == "recompute" or bool(a.kl_in_reward_coef))
         )
-        wanted = (
-            need_old
-            or self.ref_off
-            or any(x is not None for x in (self.ref, self.ref_state, self.teacher, self.critic))
-        )
-        pre = self._pre_pass(b, need_old) if wanted else {}
+        pre = self._pre_pass(b, need_old)
         b.old_logprobs = b.trainer_old_logprobs = pre.get("old")
         gap = {"engine_logprob_abs_diff": b.take_trainer_logprobs()} if self.exact_logprobs else {}
         b.ref_logprobs, b.old_values, b.teacher_logprobs = pre.get("ref"), pre.get("values"), pre.get("teacher")
@@ -251,17 +231,8 @@ class Trainer:
                 train_critic(self, b, mini, stats, n_mini=n_mini)
         self.steps_done += 1
         self.dp.merge_stats(stats)
-        out = stats.result()
-        adv_tokens = b.advantages[b.loss_mask > 0]
-        out |= {
-            "advantage_mean": adv_tokens.mean().item(),
-            "advantage_std": adv_tokens.std().item() if adv_tokens.numel() > 1 else 0.0,
-            "train_seconds": time.perf_counter() - t0,
-        }
-        out["train_tokens_forwarded"] = out["train_tokens"]
-        if "train_tokens_unshared" in out:  # the tokens the same samples take in rows of their own
-            out["shared_prefix_tokens_saved"] = 1.0 - out["train_tokens"] / max(out.pop("train_tokens_unshared"), 1.0)
-        out["train_tokens_per_s"] = out.pop("train_tokens") / out["train_seconds"]
+        out = stats.result() | advantage_stats(b.advantages, b.loss_mask) | {"train_seconds": time.perf_counter() - t0}
+        out["train_tokens_per_s"] = prefix.token_metrics(out) / out["train_seconds"]
         out["clip_fraction"] = out["clip_fraction_low"] + out["clip_fraction_high"]
         if b.returns is not None and b.old_values is not None:
             out["value_explained_variance"] = explained_variance(b.returns, b.old_values, b.loss_mask)
