@@ -32,6 +32,7 @@ from strop.serving.kvdecode import Batch, LlamaDecoder, unsupported_reason
 from strop.serving.request import SEED_RANGE, PendingRequest, PromptTooLongError, RequestError, TokenListener
 from strop.serving.sampling import sample
 from strop.serving.scheduler import BatchScheduler
+from strop.serving.speculative import Speculator
 from strop.serving.static_batch import decode_static
 from strop.types import Completion, SamplingParams
 
@@ -59,6 +60,7 @@ class EmbeddedEngine(BatchScheduler, WeightUpdates):
         fast_decode: bool = True,
         shared: bool = False,
         batch_invariant: bool = False,
+        speculative: int = 0,
     ):
         """``batch_wait_s``: before a batch starts, wait while requests keep arriving (each wait this
         long, at most 40) so requests sent together over a network form one batch.
@@ -68,7 +70,9 @@ class EmbeddedEngine(BatchScheduler, WeightUpdates):
         stays the trainer's (the fast decoder, which ``shared`` needs, reads the weights, never the
         mode), and an update that hands back these very tensors copies nothing.
         ``batch_invariant``: a request's tokens and logprobs are bitwise the same alone and in any
-        batch (seeded or greedy sampling; :mod:`strop.serving.invariant`), at a cost in throughput."""
+        batch (:mod:`strop.serving.invariant`), at a cost in throughput. ``speculative``: draft up to this many
+        tokens per row from the prompt's other responses and verify them in one forward pass
+        (:mod:`strop.serving.speculative`; exact, so it runs the batch-invariant kernels; 0: off)."""
         self.shared = shared
         self.model = model if shared else model.eval()
         self.pad_token_id = pad_token_id
@@ -111,13 +115,21 @@ class EmbeddedEngine(BatchScheduler, WeightUpdates):
         if shared and reason is not None:
             raise ValueError(f"an engine sharing the trainer's weights needs the fast decoder: {reason}")
         # batch invariance: the fast decoder's own mode; the fallback decodes each request alone
-        self.batch_invariant = batch_invariant
-        self._fast = LlamaDecoder(model, batch_invariant=batch_invariant) if reason is None else None
+        self.batch_invariant = batch_invariant or bool(speculative and reason is None)
+        self._fast = LlamaDecoder(model, batch_invariant=self.batch_invariant) if reason is None else None
+        self._spec = Speculator(speculative) if speculative and reason is None else None
         self.decode_path = (
             "kv-cache decoder (shared prefixes, continuous batching)"
             if reason is None
             else f"transformers forward with DynamicCache, static batches ({reason})"
         )
+        if speculative:
+            self.decode_path += (
+                f", speculative: up to {speculative} drafted tokens per row from the prompt's other responses, "
+                "verified exactly (batch-invariant kernels), where it measures faster"
+                if self._spec is not None
+                else ", no speculation (it needs the kv-cache decoder)"
+            )
         if shared:
             self.decode_path += ", from the trainer's own weights (engine.share_weights: no copy)"
 
@@ -310,6 +322,10 @@ class EmbeddedEngine(BatchScheduler, WeightUpdates):
     ) -> list[Completion]:
         """The fallback path's static batch (:func:`strop.serving.static_batch.decode_static`)."""
         return decode_static(self, prompts, samplings, request_ids, listeners)
+
+    def take_speculation_stats(self) -> dict[str, float]:
+        """Speculation's metrics since the last call (:meth:`Speculator.take_stats`; {} without it)."""
+        return self._spec.take_stats() if self._spec is not None else {}
 
     def _sample(self, logits, temperature, top_p, top_k, generators, top_n: int = 0):
         """:func:`strop.serving.sampling.sample` with the engine's generator for rows without their own."""

@@ -14,6 +14,7 @@ import torch
 from strop.openmp import release_threads
 from strop.serving.kvdecode import Batch, Row
 from strop.serving.request import PendingRequest
+from strop.serving.speculative import align
 from strop.types import Completion, SamplingParams
 
 log = logging.getLogger("strop.engine")
@@ -142,8 +143,15 @@ class BatchScheduler:
     def _advance(self, batch: Batch, prompts: list[list[int]], rows: list[Row]):
         """Admit ``rows``, then decode one step. Returns (rows that finished, [(row, error)] of rows
         that could not be admitted)."""
+        if self._spec is None:
+            finished, failed = self._admit(batch, prompts, rows)
+            return finished + batch.step(), failed
+        if rows:  # joining rows assume one write column (strop.serving.speculative)
+            align(batch)
+        for row, prompt in zip(rows, prompts):
+            self._spec.follow(row, prompt)
         finished, failed = self._admit(batch, prompts, rows)
-        return finished + batch.step(), failed
+        return finished + self._spec.round(batch), failed
 
     def _admit(self, batch: Batch, prompts: list[list[int]], rows: list[Row]):
         """``batch.admit``; when it fails for several rows, each is admitted alone so the error
@@ -232,11 +240,12 @@ class BatchScheduler:
         )  # (its tokens so far were handed over already)
 
     def _row(self, prompt_ids, sampling: SamplingParams, request_id=None, owner=None) -> Row:
-        generator = (
-            owner.generator
-            if owner is not None and owner.generator is not None
-            else (torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None)
-        )
+        generator = owner.generator if owner is not None else None
+        if generator is None:  # an unseeded row's own numbers, drawn from the engine's generator as it joins: its
+            # tokens never depend on which rows sample beside it (speculation samples them in other company)
+            seed = sampling.seed
+            seed = int(torch.randint(0, 2**62, (1,), generator=self.generator)) if seed is None else seed
+            generator = torch.Generator().manual_seed(seed)
         return Row(
             owner=owner,
             sampling=sampling,

@@ -1,0 +1,272 @@
+"""Lossless speculative decoding for the fast decoder (``engine.speculative``, ``strop serve --speculative``).
+
+Drafts come from rollout history, not from a draft model: a :class:`DraftIndex` per prompt holds the prompt,
+every response to it that is decoding now (a GRPO group's siblings) and the earlier responses to it (earlier
+rollouts of the same prompt), indexed by their n-grams; a row's draft is what followed the latest earlier
+occurrence of its last 4, 3 or 2 tokens (suffix matching, longest first).
+
+A round feeds each running row its next token and its draft, ``1 + k`` tokens, in one forward pass, then samples
+position by position: the token sampled after position ``j`` is the row's next token whatever the draft said, and
+the draft's token ``j + 1`` stands (its cache entry and logits are used) only when it equals that sample. The
+sampler draws one uniform number per token from the row's own generator, in the order of its tokens, as one
+token per step does; and every number of a round is computed as one token at a time computes it (each row's
+linear layers independent of the other rows, :func:`strop.serving.invariant.rows_linear`; each position's
+attention over exactly its own row's columns, as :func:`strop.serving.invariant.attend_rows` computes it). So a
+seeded or greedy request's tokens and logprobs are bitwise those of decoding without speculation
+(tests/test_speculative.py); drafts change only how many tokens a forward pass yields.
+
+Rows keep their own write column here (``batch.ends``): a row whose draft was cut short overwrites the rejected
+columns on its next round. :func:`align` brings them back to the one column :class:`strop.serving.kvdecode.Batch`
+assumes before rows join. Whether a round drafts at all is measured, not assumed (:class:`Speculator`): per size
+of the running batch, the seconds per token of rounds with and without drafts, and drafting only where it is
+cheaper (it pays when few rows run and a step is bound by reading the weights, and costs where many do).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+
+import torch
+import torch.nn.functional as F
+
+from strop.serving.invariant import packed_rows, rows_linear
+from strop.serving.kvdecode import Row, slots_for
+
+NGRAMS = (4, 3, 2)  # the suffix lengths a draft is matched on, longest first
+MAX_SOURCES = 64  # sequences one prompt's index holds; past it, the prompt and the latest half
+MAX_PROMPTS = 512  # prompts indexed at once (the least recently used one goes)
+EXPLORE = 16  # every this many rounds of a batch size, the mode measured slower runs once again
+
+
+class DraftIndex:
+    """One prompt's token sequences (the prompt, then responses, each a list read as it grows) by n-gram: each
+    n-gram's latest occurrence, the one before it and its first, as (sequence, position after it)."""
+
+    def __init__(self, prompt: list[int], responses: list[list[int]] = ()):
+        self.seqs = [list(prompt), *responses]
+        self.seen = [0] * len(self.seqs)  # tokens of each sequence indexed so far
+        self.latest: dict[tuple, tuple[int, int]] = {}
+        self.before: dict[tuple, tuple[int, int]] = {}
+        self.first: dict[tuple, tuple[int, int]] = {}
+
+    def follow(self, tokens: list[int]) -> None:
+        """Index ``tokens`` (a row's token list) as it grows."""
+        if len(self.seqs) >= MAX_SOURCES:
+            self.__init__(self.seqs[0], self.seqs[-MAX_SOURCES // 2 :])
+        self.seqs.append(tokens)
+        self.seen.append(0)
+
+    def _catch_up(self) -> None:
+        for s, seq in enumerate(self.seqs):
+            for end in range(self.seen[s] + 1, len(seq) + 1):
+                for n in NGRAMS:
+                    if end >= n:
+                        key = tuple(seq[end - n : end])
+                        if key in self.latest:
+                            self.before[key] = self.latest[key]
+                        self.latest[key] = self.first.setdefault(key, (s, end)) and (s, end)
+            self.seen[s] = len(seq)
+
+    def draft(self, tokens: list[int], k: int) -> list[int]:
+        """Up to ``k`` tokens to follow the prompt and ``tokens`` (a followed row's list): what followed its
+        longest matching suffix elsewhere (the latest occurrence with the most tokens after it); [] when none."""
+        if k <= 0:
+            return []
+        self._catch_up()
+        context = tokens[-NGRAMS[0] :] if len(tokens) >= NGRAMS[0] else (self.seqs[0] + tokens)[-NGRAMS[0] :]
+        for n in NGRAMS:
+            key = tuple(context[-n:])
+            best: list[int] = []
+            for hit in (self.latest.get(key), self.before.get(key), self.first.get(key)):
+                if hit is not None:  # (a row's own end, or a sibling's at the same place, has nothing after it)
+                    out = self.seqs[hit[0]][hit[1] : hit[1] + k]
+                    best = out if len(out) > len(best) else best
+            if best:
+                return best
+        return []
+
+
+class Speculator:
+    """The engine's speculation: the draft indexes (by prompt), the per-batch-size choice of drafting or not, and
+    the counters the rollout's metrics read (:meth:`take_stats`)."""
+
+    def __init__(self, k: int):
+        self.k = k
+        self.indexes: OrderedDict[tuple, DraftIndex] = OrderedDict()
+        self.cost: dict[int, list] = {}  # batch size bucket -> [seconds per token without, with drafts]
+        self.rounds: dict[int, int] = {}
+        self.stats = dict.fromkeys(("row_forwards", "tokens", "drafted", "accepted", "draft_rounds", "rounds"), 0)
+
+    def follow(self, row: Row, prompt: list[int]) -> None:
+        """Draft for ``row`` from its prompt's index, and add its tokens to it."""
+        key = tuple(prompt)
+        index = self.indexes.pop(key, None) or DraftIndex(prompt)
+        self.indexes[key] = index
+        if len(self.indexes) > MAX_PROMPTS:
+            self.indexes.popitem(last=False)
+        index.follow(row.token_ids)
+        row.drafts = index
+
+    def _choose(self, bucket: int) -> bool:
+        cost = self.cost.setdefault(bucket, [None, None])
+        n = self.rounds[bucket] = self.rounds.get(bucket, 0) + 1
+        if cost[1] is None or cost[0] is None:
+            return cost[1] is None
+        better = cost[1] < cost[0]
+        return better != (n % EXPLORE == 0)
+
+    def round(self, batch) -> list[Row]:
+        """One round of ``batch``; returns the rows that finished."""
+        live = [i for i, r in enumerate(batch.rows) if r.finish is None]
+        if not live:
+            return []
+        bucket = slots_for(len(live))
+        drafting = self._choose(bucket)
+        t = time.perf_counter()
+        finished, made, drafted, accepted = verify(batch, self.k if drafting else 0)
+        seconds = (time.perf_counter() - t) / max(made, 1)
+        cost = self.cost.setdefault(bucket, [None, None])
+        cost[drafting] = seconds if cost[drafting] is None else 0.7 * cost[drafting] + 0.3 * seconds
+        s = self.stats
+        s["rounds"] += 1
+        s["row_forwards"] += len(live)
+        s["tokens"] += made
+        if drafted:
+            s["draft_rounds"] += 1
+            s["drafted"] += drafted
+            s["accepted"] += accepted
+        return finished
+
+    def take_stats(self) -> dict[str, float]:
+        """The metrics since the last call: ``spec_acceptance_rate`` (draft tokens that stood),
+        ``spec_tokens_per_forward`` (tokens a row got per forward pass; 1 without drafts) and
+        ``spec_draft_rounds_fraction`` (rounds that drafted); the counters start again."""
+        s, self.stats = self.stats, dict.fromkeys(self.stats, 0)
+        if not s["rounds"]:
+            return {}
+        return {
+            "spec_acceptance_rate": s["accepted"] / max(s["drafted"], 1),
+            "spec_tokens_per_forward": s["tokens"] / max(s["row_forwards"], 1),
+            "spec_draft_rounds_fraction": s["draft_rounds"] / s["rounds"],
+        }
+
+
+def align(batch) -> None:
+    """Every running row's cache ending at one column again, as :class:`Batch` lays rows out (a row that fell
+    behind is moved right, its start with it)."""
+    ends = batch.ends
+    if ends is None:
+        return
+    live = [i for i, r in enumerate(batch.rows) if r.finish is None]
+    col = max((int(ends[i]) for i in live), default=batch.col)
+    for i in live:
+        end, start = int(ends[i]), int(batch.start[i])
+        if end < col:
+            for cache in (batch.keys, batch.values):
+                cache[:, i, :, start + col - end : col] = cache[:, i, :, start:end].clone()
+            batch.start[i] = start + col - end
+    batch.col, batch.ends = col, None
+
+
+def _room(batch, live: list[int], width: int) -> list[int]:
+    """Columns for ``width`` more tokens in every running row; returns the running rows' slots (a relayout moves
+    them)."""
+    if batch.ends is not None and max(int(batch.ends[i]) for i in live) + width <= batch.keys.shape[3]:
+        return live
+    align(batch)
+    if batch.col + width > batch.keys.shape[3]:
+        lo = int(batch.start[live].min())
+        left = max(r.budget - len(r.token_ids) for r in (batch.rows[i] for i in live))
+        batch._relayout(live, slots_for(len(live)), 0, batch.col - lo + left + width + 1)
+        live = list(range(len(live)))
+    batch.ends = torch.full((len(batch.rows),), batch.col, dtype=torch.long)
+    return live
+
+
+def verify(batch, k: int) -> tuple[list[Row], int, int, int]:
+    """Feed every running row its next token and up to ``k`` drafted ones; keep each drafted token that equals the
+    token sampled before it. Returns (finished rows, tokens made, tokens drafted, drafted tokens kept)."""
+    live = [i for i, r in enumerate(batch.rows) if r.finish is None]
+    drafts = [_draft(batch.rows[i], k) for i in live]
+    width = 1 + max(len(d) for d in drafts)
+    live = _room(batch, live, width)
+    rows = [batch.rows[i] for i in live]
+    slots = torch.tensor(live)
+    tokens = torch.tensor([[int(batch.next_tokens[i]), *d, *[0] * (width - 1 - len(d))] for i, d in zip(live, drafts)])
+    steps = torch.arange(width)
+    logits = forward(
+        batch.dec,
+        tokens,
+        batch.positions[slots].unsqueeze(1) + steps,
+        batch.keys,
+        batch.values,
+        slots,
+        batch.ends[slots].unsqueeze(1) + steps,
+        batch.start[slots].tolist(),
+    )
+    finished, fed, active = [], [0] * len(rows), list(range(len(rows)))
+    for j in range(width):
+        toks, lps = batch.sample(logits[torch.tensor(active), j].float(), [rows[a] for a in active])
+        finished += batch._record([rows[a] for a in active], toks.tolist(), lps.tolist())
+        for a, tok in zip(active, toks.tolist()):
+            fed[a] = j + 1
+            batch.next_tokens[live[a]] = tok
+        active = [a for a, tok in zip(active, toks.tolist()) if rows[a].finish is None and drafts[a][j : j + 1] == [tok]]
+        if not active:
+            break
+    fed_t = torch.tensor(fed)
+    batch.positions[slots] += fed_t
+    batch.ends[slots] += fed_t
+    batch.col = int(batch.ends[slots].max())
+    drafted = sum(len(d) for d in drafts)
+    return finished, sum(fed), drafted, sum(fed) - len(rows)
+
+
+def _draft(row: Row, k: int) -> list[int]:
+    index = getattr(row, "drafts", None)
+    return index.draft(row.token_ids, min(k, row.budget - len(row.token_ids) - 1)) if index is not None else []
+
+
+@torch.no_grad()
+def forward(dec, tokens, positions, keys, values, slots, cols, starts: list[int]) -> torch.Tensor:
+    """``tokens`` (L, J) of the rows in cache ``slots`` (L,) at ``positions`` and cache columns ``cols`` (L, J)
+    through ``dec`` (a batch-invariant :class:`strop.serving.kvdecode.LlamaDecoder`); row ``l``'s token ``j``
+    attends the columns ``starts[l] .. cols[l, j]``. Returns the logits (L, J, V), each computed as one decode
+    step computes it."""
+    L, J = tokens.shape
+    dec._sync(packed_rows(slots_for(L * J)))
+    x = dec.backbone.embed_tokens(tokens.reshape(-1))  # (L J, hidden)
+    cos, sin = dec.backbone.rotary_emb(x, positions.reshape(-1, 1))  # (L J, 1, D): broadcasts over heads
+    where = (slots.repeat_interleave(J), cols.reshape(-1))
+    ends = cols[:, 0].tolist()
+    groups = _runs(slots.tolist(), starts, ends)
+    for i, (ln1, qkv, o_proj, ln2, gate_up, down, act) in enumerate(dec.layers):
+        q, k, v = dec._split_rope(rows_linear(qkv, dec._norm(ln1, x)), cos, sin, dec.qk_norms[i])
+        keys[i][where[0], :, where[1]] = k
+        values[i][where[0], :, where[1]] = v
+        q = q.reshape(L, J, dec.n_kv, dec.group, dec.head_dim)
+        o = torch.empty_like(q)
+        for a, b, s0, s, e in groups:  # rows a..b-1 (cache slots s0..): the same start and end
+            for j in range(J):
+                o[a:b, j] = F.scaled_dot_product_attention(
+                    q[a:b, j], keys[i, s0 : s0 + b - a, :, s : e + j + 1], values[i, s0 : s0 + b - a, :, s : e + j + 1],
+                    scale=dec.scale,
+                )
+        x = x + rows_linear(o_proj, o.reshape(L * J, -1))
+        g, u = rows_linear(gate_up, dec._norm(ln2, x)).chunk(2, dim=-1)
+        x = x + rows_linear(down, act(g).mul_(u))
+    return rows_linear(dec.head, dec._norm(dec.backbone.norm, x)).view(L, J, -1)
+
+
+def _runs(slots: list[int], starts: list[int], ends: list[int]) -> list[tuple[int, int, int, int, int]]:
+    """Runs of rows in adjacent cache slots with the same start and end column: (first row, row after the last,
+    first slot, start, end)."""
+    out, a = [], 0
+    while a < len(slots):
+        b = a + 1
+        while b < len(slots) and slots[b] == slots[b - 1] + 1 and (starts[b], ends[b]) == (starts[a], ends[a]):
+            b += 1
+        out.append((a, b, slots[a], starts[a], ends[a]))
+        a = b
+    return out
