@@ -42,3 +42,27 @@ def why_not_shared(cfg, world: int = 1) -> str | None:
     if world > 1:
         return f"{world} processes split or replicate the trainer's weights; the engine on rank 0 needs them whole"
     return None
+
+
+def why_no_speculation(cfg) -> str:
+    """Why engine.speculative cannot run with ``cfg`` ('' when it can): it is strop's own decoder's, and exact
+    only on the batch-invariant kernels, which are fast in fp32 only."""
+    e = cfg.engine
+    if e.kind in ("vllm", "sglang"):
+        return (
+            f"engine.kind={e.kind!r} servers speculate their own way: pass their flags in engine.launch_args "
+            "(vLLM --speculative-config, SGLang --speculative-algorithm) and leave engine.speculative at 0"
+        )
+    if e.kind == "strop" and not e.launch:
+        return (
+            "servers at engine.urls keep the flags they were started with: start them with strop serve --speculative N"
+        )
+    if not e.fast_decode:
+        return "engine.fast_decode=false decodes with the model's own forward, which has no draft verification"
+    dtype = cfg.model.dtype if e.dtype == "auto" else e.dtype
+    if dtype != "float32":
+        return (
+            f"it decodes on the batch-invariant kernels, which in {dtype} compute one row at a time (slower than "
+            "decoding without drafts): use float32 weights for the engine"
+        )
+    return ""

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from strop.algo.config import GROUP_ESTIMATORS, OFF_POLICY_CORRECTIONS
-from strop.rule_reasons import LORA_NOT_SPLIT, why_not_shared
+from strop.rule_reasons import LORA_NOT_SPLIT, why_no_speculation, why_not_shared
 
 
 @dataclass(frozen=True)
@@ -406,6 +406,11 @@ RULES: tuple[Rule, ...] = (
             f"algo.ref_mode='swap' cannot swap into weights split by parallel.tensor_parallel_size="
             f"{c.parallel.tensor_parallel_size}; use ref_mode='copy'"
         ),
+    ),
+    Rule(
+        "speculation needs strop's own fp32 decoder",
+        lambda c: bool(c.engine.speculative and why_no_speculation(c)),
+        lambda c: f"engine.speculative={c.engine.speculative}: {why_no_speculation(c)}",
     ),
     Rule(
         "resumed samples need the default generate",

@@ -360,9 +360,7 @@ def _controller_parts(
             f"rollout.max_new_tokens={max_new} leaves no room in the {context_window}-token context window"
         )
     train_prompts, eval_prompts = _prompt_sets(cfg, p, max_prompt)
-    stop_ids = sorted(
-        {tokenizer.eos_token_id, *([tokenizer.pad_token_id] if tokenizer.pad_token_id is not None else [])} - {None}
-    )
+    stop_ids = sorted({tokenizer.eos_token_id, tokenizer.pad_token_id} - {None})
     run_dir = make_run_dir(cfg, create=False, resume=resume)
     engine, servers, weight_sync = _engine(cfg, p, run_dir, train_prompts, context_window, stop_ids, device)
     sampling = SamplingParams(
@@ -430,8 +428,8 @@ def _engine(
 ) -> tuple:
     """The run's engine, the servers it launched and the embedded engine's weight transport (None for a router,
     whose transport is its own)."""
-    r = cfg.rollout
-    if cfg.engine.kind == "embedded":
+    r, e = cfg.rollout, cfg.engine
+    if e.kind == "embedded":
         engine = EmbeddedEngine(
             p.engine_model,
             pad_token_id=p.tokenizer.pad_token_id,
@@ -439,9 +437,10 @@ def _engine(
             max_batch_size=r.max_batch_size,
             context_window=context_window,
             seed=r.seed,
-            fast_decode=cfg.engine.fast_decode,
+            fast_decode=e.fast_decode,
             shared=p.engine_model is p.policy,
             batch_invariant=r.exact_logprobs,  # a sample's tokens do not depend on the batch it ran in
+            speculative=e.speculative,
         )
         weight_sync = choose_sync(cfg, [engine], run_dir, [], device)
         weight_sync.connect(engine)

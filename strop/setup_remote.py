@@ -21,7 +21,7 @@ def remote_engine(cfg: Config, model_path: str, run_dir: Path, probe_ids: list[i
     stopped again if anything after their start fails."""
     import secrets
 
-    from strop.engines.launch import launch_servers, model_flags
+    from strop.engines.launch import engine_flags, launch_servers, model_flags
 
     e = cfg.engine
     if e.launch and "STROP_ENGINE_URLS" in os.environ:  # the Ray launcher's engine actors (strop.cluster), not ours
@@ -34,7 +34,7 @@ def remote_engine(cfg: Config, model_path: str, run_dir: Path, probe_ids: list[i
         launch_servers(
             e.launch,
             model_path,
-            args=[*model_flags("strop", cfg.model), *e.launch_args, f"--weights-dir={weights_dir}"],
+            args=[*model_flags("strop", cfg.model), *engine_flags(e), *e.launch_args, f"--weights-dir={weights_dir}"],
             token=token,
         )
         if e.launch

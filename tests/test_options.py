@@ -108,6 +108,7 @@ OPTIONS = [
     ("engine.launch_env", "dict[str, str]", {}),
     ("engine.retries", "int", 2),
     ("engine.share_weights", "bool | None", None),
+    ("engine.speculative", "int", 0),
     ("engine.sync", "Literal['auto', 'disk', 'delta', 'broadcast', 'adapter']", "auto"),
     ("engine.sync_backend", "Literal['auto', 'gloo', 'nccl']", "auto"),
     ("engine.sync_bucket_bytes", "int", 67108864),

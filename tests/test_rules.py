@@ -101,6 +101,10 @@ CASES = {
         {"train": {"activation_checkpointing": True}, "parallel": {"context_parallel_size": 2}},
         "a recompute in backward would run outside it",
     ),
+    "speculation needs strop's own fp32 decoder": (
+        {"engine": {"speculative": 4, "dtype": "bfloat16"}},
+        "in bfloat16 compute one row at a time",
+    ),
     "shared prefix needs a masked row": (
         {"train": {"shared_prefix": True}, "parallel": {"context_parallel_size": 2}},
         "has no place for a prefix shared by several samples",

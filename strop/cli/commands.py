@@ -214,6 +214,15 @@ def _serve_args(parser) -> None:
         "greedy sampling), at a cost in throughput (docs/engine.md)",
     )
 
+    parser.add_argument(
+        "--speculative",
+        type=int,
+        default=0,
+        metavar="N",
+        help="draft up to N tokens per row from the prompt and its other responses and verify them in one "
+        "forward pass; exact, on the batch-invariant kernels (docs/engine.md; 0: off)",
+    )
+
 
 def _serve(args) -> int:
     quiet_libraries()
@@ -238,6 +247,7 @@ def _serve(args) -> int:
             batch_wait_ms=args.batch_wait_ms,
             fast_decode=args.fast_decode,
             batch_invariant=args.batch_invariant,
+            speculative=args.speculative,
             model_options=_model_options(args),
             weight_transfer=args.weight_transfer_backend,
             weight_version=args.weight_version,

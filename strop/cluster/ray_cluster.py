@@ -29,7 +29,7 @@ from typing import Callable
 
 from strop.cluster.placement import Node, Plan, PlacementError, plan_placement
 from strop.cluster.ray_actors import ClusterError, EngineServer, TrainerRank, free_port_here
-from strop.engines.launch import LocalServer, adapter_slots, model_flags, sglang_lora_args, vllm_lora_args
+from strop.engines.launch import LocalServer, adapter_slots, engine_flags, model_flags, sglang_lora_args, vllm_lora_args
 from strop.config import secret_fields
 from strop.models import resolve_model_path
 from strop.process import free_port
@@ -307,7 +307,7 @@ def engine_args(cfg, run_dir: str) -> tuple[list[str], dict[str, str]]:
     run's adapter settings for vLLM and SGLang (they load each version's adapter), strop serve's weights folder,
     then the user's engine.launch_args and engine.launch_env."""
     e = cfg.engine
-    args, env = [*model_flags(e.kind, cfg.model), *e.launch_args], dict(e.launch_env)
+    args, env = [*model_flags(e.kind, cfg.model), *engine_flags(e), *e.launch_args], dict(e.launch_env)
     lora, slots = cfg.model.lora_rank and e.sync in ("auto", "adapter"), adapter_slots(cfg.rollout)
     if lora and e.kind == "vllm":
         lora_args, lora_env = vllm_lora_args(cfg.model.lora_rank, slots)

@@ -61,6 +61,15 @@ class EngineConfig(Section):
         "strop's KV-cache decoder (shared prompt prefixes, continuous batching); false uses "
         "transformers' forward with static batches",
     )
+    speculative: int = Field(
+        0,
+        ge=0,
+        le=16,
+        description="embedded engine and launched strop serve: draft up to this many tokens per row from the "
+        "rollout's history (the prompt, the group's other responses, earlier responses to the prompt) and verify "
+        "them in one forward pass; exact (tokens and logprobs bitwise those without it, so it decodes with the "
+        "batch-invariant kernels) and used only at batch sizes where it measures faster (docs/engine.md). 0: off",
+    )
     share_weights: bool | None = Field(
         None,
         description="embedded engine, rollout.mode=sync, one process: decode from the trainer's own parameters "

@@ -176,6 +176,11 @@ def model_flags(kind: str, model) -> list[str]:
     return flags
 
 
+def engine_flags(engine) -> list[str]:
+    """The ``engine`` section's own settings as launched strop serve flags (engine.speculative)."""
+    return ["--speculative", str(engine.speculative)] if engine.kind == "strop" and engine.speculative else []
+
+
 def adapter_slots(rollout) -> int:
     """How many LoRA adapter versions an engine may be serving at once in a run of ``rollout`` (its section): the
     newest, those rollouts still in flight started with (one behind in ``one_step_off``, up to

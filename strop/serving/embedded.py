@@ -32,7 +32,7 @@ from strop.serving.kvdecode import Batch, LlamaDecoder, unsupported_reason
 from strop.serving.request import SEED_RANGE, PendingRequest, PromptTooLongError, RequestError, TokenListener
 from strop.serving.sampling import sample
 from strop.serving.scheduler import BatchScheduler
-from strop.serving.speculative import Speculator
+from strop.serving.speculative import Speculator, describe_speculation
 from strop.serving.static_batch import decode_static
 from strop.types import Completion, SamplingParams
 
@@ -123,13 +123,7 @@ class EmbeddedEngine(BatchScheduler, WeightUpdates):
             if reason is None
             else f"transformers forward with DynamicCache, static batches ({reason})"
         )
-        if speculative:
-            self.decode_path += (
-                f", speculative: up to {speculative} drafted tokens per row from the prompt's other responses, "
-                "verified exactly (batch-invariant kernels), where it measures faster"
-                if self._spec is not None
-                else ", no speculation (it needs the kv-cache decoder)"
-            )
+        self.decode_path += describe_speculation(speculative, self._spec is not None)
         if shared:
             self.decode_path += ", from the trainer's own weights (engine.share_weights: no copy)"
 

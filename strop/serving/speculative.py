@@ -152,6 +152,18 @@ class Speculator:
         }
 
 
+def describe_speculation(k: int, running: bool) -> str:
+    """The engine's start line's words on speculation (``running``: the fast decoder runs it)."""
+    if not k:
+        return ""
+    if not running:
+        return ", no speculation (it needs the kv-cache decoder)"
+    return (
+        f", speculative: up to {k} drafted tokens per row from the prompt's other responses, verified exactly "
+        "(batch-invariant kernels), at the batch sizes where it measures faster"
+    )
+
+
 def align(batch) -> None:
     """Every running row's cache ending at one column again, as :class:`Batch` lays rows out (a row that fell
     behind is moved right, its start with it)."""
@@ -212,7 +224,9 @@ def verify(batch, k: int) -> tuple[list[Row], int, int, int]:
         for a, tok in zip(active, toks.tolist()):
             fed[a] = j + 1
             batch.next_tokens[live[a]] = tok
-        active = [a for a, tok in zip(active, toks.tolist()) if rows[a].finish is None and drafts[a][j : j + 1] == [tok]]
+        active = [
+            a for a, tok in zip(active, toks.tolist()) if rows[a].finish is None and drafts[a][j : j + 1] == [tok]
+        ]
         if not active:
             break
     fed_t = torch.tensor(fed)
@@ -250,7 +264,9 @@ def forward(dec, tokens, positions, keys, values, slots, cols, starts: list[int]
         for a, b, s0, s, e in groups:  # rows a..b-1 (cache slots s0..): the same start and end
             for j in range(J):
                 o[a:b, j] = F.scaled_dot_product_attention(
-                    q[a:b, j], keys[i, s0 : s0 + b - a, :, s : e + j + 1], values[i, s0 : s0 + b - a, :, s : e + j + 1],
+                    q[a:b, j],
+                    keys[i, s0 : s0 + b - a, :, s : e + j + 1],
+                    values[i, s0 : s0 + b - a, :, s : e + j + 1],
                     scale=dec.scale,
                 )
         x = x + rows_linear(o_proj, o.reshape(L * J, -1))
