@@ -140,13 +140,17 @@ def test_drafts_are_cut_to_the_rows_budget(llama):
     assert [c.token_ids for c in out] == [c.token_ids for c in run(engine(llama, batch_invariant=True), reqs)]
 
 
-def test_drafting_is_switched_off_where_it_measures_slower(monkeypatch):
+def test_drafting_is_switched_off_where_it_measures_slower():
     spec = Speculator(4)
-    spec.cost[4] = [0.01, 0.02]  # measured: drafts cost more per token at this batch size
+    assert spec._choose(4)  # unmeasured: drafts first
+    spec.cost[4] = [0.01, 0.03]  # a drafting round costs 3 plain ones here
+    spec.yield_ = 2.5  # and yields 2.5 tokens a row
     picks = [spec._choose(4) for _ in range(32)]
     assert picks.count(True) == 2  # only the rounds that measure it again
-    spec.cost[4] = [0.02, 0.01]
+    spec.yield_ = 3.5
     assert [spec._choose(4) for _ in range(15)].count(True) >= 14
+    assert not Speculator(4)._choose(64) and Speculator(4).width(32) == 1 and Speculator(4).width(8) == 4
+    assert Speculator(16).width(4) == 15  # (a drafting round computes at most DRAFT_ROWS rows)
 
 
 def test_verify_without_drafts_is_one_token_per_row(llama):

@@ -86,6 +86,14 @@ class Stoppable(Protocol):
 
 
 @runtime_checkable
+class Speculating(Protocol):
+    """Drafts tokens and verifies them (the embedded engine with engine.speculative): its metrics since the last
+    call (spec_acceptance_rate, spec_tokens_per_forward, spec_draft_rounds_fraction; {} when it decoded nothing)."""
+
+    def take_speculation_stats(self) -> dict[str, float]: ...
+
+
+@runtime_checkable
 class AdapterLoader(Protocol):
     """Loads the LoRA adapter folder ``path`` (strop.wire.lora.peft_files) as weight ``version`` and returns the
     version it then reports: strop serve merges it into the weights it decodes and its checksum of what it merged

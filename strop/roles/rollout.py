@@ -12,6 +12,7 @@ import logging
 import time
 from pathlib import Path
 
+from strop.engines.base import Speculating
 from strop.observe.metrics import rollout_metrics
 from strop.observe.tracking import sample_rows
 from strop.plugins import call_hook_sync
@@ -93,6 +94,8 @@ class Rollout:
             with open(d.run_dir / "staleness.jsonl", "a") as f:
                 f.write(json.dumps({"step": step, "tokens_by_staleness": histogram}) + "\n")
         metrics = rollout_metrics(groups, time.perf_counter() - d.t_step, self.cfg.eval.accuracy_threshold) | managed
+        if isinstance(self.c.engine, Speculating):  # drafted tokens: how many stood, tokens per forward pass
+            metrics |= self.c.engine.take_speculation_stats()
         samples = [s for g in groups for s in g if s.status.trainable]  # aborted / failed never train
         d.log.samples(sample_rows(groups, self.c.tokenizer, self.cfg.run.log_samples, step), step)
         if self.samples_out is not None:

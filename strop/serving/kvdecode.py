@@ -132,7 +132,7 @@ class LlamaDecoder:
         the memory is free while the trainer works."""
         for lin in self.linears:
             lin.weight = lin.bias = lin.packed = None
-            lin.packed_rows = 0
+            lin.packed_rows, lin.packs = 0, {}
         self._seen = None
         return_freed_memory()
 
@@ -141,7 +141,7 @@ class LlamaDecoder:
         does not bump their version counters, so weight loaders call this)."""
         self._seen = None
 
-    def _sync(self, rows: int | None = None) -> None:
+    def _sync(self, rows: int | None = None, keep: bool = False) -> None:
         sig = self._signature()
         if sig != self._seen:
             for lin in self.linears:
@@ -149,7 +149,7 @@ class LlamaDecoder:
             self._seen = sig
         if rows is not None and self.prepack:
             for lin in self.linears:
-                lin.pack(rows)
+                lin.pack(rows, keep)
 
     @staticmethod
     def _norm(module, x):

@@ -18,7 +18,7 @@ class PackedLinear:
     def __init__(self, modules):
         self.modules = modules
         self.weight = self.bias = self.packed = None
-        self.packed_rows = 0
+        self.packed_rows, self.packs = 0, {}
 
     def refresh(self) -> None:
         ws = [m.weight.detach() for m in self.modules]
@@ -36,15 +36,19 @@ class PackedLinear:
                 ]
             )
         )
-        self.packed, self.packed_rows = None, 0
+        self.packed, self.packed_rows, self.packs = None, 0, {}
 
-    def pack(self, rows: int) -> None:
+    def pack(self, rows: int, keep: bool = False) -> None:
+        """Use the weight packed for ``rows`` rows; ``keep``: keep the packing it replaces too, for the next
+        switch back (speculation's rounds alternate between a plain step's rows and a drafting one's)."""
         if self.packed_rows != rows:
-            if self.weight.dtype == torch.float32:
-                self.packed = torch.ops.mkl._mkl_reorder_linear_weight(self.weight, rows)
-            else:  # bf16: oneDNN's layout; the packed weight serves any row count (``rows`` is a hint)
-                self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, rows)
-            self.packed_rows = rows
+            packed = self.packs.pop(rows, None)
+            if packed is None and self.weight.dtype == torch.float32:
+                packed = torch.ops.mkl._mkl_reorder_linear_weight(self.weight, rows)
+            elif packed is None:  # bf16: oneDNN's layout; the packed weight serves any row count (``rows`` is a hint)
+                packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, rows)
+            self.packs = {self.packed_rows: self.packed} if keep and self.packed is not None else {}
+            self.packed, self.packed_rows = packed, rows
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and x.dim() == 2:

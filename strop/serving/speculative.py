@@ -37,6 +37,10 @@ NGRAMS = (4, 3, 2)  # the suffix lengths a draft is matched on, longest first
 MAX_SOURCES = 64  # sequences one prompt's index holds; past it, the prompt and the latest half
 MAX_PROMPTS = 512  # prompts indexed at once (the least recently used one goes)
 EXPLORE = 16  # every this many rounds of a batch size, the mode measured slower runs once again
+# the most rows a drafting round's linear layers compute: up to about this many, a CPU step costs what reading the
+# weights costs (SmolLM2-135M fp32 on 2 cores: 8 rows 65 ms, 64 rows 74 ms, 320 rows ~5x); past it, drafts
+# multiply the work and are not tried (bench/speculative.py)
+DRAFT_ROWS = 64
 
 
 class DraftIndex:
@@ -94,7 +98,8 @@ class Speculator:
     def __init__(self, k: int):
         self.k = k
         self.indexes: OrderedDict[tuple, DraftIndex] = OrderedDict()
-        self.cost: dict[int, list] = {}  # batch size bucket -> [seconds per token without, with drafts]
+        self.cost: dict[int, list] = {}  # batch size bucket -> [least seconds of a round without, with drafts]
+        self.yield_ = float(k + 1)  # tokens a row gets per drafting round, lately (optimistic until measured)
         self.rounds: dict[int, int] = {}
         self.stats = dict.fromkeys(("row_forwards", "tokens", "drafted", "accepted", "draft_rounds", "rounds"), 0)
 
@@ -108,13 +113,22 @@ class Speculator:
         index.follow(row.token_ids)
         row.drafts = index
 
+    def width(self, bucket: int) -> int:
+        """Drafted tokens per row at this batch size: ``k``, or fewer where ``k`` would pass ``DRAFT_ROWS``."""
+        return max(0, min(self.k, DRAFT_ROWS // bucket - 1))
+
     def _choose(self, bucket: int) -> bool:
-        cost = self.cost.setdefault(bucket, [None, None])
+        """Draft at this batch size? When a row's recent tokens per drafting round pay for what a drafting round
+        costs here against a plain one. A round's cost is the least measured (a round that repacked the weights
+        or relaid the cache is not its price); each mode is measured first, and the one not chosen again every
+        ``EXPLORE`` rounds. Never where a drafting round's rows pass ``DRAFT_ROWS`` with even one drafted token."""
+        if not self.width(bucket):
+            return False
+        plain, draft = self.cost.setdefault(bucket, [None, None])
         n = self.rounds[bucket] = self.rounds.get(bucket, 0) + 1
-        if cost[1] is None or cost[0] is None:
-            return cost[1] is None
-        better = cost[1] < cost[0]
-        return better != (n % EXPLORE == 0)
+        if plain is None or draft is None:
+            return draft is None
+        return (self.yield_ * plain > draft) != (n % EXPLORE == 0)
 
     def round(self, batch) -> list[Row]:
         """One round of ``batch``; returns the rows that finished."""
@@ -124,10 +138,13 @@ class Speculator:
         bucket = slots_for(len(live))
         drafting = self._choose(bucket)
         t = time.perf_counter()
-        finished, made, drafted, accepted = verify(batch, self.k if drafting else 0)
-        seconds = (time.perf_counter() - t) / max(made, 1)
+        finished, made, drafted, accepted = verify(batch, self.width(bucket) if drafting else 0)
+        seconds = time.perf_counter() - t
         cost = self.cost.setdefault(bucket, [None, None])
-        cost[drafting] = seconds if cost[drafting] is None else 0.7 * cost[drafting] + 0.3 * seconds
+        mode = drafting and drafted > 0
+        cost[mode] = seconds if cost[mode] is None else min(cost[mode], seconds)
+        if mode:
+            self.yield_ = 0.7 * self.yield_ + 0.3 * made / len(live)
         s = self.stats
         s["rounds"] += 1
         s["row_forwards"] += len(live)
@@ -182,15 +199,18 @@ def align(batch) -> None:
 
 
 def _room(batch, live: list[int], width: int) -> list[int]:
-    """Columns for ``width`` more tokens in every running row; returns the running rows' slots (a relayout moves
-    them)."""
-    if batch.ends is not None and max(int(batch.ends[i]) for i in live) + width <= batch.keys.shape[3]:
+    """Columns for ``width`` more tokens in every running row, and no more cache slots than the running rows'
+    bucket (:func:`slots_for`; a step's linear layers compute that many rows); returns the running rows' slots (a
+    relayout moves them)."""
+    slots = slots_for(len(live))
+    ends = batch.ends
+    if ends is not None and int(ends[live].max()) + width <= batch.keys.shape[3] and len(batch.rows) <= slots:
         return live
     align(batch)
-    if batch.col + width > batch.keys.shape[3]:
+    if batch.col + width > batch.keys.shape[3] or len(batch.rows) > slots:
         lo = int(batch.start[live].min())
         left = max(r.budget - len(r.token_ids) for r in (batch.rows[i] for i in live))
-        batch._relayout(live, slots_for(len(live)), 0, batch.col - lo + left + width + 1)
+        batch._relayout(live, slots, 0, max(batch.col - lo + left + width + 1, batch.keys.shape[3]))
         live = list(range(len(live)))
     batch.ends = torch.full((len(batch.rows),), batch.col, dtype=torch.long)
     return live
@@ -201,7 +221,7 @@ def verify(batch, k: int) -> tuple[list[Row], int, int, int]:
     token sampled before it. Returns (finished rows, tokens made, tokens drafted, drafted tokens kept)."""
     live = [i for i, r in enumerate(batch.rows) if r.finish is None]
     drafts = [_draft(batch.rows[i], k) for i in live]
-    width = 1 + max(len(d) for d in drafts)
+    width = 1 + k if any(drafts) else 1  # (one width for every drafting round: its linear layers' row count)
     live = _room(batch, live, width)
     rows = [batch.rows[i] for i in live]
     slots = torch.tensor(live)
@@ -216,6 +236,7 @@ def verify(batch, k: int) -> tuple[list[Row], int, int, int]:
         slots,
         batch.ends[slots].unsqueeze(1) + steps,
         batch.start[slots].tolist(),
+        packed_rows(DRAFT_ROWS if width > 1 else len(batch.rows)),  # one packing for every drafting round
     )
     finished, fed, active = [], [0] * len(rows), list(range(len(rows)))
     for j in range(width):
@@ -243,13 +264,14 @@ def _draft(row: Row, k: int) -> list[int]:
 
 
 @torch.no_grad()
-def forward(dec, tokens, positions, keys, values, slots, cols, starts: list[int]) -> torch.Tensor:
+def forward(dec, tokens, positions, keys, values, slots, cols, starts: list[int], rows: int) -> torch.Tensor:
     """``tokens`` (L, J) of the rows in cache ``slots`` (L,) at ``positions`` and cache columns ``cols`` (L, J)
     through ``dec`` (a batch-invariant :class:`strop.serving.kvdecode.LlamaDecoder`); row ``l``'s token ``j``
-    attends the columns ``starts[l] .. cols[l, j]``. Returns the logits (L, J, V), each computed as one decode
-    step computes it."""
+    attends the columns ``starts[l] .. cols[l, j]``; the linear layers compute ``rows`` rows per call (the weights
+    stay packed for the batch's size as the draft length changes). Returns the logits (L, J, V), each computed as
+    one decode step computes it."""
     L, J = tokens.shape
-    dec._sync(packed_rows(slots_for(L * J)))
+    dec._sync(rows, keep=True)
     x = dec.backbone.embed_tokens(tokens.reshape(-1))  # (L J, hidden)
     cos, sin = dec.backbone.rotary_emb(x, positions.reshape(-1, 1))  # (L J, 1, D): broadcasts over heads
     where = (slots.repeat_interleave(J), cols.reshape(-1))
