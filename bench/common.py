@@ -79,3 +79,17 @@ def timed(fn, seconds: list[float]):
             seconds.append(time.perf_counter() - start)
 
     return wrapper
+
+
+def off_on_runs(prefix: str, rounds: int, flags_on: list[str], flags_off: list[str], extra: list[str]):
+    """``strop train`` off and on, alternating, ``rounds`` rounds, each in a run folder of its own: yields
+    (round, 'off' or 'on', wall seconds, metrics.jsonl rows, the held-out accuracies); first prints the folder."""
+    import tempfile
+    from pathlib import Path
+
+    root = Path(tempfile.mkdtemp(prefix=prefix))
+    print(f"strop train {' '.join(extra)}; runs in {root}")
+    for k in range(rounds):
+        for name, flags in (("off", flags_off), ("on", flags_on)):
+            wall, rows = timed_train([*flags, "--run.progress=false", *extra], root / f"{name}-{k + 1}", name)
+            yield k, name, wall, rows, [r["eval_accuracy"] for r in rows if "eval_accuracy" in r] or [float("nan")]

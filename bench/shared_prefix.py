@@ -23,9 +23,7 @@ import resource
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 LAYOUTS = {
     "padded (before)": {"micro_batch_size": 16, "shared_prefix": False},
@@ -123,26 +121,23 @@ def part_step(args) -> None:
 
 
 def part_quickstart(args, extra: list[str]) -> None:
-    from common import timed_train
+    from common import off_on_runs
 
-    root = Path(tempfile.mkdtemp(prefix="strop-shared-"))
-    print(f"strop train (quickstart) {' '.join(extra)}; runs in {root}")
-    print(
-        "| run | train s per step (steps 2..) | vs off, same round | tokens forwarded per step | held-out 0 -> last | wall s |"
+    runs = off_on_runs("strop-shared-", args.rounds, [], ["--train.shared_prefix=false"], extra)
+    header = (
+        "| run | train s per step (steps 2..) | vs off, same round | tokens forwarded per step | held-out 0 -> last |"
     )
-    print("|---|---|---|---|---|---|")
-    for k in range(args.rounds):
-        got = {}
-        for name, flag in (("off", ["--train.shared_prefix=false"]), ("on", [])):
-            wall, rows = timed_train([*flag, "--run.progress=false", *extra], root / f"{name}-{k + 1}", name)
-            steps = [r for r in rows if "train_seconds" in r][1:]
-            evals = [r["eval_accuracy"] for r in rows if "eval_accuracy" in r]
-            got[name] = statistics.fmean(r["train_seconds"] for r in steps)
-            print(
-                f"| {name} {k + 1} | {got[name]:.2f} | {got['off'] / got[name]:.2f}x | "
-                f"{statistics.fmean(r['train_tokens_forwarded'] for r in steps):.0f} | "
-                f"{evals[0]:.1%} -> {evals[-1]:.1%} | {wall:.0f} |"
-            )
+    got = {}
+    for k, name, wall, rows, evals in runs:
+        if not got:
+            print(header + " wall s |\n" + "|---" * 6 + "|")
+        steps = [r for r in rows if "train_seconds" in r][1:]
+        got[name] = statistics.fmean(r["train_seconds"] for r in steps)
+        print(
+            f"| {name} {k + 1} | {got[name]:.2f} | {got['off'] / got[name]:.2f}x | "
+            f"{statistics.fmean(r['train_tokens_forwarded'] for r in steps):.0f} | "
+            f"{evals[0]:.1%} -> {evals[-1]:.1%} | {wall:.0f} |"
+        )
 
 
 def main() -> None:

@@ -25,9 +25,7 @@ import json
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 ENGINES = ("default", "batch-invariant", "speculative")
 
@@ -110,28 +108,24 @@ def part_engine(args) -> None:
 
 
 def part_quickstart(args, extra: list[str]) -> None:
-    from common import timed_train
+    from common import off_on_runs
 
-    root = Path(tempfile.mkdtemp(prefix="strop-spec-"))
-    print(f"strop train {' '.join(extra)}; runs in {root}")
-    print(
-        "| run | rollout s per step | vs off, same round | acceptance | tokens/forward | held-out 0 -> last | wall s |"
-    )
-    print("|---|---|---|---|---|---|---|")
-    for k in range(args.rounds):
-        got = {}
-        for name, flag in (("off", []), ("on", [f"--engine.speculative={args.k}"])):
-            wall, rows = timed_train([*flag, "--run.progress=false", *extra], root / f"{name}-{k + 1}", name)
-            steps = [r for r in rows if "rollout_seconds" in r]
-            evals = [r["eval_accuracy"] for r in rows if "eval_accuracy" in r] or [float("nan")]
-            got[name] = statistics.fmean(r["rollout_seconds"] for r in steps)
-            spec = [r for r in steps if "spec_acceptance_rate" in r]
-            acc = f"{statistics.fmean(r['spec_acceptance_rate'] for r in spec):.2f}" if spec else "-"
-            tpf = f"{statistics.fmean(r['spec_tokens_per_forward'] for r in spec):.2f}" if spec else "-"
-            print(
-                f"| {name} {k + 1} | {got[name]:.2f} | {got['off'] / got[name]:.2f}x | {acc} | {tpf} | "
-                f"{evals[0]:.1%} -> {evals[-1]:.1%} | {wall:.0f} |"
-            )
+    got = {}
+    for k, name, wall, rows, evals in off_on_runs(
+        "strop-spec-", args.rounds, [f"--engine.speculative={args.k}"], [], extra
+    ):
+        if not got:
+            print("| run | rollout s per step | vs off, same round | acceptance | tokens/forward | held-out | wall s |")
+            print("|---" * 7 + "|")
+        steps = [r for r in rows if "rollout_seconds" in r]
+        got[name] = statistics.fmean(r["rollout_seconds"] for r in steps)
+        spec = [r for r in steps if "spec_acceptance_rate" in r]
+        acc = f"{statistics.fmean(r['spec_acceptance_rate'] for r in spec):.2f}" if spec else "-"
+        tpf = f"{statistics.fmean(r['spec_tokens_per_forward'] for r in spec):.2f}" if spec else "-"
+        print(
+            f"| {name} {k + 1} | {got[name]:.2f} | {got['off'] / got[name]:.2f}x | {acc} | {tpf} | "
+            f"{evals[0]:.1%} -> {evals[-1]:.1%} | {wall:.0f} |"
+        )
 
 
 def main() -> None:
