@@ -13,7 +13,7 @@ from examples import grpo_one_file
 from strop.models import load_model
 
 SCRIPT = Path(grpo_one_file.__file__)
-SMALL = ["--steps", "2", "--prompts", "2", "--samples", "4", "--max-new-tokens", "6", "--seed", "3"]
+SMALL = ["--steps", "2", "--prompts", "2", "--samples", "4", "--max-new-tokens", "6", "--seed", "7"]
 
 
 def variety(sample) -> float:

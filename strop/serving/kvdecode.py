@@ -149,7 +149,7 @@ class LlamaDecoder:
             self._seen = sig
         if rows is not None and self.prepack:
             for lin in self.linears:
-                lin.pack(rows, keep)
+                lin.pack(rows, keep=True) if keep else lin.pack(rows)
 
     @staticmethod
     def _norm(module, x):

@@ -160,3 +160,32 @@ def test_a_launched_server_with_a_token_guards_its_routes(start_server):
     assert httpx.get(server.url + "/health", headers={"Authorization": "Bearer s3cret"}).status_code == 200
     assert _post(server.url, "/generate", {"input_ids": [1, 2]}).status_code == 401
     assert _post(server.url, "/flush_cache", None, headers={"Authorization": "Bearer s3cret"}).status_code == 200
+
+
+def test_speculative_serve_answers_what_the_batch_invariant_one_does(start_server):
+    """``strop serve --speculative 3`` (what engine.launch passes for engine.speculative): one batch of seeded
+    requests, four samples per prompt, gets the tokens and logprobs a --batch-invariant server gives, bitwise."""
+    from strop.engines.config import EngineConfig
+    from strop.engines.launch import engine_flags
+
+    assert engine_flags(EngineConfig(kind="strop", launch=1, speculative=3)) == ["--speculative", "3"]
+    assert engine_flags(EngineConfig(kind="embedded", speculative=3)) == []  # (the embedded engine takes it itself)
+    spec, plain = start_server(None, "--speculative", "3"), start_server(None, "--batch-invariant")
+    assert "speculative: up to 3 drafted tokens" in spec.log_tail(20000)
+    body = {
+        "input_ids": [[5, 17, 230, 9, 5, 17], [44, 45, 46]],
+        "return_logprob": True,
+        "sampling_params": {
+            "temperature": 1.0,
+            "max_new_tokens": 24,
+            "stop_token_ids": [-1],
+            "n": 4,
+            "sampling_seed": 7,
+        },
+    }
+    answers = []
+    for server in (spec, plain):
+        r = _post(server.url, "/generate", body)
+        assert r.status_code == 200, r.text
+        answers.append([(a["output_ids"], a["meta_info"]["output_token_logprobs"]) for a in r.json()])
+    assert answers[0] == answers[1] and len(answers[0]) == 8 and all(len(ids) == 24 for ids, _ in answers[0])
