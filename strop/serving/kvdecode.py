@@ -287,9 +287,7 @@ class Batch:
         self.start = torch.zeros(0, dtype=torch.long)  # first valid column of each slot
         self.positions = torch.zeros(0, dtype=torch.long)  # position id of the next fed token
         self.next_tokens = torch.zeros(0, dtype=torch.long)
-        self.ends = (
-            None  # speculation's per-slot write column, while rows' caches end apart (strop.serving.speculative)
-        )
+        self.ends = None  # per-slot write columns while rows end apart (strop.serving.speculative)
         self.prefilled_tokens = 0  # prompt tokens actually prefilled (after sharing)
         self.prompt_tokens = 0  # prompt tokens of every admitted row
 

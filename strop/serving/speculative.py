@@ -2,8 +2,8 @@
 
 Drafts come from rollout history, not from a draft model: a :class:`DraftIndex` per prompt holds the prompt,
 every response to it that is decoding now (a GRPO group's siblings) and the earlier responses to it (earlier
-rollouts of the same prompt), indexed by their n-grams; a row's draft is what followed the latest earlier
-occurrence of its last 4, 3 or 2 tokens (suffix matching, longest first).
+rollouts of the same prompt), indexed by their n-grams; a row's draft is what followed another occurrence of
+its last 4, 3 or 2 tokens (suffix matching, longest first).
 
 A round feeds each running row its next token and its draft, ``1 + k`` tokens, in one forward pass, then samples
 position by position: the token sampled after position ``j`` is the row's next token whatever the draft said, and
@@ -12,14 +12,15 @@ sampler draws one uniform number per token from the row's own generator, in the 
 token per step does; and every number of a round is computed as one token at a time computes it (each row's
 linear layers independent of the other rows, :func:`strop.serving.invariant.rows_linear`; each position's
 attention over exactly its own row's columns, as :func:`strop.serving.invariant.attend_rows` computes it). So a
-seeded or greedy request's tokens and logprobs are bitwise those of decoding without speculation
-(tests/test_speculative.py); drafts change only how many tokens a forward pass yields.
+request's tokens and logprobs (seeded, greedy, or unseeded with the engine's seed: each row has its own
+generator) are bitwise those of decoding without speculation (tests/test_speculative.py); drafts change only how
+many tokens a forward pass yields.
 
 Rows keep their own write column here (``batch.ends``): a row whose draft was cut short overwrites the rejected
 columns on its next round. :func:`align` brings them back to the one column :class:`strop.serving.kvdecode.Batch`
 assumes before rows join. Whether a round drafts at all is measured, not assumed (:class:`Speculator`): per size
-of the running batch, the seconds per token of rounds with and without drafts, and drafting only where it is
-cheaper (it pays when few rows run and a step is bound by reading the weights, and costs where many do).
+of the running batch, what a round costs with and without drafts, against the tokens a row lately got per
+drafting round (it pays when few rows run and a step is bound by reading the weights, and costs where many do).
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ MAX_SOURCES = 64  # sequences one prompt's index holds; past it, the prompt and 
 MAX_PROMPTS = 512  # prompts indexed at once (the least recently used one goes)
 EXPLORE = 16  # every this many rounds of a batch size, the mode measured slower runs once again
 # the most rows a drafting round's linear layers compute: up to about this many, a CPU step costs what reading the
-# weights costs (SmolLM2-135M fp32 on 2 cores: 8 rows 65 ms, 64 rows 74 ms, 320 rows ~5x); past it, drafts
-# multiply the work and are not tried (bench/speculative.py)
+# weights costs (a SmolLM2-135M fp32 step's linear layers on 2 cores: 8 rows 41 ms, 64 rows 75 ms, 320 rows
+# 288 ms); past it, drafts multiply the work and are not tried (docs/engine.md)
 DRAFT_ROWS = 64
 
 
@@ -69,7 +70,8 @@ class DraftIndex:
                         key = tuple(seq[end - n : end])
                         if key in self.latest:
                             self.before[key] = self.latest[key]
-                        self.latest[key] = self.first.setdefault(key, (s, end)) and (s, end)
+                        self.first.setdefault(key, (s, end))
+                        self.latest[key] = (s, end)
             self.seen[s] = len(seq)
 
     def draft(self, tokens: list[int], k: int) -> list[int]:
@@ -259,8 +261,8 @@ def verify(batch, k: int) -> tuple[list[Row], int, int, int]:
 
 
 def _draft(row: Row, k: int) -> list[int]:
-    index = getattr(row, "drafts", None)
-    return index.draft(row.token_ids, min(k, row.budget - len(row.token_ids) - 1)) if index is not None else []
+    left = row.budget - len(row.token_ids) - 1  # (a draft never takes a row past its budget)
+    return row.drafts.draft(row.token_ids, min(k, left)) if row.drafts is not None else []
 
 
 @torch.no_grad()
@@ -268,8 +270,8 @@ def forward(dec, tokens, positions, keys, values, slots, cols, starts: list[int]
     """``tokens`` (L, J) of the rows in cache ``slots`` (L,) at ``positions`` and cache columns ``cols`` (L, J)
     through ``dec`` (a batch-invariant :class:`strop.serving.kvdecode.LlamaDecoder`); row ``l``'s token ``j``
     attends the columns ``starts[l] .. cols[l, j]``; the linear layers compute ``rows`` rows per call (the weights
-    stay packed for the batch's size as the draft length changes). Returns the logits (L, J, V), each computed as
-    one decode step computes it."""
+    packed for it, the previous packing kept). Returns the logits (L, J, V), each computed as one decode step
+    computes it."""
     L, J = tokens.shape
     dec._sync(rows, keep=True)
     x = dec.backbone.embed_tokens(tokens.reshape(-1))  # (L J, hidden)
