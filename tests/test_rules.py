@@ -217,3 +217,33 @@ def test_lora_on_data_and_context_parallel_ranks_breaks_no_rule_and_beside_tenso
         assert not [r.name for r in RULES if r.broken(build_config(overrides={**lora, "parallel": split}))]
     beside_tp = _unchecked({**lora, "parallel": {"dp_mode": dp_mode, "tensor_parallel_size": 2}})
     assert [r.name for r in RULES if r.broken(beside_tp)] == ["LoRA is not split by tensor parallel"]
+
+
+@pytest.mark.parametrize(
+    "engine,reason",
+    [
+        ({"kind": "vllm", "urls": ["http://127.0.0.1:9"]}, "vLLM --speculative-config"),
+        ({"kind": "sglang", "urls": ["http://127.0.0.1:9"]}, "SGLang --speculative-algorithm"),
+        ({"kind": "strop", "urls": ["http://127.0.0.1:9"]}, "start them with strop serve --speculative N"),
+        ({"fast_decode": False}, "has no draft verification"),
+        ({"dtype": "bfloat16"}, "in bfloat16 compute one row at a time"),
+    ],
+)
+def test_speculation_is_refused_where_strop_does_not_decode_it_exactly_and_fast(engine, reason):
+    with pytest.raises(ConfigError, match="engine.speculative=4: ") as err:
+        build_config(overrides={"engine": {"speculative": 4, **engine}})
+    assert reason in str(err.value)
+    build_config(overrides={"engine": {"speculative": 0, **engine}})  # (each alone is a valid run)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"engine": {"speculative": 4}},
+        {"engine": {"speculative": 4, "kind": "strop", "launch": 1}},
+        {"engine": {"speculative": 4}, "rollout": {"exact_logprobs": True}},
+        {"engine": {"speculative": 4}, "rollout": {"mode": "async"}, "algo": {"use_rollout_logprobs": True}},
+    ],
+)
+def test_speculation_composes_with_the_embedded_engine_launched_servers_exact_logprobs_and_async(overrides):
+    assert build_config(overrides=overrides).engine.speculative == 4
