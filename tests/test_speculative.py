@@ -161,3 +161,35 @@ def test_rounds_that_do_not_draft_are_one_token_per_row(llama, monkeypatch):
     stats = e.take_speculation_stats()
     assert stats["spec_tokens_per_forward"] == 1.0 and stats["spec_draft_rounds_fraction"] == 0.0
     assert e.take_speculation_stats() == {}  # counters start again
+
+
+def outputs(completions):
+    return [(c.token_ids, c.logprobs, c.finish_reason) for c in completions]
+
+
+def test_a_batch_too_big_to_draft_decodes_as_the_engine_without_speculation(llama):
+    """36 rows at once: one drafted token each would pass DRAFT_ROWS, so the busy period runs the default kernels
+    (no batch-invariant cost) and its tokens and logprobs are those of the engine without speculation."""
+    reqs = requests(1.0, [11], n=12)
+    assert len(reqs) == 36 and not Speculator(4).drafts_at(36) and Speculator(4).drafts_at(32)
+    e = engine(llama, speculative=4, seed=5)
+    spec = outputs(run(e, reqs))
+    assert spec == outputs(run(engine(llama, seed=5), reqs))
+    assert spec != outputs(run(engine(llama, batch_invariant=True, seed=5), reqs))  # (the kernels differ here)
+    stats = e.take_speculation_stats()
+    assert stats["spec_tokens_per_forward"] == 1.0 and stats["spec_draft_rounds_fraction"] == 0.0
+    assert "more than 32 rows decodes without it" in e.decode_path
+
+
+def test_each_busy_period_chooses_again_and_batch_invariance_asked_for_holds_in_all(llama, monkeypatch):
+    monkeypatch.setattr(Speculator, "_choose", lambda self, bucket: True)  # the small period drafts every round
+    big, small = requests(1.0, [11], n=12), requests(1.0, [4], n=3)
+    e = engine(llama, speculative=4, seed=5)
+    got = [outputs(run(e, reqs)) for reqs in (big, small, big)]
+    assert got[1] == outputs(run(engine(llama, batch_invariant=True, seed=5), small))
+    assert got[0] == got[2] == outputs(run(engine(llama, seed=5), big))
+    assert e.take_speculation_stats()["spec_draft_rounds_fraction"] > 0  # (the small period drafted)
+    exact = engine(llama, speculative=4, batch_invariant=True, seed=5)
+    invariant = engine(llama, batch_invariant=True, seed=5)
+    for reqs in (big, small):
+        assert outputs(run(exact, reqs)) == outputs(run(invariant, reqs))

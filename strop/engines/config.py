@@ -67,8 +67,9 @@ class EngineConfig(Section):
         le=16,
         description="embedded engine and launched strop serve: draft up to this many tokens per row from the "
         "rollout's history (the prompt, the group's other responses, earlier responses to the prompt) and verify "
-        "them in one forward pass; exact (tokens and logprobs bitwise those without it, so it decodes with the "
-        "batch-invariant kernels) and used only at batch sizes where it measures faster (docs/engine.md). 0: off",
+        "them in one forward pass; exact (tokens and logprobs bitwise those without it, so a batch that drafts "
+        "decodes with the batch-invariant kernels) and used only at batch sizes where it measures faster; a batch "
+        "that starts with more than 32 rows decodes as without it (docs/engine.md). 0: off",
     )
     share_weights: bool | None = Field(
         None,

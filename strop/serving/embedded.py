@@ -72,7 +72,8 @@ class EmbeddedEngine(BatchScheduler, WeightUpdates):
         ``batch_invariant``: a request's tokens and logprobs are bitwise the same alone and in any
         batch (:mod:`strop.serving.invariant`), at a cost in throughput. ``speculative``: draft up to this many
         tokens per row from the prompt's other responses and verify them in one forward pass
-        (:mod:`strop.serving.speculative`; exact, so it runs the batch-invariant kernels; 0: off)."""
+        (:mod:`strop.serving.speculative`; exact: a busy period that drafts runs the batch-invariant kernels; one
+        that starts with more rows than drafts pay for decodes as without speculation; 0: off)."""
         self.shared = shared
         self.model = model if shared else model.eval()
         self.pad_token_id = pad_token_id
@@ -114,9 +115,10 @@ class EmbeddedEngine(BatchScheduler, WeightUpdates):
         reason = unsupported_reason(model) if fast_decode else "fast_decode=False"
         if shared and reason is not None:
             raise ValueError(f"an engine sharing the trainer's weights needs the fast decoder: {reason}")
-        # batch invariance: the fast decoder's own mode; the fallback decodes each request alone
-        self.batch_invariant = batch_invariant or bool(speculative and reason is None)
-        self._fast = LlamaDecoder(model, batch_invariant=self.batch_invariant) if reason is None else None
+        # batch invariance: the fast decoder's own mode; the fallback decodes each request alone. Speculation
+        # switches the decoder to it for the busy periods that draft (scheduler._advance)
+        self.batch_invariant = batch_invariant
+        self._fast = LlamaDecoder(model, batch_invariant=batch_invariant) if reason is None else None
         self._spec = Speculator(speculative) if speculative and reason is None else None
         self.decode_path = (
             "kv-cache decoder (shared prefixes, continuous batching)"

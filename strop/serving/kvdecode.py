@@ -288,6 +288,7 @@ class Batch:
         self.positions = torch.zeros(0, dtype=torch.long)  # position id of the next fed token
         self.next_tokens = torch.zeros(0, dtype=torch.long)
         self.ends = None  # per-slot write columns while rows end apart (strop.serving.speculative)
+        self.speculating = False  # whether this busy period drafts (strop.serving.speculative)
         self.prefilled_tokens = 0  # prompt tokens actually prefilled (after sharing)
         self.prompt_tokens = 0  # prompt tokens of every admitted row
 

@@ -143,15 +143,25 @@ class BatchScheduler:
     def _advance(self, batch: Batch, prompts: list[list[int]], rows: list[Row]):
         """Admit ``rows``, then decode one step. Returns (rows that finished, [(row, error)] of rows
         that could not be admitted)."""
-        if self._spec is None:
+        spec = self._spec
+        if spec is not None:
+            for row, prompt in zip(rows, prompts):  # every response joins its prompt's history
+                spec.follow(row, prompt)
+            if rows and not batch.live:  # a busy period starts: it speculates only if its size lets drafts pay
+                align(batch)
+                batch.speculating = spec.drafts_at(len(rows))
+            # not speculating, it decodes as an engine without speculation does (its kernels, its tokens)
+            self._fast.batch_invariant = self.batch_invariant or batch.speculating
+        if spec is None or not batch.speculating:
             finished, failed = self._admit(batch, prompts, rows)
-            return finished + batch.step(), failed
+            done = batch.step()
+            if spec is not None:
+                spec.count_plain(batch.live + len(done))
+            return finished + done, failed
         if rows:  # joining rows assume one write column (strop.serving.speculative)
             align(batch)
-        for row, prompt in zip(rows, prompts):
-            self._spec.follow(row, prompt)
         finished, failed = self._admit(batch, prompts, rows)
-        return finished + self._spec.round(batch), failed
+        return finished + spec.round(batch), failed
 
     def _admit(self, batch: Batch, prompts: list[list[int]], rows: list[Row]):
         """``batch.admit``; when it fails for several rows, each is admitted alone so the error

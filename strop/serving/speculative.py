@@ -21,6 +21,12 @@ columns on its next round. :func:`align` brings them back to the one column :cla
 assumes before rows join. Whether a round drafts at all is measured, not assumed (:class:`Speculator`): per size
 of the running batch, what a round costs with and without drafts, against the tokens a row lately got per
 drafting round (it pays when few rows run and a step is bound by reading the weights, and costs where many do).
+
+A busy period (from an idle engine until no row runs) that starts with more rows than one drafted token each
+allows (``DRAFT_ROWS // 2``) does not speculate at all: it decodes as the engine without speculation does, on the
+default kernels, so it costs nothing there; its tokens and logprobs are that engine's
+(:meth:`Speculator.drafts_at`). A busy period that drafts gives those of the batch-invariant engine. With
+``batch_invariant`` asked for as well, every busy period runs the batch-invariant kernels.
 """
 
 from __future__ import annotations
@@ -119,6 +125,20 @@ class Speculator:
         """Drafted tokens per row at this batch size: ``k``, or fewer where ``k`` would pass ``DRAFT_ROWS``."""
         return max(0, min(self.k, DRAFT_ROWS // bucket - 1))
 
+    def drafts_at(self, rows: int) -> bool:
+        """Whether a busy period that starts with ``rows`` rows speculates. Not where even one drafted token per
+        row passes ``DRAFT_ROWS``: such a period decodes as an engine without speculation does, on its kernels,
+        and its tokens and logprobs are that engine's (the batch-invariant kernels cost 3-6 % and drafting would
+        not pay there; docs/engine.md)."""
+        return self.width(slots_for(rows)) > 0
+
+    def count_plain(self, rows: int) -> None:
+        """A step of ``rows`` rows in a busy period that does not speculate: one token per row, no draft."""
+        s = self.stats
+        s["rounds"] += 1
+        s["row_forwards"] += rows
+        s["tokens"] += rows
+
     def _choose(self, bucket: int) -> bool:
         """Draft at this batch size? When a row's recent tokens per drafting round pay for what a drafting round
         costs here against a plain one. A round's cost is the least measured (a round that repacked the weights
@@ -179,7 +199,8 @@ def describe_speculation(k: int, running: bool) -> str:
         return ", no speculation (it needs the kv-cache decoder)"
     return (
         f", speculative: up to {k} drafted tokens per row from the prompt's other responses, verified exactly "
-        "(batch-invariant kernels), at the batch sizes where it measures faster"
+        f"(batch-invariant kernels), at the batch sizes where it measures faster; a batch that starts with more "
+        f"than {DRAFT_ROWS // 2} rows decodes without it"
     )
 
 
