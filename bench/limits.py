@@ -35,7 +35,20 @@ class Limits:
         return (
             f"{where}: matmul {self.flops['float32'] / 1e9:.0f} GFLOP/s fp32, "
             f"{self.flops['bfloat16'] / 1e9:.0f} GFLOP/s bf16; memory read {self.read_bytes_per_s / 1e9:.1f} GB/s"
+            + (f"\n{cpu_line()}" if self.device == "cpu" else "")
         )
+
+
+def cpu_line() -> str:
+    """The CPU and the linear-layer kernels strop's decoder runs on it (engine.cpu_kernels=auto), per dtype."""
+    from strop.serving.cpu_kernels import choose, cpu
+
+    c = cpu()
+    picks = ", ".join(f"{d} {choose('auto', getattr(torch, d), torch.device('cpu'))}" for d in ("float32", "bfloat16"))
+    return (
+        f"CPU: {c['model']} ({c['vendor'] or 'vendor unknown'}; AMX {'yes' if c['amx'] else 'no'}, AVX-512 bf16 "
+        f"{'yes' if c['avx512_bf16'] else 'no'}); strop's decoder runs its linear layers on: {picks}"
+    )
 
 
 def _now(device: torch.device) -> float:
@@ -119,36 +132,43 @@ def decode_bound(
 
 def decode_linear_seconds(model, batch: int, dtype: str = "float32", rounds: int = 5) -> dict[str, float]:
     """Seconds one decode step of ``batch`` rows spends in the model's linear layers alone (every layer's
-    fused qkv, o, gate_up and down, and the output head), with each kernel this CPU has for that shape:
-    ``packed`` (strop's decoder: MKL's pre-packed sgemm in fp32, oneDNN's pre-packed kernel in bf16) and
-    ``plain`` (``F.linear``, what Hugging Face ``generate`` calls). The best of ``rounds``.
+    fused qkv, o, gate_up and down, and the output head), with each kernel this CPU and torch build have for
+    them (strop.serving.cpu_kernels): ``mkl`` (MKL's pre-packed sgemm, fp32), ``onednn`` (oneDNN's pre-packed
+    matmul) and ``plain`` (``F.linear``, what Hugging Face ``generate`` calls). The best of ``rounds``, the
+    kernels interleaved within each round.
 
     This is a floor under any decoder that computes these matmuls with these kernels, below the
     ``decode_bound`` of a large square matmul's rate: a (batch x hidden) activation reuses each weight
     only ``batch`` times, and the kernels do not reach their large-matrix rate at that shape."""
     import torch.nn.functional as F
 
+    from strop.serving.cpu_kernels import unavailable
     from strop.serving.kvdecode import LlamaDecoder
 
     model = model.to(getattr(torch, dtype))  # (in place: pass a model of its own)
-    dec = LlamaDecoder(model)
-    dec._sync(batch)
-    xs = [torch.randn(batch, lin.weight.shape[1], dtype=lin.weight.dtype) for lin in dec.linears]
-    kernels = {"packed": lambda lin, x: lin(x), "plain": lambda lin, x: F.linear(x, lin.weight, lin.bias)}
-    if not dec.prepack:
-        kernels.pop("packed")
-    out = {}
+    decs, calls = {}, {}
+    for kernel in ("mkl", "onednn", "plain"):
+        if not unavailable(kernel, model.dtype):
+            decs[kernel] = dec = LlamaDecoder(model, kernels=kernel)  # (each its own packed copy of the weights)
+            dec._sync(batch)
+            calls[kernel] = (lambda lin, x: F.linear(x, lin.weight, lin.bias)) if kernel == "plain" else packed_call
+    xs = [torch.randn(batch, lin.weight.shape[1], dtype=lin.weight.dtype) for lin in next(iter(decs.values())).linears]
+    out = dict.fromkeys(decs, float("inf"))
     with torch.no_grad():
-        for name, call in kernels.items():
-            best = float("inf")
-            for _ in range(rounds + 1):  # (the first round warms up)
+        for _ in range(rounds + 1):  # (the first round warms up)
+            for kernel, dec in decs.items():
                 t = time.perf_counter()
                 for lin, x in zip(dec.linears, xs):
-                    call(lin, x)
-                best = min(best, time.perf_counter() - t)
-            out[name] = best
-    dec.release()
+                    calls[kernel](lin, x)
+                out[kernel] = min(out[kernel], time.perf_counter() - t)
+    for dec in decs.values():
+        dec.release()
     return out
+
+
+def packed_call(lin, x):
+    """A layer through the kernel its weights are packed for (strop.serving.linear.PackedLinear)."""
+    return lin(x)
 
 
 def train_bound_seconds(shape: dict, tokens: int, limits: Limits, dtype: str = "float32") -> float:

@@ -66,3 +66,21 @@ def why_no_speculation(cfg) -> str:
             "decoding without drafts): use float32 weights for the engine"
         )
     return ""
+
+
+def why_no_cpu_kernels(cfg) -> str:
+    """Why engine.cpu_kernels (not 'auto') would not be what runs with ``cfg`` ('' when it is): it chooses the kernel
+    of strop's own kv-cache decoder on a CPU (strop.serving.cpu_kernels)."""
+    e, kernel = cfg.engine, cfg.engine.cpu_kernels
+    if e.kind in ("vllm", "sglang"):
+        return f"engine.kind={e.kind!r} servers run their own kernels"
+    if e.kind == "strop" and not e.launch:
+        return (
+            "servers at engine.urls keep the kernels they were started with: start them with strop serve --cpu-kernels"
+        )
+    if not e.fast_decode:
+        return "engine.fast_decode=false decodes with the model's own forward (F.linear)"
+    dtype = cfg.model.dtype if e.dtype == "auto" else e.dtype
+    if kernel == "mkl" and dtype != "float32":
+        return f"MKL's packed sgemm computes float32 only, and the engine's weights are {dtype}: use onednn or plain"
+    return ""

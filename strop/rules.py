@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from strop.algo.config import GROUP_ESTIMATORS, OFF_POLICY_CORRECTIONS
-from strop.rule_reasons import LORA_NOT_SPLIT, why_no_speculation, why_not_shared
+from strop.rule_reasons import LORA_NOT_SPLIT, why_no_cpu_kernels, why_no_speculation, why_not_shared
 
 
 @dataclass(frozen=True)
@@ -411,6 +411,11 @@ RULES: tuple[Rule, ...] = (
         "speculation needs strop's own fp32 decoder",
         lambda c: bool(c.engine.speculative and why_no_speculation(c)),
         lambda c: f"engine.speculative={c.engine.speculative}: {why_no_speculation(c)}",
+    ),
+    Rule(
+        "cpu kernels are the embedded decoder's",
+        lambda c: c.engine.cpu_kernels != "auto" and bool(why_no_cpu_kernels(c)),
+        lambda c: f"engine.cpu_kernels={c.engine.cpu_kernels!r}: {why_no_cpu_kernels(c)}",
     ),
     Rule(
         "resumed samples need the default generate",

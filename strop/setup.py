@@ -441,6 +441,7 @@ def _engine(
             shared=p.engine_model is p.policy,
             batch_invariant=r.exact_logprobs,  # a sample's tokens do not depend on the batch it ran in
             speculative=e.speculative,
+            cpu_kernels=e.cpu_kernels,
         )
         weight_sync = choose_sync(cfg, [engine], run_dir, [], device)
         weight_sync.connect(engine)

@@ -10,6 +10,7 @@ from strop.serving import kvdecode
 from strop.serving.embedded import EmbeddedEngine
 from strop.serving.sampling import _blocks, _invert_cdf, _sample_blocks
 from strop.serving.kvdecode import Batch
+from strop.serving.linear import can_pack
 from strop.train.logprob import response_logprobs
 from strop.types import SamplingParams
 
@@ -285,7 +286,7 @@ def test_prepacked_weights_change_no_token_and_no_logprob(tiny_model, dtype, mon
         e = engine(model, max_batch_size=4)
         e._fast.prepack = prepack and e._fast.prepack
         outs[prepack] = e.generate_batch(prompts, sps)
-    can = kvdecode.can_pack(model.model.embed_tokens.weight)
+    can = can_pack(model.model.embed_tokens.weight)
     assert (len(set(packs)) > 1) == can  # packed, for several row counts, exactly where the CPU can
     for a, b in zip(outs[True], outs[False]):
         assert a.token_ids == b.token_ids and a.logprobs == b.logprobs

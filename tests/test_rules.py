@@ -105,6 +105,10 @@ CASES = {
         {"engine": {"speculative": 4, "dtype": "bfloat16"}},
         "in bfloat16 compute one row at a time",
     ),
+    "cpu kernels are the embedded decoder's": (
+        {"engine": {"cpu_kernels": "mkl", "dtype": "bfloat16"}},
+        "MKL's packed sgemm computes float32 only",
+    ),
     "shared prefix needs a masked row": (
         {"train": {"shared_prefix": True}, "parallel": {"context_parallel_size": 2}},
         "has no place for a prefix shared by several samples",
@@ -247,3 +251,34 @@ def test_speculation_is_refused_where_strop_does_not_decode_it_exactly_and_fast(
 )
 def test_speculation_composes_with_the_embedded_engine_launched_servers_exact_logprobs_and_async(overrides):
     assert build_config(overrides=overrides).engine.speculative == 4
+
+
+@pytest.mark.parametrize(
+    "engine,reason",
+    [
+        ({"kind": "vllm", "urls": ["http://127.0.0.1:9"]}, "servers run their own kernels"),
+        ({"kind": "sglang", "urls": ["http://127.0.0.1:9"]}, "servers run their own kernels"),
+        ({"kind": "strop", "urls": ["http://127.0.0.1:9"]}, "start them with strop serve --cpu-kernels"),
+        ({"fast_decode": False}, "the model's own forward"),
+        ({"dtype": "bfloat16"}, "use onednn or plain"),
+    ],
+)
+def test_a_cpu_kernel_is_refused_where_it_would_not_run(engine, reason):
+    with pytest.raises(ConfigError, match="engine.cpu_kernels='mkl': ") as err:
+        build_config(overrides={"engine": {"cpu_kernels": "mkl", **engine}})
+    assert reason in str(err.value)
+    build_config(overrides={"engine": {"cpu_kernels": "auto", **engine}})  # (each alone is a valid run)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"engine": {"cpu_kernels": "onednn", "dtype": "bfloat16"}},
+        {"engine": {"cpu_kernels": "plain", "kind": "strop", "launch": 1, "speculative": 4}},
+        {"engine": {"cpu_kernels": "mkl"}, "rollout": {"exact_logprobs": True}},
+        {"engine": {"cpu_kernels": "onednn"}, "rollout": {"mode": "async"}, "algo": {"use_rollout_logprobs": True}},
+    ],
+)
+def test_cpu_kernels_compose_with_bf16_launched_servers_speculation_exact_logprobs_and_async(overrides):
+    cfg = build_config(overrides=overrides)
+    assert cfg.engine.cpu_kernels == overrides["engine"]["cpu_kernels"]

@@ -222,6 +222,13 @@ def _serve_args(parser) -> None:
         help="draft up to N tokens per row from the prompt and its other responses and verify them in one "
         "forward pass; exact, on the batch-invariant kernels (docs/engine.md; 0: off)",
     )
+    parser.add_argument(
+        "--cpu-kernels",
+        default="auto",
+        choices=["auto", "mkl", "onednn", "plain"],
+        help="the kv-cache decoder's linear-layer kernel on a CPU (auto: MKL on Intel in float32, else oneDNN; "
+        "the start line names it)",
+    )
 
 
 def _serve(args) -> int:
@@ -248,6 +255,7 @@ def _serve(args) -> int:
             fast_decode=args.fast_decode,
             batch_invariant=args.batch_invariant,
             speculative=args.speculative,
+            cpu_kernels=args.cpu_kernels,
             model_options=_model_options(args),
             weight_transfer=args.weight_transfer_backend,
             weight_version=args.weight_version,

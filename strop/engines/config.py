@@ -71,6 +71,14 @@ class EngineConfig(Section):
         "decodes with the batch-invariant kernels) and used only at batch sizes where it measures faster; a batch "
         "that starts with more than 32 rows decodes as without it (docs/engine.md). 0: off",
     )
+    cpu_kernels: Literal["auto", "mkl", "onednn", "plain"] = Field(
+        "auto",
+        description="embedded engine and launched strop serve, on a CPU: the kernel the kv-cache decoder's linear "
+        "layers run: 'mkl' (oneMKL's packed sgemm, float32), 'onednn' (oneDNN's packed matmul, float32 and "
+        "bfloat16), 'plain' (F.linear); 'auto' = MKL on Intel CPUs in float32, else oneDNN (bfloat16: oneDNN "
+        "where the CPU has bf16 instructions). The start line names the kernel and the CPU; bench/kernels.py "
+        "times each here (docs/engine.md)",
+    )
     share_weights: bool | None = Field(
         None,
         description="embedded engine, rollout.mode=sync, one process: decode from the trainer's own parameters "

@@ -177,8 +177,11 @@ def model_flags(kind: str, model) -> list[str]:
 
 
 def engine_flags(engine) -> list[str]:
-    """The ``engine`` section's own settings as launched strop serve flags (engine.speculative)."""
-    return ["--speculative", str(engine.speculative)] if engine.kind == "strop" and engine.speculative else []
+    """The ``engine`` section's own settings as launched strop serve flags (engine.speculative, cpu_kernels)."""
+    if engine.kind != "strop":
+        return []
+    flags = ["--speculative", str(engine.speculative)] if engine.speculative else []
+    return flags + (["--cpu-kernels", engine.cpu_kernels] if engine.cpu_kernels != "auto" else [])
 
 
 def adapter_slots(rollout) -> int:

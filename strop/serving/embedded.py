@@ -32,6 +32,7 @@ from strop.serving.kvdecode import Batch, LlamaDecoder, unsupported_reason
 from strop.serving.request import SEED_RANGE, PendingRequest, PromptTooLongError, RequestError, TokenListener
 from strop.serving.sampling import sample
 from strop.serving.scheduler import BatchScheduler
+from strop.serving.cpu_kernels import describe as describe_kernel
 from strop.serving.speculative import Speculator, describe_speculation
 from strop.serving.static_batch import decode_static
 from strop.types import Completion, SamplingParams
@@ -61,6 +62,7 @@ class EmbeddedEngine(BatchScheduler, WeightUpdates):
         shared: bool = False,
         batch_invariant: bool = False,
         speculative: int = 0,
+        cpu_kernels: str = "auto",
     ):
         """``batch_wait_s``: before a batch starts, wait while requests keep arriving (each wait this
         long, at most 40) so requests sent together over a network form one batch.
@@ -73,7 +75,8 @@ class EmbeddedEngine(BatchScheduler, WeightUpdates):
         batch (:mod:`strop.serving.invariant`), at a cost in throughput. ``speculative``: draft up to this many
         tokens per row from the prompt's other responses and verify them in one forward pass
         (:mod:`strop.serving.speculative`; exact: a busy period that drafts runs the batch-invariant kernels; one
-        that starts with more rows than drafts pay for decodes as without speculation; 0: off)."""
+        that starts with more rows than drafts pay for decodes as without speculation; 0: off). ``cpu_kernels``:
+        the fast decoder's linear-layer kernel (:mod:`strop.serving.cpu_kernels`; auto: this CPU's pick)."""
         self.shared = shared
         self.model = model if shared else model.eval()
         self.pad_token_id = pad_token_id
@@ -112,13 +115,19 @@ class EmbeddedEngine(BatchScheduler, WeightUpdates):
         self._session: str | None = None  # "opening" / "open": a weight-update session (holds _busy)
         self._receiving = False  # a bucket of the session is being received
         self._receipt = None  # the open session's ReceiptSession (strop.serving.receipt)
+        self._decoder(model, fast_decode, shared, batch_invariant, speculative, cpu_kernels)
+
+    def _decoder(self, model, fast_decode: bool, shared: bool, batch_invariant: bool, speculative: int, kernels: str):
+        """The fast decoder (or the fallback's reason), speculation, and the start line's ``decode_path``."""
         reason = unsupported_reason(model) if fast_decode else "fast_decode=False"
         if shared and reason is not None:
             raise ValueError(f"an engine sharing the trainer's weights needs the fast decoder: {reason}")
         # batch invariance: the fast decoder's own mode; the fallback decodes each request alone. Speculation
         # switches the decoder to it for the busy periods that draft (scheduler._advance)
         self.batch_invariant = batch_invariant
-        self._fast = LlamaDecoder(model, batch_invariant=batch_invariant) if reason is None else None
+        if reason is not None and kernels != "auto":
+            raise ValueError(f"cpu_kernels={kernels!r} chooses the kv-cache decoder's kernel, which is off: {reason}")
+        self._fast = LlamaDecoder(model, batch_invariant=batch_invariant, kernels=kernels) if reason is None else None
         self._spec = Speculator(speculative) if speculative and reason is None else None
         self.decode_path = (
             "kv-cache decoder (shared prefixes, continuous batching)"
@@ -128,6 +137,8 @@ class EmbeddedEngine(BatchScheduler, WeightUpdates):
         self.decode_path += describe_speculation(speculative, self._spec is not None)
         if shared:
             self.decode_path += ", from the trainer's own weights (engine.share_weights: no copy)"
+        if self._fast is not None:
+            self.decode_path += "; " + describe_kernel(self._fast.kernel, self._fast.dtype)
 
     # ---- the async interface -------------------------------------------------------------
     async def generate(

@@ -41,7 +41,7 @@ def rows_linear(lin: PackedLinear, x: torch.Tensor) -> torch.Tensor:
     """``lin(x)`` for ``x`` (rows, in), each row's result independent of the other rows: on packed fp32
     weights in calls of exactly the rows they are packed for (at least 2; the last call padded with
     zero rows), elsewhere one ``F.linear`` call per row."""
-    if lin.packed is not None and lin.weight.dtype == torch.float32:
+    if lin.packed is not None and lin.packed_kernel == "mkl":
         R = lin.packed_rows
         if R < 2:
             raise RuntimeError(f"weights packed for {R} rows: sgemm's one-row path rounds otherwise")
@@ -94,7 +94,7 @@ def prefill_each(prefill, ids: torch.Tensor, lengths: torch.Tensor):
 def prefill_rows(dec, tokens: int) -> int:
     """The row count :func:`prefill_packed` computes ``tokens`` prompt tokens in: the running step's
     (no repacking) unless that takes more than 8 calls per layer, then up to 256 rows per call."""
-    rows = dec.head.packed is not None and dec.head.packed_rows
+    rows = dec.head.packed_kernel == "mkl" and dec.head.packed_rows
     if rows and rows >= 2 and -(-tokens // rows) <= 8:
         return rows
     return packed_rows(min(tokens, 256))

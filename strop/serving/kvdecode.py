@@ -33,7 +33,8 @@ import torch
 import torch.nn.functional as F
 
 from strop.serving.invariant import attend_rows, packed_rows, prefill_each, prefill_packed, rows_linear
-from strop.serving.linear import PackedLinear, can_pack, return_freed_memory
+from strop.serving.cpu_kernels import choose, unavailable
+from strop.serving.linear import PackedLinear, return_freed_memory
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
 
@@ -83,7 +84,7 @@ class Row:
 
 
 class LlamaDecoder:
-    def __init__(self, model, *, prepack: bool = True, batch_invariant: bool = False):
+    def __init__(self, model, *, prepack: bool = True, batch_invariant: bool = False, kernels: str = "auto"):
         reason = unsupported_reason(model)
         if reason:
             raise ValueError(f"the fast decoder cannot run this model: {reason}")
@@ -111,7 +112,11 @@ class LlamaDecoder:
             )
         self.head = PackedLinear([model.lm_head])
         self.linears = [lin for parts in self.layers for lin in parts[1:3] + parts[4:6]] + [self.head]
-        self.prepack = prepack and can_pack(self.backbone.embed_tokens.weight)
+        w = self.backbone.embed_tokens.weight
+        self.kernel = choose(kernels, w.dtype, w.device)  # the linear layers' kernel (strop.serving.cpu_kernels)
+        self.prepack = prepack and self.kernel != "plain"
+        # batch-invariant steps rest on MKL's packed sgemm in fp32 (strop.serving.invariant); elsewhere F.linear by row
+        self.exact_kernel = "mkl" if w.dtype == torch.float32 and not unavailable("mkl", w.dtype) else "plain"
         self._seen = None  # the parameters' (address, version) when the fused weights were built
         self.batch_invariant = batch_invariant
 
@@ -131,7 +136,7 @@ class LlamaDecoder:
         when a busy period ends: in RL the weights change before the next rollout anyway, and
         the memory is free while the trainer works."""
         for lin in self.linears:
-            lin.weight = lin.bias = lin.packed = None
+            lin.weight = lin.bias = lin.packed = lin.packed_kernel = None
             lin.packed_rows, lin.packs = 0, {}
         self._seen = None
         return_freed_memory()
@@ -147,8 +152,10 @@ class LlamaDecoder:
             for lin in self.linears:
                 lin.refresh()
             self._seen = sig
-        if rows is not None and self.prepack:
+        kernel = self.exact_kernel if self.batch_invariant else self.kernel
+        if rows is not None and self.prepack and kernel != "plain":
             for lin in self.linears:
+                lin.kernel = kernel
                 lin.pack(rows, keep=True) if keep else lin.pack(rows)
 
     @staticmethod
@@ -176,7 +183,7 @@ class LlamaDecoder:
         """Left-padded prompts ``ids`` (N, P). Returns last-position logits (N, V) and the keys and
         values (layers, N, KV, P, D), rotary embedding applied."""
         self._sync()
-        if self.batch_invariant and self.prepack and self.dtype == torch.float32:
+        if self.batch_invariant and self.prepack and self.exact_kernel == "mkl":
             return prefill_packed(self, ids, lengths)
         if self.batch_invariant:  # each prompt alone, unpadded; the logits through F.linear (3-D input)
             return prefill_each(self._prefill, ids, lengths)

@@ -1,24 +1,28 @@
-"""The decoder's linear layers: a layer's weights (q/k/v or gate/up fused into one), packed for the CPU's
-fastest kernel (oneMKL in fp32, oneDNN in bf16) where this torch build has it, else ``F.linear``."""
+"""The decoder's linear layers: a layer's weights (q/k/v or gate/up fused into one), packed for the kernel the
+decoder runs on this CPU (:mod:`strop.serving.cpu_kernels`: oneMKL or oneDNN), else ``F.linear``."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from strop.serving.cpu_kernels import choose
+
 
 class PackedLinear:
     """One or more linear layers fused along their outputs (q, k, v; gate, up), computed from a
     weight copy that is refreshed whenever the model's parameters change. On a CPU it also keeps
-    the weight pre-packed for the running batch size where a packed kernel exists: MKL's sgemm for
-    fp32 weights (it otherwise repacks the weight on every call, about a third of a decode step at
-    batch 64), oneDNN's for bf16 (the pair Inductor uses on CPU; 1.2-1.6x faster per call at batch
-    64). Packing changes no result (same kernel, same reduction order; tested bitwise)."""
+    the weight pre-packed for the running batch size in the layout of the kernel the decoder runs
+    (:mod:`strop.serving.cpu_kernels`): MKL's sgemm (fp32; it otherwise repacks the weight on every
+    call, about a third of a decode step at batch 64) or oneDNN's (fp32 and bf16; the pair Inductor
+    uses on CPU). Packing changes no result against the same kernel unpacked (tested bitwise)."""
 
-    def __init__(self, modules):
+    def __init__(self, modules, kernel: str = "mkl"):
         self.modules = modules
         self.weight = self.bias = self.packed = None
         self.packed_rows, self.packs = 0, {}
+        self.kernel = kernel  # what the next pack() packs for: "mkl" or "onednn" (the decoder sets it)
+        self.packed_kernel = None  # what ``packed`` is packed for
 
     def refresh(self) -> None:
         ws = [m.weight.detach() for m in self.modules]
@@ -36,23 +40,26 @@ class PackedLinear:
                 ]
             )
         )
-        self.packed, self.packed_rows, self.packs = None, 0, {}
+        self.packed, self.packed_rows, self.packed_kernel, self.packs = None, 0, None, {}
 
     def pack(self, rows: int, keep: bool = False) -> None:
-        """Use the weight packed for ``rows`` rows; ``keep``: keep the packing it replaces too, for the next
-        switch back (speculation's rounds alternate between a plain step's rows and a drafting one's)."""
-        if self.packed_rows != rows:
-            packed = self.packs.pop(rows, None)
-            if packed is None and self.weight.dtype == torch.float32:
+        """Use the weight packed for ``rows`` rows and ``self.kernel``; ``keep``: keep the packing it replaces too,
+        for the next switch back (speculation's rounds alternate between a plain step's rows and a drafting
+        one's, and between the default kernel and the batch-invariant one)."""
+        want = (self.kernel, rows)
+        if (self.packed_kernel, self.packed_rows) != want:
+            packed = self.packs.pop(want, None)
+            if packed is None and self.kernel == "mkl":
                 packed = torch.ops.mkl._mkl_reorder_linear_weight(self.weight, rows)
-            elif packed is None:  # bf16: oneDNN's layout; the packed weight serves any row count (``rows`` is a hint)
+            elif packed is None:  # oneDNN's layout; the packed weight serves any row count (``rows`` is a hint)
                 packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, rows)
-            self.packs = {self.packed_rows: self.packed} if keep and self.packed is not None else {}
-            self.packed, self.packed_rows = packed, rows
+            old = (self.packed_kernel, self.packed_rows)
+            self.packs = {old: self.packed} if keep and self.packed is not None else {}
+            self.packed, self.packed_rows, self.packed_kernel = packed, rows, self.kernel
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and x.dim() == 2:
-            if self.weight.dtype != torch.float32:
+            if self.packed_kernel == "onednn":
                 return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
             if x.shape[0] == self.packed_rows:
                 return torch.ops.mkl._mkl_linear(x, self.packed, self.weight, self.bias, self.packed_rows)
@@ -72,13 +79,5 @@ def return_freed_memory() -> None:
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    if weight.device.type != "cpu":
-        return False
-    if weight.dtype == torch.float32:
-        return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")
-    return (
-        weight.dtype == torch.bfloat16
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    )
+    """Whether the decoder's default kernel for ``weight`` packs it (:func:`strop.serving.cpu_kernels.choose`)."""
+    return choose("auto", weight.dtype, weight.device) != "plain"

@@ -142,6 +142,7 @@ def serve(
     fast_decode: bool = True,
     batch_invariant: bool = False,
     speculative: int = 0,
+    cpu_kernels: str = "auto",
     model_options: dict | None = None,
     weight_transfer: str = "gloo",
     weight_version: int = 0,
@@ -150,7 +151,8 @@ def serve(
     options (revision, trust_remote_code, attn_implementation), as a run's ``model`` section gives them.
     ``weight_transfer``: the backend of vLLM's transfer phases; ``weight_version``: the version the weights
     start as. ``batch_invariant``: a request's tokens and logprobs do not depend on its batch (the
-    engine's ``batch_invariant``); ``speculative``: the engine's drafted tokens per row (0: off)."""
+    engine's ``batch_invariant``); ``speculative``: the engine's drafted tokens per row (0: off); ``cpu_kernels``: its
+    linear-layer kernel (strop.serving.cpu_kernels)."""
     if weight_version < 0 or weight_version >= 2**63:
         raise ValueError(f"--weight-version {weight_version}: a non-negative integer below 2**63")
     console()  # its lines on the terminal, unless the caller set up strop's logging
@@ -178,6 +180,7 @@ def serve(
         fast_decode=fast_decode,
         batch_invariant=batch_invariant,
         speculative=speculative,
+        cpu_kernels=cpu_kernels,
     )
     engine.weight_version = weight_version
     app = create_app(

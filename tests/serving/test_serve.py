@@ -170,6 +170,8 @@ def test_speculative_serve_answers_what_the_batch_invariant_one_does(start_serve
 
     assert engine_flags(EngineConfig(kind="strop", launch=1, speculative=3)) == ["--speculative", "3"]
     assert engine_flags(EngineConfig(kind="embedded", speculative=3)) == []  # (the embedded engine takes it itself)
+    both = EngineConfig(kind="strop", launch=1, speculative=2, cpu_kernels="onednn")
+    assert engine_flags(both) == ["--speculative", "2", "--cpu-kernels", "onednn"]
     spec, plain = start_server(None, "--speculative", "3"), start_server(None, "--batch-invariant")
     assert "speculative: up to 3 drafted tokens" in spec.log_tail(20000)
     body = {
