@@ -11,7 +11,7 @@ On a CPU the decoder keeps each layer's weights packed for one kernel:
 
 ``auto`` picks by CPU and dtype: bf16 runs oneDNN (1.4-1.9x ``plain`` per call here). In fp32, MKL on Intel CPUs.
 Elsewhere it is oneDNN: MKL's sgemm is tuned for Intel's CPUs, and on an AMD EPYC vLLM's CPU engine read
-weights at 0.53 of the machine's bound against strop's 0.27-0.35 on MKL. ``bench/kernels.py`` times every kernel
+weights at 0.53 of the machine's bound against strop's 0.27-0.35 on MKL. ``bench/linear_kernels.py`` times every kernel
 for each layer shape on the CPU it runs on, and prints which one ``auto`` picks there.
 """
 

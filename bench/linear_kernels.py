@@ -5,7 +5,7 @@ interleaved within each round, best of ``--rounds``; the whole table ``--repeats
 model, its AMX and AVX-512 bf16 support, and the kernel ``auto`` picks for each dtype; then, per row, whether that
 pick is the fastest here.
 
-    python bench/kernels.py [--batch 1 8 32 64] [--rounds 5] [--repeats 2]
+    python bench/linear_kernels.py [--batch 1 8 32 64] [--rounds 5] [--repeats 2]
 """
 
 from __future__ import annotations
