@@ -93,6 +93,9 @@ class Completion:
     # per token, the version of the weights that sampled it, when a request spans an update (a kept or
     # retracted request); None: every token is ``weight_version``'s
     token_versions: list[int] | None = None
+    # routed-expert (MoE) models on strop's decoder: the experts each token was routed to, an int16 tensor
+    # [prompt + response tokens but the last, MoE layers, top_k] (strop.serving.moe); None for a dense model
+    routed_experts: Any = None
 
 
 @dataclass

@@ -33,6 +33,7 @@ from strop.serving.request import SEED_RANGE, PendingRequest, PromptTooLongError
 from strop.serving.sampling import sample
 from strop.serving.scheduler import BatchScheduler
 from strop.serving.cpu_kernels import describe as describe_kernel
+from strop.serving.moe import row_routes
 from strop.serving.speculative import Speculator, describe_speculation
 from strop.serving.static_batch import decode_static
 from strop.types import Completion, SamplingParams
@@ -128,6 +129,11 @@ class EmbeddedEngine(BatchScheduler, WeightUpdates):
         if reason is not None and kernels != "auto":
             raise ValueError(f"cpu_kernels={kernels!r} chooses the kv-cache decoder's kernel, which is off: {reason}")
         self._fast = LlamaDecoder(model, batch_invariant=batch_invariant, kernels=kernels) if reason is None else None
+        if self._fast is not None and self._fast.routed and (batch_invariant or speculative):
+            raise ValueError(
+                "batch-invariant decoding (rollout.exact_logprobs) and speculation are not built for routed-expert "
+                "(MoE) models yet: an expert computes the tokens of every row that chose it in one call"
+            )
         self._spec = Speculator(speculative) if speculative and reason is None else None
         self.decode_path = (
             "kv-cache decoder (shared prefixes, continuous batching)"
@@ -318,7 +324,7 @@ class EmbeddedEngine(BatchScheduler, WeightUpdates):
             take, waiting = waiting[:room], waiting[room:]
             self._advance(batch, [prompts[i] for i in take], [rows[i] for i in take])
         self._fast.release()
-        return [Completion(r.token_ids, r.logprobs, r.finish, version) for r in rows]
+        return [Completion(r.token_ids, r.logprobs, r.finish, version, None, row_routes(r.routes)) for r in rows]
 
     def _decode(
         self,

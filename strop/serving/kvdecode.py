@@ -2,10 +2,10 @@
 continuous batching.
 
 The embedded engine uses it for the models it knows (``llama``, ``qwen2``, ``qwen3`` with its per-head
-query/key norms, ``mistral``; without a sliding window); anything else falls back to Hugging Face's
-forward with a ``DynamicCache``.
-It reads the model's own parameters, so a weight update (``load_state_dict`` or a broadcast into
-the parameters) is seen by the next step without any copy.
+query/key norms, ``qwen3_moe`` with routed experts (:mod:`strop.serving.moe`, which records the routes),
+``mistral``; without a sliding window); anything else falls back to Hugging Face's forward with a
+``DynamicCache``. It sees a weight update (``load_state_dict`` or a broadcast into the parameters) at the
+next step.
 
 Layout. All running rows write their next token into the same cache column ``t``; a row's prompt
 sits right-aligned before the column where it joined (``start[r] .. t-1``), so rows that joined
@@ -35,8 +35,9 @@ import torch.nn.functional as F
 from strop.serving.invariant import attend_rows, packed_rows, prefill_each, prefill_packed, rows_linear
 from strop.serving.cpu_kernels import choose, unavailable
 from strop.serving.linear import PackedLinear, return_freed_memory
+from strop.serving.moe import RoutedExperts, is_routed, record_prompt_routes, record_step_routes
 
-SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
+SUPPORTED = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral")
 
 
 def unsupported_reason(model) -> str | None:
@@ -53,9 +54,9 @@ def unsupported_reason(model) -> str | None:
     if backbone is None or not all(hasattr(backbone, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
         return "not the usual (embed_tokens, layers, norm, rotary_emb) layout"
     attn = backbone.layers[0].self_attn
-    if kind != "qwen3" and any(hasattr(attn, a) for a in ("q_norm", "k_norm")):
+    if not kind.startswith("qwen3") and any(hasattr(attn, a) for a in ("q_norm", "k_norm")):
         return "query/key norms (not a plain Llama attention)"
-    if kind == "qwen3" and not all(hasattr(attn, a) for a in ("q_norm", "k_norm")):
+    if kind.startswith("qwen3") and not all(hasattr(attn, a) for a in ("q_norm", "k_norm")):
         return "a Qwen3 attention without its query/key norms"
     return None
 
@@ -81,6 +82,7 @@ class Row:
     top_logprobs: list = field(default_factory=list)  # per token, filled by a sampler asked for alternatives
     finish: str | None = None
     drafts: Any = None  # speculation's DraftIndex for the row's prompt (strop.serving.speculative)
+    routes: list = field(default_factory=list)  # routed experts' choices, prompt then steps (strop.serving.moe)
 
 
 class LlamaDecoder:
@@ -99,19 +101,22 @@ class LlamaDecoder:
         for layer in self.backbone.layers:
             a, m = layer.self_attn, layer.mlp
             self.qk_norms.append((a.q_norm, a.k_norm) if hasattr(a, "q_norm") else None)  # Qwen3: per head, pre-RoPE
+            dense = not is_routed(m)  # else (None, None, the routed experts) in the MLP's places
             self.layers.append(
                 (
                     layer.input_layernorm,
                     PackedLinear([a.q_proj, a.k_proj, a.v_proj]),
                     PackedLinear([a.o_proj]),
                     layer.post_attention_layernorm,
-                    PackedLinear([m.gate_proj, m.up_proj]),
-                    PackedLinear([m.down_proj]),
-                    m.act_fn,
+                    PackedLinear([m.gate_proj, m.up_proj]) if dense else None,
+                    PackedLinear([m.down_proj]) if dense else None,
+                    m.act_fn if dense else RoutedExperts(m),
                 )
             )
         self.head = PackedLinear([model.lm_head])
-        self.linears = [lin for parts in self.layers for lin in parts[1:3] + parts[4:6]] + [self.head]
+        self.linears = [lin for parts in self.layers for lin in parts[1:3] + parts[4:6] if lin] + [self.head]
+        self.routed = sum(parts[4] is None for parts in self.layers)  # MoE layers
+        self.routes: list[torch.Tensor] = []  # the last forward's expert choices, one entry per MoE layer
         w = self.backbone.embed_tokens.weight
         self.kernel = choose(kernels, w.dtype, w.device)  # the linear layers' kernel (strop.serving.cpu_kernels)
         self.prepack = prepack and self.kernel != "plain"
@@ -189,8 +194,17 @@ class LlamaDecoder:
             return prefill_each(self._prefill, ids, lengths)
         return self._prefill(ids, lengths)
 
+    def _mlp(self, h, gate_up, down, act, lin=PackedLinear.__call__):
+        if gate_up is None:  # routed experts (strop.serving.moe): their choices kept for the rows
+            out, chosen = act(h)
+            self.routes.append(chosen)
+            return out
+        g, u = lin(gate_up, h).chunk(2, dim=-1)
+        return lin(down, act(g).mul_(u))
+
     def _prefill(self, ids: torch.Tensor, lengths: torch.Tensor):
         N, P = ids.shape
+        self.routes = []
         dev = ids.device
         cols = torch.arange(P, device=dev)
         valid = cols.unsqueeze(0) >= (P - lengths).unsqueeze(1)  # (N, P)
@@ -210,8 +224,7 @@ class LlamaDecoder:
             keys[i], values[i] = k, v
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=self.group > 1)
             x = x + o_proj(o.transpose(1, 2).reshape(N, P, -1))
-            g, u = gate_up(self._norm(ln2, x)).chunk(2, dim=-1)
-            x = x + down(act(g) * u)
+            x = x + self._mlp(self._norm(ln2, x), gate_up, down, act)
         if self.batch_invariant:
             return self.head(self._norm(self.backbone.norm, x[:, -1:]))[:, 0], keys, values
         return self.head(self._norm(self.backbone.norm, x[:, -1])), keys, values
@@ -231,7 +244,7 @@ class LlamaDecoder:
         """Feed one token per row (B,) at cache column ``col``; attend over columns ``lo..col``
         with the additive ``bias`` (B, 1, 1, col-lo+1). Returns next-token logits (B, V).
         Batch-invariant, each row attends exactly the columns ``starts[r]..col`` instead."""
-        B = tokens.shape[0]
+        B, self.routes = tokens.shape[0], []
         exact = self.batch_invariant
         self._sync(packed_rows(B) if exact else B)
         lin = rows_linear if exact else PackedLinear.__call__
@@ -252,8 +265,7 @@ class LlamaDecoder:
                 vc = values[i, :B, :, lo : col + 1]
                 o = F.scaled_dot_product_attention(q, kc, vc, attn_mask=bias, scale=self.scale)  # (B, KV, G, D)
             x = x + lin(o_proj, o.reshape(B, -1))
-            g, u = lin(gate_up, self._norm(ln2, x)).chunk(2, dim=-1)
-            x += lin(down, act(g).mul_(u))  # x is this step's own tensor: in place saves an allocation
+            x += self._mlp(self._norm(ln2, x), gate_up, down, act, lin)  # (x is this step's own tensor)
         return lin(self.head, self._norm(self.backbone.norm, x))
 
 
@@ -342,6 +354,7 @@ class Batch:
             ids[i, P - len(p) :] = torch.tensor(p)
         lengths = torch.tensor([len(p) for p in uniq])
         logits, k, v = d.prefill(ids.to(d.device), lengths.to(d.device))
+        record_prompt_routes(d.routes, rows, which, prompts, P)
         self.prefilled_tokens += int(lengths.sum())
         self.prompt_tokens += sum(len(p) for p in prompts)
         w = torch.tensor(which, device=d.device)
@@ -423,6 +436,7 @@ class Batch:
         self.col += 1
         self.positions += 1
         running = [self.rows[i] for i in live]
+        record_step_routes(self.dec.routes, running, live)
         idx = torch.tensor(live, device=dev)
         tokens, logprobs = self.sample(
             logits.index_select(0, idx).float() if len(live) < B else logits.float(), running

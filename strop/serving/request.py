@@ -53,8 +53,12 @@ class PendingRequest:
     emitted: int = 0  # tokens of the current row handed to on_token so far
     done_versions: list[int] = field(default_factory=list)  # per done_ids token, the weights' version that sampled it
 
-    def completion(self, token_ids: list[int], logprobs: list[float], finish: str, version: int) -> Completion:
-        """The answer; a request retracted across a weight version says which version sampled each token."""
+    def completion(
+        self, token_ids: list[int], logprobs: list[float], finish: str, version: int, routes=None
+    ) -> Completion:
+        """The answer; a request retracted across a weight version says which version sampled each token.
+        ``routes``: the routed experts of the row's prompt (for a retracted request: the tokens so far too, as
+        prefilled again) and fed tokens (strop.serving.moe)."""
         versions = self.done_versions + [version] * len(token_ids)
         spans = versions if self.done_versions and len(set(versions)) > 1 else None
-        return Completion(self.done_ids + token_ids, self.done_logprobs + logprobs, finish, version, spans)
+        return Completion(self.done_ids + token_ids, self.done_logprobs + logprobs, finish, version, spans, routes)

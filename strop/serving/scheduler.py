@@ -14,6 +14,7 @@ import torch
 from strop.openmp import release_threads
 from strop.serving.kvdecode import Batch, Row
 from strop.serving.request import PendingRequest
+from strop.serving.moe import row_routes
 from strop.serving.speculative import align
 from strop.types import Completion, SamplingParams
 
@@ -202,7 +203,11 @@ class BatchScheduler:
             req.on_token = None
 
     def _answer(self, row: Row) -> None:
-        self._settle(row.owner, row.owner.completion(row.token_ids, row.logprobs, row.finish, self.weight_version))
+        owner = row.owner
+        self._settle(
+            owner,
+            owner.completion(row.token_ids, row.logprobs, row.finish, self.weight_version, row_routes(row.routes)),
+        )
 
     def _kick(self) -> None:
         if (
