@@ -135,16 +135,7 @@ class EmbeddedEngine(BatchScheduler, WeightUpdates):
                 "(MoE) models yet: an expert computes the tokens of every row that chose it in one call"
             )
         self._spec = Speculator(speculative) if speculative and reason is None else None
-        self.decode_path = (
-            "kv-cache decoder (shared prefixes, continuous batching)"
-            if reason is None
-            else f"transformers forward with DynamicCache, static batches ({reason})"
-        )
-        self.decode_path += describe_speculation(speculative, self._spec is not None)
-        if shared:
-            self.decode_path += ", from the trainer's own weights (engine.share_weights: no copy)"
-        if self._fast is not None:
-            self.decode_path += "; " + describe_kernel(self._fast.kernel, self._fast.dtype)
+        self.decode_path = describe_decoder(self._fast, reason, speculative, shared)
 
     # ---- the async interface -------------------------------------------------------------
     async def generate(
@@ -343,3 +334,16 @@ class EmbeddedEngine(BatchScheduler, WeightUpdates):
     def _sample(self, logits, temperature, top_p, top_k, generators, top_n: int = 0):
         """:func:`strop.serving.sampling.sample` with the engine's generator for rows without their own."""
         return sample(logits, temperature, top_p, top_k, generators, self.generator, top_n)
+
+
+def describe_decoder(fast: LlamaDecoder | None, reason: str | None, speculative: int, shared: bool) -> str:
+    """The engine's start line's words on how it decodes (``reason``: why the fast decoder does not run)."""
+    path = (
+        "kv-cache decoder (shared prefixes, continuous batching)"
+        if reason is None
+        else f"transformers forward with DynamicCache, static batches ({reason})"
+    )
+    path += describe_speculation(speculative, reason is None)
+    if shared:
+        path += ", from the trainer's own weights (engine.share_weights: no copy)"
+    return path + ("; " + describe_kernel(fast.kernel, fast.dtype) if fast is not None else "")
