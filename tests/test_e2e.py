@@ -366,29 +366,12 @@ def test_a_model_the_fast_decoder_cannot_run_keeps_its_copy_and_refuses_sharing(
     """A model the fast decoder does not know (Mixtral) runs on the fallback decoder, which calls the model's
     forward: unset, the engine keeps a copy of the weights (in eval mode, the trainer's stays in train mode); set to
     true, the run is refused."""
-    from transformers import MixtralConfig, MixtralForCausalLM
-
     from strop.config import ConfigError
     from strop.setup import build
+    from tests.tiny import make_tiny_mixtral
 
     path = tmp_path / "mixtral"
-    torch.manual_seed(0)
-    config = MixtralConfig(
-        vocab_size=49152,
-        hidden_size=32,
-        intermediate_size=16,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
-    )
-    MixtralForCausalLM(config).float().save_pretrained(path)
+    make_tiny_mixtral().save_pretrained(path)
     tokenizer.save_pretrained(path)
     c = build(build_config(overrides=tiny_overrides(path, tmp_path / "auto")))
     try:

@@ -82,3 +82,26 @@ def make_tiny_qwen3_moe(vocab_size: int = 49152, seed: int = 0):
     with torch.no_grad():
         model.model.embed_tokens.weight.normal_(0, 0.5)
     return model
+
+
+def make_tiny_mixtral(seed: int = 0):
+    """A random-initialised 2-layer Mixtral (4 experts, 2 per token): a model the fast decoder does not run."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(seed)
+    config = MixtralConfig(
+        vocab_size=49152,
+        hidden_size=32,
+        intermediate_size=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
+    return MixtralForCausalLM(config).float()
