@@ -84,3 +84,63 @@ def why_no_cpu_kernels(cfg) -> str:
     if kernel == "mkl" and dtype != "float32":
         return f"MKL's packed sgemm computes float32 only, and the engine's weights are {dtype}: use onednn or plain"
     return ""
+
+
+def why_no_routing_replay(cfg) -> str:
+    """Why algo.routing_replay cannot replay the engine's routes with ``cfg`` ('' when it can): strop's own decoder
+    records them (strop.serving.moe), and the trainer's routers must see one token per route."""
+    e, p = cfg.engine, cfg.parallel
+    if e.kind != "embedded":
+        return f"engine.kind={e.kind!r}: strop does not ask servers for the routed experts yet (engine.kind='embedded')"
+    if not e.fast_decode:
+        return "engine.fast_decode=false decodes with the model's own forward, which records no routes"
+    for name, n in (
+        ("tensor_parallel_size", p.tensor_parallel_size),
+        ("context_parallel_size", p.context_parallel_size),
+    ):
+        if n > 1:
+            return f"parallel.{name}={n} splits a sequence's tokens across ranks; replay maps routes to whole rows"
+    return ""
+
+
+def tools_setting(c) -> str:
+    """The multi-turn tools a config turns on, as the setting that names them ('' for none)."""
+    return (
+        f"tools.enabled={c.tools.enabled}"
+        if c.tools.enabled
+        else f"plugins.tools={c.plugins.tools!r}"
+        if c.plugins.tools
+        else ""
+    )
+
+
+def other_generation(c) -> str:
+    """What generates a sample other than the agent proxy, as the setting that names it ('' for nothing)."""
+    p = c.plugins
+    return (
+        tools_setting(c)
+        or (f"plugins.generate={p.generate!r}" if p.generate else "")
+        or (f"plugins.rollout={p.rollout!r}" if p.rollout else "")
+    )
+
+
+def adapter_sync(c) -> bool:
+    """Whether weights reach servers as a LoRA adapter alone (engine.sync='adapter', or 'auto' with LoRA)."""
+    e = c.engine
+    return e.sync == "adapter" or (e.sync == "auto" and bool(c.model.lora_rank) and e.kind != "embedded")
+
+
+def agent_rewards(c) -> bool:
+    return bool(c.plugins.agent) and c.agent.reward == "session"
+
+
+def shared_prefix_off(c) -> str:
+    """Why a shared-prefix row (strop.parallel.prefix) cannot be used with ``c`` ('' when it can)."""
+    if c.parallel.context_parallel_size > 1:
+        return (
+            f"parallel.context_parallel_size={c.parallel.context_parallel_size} splits rows by tokens with its own "
+            "block-diagonal mask, which has no place for a prefix shared by several samples"
+        )
+    if c.model.attn_implementation == "flash_attention_2":
+        return "model.attn_implementation='flash_attention_2' takes no (L, L) mask, which the shared row needs"
+    return ""

@@ -14,7 +14,18 @@ from dataclasses import dataclass
 from typing import Callable
 
 from strop.algo.config import GROUP_ESTIMATORS, OFF_POLICY_CORRECTIONS
-from strop.rule_reasons import LORA_NOT_SPLIT, why_no_cpu_kernels, why_no_speculation, why_not_shared
+from strop.rule_reasons import (
+    LORA_NOT_SPLIT,
+    adapter_sync,
+    agent_rewards,
+    other_generation,
+    tools_setting,
+    shared_prefix_off,
+    why_no_cpu_kernels,
+    why_no_routing_replay,
+    why_no_speculation,
+    why_not_shared,
+)
 
 
 @dataclass(frozen=True)
@@ -24,49 +35,6 @@ class Rule:
     name: str
     broken: Callable[[object], bool]  # the condition that breaks the rule, of the whole config
     why: Callable[[object], str]  # the refusal, phrased for the user (read only when broken)
-
-
-def _tools(c) -> str:
-    """The multi-turn tools a config turns on, as the setting that names them ('' for none)."""
-    return (
-        f"tools.enabled={c.tools.enabled}"
-        if c.tools.enabled
-        else f"plugins.tools={c.plugins.tools!r}"
-        if c.plugins.tools
-        else ""
-    )
-
-
-def _other_generation(c) -> str:
-    """What generates a sample other than the agent proxy, as the setting that names it ('' for nothing)."""
-    p = c.plugins
-    return (
-        _tools(c)
-        or (f"plugins.generate={p.generate!r}" if p.generate else "")
-        or (f"plugins.rollout={p.rollout!r}" if p.rollout else "")
-    )
-
-
-def _adapter_sync(c) -> bool:
-    """Whether weights reach servers as a LoRA adapter alone (engine.sync='adapter', or 'auto' with LoRA)."""
-    e = c.engine
-    return e.sync == "adapter" or (e.sync == "auto" and bool(c.model.lora_rank) and e.kind != "embedded")
-
-
-def _agent_rewards(c) -> bool:
-    return bool(c.plugins.agent) and c.agent.reward == "session"
-
-
-def shared_prefix_off(c) -> str:
-    """Why a shared-prefix row (strop.parallel.prefix) cannot be used with ``c`` ('' when it can)."""
-    if c.parallel.context_parallel_size > 1:
-        return (
-            f"parallel.context_parallel_size={c.parallel.context_parallel_size} splits rows by tokens with its own "
-            "block-diagonal mask, which has no place for a prefix shared by several samples"
-        )
-    if c.model.attn_implementation == "flash_attention_2":
-        return "model.attn_implementation='flash_attention_2' takes no (L, L) mask, which the shared row needs"
-    return ""
 
 
 def _corrected(a) -> bool:
@@ -215,35 +183,35 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "tools take no generate hook",
-        lambda c: bool(_tools(c) and c.plugins.generate),
+        lambda c: bool(tools_setting(c) and c.plugins.generate),
         lambda c: (
-            f"{_tools(c)} uses strop's multi-turn generate function; "
+            f"{tools_setting(c)} uses strop's multi-turn generate function; "
             f"plugins.generate={c.plugins.generate!r} would replace it: use one or the other"
         ),
     ),
     Rule(
         "tools take no overlong shaping",
-        lambda c: bool(_tools(c)) and c.algo.overlong_buffer is not None,
+        lambda c: bool(tools_setting(c)) and c.algo.overlong_buffer is not None,
         lambda c: (
             f"algo.overlong_buffer shapes a single response by its length against "
-            f"rollout.max_new_tokens; a multi-turn sample ({_tools(c)}) also holds tool output and "
+            f"rollout.max_new_tokens; a multi-turn sample ({tools_setting(c)}) also holds tool output and "
             "several turns' budgets: shape its reward in the reward function instead"
         ),
     ),
     Rule(
         "tools restart a sample clean",
-        lambda c: bool(_tools(c)) and c.rollout.partial == "resume",
+        lambda c: bool(tools_setting(c)) and c.rollout.partial == "resume",
         lambda c: (
             "rollout.partial='resume' continues a sample from its tokens, but a multi-turn sample "
-            f"restarts clean ({_tools(c)}): use rollout.partial='finish'"
+            f"restarts clean ({tools_setting(c)}): use rollout.partial='finish'"
         ),
     ),
     Rule(
         "an agent generates alone",
-        lambda c: bool(c.plugins.agent and _other_generation(c)),
+        lambda c: bool(c.plugins.agent and other_generation(c)),
         lambda c: (
             f"plugins.agent={c.plugins.agent!r} generates each sample through the agent "
-            f"proxy, and {_other_generation(c)} generates it another way: use one of them"
+            f"proxy, and {other_generation(c)} generates it another way: use one of them"
         ),
     ),
     Rule(
@@ -258,13 +226,13 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "the judge is the one reward",
-        lambda c: bool(c.reward.endpoint) and (_agent_rewards(c) or "reward" in c.rollout.model_fields_set),
+        lambda c: bool(c.reward.endpoint) and (agent_rewards(c) or "reward" in c.rollout.model_fields_set),
         lambda c: (
             f"reward.endpoint={c.reward.endpoint!r} scores every sample with its judge, "
             + (
                 f"but with agent.reward='session' each session's reward is what plugins.agent={c.plugins.agent!r} gives: "
                 "set agent.reward='hook' to have the judge score each session's last answer"
-                if _agent_rewards(c)
+                if agent_rewards(c)
                 else f"and rollout.reward={c.rollout.reward!r} names another reward: set one of them"
             )
         ),
@@ -359,7 +327,7 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "verified updates need whole weights",
-        lambda c: c.engine.verify_updates != "off" and _adapter_sync(c),
+        lambda c: c.engine.verify_updates != "off" and adapter_sync(c),
         lambda c: (
             f"engine.verify_updates={c.engine.verify_updates!r} with the adapter transport (engine.sync="
             f"{c.engine.sync!r}, model.lora_rank={c.model.lora_rank}): it sends the LoRA adapter alone and merges "
@@ -416,6 +384,11 @@ RULES: tuple[Rule, ...] = (
         "cpu kernels are the embedded decoder's",
         lambda c: c.engine.cpu_kernels != "auto" and bool(why_no_cpu_kernels(c)),
         lambda c: f"engine.cpu_kernels={c.engine.cpu_kernels!r}: {why_no_cpu_kernels(c)}",
+    ),
+    Rule(
+        "routing replay needs the engine's routes",
+        lambda c: c.algo.routing_replay and bool(why_no_routing_replay(c)),
+        lambda c: f"algo.routing_replay=true: {why_no_routing_replay(c)}",
     ),
     Rule(
         "resumed samples need the default generate",

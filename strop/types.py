@@ -97,6 +97,20 @@ class Completion:
     # [prompt + response tokens but the last, MoE layers, top_k] (strop.serving.moe); None for a dense model
     routed_experts: Any = None
 
+    def cut(self, keep: int, finish_reason: FinishReason = "stop") -> "Completion":
+        """This completion's first ``keep`` tokens, with their logprobs, versions and routes (a stop string or a
+        tool call's end found in the text)."""
+        drop = len(self.token_ids) - keep
+        routes = self.routed_experts
+        return Completion(
+            list(self.token_ids[:keep]),
+            list((self.logprobs or [])[:keep]),
+            finish_reason,
+            self.weight_version,
+            None if self.token_versions is None else list(self.token_versions[:keep]),
+            None if routes is None else routes[: len(routes) - drop],
+        )
+
 
 @dataclass
 class Sample:
@@ -121,6 +135,9 @@ class Sample:
     reward: float | None = None
     status: Status = Status.PENDING
     metadata: dict = field(default_factory=dict)
+    # routed-expert (MoE) models: the experts the engine routed each token to, an int16 tensor
+    # [prompt + response tokens, MoE layers, top_k]; -1 where no engine call recorded one (:meth:`take_routes`)
+    routed_experts: Any = None
 
     def __post_init__(self) -> None:
         self.make_checkpointable()
@@ -169,11 +186,51 @@ class Sample:
         self.rollout_logprobs.extend(float(x) for x in logprobs)
         self.loss_mask.extend([1 if trainable else 0] * len(ids))
         self.weight_versions.extend([weight_version] * len(ids))
+        if self.routed_experts is not None and ids:  # the new tokens have no routes until an engine call says
+            routes = self.routed_experts
+            self.routed_experts = routes.new_full((len(routes) + len(ids), *routes.shape[1:]), -1)
+            self.routed_experts[: len(routes)] = routes
         self.check()
 
-    def apply_completion(self, completion: Completion) -> None:
-        """Append an engine completion and set the status from its finish reason."""
+    def take_routes(self, routes, seen: list[int]) -> None:
+        """Record one engine call's routed experts: ``routes`` (int16 [tokens, MoE layers, top_k]) of the token ids
+        ``seen`` (the call's prompt, then what it generated; the routes cover ``seen[:len(routes)]``, all but the
+        last token when the engine never fed it back in; a completion cut short keeps its longer routes).
+
+        They are taken for the longest common prefix of ``seen`` and this sample's tokens: a token's route is a
+        function of the tokens up to it, so a call whose prompt is not the sample's own tokens (a chat turn
+        rendered again, a tool call's tail dropped) gives routes only where the two agree, never shifted. The
+        newest call wins there (one engine forward over the whole prefix, the weights nearest the trainer's);
+        past it an earlier call's routes stay, or -1 (the trainer's router chooses)."""
+        if routes is None:
+            return
+        import torch  # routes come only from a torch engine; this module stays light
+
+        seq = self.prompt_ids + self.response_ids
+        n = min(len(routes), len(seq), len(seen))  # routes past ``seen``: tokens cut from the completion
+        agree = next((i for i in range(n) if seq[i] != seen[i]), n)
+        old = self.routed_experts
+        if old is None or tuple(old.shape[1:]) != tuple(routes.shape[1:]):
+            old = torch.full((0, *routes.shape[1:]), -1, dtype=torch.int16)
+        out = torch.full((len(seq), *routes.shape[1:]), -1, dtype=torch.int16)
+        out[: min(len(old), len(seq))] = old[: len(seq)]
+        out[:agree] = routes[:agree].to(torch.int16)
+        self.routed_experts = out
+
+    def apply_completion(self, completion: Completion, prompt: list[int] | None = None) -> None:
+        """Append an engine completion and set the status from its finish reason. ``prompt``: the ids the engine
+        was given (default: this sample's tokens so far), to place the completion's routed experts."""
+        seen = (self.prompt_ids + self.response_ids if prompt is None else list(prompt)) + list(completion.token_ids)
         self.append(completion.token_ids, completion.logprobs, weight_version=completion.weight_version)
+        routes = completion.routed_experts
+        if routes is not None and len(routes) not in (len(seen) - 1, len(seen)):
+            raise SampleInvariantError(
+                f"sample group={self.group_id} index={self.index}: the engine returned routes for {len(routes)} "
+                f"tokens, but its call had {len(seen) - len(completion.token_ids)} prompt and "
+                f"{len(completion.token_ids)} generated tokens (a generate function that prompts the engine with "
+                "other tokens than the sample's passes them: apply_completion(completion, prompt=...))"
+            )
+        self.take_routes(routes, seen)
         versions = completion.token_versions
         if versions is not None and completion.token_ids:
             if len(versions) != len(completion.token_ids):
@@ -189,6 +246,7 @@ class Sample:
         self.response_ids, self.rollout_logprobs = [], []
         self.loss_mask, self.weight_versions = [], []
         self.response_text, self.reward, self.status = "", None, Status.PENDING
+        self.routed_experts = None
 
     def check(self) -> None:
         n = len(self.response_ids)
@@ -198,6 +256,8 @@ class Sample:
             "weight_versions": len(self.weight_versions),
         }
         bad = {k: v for k, v in lengths.items() if v != n}
+        if self.routed_experts is not None and len(self.routed_experts) != self.total_length:
+            bad["routed_experts (prompt + response)"] = len(self.routed_experts) - len(self.prompt_ids)
         if bad:
             raise SampleInvariantError(
                 f"sample group={self.group_id} index={self.index}: response has {n} tokens but "

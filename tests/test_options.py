@@ -64,6 +64,7 @@ OPTIONS = [
     ("algo.policy_loss", "Literal['ppo_clip', 'gspo', 'cispo', 'dppo']", "ppo_clip"),
     ("algo.proximal", "Literal['recompute', 'loglinear']", "recompute"),
     ("algo.ref_mode", "Literal['copy', 'swap']", "copy"),
+    ("algo.routing_replay", "bool", False),
     ("algo.tis_cap", "float | None", None),
     ("algo.use_rollout_logprobs", "bool", False),
     ("algo.value_clip", "float | None", 0.2),

@@ -141,6 +141,10 @@ CASES = {
         {"parallel": {"tensor_parallel_size": 2}, "algo": {"kl_coef": 0.1, "ref_mode": "swap"}},
         "cannot swap into weights split by parallel.tensor_parallel_size=2",
     ),
+    "routing replay needs the engine's routes": (
+        {"algo": {"routing_replay": True}, "engine": {"fast_decode": False}},
+        "engine.fast_decode=false decodes with the model's own forward, which records no routes",
+    ),
     "resumed samples need the default generate": (
         {"rollout": {"partial": "resume"}, "plugins": {"generate": "my.g:f"}},
         "plugins.generate='my.g:f' may not: use partial='finish'",

@@ -398,4 +398,4 @@ def end_at_calls(tokenizer, out: Completion, tool_names: set[str]) -> Completion
     keep = tokens_covering(tokenizer, list(out.token_ids), end)
     if keep >= len(out.token_ids):
         return out
-    return Completion(list(out.token_ids[:keep]), list(out.logprobs[:keep]), "stop", out.weight_version)
+    return out.cut(keep)

@@ -148,6 +148,7 @@ class Session:
             done = seg.tip.choices[j].completion
             seg.sample.append(done.token_ids, done.logprobs, weight_version=done.weight_version)
             seg.sample.append(prompt_ids[len(had) :], trainable=False, weight_version=done.weight_version)
+            seg.sample.take_routes(done.routed_experts, had)  # MoE: the engine's routes of the turn it continues
             self.unused_choices += len(seg.tip.choices) - 1
             seg.tip = call
             self.last_segment = seg
@@ -230,6 +231,7 @@ class Session:
             if seg.tip.choices:
                 done = seg.tip.choices[0].completion
                 s.append(done.token_ids, done.logprobs, weight_version=done.weight_version)
+                s.take_routes(done.routed_experts, seg.tokens_with(0))
                 s.status = {"stop": Status.COMPLETED, "length": Status.TRUNCATED}.get(
                     done.finish_reason, Status.ABORTED
                 )

@@ -128,6 +128,11 @@ class AlgoConfig(Section):
         "rollout.max_new_tokens the reward falls linearly to -algo.overlong_penalty (by generated length)",
     )
     overlong_penalty: float = Field(1.0, ge=0, description="DAPO overlong shaping: the penalty at the length limit")
+    routing_replay: bool = Field(
+        False,
+        description="routed-experts (MoE) models: the policy's forwards route each token to the experts the engine "
+        "chose for it (R3), with gate weights from the live router; the engine records them",
+    )
 
     @model_validator(mode="after")
     def _check_algo(self):

@@ -259,6 +259,11 @@ class StepStats:
                 self.tok(name, tok[key], mask)
         self.max("importance_weight_max", (tok["importance_weight"] * mask).max().item())
 
+    def ratio(self, name, hits: float, n: float):
+        """A fraction summed over ranks: ``hits`` of ``n`` (a result of 0 when no rank counted any)."""
+        self.tok_sum[name] = self.tok_sum.get(name, 0.0) + hits
+        self.tok_n[name] = self.tok_n.get(name, 0.0) + n
+
     def add(self, name, value):
         self.raw[name] = self.raw.get(name, 0.0) + value
 

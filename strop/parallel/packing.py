@@ -57,6 +57,7 @@ def collate_packed(samples: list[Sample], with_mask: bool = True) -> dict[str, t
         cols += range(R)
         offset += len(tokens)
     L = offset
+    routes = row_routes(samples, [(i, 0, s.total_length) for i, s in enumerate(samples)])
     seg = torch.tensor(segment)
     mask = None
     if with_mask:
@@ -71,7 +72,27 @@ def collate_packed(samples: list[Sample], with_mask: bool = True) -> dict[str, t
         "scatter": (torch.tensor(rows), torch.tensor(cols)),
         **per_sample(samples, T),
         "tokens": L,
+        **({} if routes is None else {"routes": routes.unsqueeze(0)}),
     }
+
+
+def row_routes(samples: list[Sample], spans: list[tuple[int, int, int]]) -> torch.Tensor | None:
+    """The routed experts (MoE routing replay) of a row laid out from ``spans``, each ``(sample, start, end)``: a
+    piece of a sample's tokens, in column order. (columns, layers, top_k) int16, -1 where a sample has none; None
+    when no sample of the row has any."""
+    shape = next((tuple(s.routed_experts.shape[1:]) for s in samples if s.routed_experts is not None), None)
+    if shape is None:
+        return None
+    parts = []
+    for i, start, end in spans:
+        r = samples[i].routed_experts
+        if r is not None and tuple(r.shape[1:]) != shape:
+            raise ValueError(
+                f"sample group={samples[i].group_id} index={samples[i].index} has routes of {tuple(r.shape[1:])} "
+                f"(layers, top_k), another in its micro-batch {shape}: one model's engine records one shape"
+            )
+        parts.append(r[start:end] if r is not None else torch.full((end - start, *shape), -1, dtype=torch.int16))
+    return torch.cat(parts)
 
 
 def per_sample(samples: list[Sample], T: int) -> dict[str, torch.Tensor]:

@@ -25,7 +25,7 @@ import os
 
 import torch
 
-from strop.parallel.packing import per_sample
+from strop.parallel.packing import per_sample, row_routes
 from strop.types import Sample
 
 
@@ -33,6 +33,20 @@ def common_prefix(seqs: list[list[int]]) -> int:
     """Length of the longest common prefix of ``seqs`` (0 for fewer than two)."""
     # (the common prefix of the smallest and the largest in list order is everyone's: two C-level comparisons)
     return len(os.path.commonprefix(seqs)) if len(seqs) > 1 else 0
+
+
+def shared_length(samples: list[Sample], members: list[int]) -> int:
+    """How many first tokens the samples ``members`` lay out once: their common prefix, and where they carry
+    routed experts (MoE routing replay) only as far as those agree too, since the shared columns replay one."""
+    seqs = [samples[i].prompt_ids + samples[i].response_ids for i in members]
+    S = common_prefix(seqs)
+    routes = [samples[i].routed_experts for i in members]
+    if S and any(r is not None for r in routes):
+        if any(r is None for r in routes):
+            return 0
+        differ = torch.stack([(r[:S] != routes[0][:S]).flatten(1).any(1) for r in routes]).any(0)
+        S = int(differ.nonzero()[0]) if differ.any() else S
+    return S
 
 
 def _clusters(samples: list[Sample]) -> list[list[int]]:
@@ -50,20 +64,15 @@ micro-batch of long samples is cut into rows of at most this many tokens (a 16 M
 
 def shares(samples: list[Sample]) -> bool:
     """Whether two of ``samples`` share a prefix (else a shared row is just a packed one, with its (L, L) mask)."""
-    return any(
-        common_prefix([samples[i].prompt_ids + samples[i].response_ids for i in members]) > 0
-        for members in _clusters(samples)
-        if len(members) > 1
-    )
+    return any(shared_length(samples, members) > 0 for members in _clusters(samples) if len(members) > 1)
 
 
 def tree_tokens(samples: list[Sample]) -> int:
     """Tokens of the shared row of ``samples`` (what :func:`collate_shared_prefix` lays out)."""
     total = 0
     for members in _clusters(samples):
-        seqs = [samples[i].prompt_ids + samples[i].response_ids for i in members]
-        S = common_prefix(seqs)
-        total += S + sum(len(x) - S for x in seqs)
+        S = shared_length(samples, members) if len(members) > 1 else 0
+        total += S + sum(samples[i].total_length - S for i in members)
     return total
 
 
@@ -80,11 +89,13 @@ def collate_shared_prefix(samples: list[Sample]) -> dict[str, torch.Tensor]:
     preds: list[int] = []
     rows: list[int] = []
     cols: list[int] = []
+    spans: list[tuple[int, int, int]] = []  # (sample, start, end) of each column run: where its routes come from
     next_seg = 0
     for members in _clusters(samples):
         seqs = [samples[i].prompt_ids + samples[i].response_ids for i in members]
-        S, base, prefix_seg = common_prefix(seqs), len(ids), -1
+        S, base, prefix_seg = shared_length(samples, members) if len(members) > 1 else 0, len(ids), -1
         if S:
+            spans.append((members[0], 0, S))
             prefix_seg, next_seg = next_seg, next_seg + 1
             ids += seqs[0][:S]
             pos_ids += range(S)
@@ -92,6 +103,7 @@ def collate_shared_prefix(samples: list[Sample]) -> dict[str, torch.Tensor]:
             parent += [-1] * S
         for i, seq in zip(members, seqs):
             own, next_seg, start = next_seg, next_seg + 1, len(ids)
+            spans.append((i, S, len(seq)))
             ids += seq[S:]
             pos_ids += range(S, len(seq))
             segment += [own] * (len(seq) - S)
@@ -102,7 +114,7 @@ def collate_shared_prefix(samples: list[Sample]) -> dict[str, torch.Tensor]:
             preds += [column(p - 1) for p in range(P, P + R)]
             rows += [i] * R
             cols += range(R)
-    L = len(ids)
+    L, routes = len(ids), row_routes(samples, spans)
     seg, par = torch.tensor(segment), torch.tensor(parent)
     causal = torch.ones(L, L, dtype=torch.bool).tril()
     sees = (seg.unsqueeze(1) == seg.unsqueeze(0)) | (par.unsqueeze(1) == seg.unsqueeze(0))  # [query, key]
@@ -116,6 +128,7 @@ def collate_shared_prefix(samples: list[Sample]) -> dict[str, torch.Tensor]:
         **per_sample(samples, T),
         "tokens": L,
         "tokens_unshared": sum(s.total_length for s in samples),
+        **({} if routes is None else {"routes": routes.unsqueeze(0)}),
     }
 
 

@@ -93,6 +93,7 @@ async def generate(ctx, sample: Sample, sampling: SamplingParams) -> Sample:
             ids, lps = ids[:keep], lps[:keep]
         turn_start = sample.response_length
         sample.append(ids, lps, weight_version=completion.weight_version)
+        sample.take_routes(completion.routed_experts, prompt + list(completion.token_ids))  # MoE: R3's routes
         _check_prefix(sample, prompt)
         last_turn = (turn_start, sample.response_length)
         if call is None:

@@ -3,14 +3,20 @@
 JSON lines. The first line is a header ``{"strop_samples": 1, "rollout": {...}}`` with the rollout
 settings that shaped the logprobs (the temperature above all). Every other line is one sample of
 one step: ``step``, ``group_id``, ``index``, ``prompt_ids``, ``response_ids``, ``rollout_logprobs``,
-``loss_mask``, ``weight_versions``, ``reward``, ``status``, ``label``, ``metadata``. Floats are written
+``loss_mask``, ``weight_versions``, ``reward``, ``status``, ``label``, ``metadata``, and for a routed-experts
+(MoE) model ``routed_experts``: ``{"shape": [tokens, layers, top_k], "int16": base64}``, the engine's routes as
+little-endian int16 (what routing replay needs; JSON lists would be three times the size). Floats are written
 with Python's shortest round-trip form, so logprobs read back bit for bit.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 from pathlib import Path
+
+import numpy as np
+import torch
 
 from strop.data.sources import DataError
 from strop.types import Sample, Status
@@ -43,11 +49,33 @@ def write_samples(path: Path, samples: list[Sample], step: int) -> None:
                         "status": s.status.value,
                         "label": s.label,
                         "metadata": s.metadata,
+                        **({} if s.routed_experts is None else {"routed_experts": routes_record(s.routed_experts)}),
                     },
                     default=str,
                 )
                 + "\n"
             )
+
+
+def routes_record(routes: torch.Tensor) -> dict:
+    data = routes.to(torch.int16).contiguous().numpy().astype("<i2").tobytes()
+    return {"shape": list(routes.shape), "int16": base64.b64encode(data).decode("ascii")}
+
+
+def read_routes(rec) -> torch.Tensor:
+    """A sample's ``routed_experts`` record back as an int16 tensor; a malformed one raises ValueError."""
+    if not isinstance(rec, dict) or not isinstance(rec.get("shape"), list) or not isinstance(rec.get("int16"), str):
+        raise ValueError('routed_experts must be {"shape": [tokens, layers, top_k], "int16": base64}')
+    shape = rec["shape"]
+    if len(shape) != 3 or not all(isinstance(d, int) and d >= 0 for d in shape):
+        raise ValueError(f"routed_experts shape {shape} is not [tokens, layers, top_k]")
+    try:
+        data = base64.b64decode(rec["int16"], validate=True)
+    except ValueError:
+        raise ValueError("routed_experts int16 is not base64") from None
+    if len(data) != 2 * shape[0] * shape[1] * shape[2]:
+        raise ValueError(f"routed_experts holds {len(data)} bytes, but shape {shape} needs {2 * np.prod(shape)}")
+    return torch.from_numpy(np.frombuffer(data, dtype="<i2").astype(np.int16).reshape(shape))
 
 
 def read_samples(path: str | Path) -> tuple[dict, dict[int, list[Sample]]]:
@@ -86,6 +114,8 @@ def read_samples(path: str | Path) -> tuple[dict, dict[int, list[Sample]]]:
             s.loss_mask, s.weight_versions = list(rec["loss_mask"]), list(rec["weight_versions"])
             s.reward, s.status = rec["reward"], Status(rec["status"])
             try:
+                if rec.get("routed_experts") is not None:
+                    s.routed_experts = read_routes(rec["routed_experts"])
                 s.check()
             except ValueError as exc:
                 raise DataError(f"{path}:{n}: {exc}") from None

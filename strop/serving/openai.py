@@ -293,7 +293,7 @@ def cut_at_stops(out: Completion, stops: list[str], decode) -> tuple[Completion,
         return out, text, None
     _, matched = min(hits)
     keep = _tokens_through(lambda k: any(s in decode(out.token_ids[:k]) for s in stops), len(out.token_ids))
-    cut = Completion(out.token_ids[:keep], (out.logprobs or [])[:keep], "stop", out.weight_version)
+    cut = out.cut(keep)
     text = decode(cut.token_ids)
     return cut, text[: min(text.find(s) for s in stops if s in text)], matched
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from strop.algo.offpolicy import distillation_advantages, overlong_penalty
-from strop.parallel.packing import pack_by_token_budget
+from strop.parallel.packing import pack_by_token_budget, row_routes
 from strop.types import Sample
 
 
@@ -32,7 +32,7 @@ def collate(samples: list[Sample], pad_token_id: int) -> dict[str, torch.Tensor]
         loss_mask[i, :R] = torch.tensor(s.loss_mask, dtype=torch.float32)
         response_mask[i, :R] = 1.0
         rollout_logprobs[i, :R] = torch.tensor(s.rollout_logprobs)
-    return {
+    out = {
         "input_ids": input_ids,
         "attention_mask": attention_mask,
         "positions": positions,
@@ -40,6 +40,14 @@ def collate(samples: list[Sample], pad_token_id: int) -> dict[str, torch.Tensor]
         "response_mask": response_mask,
         "rollout_logprobs": rollout_logprobs,
     }
+    rows = [row_routes(samples, [(i, 0, s.total_length)]) for i, s in enumerate(samples)]
+    if any(r is not None for r in rows):  # routing replay: (B, L, layers, top_k), -1 in the padding
+        shape = next(r.shape[1:] for r in rows if r is not None)
+        out["routes"] = torch.full((B, L, *shape), -1, dtype=torch.int16)
+        for i, r in enumerate(rows):
+            if r is not None:
+                out["routes"][i, : len(r)] = r
+    return out
 
 
 def to_device(batch: dict, device: torch.device) -> dict:

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from strop.algo.losses import aggregate, value_loss
+from strop.parallel.packing import unpack
 from strop.train.logprob import response_hidden
 
 
@@ -40,6 +41,20 @@ class ValueModel(nn.Module):
         return restore(self.value_head(h).squeeze(-1).float())  # (B, T)
 
 
+def critic_values(trainer, batch: dict) -> torch.Tensor:
+    """The critic's values of a collated micro-batch (B, T) or, for a packed row, (n, T)."""
+    with trainer._precision():
+        values = trainer.critic(
+            batch["input_ids"],
+            batch["attention_mask"],
+            batch["positions"],
+            position_ids=batch.get("position_ids"),
+            cp=batch.get("cp"),
+            pred_positions=batch.get("pred_positions"),
+        ).float()
+    return unpack(values, batch) if "scatter" in batch else values
+
+
 def train_critic(trainer, b, mini: list[int], m, n_mini: int) -> None:
     """One optimizer step of ``trainer``'s critic on the samples ``mini`` of the step batch ``b``: PPO's clipped
     value loss, token mean over the mini-batch, into the step's stats ``m``."""
@@ -48,7 +63,7 @@ def train_critic(trainer, b, mini: list[int], m, n_mini: int) -> None:
         batch = trainer._collate([b.samples[i] for i in idx])
         mask = batch["loss_mask"]
         Tm = mask.shape[1]
-        values = trainer._values(batch)
+        values = critic_values(trainer, batch)
         old, ret = b.old_values[idx, :Tm].to(trainer.device), b.returns[idx, :Tm].to(trainer.device)
         per_token, info = value_loss(values, old, ret, clip=trainer.algo.value_clip)
         loss = aggregate(per_token, mask, "token_mean", num_sequences=float(len(mini)), total_tokens=total)

@@ -38,7 +38,7 @@ def train_policy(trainer, b: StepBatch, mini: list[int], m: StepStats, first: bo
         Tm = mask.shape[1]
         rows = lambda t: t[idx, :Tm].to(trainer.device) if t is not None else None  # noqa: E731
         logprobs, entropy = trainer._logprobs(
-            trainer.policy, batch, with_entropy=True, entropy_grad=bool(a.entropy_coef)
+            trainer.policy, batch, with_entropy=True, entropy_grad=bool(a.entropy_coef), replay=True
         )
         old = rows(b.old_logprobs) if b.old_logprobs is not None else logprobs.detach()
         if a.proximal == "loglinear":  # this step turns weights v - 1 into v

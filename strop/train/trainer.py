@@ -25,10 +25,11 @@ from strop.parallel import prefix
 from strop.parallel.strategy import SingleProcess
 from strop.plugins import call_hook_sync
 from strop.train.batch import StepBatch, collate, pad_rows, split_micro_batches, swapped_weights, to_device
-from strop.train.critic import train_critic
+from strop.train.critic import critic_values, train_critic
 from strop.train.modules import Modules, build_modules
 from strop.train.optim import GuardedOptimizer, NonFiniteGradientError
 from strop.train.policy import train_policy
+from strop.train.routing_replay import RoutingReplay
 from strop.types import Sample
 
 __all__ = ["Trainer", "Sampling", "NonFiniteGradientError", "collate", "swapped_weights"]
@@ -76,6 +77,7 @@ class Trainer:
         attn = getattr(getattr(self.model, "config", None), "_attn_implementation", None)
         self.shared_prefix_off = prefix.off_reason(train.shared_prefix, self.dp.cp_size, attn)  # '' when on
         self.shared_prefix = not self.shared_prefix_off
+        self.replay = RoutingReplay.of_policy(self.model) if algo.routing_replay else None  # MoE: R3
 
     def describe_layout(self) -> str:
         """How micro-batches are laid out, for the start lines."""
@@ -107,8 +109,10 @@ class Trainer:
     def _precision(self):
         return torch.autocast(self.device.type, dtype=torch.bfloat16) if self.autocast else contextlib.nullcontext()
 
-    def _logprobs(self, module, batch: dict, *, with_entropy=False, entropy_grad=False, temperature=None):
-        with self._precision():
+    def _logprobs(self, module, batch, *, with_entropy=False, entropy_grad=False, temperature=None, replay=False):
+        """``replay``: the policy's own forward (its old and new logprobs), which routing replay routes (R3)."""
+        routes = self.replay.around(batch) if replay and self.replay is not None else contextlib.nullcontext()
+        with self._precision(), routes:
             lp, ent = module(
                 batch["input_ids"],
                 batch["attention_mask"],
@@ -125,18 +129,6 @@ class Trainer:
         if "scatter" in batch:  # a packed row back to (n, T)
             lp, ent = unpack(lp, batch), (unpack(ent, batch) if ent is not None else None)
         return lp, ent
-
-    def _values(self, batch: dict) -> torch.Tensor:
-        with self._precision():
-            values = self.critic(
-                batch["input_ids"],
-                batch["attention_mask"],
-                batch["positions"],
-                position_ids=batch.get("position_ids"),
-                cp=batch.get("cp"),
-                pred_positions=batch.get("pred_positions"),
-            ).float()
-        return unpack(values, batch) if "scatter" in batch else values
 
     @torch.no_grad()
     def _pre_pass(self, b: StepBatch, need_old: bool) -> dict[str, torch.Tensor]:
@@ -159,7 +151,7 @@ class Trainer:
             batch = self._collate([b.samples[i] for i in idx])  # under FSDP every forward is a collective:
             found = {}  # balancing repeats run them too, and their rows are not kept
             if need_old:
-                found["old"] = self._logprobs(self.policy, batch)[0]
+                found["old"] = self._logprobs(self.policy, batch, replay=True)[0]
             if self.ref is not None:
                 found["ref"] = self._logprobs(self.ref, batch)[0]
             elif self.ref_state is not None:
@@ -171,7 +163,7 @@ class Trainer:
             if self.teacher is not None:
                 found["teacher"] = self._logprobs(self.teacher, batch, temperature=self.algo.distill_temperature)[0]
             if self.critic is not None:
-                found["values"] = self._values(batch)
+                found["values"] = critic_values(self, batch)
             if real:
                 rows = torch.tensor(idx, device=self.device)
                 for k, v in found.items():
@@ -205,6 +197,8 @@ class Trainer:
         if not samples or not any(any(s.loss_mask) for s in samples):
             raise ValueError("no trainable tokens in this step (every sample aborted, failed or fully masked)")
         b, a = StepBatch.of(samples), self.algo
+        if self.replay is not None:  # every trainable sample carries the engine's routes
+            self.replay.check(samples)
         shaped = b.shape_overlong(self.max_new_tokens, a.overlong_buffer, a.overlong_penalty)
         # pi_old: the pre-update trainer (with one optimizer step and no KL-in-reward, the current weights)
         need_old = (
@@ -230,6 +224,8 @@ class Trainer:
             if self.critic is not None:
                 train_critic(self, b, mini, stats, n_mini=n_mini)
         self.steps_done += 1
+        if self.replay is not None:
+            self.replay.count_into(stats)
         self.dp.merge_stats(stats)
         out = stats.result() | advantage_stats(b.advantages, b.loss_mask) | {"train_seconds": time.perf_counter() - t0}
         out["train_tokens_per_s"] = prefix.token_metrics(out) / out["train_seconds"]
