@@ -101,14 +101,16 @@ class Completion:
         """This completion's first ``keep`` tokens, with their logprobs, versions and routes (a stop string or a
         tool call's end found in the text)."""
         drop = len(self.token_ids) - keep
-        routes = self.routed_experts
+        routes = self.routed_experts  # all but the last token's: with tokens dropped, the kept last one's too
+        if routes is not None and drop:
+            routes = routes[: len(routes) - drop + 1]
         return Completion(
             list(self.token_ids[:keep]),
             list((self.logprobs or [])[:keep]),
             finish_reason,
             self.weight_version,
             None if self.token_versions is None else list(self.token_versions[:keep]),
-            None if routes is None else routes[: len(routes) - drop],
+            routes,
         )
 
 

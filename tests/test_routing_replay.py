@@ -3,6 +3,7 @@ and gradients from its live router."""
 
 import copy
 
+import pytest
 import torch
 
 from strop.serving.embedded import EmbeddedEngine
@@ -79,10 +80,192 @@ def test_tokens_without_routes_keep_the_live_choice_and_wrong_shapes_are_refused
     same, got = chosen_by(model, ids, replay, none)
     assert torch.equal(same, live) and torch.allclose(got, want, atol=1e-6)
     assert replay.take_metrics() == {}
-    import pytest
-
     with pytest.raises(ValueError, match="routes for 3 routed-experts layers, but the model has 2"):
         with replay.replaying(torch.zeros(1, 5, 3, 2, dtype=torch.int16)):
             pass
     with pytest.raises(ValueError, match="routes for 4 tokens, but the router saw 5"):
         chosen_by(model, ids, replay, torch.zeros(1, 4, 2, 2, dtype=torch.int16))
+
+
+# ---- the trainer replays the engine's routes: every layout, a two-turn sample, a resume across an update ----
+
+
+def _perturbed(model, scale, seed):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=g))
+    return model
+
+
+def _rollout(engine_model):
+    """Samples from the real embedded engine: a group of three, a two-turn sample (the multi-turn generate's
+    bookkeeping: the tool's tokens appended, the next turn prompted with every token so far) beside a plain one,
+    and a sample resumed after a weight update (rollout.partial=resume) beside one sampled after it."""
+    import asyncio
+
+    from strop.types import Sample, Status
+
+    engine = EmbeddedEngine(engine_model, pad_token_id=0)
+    sp = lambda n, seed: SamplingParams(temperature=1.0, max_new_tokens=n, seed=seed, stop_token_ids=[-1])  # noqa: E731
+    out = []
+    p0, p1, p2 = [5, 17, 230, 9], [44, 45, 46, 47, 48], [300, 301, 302]
+    for i, c in enumerate(engine.generate_batch([p0] * 3, [sp(8, i) for i in range(3)])):
+        out.append(Sample(prompt="a", prompt_ids=list(p0), group_id=0, index=i))
+        out[-1].apply_completion(c)
+    turns, plain = (
+        Sample(prompt="b", prompt_ids=list(p1), group_id=1),
+        Sample(prompt="b", prompt_ids=list(p1), group_id=1, index=1),
+    )
+    turns.apply_completion(engine.generate_batch([p1], sp(5, 7))[0])
+    turns.append([40, 41, 42], trainable=False)  # a tool's answer
+    prompt = turns.prompt_ids + turns.response_ids
+    second = engine.generate_batch([prompt], sp(5, 8))[0]
+    turns.append(second.token_ids, second.logprobs)
+    turns.take_routes(second.routed_experts, prompt + second.token_ids)
+    plain.apply_completion(engine.generate_batch([p1], sp(9, 9))[0])
+    out += [turns, plain]
+    resumed = Sample(prompt="c", prompt_ids=list(p2), group_id=2)
+    resumed.apply_completion(engine.generate_batch([p2], sp(4, 10))[0])
+    before = resumed.routed_experts.clone()
+    asyncio.run(engine.update_weights(_perturbed(copy.deepcopy(engine_model), 0.05, 1).state_dict()))
+    resumed.apply_completion(engine.generate_batch([resumed.prompt_ids + resumed.response_ids], sp(4, 11))[0])
+    after_update = Sample(prompt="c", prompt_ids=list(p2), group_id=2, index=1)
+    after_update.apply_completion(engine.generate_batch([p2], sp(6, 12))[0])
+    out += [resumed, after_update]
+    # the resumed sample's routes are its last call's, one forward on the new weights (they moved: not the first's)
+    assert not torch.equal(resumed.routed_experts[: len(before)], before)
+    for s in out:  # no advantage is zero: every sample's update forward runs
+        s.status, s.reward = Status.COMPLETED, float(s.index == 0)
+    assert (turns.routed_experts[:-1] >= 0).all() and (turns.routed_experts[-1] == -1).all()
+    return out, engine_model
+
+
+def _used(model, forwards_of):
+    """Run ``forwards_of()`` and return, per sequence of tokens, the experts every layer used for each of its tokens
+    in each forward, read from the experts' own inputs and the rows' position ids (layout-blind: a padded row, a
+    packed row whose sequences restart at position 0, a shared row whose samples continue after their prefix)."""
+    layers, calls, choices = routers(model), [], []
+    blocks = [m.experts for m in model.modules() if getattr(m, "gate", None) in layers]
+    hooks = [b.register_forward_pre_hook(lambda m, args: choices.append(args[1].detach().clone())) for b in blocks]
+    backbone = model.model
+
+    def seen(m, args, kwargs):
+        calls.append((kwargs["input_ids"].clone(), kwargs["attention_mask"], kwargs["position_ids"].clone()))
+
+    hooks.append(backbone.register_forward_pre_hook(seen, with_kwargs=True))
+    try:
+        forwards_of()
+    finally:
+        for h in hooks:
+            h.remove()
+    n = len(layers)
+    used: dict[tuple, list[torch.Tensor]] = {}
+    for f, (ids, att, pos) in enumerate(calls):
+        B, L = ids.shape
+        ch = torch.stack(choices[f * n : (f + 1) * n], dim=1).reshape(B, L, n, -1)
+        for b in range(B):
+            cols = att[b].nonzero().flatten().tolist() if att is not None and att.dim() == 2 else list(range(L))
+            head = None
+            runs, start = [], cols[0]
+            for prev, c in zip(cols, cols[1:] + [None]):
+                if c is None or pos[b, c] != pos[b, prev] + 1:
+                    runs.append((start, prev + 1))
+                    start = c
+            for a, z in runs:
+                toks, got = ids[b, a:z].tolist(), ch[b, a:z]
+                if int(pos[b, a]) == 0:
+                    head = (toks, got)
+                else:  # a shared row: the prefix's columns are this sample's first tokens
+                    S = int(pos[b, a])
+                    toks, got = head[0][:S] + toks, torch.cat([head[1][:S], got])
+                used.setdefault(tuple(toks), []).append(got)
+    return used
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed", "shared"])
+def test_a_training_step_routes_every_token_of_every_layout_as_the_engine_did(layout):
+    from strop.algo.config import AlgoConfig
+    from strop.parallel.strategy import SingleProcess
+    from strop.train.config import TrainConfig
+    from strop.train.trainer import Sampling, Trainer
+
+    samples, engine_model = _rollout(make_tiny_qwen3_moe(seed=5))
+    assert len({tuple(s.prompt_ids + s.response_ids) for s in samples}) == len(samples)
+    train = {
+        "padded": dict(shared_prefix=False, micro_batch_size=3),
+        "packed": dict(shared_prefix=False, max_tokens_per_micro_batch=48),
+        "shared": dict(shared_prefix=True, micro_batch_size=4),
+    }[layout]
+
+    def step(replay: bool):
+        trainer = Trainer(
+            _perturbed(copy.deepcopy(engine_model), 0.05, 2),  # the trainer's weights moved since the rollout
+            pad_token_id=0,
+            train=TrainConfig(mini_batches=2, **train),  # two optimizer steps: the old-logprob pass runs too
+            algo=AlgoConfig(routing_replay=replay),
+            rollout=Sampling(max_new_tokens=16),
+            parallel=SingleProcess("cpu"),
+        )
+        metrics = {}
+        used = _used(trainer.model, lambda: metrics.update(trainer.step([copy.deepcopy(s) for s in samples])))
+        return used, metrics
+
+    def agreement(used):
+        same = total = 0
+        for s in samples:
+            runs = used[tuple(s.prompt_ids + s.response_ids)]
+            assert len(runs) >= 2  # the old-logprob pass and the update's forward
+            known = (s.routed_experts >= 0).all(-1)
+            for got in runs:
+                same += int((got.to(torch.int16) == s.routed_experts).all(-1)[known].sum())
+                total += int(known.sum())
+        return same, total
+
+    used, metrics = step(replay=True)
+    same, total = agreement(used)
+    assert total > 100 and same == total  # 100 % of the recorded tokens and layers
+    assert 0 < metrics["routing_disagreement"] < 1  # the live router would have chosen otherwise
+    assert {"routing_disagreement_layer0", "routing_disagreement_layer1"} <= set(metrics)
+    used, metrics = step(replay=False)
+    same, total = agreement(used)
+    assert same < total and "routing_disagreement" not in metrics  # without replay the routes differ
+
+
+def test_replay_is_refused_where_it_would_not_replay():
+    from strop.algo.config import AlgoConfig
+    from strop.config import ConfigError, build_config
+    from strop.parallel.strategy import SingleProcess
+    from strop.train.config import TrainConfig
+    from strop.train.trainer import Sampling, Trainer
+    from strop.types import Sample, Status
+    from tests.tiny import make_tiny_qwen3
+
+    def trainer(model):
+        return Trainer(
+            model,
+            pad_token_id=0,
+            train=TrainConfig(),
+            algo=AlgoConfig(routing_replay=True),
+            rollout=Sampling(max_new_tokens=8),
+            parallel=SingleProcess("cpu"),
+        )
+
+    with pytest.raises(ValueError, match=r"the model \(qwen3\) has no routed-experts layers"):
+        trainer(make_tiny_qwen3())
+    t = trainer(make_tiny_qwen3_moe(seed=3))
+    bare = Sample(prompt="p", prompt_ids=[5, 6], group_id=4, index=1)  # from an engine that recorded nothing
+    bare.append([7, 8], [-0.5, -0.5])
+    bare.status, bare.reward = Status.COMPLETED, 1.0
+    with pytest.raises(ValueError, match="sample group=4 index=1 carries no routed experts"):
+        t.step([bare])
+    bare.routed_experts = torch.zeros(4, 3, 2, dtype=torch.int16)  # another model's routes
+    with pytest.raises(ValueError, match="routes for 3 routed-experts layers, but the model has 2"):
+        t.step([bare])
+    for overrides, said in (
+        ({"engine": {"kind": "vllm", "urls": ["http://127.0.0.1:1"]}}, "engine.kind='vllm': strop does not ask"),
+        ({"parallel": {"context_parallel_size": 2}}, "parallel.context_parallel_size=2 splits a sequence"),
+        ({"parallel": {"tensor_parallel_size": 2}}, "parallel.tensor_parallel_size=2 splits a sequence"),
+    ):
+        with pytest.raises(ConfigError, match=said):
+            build_config(overrides={"algo": {"routing_replay": True}, **overrides})
