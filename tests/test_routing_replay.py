@@ -269,3 +269,26 @@ def test_replay_is_refused_where_it_would_not_replay():
     ):
         with pytest.raises(ConfigError, match=said):
             build_config(overrides={"algo": {"routing_replay": True}, **overrides})
+
+
+def test_with_replay_the_trainers_logprobs_are_the_engines_within_1e_5_in_fp32():
+    from strop.algo.config import AlgoConfig
+    from strop.parallel.strategy import SingleProcess
+    from strop.train.config import TrainConfig
+    from strop.train.trainer import Sampling, Trainer
+
+    samples, model = _rollout(make_tiny_qwen3_moe(seed=9))
+    samples = [s for s in samples if s.group_id != 2]  # the resumed pair sampled on other weights
+    trainer = Trainer(
+        copy.deepcopy(model),
+        pad_token_id=0,
+        train=TrainConfig(shared_prefix=False),
+        algo=AlgoConfig(routing_replay=True),
+        rollout=Sampling(max_new_tokens=16),
+        parallel=SingleProcess("cpu"),
+    )
+    with torch.no_grad():
+        batch = trainer._collate(samples)
+        lp = trainer._logprobs(trainer.policy, batch, replay=True)[0]
+    gap = (lp - batch["rollout_logprobs"]).abs()[batch["loss_mask"] > 0]
+    assert gap.numel() > 30 and gap.max().item() <= 1e-5
