@@ -277,8 +277,9 @@ def test_with_replay_the_trainers_logprobs_are_the_engines_within_1e_5_in_fp32()
     from strop.train.config import TrainConfig
     from strop.train.trainer import Sampling, Trainer
 
-    samples, model = _rollout(make_tiny_qwen3_moe(seed=9))
-    samples = [s for s in samples if s.group_id != 2]  # the resumed pair sampled on other weights
+    model = make_tiny_qwen3_moe(seed=9)
+    samples, _ = _rollout(copy.deepcopy(model))  # (the engine's copy is updated in place before group 2)
+    samples = [s for s in samples if s.group_id != 2]  # group 2 was sampled on the updated weights
     trainer = Trainer(
         copy.deepcopy(model),
         pad_token_id=0,
