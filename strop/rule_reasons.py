@@ -87,12 +87,11 @@ def why_no_cpu_kernels(cfg) -> str:
 
 
 def why_no_routing_replay(cfg) -> str:
-    """Why algo.routing_replay cannot replay the engine's routes with ``cfg`` ('' when it can): strop's own decoder
-    records them (strop.serving.moe), and the trainer's routers must see one token per route."""
+    """Why algo.routing_replay cannot replay the engine's routes with ``cfg`` ('' when it can): the engine records
+    them (strop's decoder; vLLM and SGLang servers started with --enable-return-routed-experts), and the trainer's
+    routers must see one token per route."""
     e, p = cfg.engine, cfg.parallel
-    if e.kind != "embedded":
-        return f"engine.kind={e.kind!r}: strop does not ask servers for the routed experts yet (engine.kind='embedded')"
-    if not e.fast_decode:
+    if not e.fast_decode and e.kind in ("embedded", "strop") and (e.kind == "embedded" or e.launch):
         return "engine.fast_decode=false decodes with the model's own forward, which records no routes"
     for name, n in (
         ("tensor_parallel_size", p.tensor_parallel_size),

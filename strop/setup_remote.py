@@ -58,7 +58,15 @@ def _router(cfg: Config, urls: list[str], token: str | None, run_dir: Path, prob
     e = cfg.engine
     kind = VLLMEngine if e.kind == "vllm" else SGLangEngine
     clients = [
-        kind(u, timeout_s=e.timeout_s, retries=e.retries, token=token, require_checksum=e.kind == "strop") for u in urls
+        kind(
+            u,
+            timeout_s=e.timeout_s,
+            retries=e.retries,
+            token=token,
+            require_checksum=e.kind == "strop",
+            routes=cfg.algo.routing_replay,
+        )
+        for u in urls
     ]
     sync = choose_sync(cfg, clients, run_dir, probe_ids, device)
     router = Router(

@@ -263,7 +263,7 @@ def test_replay_is_refused_where_it_would_not_replay():
     with pytest.raises(ValueError, match="routes for 3 routed-experts layers, but the model has 2"):
         t.step([bare])
     for overrides, said in (
-        ({"engine": {"kind": "vllm", "urls": ["http://127.0.0.1:1"]}}, "engine.kind='vllm': strop does not ask"),
+        ({"engine": {"kind": "strop", "launch": 1, "fast_decode": False}}, "fast_decode=false decodes with the"),
         ({"parallel": {"context_parallel_size": 2}}, "parallel.context_parallel_size=2 splits a sequence"),
         ({"parallel": {"tensor_parallel_size": 2}}, "parallel.tensor_parallel_size=2 splits a sequence"),
     ):
@@ -293,3 +293,20 @@ def test_with_replay_the_trainers_logprobs_are_the_engines_within_1e_5_in_fp32()
         lp = trainer._logprobs(trainer.policy, batch, replay=True)[0]
     gap = (lp - batch["rollout_logprobs"]).abs()[batch["loss_mask"] > 0]
     assert gap.numel() > 30 and gap.max().item() <= 1e-5
+
+
+def test_launched_vllm_and_sglang_servers_are_started_returning_routes():
+    from strop.cluster.ray_cluster import engine_args
+    from strop.config import build_config
+
+    for kind in ("vllm", "sglang"):
+        cfg = build_config(
+            overrides={
+                "engine": {"kind": kind, "launch": 1},
+                "cluster": {"launcher": "ray"},
+                "algo": {"routing_replay": True},
+            }
+        )
+        assert "--enable-return-routed-experts" in engine_args(cfg, "/tmp/run")[0]
+        cfg = build_config(overrides={"engine": {"kind": kind, "launch": 1}, "cluster": {"launcher": "ray"}})
+        assert "--enable-return-routed-experts" not in engine_args(cfg, "/tmp/run")[0]

@@ -229,6 +229,12 @@ def _serve_args(parser) -> None:
         help="the kv-cache decoder's linear-layer kernel on a CPU (auto: MKL on Intel in float32, else oneDNN; "
         "the start line names it)",
     )
+    parser.add_argument(
+        "--enable-return-routed-experts",
+        action="store_true",
+        help="vLLM's flag: /v1/completions choices carry routed_experts, the experts each token was routed to "
+        "(a routed-experts model; /generate returns them when asked, as SGLang's)",
+    )
 
 
 def _serve(args) -> int:
@@ -256,6 +262,7 @@ def _serve(args) -> int:
             batch_invariant=args.batch_invariant,
             speculative=args.speculative,
             cpu_kernels=args.cpu_kernels,
+            return_routes=args.enable_return_routed_experts,
             model_options=_model_options(args),
             weight_transfer=args.weight_transfer_backend,
             weight_version=args.weight_version,

@@ -308,6 +308,8 @@ def engine_args(cfg, run_dir: str) -> tuple[list[str], dict[str, str]]:
     then the user's engine.launch_args and engine.launch_env."""
     e = cfg.engine
     args, env = [*model_flags(e.kind, cfg.model), *engine_flags(e), *e.launch_args], dict(e.launch_env)
+    if cfg.algo.routing_replay and e.kind in ("vllm", "sglang"):  # both servers' flag for returning the routes
+        args = ["--enable-return-routed-experts", *args]
     lora, slots = cfg.model.lora_rank and e.sync in ("auto", "adapter"), adapter_slots(cfg.rollout)
     if lora and e.kind == "vllm":
         lora_args, lora_env = vllm_lora_args(cfg.model.lora_rank, slots)

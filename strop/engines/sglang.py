@@ -18,6 +18,7 @@ from strop.engines.adapters import ADAPTER_NAME, SGLangAdapters
 from strop.engines.http import HTTPEngine
 from strop.sync.disk import WeightWriter
 from strop.types import Completion, SamplingParams
+from strop.wire.routes import read_sglang_routes
 from strop.wire.errors import (
     EngineReceiptError,
     EngineRequestError,
@@ -52,13 +53,14 @@ class SGLangEngine(SGLangAdapters, HTTPEngine):
         token: str | None = None,
         writer: WeightWriter | None = None,
         require_checksum: bool = False,
+        routes: bool = False,
     ):
         """``require_checksum``: a weight load must come back with the checksum of what the engine loaded
         (strop serve reports it; SGLang does not, and proves receipt by the version it reports).
-        ``writer``: where :meth:`update_weights` writes the weights it loads (a router's transport writes its own)."""
+        ``writer``: where :meth:`update_weights` writes the weights it loads (a router's transport writes its own).
+        ``routes``: ask for each completion's routed experts (algo.routing_replay; strop.wire.routes)."""
         super().__init__(url, timeout_s=timeout_s, retries=retries, backoff_s=backoff_s, token=token)
-        self.writer = writer
-        self.require_checksum = require_checksum
+        self.writer, self.routes, self.require_checksum = writer, routes, require_checksum
         self.weight_version = 0  # the version the engine last reported holding (never a count kept here)
         self.group_ranks = 1  # ranks the server joins a weight-update group with (SGLang: one per TP worker)
         self._session_checksum = None  # strop serve's receipt of the last update session
@@ -70,28 +72,17 @@ class SGLangEngine(SGLangAdapters, HTTPEngine):
     async def generate(
         self, prompt_ids: list[int], sampling: SamplingParams, request_id: str | None = None
     ) -> Completion:
-        sp = {
-            "temperature": sampling.temperature,
-            "top_p": sampling.top_p,
-            "top_k": sampling.top_k if sampling.top_k > 0 else -1,
-            "max_new_tokens": sampling.max_new_tokens,
-            "no_stop_trim": True,
-            "skip_special_tokens": False,
-        }
-        if sampling.stop_token_ids:
-            sp["stop_token_ids"] = list(sampling.stop_token_ids)
-        if sampling.seed is not None:
-            sp["sampling_seed"] = sampling.seed
         body = {
             "input_ids": list(prompt_ids),
-            "sampling_params": sp,
+            "sampling_params": sampling_params(sampling),
             "return_logprob": True,
             "rid": request_id or uuid.uuid4().hex,
+            **({"return_routed_experts": True} if self.routes else {}),
         }
         if self.adapter is None:
-            return parse_generate(await self._call("POST", "/generate", json=body), self.url)
+            return parse_generate(await self._call("POST", "/generate", json=body), self.url, len(prompt_ids))
         out, version = await self._adapter_request("/generate", body)
-        return dataclasses.replace(parse_generate(out, self.url), weight_version=version)  # (its meta: the base's)
+        return dataclasses.replace(parse_generate(out, self.url, len(prompt_ids)), weight_version=version)
 
     async def score(self, ids: list[int]) -> list[float]:
         """The engine's logprob of each token of ``ids`` after the first, given the ones before it (SGLang's
@@ -341,8 +332,26 @@ class SGLangEngine(SGLangAdapters, HTTPEngine):
         return checksums
 
 
-def parse_generate(out: dict, where: str) -> Completion:
-    """An SGLang ``/generate`` answer as a Completion (logprobs from ``meta_info.output_token_logprobs``)."""
+def sampling_params(sampling: SamplingParams) -> dict:
+    """SGLang's ``sampling_params`` of ``sampling`` (stop strings kept in the text, special tokens decoded)."""
+    sp = {
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k if sampling.top_k > 0 else -1,
+        "max_new_tokens": sampling.max_new_tokens,
+        "no_stop_trim": True,
+        "skip_special_tokens": False,
+    }
+    if sampling.stop_token_ids:
+        sp["stop_token_ids"] = list(sampling.stop_token_ids)
+    if sampling.seed is not None:
+        sp["sampling_seed"] = sampling.seed
+    return sp
+
+
+def parse_generate(out: dict, where: str, prompt_tokens: int = 0) -> Completion:
+    """An SGLang ``/generate`` answer as a Completion (logprobs from ``meta_info.output_token_logprobs``; routed
+    experts, when asked for, from ``meta_info.routed_experts`` over the ``prompt_tokens`` and the output)."""
     try:
         meta = out["meta_info"]
         entries = meta.get("output_token_logprobs")
@@ -355,7 +364,10 @@ def parse_generate(out: dict, where: str) -> Completion:
         # has per-span versions (SGLang's weight_versions): its oldest counts
         spans = meta.get("weight_versions") or [{"version": meta.get("weight_version")}]
         version = min(parse_weight_version(span["version"], where) for span in spans)
-        return Completion(ids, logprobs, finish, version)
+        routes = meta.get("routed_experts")
+        if routes is not None:
+            routes = read_sglang_routes(routes, prompt_tokens + len(ids) - 1)
+        return Completion(ids, logprobs, finish, version, None, routes)
     except EngineVersionError:
         raise
     except (KeyError, TypeError, ValueError, IndexError) as exc:

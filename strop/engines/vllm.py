@@ -36,6 +36,7 @@ from strop.engines.adapters import VLLMAdapters
 from strop.engines.sglang import SGLangEngine
 from strop.engines.weight_transfer import WeightTransferClient
 from strop.types import Completion, SamplingParams
+from strop.wire.routes import read_vllm_routes
 from strop.wire.errors import (
     EngineRequestError,
     EngineVersionError,
@@ -215,7 +216,8 @@ def parse_completion(out: dict, where: str, version: int) -> Completion:
         finish = {"stop": "stop", "length": "length", "abort": "abort"}.get(choice.get("finish_reason"), "abort")
         if logprobs is not None and len(logprobs) != len(ids):
             raise ValueError(f"{len(ids)} token ids but {len(logprobs)} logprobs")
-        return Completion(ids, logprobs, finish, version)
+        routes = choice.get("routed_experts")  # a server started with --enable-return-routed-experts
+        return Completion(ids, logprobs, finish, version, None, None if routes is None else read_vllm_routes(routes))
     except (KeyError, TypeError, ValueError, IndexError) as exc:
         raise EngineRequestError(
             f"{where}: unexpected /v1/completions answer ({type(exc).__name__}: {exc}): {str(out)[:300]}"

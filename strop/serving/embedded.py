@@ -136,6 +136,7 @@ class EmbeddedEngine(BatchScheduler, WeightUpdates):
             )
         self._spec = Speculator(speculative) if speculative and reason is None else None
         self.decode_path = describe_decoder(self._fast, reason, speculative, shared)
+        self.records_routes = self._fast is not None and bool(self._fast.routed)  # MoE: Completion.routed_experts
 
     # ---- the async interface -------------------------------------------------------------
     async def generate(

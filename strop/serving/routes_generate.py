@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictStr, model_validator
 from strop.serving.openai import MAX_N, Seed, StopString
 from strop.serving.service import StrictBody, sampling_of, seeds, service_of
 from strop.types import SamplingParams
+from strop.wire.routes import sglang_routes
 
 log = logging.getLogger("strop.serve")
 router = APIRouter()
@@ -89,6 +90,11 @@ class GenerateBody(StrictBody):
     stream: bool = False
     log_metrics: bool = True
     lora_path: str | None = Field(None, description="SGLang's: the adapter to decode with, by name: the one merged")
+    return_routed_experts: bool = Field(
+        False,
+        description="SGLang's: meta_info.routed_experts, the experts each token was routed to (strop.wire.routes)",
+    )
+    routed_experts_start_len: int = Field(0, ge=0, description="with return_routed_experts: from this prompt token on")
 
 
 class AbortBody(StrictBody):
@@ -155,6 +161,7 @@ async def generate(body: GenerateBody, request: Request):
         prompts = [svc.encode(t) for t in (body.text if batched else [body.text])]
     else:
         prompts = body.input_ids if batched else [body.input_ids]
+    check_routes_asked(body, engine, prompts)
     sps = body.sampling_params if isinstance(body.sampling_params, list) else [body.sampling_params] * len(prompts)
     rids = body.rid if isinstance(body.rid, list) else [body.rid] * len(prompts)
     if len(sps) != len(prompts) or len(rids) != len(prompts):
@@ -199,6 +206,8 @@ async def generate(body: GenerateBody, request: Request):
                 meta["input_token_logprobs"] = [
                     [lp, t, None] for lp, t in list(zip(scored, ids))[body.logprob_start_len :]
                 ]
+        if body.return_routed_experts and out.routed_experts is not None:  # (none: aborted before any forward)
+            meta["routed_experts"] = sglang_routes(out.routed_experts, body.routed_experts_start_len)
         if matched is not None and sp.no_stop_trim:
             text = decode(out.token_ids, sp.skip_special_tokens)
         answers.append({"text": text, "output_ids": out.token_ids, "meta_info": meta})
@@ -206,6 +215,24 @@ async def generate(body: GenerateBody, request: Request):
 
 
 @router.post("/abort_request")
+def check_routes_asked(body: GenerateBody, engine, prompts: list[list[int]]) -> None:
+    """Refuse ``return_routed_experts`` where no routes are recorded, or a start past a prompt (SGLang's bound)."""
+    if not body.return_routed_experts:
+        return
+    if not engine.records_routes:
+        raise HTTPException(
+            status_code=400,
+            detail="return_routed_experts: this server records no routed experts (its model has none that strop's "
+            "decoder runs: a Qwen3-MoE model on the fast decoder records them)",
+        )
+    shortest = min(len(p) for p in prompts)
+    if body.routed_experts_start_len > shortest:
+        raise HTTPException(
+            status_code=400,
+            detail=f"routed_experts_start_len={body.routed_experts_start_len} is past a {shortest}-token prompt",
+        )
+
+
 async def abort_request(body: AbortBody, request: Request):
     engine = service_of(request).engine
     if body.abort_all:

@@ -35,6 +35,7 @@ from strop.serving.openai import (
 from strop.serving.service import ServeService, sampling_of, seeds, service_of
 from strop.serving.textstream import StreamedText
 from strop.types import Completion, SamplingParams
+from strop.wire.routes import vllm_routes
 
 log = logging.getLogger("strop.serve")
 router = APIRouter()
@@ -187,6 +188,8 @@ async def completions(body: CompletionBody, request: Request):
             choice["logprobs"] = completion_logprobs(ids, logprobs, alternatives, svc.token_text)
         if prompt_scores is not None:
             choice["prompt_logprobs"] = vllm_prompt_logprobs(prompts[p], *prompt_scores[p], svc.token_text)
+        if svc.return_routes and out.routed_experts is not None:  # vLLM's --enable-return-routed-experts
+            choice["routed_experts"] = vllm_routes(out.routed_experts)
         out_choices.append(choice)
     used = usage(prompts, sum(len(out.token_ids) for _, out, _, _ in choices))
     if not body.stream:

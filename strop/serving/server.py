@@ -78,16 +78,19 @@ def create_app(
     weights_dir: str | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
     weight_transfer: str = "gloo",
+    return_routes: bool = False,
 ):
     """The FastAPI application around ``engine``. ``token``: needed on every route, /health included
     (generation routes and /health stay open with ``public_generate``). ``weights_dir``: the only folder
     /update_weights_from_disk reads (None: that route is refused). ``max_body_bytes``: a longer
     request body gets 413 on every route. ``weight_transfer``: the backend of vLLM's transfer phases
-    (:mod:`strop.serving.transfer`)."""
+    (:mod:`strop.serving.transfer`). ``return_routes``: completion choices carry their routed experts (vLLM's
+    --enable-return-routed-experts)."""
     app = FastAPI(title="strop serve", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.service = ServeService(
         engine, tokenizer=tokenizer, model_name=model_name, weights_dir=weights_dir, weight_transfer=weight_transfer
     )
+    app.state.service.return_routes = return_routes
     vllm_routes = {route.path for r in (routes_rl, routes_transfer) for route in r.router.routes}
 
     @app.exception_handler(RequestValidationError)
@@ -143,6 +146,7 @@ def serve(
     batch_invariant: bool = False,
     speculative: int = 0,
     cpu_kernels: str = "auto",
+    return_routes: bool = False,
     model_options: dict | None = None,
     weight_transfer: str = "gloo",
     weight_version: int = 0,
@@ -152,7 +156,7 @@ def serve(
     ``weight_transfer``: the backend of vLLM's transfer phases; ``weight_version``: the version the weights
     start as. ``batch_invariant``: a request's tokens and logprobs do not depend on its batch (the
     engine's ``batch_invariant``); ``speculative``: the engine's drafted tokens per row (0: off); ``cpu_kernels``: its
-    linear-layer kernel (strop.serving.cpu_kernels)."""
+    linear-layer kernel (strop.serving.cpu_kernels); ``return_routes``: vLLM's --enable-return-routed-experts."""
     if weight_version < 0 or weight_version >= 2**63:
         raise ValueError(f"--weight-version {weight_version}: a non-negative integer below 2**63")
     console()  # its lines on the terminal, unless the caller set up strop's logging
@@ -183,6 +187,11 @@ def serve(
         cpu_kernels=cpu_kernels,
     )
     engine.weight_version = weight_version
+    if return_routes and not engine.records_routes:
+        raise ValueError(
+            f"--enable-return-routed-experts: {model_path} records no routed experts here ({engine.decode_path}); "
+            "a routed-experts model (Qwen3-MoE) on the fast decoder records them"
+        )
     app = create_app(
         engine,
         tokenizer=tokenizer,
@@ -191,6 +200,7 @@ def serve(
         public_generate=public_generate,
         weights_dir=weights_dir,
         weight_transfer=weight_transfer,
+        return_routes=return_routes,
     )
     log.info(
         f"strop serve: {model_path} on http://{host}:{port} (device {engine.device}; {engine.decode_path}; "

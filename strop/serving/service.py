@@ -29,6 +29,8 @@ class ServeService:
     """What strop serve's routes share. ``weights_dir``: the only folder /update_weights_from_disk reads
     (None: that route is refused)."""
 
+    return_routes = False  # completion choices carry their routed experts (vLLM's --enable-return-routed-experts)
+
     def __init__(
         self,
         engine: EmbeddedEngine,

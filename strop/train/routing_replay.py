@@ -59,9 +59,13 @@ class RoutingReplay:
             if s.routed_experts is None:
                 raise ValueError(
                     f"algo.routing_replay=true: sample group={s.group_id} index={s.index} carries no routed experts "
-                    "(its engine recorded none: strop's own decoder does, engine.kind='embedded')"
+                    "(its engine recorded none: strop's decoder records them for a routed-experts model, vLLM and "
+                    "SGLang servers when started with --enable-return-routed-experts)"
                 )
-            if s.routed_experts.shape[1] != len(self.routers):
+            n, k = len(self.routers), self.routers[0].top_k
+            if s.routed_experts.dim() == 2 and s.routed_experts.shape[1] == n * k:  # SGLang's flat [tokens, n * k]
+                s.routed_experts = s.routed_experts.reshape(-1, n, k)
+            if s.routed_experts.shape[1] != n:
                 raise ValueError(
                     f"algo.routing_replay=true: sample group={s.group_id} index={s.index} has routes for "
                     f"{s.routed_experts.shape[1]} routed-experts layers, but the model has {len(self.routers)}"
