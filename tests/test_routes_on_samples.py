@@ -192,3 +192,31 @@ def test_a_shared_row_shares_no_column_whose_members_were_routed_differently():
     batch = collate_shared_prefix([a, b])
     assert batch["input_ids"].tolist() == [[5, 6, 7, 8, 9, 6, 7, 8, 10]]  # only token 5 shared
     assert batch["routes"][0, 5, 2].tolist() == [7, 6]
+
+
+def test_a_checkpoint_keeps_the_routes_of_the_samples_a_run_holds(tmp_path):
+    from strop.checkpoint import _safe_load
+    from strop.types import checkpointable
+
+    s = Sample(prompt="p", prompt_ids=[5, 6, 7], group_id=2)
+    s.apply_completion(completion([5, 6, 7], [8, 9]))
+    torch.save(checkpointable({"held": [s]}, "controller state"), tmp_path / "controller.pt")
+    back = _safe_load(tmp_path / "controller.pt")["held"][0]
+    assert torch.equal(back.routed_experts, s.routed_experts) and back.routed_experts.dtype == torch.int16
+
+
+def test_an_agent_sessions_samples_carry_each_calls_routes_on_its_own_tokens():
+    from strop.agents.session import Call, Choice, Session, SessionLimits
+
+    session = Session(Sample(prompt="p", prompt_ids=[5, 6, 7]), SamplingParams(), SessionLimits())
+    first = [5, 6, 7]
+    session.attach(first, Call(first, [Choice(completion(first, [8, 9]))]))
+    # the agent's next call: everything so far, then a tool's answer, rendered by the proxy
+    second = [5, 6, 7, 8, 9, 20, 21]
+    session.attach(second, Call(second, [Choice(completion(second, [30, 31, 32]))]))
+    forked = [5, 6, 7, 99]  # a call that does not continue: a fork, a sample of its own
+    session.attach(forked, Call(forked, [Choice(completion(forked, [40]))]))
+    main, fork = session.samples()
+    assert main.response_ids == [8, 9, 20, 21, 30, 31, 32] and fork.prompt_ids == forked
+    assert known(main) == list(range(main.total_length - 1))  # the last call's prefill covers the tool's tokens
+    assert known(fork) == list(range(fork.total_length - 1))

