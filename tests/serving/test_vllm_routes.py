@@ -7,7 +7,6 @@ import json
 import urllib.request
 
 import pytest
-import torch
 
 from tests.serving.test_vllm import VLLM, vllm_process
 from tests.tiny import make_tiny_qwen3_moe
