@@ -33,6 +33,13 @@ class ParallelConfig(Section):
         "Qwen3; the processes form a (data parallel x tensor parallel) mesh with neighbouring ranks in one tensor-"
         "parallel group, so --nproc must be a multiple of it; it must divide the heads, KV heads and MLP width",
     )
+    expert_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="expert parallel: data-parallel ranks that split each routed-experts layer's experts "
+        "(Qwen3-MoE), tokens sent to their experts' ranks and back by all-to-all; it must divide the data-parallel "
+        "ranks and the experts; beside replicated data parallel (strop.parallel.expert)",
+    )
     sequence_parallel: bool = Field(
         True,
         description="with tensor_parallel_size > 1: the residual stream and the norms split over the tensor-"

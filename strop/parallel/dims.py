@@ -71,11 +71,22 @@ class ParallelDims:
     sequence_parallel: bool = True
     fsdp_mixed_precision: bool = False
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    ep: int = 1  # expert parallel: ranks of the data-parallel ones that split each layer's experts
 
     def __post_init__(self):
         parallel_layout(self.world, self.cp, self.tp)
         if self.tp > 1 and self.cp > 1:
             raise ValueError("tensor parallel with context parallel is not supported: use one of them")
+        if self.ep > 1 and self.world > 1 and (self.tp > 1 or self.cp > 1 or self.dp_mode == "fsdp"):
+            raise ValueError(
+                "parallel.expert_parallel_size > 1 composes with replicated data parallel only here (tensor, "
+                "context parallel and dp_mode='fsdp' beside it are not built)"
+            )
+        if self.ep > 1 and self.dp % self.ep:
+            raise ValueError(
+                f"parallel.expert_parallel_size={self.ep} needs a multiple of {self.ep} data-parallel processes, "
+                f"got {self.dp}"
+            )
         if self.world > 1 and self.dp_mode not in ("fsdp", "replicate"):
             raise ValueError(f"parallel.dp_mode must be 'replicate' or 'fsdp', got {self.dp_mode!r}")
 
@@ -96,6 +107,7 @@ class ParallelDims:
             parallel.sequence_parallel,
             parallel.fsdp_mixed_precision,
             bucket_bytes,
+            parallel.expert_parallel_size,
         )
 
     @property
@@ -105,12 +117,16 @@ class ParallelDims:
 
     @property
     def sharded(self) -> bool:
-        """Whether the trainer's weights are split over ranks (FSDP over several ranks, or tensor parallel)."""
-        return self.world > 1 and (self.dp_mode == "fsdp" or self.tp > 1)
+        """Whether the trainer's weights are split over ranks (FSDP over several ranks, tensor or expert parallel)."""
+        return self.world > 1 and (self.dp_mode == "fsdp" or self.tp > 1 or self.ep > 1)
 
     def check_model(self, config) -> None:
-        """Refuse a model (its transformers config) that tensor parallel cannot split over ``tp`` ranks."""
+        """Refuse a model (its transformers config) that tensor parallel cannot split over ``tp`` ranks, or whose
+        experts expert parallel cannot split over ``ep``."""
+        from strop.parallel.expert import check_experts
+
         check_tensor_parallel(config, self.tp)
+        check_experts(config, self.ep)
 
     def build_mesh(self, device_type: str = "cpu"):
         """The named device mesh over this process group: (dp, tp) under tensor parallel, else (dp, cp); None
@@ -125,3 +141,10 @@ class ParallelDims:
         if self.tp > 1:
             return init_device_mesh(device_type, (self.dp, self.tp), mesh_dim_names=("dp", "tp"))
         return init_device_mesh(device_type, (self.dp, self.cp), mesh_dim_names=("dp", "cp"))
+
+    def build_expert_mesh(self, device_type: str = "cpu"):
+        """Expert parallel's (edp, ep) mesh over the data-parallel ranks (strop.parallel.expert); None without
+        it. A collective, as :meth:`build_mesh`."""
+        if self.ep == 1 or not dist.is_initialized():
+            return None
+        return init_device_mesh(device_type, (self.dp // self.ep, self.ep), mesh_dim_names=("edp", "ep"))

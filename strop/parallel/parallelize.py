@@ -9,15 +9,19 @@ from __future__ import annotations
 from torch import nn
 
 from strop.parallel.dims import ParallelDims
+from strop.parallel.expert import expert_modules, expert_parallel
 from strop.parallel.fsdp import shard
 from strop.parallel.tensor import tensor_parallel
 
 
-def parallelize(module: nn.Module, dims: ParallelDims, mesh, device_type: str = "cpu") -> nn.Module:
-    """Split ``module`` in place as ``dims`` says over ``mesh`` (:meth:`ParallelDims.build_mesh`); returns it.
-    Without a mesh (one process: strop.parallel.strategy.SingleProcess) it stays whole."""
+def parallelize(module: nn.Module, dims: ParallelDims, mesh, device_type: str = "cpu", expert_mesh=None) -> nn.Module:
+    """Split ``module`` in place as ``dims`` says over ``mesh`` (:meth:`ParallelDims.build_mesh`), its experts over
+    ``expert_mesh`` (:meth:`ParallelDims.build_expert_mesh`); returns it. Without a mesh (one process:
+    strop.parallel.strategy.SingleProcess) it stays whole."""
     if mesh is None:
         return module
+    if expert_mesh is not None and expert_modules(module):  # (a critic's backbone has them too)
+        expert_parallel(module, expert_mesh)
     if dims.tp > 1:
         tensor_parallel(module, mesh["tp"], dims.sequence_parallel)
     if dims.dp_mode == "fsdp":  # over every rank, or over the data-parallel dimension of a (dp, tp) mesh

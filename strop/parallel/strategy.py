@@ -49,7 +49,7 @@ class SingleProcess:
 
     mode = "single"
     dp_rank, dp_size, cp_size, tp_size, world = 0, 1, 1, 1, 1
-    dp_group = cp_group = tp_group = None
+    dp_group = cp_group = tp_group = expert_mesh = None
     balance = False
 
     def __init__(self, device: torch.device | str = "cpu"):
@@ -92,7 +92,8 @@ class SingleProcess:
         """The policy's whole weights for the engine on rank 0: :meth:`full_weights`, or, where the model is
         sharded (FSDP, tensor parallel), a :class:`ShardedWeights` read a bucket at a time inside a session
         (``Control.on_controller(..., serving=weights)``) and never gathered whole on any rank."""
-        return ShardedWeights(model) if self.mode == "fsdp" or self.tp_size > 1 else self.full_weights(model)
+        split = self.mode == "fsdp" or self.tp_size > 1 or self.expert_mesh is not None
+        return ShardedWeights(model) if split else self.full_weights(model)
 
     @property
     def processes(self) -> int:
@@ -136,6 +137,7 @@ class Replicate(SingleProcess):
         # per wrapped module, the parameters whose gradients the TP ranks hold parts of (held, so that their ids
         # cannot be reused by other tensors)
         self.partial: dict[int, list[nn.Parameter]] = {}
+        self.expert_mesh = dims.build_expert_mesh(mesh.device_type)  # (edp, ep): experts split (strop.parallel.expert)
 
     def track(self, module):
         """Note ``module``'s parameters whose gradients the TP ranks hold parts of (again after loading into
@@ -148,11 +150,23 @@ class Replicate(SingleProcess):
         for p in params:  # a rank with no micro-batch still sends zeros: every rank sends the same list
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+        experts = {id(p) for p in params if self._expert(p)}  # each rank's own experts: summed over edp only
         if self.world > 1:
             all_reduce_coalesced(
-                [_local(p.grad) for p in params], op="sum", bucket_bytes=self.bucket_bytes, group=self.grad_group
+                [_local(p.grad) for p in params if id(p) not in experts],
+                op="sum",
+                bucket_bytes=self.bucket_bytes,
+                group=self.grad_group,
             )
+        if experts and self.expert_mesh["edp"].size() > 1:
+            group = self.expert_mesh["edp"].get_group()
+            grads = [_local(p.grad) for p in params if id(p) in experts]
+            all_reduce_coalesced(grads, op="sum", bucket_bytes=self.bucket_bytes, group=group)
         self._sum_partial(params)
+
+    def _expert(self, p) -> bool:
+        """Whether ``p`` is an expert tensor split by expert parallel (a DTensor on its mesh)."""
+        return self.expert_mesh is not None and getattr(p, "device_mesh", None) is self.expert_mesh
 
     def _sum_partial(self, params):
         """Gradients each tensor-parallel rank holds a part of, summed over them: Qwen3's per-head norms (plain
@@ -181,7 +195,7 @@ class Replicate(SingleProcess):
             )
 
     def clip_grad_norm(self, params, max_norm):
-        if self.tp_size == 1:
+        if self.tp_size == 1 and self.expert_mesh is None:
             return super().clip_grad_norm(params, max_norm)
         return clip_sharded(params, max_norm)
 
@@ -200,12 +214,13 @@ class Replicate(SingleProcess):
             stats.absorb(parts)
 
     def full_weights(self, model):
-        if self.tp_size > 1:  # every rank gathers its slices (a collective); rank 0 keeps the result
+        if self.tp_size > 1 or self.expert_mesh is not None:  # every rank gathers its slices (a collective)
             return full_weights(model)
         return super().full_weights(model) if dist.get_rank() == 0 else {}  # only rank 0 feeds an engine
 
     def describe(self) -> str:
         tp = f" x tensor parallel {self.tp_size}" if self.tp_size > 1 else ""
+        tp += f", experts split over {self.dims.ep} (expert parallel)" if self.expert_mesh is not None else ""
         return (
             f"{self.processes} processes = data parallel {self.dp_size} ({self.mode}) x context "
             f"parallel {self.cp_size}{tp}"

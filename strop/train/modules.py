@@ -67,7 +67,7 @@ def build_modules(
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
     def split(module: nn.Module) -> nn.Module:
-        return strategy.track(parallelize(module, strategy.dims, strategy.mesh, device.type))
+        return strategy.track(parallelize(module, strategy.dims, strategy.mesh, device.type, strategy.expert_mesh))
 
     def wrap(module: nn.Module, rename) -> nn.Module:
         module = split(module)
