@@ -138,6 +138,7 @@ class Replicate(SingleProcess):
         # cannot be reused by other tensors)
         self.partial: dict[int, list[nn.Parameter]] = {}
         self.expert_mesh = dims.build_expert_mesh(mesh.device_type)  # (edp, ep): experts split (strop.parallel.expert)
+        self.balance = self.expert_mesh is not None  # every forward then dispatches tokens: all ranks run as many
 
     def track(self, module):
         """Note ``module``'s parameters whose gradients the TP ranks hold parts of (again after loading into

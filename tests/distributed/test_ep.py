@@ -9,7 +9,7 @@ from strop.parallel.launch import run_on_ranks
 from tests.distributed.test_dp import ALGOS, _full, assert_same_update
 
 
-def _ep_step(rank, world, algo_name, ep=1, replay=False):
+def _ep_step(rank, world, algo_name, ep=1, replay=False, micro=3):
     import torch
 
     from strop.config import AlgoConfig, TrainConfig
@@ -24,7 +24,7 @@ def _ep_step(rank, world, algo_name, ep=1, replay=False):
     if world > 1:
         dims = ParallelDims(world, dp_mode="replicate", bucket_bytes=1 << 20, ep=ep)
         strategy = make_strategy(dims, dims.build_mesh("cpu"))
-    train = TrainConfig(lr=1e-3, warmup_steps=0, micro_batch_size=3, shared_prefix=False)
+    train = TrainConfig(lr=1e-3, warmup_steps=0, micro_batch_size=micro, shared_prefix=False)
     algo = AlgoConfig(**ALGOS[algo_name], routing_replay=replay)
     trainer = Trainer(
         build_modules(make_tiny_qwen3_moe(seed=2), strategy, algo, train),
@@ -59,10 +59,14 @@ def _ep_step(rank, world, algo_name, ep=1, replay=False):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("algo,replay", [("grpo", False), ("ppo", True), ("seq_mean_kl", False)])
-def test_expert_parallel_2_equals_one_process(algo, replay):
-    results = run_on_ranks(_ep_step, 2, algo, 2, replay, timeout=250)
-    single = _ep_step(0, 1, algo, replay=replay)
+@pytest.mark.parametrize(
+    "algo,replay,micro", [("grpo", False, 3), ("ppo", True, 3), ("seq_mean_kl", False, 4), ("grpo", True, 16)]
+)
+def test_expert_parallel_2_equals_one_process(algo, replay, micro):
+    """Micro-batches of 4 (three of them) and 16 (one): a rank short of one repeats one, weighted 0, so that it
+    joins every dispatch (without it the other rank waits for it forever)."""
+    results = run_on_ranks(_ep_step, 2, algo, 2, replay, micro, timeout=250)
+    single = _ep_step(0, 1, algo, replay=replay, micro=micro)
     assert_same_update([r[:3] for r in results], single[:3], grad_tol=1e-5)
     assert results[0][3] == single[3] and results[1][3] == {}  # rank 0 gathers whole weights, named as before
     assert single[4] == (4, 32, 32) and [r[4] for r in results] == [(2, 32, 32)] * 2  # two experts each
