@@ -135,7 +135,7 @@ def prepare(cfg: Config, device: torch.device, controller: bool = True, resume: 
     opts = cfg.model.load_options()  # attn_implementation, trust_remote_code, revision
     model_path = resolve_model_path(cfg.model.path, cfg.model.revision)  # a missing path fails here
     dims = ParallelDims.from_config(cfg.parallel)
-    if dims.tp > 1:  # heads that do not divide: said before the model loads
+    if dims.tp > 1 or dims.ep > 1:  # heads or experts that do not divide: said before the model loads
         dims.check_model(load_config(model_path, **opts))
     tokenizer = load_tokenizer(model_path, **opts)
     torch.manual_seed(cfg.train.seed)

@@ -271,3 +271,33 @@ def test_expert_parallel_2_with_routing_replay_equals_one_process(tokenizer, tmp
     m2 = AutoModelForCausalLM.from_pretrained(tmp_path / "two" / "final")
     for (name, p1), p2 in zip(m1.named_parameters(), m2.parameters()):
         assert (p1 - p2).abs().max().item() <= 1e-5, name
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize(
+    "args,said",
+    [
+        (["--nproc=3"], "parallel.expert_parallel_size=2 needs a multiple of 2 data-parallel processes, got 3"),
+        (["--nproc=2", "--parallel.dp_mode=fsdp"], "composes with replicated data parallel only here"),
+        (["--nproc=2"], "parallel.expert_parallel_size=2: the model (llama) has no routed experts to split"),
+    ],
+    ids=["nproc", "fsdp", "dense"],
+)
+def test_expert_parallel_that_cannot_split_is_refused_before_the_run(tiny_model_dir, tmp_path, args, said):
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "strop.cli",
+            "train",
+            *args,
+            f"--model.path={tiny_model_dir}",
+            "--parallel.expert_parallel_size=2",
+            f"--run.dir={tmp_path / 'run'}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
+    assert proc.returncode != 0 and said in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "run").exists() or not (tmp_path / "run" / "metrics.jsonl").exists()
