@@ -38,7 +38,7 @@ class ParallelConfig(Section):
         ge=1,
         description="expert parallel: data-parallel ranks that split each routed-experts layer's experts "
         "(Qwen3-MoE), tokens sent to their experts' ranks and back by all-to-all; it must divide the data-parallel "
-        "ranks and the experts; beside replicated data parallel (strop.parallel.expert)",
+        "ranks and the experts; with replicate or FSDP2, not with tensor or context parallel (strop.parallel.expert)",
     )
     sequence_parallel: bool = Field(
         True,

@@ -77,10 +77,10 @@ class ParallelDims:
         parallel_layout(self.world, self.cp, self.tp)
         if self.tp > 1 and self.cp > 1:
             raise ValueError("tensor parallel with context parallel is not supported: use one of them")
-        if self.ep > 1 and self.world > 1 and (self.tp > 1 or self.cp > 1 or self.dp_mode == "fsdp"):
+        if self.ep > 1 and self.world > 1 and (self.tp > 1 or self.cp > 1):
             raise ValueError(
-                "parallel.expert_parallel_size > 1 composes with replicated data parallel only here (tensor, "
-                "context parallel and dp_mode='fsdp' beside it are not built)"
+                "parallel.expert_parallel_size > 1 with tensor or context parallel is not built: each splits a "
+                "sequence or a layer, expert parallel the experts over the data-parallel ranks"
             )
         if self.ep > 1 and self.dp % self.ep:
             raise ValueError(

@@ -18,7 +18,7 @@ A layer's forward on a rank's tokens:
 4. the results sent back (all-to-all), weighted by the router's weights and summed per token.
 
 The gradient of a local expert thus sums every rank's tokens that chose it, and only its ``edp`` copies are
-summed again (strop.parallel.strategy). Losses are normalised over the whole step, so the sum is the one-process
+summed again (strop.parallel.strategy; under FSDP2, :func:`shard_experts` shards them over ``edp``). Losses are normalised over the whole step, so the sum is the one-process
 gradient.
 """
 
@@ -58,8 +58,9 @@ def check_experts(config, ep: int) -> None:
         raise ValueError(f"parallel.expert_parallel_size={ep} must divide the model's {n} experts")
 
 
-def expert_parallel(model: nn.Module, mesh) -> nn.Module:
-    """Split ``model``'s experts over ``mesh`` (dimensions ``edp``, ``ep``) in place; returns it."""
+def expert_parallel(model: nn.Module, mesh, fsdp: bool = False) -> nn.Module:
+    """Split ``model``'s experts over ``mesh`` (dimensions ``edp``, ``ep``) in place; returns it. ``fsdp``: the
+    experts are DTensors of the ``ep`` dimension alone, for FSDP2 to shard over ``edp`` (:func:`shard_experts`)."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     ep = mesh["ep"]
@@ -71,7 +72,8 @@ def expert_parallel(model: nn.Module, mesh) -> nn.Module:
             p = getattr(m, name)
             if p.shape[0] % ep.size():
                 raise ValueError(f"parallel.expert_parallel_size={ep.size()} must divide {p.shape[0]} experts")
-            sharded = distribute_tensor(p.detach(), mesh, [Replicate(), Shard(0)], src_data_rank=None)
+            on, placements = (mesh["ep"], [Shard(0)]) if fsdp else (mesh, [Replicate(), Shard(0)])
+            sharded = distribute_tensor(p.detach(), on, placements, src_data_rank=None)
             setattr(m, name, nn.Parameter(sharded, requires_grad=p.requires_grad))
         m.ep_group, m.ep_size = ep.get_group(), ep.size()
         m.forward = types.MethodType(dispatched_forward, m)
@@ -103,3 +105,15 @@ def dispatched_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Ten
     back = all_to_all_single_autograd(out, send, recv, group)
     weighted = back * top_k_weights.reshape(-1)[order, None]
     return torch.zeros_like(hidden_states).index_add(0, token, weighted.to(hidden_states.dtype))
+
+
+def shard_experts(model: nn.Module, mesh, mp_policy) -> None:
+    """FSDP2 beside expert parallel: each experts module sharded over the ``edp`` ranks that hold the same experts
+    (torchtitan's ``dp_shard_mod_ep``), before the layers around it are sharded over all ranks (which then leave
+    its parameters alone). Its reduce-scatter averages over ``edp`` where the rest averages over all ranks, so
+    the strategy divides the experts' gradients by ``ep`` again (FullyShard.after_backward; gloo has no
+    pre-scaled sum for FSDP's own divide factor)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for m in expert_modules(model):
+        fully_shard(m, mesh=mesh["edp"], mp_policy=mp_policy)

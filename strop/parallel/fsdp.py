@@ -33,18 +33,23 @@ def shard(
     """``fully_shard`` every decoder layer of ``module`` and ``module`` itself over ``group`` (default: all ranks),
     or over ``mesh``: the data-parallel dimension of a (dp, tp) mesh whose tp dimension already split the module."""
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import fully_shard
 
     mesh = mesh if mesh is not None else DeviceMesh.from_group(group or dist.group.WORLD, device_type=device_type)
-    policy = (
-        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if mixed_precision
-        else MixedPrecisionPolicy()
-    )
+    policy = mixed_precision_policy(mixed_precision)
     for layer in decoder_layers(module):
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(module, mesh=mesh, mp_policy=policy)
     return module
+
+
+def mixed_precision_policy(mixed_precision: bool):
+    """FSDP2's policy: bf16 parameters in compute and fp32 gradient reduction, or none."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if mixed_precision:
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
 
 
 def full_weights(model: nn.Module, *, to_rank: int = 0) -> dict[str, torch.Tensor]:

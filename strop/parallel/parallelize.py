@@ -9,8 +9,8 @@ from __future__ import annotations
 from torch import nn
 
 from strop.parallel.dims import ParallelDims
-from strop.parallel.expert import expert_modules, expert_parallel
-from strop.parallel.fsdp import shard
+from strop.parallel.expert import expert_modules, expert_parallel, shard_experts
+from strop.parallel.fsdp import mixed_precision_policy, shard
 from strop.parallel.tensor import tensor_parallel
 
 
@@ -21,10 +21,12 @@ def parallelize(module: nn.Module, dims: ParallelDims, mesh, device_type: str = 
     if mesh is None:
         return module
     if expert_mesh is not None and expert_modules(module):  # (a critic's backbone has them too)
-        expert_parallel(module, expert_mesh)
+        expert_parallel(module, expert_mesh, fsdp=dims.dp_mode == "fsdp")
     if dims.tp > 1:
         tensor_parallel(module, mesh["tp"], dims.sequence_parallel)
     if dims.dp_mode == "fsdp":  # over every rank, or over the data-parallel dimension of a (dp, tp) mesh
+        if expert_mesh is not None:
+            shard_experts(module, expert_mesh, mixed_precision_policy(dims.fsdp_mixed_precision))
         shard(
             module,
             device_type=device_type,

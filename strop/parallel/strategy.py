@@ -138,7 +138,7 @@ class Replicate(SingleProcess):
         # cannot be reused by other tensors)
         self.partial: dict[int, list[nn.Parameter]] = {}
         self.expert_mesh = dims.build_expert_mesh(mesh.device_type)  # (edp, ep): experts split (strop.parallel.expert)
-        self.balance = self.expert_mesh is not None  # every forward then dispatches tokens: all ranks run as many
+        self.balance = self.balance or self.expert_mesh is not None  # each forward dispatches: all run as many
 
     def track(self, module):
         """Note ``module``'s parameters whose gradients the TP ranks hold parts of (again after loading into
@@ -166,8 +166,9 @@ class Replicate(SingleProcess):
         self._sum_partial(params)
 
     def _expert(self, p) -> bool:
-        """Whether ``p`` is an expert tensor split by expert parallel (a DTensor on its mesh)."""
-        return self.expert_mesh is not None and getattr(p, "device_mesh", None) is self.expert_mesh
+        """Whether ``p`` is an expert tensor split by expert parallel (a DTensor on its (edp, ep) mesh)."""
+        names = getattr(getattr(p, "device_mesh", None), "mesh_dim_names", None) or ()
+        return self.expert_mesh is not None and "ep" in names
 
     def _sum_partial(self, params):
         """Gradients each tensor-parallel rank holds a part of, summed over them: Qwen3's per-head norms (plain
@@ -242,6 +243,9 @@ class FullyShard(Replicate):
 
     def after_backward(self, params):
         self._sum_partial(params)  # the rest was reduce-scattered by FSDP's hooks already
+        for p in params:  # experts: averaged over their edp ranks, the world's loss scale: ep times the sum
+            if self._expert(p) and p.grad is not None:
+                _local(p.grad).div_(self.dims.ep)
 
     def full_weights(self, model):
         return full_weights(model)

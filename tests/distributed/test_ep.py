@@ -9,7 +9,7 @@ from strop.parallel.launch import run_on_ranks
 from tests.distributed.test_dp import ALGOS, _full, assert_same_update
 
 
-def _ep_step(rank, world, algo_name, ep=1, replay=False, micro=3):
+def _ep_step(rank, world, algo_name, ep=1, replay=False, micro=3, mode="replicate"):
     import torch
 
     from strop.config import AlgoConfig, TrainConfig
@@ -22,7 +22,7 @@ def _ep_step(rank, world, algo_name, ep=1, replay=False, micro=3):
 
     strategy = SingleProcess()
     if world > 1:
-        dims = ParallelDims(world, dp_mode="replicate", bucket_bytes=1 << 20, ep=ep)
+        dims = ParallelDims(world, dp_mode=mode, bucket_bytes=1 << 20, ep=ep)
         strategy = make_strategy(dims, dims.build_mesh("cpu"))
     train = TrainConfig(lr=1e-3, warmup_steps=0, micro_batch_size=micro, shared_prefix=False)
     algo = AlgoConfig(**ALGOS[algo_name], routing_replay=replay)
@@ -83,14 +83,26 @@ def test_an_edp2_ep2_mesh_equals_one_process():
     assert [r[4] for r in results] == [(2, 32, 32)] * 4
 
 
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("algo,replay", [("grpo", True), ("ppo", False)])
+def test_fsdp2_times_ep2_equals_one_process(algo, replay):
+    """4 ranks under FSDP2: the experts split over ep (0-1, 2-3) and sharded again over edp (0-2, 1-3), every
+    other weight sharded over all four; micro-batches of 4 (three: ranks short of one repeat one)."""
+    results = run_on_ranks(_ep_step, 4, algo, 2, replay, 4, "fsdp", timeout=350)
+    single = _ep_step(0, 1, algo, replay=replay, micro=4)
+    assert_same_update([r[:3] for r in results], single[:3], grad_tol=1e-5)
+    assert results[0][3] == single[3] and all(r[3] == {} for r in results[1:])
+    assert [r[4] for r in results] == [(1, 32, 32)] * 4  # one expert's slice each: 4 experts / ep 2 / edp 2
+
+
 def test_expert_parallel_is_refused_where_it_is_not_built():
     from strop.parallel.dims import ParallelDims
     from tests.tiny import make_tiny_qwen3, make_tiny_qwen3_moe
 
-    with pytest.raises(ValueError, match="dp_mode='fsdp' beside it are not built"):
-        ParallelDims(4, dp_mode="fsdp", ep=2)
-    with pytest.raises(ValueError, match="tensor, context parallel"):
+    with pytest.raises(ValueError, match="with tensor or context parallel is not built"):
         ParallelDims(4, tp=2, ep=2)
+    with pytest.raises(ValueError, match="with tensor or context parallel is not built"):
+        ParallelDims(4, cp=2, ep=2)
     with pytest.raises(ValueError, match="needs a multiple of 4 data-parallel processes, got 2"):
         ParallelDims(2, ep=4)
     with pytest.raises(ValueError, match=r"the model \(qwen3\) has no routed experts"):

@@ -42,7 +42,8 @@ def _run(tiny_model_dir, run_dir, nproc, mode="replicate", cp=1, tp=1, extra=())
         assert layout + (f" x tensor parallel {tp}" if tp > 1 else "") in proc.stdout
         # the trainer's weights read in slices, straight into the shards (LoRA: whole, adapted, then sharded)
         lora = any(a.startswith("--model.lora_rank") for a in extra)
-        split = (mode == "fsdp" or tp > 1) and not lora
+        moe = any(a.startswith("--parallel.expert_parallel_size") for a in extra)  # experts fused at load: whole
+        split = (mode == "fsdp" or tp > 1) and not lora and not moe
         assert ("strop: trainer weights: each rank reads only its own slices" in proc.stdout) == split
         assert ("LoRA adds its adapters to the whole model" in proc.stdout) == (lora and mode == "fsdp")
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -246,9 +247,11 @@ def test_a_lora_run_with_context_parallel_2_equals_one_process(tiny_model_dir, t
 
 
 @pytest.mark.timeout(400)
-def test_expert_parallel_2_with_routing_replay_equals_one_process(tokenizer, tmp_path):
-    """A Qwen3-MoE trained by `strop train --nproc 2` with its experts split over the two ranks and the
-    engine's routes replayed: the same rollouts, losses and final weights as one process."""
+@pytest.mark.parametrize("mode", ["replicate", "fsdp"])
+def test_expert_parallel_2_with_routing_replay_equals_one_process(tokenizer, tmp_path, mode):
+    """A Qwen3-MoE trained by `strop train --nproc 2` with its experts split over the two ranks (replicated
+    otherwise, or FSDP2 for the rest) and the engine's routes replayed: the same rollouts, losses and final
+    weights as one process."""
     from transformers import AutoModelForCausalLM
 
     from tests.tiny import make_tiny_qwen3_moe
@@ -259,7 +262,7 @@ def test_expert_parallel_2_with_routing_replay_equals_one_process(tokenizer, tmp
     # one micro-batch a step: the second rank joins each dispatch with a repeat weighted 0
     extra = ["--algo.routing_replay=true", "--train.micro_batch_size=16", "--parallel.expert_parallel_size=2"]
     one = _run(model_dir, tmp_path / "one", 1, extra=extra[:2])
-    two = _run(model_dir, tmp_path / "two", 2, extra=extra)
+    two = _run(model_dir, tmp_path / "two", 2, mode, extra=extra)
     steps_one = [r for r in one if "reward_mean" in r]
     steps_two = [r for r in two if "reward_mean" in r]
     assert len(steps_one) == len(steps_two) == 2
@@ -278,10 +281,10 @@ def test_expert_parallel_2_with_routing_replay_equals_one_process(tokenizer, tmp
     "args,said",
     [
         (["--nproc=3"], "parallel.expert_parallel_size=2 needs a multiple of 2 data-parallel processes, got 3"),
-        (["--nproc=2", "--parallel.dp_mode=fsdp"], "composes with replicated data parallel only here"),
+        (["--nproc=4", "--parallel.context_parallel_size=2"], "with tensor or context parallel is not built"),
         (["--nproc=2"], "parallel.expert_parallel_size=2: the model (llama) has no routed experts to split"),
     ],
-    ids=["nproc", "fsdp", "dense"],
+    ids=["nproc", "cp", "dense"],
 )
 def test_expert_parallel_that_cannot_split_is_refused_before_the_run(tiny_model_dir, tmp_path, args, said):
     proc = subprocess.run(
