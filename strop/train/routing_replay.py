@@ -33,11 +33,16 @@ def routers(model) -> list[torch.nn.Module]:
 
 
 class RoutingReplay:
-    """Replay hooks on ``model``'s routers; :meth:`replaying` sets the routes of one forward."""
+    """Replay hooks on ``model``'s routers; :meth:`replaying` sets the routes of one forward. With
+    ``replace=False`` the hooks only count: the live router routes, and the disagreement with the engine's routes
+    is measured all the same."""
 
     @classmethod
-    def of_policy(cls, model) -> "RoutingReplay":
-        """The trainer's replay (algo.routing_replay): refused for a model without routed-experts layers."""
+    def of_policy(cls, model, replace: bool = True) -> "RoutingReplay | None":
+        """The trainer's: replaying (algo.routing_replay), refused for a model without routed-experts layers; or
+        only measuring, for a routed-experts model (None for any other)."""
+        if not replace:
+            return cls(model, replace=False) if routers(model) else None
         if not routers(model):
             kind = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
             raise ValueError(
@@ -48,6 +53,8 @@ class RoutingReplay:
 
     def around(self, batch: dict):
         """The forward of a collated micro-batch with its routes (``batch['routes']``, laid out as its tokens)."""
+        if "routes" not in batch and not self.replace:
+            return contextlib.nullcontext()  # nothing recorded to measure against
         if "routes" not in batch:
             raise ValueError("algo.routing_replay=true: a micro-batch without routed experts reached the policy")
         return self.replaying(batch["routes"])
@@ -56,6 +63,8 @@ class RoutingReplay:
         """Refuse a step with a sample that carries no routes (an engine that did not record them, a samples
         file without them): its tokens would route live, silently unlike the rest."""
         for s in samples:
+            if s.routed_experts is None and not self.replace:
+                continue
             if s.routed_experts is None:
                 raise ValueError(
                     f"algo.routing_replay=true: sample group={s.group_id} index={s.index} carries no routed experts "
@@ -67,7 +76,7 @@ class RoutingReplay:
                 s.routed_experts = s.routed_experts.reshape(-1, n, k)
             if s.routed_experts.shape[1] != n:
                 raise ValueError(
-                    f"algo.routing_replay=true: sample group={s.group_id} index={s.index} has routes for "
+                    f"routed experts: sample group={s.group_id} index={s.index} has routes for "
                     f"{s.routed_experts.shape[1]} routed-experts layers, but the model has {len(self.routers)}"
                 )
 
@@ -75,12 +84,14 @@ class RoutingReplay:
         """The disagreement counted since the last call into a step's stats (a fraction summed over ranks):
         ``routing_disagreement`` and ``routing_disagreement_layer{i}``."""
         counts, self.counts = self.counts, torch.zeros_like(self.counts)
+        if not self.replace and not counts[:, 1].any():
+            return  # (measuring, and no sample carried routes)
         stats.ratio("routing_disagreement", float(counts[:, 0].sum()), float(counts[:, 1].sum()))
         for i, (bad, total) in enumerate(counts.tolist()):
             stats.ratio(f"routing_disagreement_layer{i}", bad, total)
 
-    def __init__(self, model):
-        self.routers = routers(model)
+    def __init__(self, model, replace: bool = True):
+        self.routers, self.replace = routers(model), replace
         self.routes: torch.Tensor | None = None  # (tokens, layers, top_k) of the running forward, flattened
         self.counts = torch.zeros(len(self.routers), 2, dtype=torch.float64)  # per layer: disagreeing, decisions
         self._handles = [r.register_forward_hook(self._hook(i)) for i, r in enumerate(self.routers)]
@@ -121,7 +132,7 @@ class RoutingReplay:
                 missing = ~(chosen.unsqueeze(-1) == live.unsqueeze(-2)).any(-1)  # replayed, not in the live top-k
                 self.counts[layer, 0] += float((missing & known).sum())
                 self.counts[layer, 1] += float(known.sum()) * chosen.shape[-1]
-            return logits, weights.to(logits.dtype), chosen
+            return (logits, weights.to(logits.dtype), chosen) if self.replace else output
 
         return hook
 

@@ -77,7 +77,7 @@ class Trainer:
         attn = getattr(getattr(self.model, "config", None), "_attn_implementation", None)
         self.shared_prefix_off = prefix.off_reason(train.shared_prefix, self.dp.cp_size, attn)  # '' when on
         self.shared_prefix = not self.shared_prefix_off
-        self.replay = RoutingReplay.of_policy(self.model) if algo.routing_replay else None  # MoE: R3
+        self.replay = RoutingReplay.of_policy(self.model, algo.routing_replay)  # MoE: R3, or how far off without
 
     def describe_layout(self) -> str:
         """How micro-batches are laid out, for the start lines."""
