@@ -47,7 +47,15 @@ ROUTES = {
     "UnloadLoRAAdapterReqInput": "/unload_lora_adapter",
 }
 # GenerateReqInput has ~60 fields; only those strop's /generate body carries are pinned.
-GENERATE_FIELDS = ("rid", "input_ids", "sampling_params", "return_logprob", "logprob_start_len", "lora_path")
+GENERATE_FIELDS = (
+    "rid",
+    "input_ids",
+    "sampling_params",
+    "return_logprob",
+    "logprob_start_len",
+    "lora_path",
+    "return_routed_experts",
+)
 ROUTE_DECORATORS = {"get", "post", "put", "delete", "api_route"}
 
 

@@ -129,6 +129,9 @@ ANSWERS = {
 def test_every_payload_the_sglang_client_sends_fits_sglangs_request_structures():
     engine, seen = recording_engine(ANSWERS)
     every_call(engine)
+    engine.routes = True  # algo.routing_replay: /generate asks for the routed experts as well
+    asyncio.run(engine.generate([1, 2, 3], SamplingParams(max_new_tokens=4)))
+    assert seen[-1][1] == "/generate" and seen[-1][2]["return_routed_experts"] is True
     posted = [(path, body) for method, path, body in seen if method == "POST"]
     assert {p for p, _ in posted} >= {
         "/init_weights_update_group",
