@@ -6,7 +6,8 @@ tokens off) from distinct prompts; the trainer, on the same weights in fp32, com
 (its old-logprob pass) with the replayed routes and with its live router. The engine runs in fp32, then in bf16 (its
 kernels round differently, so more router decisions sit on the other side of a near tie). Printed per row: the
 mean and largest |trainer - engine| logprob over response tokens, the fraction of tokens off by more than 1e-3, and
-the fraction of router decisions where the trainer's live router disagrees with the engine's.
+the fraction of router decisions where the trainer's live router disagrees with the engine's (the trainer
+measures it with replay and without).
 
 Models: bench/moe_decode.py's small Qwen3-MoE (hidden 512, 8 layers, 32 experts of 256, 4 per token) and a dense
 Qwen3 with the same attention and an MLP of 4 x 256 (its active width).
@@ -110,7 +111,7 @@ def main() -> None:
         samples = rollout(moe, dtype, args.rows, args.new_tokens)
         for replay in (True, False):
             r = gap(moe, samples, replay)
-            dis = f"{r['disagree']:.4%}" if "disagree" in r else "(live)"
+            dis = f"{r['disagree']:.4%}" if "disagree" in r else "-"
             who = "replay" if replay else "live"
             print(f"{name:>8} {'moe':>6} {who:>10} {r['mean']:11.2e} {r['max']:10.2e} {r['over_1e-3']:7.2%} {dis:>17}")
         r = gap(dense, rollout(dense, dtype, args.rows, args.new_tokens), False)
