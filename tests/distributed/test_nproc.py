@@ -119,11 +119,20 @@ def test_nproc_missing_model_fails_on_every_rank(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_a_tensor_parallel_checkpoint_resumes_in_one_process_resharded(tiny_model_dir, tmp_path):
-    """Saved under tensor parallel 2 (each rank its slices, torch.distributed.checkpoint): resumed by one
-    process, the weights and optimizer state are put back together on load and steps 3-4 are the TP run's;
-    resumed under the same layout, steps 3-4 and the final weights are the TP run's bit for bit."""
+@pytest.mark.parametrize("split", ["tensor", "expert"])
+def test_a_tensor_parallel_checkpoint_resumes_in_one_process_resharded(tiny_model_dir, tokenizer, tmp_path, split):
+    """Saved under tensor (or expert) parallel 2 (each rank its slices, torch.distributed.checkpoint): resumed by
+    one process, the weights and optimizer state are put back together on load and steps 3-4 are the split run's;
+    resumed under the same layout, steps 3-4 and the final weights are the split run's bit for bit."""
     import shutil
+
+    option = f"parallel.{split}_parallel_size"
+    if split == "expert":  # a Qwen3-MoE, its experts split over the two ranks
+        from tests.tiny import make_tiny_qwen3_moe
+
+        tiny_model_dir = tmp_path / "tiny-moe"
+        make_tiny_qwen3_moe(seed=3).save_pretrained(tiny_model_dir)
+        tokenizer.save_pretrained(tiny_model_dir)
 
     def run(run_dir, *extra):
         args = [sys.executable, "-m", "strop.cli", "train", *extra]
@@ -146,7 +155,7 @@ def test_a_tensor_parallel_checkpoint_resumes_in_one_process_resharded(tiny_mode
         "--run.save_every=2",
         "--run.keep_checkpoints=2",
     ]
-    run(tmp_path / "tp", "--nproc=2", *base, "--parallel.tensor_parallel_size=2", f"--run.dir={tmp_path / 'tp'}")
+    run(tmp_path / "tp", "--nproc=2", *base, f"--{option}=2", f"--run.dir={tmp_path / 'tp'}")
     for name in ("one", "same"):
         shutil.copytree(tmp_path / "tp", tmp_path / name)
         shutil.rmtree(tmp_path / name / "checkpoints" / "step_000004")
@@ -155,8 +164,8 @@ def test_a_tensor_parallel_checkpoint_resumes_in_one_process_resharded(tiny_mode
         "--resume",
         str(tmp_path / "one"),
         "--allow-change",
-        "parallel.tensor_parallel_size",
-        "--parallel.tensor_parallel_size=1",
+        option,
+        f"--{option}=1",
     )
     assert "resumed from" in out and "step_000002 at step 2" in out
     out = run(tmp_path / "same", "--nproc=2", "--resume", str(tmp_path / "same"))
