@@ -8,18 +8,10 @@ import urllib.request
 
 import pytest
 
-from tests.serving.test_vllm import VLLM, vllm_process
+from tests.serving.test_vllm import pytestmark as vllm_marks, vllm_process
 from tests.tiny import make_tiny_qwen3_moe
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.vllm,
-    pytest.mark.timeout(900),
-    pytest.mark.skipif(
-        not VLLM.exists(),
-        reason=f"vLLM is not installed ({VLLM} missing): run `bash scripts/setup_vllm.sh` to enable these tests",
-    ),
-]
+pytestmark = vllm_marks  # slow, vllm, a timeout, skipped without .venv-vllm: as tests/serving/test_vllm.py
 
 
 def test_vllm_returns_the_routes_strop_replays(tmp_path, tokenizer):
