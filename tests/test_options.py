@@ -147,6 +147,7 @@ OPTIONS = [
     ("parallel.context_parallel_size", "int", 1),
     ("parallel.controller_timeout_s", "float", 21600),
     ("parallel.dp_mode", "Literal['replicate', 'fsdp']", "replicate"),
+    ("parallel.expert_parallel_size", "int", 1),
     ("parallel.fsdp_mixed_precision", "bool", False),
     ("parallel.grad_reduce_bucket_bytes", "int", 1073741824),
     ("parallel.sequence_parallel", "bool", True),

@@ -214,7 +214,6 @@ async def generate(body: GenerateBody, request: Request):
     return answers if batched or len(answers) > 1 else answers[0]
 
 
-@router.post("/abort_request")
 def check_routes_asked(body: GenerateBody, engine, prompts: list[list[int]]) -> None:
     """Refuse ``return_routed_experts`` where no routes are recorded, or a start past a prompt (SGLang's bound)."""
     if not body.return_routed_experts:
@@ -233,6 +232,7 @@ def check_routes_asked(body: GenerateBody, engine, prompts: list[list[int]]) -> 
         )
 
 
+@router.post("/abort_request")
 async def abort_request(body: AbortBody, request: Request):
     engine = service_of(request).engine
     if body.abort_all:
