@@ -59,13 +59,24 @@ def embedded_model_path() -> Path:
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(tmp, target)
+        _install_converted(tmp, target)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _install_converted(tmp: Path, target: Path) -> None:
+    """Move a finished conversion into place. Another process that converted at the same time and
+    finished first wins: its whole folder is kept (never removed under a reader) and ours is dropped.
+    Only a folder left incomplete (no config or no weights) is replaced."""
+    if target.exists() and not ((target / "config.json").exists() and any(target.glob("*.safetensors"))):
+        shutil.rmtree(target, ignore_errors=True)
+    try:
+        os.replace(tmp, target)
+    except OSError:  # (a non-empty target: the other process's complete conversion)
+        if not (target / "config.json").exists():
+            raise
 
 
 def resolve_model_path(path: str, revision: str | None = None) -> str:

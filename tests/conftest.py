@@ -43,3 +43,17 @@ def device():
 @pytest.fixture
 def tiny_model():
     return make_tiny_model()
+
+
+# The suite runs on two pytest-xdist workers (pyproject's addopts: -n 2 --dist loadgroup). Each file stays
+# on one worker, so its module fixtures (a vLLM server, a Ray cluster) start once. The files that start
+# engines, clusters or several training processes share one group: they run one after another on one
+# worker, never beside each other, while the other worker takes the in-process tests.
+SERIAL = ("tests/cluster/", "tests/distributed/", "tests/serving/test_vllm")
+
+
+def pytest_collection_modifyitems(config, items):
+    root = config.rootpath
+    for item in items:
+        path = item.path.relative_to(root).as_posix()
+        item.add_marker(pytest.mark.xdist_group("serial" if path.startswith(SERIAL) else path))

@@ -3,6 +3,8 @@ to the safetensors library's own slices, for row and column blocks, several read
 a model into shards (load_shards) gives the logits and buffers of from_pretrained: tied and untied embeddings,
 rotary tables and Gemma's embedding scale (buffers no file holds), whole or as FSDP2 parameters."""
 
+import shutil
+
 import pytest
 import torch
 from safetensors import safe_open
@@ -263,3 +265,32 @@ def test_a_stored_buffer_is_read_and_one_nothing_computes_is_refused_by_name(tmp
     assert why in unloadable(meta, tmp_path / "m")
     with pytest.raises(ValueError, match=why):
         load_shards(meta, tmp_path / "m", "cpu")
+
+
+def test_two_conversions_of_the_embedded_model_finishing_together_keep_the_first_whole(tmp_path):
+    """Two processes converting the embedded model at once (two test workers, two runs started together):
+    the one that finishes second drops its copy and never removes the folder the first put in place
+    (a reader may hold it); an incomplete folder left by a killed conversion is replaced."""
+    from strop.models import _install_converted
+
+    def converted(name, marker):
+        path = tmp_path / name
+        path.mkdir()
+        (path / "config.json").write_text(marker)
+        (path / "model.safetensors").write_text(marker)
+        return path
+
+    target = tmp_path / "smollm2"
+    _install_converted(converted(".convert-a", "a"), target)  # the first: moved into place
+    held = (target / "model.safetensors").open()  # a reader of the first conversion
+    second = converted(".convert-b", "b")
+    _install_converted(second, target)
+    assert (target / "config.json").read_text() == "a" and held.read() == "a"
+    held.close()
+    shutil.rmtree(second)
+
+    incomplete = tmp_path / "left"
+    incomplete.mkdir()
+    (incomplete / "config.json").write_text("half")  # no weights: a conversion killed midway
+    _install_converted(converted(".convert-c", "c"), incomplete)
+    assert (incomplete / "model.safetensors").read_text() == "c"

@@ -215,18 +215,18 @@ def test_hung_tools_time_out_and_never_queue_the_engines_work():
         t = time.perf_counter()
         calls = [asyncio.ensure_future(tools.call(ToolCall("hang", {"x": "1"}, 0))) for _ in range(6)]
         await asyncio.sleep(0.05)
-        engine_step = await asyncio.wait_for(asyncio.to_thread(lambda: "decoded"), 2)  # not queued behind tools
-        engine_seconds = time.perf_counter() - t
+        # queued behind the tools it would wait for their 30 s hang: 2 s tells the two apart on any machine
+        engine_step = await asyncio.wait_for(asyncio.to_thread(lambda: "decoded"), 2)
         results = await asyncio.gather(*calls)
-        return engine_step, engine_seconds, results, time.perf_counter() - t
+        return engine_step, results, time.perf_counter() - t
 
     try:
-        engine_step, engine_seconds, results, seconds = asyncio.run(main())
+        engine_step, results, seconds = asyncio.run(main())
     finally:
         release.set()
-    assert engine_step == "decoded" and engine_seconds < 0.4
+    assert engine_step == "decoded"
     assert results == [("Error: tool 'hang' gave no result within 0.5 s", False)] * 6
-    assert seconds < 2.0  # the calls waiting for a thread time out too
+    assert seconds < 10  # the calls waiting for a thread time out too (not after the tools' 30 s hang)
 
 
 def test_a_tool_returning_non_text_stops_the_run_naming_its_origin():
