@@ -17,24 +17,25 @@ import time
 import torch
 
 
+# the attention and sizes bench/moe_replay.py's dense model shares (its MLP: 4 x 256, the active width)
+SHAPE = dict(
+    vocab_size=16384,
+    hidden_size=512,
+    intermediate_size=1024,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=64,
+    max_position_embeddings=1024,
+    tie_word_embeddings=False,
+)
+
+
 def small_moe():
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(0)
-    config = Qwen3MoeConfig(
-        vocab_size=16384,
-        hidden_size=512,
-        intermediate_size=1024,
-        moe_intermediate_size=256,
-        num_experts=32,
-        num_experts_per_tok=4,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        head_dim=64,
-        max_position_embeddings=1024,
-        tie_word_embeddings=False,
-    )
+    config = Qwen3MoeConfig(**SHAPE, moe_intermediate_size=256, num_experts=32, num_experts_per_tok=4)
     return Qwen3MoeForCausalLM(config).float().eval()
 
 

@@ -25,25 +25,14 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from moe_decode import small_moe  # noqa: E402
+from moe_decode import SHAPE, small_moe  # noqa: E402
 
 
 def small_dense():
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
-    config = Qwen3Config(
-        vocab_size=16384,
-        hidden_size=512,
-        intermediate_size=1024,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        head_dim=64,
-        max_position_embeddings=1024,
-        tie_word_embeddings=False,
-    )
-    return Qwen3ForCausalLM(config).float().eval()
+    return Qwen3ForCausalLM(Qwen3Config(**SHAPE)).float().eval()
 
 
 def rollout(model, dtype, rows, new_tokens):

@@ -45,15 +45,20 @@ def tiny_model():
     return make_tiny_model()
 
 
-# The suite runs on two pytest-xdist workers (pyproject's addopts: -n 2 --dist loadgroup). Each file stays
-# on one worker, so its module fixtures (a vLLM server, a Ray cluster) start once. The files that start
-# engines, clusters or several training processes share one group: they run one after another on one
-# worker, never beside each other, while the other worker takes the in-process tests.
+# The suite runs on two pytest-xdist workers (pyproject's addopts: -n 2). Each file stays on one worker, so
+# its module fixtures (a vLLM server, a Ray cluster) start once. The files that start engines, clusters or
+# several training processes are one unit: they run one after another on one worker, never beside each
+# other, while the other worker takes the in-process files. (A scheduler of our own: xdist's loadgroup
+# marks do not reach its scheduler under pytest 9.2.)
 SERIAL = ("tests/cluster/", "tests/distributed/", "tests/serving/test_vllm")
 
 
-def pytest_collection_modifyitems(config, items):
-    root = config.rootpath
-    for item in items:
-        path = item.path.relative_to(root).as_posix()
-        item.add_marker(pytest.mark.xdist_group("serial" if path.startswith(SERIAL) else path))
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByFile(LoadScopeScheduling):
+        def _split_scope(self, nodeid):
+            path = nodeid.split("::", 1)[0]
+            return "serial" if path.startswith(SERIAL) else path
+
+    return ByFile(config, log)

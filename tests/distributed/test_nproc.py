@@ -49,6 +49,28 @@ def _run(tiny_model_dir, run_dir, nproc, mode="replicate", cp=1, tp=1, extra=())
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def _same_steps(one, two, norm_tol=1e-5):
+    """The two runs' step records, paired: both ran 2 steps on the same rollouts with both ranks' shares
+    counted, losses within 1e-5 and gradient norms within ``norm_tol`` of each other."""
+    steps_one = [r for r in one if "reward_mean" in r]
+    steps_two = [r for r in two if "reward_mean" in r]
+    assert len(steps_one) == len(steps_two) == 2
+    for a, b in zip(steps_one, steps_two):
+        assert a["reward_mean"] == b["reward_mean"] and a["trained_samples"] == b["trained_samples"]
+        assert abs(a["loss"] - b["loss"]) <= 1e-5
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= norm_tol * a["grad_norm"] + 1e-7
+    return list(zip(steps_one, steps_two))
+
+
+def _same_weights(dir_one, dir_two):
+    """The final weights two runs saved, within 1e-5 parameter by parameter."""
+    from transformers import AutoModelForCausalLM
+
+    m1, m2 = AutoModelForCausalLM.from_pretrained(dir_one), AutoModelForCausalLM.from_pretrained(dir_two)
+    for (name, p1), p2 in zip(m1.named_parameters(), m2.parameters()):
+        assert (p1 - p2).abs().max().item() <= 1e-5, name
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     "mode,cp,tp",
@@ -56,26 +78,12 @@ def _run(tiny_model_dir, run_dir, nproc, mode="replicate", cp=1, tp=1, extra=())
     ids=["dp2-replicate", "dp2-fsdp", "cp2", "tp2"],
 )
 def test_nproc_2_equals_one_process(tiny_model_dir, tmp_path, mode, cp, tp):
-    from transformers import AutoModelForCausalLM
-
     one = _run(tiny_model_dir, tmp_path / "one", 1)
     two = _run(tiny_model_dir, tmp_path / "two", 2, mode, cp, tp)
     # tensor parallel: the gradient norm is one fp64 sum of squares over the ranks' slices, against torch's fp32
     # norm in one process: within 5e-5 of it (measured 3.4e-5 on this model)
-    norm_tol = 5e-5 if tp > 1 else 1e-5
-    steps_one = [r for r in one if "reward_mean" in r]
-    steps_two = [r for r in two if "reward_mean" in r]
-    for a, b in zip(steps_one, steps_two):
-        assert a["reward_mean"] == b["reward_mean"]  # same rollouts
-        assert a["trained_samples"] == b["trained_samples"]  # both ranks' shares counted
-        assert (
-            abs(a["loss"] - b["loss"]) <= 1e-5
-            and abs(a["grad_norm"] - b["grad_norm"]) <= norm_tol * a["grad_norm"] + 1e-7
-        )
-    m1 = AutoModelForCausalLM.from_pretrained(tmp_path / "one" / "final")
-    m2 = AutoModelForCausalLM.from_pretrained(tmp_path / "two" / "final")
-    for (name, p1), p2 in zip(m1.named_parameters(), m2.parameters()):
-        assert (p1 - p2).abs().max().item() <= 1e-5, name
+    _same_steps(one, two, norm_tol=5e-5 if tp > 1 else 1e-5)
+    _same_weights(tmp_path / "one" / "final", tmp_path / "two" / "final")
 
 
 @pytest.mark.parametrize("nproc", [1, 3])
@@ -228,14 +236,9 @@ def test_a_lora_run_on_2_processes_equals_one_process(tiny_model_dir, tmp_path, 
     lora = ["--model.lora_rank=4", "--model.lora_alpha=8", "--algo.kl_coef=0.1"]
     one = _run(tiny_model_dir, tmp_path / "one", 1, extra=lora)
     two = _run(tiny_model_dir, tmp_path / "two", 2, mode, extra=lora)
-    steps_one = [r for r in one if "reward_mean" in r]
-    steps_two = [r for r in two if "reward_mean" in r]
-    assert len(steps_one) == len(steps_two) == 2
-    for a, b in zip(steps_one, steps_two):
-        assert a["reward_mean"] == b["reward_mean"] and a["trained_samples"] == b["trained_samples"]
-        assert abs(a["loss"] - b["loss"]) <= 1e-5 and abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * a["grad_norm"]
-        assert abs(a["kl_ref"] - b["kl_ref"]) <= 1e-6
-    assert steps_one[-1]["kl_ref"] > 0  # the adapters moved the policy off the base
+    steps = _same_steps(one, two)
+    assert all(abs(a["kl_ref"] - b["kl_ref"]) <= 1e-6 for a, b in steps)
+    assert steps[-1][0]["kl_ref"] > 0  # the adapters moved the policy off the base
     # the adapter each run saved, whole, and equal
     a1 = load_file(str(tmp_path / "one" / "final" / "adapter" / "adapter_model.safetensors"))
     a2 = load_file(str(tmp_path / "two" / "final" / "adapter" / "adapter_model.safetensors"))
@@ -246,13 +249,10 @@ def test_a_lora_run_on_2_processes_equals_one_process(tiny_model_dir, tmp_path, 
 @pytest.mark.timeout(400)
 def test_a_lora_run_with_context_parallel_2_equals_one_process(tiny_model_dir, tmp_path):
     lora = ["--model.lora_rank=4", "--model.lora_alpha=8", "--algo.kl_coef=0.1"]
-    one = [r for r in _run(tiny_model_dir, tmp_path / "one", 1, extra=lora) if "reward_mean" in r]
-    two = [r for r in _run(tiny_model_dir, tmp_path / "two", 2, "replicate", cp=2, extra=lora) if "reward_mean" in r]
-    assert len(one) == len(two) == 2 and one[-1]["kl_ref"] > 0
-    for a, b in zip(one, two):
-        assert a["reward_mean"] == b["reward_mean"] and a["trained_samples"] == b["trained_samples"]
-        assert abs(a["loss"] - b["loss"]) <= 1e-5 and abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * a["grad_norm"]
-        assert abs(a["kl_ref"] - b["kl_ref"]) <= 1e-6
+    one = _run(tiny_model_dir, tmp_path / "one", 1, extra=lora)
+    two = _run(tiny_model_dir, tmp_path / "two", 2, "replicate", cp=2, extra=lora)
+    steps = _same_steps(one, two)
+    assert all(abs(a["kl_ref"] - b["kl_ref"]) <= 1e-6 for a, b in steps) and steps[-1][0]["kl_ref"] > 0
 
 
 @pytest.mark.timeout(400)
@@ -261,8 +261,6 @@ def test_expert_parallel_2_with_routing_replay_equals_one_process(tokenizer, tmp
     """A Qwen3-MoE trained by `strop train --nproc 2` with its experts split over the two ranks (replicated
     otherwise, or FSDP2 for the rest) and the engine's routes replayed: the same rollouts, losses and final
     weights as one process."""
-    from transformers import AutoModelForCausalLM
-
     from tests.tiny import make_tiny_qwen3_moe
 
     model_dir = tmp_path / "tiny-moe"
@@ -272,17 +270,9 @@ def test_expert_parallel_2_with_routing_replay_equals_one_process(tokenizer, tmp
     extra = ["--algo.routing_replay=true", "--train.micro_batch_size=16", "--parallel.expert_parallel_size=2"]
     one = _run(model_dir, tmp_path / "one", 1, extra=extra[:2])
     two = _run(model_dir, tmp_path / "two", 2, mode, extra=extra)
-    steps_one = [r for r in one if "reward_mean" in r]
-    steps_two = [r for r in two if "reward_mean" in r]
-    assert len(steps_one) == len(steps_two) == 2
-    for a, b in zip(steps_one, steps_two):
-        assert a["reward_mean"] == b["reward_mean"] and a["trained_samples"] == b["trained_samples"]
-        assert abs(a["loss"] - b["loss"]) <= 1e-5 and abs(a["grad_norm"] - b["grad_norm"]) <= 5e-5 * a["grad_norm"]
+    for a, b in _same_steps(one, two, norm_tol=5e-5):
         assert a["routing_disagreement"] == b["routing_disagreement"]  # counted on both ranks' tokens
-    m1 = AutoModelForCausalLM.from_pretrained(tmp_path / "one" / "final")
-    m2 = AutoModelForCausalLM.from_pretrained(tmp_path / "two" / "final")
-    for (name, p1), p2 in zip(m1.named_parameters(), m2.parameters()):
-        assert (p1 - p2).abs().max().item() <= 1e-5, name
+    _same_weights(tmp_path / "one" / "final", tmp_path / "two" / "final")
 
 
 @pytest.mark.timeout(200)
