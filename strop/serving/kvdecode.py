@@ -32,7 +32,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from strop.serving.invariant import attend_rows, packed_rows, prefill_each, prefill_packed, rows_linear
+from strop.serving.invariant import attend_rows, exact_mkl, packed_rows, prefill_each, prefill_packed, rows_linear
 from strop.serving.cpu_kernels import choose, unavailable
 from strop.serving.linear import PackedLinear, return_freed_memory
 from strop.serving.moe import RoutedExperts, is_routed, record_prompt_routes, record_step_routes
@@ -120,8 +120,10 @@ class LlamaDecoder:
         w = self.backbone.embed_tokens.weight
         self.kernel = choose(kernels, w.dtype, w.device)  # the linear layers' kernel (strop.serving.cpu_kernels)
         self.prepack = prepack and self.kernel != "plain"
-        # batch-invariant steps rest on MKL's packed sgemm in fp32 (strop.serving.invariant); elsewhere F.linear by row
-        self.exact_kernel = "mkl" if w.dtype == torch.float32 and not unavailable("mkl", w.dtype) else "plain"
+        # batch-invariant steps rest on MKL's packed sgemm in fp32 where some row counts agree on this CPU
+        # (strop.serving.invariant); elsewhere F.linear by row
+        exact = w.dtype == torch.float32 and w.device.type == "cpu" and not unavailable("mkl", w.dtype)
+        self.exact_kernel = "mkl" if exact and (not batch_invariant or exact_mkl()) else "plain"
         self._seen = None  # the parameters' (address, version) when the fused weights were built
         self.batch_invariant = batch_invariant
 

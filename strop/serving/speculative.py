@@ -31,13 +31,13 @@ default kernels, so it costs nothing there; its tokens and logprobs are that eng
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import OrderedDict
 
 import torch
-import torch.nn.functional as F
 
-from strop.serving.invariant import packed_rows, rows_linear
+from strop.serving.invariant import attend_one, packed_rows, rows_linear
 from strop.serving.kvdecode import Row, slots_for
 
 NGRAMS = (4, 3, 2)  # the suffix lengths a draft is matched on, longest first
@@ -307,13 +307,10 @@ def forward(dec, tokens, positions, keys, values, slots, cols, starts: list[int]
         q = q.reshape(L, J, dec.n_kv, dec.group, dec.head_dim)
         o = torch.empty_like(q)
         for a, b, s0, s, e in groups:  # rows a..b-1 (cache slots s0..): the same start and end
-            for j in range(J):
-                o[a:b, j] = F.scaled_dot_product_attention(
-                    q[a:b, j],
-                    keys[i, s0 : s0 + b - a, :, s : e + j + 1],
-                    values[i, s0 : s0 + b - a, :, s : e + j + 1],
-                    scale=dec.scale,
-                )
+            for r, j in itertools.product(range(b - a), range(J)):  # each as a decode step's own call
+                o[a + r, j] = attend_one(
+                    q[a + r, j], keys[i, s0 + r, :, s : e + j + 1], values[i, s0 + r, :, s : e + j + 1], dec.scale
+                )[0]
         x = x + rows_linear(o_proj, o.reshape(L * J, -1))
         g, u = rows_linear(gate_up, dec._norm(ln2, x)).chunk(2, dim=-1)
         x = x + rows_linear(down, act(g).mul_(u))
