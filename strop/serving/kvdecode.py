@@ -120,10 +120,8 @@ class LlamaDecoder:
         w = self.backbone.embed_tokens.weight
         self.kernel = choose(kernels, w.dtype, w.device)  # the linear layers' kernel (strop.serving.cpu_kernels)
         self.prepack = prepack and self.kernel != "plain"
-        # batch-invariant steps rest on MKL's packed sgemm in fp32 where some row counts agree on this CPU
-        # (strop.serving.invariant); elsewhere F.linear by row
-        exact = w.dtype == torch.float32 and w.device.type == "cpu" and not unavailable("mkl", w.dtype)
-        self.exact_kernel = "mkl" if exact and (not batch_invariant or exact_mkl()) else "plain"
+        exact = w.dtype == torch.float32 and not unavailable("mkl", w.dtype) and (not batch_invariant or exact_mkl())
+        self.exact_kernel = "mkl" if exact else "plain"  # batch-invariant steps' kernel (strop.serving.invariant)
         self._seen = None  # the parameters' (address, version) when the fused weights were built
         self.batch_invariant = batch_invariant
 
