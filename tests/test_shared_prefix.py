@@ -140,11 +140,14 @@ def _gradients(trainer) -> list[torch.Tensor]:
     return out
 
 
-def assert_same_step(a, b, atol=1e-6):
+def assert_same_step(a, b, atol=1e-6, grad_atol=None):
+    """Loss and gradient norm within ``atol`` (the norm: of its size), every gradient element within
+    ``grad_atol`` (default ``atol``)."""
     (ta, ma), (tb, mb) = a, b
-    assert abs(ma["loss"] - mb["loss"]) <= atol and abs(ma["grad_norm"] - mb["grad_norm"]) <= atol
+    assert abs(ma["loss"] - mb["loss"]) <= atol
+    assert abs(ma["grad_norm"] - mb["grad_norm"]) <= atol * max(1.0, abs(ma["grad_norm"])), (ma, mb)
     worst = max((x - y).abs().max().item() for x, y in zip(_gradients(ta), _gradients(tb)))
-    assert worst <= atol, worst
+    assert worst <= (grad_atol or atol), worst
     if ta.critic is not None:
         assert abs(ma["value_loss"] - mb["value_loss"]) <= atol
 
@@ -174,9 +177,21 @@ def test_a_shared_step_equals_the_padded_step(tiny_model, algo):
 def test_a_shared_step_equals_the_packed_step_for_each_split(tiny_model, split):
     samples = grouped_samples(groups=4, seed=3)
     tokens = split.pop("max_tokens", None)
-    packed = run_step(copy.deepcopy(tiny_model), samples, max_tokens=tokens or 10_000, **split)
-    shared = run_step(copy.deepcopy(tiny_model), samples, max_tokens=tokens, shared_prefix=True, **split)
-    assert_same_step(packed, shared)
+    fp64 = "estimator" not in split  # (the critic's value head is built in fp32)
+    for model, atol, grad_atol in _precisions(tiny_model, chunked="logprob_chunk_size" in split, fp64=fp64):
+        packed = run_step(copy.deepcopy(model), samples, max_tokens=tokens or 10_000, **split)
+        shared = run_step(copy.deepcopy(model), samples, max_tokens=tokens, shared_prefix=True, **split)
+        assert_same_step(packed, shared, atol, grad_atol)
+
+
+def _precisions(model, chunked=True, fp64=True):
+    """The model in fp32 (the paths' matmuls have other shapes, so other roundings: every gradient within
+    1e-6 on a Xeon, but up to 3.3e-6 on an AMD EPYC for the chunked and multi-turn cases, gradients of
+    0.14-0.2 at most), and in fp64, where those roundings vanish and the paths must agree to 1e-7 (measured:
+    1.0e-8, the fp32 stages inside the logprob)."""
+    yield model, 1e-6, 5e-6 if chunked else 1e-6
+    if fp64:
+        yield model.double(), 1e-7, 1e-7
 
 
 def test_multi_turn_segments_share_their_longest_common_prefix(tiny_model):
@@ -190,9 +205,10 @@ def test_multi_turn_segments_share_their_longest_common_prefix(tiny_model):
     ]
     batch = collate_shared_prefix(samples)
     assert batch["tokens"] == 6 + (2 + 3) + (4 + 2) + (1 + 2)  # the first turn once
-    padded = run_step(copy.deepcopy(tiny_model), samples, micro_batch_size=3)
-    shared = run_step(copy.deepcopy(tiny_model), samples, micro_batch_size=3, shared_prefix=True)
-    assert_same_step(padded, shared)
+    for model, atol, grad_atol in _precisions(tiny_model):
+        padded = run_step(copy.deepcopy(model), samples, micro_batch_size=3)
+        shared = run_step(copy.deepcopy(model), samples, micro_batch_size=3, shared_prefix=True)
+        assert_same_step(padded, shared, atol, grad_atol)
 
 
 def test_it_is_on_by_default_and_refused_or_off_where_it_cannot_hold(tiny_model):
