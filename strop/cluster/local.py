@@ -40,6 +40,9 @@ def launch(nproc: int, argv: list[str], command: list[str], poll_s: float = 0.5)
             self.dest = super().reify(envs)
             return self.dest
 
+    from strop.observe.logs import console
+
+    console()  # what failed reaches the terminal from Python too, as from `strop train`
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # strop says what failed
     with tempfile.TemporaryDirectory(prefix="strop-ranks-") as tmp:
         logs = Logs(
