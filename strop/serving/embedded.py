@@ -40,6 +40,7 @@ from strop.types import Completion, SamplingParams
 
 EARLY_ABORT_S = 30.0  # an abort for a request not (yet) queued or running is remembered this long
 EARLY_ABORT_MAX = 4096  # and at most this many such aborts
+CLOSE_WAIT_S = 60.0  # close() waits this long for a running step to end the engine thread
 
 
 class EmbeddedEngine(BatchScheduler, WeightUpdates):
@@ -182,8 +183,14 @@ class EmbeddedEngine(BatchScheduler, WeightUpdates):
     async def close(self) -> None:
         """End the engine's thread, and with it the OpenMP team it holds: a program that runs again in this
         process (a notebook, a test suite) would otherwise keep one idle team per run, and once a process
-        holds more teams than the machine has CPUs, libgomp stops spinning between regions (strop.openmp)."""
+        holds more teams than the machine has CPUs, libgomp stops spinning between regions (strop.openmp).
+        Returns once the thread has ended (the step it runs finishes; queued work is cancelled), or after
+        ``CLOSE_WAIT_S`` while a step still runs."""
         self._worker.shutdown(wait=False, cancel_futures=True)
+        deadline = time.monotonic() + CLOSE_WAIT_S
+        for thread in list(self._worker._threads):  # (no pool thread to join it: that would keep one)
+            while thread.is_alive() and time.monotonic() < deadline:
+                await asyncio.sleep(0.005)
 
     async def _off_loop(self, fn, *args):
         """``fn(*args)`` on the engine's own thread. Every piece of model work the event loop hands off
