@@ -2,9 +2,8 @@
 on, at 16 and 44 concurrent requests, interleaved (off, on, off, on: ``--rounds`` rounds) so drift in
 the machine's load falls on both sides, with the ratio of each pair.
 
-Two workloads: distinct chat prompts of different lengths (each row attends alone in the invariant
-mode), and GRPO-shaped groups of 8 samples sharing a prompt (rows admitted together share a start and
-attend in one call). Every request samples with its own seed at temperature 1, exactly
+Two workloads: distinct chat prompts of different lengths, and GRPO-shaped groups of 8 samples sharing
+a prompt (prefilled once); in the invariant mode each row attends in a call of its own. Every request samples with its own seed at temperature 1, exactly
 ``--new-tokens`` tokens (stop tokens disabled). Before timing, it checks on this model that a request
 decodes bitwise the same alone and as a middle row of the largest batch.
 
