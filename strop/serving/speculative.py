@@ -298,33 +298,18 @@ def forward(dec, tokens, positions, keys, values, slots, cols, starts: list[int]
     x = dec.backbone.embed_tokens(tokens.reshape(-1))  # (L J, hidden)
     cos, sin = dec.backbone.rotary_emb(x, positions.reshape(-1, 1))  # (L J, 1, D): broadcasts over heads
     where = (slots.repeat_interleave(J), cols.reshape(-1))
-    ends = cols[:, 0].tolist()
-    groups = _runs(slots.tolist(), starts, ends)
+    rows = list(zip(slots.tolist(), starts, cols[:, 0].tolist()))  # each row's cache slot, start and end column
     for i, (ln1, qkv, o_proj, ln2, gate_up, down, act) in enumerate(dec.layers):
         q, k, v = dec._split_rope(rows_linear(qkv, dec._norm(ln1, x)), cos, sin, dec.qk_norms[i])
         keys[i][where[0], :, where[1]] = k
         values[i][where[0], :, where[1]] = v
         q = q.reshape(L, J, dec.n_kv, dec.group, dec.head_dim)
         o = torch.empty_like(q)
-        for a, b, s0, s, e in groups:  # rows a..b-1 (cache slots s0..): the same start and end
-            for r, j in itertools.product(range(b - a), range(J)):  # each as a decode step's own call
-                o[a + r, j] = attend_one(
-                    q[a + r, j], keys[i, s0 + r, :, s : e + j + 1], values[i, s0 + r, :, s : e + j + 1], dec.scale
-                )[0]
+        for (r, (slot, s, e)), j in itertools.product(enumerate(rows), range(J)):  # each as a decode step's call
+            o[r, j] = attend_one(
+                q[r, j], keys[i, slot, :, s : e + j + 1], values[i, slot, :, s : e + j + 1], dec.scale
+            )[0]
         x = x + rows_linear(o_proj, o.reshape(L * J, -1))
         g, u = rows_linear(gate_up, dec._norm(ln2, x)).chunk(2, dim=-1)
         x = x + rows_linear(down, act(g).mul_(u))
     return rows_linear(dec.head, dec._norm(dec.backbone.norm, x)).view(L, J, -1)
-
-
-def _runs(slots: list[int], starts: list[int], ends: list[int]) -> list[tuple[int, int, int, int, int]]:
-    """Runs of rows in adjacent cache slots with the same start and end column: (first row, row after the last,
-    first slot, start, end)."""
-    out, a = [], 0
-    while a < len(slots):
-        b = a + 1
-        while b < len(slots) and slots[b] == slots[b - 1] + 1 and (starts[b], ends[b]) == (starts[a], ends[a]):
-            b += 1
-        out.append((a, b, slots[a], starts[a], ends[a]))
-        a = b
-    return out
