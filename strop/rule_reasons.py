@@ -68,6 +68,20 @@ def why_no_speculation(cfg) -> str:
     return ""
 
 
+def why_no_compiled_attention(cfg) -> str:
+    """Why engine.compile_attention=true would not compile what decodes with ``cfg`` ('' when it would)."""
+    e = cfg.engine
+    if e.kind in ("vllm", "sglang"):
+        return f"engine.kind={e.kind!r} servers run their own attention"
+    if e.kind == "strop" and not e.launch:
+        return "servers at engine.urls keep the attention they were started with: start them with strop serve --compile-attention"
+    if not e.fast_decode:
+        return "engine.fast_decode=false decodes with the model's own forward"
+    if cfg.rollout.exact_logprobs:
+        return "rollout.exact_logprobs=true decodes every step batch-invariant, each row attending alone (uncompiled)"
+    return ""
+
+
 def why_no_cpu_kernels(cfg) -> str:
     """Why engine.cpu_kernels (not 'auto') would not be what runs with ``cfg`` ('' when it is): it chooses the kernel
     of strop's own kv-cache decoder on a CPU (strop.serving.cpu_kernels)."""

@@ -21,6 +21,7 @@ from strop.rule_reasons import (
     other_generation,
     tools_setting,
     shared_prefix_off,
+    why_no_compiled_attention,
     why_no_cpu_kernels,
     why_no_routing_replay,
     why_no_speculation,
@@ -384,6 +385,11 @@ RULES: tuple[Rule, ...] = (
         "cpu kernels are the embedded decoder's",
         lambda c: c.engine.cpu_kernels != "auto" and bool(why_no_cpu_kernels(c)),
         lambda c: f"engine.cpu_kernels={c.engine.cpu_kernels!r}: {why_no_cpu_kernels(c)}",
+    ),
+    Rule(
+        "compiled attention is the embedded decoder's",
+        lambda c: c.engine.compile_attention and bool(why_no_compiled_attention(c)),
+        lambda c: f"engine.compile_attention=true: {why_no_compiled_attention(c)}",
     ),
     Rule(
         "routing replay needs the engine's routes",

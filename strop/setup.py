@@ -442,6 +442,7 @@ def _engine(
             batch_invariant=r.exact_logprobs,  # a sample's tokens do not depend on the batch it ran in
             speculative=e.speculative,
             cpu_kernels=e.cpu_kernels,
+            compile_attention=e.compile_attention,
         )
         weight_sync = choose_sync(cfg, [engine], run_dir, [], device)
         weight_sync.connect(engine)

@@ -230,6 +230,12 @@ def _serve_args(parser) -> None:
         "the start line names it)",
     )
     parser.add_argument(
+        "--compile-attention",
+        action="store_true",
+        help="the kv-cache decoder's attention compiled by Inductor on a CPU (once, the time in the log; without a "
+        "C++ compiler it says why and runs PyTorch's fused kernel; docs/engine.md)",
+    )
+    parser.add_argument(
         "--enable-return-routed-experts",
         action="store_true",
         help="vLLM's flag: /v1/completions choices carry routed_experts, the experts each token was routed to "
@@ -262,6 +268,7 @@ def _serve(args) -> int:
             batch_invariant=args.batch_invariant,
             speculative=args.speculative,
             cpu_kernels=args.cpu_kernels,
+            compile_attention=args.compile_attention,
             return_routes=args.enable_return_routed_experts,
             model_options=_model_options(args),
             weight_transfer=args.weight_transfer_backend,

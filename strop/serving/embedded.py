@@ -32,6 +32,7 @@ from strop.serving.kvdecode import Batch, LlamaDecoder, unsupported_reason
 from strop.serving.request import SEED_RANGE, PendingRequest, PromptTooLongError, RequestError, TokenListener
 from strop.serving.sampling import sample
 from strop.serving.scheduler import BatchScheduler
+from strop.serving.attention import eager
 from strop.serving.cpu_kernels import describe as describe_kernel
 from strop.serving.moe import row_routes
 from strop.serving.speculative import Speculator, describe_speculation
@@ -65,6 +66,7 @@ class EmbeddedEngine(BatchScheduler, WeightUpdates):
         batch_invariant: bool = False,
         speculative: int = 0,
         cpu_kernels: str = "auto",
+        compile_attention: bool = False,
     ):
         """``batch_wait_s``: before a batch starts, wait while requests keep arriving (each wait this
         long, at most 40) so requests sent together over a network form one batch.
@@ -78,7 +80,8 @@ class EmbeddedEngine(BatchScheduler, WeightUpdates):
         tokens per row from the prompt's other responses and verify them in one forward pass
         (:mod:`strop.serving.speculative`; exact: a busy period that drafts runs the batch-invariant kernels; one
         that starts with more rows than drafts pay for decodes as without speculation; 0: off). ``cpu_kernels``:
-        the fast decoder's linear-layer kernel (:mod:`strop.serving.cpu_kernels`; auto: this CPU's pick)."""
+        the fast decoder's linear-layer kernel (:mod:`strop.serving.cpu_kernels`; auto: this CPU's pick).
+        ``compile_attention``: its decode steps' attention compiled (:mod:`strop.serving.attention`)."""
         self.shared = shared
         self.model = model if shared else model.eval()
         self.pad_token_id = pad_token_id
@@ -117,9 +120,9 @@ class EmbeddedEngine(BatchScheduler, WeightUpdates):
         self._session: str | None = None  # "opening" / "open": a weight-update session (holds _busy)
         self._receiving = False  # a bucket of the session is being received
         self._receipt = None  # the open session's ReceiptSession (strop.serving.receipt)
-        self._decoder(model, fast_decode, shared, batch_invariant, speculative, cpu_kernels)
+        self._decoder(model, fast_decode, shared, batch_invariant, speculative, cpu_kernels, compile_attention)
 
-    def _decoder(self, model, fast_decode: bool, shared: bool, batch_invariant: bool, speculative: int, kernels: str):
+    def _decoder(self, model, fast_decode, shared, batch_invariant, speculative: int, kernels: str, compiled: bool):
         """The fast decoder (or the fallback's reason), speculation, and the start line's ``decode_path``."""
         reason = unsupported_reason(model) if fast_decode else "fast_decode=False"
         if shared and reason is not None:
@@ -129,7 +132,19 @@ class EmbeddedEngine(BatchScheduler, WeightUpdates):
         self.batch_invariant = batch_invariant
         if reason is not None and kernels != "auto":
             raise ValueError(f"cpu_kernels={kernels!r} chooses the kv-cache decoder's kernel, which is off: {reason}")
-        self._fast = LlamaDecoder(model, batch_invariant=batch_invariant, kernels=kernels) if reason is None else None
+        if reason is not None and compiled:
+            raise ValueError(f"compile_attention compiles the kv-cache decoder's attention, which is off: {reason}")
+        if compiled and self.device.type != "cpu":
+            raise ValueError(f"compile_attention is built for CPUs; on {self.device} the fused kernel is the fast one")
+        if compiled and batch_invariant:
+            raise ValueError(
+                "compile_attention: batch-invariant steps attend row by row (uncompiled); it would not run"
+            )
+        self._fast = (
+            LlamaDecoder(model, batch_invariant=batch_invariant, kernels=kernels, compiled=compiled)
+            if reason is None
+            else None
+        )
         if self._fast is not None and self._fast.routed and (batch_invariant or speculative):
             raise ValueError(
                 "batch-invariant decoding (rollout.exact_logprobs) and speculation are not built for routed-expert "
@@ -354,4 +369,6 @@ def describe_decoder(fast: LlamaDecoder | None, reason: str | None, speculative:
     path += describe_speculation(speculative, reason is None)
     if shared:
         path += ", from the trainer's own weights (engine.share_weights: no copy)"
+    if fast is not None and fast.attend is not eager:
+        path += "; decode attention compiled (Inductor, at the first step)"
     return path + ("; " + describe_kernel(fast.kernel, fast.dtype) if fast is not None else "")

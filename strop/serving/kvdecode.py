@@ -1,27 +1,23 @@
-"""A decode loop for Llama-family models with a preallocated KV cache, shared prompt prefixes and
-continuous batching.
+"""A decode loop for Llama-family models with a preallocated KV cache, shared prompt prefixes and continuous batching.
 
-The embedded engine uses it for the models it knows (``llama``, ``qwen2``, ``qwen3`` with its per-head
-query/key norms, ``qwen3_moe`` with routed experts (:mod:`strop.serving.moe`, which records the routes),
-``mistral``; without a sliding window); anything else falls back to Hugging Face's forward with a
-``DynamicCache``. It sees a weight update (``load_state_dict`` or a broadcast into the parameters) at the
-next step.
+The embedded engine uses it for the models it knows (``llama``, ``qwen2``, ``qwen3`` with its per-head query/key
+norms, ``qwen3_moe`` with routed experts (:mod:`strop.serving.moe`, which records the routes), ``mistral``; without a
+sliding window); anything else falls back to Hugging Face's forward with a ``DynamicCache``. It sees a weight update
+(``load_state_dict`` or a broadcast into the parameters) at the next step.
 
-Layout. All running rows write their next token into the same cache column ``t``; a row's prompt
-sits right-aligned before the column where it joined (``start[r] .. t-1``), so rows that joined
-later simply start further right. Attention masks every column left of a row's ``start``. Keys
-and values live in two tensors ``(layers, rows, kv_heads, columns, head_dim)`` allocated once per
-layout change (admission beyond capacity, or compaction), never concatenated per step. Grouped
-query attention multiplies each kv head against its group of query heads directly, without
-materialising repeated keys.
+Layout. All running rows write their next token into the same cache column ``t``; a row's prompt sits right-aligned
+before the column where it joined (``start[r] .. t-1``), so rows that joined later simply start further right.
+Attention masks every column left of a row's ``start``. Keys and values live in two tensors ``(layers, rows,
+kv_heads, columns, head_dim)`` allocated once per layout change (admission beyond capacity, or compaction), never
+concatenated per step. Grouped query attention multiplies each kv head against its group of query heads directly,
+without materialising repeated keys.
 
-Prefix sharing. Requests with the same prompt that are admitted together are prefilled once; the
-prompt's keys and values are copied into each of their rows, and each row samples its first
-token independently from the shared last-position logits.
+Prefix sharing. Prompts admitted together are prefilled once each; a prompt's keys and values are copied into each
+of its rows, and each row samples its first token independently from the prompt's logits.
 
-Batch invariance. With ``batch_invariant=True`` a row's tokens and logprobs do not depend on its
-batch: each prompt is prefilled alone, a step's linear layers use a kernel whose rows do not change
-with the row count, and each row attends exactly its own columns (:mod:`strop.serving.invariant`).
+Batch invariance. With ``batch_invariant=True`` a row's tokens and logprobs do not depend on its batch: each prompt
+is prefilled alone, a step's linear layers use a kernel whose rows do not change with the row count, and each row
+attends exactly its own columns (:mod:`strop.serving.invariant`).
 """
 
 from __future__ import annotations
@@ -32,6 +28,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from strop.serving.attention import COMPILED, eager
 from strop.serving.invariant import attend_rows, exact_mkl, packed_rows, prefill_each, prefill_packed, rows_linear
 from strop.serving.cpu_kernels import choose, unavailable
 from strop.serving.linear import PackedLinear, return_freed_memory
@@ -86,7 +83,9 @@ class Row:
 
 
 class LlamaDecoder:
-    def __init__(self, model, *, prepack: bool = True, batch_invariant: bool = False, kernels: str = "auto"):
+    def __init__(
+        self, model, *, prepack: bool = True, batch_invariant: bool = False, kernels: str = "auto", compiled=False
+    ):
         reason = unsupported_reason(model)
         if reason:
             raise ValueError(f"the fast decoder cannot run this model: {reason}")
@@ -124,6 +123,7 @@ class LlamaDecoder:
         self.exact_kernel = "mkl" if exact else "plain"  # batch-invariant steps' kernel (strop.serving.invariant)
         self._seen = None  # the parameters' (address, version) when the fused weights were built
         self.batch_invariant = batch_invariant
+        self.attend = COMPILED if compiled else eager  # a plain step's attention (strop.serving.attention)
 
     @property
     def device(self):
@@ -158,7 +158,7 @@ class LlamaDecoder:
                 lin.refresh()
             self._seen = sig
         kernel = self.exact_kernel if self.batch_invariant else self.kernel
-        if rows is not None and self.prepack and kernel != "plain":
+        if (rows is not None or kernel == "onednn") and self.prepack and kernel != "plain":  # (oneDNN: any rows)
             for lin in self.linears:
                 lin.kernel = kernel
                 lin.pack(rows, keep=True) if keep else lin.pack(rows)
@@ -192,7 +192,7 @@ class LlamaDecoder:
             return prefill_packed(self, ids, lengths)
         if self.batch_invariant:  # each prompt alone, unpadded; the logits through F.linear (3-D input)
             return prefill_each(self._prefill, ids, lengths)
-        return self._prefill(ids, lengths)
+        return self._prefill(ids, lengths, PackedLinear.batched)
 
     def _mlp(self, h, gate_up, down, act, lin=PackedLinear.__call__):
         if gate_up is None:  # routed experts (strop.serving.moe): their choices kept for the rows
@@ -202,7 +202,7 @@ class LlamaDecoder:
         g, u = lin(gate_up, h).chunk(2, dim=-1)
         return lin(down, act(g).mul_(u))
 
-    def _prefill(self, ids: torch.Tensor, lengths: torch.Tensor):
+    def _prefill(self, ids: torch.Tensor, lengths: torch.Tensor, lin=PackedLinear.__call__):
         N, P = ids.shape
         self.routes = []
         dev = ids.device
@@ -219,12 +219,12 @@ class LlamaDecoder:
         keys = torch.empty(self.n_layers, N, self.n_kv, P, self.head_dim, dtype=x.dtype, device=dev)
         values = torch.empty_like(keys)
         for i, (ln1, qkv, o_proj, ln2, gate_up, down, act) in enumerate(self.layers):
-            q, k, v = self._split_rope(qkv(self._norm(ln1, x)), cos, sin, self.qk_norms[i])
+            q, k, v = self._split_rope(lin(qkv, self._norm(ln1, x)), cos, sin, self.qk_norms[i])
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (N, heads, P, D)
             keys[i], values[i] = k, v
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=self.group > 1)
-            x = x + o_proj(o.transpose(1, 2).reshape(N, P, -1))
-            x = x + self._mlp(self._norm(ln2, x), gate_up, down, act)
+            x = x + lin(o_proj, o.transpose(1, 2).reshape(N, P, -1))
+            x = x + self._mlp(self._norm(ln2, x), gate_up, down, act, lin)
         if self.batch_invariant:
             return self.head(self._norm(self.backbone.norm, x[:, -1:]))[:, 0], keys, values
         return self.head(self._norm(self.backbone.norm, x[:, -1])), keys, values
@@ -263,7 +263,7 @@ class LlamaDecoder:
             else:
                 kc = keys[i, :B, :, lo : col + 1]  # (B, KV, T, D)
                 vc = values[i, :B, :, lo : col + 1]
-                o = F.scaled_dot_product_attention(q, kc, vc, attn_mask=bias, scale=self.scale)  # (B, KV, G, D)
+                o = self.attend(q, kc, vc, bias, self.scale)  # (B, KV, G, D) (strop.serving.attention)
             x = x + lin(o_proj, o.reshape(B, -1))
             x += self._mlp(self._norm(ln2, x), gate_up, down, act, lin)  # (x is this step's own tensor)
         return lin(self.head, self._norm(self.backbone.norm, x))

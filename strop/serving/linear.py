@@ -9,6 +9,9 @@ import torch.nn.functional as F
 from strop.serving.cpu_kernels import choose
 
 
+ONEDNN_HINT = 64  # the row count oneDNN's packed layout is chosen for
+
+
 class PackedLinear:
     """One or more linear layers fused along their outputs (q, k, v; gate, up), computed from a
     weight copy that is refreshed whenever the model's parameters change. On a CPU it also keeps
@@ -46,13 +49,15 @@ class PackedLinear:
         """Use the weight packed for ``rows`` rows and ``self.kernel``; ``keep``: keep the packing it replaces too,
         for the next switch back (speculation's rounds alternate between a plain step's rows and a drafting
         one's, and between the default kernel and the batch-invariant one)."""
+        if self.kernel != "mkl":  # oneDNN: one layout serves every row count (the hint changes no bit)
+            rows = 0
         want = (self.kernel, rows)
         if (self.packed_kernel, self.packed_rows) != want:
             packed = self.packs.pop(want, None)
             if packed is None and self.kernel == "mkl":
                 packed = torch.ops.mkl._mkl_reorder_linear_weight(self.weight, rows)
-            elif packed is None:  # oneDNN's layout; the packed weight serves any row count (``rows`` is a hint)
-                packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, rows)
+            elif packed is None:  # (packed for 64 rows: as fast as a layout for the count at 8 to 2560, measured)
+                packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, ONEDNN_HINT)
             old = (self.packed_kernel, self.packed_rows)
             self.packs = {old: self.packed} if keep and self.packed is not None else {}
             self.packed, self.packed_rows, self.packed_kernel = packed, rows, self.kernel
@@ -64,6 +69,14 @@ class PackedLinear:
             if x.shape[0] == self.packed_rows:
                 return torch.ops.mkl._mkl_linear(x, self.packed, self.weight, self.bias, self.packed_rows)
         return F.linear(x, self.weight, self.bias)
+
+    def batched(self, x: torch.Tensor) -> torch.Tensor:
+        """``self(x)`` for a prefill's (N, P, in) too: oneDNN's packed weight takes it whole (on an AMD EPYC 2.2x
+        faster than ``F.linear``'s MKL in fp32, measured). ``self(x)`` keeps 3-D inputs on ``F.linear``, which
+        the batch-invariant prefill rests on."""
+        if self.packed is not None and self.packed_kernel == "onednn":
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return self(x)
 
 
 def return_freed_memory() -> None:

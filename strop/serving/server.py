@@ -146,6 +146,7 @@ def serve(
     batch_invariant: bool = False,
     speculative: int = 0,
     cpu_kernels: str = "auto",
+    compile_attention: bool = False,
     return_routes: bool = False,
     model_options: dict | None = None,
     weight_transfer: str = "gloo",
@@ -156,7 +157,7 @@ def serve(
     ``weight_transfer``: the backend of vLLM's transfer phases; ``weight_version``: the version the weights
     start as. ``batch_invariant``: a request's tokens and logprobs do not depend on its batch (the
     engine's ``batch_invariant``); ``speculative``: the engine's drafted tokens per row (0: off); ``cpu_kernels``: its
-    linear-layer kernel (strop.serving.cpu_kernels); ``return_routes``: vLLM's --enable-return-routed-experts."""
+    linear-layer kernel (strop.serving.cpu_kernels); ``compile_attention``: its decode attention compiled; ``return_routes``: vLLM's --enable-return-routed-experts."""
     if weight_version < 0 or weight_version >= 2**63:
         raise ValueError(f"--weight-version {weight_version}: a non-negative integer below 2**63")
     console()  # its lines on the terminal, unless the caller set up strop's logging
@@ -185,6 +186,7 @@ def serve(
         batch_invariant=batch_invariant,
         speculative=speculative,
         cpu_kernels=cpu_kernels,
+        compile_attention=compile_attention,
     )
     engine.weight_version = weight_version
     if return_routes and not engine.records_routes:
