@@ -99,6 +99,7 @@ OPTIONS = [
     ("data.task_options", "dict[str, Any]", {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}),
     ("engine.affinity", "bool", False),
     ("engine.colocate", "bool", False),
+    ("engine.compile_attention", "bool", False),
     ("engine.cpu_kernels", "Literal['auto', 'mkl', 'onednn', 'plain']", "auto"),
     ("engine.dtype", "Literal['auto', 'float32', 'bfloat16']", "auto"),
     ("engine.fast_decode", "bool", True),

@@ -105,6 +105,10 @@ CASES = {
         {"engine": {"speculative": 4, "dtype": "bfloat16"}},
         "in bfloat16 compute one row at a time",
     ),
+    "compiled attention is the embedded decoder's": (
+        {"engine": {"compile_attention": True}, "rollout": {"exact_logprobs": True}},
+        "decodes every step batch-invariant",
+    ),
     "cpu kernels are the embedded decoder's": (
         {"engine": {"cpu_kernels": "mkl", "dtype": "bfloat16"}},
         "MKL's packed sgemm computes float32 only",
@@ -286,3 +290,33 @@ def test_a_cpu_kernel_is_refused_where_it_would_not_run(engine, reason):
 def test_cpu_kernels_compose_with_bf16_launched_servers_speculation_exact_logprobs_and_async(overrides):
     cfg = build_config(overrides=overrides)
     assert cfg.engine.cpu_kernels == overrides["engine"]["cpu_kernels"]
+
+
+@pytest.mark.parametrize(
+    "overrides,reason",
+    [
+        ({"engine": {"kind": "vllm", "urls": ["http://127.0.0.1:9"]}}, "servers run their own attention"),
+        ({"engine": {"kind": "sglang", "urls": ["http://127.0.0.1:9"]}}, "servers run their own attention"),
+        ({"engine": {"kind": "strop", "urls": ["http://127.0.0.1:9"]}}, "strop serve --compile-attention"),
+        ({"engine": {"fast_decode": False}}, "the model's own forward"),
+        ({"rollout": {"exact_logprobs": True}}, "each row attending alone"),
+    ],
+)
+def test_compiled_attention_is_refused_where_it_would_not_run(overrides, reason):
+    engine = overrides.get("engine", {})
+    with pytest.raises(ConfigError, match="engine.compile_attention=true: ") as err:
+        build_config(overrides={**overrides, "engine": {"compile_attention": True, **engine}})
+    assert reason in str(err.value)
+    build_config(overrides=overrides)  # (each alone is a valid run)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"engine": {"compile_attention": True, "dtype": "bfloat16", "cpu_kernels": "onednn"}},
+        {"engine": {"compile_attention": True, "kind": "strop", "launch": 1, "speculative": 4}},
+        {"engine": {"compile_attention": True}, "rollout": {"mode": "async"}, "algo": {"use_rollout_logprobs": True}},
+    ],
+)
+def test_compiled_attention_composes_with_bf16_kernels_launched_servers_speculation_and_async(overrides):
+    assert build_config(overrides=overrides).engine.compile_attention is True
