@@ -440,9 +440,7 @@ def _engine(
             fast_decode=e.fast_decode,
             shared=p.engine_model is p.policy,
             batch_invariant=r.exact_logprobs,  # a sample's tokens do not depend on the batch it ran in
-            speculative=e.speculative,
-            cpu_kernels=e.cpu_kernels,
-            compile_attention=e.compile_attention,
+            **e.model_dump(include={"speculative", "cpu_kernels", "compile_attention"}),  # (strop serve's flags)
         )
         weight_sync = choose_sync(cfg, [engine], run_dir, [], device)
         weight_sync.connect(engine)

@@ -214,6 +214,12 @@ def _serve_args(parser) -> None:
         "greedy sampling), at a cost in throughput (docs/engine.md)",
     )
 
+    _decoder_args(parser)
+
+
+def _decoder_args(parser) -> None:
+    """strop serve's flags for its kv-cache decoder (the ``engine`` section's speculative, cpu_kernels,
+    compile_attention)."""
     parser.add_argument(
         "--speculative",
         type=int,

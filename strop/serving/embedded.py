@@ -120,38 +120,12 @@ class EmbeddedEngine(BatchScheduler, WeightUpdates):
         self._session: str | None = None  # "opening" / "open": a weight-update session (holds _busy)
         self._receiving = False  # a bucket of the session is being received
         self._receipt = None  # the open session's ReceiptSession (strop.serving.receipt)
-        self._decoder(model, fast_decode, shared, batch_invariant, speculative, cpu_kernels, compile_attention)
-
-    def _decoder(self, model, fast_decode, shared, batch_invariant, speculative: int, kernels: str, compiled: bool):
-        """The fast decoder (or the fallback's reason), speculation, and the start line's ``decode_path``."""
-        reason = unsupported_reason(model) if fast_decode else "fast_decode=False"
-        if shared and reason is not None:
-            raise ValueError(f"an engine sharing the trainer's weights needs the fast decoder: {reason}")
         # batch invariance: the fast decoder's own mode; the fallback decodes each request alone. Speculation
         # switches the decoder to it for the busy periods that draft (scheduler._advance)
         self.batch_invariant = batch_invariant
-        if reason is not None and kernels != "auto":
-            raise ValueError(f"cpu_kernels={kernels!r} chooses the kv-cache decoder's kernel, which is off: {reason}")
-        if reason is not None and compiled:
-            raise ValueError(f"compile_attention compiles the kv-cache decoder's attention, which is off: {reason}")
-        if compiled and self.device.type != "cpu":
-            raise ValueError(f"compile_attention is built for CPUs; on {self.device} the fused kernel is the fast one")
-        if compiled and batch_invariant:
-            raise ValueError(
-                "compile_attention: batch-invariant steps attend row by row (uncompiled); it would not run"
-            )
-        self._fast = (
-            LlamaDecoder(model, batch_invariant=batch_invariant, kernels=kernels, compiled=compiled)
-            if reason is None
-            else None
+        self._fast, self._spec, self.decode_path = build_decoder(
+            model, fast_decode, shared, batch_invariant, speculative, cpu_kernels, compile_attention
         )
-        if self._fast is not None and self._fast.routed and (batch_invariant or speculative):
-            raise ValueError(
-                "batch-invariant decoding (rollout.exact_logprobs) and speculation are not built for routed-expert "
-                "(MoE) models yet: an expert computes the tokens of every row that chose it in one call"
-            )
-        self._spec = Speculator(speculative) if speculative and reason is None else None
-        self.decode_path = describe_decoder(self._fast, reason, speculative, shared)
         self.records_routes = self._fast is not None and bool(self._fast.routed)  # MoE: Completion.routed_experts
 
     # ---- the async interface -------------------------------------------------------------
@@ -357,6 +331,33 @@ class EmbeddedEngine(BatchScheduler, WeightUpdates):
     def _sample(self, logits, temperature, top_p, top_k, generators, top_n: int = 0):
         """:func:`strop.serving.sampling.sample` with the engine's generator for rows without their own."""
         return sample(logits, temperature, top_p, top_k, generators, self.generator, top_n)
+
+
+def build_decoder(model, fast_decode, shared, batch_invariant, speculative: int, kernels: str, compiled: bool):
+    """An engine's fast decoder (None: the fallback runs), its speculator (or None) and the start line's words on
+    how it decodes; what cannot run as asked is refused here, naming why."""
+    reason = unsupported_reason(model) if fast_decode else "fast_decode=False"
+    if shared and reason is not None:
+        raise ValueError(f"an engine sharing the trainer's weights needs the fast decoder: {reason}")
+    if reason is not None and kernels != "auto":
+        raise ValueError(f"cpu_kernels={kernels!r} chooses the kv-cache decoder's kernel, which is off: {reason}")
+    if reason is not None and compiled:
+        raise ValueError(f"compile_attention compiles the kv-cache decoder's attention, which is off: {reason}")
+    device = next(model.parameters()).device
+    if compiled and device.type != "cpu":
+        raise ValueError(f"compile_attention is built for CPUs; on {device} the fused kernel is the fast one")
+    if compiled and batch_invariant:
+        raise ValueError("compile_attention: batch-invariant steps attend row by row (uncompiled); it would not run")
+    fast = None
+    if reason is None:
+        fast = LlamaDecoder(model, batch_invariant=batch_invariant, kernels=kernels, compiled=compiled)
+    if fast is not None and fast.routed and (batch_invariant or speculative):
+        raise ValueError(
+            "batch-invariant decoding (rollout.exact_logprobs) and speculation are not built for routed-expert "
+            "(MoE) models yet: an expert computes the tokens of every row that chose it in one call"
+        )
+    spec = Speculator(speculative) if speculative and reason is None else None
+    return fast, spec, describe_decoder(fast, reason, speculative, shared)
 
 
 def describe_decoder(fast: LlamaDecoder | None, reason: str | None, speculative: int, shared: bool) -> str:

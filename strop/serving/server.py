@@ -152,12 +152,10 @@ def serve(
     weight_transfer: str = "gloo",
     weight_version: int = 0,
 ) -> None:
-    """Load the model and serve until stopped (SIGINT / SIGTERM). ``model_options``: strop.models' loading
-    options (revision, trust_remote_code, attn_implementation), as a run's ``model`` section gives them.
-    ``weight_transfer``: the backend of vLLM's transfer phases; ``weight_version``: the version the weights
-    start as. ``batch_invariant``: a request's tokens and logprobs do not depend on its batch (the
-    engine's ``batch_invariant``); ``speculative``: the engine's drafted tokens per row (0: off); ``cpu_kernels``: its
-    linear-layer kernel (strop.serving.cpu_kernels); ``compile_attention``: its decode attention compiled; ``return_routes``: vLLM's --enable-return-routed-experts."""
+    """Load the model and serve until stopped (SIGINT / SIGTERM). ``model_options``: strop.models' loading options
+    (revision, trust_remote_code, attn_implementation), as a run's ``model`` section gives them. ``weight_transfer``:
+    the backend of vLLM's transfer phases; ``weight_version``: the version the weights start as. ``batch_invariant``,
+    ``speculative``, ``cpu_kernels``, ``compile_attention``: the engine's (strop.serving.embedded); ``return_routes``: vLLM's --enable-return-routed-experts."""
     if weight_version < 0 or weight_version >= 2**63:
         raise ValueError(f"--weight-version {weight_version}: a non-negative integer below 2**63")
     console()  # its lines on the terminal, unless the caller set up strop's logging

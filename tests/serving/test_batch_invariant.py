@@ -207,15 +207,15 @@ def test_the_fallback_path_decodes_each_request_as_alone(llama):
 
 
 def test_without_batch_invariance_a_requests_numbers_change_with_its_batch(llama):
-    """The default engine batches for speed: the same request's logits (and here its logprobs) differ
-    between alone and a batch of 16 (a padded prefill, another matmul kernel for one row)."""
+    """The default engine batches for speed: the same request's logits differ between alone and a batch of 16 (a
+    padded prefill, batched attention, another matmul kernel for one row where the kernel is MKL). Its logprobs may
+    still round alike: on an AMD EPYC, where the default kernel is oneDNN, they did."""
     e = engine(llama)
     seen = watch(e)
     want = alone(e, seen, PROMPT, SEEDED)
     prompts, samplings = others(15, seed=1600)
-    row = decode(e, [PROMPT] + prompts, [SEEDED] + samplings)[0]
+    decode(e, [PROMPT] + prompts, [SEEDED] + samplings)
     assert not all(torch.equal(a, b) for a, b in zip(seen[id(SEEDED)], want[2]))
-    assert not torch.equal(torch.tensor(row.logprobs), want[1])
 
 
 def test_the_sampler_draws_a_row_as_alone_whatever_its_neighbours_filters():
