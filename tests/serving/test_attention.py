@@ -37,7 +37,7 @@ def cache_case(B, T, dtype, seed=0, KV=2, G=3, D=16, capacity=40):
 
 @pytest.fixture(scope="module")
 def compiled():
-    return attention.CompiledAttention()
+    return attention.CompiledAttention(from_rows=1)
 
 
 @pytest.mark.parametrize("B,T", [(1, 1), (3, 7), (8, 29), (5, 33)])
@@ -66,7 +66,7 @@ def test_where_it_cannot_compile_it_says_why_once_and_runs_the_fused_kernel(monk
         raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found\nmore lines")
 
     monkeypatch.setattr(torch, "compile", no_compiler)
-    fallback = attention.CompiledAttention()
+    fallback = attention.CompiledAttention(from_rows=1)
     q, k, v, bias = cache_case(4, 9, torch.float32)
     with caplog.at_level(logging.WARNING, logger="strop.serving"):
         first, second = fallback(q, k, v, bias, 0.25), fallback(q, k, v, bias, 0.25)
@@ -88,12 +88,29 @@ def decode(model, **kw):
     return [c.token_ids for c in out], [torch.tensor(c.logprobs) for c in out], e
 
 
+def test_small_steps_run_the_fused_kernel_and_larger_ones_the_compiled_loops(monkeypatch):
+    ran = []
+    monkeypatch.setattr(
+        attention,
+        "eager",
+        lambda *a: ran.append("eager") or F.scaled_dot_product_attention(*a[:3], attn_mask=a[3], scale=a[4]),
+    )
+    compiled = attention.CompiledAttention(from_rows=4)
+    for B in (1, 3, 4, 9):
+        q, k, v, bias = cache_case(B, 5, torch.float32)
+        torch.testing.assert_close(compiled(q, k, v, bias, 0.25), attention.eager(q, k, v, bias, 0.25))
+        ran.pop()  # (the reference's own call)
+    assert ran == ["eager", "eager"] and compiled.seconds > 0
+
+
 def test_the_engine_decodes_the_same_tokens_with_the_attention_compiled(tiny, monkeypatch):
+    monkeypatch.setattr(attention.COMPILED, "from_rows", 1)  # (these batches are small)
     calls = []
-    real = attention.CompiledAttention.__call__
-    monkeypatch.setattr(attention.CompiledAttention, "__call__", lambda s, *a: calls.append(1) or real(s, *a))
+    real = attention.CompiledAttention._compile
+    monkeypatch.setattr(attention.CompiledAttention, "_compile", lambda s, *a: calls.append(1) or real(s, *a))
+    monkeypatch.setattr(attention.COMPILED, "_fn", None)  # (compiled afresh here, whatever ran before)
     tokens, logprobs, e = decode(tiny, compile_attention=True)
-    assert "decode attention compiled" in e.decode_path and calls  # (rows joined and left: max 3 of 4 running)
+    assert "decode attention compiled" in e.decode_path and calls and attention.COMPILED._fn is not None
     want_tokens, want_logprobs, plain = decode(tiny)
     assert "decode attention compiled" not in plain.decode_path
     assert tokens == want_tokens
@@ -115,7 +132,8 @@ def test_strop_serve_compiles_the_attention_when_asked(start_server):
     assert engine_flags(EngineConfig(kind="strop", launch=1, compile_attention=True)) == ["--compile-attention"]
     assert engine_flags(EngineConfig(kind="embedded", compile_attention=True)) == []
     servers = [start_server(None, "--compile-attention"), start_server(None)]
-    body = {"input_ids": [[5, 17, 230, 9], [44, 45]], "return_logprob": True}
+    rows = attention.COMPILED.from_rows  # (smaller steps run the fused kernel)
+    body = {"input_ids": [[5, 17, 230, 9 + i] for i in range(rows)] + [[44, 45]], "return_logprob": True}
     body["sampling_params"] = {"temperature": 1.0, "max_new_tokens": 10, "stop_token_ids": [-1], "sampling_seed": 3}
     answers = []
     for server in servers:
