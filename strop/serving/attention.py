@@ -6,9 +6,10 @@ Two ways, the engine's ``compile_attention`` choosing:
 - eager: ``F.scaled_dot_product_attention``, one fused kernel. On a CPU its flash kernel works in blocks of
   query positions, and a decode step has G (3 in SmolLM2) per kv head: it reaches about 34 GFLOP/s at batch 64.
 - compiled: the same attention written as two reductions in fp32 and compiled by Inductor into one loop nest
-  over the cache (measured on a 2-core AMD EPYC at batch 64: 1.4x faster than eager in fp32, 1.7-2.1x in
-  bf16, where it also keeps the probabilities in fp32; bench/attention.py). Compiled once per process for
-  any batch and length (dynamic shapes; Inductor's cache on disk makes later processes' compiles short).
+  over the cache (measured on a 2-core AMD EPYC at batch 64: 1.2x faster than eager in fp32, 1.7-2.1x in
+  bf16, where it also keeps the probabilities in fp32; bench/attention.py). Compiled for any batch and length
+  (dynamic shapes; a cache view at storage offset 0 is specialised once more); Inductor's cache on disk makes
+  later processes' compiles short.
   Where it cannot compile (no C++ compiler, an unsupported device) it says why in one line and stays eager.
 """
 
@@ -47,7 +48,8 @@ def _typical(q: torch.Tensor):
     _, KV, G, D = q.shape
     cache = torch.zeros(2, HINT_ROWS, KV, HINT_KEYS + 64, D, dtype=q.dtype, device=q.device)
     bias = torch.zeros(HINT_ROWS, 1, 1, HINT_KEYS, dtype=q.dtype, device=q.device)
-    return q.new_zeros(HINT_ROWS, KV, G, D), cache[0, :, :, :HINT_KEYS], cache[1, :, :, :HINT_KEYS], bias
+    typical_q = torch.empty_strided((HINT_ROWS, KV, G, D), q.stride(), dtype=q.dtype, device=q.device).zero_()
+    return typical_q, cache[0, :, :, :HINT_KEYS], cache[1, :, :, :HINT_KEYS], bias  # (q laid out as the step's)
 
 
 class CompiledAttention:
@@ -89,7 +91,7 @@ class CompiledAttention:
             return
         self.seconds = time.perf_counter() - start
         self._fn = fn
-        log.info("decode attention: compiled in %.1f s (once per process)", self.seconds)
+        log.info("decode attention: compiled in %.1f s", self.seconds)
 
 
 COMPILED = CompiledAttention()

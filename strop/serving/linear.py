@@ -18,7 +18,8 @@ class PackedLinear:
     the weight pre-packed for the running batch size in the layout of the kernel the decoder runs
     (:mod:`strop.serving.cpu_kernels`): MKL's sgemm (fp32; it otherwise repacks the weight on every
     call, about a third of a decode step at batch 64) or oneDNN's (fp32 and bf16; the pair Inductor
-    uses on CPU). Packing changes no result against the same kernel unpacked (tested bitwise)."""
+    uses on CPU; one packing serves every row count). Packing changes no result against the same kernel unpacked
+    (tested bitwise)."""
 
     def __init__(self, modules, kernel: str = "mkl"):
         self.modules = modules
