@@ -5,6 +5,8 @@ it would not run it is refused at start. Also the prefill's linear layers on one
 
 import copy
 import logging
+import os
+import shutil
 
 import httpx
 import pytest
@@ -20,6 +22,11 @@ from strop.types import SamplingParams
 from tests.tiny import make_tiny_model
 
 PROMPTS = [[5, 17, 230, 9, 5, 17], [44, 45, 46], [7, 8], [5, 17, 230, 9, 5, 17]]
+# Inductor's C++ compiler ($CXX, else g++ or clang++): without one the option runs the fused kernel (tested below)
+compiles = pytest.mark.skipif(
+    not any(shutil.which(c) for c in (os.environ.get("CXX", ""), "g++", "clang++") if c),
+    reason="no C++ compiler here for Inductor",
+)
 
 
 def cache_case(B, T, dtype, seed=0, KV=2, G=3, D=16, capacity=40):
@@ -40,6 +47,7 @@ def compiled():
     return attention.CompiledAttention(from_rows=1)
 
 
+@compiles
 @pytest.mark.parametrize("B,T", [(1, 1), (3, 7), (8, 29), (5, 33)])
 def test_the_compiled_attention_equals_the_fused_kernel_in_fp32(compiled, B, T):
     q, k, v, bias = cache_case(B, T, torch.float32, seed=B * T)
@@ -51,6 +59,7 @@ def test_the_compiled_attention_equals_the_fused_kernel_in_fp32(compiled, B, T):
     torch.testing.assert_close(got.double(), exact, rtol=0, atol=1e-6)
 
 
+@compiles
 def test_in_bf16_the_compiled_attention_is_no_further_from_exact_than_the_fused_kernel(compiled):
     errors = {"compiled": [], "fused": []}
     for seed in range(4):
@@ -88,6 +97,7 @@ def decode(model, **kw):
     return [c.token_ids for c in out], [torch.tensor(c.logprobs) for c in out], e
 
 
+@compiles
 def test_small_steps_run_the_fused_kernel_and_larger_ones_the_compiled_loops(monkeypatch):
     ran = []
     monkeypatch.setattr(
@@ -103,6 +113,7 @@ def test_small_steps_run_the_fused_kernel_and_larger_ones_the_compiled_loops(mon
     assert ran == ["eager", "eager"] and compiled.seconds > 0
 
 
+@compiles
 def test_the_engine_decodes_the_same_tokens_with_the_attention_compiled(tiny, monkeypatch):
     monkeypatch.setattr(attention.COMPILED, "from_rows", 1)  # (these batches are small)
     calls = []
@@ -125,6 +136,7 @@ def test_the_engine_refuses_compiled_attention_where_it_would_not_run(tiny):
         EmbeddedEngine(tiny, pad_token_id=0, batch_invariant=True, compile_attention=True)
 
 
+@compiles
 def test_strop_serve_compiles_the_attention_when_asked(start_server):
     from strop.engines.config import EngineConfig
     from strop.engines.launch import engine_flags
