@@ -371,5 +371,5 @@ def describe_decoder(fast: LlamaDecoder | None, reason: str | None, speculative:
     if shared:
         path += ", from the trainer's own weights (engine.share_weights: no copy)"
     if fast is not None and fast.attend is not eager:
-        path += "; decode attention compiled (Inductor, at the first step)"
+        path += f"; decode attention compiled from {fast.attend.from_rows} rows (Inductor, at the first such step)"
     return path + ("; " + describe_kernel(fast.kernel, fast.dtype) if fast is not None else "")
