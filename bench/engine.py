@@ -369,18 +369,14 @@ def main() -> None:
         bounds[case] = decode_bound(shape, rows, int(context), best_limits, str(model.dtype).removeprefix("torch."))
     print()
     base = f"strop at {args.baseline}" if args.baseline else None
-    print(
-        "| case | "
-        + " | ".join(f"{e} tok/s (tokens, s)" for e in engines)
-        + " | now / HF | now / before | "
-        + (f"now / {args.baseline} | " if base else "")
-        + ("now / vllm | " if "vllm-cpu" in engines else "")
-        + ("compiled / vllm | " if "vllm-cpu" in engines and args.compiled else "")
-        + "bound tok/s | now / bound |"
-        + (" compiled / bound |" if args.compiled else "")
+    vllm = "vllm-cpu" in engines
+    header = [f"{e} tok/s (tokens, s)" for e in engines] + ["now / HF", "now / before"]
+    header += (
+        [f"now / {args.baseline}"] * bool(base) + ["now / vllm"] * vllm + ["compiled / vllm"] * (vllm and args.compiled)
     )
-    extra = bool(base) + ("vllm-cpu" in engines) + 2 * args.compiled - ("vllm-cpu" not in engines and args.compiled)
-    print("|---" * (len(engines) + 5 + extra) + "|")
+    header += ["bound tok/s", "now / bound"] + ["compiled / bound"] * args.compiled
+    print("| case | " + " | ".join(header) + " |")
+    print("|---" * (len(header) + 1) + "|")
     for case, _, _, _ in cases:
         r = results[case]
         rate = {e: r[e][0] / r[e][1] for e in engines}

@@ -68,32 +68,33 @@ def why_no_speculation(cfg) -> str:
     return ""
 
 
-def why_no_compiled_attention(cfg) -> str:
-    """Why engine.compile_attention=true would not compile what decodes with ``cfg`` ('' when it would)."""
-    e = cfg.engine
+def _not_strops_decoder(e, what: str, flag: str) -> str:
+    """Why a setting of strop's own kv-cache decoder (its ``what``, strop serve's ``flag``) would not reach the
+    decoder that runs with the ``engine`` section ``e`` ('' when it would)."""
     if e.kind in ("vllm", "sglang"):
-        return f"engine.kind={e.kind!r} servers run their own attention"
+        return f"engine.kind={e.kind!r} servers run their own {what}"
     if e.kind == "strop" and not e.launch:
-        return "servers at engine.urls keep the attention they were started with: start them with strop serve --compile-attention"
+        return f"servers at engine.urls keep the {what} they were started with: start them with strop serve {flag}"
     if not e.fast_decode:
         return "engine.fast_decode=false decodes with the model's own forward"
-    if cfg.rollout.exact_logprobs:
-        return "rollout.exact_logprobs=true decodes every step batch-invariant, each row attending alone (uncompiled)"
     return ""
+
+
+def why_no_compiled_attention(cfg) -> str:
+    """Why engine.compile_attention=true would not compile what decodes with ``cfg`` ('' when it would)."""
+    why = _not_strops_decoder(cfg.engine, "attention", "--compile-attention")
+    if not why and cfg.rollout.exact_logprobs:
+        return "rollout.exact_logprobs=true decodes every step batch-invariant, each row attending alone (uncompiled)"
+    return why
 
 
 def why_no_cpu_kernels(cfg) -> str:
     """Why engine.cpu_kernels (not 'auto') would not be what runs with ``cfg`` ('' when it is): it chooses the kernel
     of strop's own kv-cache decoder on a CPU (strop.serving.cpu_kernels)."""
     e, kernel = cfg.engine, cfg.engine.cpu_kernels
-    if e.kind in ("vllm", "sglang"):
-        return f"engine.kind={e.kind!r} servers run their own kernels"
-    if e.kind == "strop" and not e.launch:
-        return (
-            "servers at engine.urls keep the kernels they were started with: start them with strop serve --cpu-kernels"
-        )
-    if not e.fast_decode:
-        return "engine.fast_decode=false decodes with the model's own forward (F.linear)"
+    why = _not_strops_decoder(e, "kernels", "--cpu-kernels")
+    if why:
+        return why + ("" if e.fast_decode else " (F.linear)")
     dtype = cfg.model.dtype if e.dtype == "auto" else e.dtype
     if kernel == "mkl" and dtype != "float32":
         return f"MKL's packed sgemm computes float32 only, and the engine's weights are {dtype}: use onednn or plain"

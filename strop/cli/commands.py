@@ -238,8 +238,8 @@ def _decoder_args(parser) -> None:
     parser.add_argument(
         "--compile-attention",
         action="store_true",
-        help="the kv-cache decoder's attention compiled by Inductor on a CPU (once, the time in the log; without a "
-        "C++ compiler it says why and runs PyTorch's fused kernel; docs/engine.md)",
+        help="the kv-cache decoder's attention compiled by Inductor on a CPU, for steps of 32 rows or more (the "
+        "compile time in the log; without a C++ compiler it says why and runs PyTorch's fused kernel; docs/engine.md)",
     )
     parser.add_argument(
         "--enable-return-routed-experts",

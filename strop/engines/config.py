@@ -82,8 +82,9 @@ class EngineConfig(Section):
     compile_attention: bool = Field(
         False,
         description="embedded engine and launched strop serve, on a CPU: the kv-cache decoder's attention over the "
-        "cache compiled by Inductor (torch.compile, once per process, the time in the log) instead of PyTorch's "
-        "fused kernel: measured 1.05-1.15x more decoded tokens per second at batch 64 on an AMD EPYC, and it keeps "
+        "cache compiled by Inductor (torch.compile, at the first step of 32 rows or more, the time in the log; steps "
+        "of fewer rows keep the fused kernel) instead of PyTorch's fused kernel: measured 1.00-1.17x more decoded "
+        "tokens per second at 32-64 rows on an AMD EPYC, and it keeps "
         "the attention probabilities in float32 under bfloat16 weights; needs a C++ compiler (without one it says "
         "why and runs the fused kernel). Batch-invariant steps (rollout.exact_logprobs, speculation's rounds) "
         "attend row by row and do not use it (docs/engine.md)",

@@ -86,7 +86,8 @@ class CompiledAttention:
                 fn(*_typical(q), scale)  # (Inductor lays out its loops for the sizes it first sees)
                 fn(q, k, v, bias, scale)
         except Exception as err:  # noqa: BLE001 (any compile failure falls back, named once)
-            self.reason = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:200] if str(err).strip() else ''}"
+            first_line = (str(err).strip().splitlines() or [""])[0][:200]
+            self.reason = f"{type(err).__name__}: {first_line}"
             log.warning("decode attention: not compiled (%s); the eager kernel runs", self.reason)
             return
         self.seconds = time.perf_counter() - start
