@@ -265,9 +265,11 @@ def main() -> None:
         best = side_by_side(args, engines, cases)
         print(f"step graphs compiled: {record['graphs']} (2 expected: typical sizes, a view at offset 0 or 1)")
         check = fixed[: args.check_rows]
-        sps = [SamplingParams(temperature=1.0, max_new_tokens=32, seed=i, stop_token_ids=[-1]) for i in range(64)]
-        for label, engine in engines.items():  # (64 rows, so that the compiled paths run; the first checked)
-            outs = engine.generate_batch(fixed[:64], sps)[: args.check_rows]
+        sps = [
+            SamplingParams(temperature=1.0, max_new_tokens=32, seed=i, stop_token_ids=[-1]) for i in range(len(fixed))
+        ]
+        for label, engine in engines.items():  # (--rows rows, so that the compiled paths run; the first checked)
+            outs = engine.generate_batch(fixed, sps)[: args.check_rows]
             mean, worst = distance(model64, check, outs)
             print(f"{name} {label}: logprobs against float64, mean {mean:.2e}, largest {worst:.2e}", flush=True)
         del engines, model
