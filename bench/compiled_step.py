@@ -4,7 +4,7 @@ interleaved on the same prompts as bench/engine.py.
 
 How the step is compiled here:
 - the linear layers stay on oneDNN's packed weights: each is an opaque custom op, ``strop_bench::packed_linear``,
-  named by a string handle (an int would be made symbolic). Inductor does not take a packed weight (an mkldnn
+  named by a string handle (under ``dynamic=True`` an int handle became symbolic and the op failed). Inductor does not take a packed weight (an mkldnn
   tensor) as a graph input: ``_linear_pointwise`` on one fails to lower (checked with torch 2.13);
 - everything between them (norms, rotary embedding, attention, residuals, SiLU * up) is fused by Inductor, in
   one graph per step (one guard check a step instead of one per layer);
@@ -93,12 +93,12 @@ def compile_step(dec, from_rows: int = 32) -> dict:
     head, final_eps = _register(dec.head), dec.backbone.norm.variance_epsilon
     weights = [w for parts in dec.layers for w in (parts[0].weight, parts[3].weight)] + [dec.backbone.norm.weight]
 
-    def body(x, cos, sin, kc, vc, bias, weights):
+    def body(x, cos, sin, kc, vc, bias, norms):  # norms: the rms norms' weights, 2 a layer and the final one
         B = x.shape[0]
         new_qk, new_v = [], []
         bias_cache, bias_new = bias[..., :-1].float(), bias[..., -1:].float()
         for i, (eps1, qkv, o, eps2, gate_up, down, act) in enumerate(plan):
-            fused = packed_linear(_norm(x, weights[2 * i], eps1), qkv).view(B, H + 2 * KV, D)
+            fused = packed_linear(_norm(x, norms[2 * i], eps1), qkv).view(B, H + 2 * KV, D)
             qk, v = _rotate(fused[:, : H + KV], cos, sin), fused[:, H + KV :]
             new_qk.append(qk)  # (an output: realised once, not recomputed in the attention's loops)
             new_v.append(v)
@@ -106,13 +106,12 @@ def compile_step(dec, from_rows: int = 32) -> dict:
             s_cache = (q.unsqueeze(-2) * kc[i].float().unsqueeze(2)).sum(-1) * scale + bias_cache
             s_new = (q * k.unsqueeze(2)).sum(-1, keepdim=True) * scale + bias_new
             p = torch.softmax(torch.cat([s_cache, s_new], -1), -1)
-            out = (p[..., :-1].unsqueeze(-1) * vc[i].float().unsqueeze(2)).sum(-2) + p[..., -1:] * v.float().unsqueeze(
-                2
-            )
+            out = (p[..., :-1].unsqueeze(-1) * vc[i].float().unsqueeze(2)).sum(-2)
+            out = out + p[..., -1:] * v.float().unsqueeze(2)  # (B, KV, G, D)
             x = x + packed_linear(out.to(x.dtype).reshape(B, -1), o)
-            g, u = packed_linear(_norm(x, weights[2 * i + 1], eps2), gate_up).chunk(2, -1)
+            g, u = packed_linear(_norm(x, norms[2 * i + 1], eps2), gate_up).chunk(2, -1)
             x = x + packed_linear(act(g) * u, down)
-        return packed_linear(_norm(x, weights[-1], final_eps), head), torch.stack(new_qk), torch.stack(new_v)
+        return packed_linear(_norm(x, norms[-1], final_eps), head), torch.stack(new_qk), torch.stack(new_v)
 
     record = {"graphs": 0}
 
