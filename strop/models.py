@@ -143,7 +143,7 @@ def hub_offline() -> bool:
 
 def hub_reachable(timeout: float = 3.0) -> bool:
     """Whether a TCP connection to the hub's endpoint (``HF_ENDPOINT``) opens within ``timeout`` seconds (name
-    lookup included: it runs in a thread that is given up on)."""
+    lookup included: it runs in a thread that is given up on). A refused connection answers at once."""
     import socket
     import threading
     from urllib.parse import urlsplit
@@ -152,17 +152,20 @@ def hub_reachable(timeout: float = 3.0) -> bool:
 
     url = urlsplit(ENDPOINT)
     host, port = url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443)
-    ok = threading.Event()
+    ok, done = threading.Event(), threading.Event()
 
     def connect() -> None:
         try:
             socket.create_connection((host, port), timeout=timeout).close()
             ok.set()
         except OSError:
-            pass
+            pass  # refused or unreachable: answered now, not at the timeout
+        finally:
+            done.set()
 
     threading.Thread(target=connect, daemon=True, name="strop-hub-check").start()
-    return ok.wait(timeout)
+    done.wait(timeout)
+    return ok.is_set()
 
 
 def _pretrained(load, path: str, kw: dict):
