@@ -21,7 +21,7 @@ from strop.rule_reasons import (
     other_generation,
     tools_setting,
     shared_prefix_off,
-    why_no_compiled_attention,
+    why_not_compiled,
     why_no_cpu_kernels,
     why_no_routing_replay,
     why_no_speculation,
@@ -388,8 +388,13 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "compiled attention is the embedded decoder's",
-        lambda c: c.engine.compile_attention and bool(why_no_compiled_attention(c)),
-        lambda c: f"engine.compile_attention=true: {why_no_compiled_attention(c)}",
+        lambda c: c.engine.compile_attention and bool(why_not_compiled(c, "attention")),
+        lambda c: f"engine.compile_attention=true: {why_not_compiled(c, 'attention')}",
+    ),
+    Rule(
+        "the compiled step is the embedded decoder's",
+        lambda c: c.engine.compile_step and bool(why_not_compiled(c, "step")),
+        lambda c: f"engine.compile_step=true: {why_not_compiled(c, 'step')}",
     ),
     Rule(
         "routing replay needs the engine's routes",

@@ -20,6 +20,7 @@ from strop.agents.rollout import AgentRollout, generate as agent_generate
 from strop.data.rows import prompt_rows
 from strop.data.sources import DataError, PromptSampler, PromptSet
 from strop.engines.base import Closable, Engine
+from strop.engines.config import DECODER_OPTIONS
 from strop.engines.http import check_reachable
 from strop.engines.teacher import RemoteTeacher
 from strop.serving.embedded import EmbeddedEngine
@@ -440,7 +441,7 @@ def _engine(
             fast_decode=e.fast_decode,
             shared=p.engine_model is p.policy,
             batch_invariant=r.exact_logprobs,  # a sample's tokens do not depend on the batch it ran in
-            **e.model_dump(include={"speculative", "cpu_kernels", "compile_attention"}),  # (strop serve's flags)
+            **e.model_dump(include=set(DECODER_OPTIONS)),  # (strop serve's flags)
         )
         weight_sync = choose_sync(cfg, [engine], run_dir, [], device)
         weight_sync.connect(engine)

@@ -100,6 +100,7 @@ OPTIONS = [
     ("engine.affinity", "bool", False),
     ("engine.colocate", "bool", False),
     ("engine.compile_attention", "bool", False),
+    ("engine.compile_step", "bool", False),
     ("engine.cpu_kernels", "Literal['auto', 'mkl', 'onednn', 'plain']", "auto"),
     ("engine.dtype", "Literal['auto', 'float32', 'bfloat16']", "auto"),
     ("engine.fast_decode", "bool", True),

@@ -109,6 +109,10 @@ CASES = {
         {"engine": {"compile_attention": True}, "rollout": {"exact_logprobs": True}},
         "decodes every step batch-invariant",
     ),
+    "the compiled step is the embedded decoder's": (
+        {"engine": {"compile_step": True, "kind": "vllm", "urls": ["http://127.0.0.1:9"]}},
+        "servers run their own decode step",
+    ),
     "cpu kernels are the embedded decoder's": (
         {"engine": {"cpu_kernels": "mkl", "dtype": "bfloat16"}},
         "MKL's packed sgemm computes float32 only",
@@ -292,31 +296,37 @@ def test_cpu_kernels_compose_with_bf16_launched_servers_speculation_exact_logpro
     assert cfg.engine.cpu_kernels == overrides["engine"]["cpu_kernels"]
 
 
+@pytest.mark.parametrize("option,what", [("compile_attention", "attention"), ("compile_step", "decode step")])
 @pytest.mark.parametrize(
     "overrides,reason",
     [
-        ({"engine": {"kind": "vllm", "urls": ["http://127.0.0.1:9"]}}, "servers run their own attention"),
-        ({"engine": {"kind": "sglang", "urls": ["http://127.0.0.1:9"]}}, "servers run their own attention"),
-        ({"engine": {"kind": "strop", "urls": ["http://127.0.0.1:9"]}}, "strop serve --compile-attention"),
+        ({"engine": {"kind": "vllm", "urls": ["http://127.0.0.1:9"]}}, "servers run their own {what}"),
+        ({"engine": {"kind": "sglang", "urls": ["http://127.0.0.1:9"]}}, "servers run their own {what}"),
+        ({"engine": {"kind": "strop", "urls": ["http://127.0.0.1:9"]}}, "strop serve --{flag}"),
         ({"engine": {"fast_decode": False}}, "the model's own forward"),
         ({"rollout": {"exact_logprobs": True}}, "each row attending alone"),
     ],
 )
-def test_compiled_attention_is_refused_where_it_would_not_run(overrides, reason):
+def test_compiled_attention_and_step_are_refused_where_they_would_not_run(overrides, reason, option, what):
     engine = overrides.get("engine", {})
-    with pytest.raises(ConfigError, match="engine.compile_attention=true: ") as err:
-        build_config(overrides={**overrides, "engine": {"compile_attention": True, **engine}})
-    assert reason in str(err.value)
+    with pytest.raises(ConfigError, match=f"engine.{option}=true: ") as err:
+        build_config(overrides={**overrides, "engine": {option: True, **engine}})
+    assert reason.format(what=what, flag=option.replace("_", "-")) in str(err.value)
     build_config(overrides=overrides)  # (each alone is a valid run)
 
 
+@pytest.mark.parametrize("option", ["compile_attention", "compile_step"])
 @pytest.mark.parametrize(
     "overrides",
     [
-        {"engine": {"compile_attention": True, "dtype": "bfloat16", "cpu_kernels": "onednn"}},
-        {"engine": {"compile_attention": True, "kind": "strop", "launch": 1, "speculative": 4}},
-        {"engine": {"compile_attention": True}, "rollout": {"mode": "async"}, "algo": {"use_rollout_logprobs": True}},
+        {"engine": {"dtype": "bfloat16", "cpu_kernels": "onednn"}},
+        {"engine": {"kind": "strop", "launch": 1, "speculative": 4}},
+        {"rollout": {"mode": "async"}, "algo": {"use_rollout_logprobs": True}},
+        {"engine": {"compile_attention": True, "compile_step": True}},
     ],
 )
-def test_compiled_attention_composes_with_bf16_kernels_launched_servers_speculation_and_async(overrides):
-    assert build_config(overrides=overrides).engine.compile_attention is True
+def test_compiled_attention_and_step_compose_with_bf16_kernels_launched_servers_speculation_and_async(
+    overrides, option
+):
+    cfg = build_config(overrides={**overrides, "engine": {option: True, **overrides.get("engine", {})}})
+    assert getattr(cfg.engine, option) is True and cfg.engine.kind in ("embedded", "strop")

@@ -10,6 +10,7 @@ from pathlib import Path
 from strop.cli.common import USAGE, Parser, UsageError, quiet_libraries, version
 from strop.cli.train import add_run_arguments, run_main
 from strop.config import did_you_mean
+from strop.engines.config import DECODER_OPTIONS
 from strop.models import EMBEDDED_MODEL
 from strop.observe.logs import LEVELS, setup_logging
 from strop.train.config import ModelConfig
@@ -219,7 +220,7 @@ def _serve_args(parser) -> None:
 
 def _decoder_args(parser) -> None:
     """strop serve's flags for its kv-cache decoder (the ``engine`` section's speculative, cpu_kernels,
-    compile_attention)."""
+    compile_attention, compile_step)."""
     parser.add_argument(
         "--speculative",
         type=int,
@@ -240,6 +241,13 @@ def _decoder_args(parser) -> None:
         action="store_true",
         help="the kv-cache decoder's attention compiled by Inductor on a CPU, for steps of 32 rows or more (the "
         "compile time in the log; without a C++ compiler it says why and runs PyTorch's fused kernel; docs/engine.md)",
+    )
+    parser.add_argument(
+        "--compile-step",
+        action="store_true",
+        help="the kv-cache decoder's whole decode step compiled by Inductor into one graph on a CPU, for steps of 32 "
+        "rows or more (dense layers; the compile time in the log; without a C++ compiler it says why and runs the "
+        "decoder's own step; docs/engine.md)",
     )
     parser.add_argument(
         "--enable-return-routed-experts",
@@ -272,9 +280,7 @@ def _serve(args) -> int:
             batch_wait_ms=args.batch_wait_ms,
             fast_decode=args.fast_decode,
             batch_invariant=args.batch_invariant,
-            speculative=args.speculative,
-            cpu_kernels=args.cpu_kernels,
-            compile_attention=args.compile_attention,
+            decoder={k: getattr(args, k) for k in DECODER_OPTIONS},
             return_routes=args.enable_return_routed_experts,
             model_options=_model_options(args),
             weight_transfer=args.weight_transfer_backend,

@@ -178,11 +178,12 @@ def model_flags(kind: str, model) -> list[str]:
 
 def engine_flags(engine) -> list[str]:
     """The ``engine`` section's own settings as launched strop serve flags (engine.speculative, cpu_kernels,
-    compile_attention)."""
+    compile_attention, compile_step)."""
     if engine.kind != "strop":
         return []
     flags = ["--speculative", str(engine.speculative)] if engine.speculative else []
     flags += ["--compile-attention"] if engine.compile_attention else []
+    flags += ["--compile-step"] if engine.compile_step else []
     return flags + (["--cpu-kernels", engine.cpu_kernels] if engine.cpu_kernels != "auto" else [])
 
 

@@ -33,6 +33,7 @@ from strop.serving.request import SEED_RANGE, PendingRequest, PromptTooLongError
 from strop.serving.sampling import sample
 from strop.serving.scheduler import BatchScheduler
 from strop.serving.attention import eager
+from strop.serving.compiled_step import CompiledStepDecoder
 from strop.serving.cpu_kernels import describe as describe_kernel
 from strop.serving.moe import row_routes
 from strop.serving.speculative import Speculator, describe_speculation
@@ -67,6 +68,7 @@ class EmbeddedEngine(BatchScheduler, WeightUpdates):
         speculative: int = 0,
         cpu_kernels: str = "auto",
         compile_attention: bool = False,
+        compile_step: bool = False,
     ):
         """``batch_wait_s``: before a batch starts, wait while requests keep arriving (each wait this
         long, at most 40) so requests sent together over a network form one batch.
@@ -81,7 +83,8 @@ class EmbeddedEngine(BatchScheduler, WeightUpdates):
         (:mod:`strop.serving.speculative`; exact: a busy period that drafts runs the batch-invariant kernels; one
         that starts with more rows than drafts pay for decodes as without speculation; 0: off). ``cpu_kernels``:
         the fast decoder's linear-layer kernel (:mod:`strop.serving.cpu_kernels`; auto: this CPU's pick).
-        ``compile_attention``: its decode steps' attention compiled (:mod:`strop.serving.attention`)."""
+        ``compile_attention``: its decode steps' attention compiled (:mod:`strop.serving.attention`);
+        ``compile_step``: its whole decode steps compiled (:mod:`strop.serving.compiled_step`)."""
         self.shared = shared
         self.model = model if shared else model.eval()
         self.pad_token_id = pad_token_id
@@ -124,7 +127,7 @@ class EmbeddedEngine(BatchScheduler, WeightUpdates):
         # switches the decoder to it for the busy periods that draft (scheduler._advance)
         self.batch_invariant = batch_invariant
         self._fast, self._spec, self.decode_path = build_decoder(
-            model, fast_decode, shared, batch_invariant, speculative, cpu_kernels, compile_attention
+            model, fast_decode, shared, batch_invariant, speculative, cpu_kernels, (compile_attention, compile_step)
         )
         self.records_routes = self._fast is not None and bool(self._fast.routed)  # MoE: Completion.routed_experts
 
@@ -333,24 +336,27 @@ class EmbeddedEngine(BatchScheduler, WeightUpdates):
         return sample(logits, temperature, top_p, top_k, generators, self.generator, top_n)
 
 
-def build_decoder(model, fast_decode, shared, batch_invariant, speculative: int, kernels: str, compiled: bool):
+def build_decoder(model, fast_decode, shared, batch_invariant, speculative: int, kernels: str, compiled: tuple):
     """An engine's fast decoder (None: the fallback runs), its speculator (or None) and the start line's words on
-    how it decodes; what cannot run as asked is refused here, naming why."""
+    how it decodes; what cannot run as asked is refused here, naming why. ``compiled``: (compile_attention,
+    compile_step)."""
     reason = unsupported_reason(model) if fast_decode else "fast_decode=False"
     if shared and reason is not None:
         raise ValueError(f"an engine sharing the trainer's weights needs the fast decoder: {reason}")
     if reason is not None and kernels != "auto":
         raise ValueError(f"cpu_kernels={kernels!r} chooses the kv-cache decoder's kernel, which is off: {reason}")
-    if reason is not None and compiled:
-        raise ValueError(f"compile_attention compiles the kv-cache decoder's attention, which is off: {reason}")
     device = next(model.parameters()).device
-    if compiled and device.type != "cpu":
-        raise ValueError(f"compile_attention is built for CPUs; on {device} the fused kernel is the fast one")
-    if compiled and batch_invariant:
-        raise ValueError("compile_attention: batch-invariant steps attend row by row (uncompiled); it would not run")
+    for name, what, asked in zip(("compile_attention", "compile_step"), ("attention", "decode step"), compiled):
+        if asked and reason is not None:
+            raise ValueError(f"{name} compiles the kv-cache decoder's {what}, which is off: {reason}")
+        if asked and device.type != "cpu":
+            raise ValueError(f"{name} is built for CPUs; on {device} the fused kernels are the fast ones")
+        if asked and batch_invariant:
+            raise ValueError(f"{name}: batch-invariant steps attend row by row (uncompiled); it would not run")
     fast = None
     if reason is None:
-        fast = LlamaDecoder(model, batch_invariant=batch_invariant, kernels=kernels, compiled=compiled)
+        kind = CompiledStepDecoder if compiled[1] else LlamaDecoder
+        fast = kind(model, batch_invariant=batch_invariant, kernels=kernels, compiled=compiled[0])
     if fast is not None and fast.routed and (batch_invariant or speculative):
         raise ValueError(
             "batch-invariant decoding (rollout.exact_logprobs) and speculation are not built for routed-expert "
@@ -370,6 +376,8 @@ def describe_decoder(fast: LlamaDecoder | None, reason: str | None, speculative:
     path += describe_speculation(speculative, reason is None)
     if shared:
         path += ", from the trainer's own weights (engine.share_weights: no copy)"
+    if isinstance(fast, CompiledStepDecoder):
+        path += f"; decode step compiled from {fast.from_rows} rows (Inductor, at the first such step)"
     if fast is not None and fast.attend is not eager:
         path += f"; decode attention compiled from {fast.attend.from_rows} rows (Inductor, at the first such step)"
     return path + ("; " + describe_kernel(fast.kernel, fast.dtype) if fast is not None else "")

@@ -144,9 +144,7 @@ def serve(
     batch_wait_ms: float = 5.0,
     fast_decode: bool = True,
     batch_invariant: bool = False,
-    speculative: int = 0,
-    cpu_kernels: str = "auto",
-    compile_attention: bool = False,
+    decoder: dict | None = None,
     return_routes: bool = False,
     model_options: dict | None = None,
     weight_transfer: str = "gloo",
@@ -154,8 +152,9 @@ def serve(
 ) -> None:
     """Load the model and serve until stopped (SIGINT / SIGTERM). ``model_options``: strop.models' loading options
     (revision, trust_remote_code, attn_implementation), as a run's ``model`` section gives them. ``weight_transfer``:
-    the backend of vLLM's transfer phases; ``weight_version``: the version the weights start as. ``batch_invariant``,
-    ``speculative``, ``cpu_kernels``, ``compile_attention``: the engine's (strop.serving.embedded); ``return_routes``: vLLM's --enable-return-routed-experts."""
+    the backend of vLLM's transfer phases; ``weight_version``: the version the weights start as. ``batch_invariant``
+    and ``decoder`` (its speculative, cpu_kernels, compile_attention, compile_step): the engine's
+    (strop.serving.embedded); ``return_routes``: vLLM's --enable-return-routed-experts."""
     if weight_version < 0 or weight_version >= 2**63:
         raise ValueError(f"--weight-version {weight_version}: a non-negative integer below 2**63")
     console()  # its lines on the terminal, unless the caller set up strop's logging
@@ -182,9 +181,7 @@ def serve(
         batch_wait_s=batch_wait_ms / 1000,
         fast_decode=fast_decode,
         batch_invariant=batch_invariant,
-        speculative=speculative,
-        cpu_kernels=cpu_kernels,
-        compile_attention=compile_attention,
+        **(decoder or {}),
     )
     engine.weight_version = weight_version
     if return_routes and not engine.records_routes:

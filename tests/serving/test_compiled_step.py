@@ -1,0 +1,153 @@
+"""The kv-cache decoder's whole decode step compiled (strop.serving.compiled_step, ``engine.compile_step``): it
+decodes the tokens the decoder's own step does, with logprobs within 1e-5 in fp32, for Llama and Qwen3 layers; one
+graph serves every decoder of a shape; small and batch-invariant steps run the decoder's own step; where it cannot
+compile it says why once and runs the decoder's own step; it composes with speculation and strop serve; and where
+it would not run it is refused at start."""
+
+import copy
+import logging
+import os
+import shutil
+
+import httpx
+import pytest
+import torch
+
+from strop.serving import compiled_step
+from strop.serving.compiled_step import CompiledStepDecoder
+from strop.serving.embedded import EmbeddedEngine
+from strop.serving.kvdecode import LlamaDecoder
+from strop.types import SamplingParams
+from tests.tiny import make_tiny_model, make_tiny_qwen3, make_tiny_qwen3_moe
+
+PROMPTS = [[5, 17, 230, 9, 5, 17], [44, 45, 46], [7, 8], [5, 17, 230, 9, 5, 17], [9, 9, 31, 4], [61, 3]]
+compiles = pytest.mark.skipif(
+    not any(shutil.which(c) for c in (os.environ.get("CXX", ""), "g++", "clang++") if c),
+    reason="no C++ compiler here for Inductor",
+)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return make_tiny_model()
+
+
+def decode(model, from_rows=2, prompts=PROMPTS, new_tokens=12, **kw):
+    """Tokens, logprobs and the engine, every step of ``from_rows`` rows or more compiled when asked; the row
+    counts of the steps the graph ran and of those the decoder's own step ran are in ``engine.ran``."""
+    e = EmbeddedEngine(model, pad_token_id=0, default_stop_token_ids=[2], max_batch_size=8, **kw)
+    if isinstance(e._fast, CompiledStepDecoder):
+        e._fast.from_rows = from_rows
+    e.ran = {"compiled": [], "own": []}
+    graph, own = compiled_step.CompiledStep.__call__, LlamaDecoder.step
+    sps = [SamplingParams(temperature=1.0, max_new_tokens=new_tokens, seed=i, stop_token_ids=[-1]) for i in range(6)]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(
+            compiled_step.CompiledStep,
+            "__call__",
+            lambda c, d, x, *a: e.ran["compiled"].append(len(x)) or graph(c, d, x, *a),
+        )
+        mp.setattr(LlamaDecoder, "step", lambda d, tokens, *a: e.ran["own"].append(len(tokens)) or own(d, tokens, *a))
+        out = e.generate_batch(prompts, sps[: len(prompts)])
+    return [c.token_ids for c in out], [torch.tensor(c.logprobs) for c in out], e
+
+
+@compiles
+@pytest.mark.parametrize("make", [make_tiny_model, make_tiny_qwen3], ids=["llama", "qwen3"])
+def test_the_compiled_step_decodes_what_the_decoders_own_step_does_in_fp32(make):
+    model = make()
+    tokens, logprobs, e = decode(model, compile_step=True)
+    want_tokens, want_logprobs, plain = decode(model)
+    assert "decode step compiled from" in e.decode_path and "decode step compiled" not in plain.decode_path
+    step = e._fast.compiled
+    assert step.reason == "" and step.seconds > 0 and 1 <= step.graphs <= 3, (step.reason, step.graphs)
+    assert e.ran["compiled"] and min(e.ran["compiled"]) >= 2  # (steps of 1 row ran the decoder's own step)
+    assert tokens == want_tokens and all(len(t) == 12 for t in tokens)
+    for a, b in zip(logprobs, want_logprobs):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    # a second decoder of the same shape (a copy of the model, other weights) compiles nothing new
+    graphs, other = step.graphs, copy.deepcopy(model)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.mul_(0.9)
+    tokens2, logprobs2, e2 = decode(other, compile_step=True)
+    want2 = decode(other)
+    assert e2._fast.compiled.graphs == graphs and e2.ran["compiled"]
+    assert tokens2 == want2[0] and tokens2 != tokens
+    for a, b in zip(logprobs2, want2[1]):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+@compiles
+def test_small_steps_run_the_decoders_own_step_and_larger_ones_the_graph(tiny):
+    _, _, e = decode(tiny, from_rows=4, prompts=PROMPTS[:5], compile_step=True)
+    assert e.ran["compiled"] and min(e.ran["compiled"]) >= 4  # (the five rows sit in 8 slots)
+    assert e.ran["own"] == [], e.ran  # (no step of fewer rows: every one went through the graph or was too short)
+    _, _, small = decode(tiny, from_rows=4, prompts=PROMPTS[:2], compile_step=True)
+    assert small.ran["compiled"] == [] and small.ran["own"] and max(small.ran["own"]) == 2
+
+
+@compiles
+def test_speculation_composes_each_busy_period_decoding_as_it_would_without_it(tiny):
+    """A busy period that drafts runs the batch-invariant kernels, never the graph; with the compiled step
+    speculation still decodes bitwise what it decodes without it."""
+    prompts = [PROMPTS[0], PROMPTS[0], PROMPTS[1]]
+    spec_tokens, spec_logprobs, spec = decode(tiny, prompts=prompts, speculative=4, compile_step=True)
+    want_tokens, want_logprobs, _ = decode(tiny, prompts=prompts, speculative=4)
+    assert spec.ran["compiled"] == [] and spec.take_speculation_stats()
+    assert spec_tokens == want_tokens
+    assert all(torch.equal(a, b) for a, b in zip(spec_logprobs, want_logprobs))
+
+
+def test_where_it_cannot_compile_it_says_why_once_and_runs_the_decoders_own_step(tiny, monkeypatch, caplog):
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found\nmore lines")
+
+    monkeypatch.setattr(torch, "compile", no_compiler)
+    monkeypatch.setattr(compiled_step, "_STEPS", {})  # (a fresh compiled step for this shape)
+    with caplog.at_level(logging.WARNING, logger="strop.serving"):
+        tokens, logprobs, e = decode(tiny, compile_step=True)
+    assert e._fast.compiled.reason == "RuntimeError: InvalidCxxCompiler: No working C++ compiler found"
+    warned = [r.getMessage() for r in caplog.records if "decode step: not compiled" in r.getMessage()]
+    assert len(warned) == 1 and "the decoder's own step runs" in warned[0], warned
+    assert len(e.ran["compiled"]) == 1 and len(e.ran["own"]) > 1  # (tried once, then its own step every time)
+    want_tokens, want_logprobs, _ = decode(tiny)
+    assert tokens == want_tokens and all(torch.equal(a, b) for a, b in zip(logprobs, want_logprobs))
+
+
+def test_the_engine_refuses_the_compiled_step_where_it_would_not_run(tiny):
+    with pytest.raises(ValueError, match="compile_step compiles the kv-cache decoder's decode step, which is off"):
+        EmbeddedEngine(tiny, pad_token_id=0, fast_decode=False, compile_step=True)
+    with pytest.raises(ValueError, match="compile_step: batch-invariant steps attend row by row"):
+        EmbeddedEngine(tiny, pad_token_id=0, batch_invariant=True, compile_step=True)
+    with pytest.raises(ValueError, match=r"compile_step: routed-expert \(MoE\) layers are not in the compiled step"):
+        EmbeddedEngine(make_tiny_qwen3_moe(), pad_token_id=0, compile_step=True)
+    gelu = make_tiny_model()
+    gelu.model.layers[1].mlp.act_fn = torch.nn.GELU()
+    with pytest.raises(ValueError, match=r"compile_step: the MLP's activation \['GELU', 'SiLU.*'\] is not in"):
+        EmbeddedEngine(gelu, pad_token_id=0, compile_step=True)
+    EmbeddedEngine(tiny, pad_token_id=0, compile_step=True, compile_attention=True)  # (they compose)
+
+
+@compiles
+def test_strop_serve_compiles_the_step_when_asked(start_server):
+    from strop.engines.config import EngineConfig
+    from strop.engines.launch import engine_flags
+
+    assert engine_flags(EngineConfig(kind="strop", launch=1, compile_step=True)) == ["--compile-step"]
+    assert engine_flags(EngineConfig(kind="embedded", compile_step=True)) == []
+    servers = [start_server(None, "--compile-step"), start_server(None)]
+    rows = 32  # (strop serve's decoder compiles steps of 32 rows or more)
+    body = {"input_ids": [[5, 17, 230, 9 + i] for i in range(rows)] + [[44, 45]], "return_logprob": True}
+    body["sampling_params"] = {"temperature": 1.0, "max_new_tokens": 10, "stop_token_ids": [-1], "sampling_seed": 3}
+    answers = []
+    for server in servers:
+        r = httpx.post(server.url + "/generate", json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        answers.append([(a["output_ids"], [e[0] for e in a["meta_info"]["output_token_logprobs"]]) for a in r.json()])
+    log = servers[0].log_tail(20000)
+    assert "decode step compiled from 32 rows" in log and "decode step: compiled in" in log
+    assert "decode step" not in servers[1].log_tail(20000)
+    assert [ids for ids, _ in answers[0]] == [ids for ids, _ in answers[1]] and len(answers[0][0][0]) == 10
+    for (_, a), (_, b) in zip(*answers):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-5)
