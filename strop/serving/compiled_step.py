@@ -129,7 +129,7 @@ def _graph(shape: Shape):
         logits = packed_linear(norm(_Norm(weights[-1], shape.eps[-1]), x), handle[-1])
         return logits, torch.stack(new_qk), torch.stack(new_v)
 
-    code = step.__code__.replace(co_name=f"compiled_step_{abs(hash(shape)) % 10**8}")
+    code = step.__code__.replace(co_name=f"compiled_step_{len(_STEPS)}")
     return types.FunctionType(code, step.__globals__, code.co_name, None, step.__closure__)
 
 
@@ -176,6 +176,7 @@ class CompiledStep:
                             return None
                         if self._fn is None:
                             self._compile(dec, weights)
+                            dec._sync(len(x))  # (MKL's weights were packed for the typical rows)
                 return self._fn(x, cos, sin, kc, vc, bias, weights)
         except Exception as err:  # noqa: BLE001 (any compile failure falls back, named once)
             first_line = (str(err).strip().splitlines() or [""])[0][:200]

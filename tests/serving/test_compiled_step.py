@@ -15,6 +15,7 @@ import torch
 
 from strop.serving import compiled_step
 from strop.serving.compiled_step import CompiledStepDecoder
+from strop.serving.cpu_kernels import unavailable
 from strop.serving.embedded import EmbeddedEngine
 from strop.serving.kvdecode import LlamaDecoder
 from strop.types import SamplingParams
@@ -53,11 +54,17 @@ def decode(model, from_rows=2, prompts=PROMPTS, new_tokens=12, **kw):
 
 
 @compiles
-@pytest.mark.parametrize("make", [make_tiny_model, make_tiny_qwen3], ids=["llama", "qwen3"])
-def test_the_compiled_step_decodes_what_the_decoders_own_step_does_in_fp32(make):
+@pytest.mark.parametrize(
+    "make,kernels",
+    [(make_tiny_model, "auto"), (make_tiny_qwen3, "auto")]
+    + [(make_tiny_model, "mkl")] * (not unavailable("mkl", torch.float32)),
+    ids=lambda v: getattr(v, "__name__", v),
+)
+def test_the_compiled_step_decodes_what_the_decoders_own_step_does_in_fp32(make, kernels):
     model = make()
-    tokens, logprobs, e = decode(model, compile_step=True)
-    want_tokens, want_logprobs, plain = decode(model)
+    tokens, logprobs, e = decode(model, compile_step=True, cpu_kernels=kernels)
+    want_tokens, want_logprobs, plain = decode(model, cpu_kernels=kernels)
+    assert e._fast.kernel == plain._fast.kernel == (kernels if kernels != "auto" else e._fast.kernel)
     assert "decode step compiled from" in e.decode_path and "decode step compiled" not in plain.decode_path
     step = e._fast.compiled
     assert step.reason == "" and step.seconds > 0 and 1 <= step.graphs <= 3, (step.reason, step.graphs)
@@ -70,8 +77,8 @@ def test_the_compiled_step_decodes_what_the_decoders_own_step_does_in_fp32(make)
     with torch.no_grad():
         for p in other.parameters():
             p.mul_(0.9)
-    tokens2, logprobs2, e2 = decode(other, compile_step=True)
-    want2 = decode(other)
+    tokens2, logprobs2, e2 = decode(other, compile_step=True, cpu_kernels=kernels)
+    want2 = decode(other, cpu_kernels=kernels)
     assert e2._fast.compiled.graphs == graphs and e2.ran["compiled"]
     assert tokens2 == want2[0] and tokens2 != tokens
     for a, b in zip(logprobs2, want2[1]):
@@ -151,3 +158,40 @@ def test_strop_serve_compiles_the_step_when_asked(start_server):
     assert [ids for ids, _ in answers[0]] == [ids for ids, _ in answers[1]] and len(answers[0][0][0]) == 10
     for (_, a), (_, b) in zip(*answers):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-5)
+
+
+@compiles
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_run_rolls_out_with_the_compiled_step_sync_on_the_trainers_own_weights_and_async(
+    mode, tiny_model_dir, tmp_path, monkeypatch
+):
+    """32 rows a step, so the graph runs; in sync mode the engine decodes from the trainer's own parameters, which
+    the optimizer changes in place: the compiled step must see each step's weights, norms included."""
+    import json
+
+    from strop.config import build_config
+    from strop.loop import train
+    from tests.test_e2e import tiny_overrides
+
+    ran = []
+    graph = compiled_step.CompiledStep.__call__
+    monkeypatch.setattr(
+        compiled_step.CompiledStep, "__call__", lambda c, d, x, *a: ran.append(len(x)) or graph(c, d, x, *a)
+    )
+    rollout = {"prompts_per_step": 8, "n_samples_per_prompt": 4, "max_new_tokens": 8, "mode": mode, "seed": 2}
+    gaps, rewards = {}, {}
+    for compiled in (True, False):
+        run_dir = tmp_path / f"run-{compiled}"
+        overrides = tiny_overrides(tiny_model_dir, run_dir, rollout=rollout, engine={"compile_step": compiled})
+        if mode == "async":
+            overrides["algo"] = {"use_rollout_logprobs": True}
+        assert train(build_config(overrides=overrides))["steps"] == 2
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        gaps[compiled] = [r["train_rollout_logprob_abs_diff"] for r in rows if "train_rollout_logprob_abs_diff" in r]
+        rewards[compiled] = [r["reward_mean"] for r in rows if "reward_mean" in r]
+        assert (not compiled) or (ran and min(ran) >= 32), ran
+    assert len(ran) > 2 and len(gaps[True]) == 2  # (the graph ran at both steps' rollouts)
+    assert rewards[True] == rewards[False]  # the same tokens sampled
+    # sync: the rollout's logprobs are the trainer's; async: both runs' rollouts lag by the same weights
+    torch.testing.assert_close(torch.tensor(gaps[True]), torch.tensor(gaps[False]), rtol=0, atol=1e-5)
+    assert mode == "async" or max(gaps[True]) < 1e-5, gaps
