@@ -1,14 +1,13 @@
 """The kv-cache decoder's decode attention (strop.serving.attention, ``engine.compile_attention``): the compiled
 attention computes what PyTorch's fused kernel does, for any batch, length, mask and cache stride; where it cannot
-compile it says why and runs the fused kernel; the engine and strop serve decode the same tokens with it; and where
-it would not run it is refused at start. Also the prefill's linear layers on oneDNN's packed weight."""
+compile it says why and runs the fused kernel; the engine decodes the same tokens with it (strop serve with it:
+tests/serving/test_compiled_step.py); and where it would not run it is refused at start. Also the prefill's linear layers on oneDNN's packed weight."""
 
 import copy
 import logging
 import os
 import shutil
 
-import httpx
 import pytest
 import torch
 import torch.nn.functional as F
@@ -134,30 +133,6 @@ def test_the_engine_refuses_compiled_attention_where_it_would_not_run(tiny):
         EmbeddedEngine(tiny, pad_token_id=0, fast_decode=False, compile_attention=True)
     with pytest.raises(ValueError, match="batch-invariant steps attend row by row"):
         EmbeddedEngine(tiny, pad_token_id=0, batch_invariant=True, compile_attention=True)
-
-
-@compiles
-def test_strop_serve_compiles_the_attention_when_asked(start_server):
-    from strop.engines.config import EngineConfig
-    from strop.engines.launch import engine_flags
-
-    assert engine_flags(EngineConfig(kind="strop", launch=1, compile_attention=True)) == ["--compile-attention"]
-    assert engine_flags(EngineConfig(kind="embedded", compile_attention=True)) == []
-    servers = [start_server(None, "--compile-attention"), start_server(None)]
-    rows = attention.COMPILED.from_rows  # (smaller steps run the fused kernel)
-    body = {"input_ids": [[5, 17, 230, 9 + i] for i in range(rows)] + [[44, 45]], "return_logprob": True}
-    body["sampling_params"] = {"temperature": 1.0, "max_new_tokens": 10, "stop_token_ids": [-1], "sampling_seed": 3}
-    answers = []
-    for server in servers:
-        r = httpx.post(server.url + "/generate", json=body, timeout=120)
-        assert r.status_code == 200, r.text
-        answers.append([(a["output_ids"], [e[0] for e in a["meta_info"]["output_token_logprobs"]]) for a in r.json()])
-    log = servers[0].log_tail(20000)
-    assert "decode attention compiled" in log and "decode attention: compiled in" in log
-    assert "decode attention" not in servers[1].log_tail(20000)
-    assert [ids for ids, _ in answers[0]] == [ids for ids, _ in answers[1]] and len(answers[0][0][0]) == 10
-    for (_, a), (_, b) in zip(*answers):
-        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-5)
 
 
 @pytest.mark.skipif(bool(unavailable("onednn", torch.float32)), reason="oneDNN's packed matmul is not built here")

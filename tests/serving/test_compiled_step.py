@@ -1,8 +1,8 @@
 """The kv-cache decoder's whole decode step compiled (strop.serving.compiled_step, ``engine.compile_step``): it
 decodes the tokens the decoder's own step does, with logprobs within 1e-5 in fp32, for Llama and Qwen3 layers; one
 graph serves every decoder of a shape; small and batch-invariant steps run the decoder's own step; where it cannot
-compile it says why once and runs the decoder's own step; it composes with speculation and strop serve; and where
-it would not run it is refused at start."""
+compile it says why once and runs the decoder's own step; it composes with speculation, with whole runs (sync and
+async) and with strop serve (as the compiled attention does); and where it would not run it is refused at start."""
 
 import copy
 import logging
@@ -137,14 +137,16 @@ def test_the_engine_refuses_the_compiled_step_where_it_would_not_run(tiny):
 
 
 @compiles
-def test_strop_serve_compiles_the_step_when_asked(start_server):
+@pytest.mark.parametrize("option,what", [("compile_attention", "decode attention"), ("compile_step", "decode step")])
+def test_strop_serve_compiles_the_attention_or_the_step_when_asked(start_server, option, what):
     from strop.engines.config import EngineConfig
     from strop.engines.launch import engine_flags
 
-    assert engine_flags(EngineConfig(kind="strop", launch=1, compile_step=True)) == ["--compile-step"]
-    assert engine_flags(EngineConfig(kind="embedded", compile_step=True)) == []
-    servers = [start_server(None, "--compile-step"), start_server(None)]
-    rows = 32  # (strop serve's decoder compiles steps of 32 rows or more)
+    flag = "--" + option.replace("_", "-")
+    assert engine_flags(EngineConfig(kind="strop", launch=1, **{option: True})) == [flag]
+    assert engine_flags(EngineConfig(kind="embedded", **{option: True})) == []
+    servers = [start_server(None, flag), start_server(None)]
+    rows = 32  # (strop serve's decoder compiles steps of 32 rows or more; smaller ones run as without it)
     body = {"input_ids": [[5, 17, 230, 9 + i] for i in range(rows)] + [[44, 45]], "return_logprob": True}
     body["sampling_params"] = {"temperature": 1.0, "max_new_tokens": 10, "stop_token_ids": [-1], "sampling_seed": 3}
     answers = []
@@ -153,8 +155,8 @@ def test_strop_serve_compiles_the_step_when_asked(start_server):
         assert r.status_code == 200, r.text
         answers.append([(a["output_ids"], [e[0] for e in a["meta_info"]["output_token_logprobs"]]) for a in r.json()])
     log = servers[0].log_tail(20000)
-    assert "decode step compiled from 32 rows" in log and "decode step: compiled in" in log
-    assert "decode step" not in servers[1].log_tail(20000)
+    assert f"{what} compiled from 32 rows" in log and f"{what}: compiled in" in log
+    assert what not in servers[1].log_tail(20000)
     assert [ids for ids, _ in answers[0]] == [ids for ids, _ in answers[1]] and len(answers[0][0][0]) == 10
     for (_, a), (_, b) in zip(*answers):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-5)
