@@ -238,3 +238,50 @@ def test_the_ranks_of_nproc_end_with_their_launcher(tiny_model_dir, tmp_path, si
         assert not _alive(run.seen), f"left behind: {_alive(run.seen)}"
     finally:
         run.cleanup()
+
+
+@pytest.mark.timeout(240)
+def test_a_server_whose_port_another_program_took_starts_again_on_a_free_one(tiny_model_dir):
+    """Between free_port() and the server's bind another program may take the port (a gloo store of a process
+    beside it, say). Health checks that reach that program's non-HTTP replies keep waiting, and the server that
+    could not bind is started again on another free port; without retries, the error says what happened."""
+    import socket
+    import threading
+
+    from strop.engines.launch import LocalServer
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(8)
+    port, stop = taken.getsockname()[1], threading.Event()
+
+    def answer_in_binary():  # (what a gloo store's port answered a health check with)
+        taken.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                conn, _ = taken.accept()
+            except OSError:
+                continue
+            with conn:
+                conn.sendall(b"\x00\x00@\x00\x00\x00@\xfe\x00\x00?\r\n")
+
+    thread = threading.Thread(target=answer_in_binary, daemon=True)
+    thread.start()
+    servers = []
+    try:
+        for retries in (0, 1):
+            server = LocalServer(str(tiny_model_dir), port, ["--threads=1"], port_retries=retries).start()
+            servers.append(server)
+            if retries == 0:
+                with pytest.raises(RuntimeError, match=f"strop serve on port {port} exited") as err:
+                    server.wait_healthy(120)
+                assert "address already in use" in str(err.value).lower()
+            else:
+                assert server.wait_healthy(120) is server and server.port != port and server.port_retries == 0
+                assert httpx.get(server.url + "/health", timeout=5).status_code == 200
+    finally:
+        stop.set()
+        thread.join(5)
+        taken.close()
+        for s in servers:
+            s.stop()

@@ -15,6 +15,7 @@ their own API keys leave routes open (vLLM's all but ``/v1/*``, among them the w
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import shutil
@@ -52,6 +53,7 @@ class LocalServer:
     upstream: str | None = None  # where ``command`` listens (unix:/path, 127.0.0.1:port): guarded on host:port
     token: str | None = field(default=None, repr=False)  # strop serve's or the guard's (health checks send it)
     private_dir: Path | None = None  # 0700, this server's: start-up secrets (deleted once it answers), its socket
+    port_retries: int = 0  # times to start again on another free port when ``port`` was taken before it bound
 
     @property
     def name(self) -> str:
@@ -101,6 +103,9 @@ class LocalServer:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 self.stop()  # what it started, and its private folder
+                if self.port_retries > 0 and "address already in use" in self.log_tail().lower():
+                    self.port, self.port_retries = free_port(), self.port_retries - 1  # (another process took it)
+                    return self.start().wait_healthy(max(deadline - time.monotonic(), 1.0))
                 raise RuntimeError(
                     f"{self.name} on port {self.port} exited with code {self.proc.returncode}:\n{self.log_tail()}"
                 )
@@ -111,8 +116,8 @@ class LocalServer:
                             if f.is_file():  # (not the engine's socket)
                                 f.unlink()
                         return self
-            except OSError:  # (an HTTP error too: the guard's 502 while the engine starts)
-                time.sleep(0.3)
+            except (OSError, http.client.HTTPException):  # (an HTTP error: the guard's 502 while the engine starts;
+                time.sleep(0.3)  # a reply that is not HTTP: another program on the port, before this one bound)
         self.stop()
         raise TimeoutError(f"{self.name} on port {self.port} not healthy within {timeout_s:.0f}s:\n{self.log_tail()}")
 
@@ -236,7 +241,7 @@ def launch_servers(
     servers = []
     try:
         for _ in range(n):
-            servers.append(LocalServer(model_path, free_port(), list(args), token=token).start())
+            servers.append(LocalServer(model_path, free_port(), list(args), token=token, port_retries=2).start())
         for s in servers:
             s.wait_healthy(timeout_s)
     except BaseException:

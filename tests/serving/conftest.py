@@ -13,7 +13,8 @@ def start_server(tiny_model_dir, tmp_path):
     def start(port=None, *extra):
         args = ["--threads=1", f"--weights-dir={tmp_path}", *extra]
         token = next((a.removeprefix("--token=") for a in extra if a.startswith("--token=")), None)
-        server = LocalServer(str(tiny_model_dir), port or free_port(), args, token=token).start()
+        server = LocalServer(str(tiny_model_dir), port or free_port(), args, token=token, port_retries=0 if port else 2)
+        server.start()
         started.append(server)
         return server.wait_healthy(120)
 
