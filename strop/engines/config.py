@@ -97,8 +97,8 @@ class EngineConfig(Section):
         description="embedded engine and launched strop serve, on a CPU: the kv-cache decoder's whole decode step "
         "(norms, rotary embedding, attention, residuals and activation between the packed linear layers) compiled by "
         "Inductor into one graph, at the first step of 32 rows or more (the time in the log; steps of fewer rows run "
-        "as without it): measured 1.01-1.09x the decoded tokens per second of compile_attention in float32 and "
-        "0.99-1.15x in bfloat16 at 32-64 rows on an AMD EPYC; dense Llama, Qwen2/3 and Mistral layers (MoE layers "
+        "as without it): measured 1.03-1.16x the decoded tokens per second of compile_attention in float32 and "
+        "bfloat16 at 32-64 rows on an AMD EPYC, a cold compile 85-87 s (4-6 s with Inductor's cache warm); dense Llama, Qwen2/3 and Mistral layers (MoE layers "
         "are refused); needs a C++ compiler (without one it says why and runs the decoder's own step). "
         "Batch-invariant steps (rollout.exact_logprobs, speculation's rounds) do not use it (docs/engine.md)",
     )

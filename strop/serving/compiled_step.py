@@ -216,8 +216,8 @@ def compiled_for(shape: Shape) -> CompiledStep:
 
 class CompiledStepDecoder(LlamaDecoder):
     """A :class:`LlamaDecoder` whose steps of ``from_rows`` rows or more run as one compiled graph (measured on a
-    2-core AMD EPYC with SmolLM2-135M at 32-64 rows: 1.01-1.09x the decoder with compiled attention in fp32,
-    0.99-1.15x in bf16; docs/benchmarks.md)."""
+    2-core AMD EPYC with SmolLM2-135M at 32-64 rows: 1.03-1.16x the decoder with compiled attention, in fp32 and
+    bf16; docs/benchmarks.md)."""
 
     def __init__(self, model, *, from_rows: int = 32, **kw):
         super().__init__(model, **kw)
