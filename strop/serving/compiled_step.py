@@ -61,7 +61,7 @@ class Shape(NamedTuple):
     kv_heads: int
     head_dim: int
     widths: tuple  # output width of each of decoder.linears
-    eps: tuple  # each norm's epsilon, in the order of LlamaDecoder.norm weights (compiled_norms)
+    eps: tuple  # each norm's epsilon, in the order of _norms (the graph's weights)
     qk_norms: bool  # Qwen3: a norm on each query and key head before the rotation
     dtype: torch.dtype
 
