@@ -83,8 +83,7 @@ def _not_strops_decoder(e, what: str, flag: str) -> str:
 def why_not_compiled(cfg, what: str) -> str:
     """Why engine.compile_attention=true (``what``: 'attention') or engine.compile_step=true ('step') would not
     compile what decodes with ``cfg`` ('' when it would)."""
-    flag = {"attention": "--compile-attention", "step": "--compile-step"}[what]
-    why = _not_strops_decoder(cfg.engine, "attention" if what == "attention" else "decode step", flag)
+    why = _not_strops_decoder(cfg.engine, "decode step" if what == "step" else what, f"--compile-{what}")
     if not why and cfg.rollout.exact_logprobs:
         return "rollout.exact_logprobs=true decodes every step batch-invariant, each row attending alone (uncompiled)"
     return why

@@ -37,6 +37,12 @@ def fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
     return (probs.unsqueeze(-1) * v.float().unsqueeze(2)).sum(-2).to(q.dtype)
 
 
+def one_line(err: Exception) -> str:
+    """A failed compile as the log names it: the exception's type and its message's first line."""
+    first_line = (str(err).strip().splitlines() or [""])[0][:200]
+    return f"{type(err).__name__}: {first_line}"
+
+
 HINT_ROWS, HINT_KEYS = 64, 256  # the sizes the compiled loops are laid out for
 
 
@@ -86,8 +92,7 @@ class CompiledAttention:
                 fn(*_typical(q), scale)  # (Inductor lays out its loops for the sizes it first sees)
                 fn(q, k, v, bias, scale)
         except Exception as err:  # noqa: BLE001 (any compile failure falls back, named once)
-            first_line = (str(err).strip().splitlines() or [""])[0][:200]
-            self.reason = f"{type(err).__name__}: {first_line}"
+            self.reason = one_line(err)
             log.warning("decode attention: not compiled (%s); the eager kernel runs", self.reason)
             return
         self.seconds = time.perf_counter() - start

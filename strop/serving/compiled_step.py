@@ -30,7 +30,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from strop.serving.attention import HINT_KEYS, HINT_ROWS
+from strop.serving.attention import HINT_KEYS, HINT_ROWS, one_line
 from strop.serving.kvdecode import LlamaDecoder, _rotate
 
 log = logging.getLogger("strop.serving")
@@ -160,13 +160,13 @@ class CompiledStep:
         self.graphs += 1
         return compile_fx(gm, example_inputs)
 
-    def __call__(self, dec: LlamaDecoder, x, cos, sin, kc, vc, bias):
+    def __call__(self, dec: "CompiledStepDecoder", x, cos, sin, kc, vc, bias):
         """The logits (B, V), the rotated queries and keys (layers, B, H + KV, D) and the values (layers, B, KV,
         D) of ``dec``'s step; None where it cannot run (``reason`` says why, once in the log)."""
         from torch._inductor import config as inductor
 
         _mark(x, cos, sin, kc, vc, bias)
-        weights = [m.weight.detach() for m in _norms(dec)]
+        weights = [m.weight.detach() for m in dec.norms]  # (each step: an update may have replaced a parameter)
         _RUNNING.decoder = dec
         try:
             with inductor.patch(compile_threads=1):  # (a recompile leaves no pool of compile workers running)
@@ -179,8 +179,7 @@ class CompiledStep:
                             dec._sync(len(x))  # (MKL's weights were packed for the typical rows)
                 return self._fn(x, cos, sin, kc, vc, bias, weights)
         except Exception as err:  # noqa: BLE001 (any compile failure falls back, named once)
-            first_line = (str(err).strip().splitlines() or [""])[0][:200]
-            self.reason = f"{type(err).__name__}: {first_line}"
+            self.reason = one_line(err)
             log.warning("decode step: not compiled (%s); the decoder's own step runs", self.reason)
             return None
         finally:
@@ -225,6 +224,7 @@ class CompiledStepDecoder(LlamaDecoder):
         if why:
             raise ValueError(f"compile_step: {why}")
         self.from_rows = from_rows
+        self.norms = _norms(self)  # (the graph's weights are theirs)
         self.compiled = compiled_for(shape_of(self))
 
     @torch.no_grad()
