@@ -1,6 +1,8 @@
 """``engine.compile_step`` (the kv-cache decoder's whole decode step as one Inductor graph,
 :mod:`strop.serving.compiled_step`) against the engine without it, eager and with ``engine.compile_attention``, side
-by side and interleaved on the same prompts as bench/engine.py.
+by side and interleaved on the same prompts as bench/engine.py; and the compiled step with every prompt forwarded in
+full (``share_prefix`` off: the prompts' common prefix, their chat template's system prompt, forwarded once per row
+instead of once per admission, :mod:`strop.serving.prefix`).
 
     python bench/compiled_step.py [--dtype float32 bfloat16] [--rows 64] [--new-tokens 128] [--rounds 2] [--vllm]
 
@@ -43,8 +45,8 @@ def side_by_side(args, engines, cases) -> dict:
     """Every case ``args.rounds`` times, the engines interleaved (A B C A B C); a row per round. Returns each
     case's best tok/s per engine."""
     best: dict[str, dict[str, float]] = {}
-    print("| case | round | " + " | ".join(engines) + " | step / attention | step / eager |")
-    print("|---|---|" + "---|" * (len(engines) + 2))
+    print("| case | round | " + " | ".join(engines) + " | step / attention | step / eager | shared / whole |")
+    print("|---|---|" + "---|" * (len(engines) + 3))
     for case, prompts, stop, n in cases:
         rows = [p for p in prompts for _ in range(n)]
         for r in range(args.rounds):
@@ -54,8 +56,10 @@ def side_by_side(args, engines, cases) -> dict:
                 rate[label] = tokens / seconds
                 best.setdefault(case, {})[label] = max(best.get(case, {}).get(label, 0.0), rate[label])
             step, attn, eager = rate["compiled step"], rate["compiled attention"], rate["eager"]
+            whole = rate["compiled step, whole prompts"]
             cells = " | ".join(f"{v:.0f}" for v in rate.values())
-            print(f"| {case} | {r + 1} | {cells} | {step / attn:.2f} | {step / eager:.2f} |", flush=True)
+            ratios = f"{step / attn:.2f} | {step / eager:.2f} | {step / whole:.2f}"
+            print(f"| {case} | {r + 1} | {cells} | {ratios} |", flush=True)
     return best
 
 
@@ -117,7 +121,11 @@ def main() -> None:
                 model, pad_token_id=tok.pad_token_id, max_batch_size=64, compile_attention=True
             ),
             "compiled step": EmbeddedEngine(model, pad_token_id=tok.pad_token_id, max_batch_size=64, compile_step=True),
+            "compiled step, whole prompts": EmbeddedEngine(
+                model, pad_token_id=tok.pad_token_id, max_batch_size=64, compile_step=True
+            ),
         }
+        engines["compiled step, whole prompts"]._fast.share_prefix = False  # (each prompt forwarded in full)
         first = {}
         for label, engine in engines.items():  # (first steps: the compiles, packing)
             start = time.perf_counter()

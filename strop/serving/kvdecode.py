@@ -13,7 +13,8 @@ concatenated per step. Grouped query attention multiplies each kv head against i
 without materialising repeated keys.
 
 Prefix sharing. Prompts admitted together are prefilled once each; a prompt's keys and values are copied into each
-of its rows, and each row samples its first token independently from the prompt's logits.
+of its rows, and each row samples its first token independently from the prompt's logits. The tokens all of them
+start with (a chat template's system prompt) are forwarded once (:mod:`strop.serving.prefix`).
 
 Batch invariance. With ``batch_invariant=True`` a row's tokens and logprobs do not depend on its batch: each prompt
 is prefilled alone, a step's linear layers use a kernel whose rows do not change with the row count, and each row
@@ -33,6 +34,7 @@ from strop.serving.invariant import attend_rows, exact_mkl, packed_rows, prefill
 from strop.serving.cpu_kernels import choose, unavailable
 from strop.serving.linear import PackedLinear, return_freed_memory
 from strop.serving.moe import RoutedExperts, is_routed, record_prompt_routes, record_step_routes
+from strop.serving.prefix import forward_prompts, prefill_shared
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral")
 
@@ -123,6 +125,8 @@ class LlamaDecoder:
         self.exact_kernel = "mkl" if exact else "plain"  # batch-invariant steps' kernel (strop.serving.invariant)
         self._seen = None  # the parameters' (address, version) when the fused weights were built
         self.batch_invariant = batch_invariant
+        self.share_prefix = True  # forward the prompts' common prefix once (strop.serving.prefix)
+        self.shared_tokens = 0  # prompt tokens the last prefill did not forward again
         self.attend = COMPILED if compiled else eager  # a plain step's attention (strop.serving.attention)
 
     @property
@@ -186,13 +190,16 @@ class LlamaDecoder:
     @torch.no_grad()
     def prefill(self, ids: torch.Tensor, lengths: torch.Tensor):
         """Left-padded prompts ``ids`` (N, P). Returns last-position logits (N, V) and the keys and
-        values (layers, N, KV, P, D), rotary embedding applied."""
+        values (layers, N, KV, P, D), rotary embedding applied. ``shared_tokens``: the prompt tokens it saved."""
         self._sync()
+        self.shared_tokens = 0
         if self.batch_invariant and self.prepack and self.exact_kernel == "mkl":
             return prefill_packed(self, ids, lengths)
         if self.batch_invariant:  # each prompt alone, unpadded; the logits through F.linear (3-D input)
             return prefill_each(self._prefill, ids, lengths)
-        return self._prefill(ids, lengths, PackedLinear.batched)
+        if self.routed or not self.share_prefix:  # (routes are recorded per prompt token)
+            return self._prefill(ids, lengths, PackedLinear.batched)
+        return prefill_shared(self, ids, lengths, PackedLinear.batched)
 
     def _mlp(self, h, gate_up, down, act, lin=PackedLinear.__call__):
         if gate_up is None:  # routed experts (strop.serving.moe): their choices kept for the rows
@@ -203,31 +210,7 @@ class LlamaDecoder:
         return lin(down, act(g).mul_(u))
 
     def _prefill(self, ids: torch.Tensor, lengths: torch.Tensor, lin=PackedLinear.__call__):
-        N, P = ids.shape
-        self.routes = []
-        dev = ids.device
-        cols = torch.arange(P, device=dev)
-        valid = cols.unsqueeze(0) >= (P - lengths).unsqueeze(1)  # (N, P)
-        position_ids = (valid.long().cumsum(-1) - 1).clamp(min=0)
-        causal = cols.unsqueeze(0) <= cols.unsqueeze(1)  # (P, P): query row, key column
-        mask = causal.unsqueeze(0) & valid.unsqueeze(1)
-        mask = mask | torch.eye(P, dtype=torch.bool, device=dev).unsqueeze(0)  # pad queries see themselves
-        mask = mask.unsqueeze(1)  # (N, 1, P, P)
-        x = self.backbone.embed_tokens(ids)
-        cos, sin = self.backbone.rotary_emb(x, position_ids)  # (N, P, D)
-        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # broadcast over heads: (N, P, 1, D)
-        keys = torch.empty(self.n_layers, N, self.n_kv, P, self.head_dim, dtype=x.dtype, device=dev)
-        values = torch.empty_like(keys)
-        for i, (ln1, qkv, o_proj, ln2, gate_up, down, act) in enumerate(self.layers):
-            q, k, v = self._split_rope(lin(qkv, self._norm(ln1, x)), cos, sin, self.qk_norms[i])
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (N, heads, P, D)
-            keys[i], values[i] = k, v
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=self.group > 1)
-            x = x + lin(o_proj, o.transpose(1, 2).reshape(N, P, -1))
-            x = x + self._mlp(self._norm(ln2, x), gate_up, down, act, lin)
-        if self.batch_invariant:
-            return self.head(self._norm(self.backbone.norm, x[:, -1:]))[:, 0], keys, values
-        return self.head(self._norm(self.backbone.norm, x[:, -1])), keys, values
+        return forward_prompts(self, ids, lengths, lin)
 
     @torch.no_grad()
     def step(
@@ -355,7 +338,7 @@ class Batch:
         lengths = torch.tensor([len(p) for p in uniq])
         logits, k, v = d.prefill(ids.to(d.device), lengths.to(d.device))
         record_prompt_routes(d.routes, rows, which, prompts, P)
-        self.prefilled_tokens += int(lengths.sum())
+        self.prefilled_tokens += int(lengths.sum()) - d.shared_tokens
         self.prompt_tokens += sum(len(p) for p in prompts)
         w = torch.tensor(which, device=d.device)
         tokens, logprobs = self.sample(logits.index_select(0, w).float(), rows)
