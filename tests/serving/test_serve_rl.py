@@ -73,15 +73,25 @@ def late_request(url, out: dict, model="m"):
 
 @pytest.mark.parametrize("mode", ["abort", "wait", "keep"])
 def test_pause_modes_with_requests_in_flight(start_server, mode):
-    """abort: in-flight requests end now with their tokens so far; wait: the pause returns once they
-    finished; keep: no chunk arrives while paused, they finish after /resume. A request arriving while
-    paused waits and succeeds after /resume; pause and resume twice are no error."""
+    """abort: in-flight requests end now with their tokens so far (sent again if all had ended before the
+    pause); wait: the pause returns once they finished; keep: no chunk arrives while paused, they finish after
+    /resume. A request arriving while paused waits and succeeds after /resume; pause and resume twice are no
+    error."""
     url = start_server().url
-    flights = [Streamed(url) for _ in range(3)]
-    for f in flights:
-        assert f.first.wait(60)
-    r = call(url, "POST", f"/pause?mode={mode}")
-    paused_at = time.monotonic()
+    for _attempt in range(3):
+        flights = [Streamed(url) for _ in range(3)]
+        for f in flights:
+            assert f.first.wait(60)
+        r = call(url, "POST", f"/pause?mode={mode}")
+        paused_at = time.monotonic()
+        if mode != "abort":
+            break
+        for f in flights:
+            f.join()
+        if any(f.finish == "abort" for f in flights):
+            break
+        # all 200 tokens were out before the pause (a client thread read its first chunk late): again
+        assert call(url, "POST", "/resume").json() == {"status": "resumed"}
     assert r.status_code == 200 and r.json() == {"status": "paused"}
     assert call(url, "POST", f"/pause?mode={mode}").json() == {"status": "paused"}
     assert call(url, "GET", "/is_paused").json() == {"is_paused": True}
@@ -96,8 +106,13 @@ def test_pause_modes_with_requests_in_flight(start_server, mode):
     for f in flights:
         f.join()
     assert late["status"] == 200 and late["finish"] == "length" and late["at"] >= resumed_at
-    if mode == "abort":
-        assert all(f.finish == "abort" and 0 < f.tokens < 200 for f in flights), [(f.finish, f.tokens) for f in flights]
+    if mode == "abort":  # each ended at the pause with its tokens so far, or had ended before it
+        ends = [(f.finish, f.tokens, f.times[-1] - paused_at) for f in flights]
+        assert any(f.finish == "abort" for f in flights), ends
+        assert all(
+            (f.finish == "abort" and 0 < f.tokens < 200) or (f.finish == "length" and f.times[-1] <= paused_at + 0.25)
+            for f in flights
+        ), ends
     else:
         assert all(f.finish == "length" and f.tokens == 200 for f in flights)
     slack = 0.25  # a chunk sent before the pause answered may still be on its way
