@@ -4,12 +4,14 @@ common prefix forwarded once (:mod:`strop.serving.prefix`), interleaved, in fp32
     python bench/prefill.py [--rounds 3] [--rows 64]
 
 Prints the CPU, the prompts' lengths and common prefix, seconds per prefill of each way per round and their ratio,
-and the largest distance between the two ways' logits.
+the largest distance between the two ways' logits, and, for those prompts and three other sets of 64 chat prompts,
+each way's mean KL divergence from a float64 forward of the same weights (the last position's distribution).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import logging
 import sys
 import time
@@ -20,6 +22,28 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine import make_cases  # noqa: E402
 from limits import cpu_line  # noqa: E402
+
+
+OTHER_SETS = (
+    "Name a city whose population is near {n} people and describe it.",
+    "Write a haiku about the number {n}.",
+    "A train leaves at {n} pm. When does it arrive 100 miles away at 40 mph?",
+)
+
+
+def padded(prompts, pad: int):
+    P = max(map(len, prompts))
+    ids = torch.full((len(prompts), P), pad, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, P - len(p) :] = torch.tensor(p)
+    return ids, torch.tensor([len(p) for p in prompts])
+
+
+def kl_from_float64(model64, prompts, logits) -> float:
+    """Mean KL(float64 || engine) of the next-token distributions after each prompt."""
+    with torch.no_grad():
+        ref = torch.stack([model64(torch.tensor([p])).logits[0, -1] for p in prompts]).log_softmax(-1)
+    return (ref.exp() * (ref - logits.double().log_softmax(-1))).sum(-1).mean().item()
 
 
 def main() -> None:
@@ -41,14 +65,20 @@ def main() -> None:
     tok = load_tokenizer(args.model)
     args.batch, args.new_tokens = [args.rows], 1
     prompts, _ = make_cases(tok, args)
-    P = max(map(len, prompts))
-    ids = torch.full((len(prompts), P), tok.pad_token_id, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, P - len(p) :] = torch.tensor(p)
-    lengths = torch.tensor([len(p) for p in prompts])
-    print(f"{len(prompts)} prompts of {min(lengths.tolist())}-{P} tokens; common prefix {common_prefix(ids, lengths)}")
+    ids, lengths = padded(prompts, tok.pad_token_id)
+    print(
+        f"{len(prompts)} prompts of {min(lengths.tolist())}-{ids.shape[1]} tokens; common prefix {common_prefix(ids, lengths)}"
+    )
+
+    def chat(question):
+        message = [{"role": "user", "content": question}]
+        return list(tok.apply_chat_template(message, add_generation_prompt=True, tokenize=True, return_dict=False))
+
+    sets = [prompts] + [[chat(q.format(n=7 * i + 3)) for i in range(64)] for q in OTHER_SETS]
     for name in ("float32", "bfloat16"):
-        dec = LlamaDecoder(load_model(args.model).to(dtype=getattr(torch, name)).eval())
+        model = load_model(args.model).to(dtype=getattr(torch, name)).eval()
+        model64 = copy.deepcopy(model).double()  # (the same rounded weights: only the arithmetic differs)
+        dec = LlamaDecoder(model)
         dec._sync()
 
         def whole():
@@ -68,6 +98,13 @@ def main() -> None:
                     way()
                     seconds.append(time.perf_counter() - start)
                 print(f"| {r + 1} | {seconds[0]:.3f} | {seconds[1]:.3f} | {seconds[0] / seconds[1]:.2f} |", flush=True)
+            print("| prompt set | common prefix | KL whole | KL shared |\n|---|---|---|---|")
+            for j, chats in enumerate(sets):
+                ids_j, lengths_j = padded(chats, tok.pad_token_id)
+                whole_j = forward_prompts(dec, ids_j, lengths_j, PackedLinear.batched)[0]
+                shared_j = dec.prefill(ids_j, lengths_j)[0]
+                kls = [kl_from_float64(model64, chats, x) for x in (whole_j, shared_j)]
+                print(f"| {j + 1} | {common_prefix(ids_j, lengths_j)} | {kls[0]:.2e} | {kls[1]:.2e} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -4,8 +4,9 @@ tokens every prompt starts with computed once.
 Prompts admitted together usually share their start: the chat template and its system prompt (27 of the 44-47
 tokens of each prompt in ``bench/engine.py``'s batches). :func:`prefill_shared` forwards that common prefix as one
 row, then every prompt's remaining tokens against the prefix's keys and values, and lays the result out as one
-padded forward of the whole prompts would have (the same function of the same tokens; only the rounding of the
-prefix's rows differs, as it does with any change of batch). The batch-invariant prefills
+padded forward of the whole prompts would have (the same function of the same tokens; only the rounding differs, the
+attention running over another layout of the same keys, and neither is closer to a float64 forward:
+``bench/prefill.py``). The batch-invariant prefills
 (:mod:`strop.serving.invariant`) and models with routed experts, whose routes are recorded per prompt token, keep the
 whole-prompt forward."""
 
