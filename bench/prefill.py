@@ -31,14 +31,6 @@ OTHER_SETS = (
 )
 
 
-def padded(prompts, pad: int):
-    P = max(map(len, prompts))
-    ids = torch.full((len(prompts), P), pad, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, P - len(p) :] = torch.tensor(p)
-    return ids, torch.tensor([len(p) for p in prompts])
-
-
 def kl_from_float64(model64, prompts, logits) -> float:
     """Mean KL(float64 || engine) of the next-token distributions after each prompt."""
     with torch.no_grad():
@@ -58,14 +50,14 @@ def main() -> None:
     from strop.models import load_model, load_tokenizer
     from strop.serving.kvdecode import LlamaDecoder
     from strop.serving.linear import PackedLinear
-    from strop.serving.prefix import common_prefix, forward_prompts
+    from strop.serving.prefix import common_prefix, forward_prompts, left_padded
 
     hf_logging.set_verbosity_error()
     print(cpu_line(), f"; {torch.get_num_threads()} threads", flush=True)
     tok = load_tokenizer(args.model)
     args.batch, args.new_tokens = [args.rows], 1
     prompts, _ = make_cases(tok, args)
-    ids, lengths = padded(prompts, tok.pad_token_id)
+    ids, lengths = left_padded(prompts, tok.pad_token_id)
     print(
         f"{len(prompts)} prompts of {min(lengths.tolist())}-{ids.shape[1]} tokens; common prefix {common_prefix(ids, lengths)}"
     )
@@ -100,7 +92,7 @@ def main() -> None:
                 print(f"| {r + 1} | {seconds[0]:.3f} | {seconds[1]:.3f} | {seconds[0] / seconds[1]:.2f} |", flush=True)
             print("| prompt set | common prefix | KL whole | KL shared |\n|---|---|---|---|")
             for j, chats in enumerate(sets):
-                ids_j, lengths_j = padded(chats, tok.pad_token_id)
+                ids_j, lengths_j = left_padded(chats, tok.pad_token_id)
                 whole_j = forward_prompts(dec, ids_j, lengths_j, PackedLinear.batched)[0]
                 shared_j = dec.prefill(ids_j, lengths_j)[0]
                 kls = [kl_from_float64(model64, chats, x) for x in (whole_j, shared_j)]

@@ -34,7 +34,7 @@ from strop.serving.invariant import attend_rows, exact_mkl, packed_rows, prefill
 from strop.serving.cpu_kernels import choose, unavailable
 from strop.serving.linear import PackedLinear, return_freed_memory
 from strop.serving.moe import RoutedExperts, is_routed, record_prompt_routes, record_step_routes
-from strop.serving.prefix import forward_prompts, prefill_shared
+from strop.serving.prefix import forward_prompts, left_padded, prefill_shared
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral")
 
@@ -331,11 +331,8 @@ class Batch:
         unique: dict[tuple, int] = {}
         which = [unique.setdefault(tuple(p), len(unique)) for p in prompts]
         uniq = list(unique)
-        P = max(len(p) for p in uniq)
-        ids = torch.full((len(uniq), P), self.pad, dtype=torch.long)
-        for i, p in enumerate(uniq):
-            ids[i, P - len(p) :] = torch.tensor(p)
-        lengths = torch.tensor([len(p) for p in uniq])
+        ids, lengths = left_padded(uniq, self.pad)
+        P = ids.shape[1]
         logits, k, v = d.prefill(ids.to(d.device), lengths.to(d.device))
         record_prompt_routes(d.routes, rows, which, prompts, P)
         self.prefilled_tokens += int(lengths.sum()) - d.shared_tokens

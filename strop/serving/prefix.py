@@ -18,6 +18,15 @@ import torch.nn.functional as F
 MIN_SHARED = 8  # shorter common prefixes are forwarded with each prompt (no gain worth the second call)
 
 
+def left_padded(prompts, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token lists as the prefill takes them: ids (N, P), each prompt right-aligned after ``pad``, and their lengths."""
+    P = max(map(len, prompts))
+    ids = torch.full((len(prompts), P), pad, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, P - len(p) :] = torch.tensor(p)
+    return ids, torch.tensor([len(p) for p in prompts])
+
+
 def common_prefix(ids: torch.Tensor, lengths: torch.Tensor) -> int:
     """How many leading tokens all the left-padded prompts ``ids`` (N, P) share, leaving every prompt one token of
     its own at least (its last position gives the prompt's logits)."""

@@ -17,14 +17,6 @@ START = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]  # 10 tokens every prompt begin
 PROMPTS = [START + [40], START + [41, 42, 43], START + [44, 45, 46, 47, 48, 49], START + [41, 42, 43], START + [7, 7]]
 
 
-def padded(prompts):
-    P = max(map(len, prompts))
-    ids = torch.zeros(len(prompts), P, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, P - len(p) :] = torch.tensor(p)
-    return ids, torch.tensor([len(p) for p in prompts])
-
-
 @pytest.mark.parametrize(
     "prompts, shared",
     [
@@ -36,14 +28,14 @@ def padded(prompts):
     ],
 )
 def test_the_common_prefix_is_the_shared_start_leaving_each_prompt_a_token(prompts, shared):
-    assert prefix.common_prefix(*padded(prompts)) == shared
+    assert prefix.common_prefix(*prefix.left_padded(prompts, 0)) == shared
 
 
-@pytest.mark.parametrize("make", [lambda: None, make_tiny_qwen3], ids=["llama", "qwen3"])
-def test_the_shared_prefill_equals_the_whole_prompts_forward(tiny_model, make):
-    model = (make() or tiny_model).eval()
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_the_shared_prefill_equals_the_whole_prompts_forward(tiny_model, kind):
+    model = (tiny_model if kind == "llama" else make_tiny_qwen3()).eval()
     dec = LlamaDecoder(model)
-    ids, lengths = padded(PROMPTS)
+    ids, lengths = prefix.left_padded(PROMPTS, 0)
     with torch.no_grad():
         dec._sync()
         logits, keys, values = prefix.forward_prompts(dec, ids, lengths, PackedLinear.batched)
@@ -85,7 +77,7 @@ def test_routed_experts_batch_invariance_and_share_prefix_off_keep_the_whole_pro
     invariant = LlamaDecoder(tiny_model, batch_invariant=True)
     off = LlamaDecoder(tiny_model)
     off.share_prefix = False  # (what bench/compiled_step.py compares against)
-    ids, lengths = padded(PROMPTS)
+    ids, lengths = prefix.left_padded(PROMPTS, 0)
     for dec in (moe, invariant, off):
         with torch.no_grad():
             dec.prefill(ids, lengths)
