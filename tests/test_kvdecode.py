@@ -9,7 +9,8 @@ import torch
 from strop.serving import kvdecode
 from strop.serving.embedded import EmbeddedEngine
 from strop.serving.sampling import _blocks, _invert_cdf, _sample_blocks
-from strop.serving.kvdecode import Batch
+from strop.serving import batch as batches
+from strop.serving.batch import Batch
 from strop.serving.cpu_kernels import unavailable
 from strop.serving.linear import can_pack
 from strop.train.logprob import response_logprobs
@@ -206,19 +207,63 @@ def test_an_engine_error_reaches_every_request_and_the_engine_recovers(tiny_mode
     assert len(again.token_ids) == 20
 
 
-def test_slot_count_changes_only_at_bucket_boundaries(tiny_model):
-    """Rows finishing one by one free their slots; the cache (and the weights' packing) is laid out
-    again only when a whole bucket is free, not once per finished row."""
-    assert [kvdecode.slots_for(n) for n in (1, 2, 3, 5, 16, 17, 33, 64)] == [1, 2, 4, 8, 16, 32, 48, 64]
-    e = engine(tiny_model)
-    sizes = []
-    real = e._fast.step
+def _slot_counts(e, n: int = 40):
+    """The rows of each decode step and the cache layouts made (``_relayout`` calls) over a batch of ``n`` rows
+    that finish one by one."""
+    sizes, layouts = [], []
+    real, relayout = e._fast.step, Batch._relayout
     e._fast.step = lambda tokens, *a: sizes.append(len(tokens)) or real(tokens, *a)
-    prompts = [[5, 6, 7 + i] for i in range(40)]
-    outs = e.generate_batch(prompts, [SamplingParams(max_new_tokens=1 + i, stop_token_ids=[-1]) for i in range(40)])
-    assert [len(o.token_ids) for o in outs] == [1 + i for i in range(40)]
+    prompts = [[5, 6, 7 + i] for i in range(n)]
+    Batch._relayout = lambda self, *a: layouts.append(a[1]) or relayout(self, *a)
+    try:
+        outs = e.generate_batch(prompts, [SamplingParams(max_new_tokens=1 + i, stop_token_ids=[-1]) for i in range(n)])
+    finally:
+        Batch._relayout = relayout
+    assert [len(o.token_ids) for o in outs] == [1 + i for i in range(n)]
+    return sizes, layouts
+
+
+@pytest.mark.skipif(bool(unavailable("mkl", torch.float32)), reason="this torch build has no MKL")
+def test_on_mkl_the_slot_count_changes_only_at_bucket_boundaries(tiny_model):
+    """MKL's weights are packed for a row count: rows finishing one by one free their slots, and the slot count
+    (and the packing) changes only when a whole bucket is free, not once per finished row."""
+    assert [batches.slots_for(n) for n in (1, 2, 3, 5, 16, 17, 33, 64)] == [1, 2, 4, 8, 16, 32, 48, 64]
+    sizes, layouts = _slot_counts(engine(tiny_model, cpu_kernels="mkl"))
     changes = [b for a, b in zip(sizes, sizes[1:]) if a != b]
     assert sizes[0] == 48 and changes == [32, 16, 8, 4, 2, 1]
+    assert layouts == [48]  # (the first row ended on its first token; the compactions keep the tensors)
+
+
+@pytest.mark.parametrize("kernel", ["onednn", "plain"])
+def test_where_any_row_count_runs_a_step_computes_only_the_running_rows(tiny_model, kernel):
+    """Where one packing serves every row count (oneDNN) or nothing is packed, a step computes exactly the rows
+    still running: each finished row leaves the batch at once, moved out of the cache in place (one layout
+    for the whole batch), and every row's tokens equal those of the transformers path."""
+    if unavailable(kernel, torch.float32):
+        pytest.skip(unavailable(kernel, torch.float32))
+    assert [batches.slots_for(n, 1) for n in (1, 3, 17, 63)] == [1, 3, 17, 63]
+    e = engine(tiny_model, cpu_kernels=kernel)
+    sizes, layouts = _slot_counts(e)
+    assert sizes == list(range(39, 0, -1)) and layouts == [39]  # (row i ends after i + 1 tokens: 39 run on)
+    regained, real = [], Batch._regain
+    e = engine(tiny_model, cpu_kernels=kernel)
+    greedy = [SamplingParams(temperature=0.0, max_new_tokens=n, stop_token_ids=[-1]) for n in (150, 2, 150, 5)]
+    prompts = [[5, 6, 7], [9, 10], [11, 12, 13, 14], [15, 16]]
+
+    async def main():  # the short row ends, the batch runs on with 2 slots, then a row joins the third
+        first = [asyncio.ensure_future(e.generate(p, sp)) for p, sp in zip(prompts[:3], greedy[:3])]
+        await first[1]
+        await asyncio.sleep(0.02)
+        return await asyncio.gather(*first, e.generate(prompts[3], greedy[3]))
+
+    Batch._regain = lambda self, n: regained.append((n, len(self.rows), self.room)) or real(self, n)
+    try:
+        fast = asyncio.run(main())
+    finally:
+        Batch._regain = real
+    slow = engine(tiny_model, fast_decode=False).generate_batch(prompts, greedy)
+    assert [o.token_ids for o in fast] == [o.token_ids for o in slow]
+    assert regained == [(1, 2, 3)]  # (the joining row took back the slot the compaction left)
 
 
 def test_the_fused_norm_is_bitwise_the_models_own(tiny_model):

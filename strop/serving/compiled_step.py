@@ -189,14 +189,17 @@ class CompiledStep:
         s, start = self.shape, time.perf_counter()
         fn = torch.compile(_graph(s), backend=self._inductor, fullgraph=True)
         R, T, hidden = HINT_ROWS, HINT_KEYS, dec.backbone.embed_tokens.weight.shape[1]
-        cache = torch.zeros(2, s.layers, R, s.kv_heads, T + 64, s.head_dim, dtype=s.dtype)
         x = torch.zeros(R, hidden, dtype=s.dtype)
         cos, sin = torch.ones(R, 1, s.head_dim, dtype=s.dtype), torch.zeros(R, 1, s.head_dim, dtype=s.dtype)
         bias = torch.zeros(R, 1, 1, T + 1, dtype=s.dtype)
-        kc, vc = cache[0, :, :, :, 3 : T + 3], cache[1, :, :, :, 3 : T + 3]  # (a view into a longer cache)
-        _mark(x, cos, sin, kc, vc, bias)
+        # the first R of R + 8 slots: a batch keeps its cache's slots as rows finish (Batch._compact), so the layer
+        # stride must not be traced as rows x the row stride (measured: a recompile otherwise)
+        kc, vc = (torch.zeros(s.layers, R + 8, s.kv_heads, T + 64, s.head_dim, dtype=s.dtype)[:, :R] for _ in "kv")
         dec._sync(R)
-        fn(x, cos, sin, kc, vc, bias, weights)
+        for first in (3, 0):  # a view into a longer cache, then one at its column 0: the two graphs, compiled ahead
+            k, v = kc[:, :, :, first : first + T], vc[:, :, :, first : first + T]
+            _mark(x, cos, sin, k, v, bias)
+            fn(x, cos, sin, k, v, bias, weights)
         self._fn, self.seconds = fn, time.perf_counter() - start
         log.info("decode step: compiled in %.1f s", self.seconds)
 

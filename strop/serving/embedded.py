@@ -28,7 +28,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from strop.serving.engine_weights import WeightUpdates
-from strop.serving.kvdecode import Batch, LlamaDecoder, unsupported_reason
+from strop.serving.batch import Batch
+from strop.serving.kvdecode import LlamaDecoder, unsupported_reason
 from strop.serving.request import SEED_RANGE, PendingRequest, PromptTooLongError, RequestError, TokenListener
 from strop.serving.sampling import sample
 from strop.serving.scheduler import BatchScheduler

@@ -12,7 +12,7 @@ from dataclasses import replace
 import torch
 
 from strop.openmp import release_threads
-from strop.serving.kvdecode import Batch, Row
+from strop.serving.batch import Batch, Row
 from strop.serving.request import PendingRequest
 from strop.serving.moe import row_routes
 from strop.serving.speculative import align

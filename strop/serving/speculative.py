@@ -17,7 +17,7 @@ generator) are bitwise those of decoding without speculation (tests/test_specula
 many tokens a forward pass yields.
 
 Rows keep their own write column here (``batch.ends``): a row whose draft was cut short overwrites the rejected
-columns on its next round. :func:`align` brings them back to the one column :class:`strop.serving.kvdecode.Batch`
+columns on its next round. :func:`align` brings them back to the one column :class:`strop.serving.batch.Batch`
 assumes before rows join. Whether a round drafts at all is measured, not assumed (:class:`Speculator`): per size
 of the running batch, what a round costs with and without drafts, against the tokens a row lately got per
 drafting round (it pays when few rows run and a step is bound by reading the weights, and costs where many do).
@@ -38,7 +38,7 @@ from collections import OrderedDict
 import torch
 
 from strop.serving.invariant import attend_one, packed_rows, rows_linear
-from strop.serving.kvdecode import Row, slots_for
+from strop.serving.batch import Row, slots_for
 
 NGRAMS = (4, 3, 2)  # the suffix lengths a draft is matched on, longest first
 MAX_SOURCES = 64  # sequences one prompt's index holds; past it, the prompt and the latest half

@@ -11,7 +11,7 @@ import torch
 
 from strop.serving.embedded import EmbeddedEngine
 from strop.serving.invariant import packed_rows, rows_linear
-from strop.serving.kvdecode import Batch
+from strop.serving.batch import Batch
 from strop.serving.cpu_kernels import unavailable
 from strop.serving.linear import PackedLinear
 from strop.serving.sampling import sample

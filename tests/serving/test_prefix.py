@@ -7,7 +7,8 @@ import torch
 
 from strop.serving import prefix
 from strop.serving.embedded import EmbeddedEngine
-from strop.serving.kvdecode import Batch, LlamaDecoder, Row
+from strop.serving.batch import Batch, Row
+from strop.serving.kvdecode import LlamaDecoder
 from strop.serving.linear import PackedLinear
 from strop.types import SamplingParams
 from tests.test_kvdecode import full_forward_logprobs
