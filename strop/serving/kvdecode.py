@@ -99,6 +99,7 @@ class LlamaDecoder:
         self._seen = None  # the parameters' (address, version) when the fused weights were built
         self.batch_invariant = batch_invariant
         self.share_prefix = True  # forward the prompts' common prefix once (strop.serving.prefix)
+        self.exact_slots = True  # a step computes only the running rows where the kernel allows (slot_step)
         self.shared_tokens = 0  # prompt tokens the last prefill did not forward again
         self.attend = COMPILED if compiled else eager  # a plain step's attention (strop.serving.attention)
 
@@ -109,7 +110,7 @@ class LlamaDecoder:
         once (measured in a GRPO batch of 64 rows: with buckets of 16 slots, 10 % of the rows a step computed
         had finished; 3-10 % more tokens a second without them). 16 where MKL's packing is made for the row
         count (each change packs every weight again) and for batch-invariant steps (speculation's buckets)."""
-        return 16 if self.batch_invariant or self.kernel == "mkl" else 1
+        return 16 if self.batch_invariant or self.kernel == "mkl" or not self.exact_slots else 1
 
     @property
     def device(self):
