@@ -66,7 +66,8 @@ class Batch:
     asked once per step for each row still running.
 
     Every cache slot has a :class:`Row`; a finished row's slot (or a padding slot) is taken by the
-    next row that joins, and the cache is compacted when a whole bucket of slots is free."""
+    next row that joins, and the batch is compacted in place when it holds more slots than
+    :func:`slots_for` gives its running rows (``LlamaDecoder.slot_step``)."""
 
     def __init__(
         self,
@@ -228,7 +229,7 @@ class Batch:
         if not live:
             return []
         slots = slots_for(len(live), self.dec.slot_step)
-        if len(self.rows) > slots:  # a bucket of slots is free: compact
+        if len(self.rows) > slots:  # more slots than the running rows need: compact
             live = self._compact(live, slots)
         B = len(self.rows)
         lo = int(self.start[live].min())

@@ -108,7 +108,7 @@ class LlamaDecoder:
         """:func:`slots_for`'s ``step`` for this decoder's batch. 1 where one packing of the weights serves every
         row count (oneDNN, or no packing): a finished row stops costing the step's linear layers and attention at
         once (measured in a GRPO batch of 64 rows: with buckets of 16 slots, 10 % of the rows a step computed
-        had finished; 3-10 % more tokens a second without them). 16 where MKL's packing is made for the row
+        had finished; 1.04-1.13x the tokens a second without them, bench/slots.py). 16 where MKL's packing is made for the row
         count (each change packs every weight again) and for batch-invariant steps (speculation's buckets)."""
         return 16 if self.batch_invariant or self.kernel == "mkl" or not self.exact_slots else 1
 
