@@ -98,12 +98,12 @@ class ThreadRunner:
     def abandon(self, future: asyncio.Future) -> str:
         """The session ended before the agent returned: leave the thread, cancel an async agent."""
         call = self.calls.pop(future)
-        call.cancel()
-        future.cancel()
-        with _LOCK:
+        with _LOCK:  # (before cancelling: a cancelled async agent may end at once, and it was abandoned all the same)
             if call.running:
                 self.abandoned.add(call)
                 self.counts["agent_threads_abandoned"] += 1
+        call.cancel()
+        future.cancel()
         return "its thread was abandoned (a thread cannot be stopped; an async agent is cancelled)"
 
     def _abandoned_running(self) -> int:

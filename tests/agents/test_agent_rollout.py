@@ -395,6 +395,38 @@ def test_a_timed_out_async_agent_is_cancelled():
         runner.close()
 
 
+def test_an_agent_that_ends_as_soon_as_it_is_cancelled_is_counted_abandoned(monkeypatch):
+    """The session ended while the agent ran: it is counted abandoned even when the cancel ends its thread before
+    ``abandon`` returns (here the cancel waits for the thread to end, as a fast one does under load)."""
+    from strop.agents import runners
+    from tests.agents.agents import hangs_async
+
+    cancel = runners._ThreadCall.cancel
+
+    def cancel_and_wait(call):
+        cancel(call)
+        for _ in range(200):
+            with runners._LOCK:
+                if not call.running:
+                    return
+            time.sleep(0.01)
+
+    monkeypatch.setattr(runners._ThreadCall, "cancel", cancel_and_wait)
+    runner = runners.ThreadRunner(hangs_async, "tests.agents.agents:hangs_async", concurrency=1)
+
+    async def scenario():
+        future = runner.submit(await runner.ready(timeout_s=1.0), "http://127.0.0.1:9/v1", "key", {})
+        await asyncio.sleep(0.3)
+        assert not future.done()
+        runner.abandon(future)
+        assert runner.take_counts() == {"agent_threads_abandoned": 1, "agent_threads_abandoned_running": 0}
+
+    try:
+        asyncio.run(asyncio.wait_for(scenario(), 30))
+    finally:
+        runner.close()
+
+
 def test_worker_processes_are_kept_replaced_and_killed():
     """agent.workers=processes: a worker serves the next agent; one that dies fails only its agent
     and is replaced; an abandoned agent's worker is killed."""
