@@ -256,7 +256,7 @@ def test_where_any_row_count_runs_a_step_computes_only_the_running_rows(tiny_mod
         await asyncio.sleep(0.02)
         return await asyncio.gather(*first, e.generate(prompts[3], greedy[3]))
 
-    Batch._regain = lambda self, n: regained.append((n, len(self.rows), self.room)) or real(self, n)
+    Batch._regain = lambda self, n: regained.append((n, len(self.rows), self._base_keys.shape[1])) or real(self, n)
     try:
         fast = asyncio.run(main())
     finally:

@@ -81,7 +81,6 @@ class Batch:
         self.should_abort = should_abort
         self.rows: list[Row] = []  # one per cache slot
         self.keys = self.values = None
-        self.room = 0  # slots the cache tensors hold (``keys`` may be a view of fewer: Batch._compact)
         self.col = 0  # the column the next fed token is written to
         self.start = torch.zeros(0, dtype=torch.long)  # first valid column of each slot
         self.positions = torch.zeros(0, dtype=torch.long)  # position id of the next fed token
@@ -118,8 +117,7 @@ class Batch:
         self.next_tokens = torch.cat([self.next_tokens[k], torch.zeros(extra, dtype=torch.long)])
         self.rows = [self.rows[i] for i in keep] + [_pad_row() for _ in range(extra)]
         self.keys, self.values, self.col = keys, values, new_col
-        self._base_keys, self._base_values = keys, values
-        self.room = slots
+        self._base_keys, self._base_values = keys, values  # (``keys`` may become a view of fewer slots)
 
     def _compact(self, live: list[int], slots: int) -> list[int]:
         """Keep the first ``slots`` slots: the running rows past them move into finished rows' slots, in the same
@@ -177,7 +175,7 @@ class Batch:
             return finished
         # each joining prompt ends just left of the write column, in a free slot if there is room
         free = [i for i, r in enumerate(self.rows) if r.finish is not None]
-        if self.keys is not None and 0 < len(joining) - len(free) <= self.room - len(self.rows):
+        if self.keys is not None and 0 < len(joining) - len(free) <= self._base_keys.shape[1] - len(self.rows):
             free += self._regain(len(joining) - len(free))
         longest = max(rows[i].budget for i in joining)
         if not (
