@@ -62,7 +62,7 @@ def _pad_row() -> Row:
 
 class Batch:
     """The running batch of a :class:`LlamaDecoder`: rows join (``admit``) and leave (finished)
-    between steps. ``sample(logits, rows)`` picks tokens and logprobs; ``should_abort(row)`` is
+    between steps. ``sample(logits, rows, block_lse=None)`` picks tokens and logprobs; ``should_abort(row)`` is
     asked once per step for each row still running.
 
     Every cache slot has a :class:`Row`; a finished row's slot (or a padding slot) is taken by the
@@ -249,10 +249,11 @@ class Batch:
         self.positions += 1
         running = [self.rows[i] for i in live]
         record_step_routes(self.dec.routes, running, live)
-        idx = torch.tensor(live, device=dev)
-        tokens, logprobs = self.sample(
-            logits.index_select(0, idx).float() if len(live) < B else logits.float(), running
-        )
+        lse = self.dec.block_lse  # (the compiled step's, computed in its graph)
+        if len(live) < B:
+            idx = torch.tensor(live, device=dev)
+            logits, lse = logits.index_select(0, idx), None if lse is None else lse.index_select(0, idx)
+        tokens, logprobs = self.sample(logits.float(), running, lse)
         self.next_tokens[torch.tensor(live)] = tokens.cpu()
         finished = self._record(running, tokens.tolist(), logprobs.tolist())
         done = {id(r) for r in finished}

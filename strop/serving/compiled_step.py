@@ -2,7 +2,8 @@
 
 For a step of ``from_rows`` rows or more, everything from the embedded tokens to the logits is one graph: the norms
 (Qwen3's per-head query/key norms too), the rotary embedding, the attention over the cache, the residuals and the
-MLP's activation are fused by Inductor between the linear layers. Each linear layer stays on the decoder's packed
+MLP's activation are fused by Inductor between the linear layers, and so is the sampler's first pass over the logits
+(:func:`strop.serving.sampling.block_logsumexp`). Each linear layer stays on the decoder's packed
 weight (:mod:`strop.serving.linear`, oneDNN or MKL) as an opaque custom op, ``strop::packed_linear``: Inductor does
 not take a packed weight as a graph input. The graph writes nothing: the step's own key and value join the attention
 as a term of their own, and every layer's new keys and values are written into the cache after the graph, in one
@@ -34,6 +35,7 @@ import torch.nn.functional as F
 
 from strop.serving.attention import HINT_KEYS, HINT_ROWS, one_line
 from strop.serving.kvdecode import LlamaDecoder, _rotate
+from strop.serving.sampling import block_logsumexp
 
 log = logging.getLogger("strop.serving")
 _RUNNING = threading.local()  # .decoder: the decoder whose step this thread is running
@@ -135,8 +137,8 @@ def _graph(shape: Shape):
             x = x + packed_linear(o.to(x.dtype).reshape(B, -1), handle[4 * i + 1])
             g, u = packed_linear(norm(_Norm(w[1], e[1]), x), handle[4 * i + 2]).chunk(2, dim=-1)
             x = x + packed_linear(F.silu(g) * u, handle[4 * i + 3])
-        logits = packed_linear(norm(_Norm(weights[-1], shape.eps[-1]), x), handle[-1])
-        return logits, torch.stack(new_qk), torch.stack(new_v)
+        logits = packed_linear(norm(_Norm(weights[-1], shape.eps[-1]), x), handle[-1]).float()
+        return logits, block_logsumexp(logits), torch.stack(new_qk), torch.stack(new_v)
 
     code = step.__code__.replace(co_name=f"compiled_step_{len(_STEPS)}")
     return types.FunctionType(code, step.__globals__, code.co_name, None, step.__closure__)
@@ -170,8 +172,9 @@ class CompiledStep:
         return compile_fx(gm, example_inputs)
 
     def __call__(self, dec: "CompiledStepDecoder", x, cos, sin, kc, vc, bias):
-        """The logits (B, V), the rotated queries and keys (layers, B, H + KV, D) and the values (layers, B, KV,
-        D) of ``dec``'s step; None where it cannot run (``reason`` says why, once in the log)."""
+        """The logits (B, V) in fp32 and their :func:`block_logsumexp`, the rotated queries and keys (layers, B, H +
+        KV, D) and the values (layers, B, KV, D) of ``dec``'s step; None where it cannot run (``reason`` says why,
+        once in the log)."""
         from torch._inductor import config as inductor
 
         _mark(x, cos, sin, kc, vc, bias)
@@ -242,6 +245,7 @@ class CompiledStepDecoder(LlamaDecoder):
     @torch.no_grad()
     def step(self, tokens, positions, keys, values, col: int, lo: int, bias, starts=None):
         B, c = tokens.shape[0], self.compiled
+        self.block_lse = None
         if self.batch_invariant or c.reason or B < self.from_rows or col - lo < 2:
             return super().step(tokens, positions, keys, values, col, lo, bias, starts)
         self.routes = []
@@ -251,7 +255,7 @@ class CompiledStepDecoder(LlamaDecoder):
         out = c(self, x, cos, sin, keys[:, :B, :, lo:col], values[:, :B, :, lo:col], bias)
         if out is None:
             return super().step(tokens, positions, keys, values, col, lo, bias, starts)
-        logits, qk, v = out
+        logits, self.block_lse, qk, v = out
         keys[:, :B, :, col] = qk[:, :, self.n_heads :]
         values[:, :B, :, col] = v
         return logits

@@ -332,9 +332,9 @@ class EmbeddedEngine(BatchScheduler, WeightUpdates):
         """Speculation's metrics since the last call (:meth:`Speculator.take_stats`; {} without it)."""
         return self._spec.take_stats() if self._spec is not None else {}
 
-    def _sample(self, logits, temperature, top_p, top_k, generators, top_n: int = 0):
+    def _sample(self, logits, temperature, top_p, top_k, generators, top_n: int = 0, block_lse=None):
         """:func:`strop.serving.sampling.sample` with the engine's generator for rows without their own."""
-        return sample(logits, temperature, top_p, top_k, generators, self.generator, top_n)
+        return sample(logits, temperature, top_p, top_k, generators, self.generator, top_n, block_lse)
 
 
 def build_decoder(model, fast_decode, shared, batch_invariant, speculative: int, kernels: str, compiled: tuple):

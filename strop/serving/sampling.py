@@ -15,17 +15,29 @@ import torch.nn.functional as F
 GREEDY_BELOW = 1e-5  # a temperature below this samples greedily (dividing by it overflows the logits)
 
 
-def sample(logits, temperature, top_p, top_k, generators, default_generator: torch.Generator, top_n: int = 0):
+def sample(
+    logits,
+    temperature,
+    top_p,
+    top_k,
+    generators,
+    default_generator: torch.Generator,
+    top_n: int = 0,
+    block_lse: torch.Tensor | None = None,
+):
     """Pick one token per row; return it and its logprob under logits / temperature. With ``top_n``
     also the ``top_n`` largest logprobs of each row under that distribution and their token ids,
     ((B, top_n), (B, top_n)), most likely first. A row without its own generator draws from
-    ``default_generator`` (the engine's)."""
+    ``default_generator`` (the engine's). ``block_lse``: :func:`block_logsumexp` of ``logits`` where the
+    caller computed it (the compiled decode step does, in its graph); used when every temperature is 1."""
     greedy = temperature < GREEDY_BELOW
     any_greedy = bool(greedy.any())
     t = torch.where(greedy, torch.ones_like(temperature), temperature)
-    scaled = logits if bool((t == 1).all()) else logits / t.unsqueeze(-1)  # (B, V)
+    unscaled = bool((t == 1).all())
+    scaled = logits if unscaled else logits / t.unsqueeze(-1)  # (B, V)
     blocks = _blocks(scaled)  # (B, V / chunk, chunk): the sampler's two levels
-    block_lse = torch.logsumexp(blocks, dim=-1)
+    if block_lse is None or not unscaled:
+        block_lse = torch.logsumexp(blocks, dim=-1)
     lse = torch.logsumexp(block_lse, dim=-1, keepdim=True)  # (B, 1)
     # inverse-CDF sampling: one uniform number per row (drawing a Gumbel or exponential
     # per vocabulary entry costs more than a whole decoder layer on a CPU)
@@ -73,6 +85,12 @@ def _filter(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> t
 
 
 _CHUNK = 1024  # vocabulary entries per block of the two-level sampler
+
+
+def block_logsumexp(logits: torch.Tensor) -> torch.Tensor:
+    """The logsumexp of each block of the sampler's vocabulary blocks, (B, V / chunk): what :func:`sample` computes
+    first (measured: 4.7 ms of a 50 ms bf16 decode step at 64 rows as eager passes over the logits)."""
+    return torch.logsumexp(_blocks(logits), dim=-1)
 
 
 def _blocks(scaled: torch.Tensor, chunk: int = _CHUNK) -> torch.Tensor:

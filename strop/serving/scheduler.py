@@ -274,15 +274,17 @@ class BatchScheduler:
     def _should_abort(self, row: Row) -> bool:
         return self._abort_gen != row.abort_gen or (row.request_id is not None and row.request_id in self._aborted_ids)
 
-    def _sample_rows(self, logits: torch.Tensor, rows: list[Row]):
+    def _sample_rows(self, logits: torch.Tensor, rows: list[Row], block_lse: torch.Tensor | None = None):
         dev = logits.device
         t = torch.tensor([r.sampling.temperature for r in rows], dtype=torch.float32, device=dev)
         p = torch.tensor([r.sampling.top_p for r in rows], dtype=torch.float32, device=dev)
         k = torch.tensor([min(r.sampling.top_k, logits.shape[-1]) for r in rows], dtype=torch.long, device=dev)
         want = [r.owner.top_logprobs if r.owner is not None else 0 for r in rows]
         if not any(want):  # the usual case: no alternatives computed
-            return self._sample(logits, t, p, k, [r.generator for r in rows])
-        tokens, logprobs, (values, ids) = self._sample(logits, t, p, k, [r.generator for r in rows], max(want))
+            return self._sample(logits, t, p, k, [r.generator for r in rows], block_lse=block_lse)
+        tokens, logprobs, (values, ids) = self._sample(
+            logits, t, p, k, [r.generator for r in rows], max(want), block_lse=block_lse
+        )
         for r, n, v, i in zip(rows, want, values.tolist(), ids.tolist()):  # one entry per token recorded
             r.top_logprobs.append(dict(zip(i[:n], v[:n])) if n else None)
         return tokens, logprobs
