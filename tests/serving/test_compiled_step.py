@@ -1,8 +1,9 @@
 """The kv-cache decoder's whole decode step compiled (strop.serving.compiled_step, ``engine.compile_step``): it
-decodes the tokens the decoder's own step does, with logprobs within 1e-5 in fp32, for Llama and Qwen3 layers; one
-graph serves every decoder of a shape; small and batch-invariant steps run the decoder's own step; where it cannot
-compile it says why once and runs the decoder's own step; it composes with speculation, with whole runs (sync and
-async) and with strop serve (as the compiled attention does); and where it would not run it is refused at start."""
+decodes the tokens the decoder's own step does, with logprobs within 1e-5 in fp32 (the sampler's block logsumexps
+computed in its graph), for Llama and Qwen3 layers; one graph serves every decoder of a shape; small and
+batch-invariant steps run the decoder's own step; where it cannot compile it says why once and runs the decoder's
+own step; it composes with speculation, with whole runs (sync and async) and with strop serve (as the compiled
+attention does); and where it would not run it is refused at start."""
 
 import copy
 import logging
@@ -18,6 +19,7 @@ from strop.serving.compiled_step import CompiledStepDecoder
 from strop.serving.cpu_kernels import unavailable
 from strop.serving.embedded import EmbeddedEngine
 from strop.serving.kvdecode import LlamaDecoder
+from strop.serving.sampling import block_logsumexp
 from strop.types import SamplingParams
 from tests.tiny import make_tiny_model, make_tiny_qwen3, make_tiny_qwen3_moe
 
@@ -40,6 +42,14 @@ def decode(model, from_rows=2, prompts=PROMPTS, new_tokens=12, **kw):
     if isinstance(e._fast, CompiledStepDecoder):
         e._fast.from_rows = from_rows
     e.ran = {"compiled": [], "own": []}
+    e.handed, sample = [], e._sample  # per step: how far a block_lse handed to the sampler is from its logits' own
+
+    def spy(logits, *a, block_lse=None, **kw):
+        if block_lse is not None:
+            e.handed.append(float((block_lse - block_logsumexp(logits)).abs().max()))
+        return sample(logits, *a, block_lse=block_lse, **kw)
+
+    e._sample = spy
     graph, own = compiled_step.CompiledStep.__call__, LlamaDecoder.step
     sps = [SamplingParams(temperature=1.0, max_new_tokens=new_tokens, seed=i, stop_token_ids=[-1]) for i in range(6)]
     with pytest.MonkeyPatch.context() as mp:
@@ -72,6 +82,8 @@ def test_the_compiled_step_decodes_what_the_decoders_own_step_does_in_fp32(make,
     assert tokens == want_tokens and all(len(t) == 12 for t in tokens)
     for a, b in zip(logprobs, want_logprobs):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    # each compiled step handed the sampler its logits' block logsumexps, computed in the graph
+    assert len(e.handed) == len(e.ran["compiled"]) and max(e.handed) < 1e-5 and plain.handed == []
     # a second decoder of the same shape (a copy of the model, other weights) compiles nothing new
     graphs, other = step.graphs, copy.deepcopy(model)
     with torch.no_grad():
