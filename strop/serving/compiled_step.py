@@ -38,6 +38,7 @@ from strop.serving.kvdecode import LlamaDecoder, _rotate
 from strop.serving.sampling import block_logsumexp
 
 log = logging.getLogger("strop.serving")
+STORE_QUERIES = True  # the rotated queries stored once before the attention (bench/step_parts.py turns it off)
 _RUNNING = threading.local()  # .decoder: the decoder whose step this thread is running
 
 
@@ -130,9 +131,8 @@ def _graph(shape: Shape):
             new_qk.append(qk)  # (an output: computed once, not again inside the attention's loops)
             new_v.append(v)
             q, k = qk[:, :H].reshape(B, KV, G, D).float(), qk[:, H:].float()
-            # the queries stored once: left to Inductor, each score recomputed its query's rotation from the linear's
-            # output (measured, 64 rows: 1.05-1.06x the tokens a second in bf16, 1.02-1.11x in fp32)
-            q = torch.ops.prims.inductor_force_stride_order(q, (H * D, G * D, D, 1))
+            if STORE_QUERIES:  # left to Inductor, each score recomputed its query's rotation (bench/step_parts.py)
+                q = torch.ops.prims.inductor_force_stride_order(q, (H * D, G * D, D, 1))
             s_cache = (q.unsqueeze(-2) * kc[i].float().unsqueeze(2)).sum(-1) * scale + bias_cache  # (B, KV, G, T)
             s_new = (q * k.unsqueeze(2)).sum(-1, keepdim=True) * scale + bias_new
             p = torch.softmax(torch.cat([s_cache, s_new], dim=-1), dim=-1)
@@ -233,7 +233,7 @@ def compiled_for(shape: Shape) -> CompiledStep:
 
 class CompiledStepDecoder(LlamaDecoder):
     """A :class:`LlamaDecoder` whose steps of ``from_rows`` rows or more run as one compiled graph (measured on a
-    2-core AMD EPYC with SmolLM2-135M at 32-64 rows: 1.03-1.16x the decoder with compiled attention, in fp32 and
+    2-core AMD EPYC with SmolLM2-135M at 32-64 rows: 1.04-1.38x the decoder with compiled attention, in fp32 and
     bf16; docs/benchmarks.md)."""
 
     def __init__(self, model, *, from_rows: int = 32, **kw):
