@@ -62,8 +62,9 @@ def _pad_row() -> Row:
 
 class Batch:
     """The running batch of a :class:`LlamaDecoder`: rows join (``admit``) and leave (finished)
-    between steps. ``sample(logits, rows, block_lse=None)`` picks tokens and logprobs; ``should_abort(row)`` is
-    asked once per step for each row still running.
+    between steps. ``sample(logits, rows)`` picks tokens and logprobs (``sample(logits, rows, block_lse)`` after
+    a step that computed the logits' ``strop.serving.sampling.block_logsumexp``); ``should_abort(row)`` is asked
+    once per step for each row still running.
 
     Every cache slot has a :class:`Row`; a finished row's slot (or a padding slot) is taken by the
     next row that joins, and the batch is compacted in place when it holds more slots than
@@ -253,7 +254,7 @@ class Batch:
         if len(live) < B:
             idx = torch.tensor(live, device=dev)
             logits, lse = logits.index_select(0, idx), None if lse is None else lse.index_select(0, idx)
-        tokens, logprobs = self.sample(logits.float(), running, lse)
+        tokens, logprobs = self.sample(logits.float(), running, *(() if lse is None else (lse,)))
         self.next_tokens[torch.tensor(live)] = tokens.cpu()
         finished = self._record(running, tokens.tolist(), logprobs.tolist())
         done = {id(r) for r in finished}

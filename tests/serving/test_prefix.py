@@ -65,7 +65,7 @@ def test_engine_tokens_and_logprobs_with_a_shared_prefix_equal_the_transformers_
 
 def test_the_batch_counts_the_prompt_tokens_it_forwarded(tiny_model):
     dec = LlamaDecoder(tiny_model)
-    batch = Batch(dec, lambda logits, rows, lse=None: (logits.argmax(-1), logits[:, 0]), pad_token_id=0)
+    batch = Batch(dec, lambda logits, rows: (logits.argmax(-1), logits[:, 0]), pad_token_id=0)
     rows = [Row(owner=i, sampling=None, budget=3, stops=set(), generator=None) for i in range(len(PROMPTS))]
     batch.admit(PROMPTS, rows)
     unique = {tuple(p) for p in PROMPTS}  # (the repeated prompt once, as before)
