@@ -101,9 +101,7 @@ class LlamaDecoder:
         self.share_prefix = True  # forward the prompts' common prefix once (strop.serving.prefix)
         self.exact_slots = True  # a step computes only the running rows where the kernel allows (slot_step)
         self.shared_tokens = 0  # prompt tokens the last prefill did not forward again
-        self.block_lse = (
-            None  # the last step's logits' block_logsumexp where the step computed it (strop.serving.sampling)
-        )
+        self.block_lse = None  # the last step's logits' block logsumexps, where the step computed them
         self.attend = COMPILED if compiled else eager  # a plain step's attention (strop.serving.attention)
 
     @property
