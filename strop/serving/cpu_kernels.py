@@ -5,8 +5,11 @@ On a CPU the decoder keeps each layer's weights packed for one kernel:
 - ``mkl``: oneMKL's packed sgemm (fp32 only). Without packing, MKL repacks the weight on every call, about a
   third of a decode step at batch 64. It is the one the batch-invariant mode rests on (a row's result does not
   depend on the other rows when a call computes exactly the rows it was packed for; tested).
-- ``onednn``: oneDNN's packed matmul (fp32, and bf16 where the CPU has bf16 instructions; on AMX it uses the
-  tiles). Inductor uses the same pair.
+- ``onednn``: oneDNN's packed matmul (fp32 and bf16; on AMX it uses the tiles). Inductor uses the same pair. Where
+  the CPU has no bf16 instructions oneDNN can use (AVX2 only), bf16 weights are packed as a float32 copy, each
+  input is widened to float32 and each output rounded back to bf16 (:func:`computes_in`): torch's own bf16 matmul
+  there was 4-5x slower than fp32's (an AMD EPYC with AVX2, measured). The packed copy takes twice the bf16
+  weights' memory.
 - ``plain``: ``F.linear`` on the unpacked weights (what a GPU, or a torch build without MKL and oneDNN, runs).
 
 ``auto`` picks by CPU and dtype: bf16 runs oneDNN (1.4-1.9x ``plain`` per call here). In fp32, MKL on Intel CPUs.
@@ -60,11 +63,20 @@ def unavailable(kernel: str, dtype: torch.dtype) -> str:
         return ""
     if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
         return "this torch build has no oneDNN"
-    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        return "this CPU has no bf16 instructions oneDNN can use"
     if dtype not in (torch.float32, torch.bfloat16):
         return f"the packed kernels take float32 or bfloat16, not {dtype}"
     return ""
+
+
+def bf16_instructions() -> bool:
+    """Whether oneDNN has bf16 instructions to use on this CPU (AVX-512 bf16, AMX or AVX-NE-convert)."""
+    return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def computes_in(kernel: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype ``kernel`` keeps its packed weights in and computes a layer with ``dtype`` weights in: float32
+    for ``onednn`` on bf16 weights where the CPU has no bf16 instructions (module doc), else ``dtype`` itself."""
+    return torch.float32 if kernel == "onednn" and dtype == torch.bfloat16 and not bf16_instructions() else dtype
 
 
 def choose(asked: str, dtype: torch.dtype, device: torch.device) -> str:
@@ -90,4 +102,6 @@ def describe(kernel: str, dtype: torch.dtype) -> str:
     """The start line's words: the kernel, the dtype and the CPU it was chosen for."""
     c = cpu()
     extras = [name for name, on in (("AMX", c["amx"]), ("AVX-512 bf16", c["avx512_bf16"])) if on]
-    return f"linear layers on {kernel} ({str(dtype).split('.')[-1]}; {c['model']}{', ' if extras else ''}{', '.join(extras)})"
+    wide = computes_in(kernel, dtype) != dtype
+    name = str(dtype).split(".")[-1] + (" weights computed in float32: no bf16 instructions" if wide else "")
+    return f"linear layers on {kernel} ({name}; {c['model']}{', ' if extras else ''}{', '.join(extras)})"

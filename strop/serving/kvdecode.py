@@ -129,7 +129,7 @@ class LlamaDecoder:
         when a busy period ends: in RL the weights change before the next rollout anyway, and
         the memory is free while the trainer works."""
         for lin in self.linears:
-            lin.weight = lin.bias = lin.packed = lin.packed_kernel = None
+            lin.weight = lin.bias = lin.packed = lin.packed_kernel = lin.packed_bias = None
             lin.packed_rows, lin.packs = 0, {}
         self._seen = None
         return_freed_memory()

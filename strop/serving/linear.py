@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from strop.serving.cpu_kernels import choose
+from strop.serving.cpu_kernels import choose, computes_in
 
 
 ONEDNN_HINT = 64  # the row count oneDNN's packed layout is chosen for
@@ -19,7 +19,9 @@ class PackedLinear:
     (:mod:`strop.serving.cpu_kernels`): MKL's sgemm (fp32; it otherwise repacks the weight on every
     call, about a third of a decode step at batch 64) or oneDNN's (fp32 and bf16; the pair Inductor
     uses on CPU; one packing serves every row count). Packing changes no result against the same kernel unpacked
-    (tested bitwise)."""
+    (tested bitwise). Where oneDNN computes in a wider dtype than the weights' (bf16 on a CPU without bf16
+    instructions, :func:`strop.serving.cpu_kernels.computes_in`) the packed weight and bias are that dtype's copies,
+    and each call widens its input and rounds its output back."""
 
     def __init__(self, modules, kernel: str = "mkl"):
         self.modules = modules
@@ -27,6 +29,7 @@ class PackedLinear:
         self.packed_rows, self.packs = 0, {}
         self.kernel = kernel  # what the next pack() packs for: "mkl" or "onednn" (the decoder sets it)
         self.packed_kernel = None  # what ``packed`` is packed for
+        self.packed_bias = None  # the bias in the packed weight's dtype
 
     def refresh(self) -> None:
         ws = [m.weight.detach() for m in self.modules]
@@ -44,7 +47,7 @@ class PackedLinear:
                 ]
             )
         )
-        self.packed, self.packed_rows, self.packed_kernel, self.packs = None, 0, None, {}
+        self.packed, self.packed_rows, self.packed_kernel, self.packs, self.packed_bias = None, 0, None, {}, None
 
     def pack(self, rows: int, keep: bool = False) -> None:
         """Use the weight packed for ``rows`` rows and ``self.kernel``; ``keep``: keep the packing it replaces too,
@@ -58,15 +61,23 @@ class PackedLinear:
             if packed is None and self.kernel == "mkl":
                 packed = torch.ops.mkl._mkl_reorder_linear_weight(self.weight, rows)
             elif packed is None:  # (packed for 64 rows: as fast as a layout for the count at 8 to 2560, measured)
-                packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, ONEDNN_HINT)
+                wide = computes_in(self.kernel, self.weight.dtype)
+                packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.to(wide), ONEDNN_HINT)
             old = (self.packed_kernel, self.packed_rows)
             self.packs = {old: self.packed} if keep and self.packed is not None else {}
             self.packed, self.packed_rows, self.packed_kernel = packed, rows, self.kernel
+            self.packed_bias = None if self.bias is None else self.bias.to(packed.dtype)
+
+    def _onednn(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == self.packed.dtype:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.packed_bias, "none", [], "")
+        wide = x.to(self.packed.dtype)  # (bf16 weights on a CPU without bf16 instructions: widened, class doc)
+        return torch.ops.mkldnn._linear_pointwise(wide, self.packed, self.packed_bias, "none", [], "").to(x.dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and x.dim() == 2:
             if self.packed_kernel == "onednn":
-                return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+                return self._onednn(x)
             if x.shape[0] == self.packed_rows:
                 return torch.ops.mkl._mkl_linear(x, self.packed, self.weight, self.bias, self.packed_rows)
         return F.linear(x, self.weight, self.bias)
@@ -76,7 +87,7 @@ class PackedLinear:
         faster than ``F.linear``'s MKL in fp32, measured). ``self(x)`` keeps 3-D inputs on ``F.linear``, which
         the batch-invariant prefill rests on."""
         if self.packed is not None and self.packed_kernel == "onednn":
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            return self._onednn(x)
         return self(x)
 
 

@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from strop.serving import cpu_kernels
 from strop.serving.embedded import EmbeddedEngine
@@ -123,3 +124,33 @@ def test_strop_serve_runs_the_kernel_it_is_given(start_server):
     for (_, a), (_, b) in zip(*answers):
         lp = [torch.tensor([e[0] for e in entries]) for entries in (a, b)]
         torch.testing.assert_close(*lp, rtol=0, atol=1e-5)
+
+
+@pytest.mark.skipif(cpu_kernels.unavailable("onednn", torch.float32) != "", reason="this torch build has no oneDNN")
+def test_without_bf16_instructions_onednn_computes_bf16_layers_in_float32(tiny, monkeypatch):
+    """A CPU without bf16 instructions (AVX2 only; forced here, so that every CPU runs this path): oneDNN keeps bf16
+    weights as a packed float32 copy, and a layer's output is the float32 product rounded to bf16 once; the
+    decoder's tokens are plain's, and the start line says what runs."""
+    monkeypatch.setattr(cpu_kernels, "bf16_instructions", lambda: False)
+    assert cpu_kernels.unavailable("onednn", torch.bfloat16) == ""
+    assert cpu_kernels.computes_in("onednn", torch.bfloat16) == torch.float32
+    assert cpu_kernels.computes_in("onednn", torch.float32) == torch.float32
+    torch.manual_seed(1)
+    layer = torch.nn.Linear(96, 40, bias=True).to(torch.bfloat16)
+    lin = PackedLinear([layer], kernel="onednn")
+    lin.refresh()
+    lin.pack(0)
+    assert lin.packed.dtype == torch.float32 and lin.packed_bias.dtype == torch.float32
+    x = torch.randn(7, 96).to(torch.bfloat16)
+    wide = F.linear(x.float(), layer.weight.float(), layer.bias.float())
+    for got in (lin(x), lin.batched(x[None])[0]):
+        assert got.dtype == torch.bfloat16
+        ulp = wide.abs().clamp_min(1e-30) * 2.0**-7  # (one bf16 step of the exact value; orders differ)
+        assert ((got.float() - wide).abs() <= ulp).all()
+    model = copy.deepcopy(tiny).to(torch.bfloat16)
+    plain, _, _ = decode_with(model, "plain", monkeypatch)
+    got, ran, path = decode_with(model, "onednn", monkeypatch)
+    assert ran == {"onednn"} and "linear layers on onednn (bfloat16 weights computed in float32" in path
+    assert [t for t, _ in got] == [t for t, _ in plain]
+    for (_, a), (_, b) in zip(got, plain):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=2e-2)
