@@ -7,9 +7,9 @@ On a CPU the decoder keeps each layer's weights packed for one kernel:
   depend on the other rows when a call computes exactly the rows it was packed for; tested).
 - ``onednn``: oneDNN's packed matmul (fp32 and bf16; on AMX it uses the tiles). Inductor uses the same pair. Where
   the CPU has no bf16 instructions oneDNN can use (AVX2 only), bf16 weights are packed as a float32 copy, each
-  input is widened to float32 and each output rounded back to bf16 (:func:`computes_in`): torch's own bf16 matmul
-  there was 4-5x slower than fp32's (an AMD EPYC with AVX2, measured). The packed copy takes twice the bf16
-  weights' memory.
+  input of 3 rows or more is widened to float32 and each output rounded back to bf16 (:func:`computes_in`): torch's
+  own bf16 matmul there was 3-6x slower at 8 to 64 rows (an AMD EPYC with AVX2, measured). The packed copy takes
+  twice the bf16 weights' memory.
 - ``plain``: ``F.linear`` on the unpacked weights (what a GPU, or a torch build without MKL and oneDNN, runs).
 
 ``auto`` picks by CPU and dtype: bf16 runs oneDNN (1.4-1.9x ``plain`` per call here). In fp32, MKL on Intel CPUs.

@@ -129,8 +129,8 @@ def test_strop_serve_runs_the_kernel_it_is_given(start_server):
 @pytest.mark.skipif(cpu_kernels.unavailable("onednn", torch.float32) != "", reason="this torch build has no oneDNN")
 def test_without_bf16_instructions_onednn_computes_bf16_layers_in_float32(tiny, monkeypatch):
     """A CPU without bf16 instructions (AVX2 only; forced here, so that every CPU runs this path): oneDNN keeps bf16
-    weights as a packed float32 copy, and a layer's output is the float32 product rounded to bf16 once; the
-    decoder's tokens are plain's, and the start line says what runs."""
+    weights as a packed float32 copy, and a layer's output of 3 rows or more is the float32 product rounded to
+    bf16 once; the decoder's tokens are plain's, and the start line says what runs."""
     monkeypatch.setattr(cpu_kernels, "bf16_instructions", lambda: False)
     assert cpu_kernels.unavailable("onednn", torch.bfloat16) == ""
     assert cpu_kernels.computes_in("onednn", torch.bfloat16) == torch.float32
@@ -147,6 +147,8 @@ def test_without_bf16_instructions_onednn_computes_bf16_layers_in_float32(tiny, 
         assert got.dtype == torch.bfloat16
         ulp = wide.abs().clamp_min(1e-30) * 2.0**-7  # (one bf16 step of the exact value; orders differ)
         assert ((got.float() - wide).abs() <= ulp).all()
+    for rows in (1, 2):  # (fewer rows than WIDEN_ROWS: F.linear's bf16 product, the faster there)
+        assert torch.equal(lin(x[:rows]), F.linear(x[:rows], layer.weight, layer.bias))
     model = copy.deepcopy(tiny).to(torch.bfloat16)
     plain, _, _ = decode_with(model, "plain", monkeypatch)
     got, ran, path = decode_with(model, "onednn", monkeypatch)
