@@ -61,18 +61,21 @@ def matmul_flops(dtype: torch.dtype, n: int = 1024, rounds: int = 5, seconds: fl
     """Best FLOP/s of an (n, n) x (n, n) matmul in ``dtype`` over ``rounds`` timed rounds of about ``seconds``:
     ``torch.mm`` and, on a CPU, oneDNN's matmul on a pre-packed weight, whichever is faster (on an AMD EPYC
     oneDNN's fp32 rate is about twice MKL's, which ``torch.mm`` calls: a bound from ``torch.mm`` alone sat below
-    what strop's decoder reaches there). The packed kernel is left out where strop's decoder could not run it
-    either (``strop.serving.cpu_kernels.unavailable``)."""
-    from strop.serving.cpu_kernels import unavailable
+    what strop's decoder reaches there). The packed kernel is the one strop's decoder runs: left out where it
+    cannot run ``dtype``, and on bf16 computed in float32 where the CPU has no bf16 instructions (widening each
+    input and rounding each output back, ``strop.serving.cpu_kernels.computes_in``; torch's own bf16 matmul there
+    ran at 1 GFLOP/s on an AMD EPYC with AVX2)."""
+    from strop.serving.cpu_kernels import computes_in, unavailable
 
     device = torch.device(device)
     n = n if device.type == "cpu" else 8192  # (a GPU needs a larger product to reach its rate)
     a, b = torch.randn(n, n, device=device).to(dtype), torch.randn(n, n, device=device).to(dtype)
     out = torch.empty(n, n, dtype=dtype, device=device)
     kernels = [lambda: torch.mm(a, b, out=out)]
-    if device.type == "cpu" and not unavailable("onednn", dtype):  # (no bf16 oneDNN on a CPU without AVX-512)
-        packed = torch.ops.mkldnn._reorder_linear_weight(b.t().contiguous(), n)  # (a linear layer's (out, in))
-        kernels.append(lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], ""))
+    if device.type == "cpu" and not unavailable("onednn", dtype):
+        wide = computes_in("onednn", dtype)  # (bf16 on a CPU without bf16 instructions: float32's product, widened)
+        packed = torch.ops.mkldnn._reorder_linear_weight(b.t().contiguous().to(wide), n)  # (a layer's (out, in))
+        kernels.append(lambda: torch.ops.mkldnn._linear_pointwise(a.to(wide), packed, None, "none", [], "").to(dtype))
     best = 0.0
     for kernel in kernels:
         kernel()  # (warm-up: packing, thread pool)
