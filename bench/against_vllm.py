@@ -161,9 +161,10 @@ def main() -> None:
     _, cases = make_cases(tok, argparse.Namespace(batch=args.batch))
     model = load_model(MODEL)
     before = measure()
+    print(f"before: {before.describe()}", flush=True)  # (now, so that a run cut short still has its bound)
     results = {dtype: one_dtype(args, dtype, cases) for dtype in args.dtype}
     after = measure()
-    print("\n" + "\n".join(f"{when}: {lim.describe()}" for when, lim in (("before", before), ("after", after))))
+    print(f"\nafter: {after.describe()}")
     print("\n| dtype | case | strop best / vllm best | round by round | bound tok/s | strop / bound | vllm / bound |")
     print("|---|---|---|---|---|---|---|")
     for dtype, rates in results.items():

@@ -383,11 +383,13 @@ def test_pure_distillation_trains_on_the_teachers_reverse_kl_as_the_advantage(te
         distill_only=True,
         **extra,
     )
+    # (rel 1e-4: the trainer scores the batch padded, the hand one sequence at a time; on an AMD EPYC with AVX2
+    # their fp32 sums differed by 1.4e-5 relative; a teacher 1 % off in temperature moves it by 0.11)
     assert distilled[1]["distill_reverse_kl"] == pytest.approx(
-        float((rollout - teacher_lp).mul(mask).sum() / mask.sum()), rel=1e-5
+        float((rollout - teacher_lp).mul(mask).sum() / mask.sum()), rel=1e-4
     )
     by_hand = _distill_step(copy.deepcopy(student), None, samples, advantage_fn=lambda **_: want)
-    assert_same_update(distilled, by_hand)
+    assert_same_update(distilled, by_hand, rel=1e-4)  # (the teacher's logprobs as above: within 1.4e-5 of each other)
     # with the task's advantages: the sum (the default GRPO advantages + the same term)
     both = _distill_step(
         copy.deepcopy(student), copy.deepcopy(teacher), samples, distill_teacher="t", distill_coef=0.5, **extra

@@ -44,7 +44,9 @@ def test_a_served_teacher_scores_as_the_one_in_the_trainer(start_server, tiny_mo
         remote_teacher=RemoteTeacher(server.url),
         **args,
     )
-    assert served[1]["distill_reverse_kl"] == pytest.approx(here[1]["distill_reverse_kl"], abs=1e-5)
+    # (abs 1e-4: the server and the trainer batch the sequences differently; their fp32 sums differed by 1.9e-5
+    # on an AMD EPYC with AVX2)
+    assert served[1]["distill_reverse_kl"] == pytest.approx(here[1]["distill_reverse_kl"], abs=1e-4)
     # (advantages equal to 1e-5 per token, as the logprobs: the update agrees to that, not to the rounding of one path)
     for key in ("loss", "grad_norm"):
         assert served[1][key] == pytest.approx(here[1][key], rel=1e-3), key
