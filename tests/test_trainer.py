@@ -105,8 +105,8 @@ def assert_same_update(a, b, rel=1e-5):
     assert math.isclose(ma["grad_norm"], mb["grad_norm"], rel_tol=rel)
     assert_same_gradients(ta.optimizer, tb.optimizer, rel)
     if ta.critic is not None:
-        assert math.isclose(ma["value_loss"], mb["value_loss"], rel_tol=1e-5)
-        assert_same_gradients(ta.critic_optimizer, tb.critic_optimizer)
+        assert math.isclose(ma["value_loss"], mb["value_loss"], rel_tol=rel)
+        assert_same_gradients(ta.critic_optimizer, tb.critic_optimizer, rel)
 
 
 PRESET_LIKE = [

@@ -79,8 +79,8 @@ class EngineConfig(Section):
         description="embedded engine and launched strop serve, on a CPU: the kernel the kv-cache decoder's linear "
         "layers run: 'mkl' (oneMKL's packed sgemm, float32), 'onednn' (oneDNN's packed matmul, float32 and "
         "bfloat16; on a CPU without bf16 instructions, bfloat16 weights are packed as a float32 copy and computed "
-        "in float32), 'plain' (F.linear); 'auto' = MKL on Intel CPUs in float32, else oneDNN. The start line names the kernel and the CPU; bench/linear_kernels.py "
-        "times each here (docs/engine.md)",
+        "in float32), 'plain' (F.linear); 'auto' = MKL on Intel CPUs in float32, else oneDNN. The start line names "
+        "the kernel and the CPU; bench/linear_kernels.py times each here (docs/engine.md)",
     )
     compile_attention: bool = Field(
         False,

@@ -204,10 +204,10 @@ def test_a_run_rolls_out_with_the_compiled_step_sync_on_the_trainers_own_weights
 ):
     """32 rows a step, so the graph runs; in sync mode the engine decodes from the trainer's own parameters, which
     the optimizer changes in place, in async mode (staleness 0) from the copy each update sends it: the compiled
-    step must see each step's weights, norms included. Each step
-    trains on the samples the decoder's own step draws, with their rollout logprobs within 1e-5, but for at most
-    one: the two steps' numbers differ within 1e-5, which moves a sample drawn within that of a token's bound in
-    the sampler's CDF onto its neighbour (measured: 1 sample of 768 over six seeds, on an AMD EPYC with AVX2)."""
+    step must see each step's weights, norms included. Each step trains on the samples the decoder's own step
+    draws, with their rollout logprobs within 1e-5, but for at most one: the two steps' numbers differ within
+    1e-5, which moves a sample drawn within that of a token's bound in the sampler's CDF onto its neighbour
+    (measured: 1 sample of 768 over six seeds, on an AMD EPYC with AVX2)."""
     import json
     from collections import Counter
 
