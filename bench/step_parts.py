@@ -1,9 +1,10 @@
-"""Two parts of ``engine.compile_step``'s graph, each left out in turn: the sampler's first pass over the logits
-(each vocabulary block's logsumexp, computed in the graph and handed to the sampler) and the rotated queries stored
+"""Parts of ``engine.compile_step``'s graph, each left out in turn: the sampler's first pass over the logits
+(each vocabulary block's logsumexp, computed in the graph and handed to the sampler), the rotated queries stored
 once before the attention (``compiled_step.STORE_QUERIES``; left to Inductor, every score recomputes its query's
-rotation). bench/engine.py's batch of ``--rows`` rows and its GRPO case, 128 new tokens.
+rotation) and strop's C attention kernel (``compiled_step.USE_KERNEL``; without it, Inductor's loops).
+bench/engine.py's batch of ``--rows`` rows and its GRPO case, 128 new tokens.
 
-    python bench/step_parts.py [--dtype float32 bfloat16] [--rows 64] [--pairs 2]
+    python bench/step_parts.py [--dtype float32 bfloat16] [--rows 64] [--pairs 2] [--variants ...]
 
 A graph is compiled once per process, so each variant runs in a process of its own, and the processes are
 interleaved (A B C A B C, ``--pairs`` times). Prints the CPU, then one line per process: its variant, its compile and
@@ -20,7 +21,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-VARIANTS = ("as shipped", "sampler's pass outside", "queries not stored")
+VARIANTS = ("as shipped", "sampler's pass outside", "queries not stored", "attention Inductor's")
 
 
 def child(dtype: str, variant: str, rows: int) -> None:
@@ -35,6 +36,7 @@ def child(dtype: str, variant: str, rows: int) -> None:
 
     logging.disable(logging.WARNING)
     compiled_step.STORE_QUERIES = variant != "queries not stored"
+    compiled_step.USE_KERNEL = variant != "attention Inductor's"
     tok = load_tokenizer("embedded:smollm2-135m-instruct")
     args = argparse.Namespace(batch=[rows], new_tokens=128, rows=rows)
     fixed, cases = make_cases(tok, args)
@@ -61,6 +63,7 @@ def main() -> None:
     ap.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--pairs", type=int, default=2)
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -73,7 +76,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|", flush=True)
     for dtype in args.dtype:
         for _ in range(args.pairs):
-            for variant in VARIANTS:
+            for variant in args.variants:
                 cmd = [sys.executable, __file__, "--rows", str(args.rows), "--child", dtype, variant]
                 subprocess.run(cmd, check=True)
 

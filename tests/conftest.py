@@ -1,4 +1,7 @@
+import getpass
 import os
+import shutil
+import tempfile
 
 # Before anything loads torch (and its OpenMP runtime, which reads this once): the suite runs two pytest workers
 # on two cores, and their processes' OpenMP threads, spinning while they wait, took the cores from each other.
@@ -13,6 +16,26 @@ import pytest
 from tests.tiny import make_tiny_model
 
 logging.getLogger("math_verify").setLevel(logging.ERROR)
+
+
+def _one_tmpdir() -> bool:
+    """Every temporary file of the run, the processes' the tests start included (servers' logs, the folders of
+    sandboxes whose trainer a test kills, vLLM's sockets, Ray's sessions), in one folder, removed when the run ends:
+    a full run left about 200 entries in /tmp. The first process makes it (True: it is that process); xdist's
+    workers inherit its TMPDIR. Inductor's compile cache stays where torch keeps it by default, across runs."""
+    os.environ.setdefault(
+        "TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
+    )
+    own = "STROP_TEST_TMPDIR" not in os.environ
+    if own:
+        os.environ["STROP_TEST_TMPDIR"] = tempfile.mkdtemp(prefix="st-")  # (short: Unix sockets go under it)
+        os.chmod(os.environ["STROP_TEST_TMPDIR"], 0o711)  # (a sandbox's user, not the tests', enters its folder)
+    os.environ["TMPDIR"] = os.environ["STROP_TEST_TMPDIR"]
+    tempfile.tempdir = None  # (read TMPDIR again)
+    return own
+
+
+_OWN_TMPDIR = _one_tmpdir()
 
 
 @pytest.fixture(scope="session")
@@ -59,6 +82,10 @@ def tiny_model():
 # other, while the other worker takes the in-process files. (A scheduler of our own: xdist's loadgroup
 # marks do not reach its scheduler under pytest 9.2.)
 SERIAL = ("tests/cluster/", "tests/distributed/", "tests/serving/test_vllm")
+# ... except these, each test two tiny-model ranks in this process's children on gloo (no engine, cluster or
+# launcher): they run beside the in-process files. The serial unit was the run's critical path (about 2500 s of a
+# 2589 s run on a 2-core AMD EPYC, the other worker idle at the end); these three took about 300 s of it.
+BESIDE = ("tests/distributed/test_cp.py", "tests/distributed/test_dp.py", "tests/distributed/test_ep.py")
 
 
 def pytest_xdist_make_scheduler(config, log):
@@ -67,6 +94,11 @@ def pytest_xdist_make_scheduler(config, log):
     class ByFile(LoadScopeScheduling):
         def _split_scope(self, nodeid):
             path = nodeid.split("::", 1)[0]
-            return "serial" if path.startswith(SERIAL) else path
+            return "serial" if path.startswith(SERIAL) and not path.startswith(BESIDE) else path
 
     return ByFile(config, log)
+
+
+def pytest_unconfigure(config):
+    if _OWN_TMPDIR:
+        shutil.rmtree(os.environ["STROP_TEST_TMPDIR"], ignore_errors=True)

@@ -99,7 +99,9 @@ class EngineConfig(Section):
         "Inductor into one graph, at the first step of 32 rows or more (the time in the log; steps of fewer rows run "
         "as without it): measured 1.03-1.16x the decoded tokens per second of compile_attention in float32 and "
         "bfloat16 at 32-64 rows on an AMD EPYC, a cold compile 85-87 s (4-6 s with Inductor's cache warm); dense Llama, Qwen2/3 and Mistral layers (MoE layers "
-        "are refused); needs a C++ compiler (without one it says why and runs the decoder's own step). "
+        "are refused); needs a C++ compiler (without one it says why and runs the decoder's own step); its attention "
+        "is a C kernel of strop's, built once with the machine's C compiler into ~/.cache/strop/kernels "
+        "(STROP_KERNEL_CACHE), else Inductor's loops. "
         "Batch-invariant steps (rollout.exact_logprobs, speculation's rounds) do not use it (docs/engine.md)",
     )
     share_weights: bool | None = Field(

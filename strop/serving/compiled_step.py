@@ -1,13 +1,14 @@
 """The kv-cache decoder's whole decode step as one Inductor graph (``engine.compile_step``).
 
 For a step of ``from_rows`` rows or more, everything from the embedded tokens to the logits is one graph: the norms
-(Qwen3's per-head query/key norms too), the rotary embedding, the attention over the cache, the residuals and the
-MLP's activation are fused by Inductor between the linear layers, and so is the sampler's first pass over the logits
-(:func:`strop.serving.sampling.block_logsumexp`). Each linear layer stays on the decoder's packed
-weight (:mod:`strop.serving.linear`, oneDNN or MKL) as an opaque custom op, ``strop::packed_linear``: Inductor does
-not take a packed weight as a graph input. The graph writes nothing: the step's own key and value join the attention
-as a term of their own, and every layer's new keys and values are written into the cache after the graph, in one
-copy.
+(Qwen3's per-head query/key norms too), the rotary embedding, the residuals and the MLP's activation are fused by
+Inductor between the linear layers, and so is the sampler's first pass over the logits
+(:func:`strop.serving.sampling.block_logsumexp`). The attention over the cache is strop's C kernel
+(:mod:`strop.serving.attention_kernel`, the opaque custom op ``strop::decode_attention``) where it builds, else
+Inductor's loops. Each linear layer stays on the decoder's packed weight (:mod:`strop.serving.linear`, oneDNN or
+MKL) as an opaque custom op, ``strop::packed_linear``: Inductor does not take a packed weight as a graph input. The
+graph writes nothing: the step's own key and value join the attention as a term of their own, and every layer's new
+keys and values are written into the cache after the graph, in one copy.
 
 One graph serves every decoder of the same shape in the process: a linear layer is named by its place in the
 decoder and its width (the decoder is the calling thread's running one), and the norms' weights are graph inputs.
@@ -33,11 +34,13 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from strop.serving import attention_kernel
 from strop.serving.attention import HINT_KEYS, HINT_ROWS, one_line
 from strop.serving.kvdecode import LlamaDecoder, _rotate
 from strop.serving.sampling import block_logsumexp
 
 log = logging.getLogger("strop.serving")
+USE_KERNEL = True  # the attention as strop's C kernel where it builds (bench/step_parts.py turns it off)
 STORE_QUERIES = True  # the rotated queries stored once before the attention (bench/step_parts.py turns it off)
 _RUNNING = threading.local()  # .decoder: the decoder whose step this thread is running
 
@@ -60,6 +63,16 @@ def _(x, handle):
     return x.new_empty(*x.shape[:-1], int(handle.split(":")[1]))
 
 
+_LIB.define("decode_attention(Tensor q, Tensor kc, Tensor vc, Tensor bias, Tensor k, Tensor v, float scale) -> Tensor")
+_LIB.impl("decode_attention", attention_kernel.attend, "CPU")
+decode_attention = torch.ops.strop.decode_attention.default
+
+
+@torch.library.register_fake("strop::decode_attention")
+def _(q, kc, vc, bias, k, v, scale):
+    return q.new_empty(q.shape, dtype=torch.float32)
+
+
 class _Norm(NamedTuple):  # what LlamaDecoder._norm reads of a norm module
     weight: torch.Tensor
     variance_epsilon: float
@@ -76,6 +89,7 @@ class Shape(NamedTuple):
     eps: tuple  # each norm's epsilon, in the order of _norms (the graph's weights)
     qk_norms: bool  # Qwen3: a norm on each query and key head before the rotation
     dtype: torch.dtype
+    kernel: bool  # the attention as strop's C kernel (strop.serving.attention_kernel), else Inductor's loops
 
 
 def why_step_not_compiled(dec: LlamaDecoder) -> str:
@@ -107,6 +121,7 @@ def shape_of(dec: LlamaDecoder) -> Shape:
         tuple(float(m.variance_epsilon) for m in _norms(dec)),
         any(dec.qk_norms),
         dec.dtype,
+        not attention_kernel.why_unavailable() and USE_KERNEL,
     )
 
 
@@ -121,6 +136,7 @@ def _graph(shape: Shape):
         B = x.shape[0]
         new_qk, new_v = [], []
         bias_cache, bias_new = bias[..., :-1].float(), bias[..., -1:].float()
+        bias_all = bias.float().reshape(B, -1)
         for i in range(L):
             w, e = weights[per * i : per * i + per], shape.eps[per * i : per * i + per]
             qkv = packed_linear(norm(_Norm(w[0], e[0]), x), handle[4 * i]).view(B, H + 2 * KV, D)
@@ -133,10 +149,14 @@ def _graph(shape: Shape):
             q, k = qk[:, :H].reshape(B, KV, G, D).float(), qk[:, H:].float()
             if STORE_QUERIES:  # left to Inductor, each score recomputed its query's rotation (bench/step_parts.py)
                 q = torch.ops.prims.inductor_force_stride_order(q, (H * D, G * D, D, 1))
-            s_cache = (q.unsqueeze(-2) * kc[i].float().unsqueeze(2)).sum(-1) * scale + bias_cache  # (B, KV, G, T)
-            s_new = (q * k.unsqueeze(2)).sum(-1, keepdim=True) * scale + bias_new
-            p = torch.softmax(torch.cat([s_cache, s_new], dim=-1), dim=-1)
-            o = (p[..., :-1].unsqueeze(-1) * vc[i].float().unsqueeze(2)).sum(-2) + p[..., -1:] * v.float().unsqueeze(2)
+            if shape.kernel:  # (strop.serving.attention_kernel)
+                o = decode_attention(q, kc[i], vc[i], bias_all, k, v.float(), scale)
+            else:
+                s_cache = (q.unsqueeze(-2) * kc[i].float().unsqueeze(2)).sum(-1) * scale + bias_cache  # (B, KV, G, T)
+                s_new = (q * k.unsqueeze(2)).sum(-1, keepdim=True) * scale + bias_new
+                p = torch.softmax(torch.cat([s_cache, s_new], dim=-1), dim=-1)
+                o = (p[..., :-1].unsqueeze(-1) * vc[i].float().unsqueeze(2)).sum(-2)
+                o = o + p[..., -1:] * v.float().unsqueeze(2)
             x = x + packed_linear(o.to(x.dtype).reshape(B, -1), handle[4 * i + 1])
             g, u = packed_linear(norm(_Norm(w[1], e[1]), x), handle[4 * i + 2]).chunk(2, dim=-1)
             x = x + packed_linear(F.silu(g) * u, handle[4 * i + 3])

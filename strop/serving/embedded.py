@@ -33,6 +33,7 @@ from strop.serving.kvdecode import LlamaDecoder, unsupported_reason
 from strop.serving.request import SEED_RANGE, PendingRequest, PromptTooLongError, RequestError, TokenListener
 from strop.serving.sampling import sample
 from strop.serving.scheduler import BatchScheduler
+from strop.serving import attention_kernel
 from strop.serving.attention import eager
 from strop.serving.compiled_step import CompiledStepDecoder
 from strop.serving.cpu_kernels import describe as describe_kernel
@@ -378,7 +379,14 @@ def describe_decoder(fast: LlamaDecoder | None, reason: str | None, speculative:
     if shared:
         path += ", from the trainer's own weights (engine.share_weights: no copy)"
     if isinstance(fast, CompiledStepDecoder):
-        path += f"; decode step compiled from {fast.from_rows} rows (Inductor, at the first such step)"
+        why = attention_kernel.why_unavailable()
+        kernel = fast.compiled.shape.kernel
+        attention = (
+            "its attention strop's C kernel"
+            if kernel
+            else f"its attention Inductor's ({why or 'the C kernel turned off'})"
+        )
+        path += f"; decode step compiled from {fast.from_rows} rows (Inductor, at the first such step; {attention})"
     if fast is not None and fast.attend is not eager:
         path += f"; decode attention compiled from {fast.attend.from_rows} rows (Inductor, at the first such step)"
     return path + ("; " + describe_kernel(fast.kernel, fast.dtype) if fast is not None else "")

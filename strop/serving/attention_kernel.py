@@ -1,0 +1,309 @@
+"""A decode step's attention as one C kernel, built on first use with the machine's C compiler.
+
+For each row and key/value head, one task: its G query heads against the cache's columns and the step's own key and
+value (which join as a term of their own: the compiled step writes the cache after its graph). Each key and value
+column is read once for the group's G heads and widened to fp32 once; the scores are kept in fp32, the softmax's
+exponentials are a polynomial the compiler vectorises (Cephes' single-precision one: within 2 ulp of ``expf``), and
+the weighted sum keeps G x D accumulators. Tasks are spread over torch's OpenMP threads (the kernel links the same
+``libgomp.so.1`` torch loaded).
+
+The library is compiled once per source, compiler and CPU into ``$STROP_KERNEL_CACHE`` (default
+``~/.cache/strop/kernels``), in about a second, with ``-O3 -march=native``; a process that finds it there loads it.
+:func:`why_unavailable` says why it cannot be used (no compiler, a failed build, not x86-64 or aarch64 Linux): the
+attention then stays Inductor's.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+SOURCE = r"""
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+#ifdef __AVX__
+#include <immintrin.h>
+#endif
+
+typedef float v8 __attribute__((vector_size(32)));
+
+static inline v8 ld(const float *p) { v8 v; memcpy(&v, p, 32); return v; }
+static inline void st(float *p, v8 v) { memcpy(p, &v, 32); }
+
+static inline float widen(float x) { return x; }
+static inline float widen_bf16(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
+
+/* exp(x) for x <= 0 (a score less the row's maximum); 0 below -87.3 (a masked column's -inf too): exactly, or the
+   weighted sum would meet denormal products, slow on many CPUs */
+static inline float exp_le0(float x) {
+    float c = x < -87.3f ? -87.3f : x;
+    float n = floorf(c * 1.44269504088896341f + 0.5f);
+    float r = c - n * 0.693359375f;
+    r = r + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t e = (int32_t)n + 127;
+    uint32_t bits = (uint32_t)e << 23;
+    float s;
+    memcpy(&s, &bits, 4);
+    return x < -87.3f ? 0.0f : p * s;
+}
+
+#define SIMPLE(NAME, CT, WIDEN)                                                                                   \
+void NAME(const float *q, const CT *kc, const CT *vc, const float *bias, const float *kn, const float *vn,        \
+          float *out, int B, int KV, int G, int D, int T, long csb, long csh, long cst, float scale, int threads) { \
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")                                             \
+    for (long task = 0; task < (long)B * KV; task++) {                                                           \
+        long b = task / KV, h = task % KV;                                                                        \
+        const float *qh = q + task * G * D;  /* (B, KV, G, D) contiguous */                                       \
+        const CT *kh = kc + b * csb + h * csh, *vh = vc + b * csb + h * csh;                                     \
+        const float *bb = bias + b * (long)(T + 1);                                                               \
+        float *s = (float *)malloc(sizeof(float) * (size_t)G * (T + 1) + sizeof(float) * (size_t)(G + 1) * D);   \
+        float *acc = s + (size_t)G * (T + 1), *row = acc + (size_t)G * D;                                         \
+        for (int t = 0; t <= T; t++) {                                                                            \
+            if (t < T) {                                                                                          \
+                const CT *kr = kh + t * cst;                                                                      \
+                _Pragma("omp simd") for (int d = 0; d < D; d++) row[d] = WIDEN(kr[d]);                            \
+            } else {                                                                                              \
+                memcpy(row, kn + task * D, sizeof(float) * D);                                                    \
+            }                                                                                                     \
+            for (int g = 0; g < G; g++) {                                                                         \
+                const float *qg = qh + g * D;                                                                     \
+                float dot = 0.0f;                                                                                 \
+                _Pragma("omp simd reduction(+:dot)") for (int d = 0; d < D; d++) dot += qg[d] * row[d];           \
+                s[g * (T + 1) + t] = dot * scale + bb[t];                                                         \
+            }                                                                                                     \
+        }                                                                                                         \
+        float inv[64];                                                                                            \
+        for (int g = 0; g < G; g++) {                                                                             \
+            float *sg = s + g * (T + 1), m = -INFINITY, sum = 0.0f;                                               \
+            for (int t = 0; t <= T; t++) m = sg[t] > m ? sg[t] : m;                                               \
+            _Pragma("omp simd reduction(+:sum)") for (int t = 0; t <= T; t++) {                                   \
+                sg[t] = exp_le0(sg[t] - m);                                                                       \
+                sum += sg[t];                                                                                     \
+            }                                                                                                     \
+            inv[g] = 1.0f / sum;                                                                                  \
+        }                                                                                                         \
+        memset(acc, 0, sizeof(float) * (size_t)G * D);                                                            \
+        for (int t = 0; t <= T; t++) {                                                                            \
+            if (t < T) {                                                                                          \
+                const CT *vr = vh + t * cst;                                                                      \
+                _Pragma("omp simd") for (int d = 0; d < D; d++) row[d] = WIDEN(vr[d]);                            \
+            } else {                                                                                              \
+                memcpy(row, vn + task * D, sizeof(float) * D);                                                    \
+            }                                                                                                     \
+            for (int g = 0; g < G; g++) {                                                                         \
+                float p = s[g * (T + 1) + t], *ag = acc + g * D;                                                  \
+                _Pragma("omp simd") for (int d = 0; d < D; d++) ag[d] += p * row[d];                              \
+            }                                                                                                     \
+        }                                                                                                         \
+        float *oh = out + task * G * D;                                                                           \
+        for (int g = 0; g < G; g++) {                                                                             \
+            _Pragma("omp simd") for (int d = 0; d < D; d++) oh[g * D + d] = acc[g * D + d] * inv[g];              \
+        }                                                                                                         \
+        free(s);                                                                                                  \
+    }                                                                                                             \
+}
+
+/* the 8 sums of a[0..7]'s lanes, as one vector */
+static inline v8 sums8(const v8 *a) {
+#ifdef __AVX__
+    __m256 h0 = _mm256_hadd_ps((__m256)a[0], (__m256)a[1]), h1 = _mm256_hadd_ps((__m256)a[2], (__m256)a[3]);
+    __m256 h2 = _mm256_hadd_ps((__m256)a[4], (__m256)a[5]), h3 = _mm256_hadd_ps((__m256)a[6], (__m256)a[7]);
+    __m256 h01 = _mm256_hadd_ps(h0, h1), h23 = _mm256_hadd_ps(h2, h3);
+    return (v8)_mm256_add_ps(_mm256_permute2f128_ps(h01, h23, 0x20), _mm256_permute2f128_ps(h01, h23, 0x31));
+#else
+    v8 r;
+    for (int j = 0; j < 8; j++) { float s = 0; for (int l = 0; l < 8; l++) s += a[j][l]; r[j] = s; }
+    return r;
+#endif
+}
+
+#define BLK 64  /* key/value columns widened into a buffer at a time */
+#define BLOCKED(NAME, CT, WIDEN)                                                                                   \
+void NAME(const float *q, const CT *kc, const CT *vc, const float *bias, const float *kn, const float *vn,        \
+          float *out, int B, int KV, int G, int D, int T, long csb, long csh, long cst, float scale, int threads) { \
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")                                             \
+    for (long task = 0; task < (long)B * KV; task++) {                                                           \
+        long b = task / KV, h = task % KV;                                                                        \
+        const float *qh = q + task * G * D;                                                                       \
+        const CT *kh = kc + b * csb + h * csh, *vh = vc + b * csb + h * csh;                                     \
+        const float *bb = bias + b * (long)(T + 1);                                                               \
+        int T1 = T + 1, TP = (T1 + 7) & ~7;                                                                       \
+        size_t bytes = sizeof(float) * ((size_t)G * TP + (size_t)BLK * D + (size_t)G * D + 64);                          \
+        float *s = (float *)aligned_alloc(32, (bytes + 31) & ~(size_t)31);                                        \
+        float *buf = s + (size_t)G * TP, *acc = buf + (size_t)BLK * D;                                            \
+        /* scores, 8 columns at a time */                                                                         \
+        for (int t0 = 0; t0 < T1; t0 += BLK) {                                                                    \
+            int n = T1 - t0 < BLK ? T1 - t0 : BLK, np = (n + 7) & ~7;                                             \
+            for (int j = 0; j < np; j++) {                                                                        \
+                int t = t0 + j; float *row = buf + (size_t)j * D;                                                 \
+                if (j >= n) memset(row, 0, sizeof(float) * D);                                                    \
+                else if (t < T) { const CT *kr = kh + t * cst; _Pragma("omp simd") for (int d = 0; d < D; d++) row[d] = WIDEN(kr[d]); } \
+                else memcpy(row, kn + task * D, sizeof(float) * D);                                               \
+            }                                                                                                     \
+            for (int g = 0; g < G; g++) {                                                                         \
+                const float *qg = qh + g * D;                                                                     \
+                for (int j0 = 0; j0 < np; j0 += 8) {                                                              \
+                    v8 a[8] = {0};                                                                                \
+                    for (int d = 0; d < D; d += 8) {                                                              \
+                        v8 qv = ld(qg + d);                                                                       \
+                        for (int j = 0; j < 8; j++) a[j] += qv * ld(buf + (size_t)(j0 + j) * D + d);             \
+                    }                                                                                             \
+                    v8 r = sums8(a);                                                                              \
+                    st(s + (size_t)g * TP + t0 + j0, r);                                                          \
+                }                                                                                                 \
+            }                                                                                                     \
+        }                                                                                                         \
+        float inv[64];                                                                                            \
+        for (int g = 0; g < G; g++) {                                                                             \
+            float *sg = s + (size_t)g * TP, m = -INFINITY, sum = 0.0f;                                            \
+            for (int t = 0; t < T1; t++) { sg[t] = sg[t] * scale + bb[t]; m = sg[t] > m ? sg[t] : m; }          \
+            _Pragma("omp simd reduction(+:sum)") for (int t = 0; t < T1; t++) { sg[t] = exp_le0(sg[t] - m); sum += sg[t]; } \
+            inv[g] = 1.0f / sum;                                                                                  \
+        }                                                                                                         \
+        memset(acc, 0, sizeof(float) * (size_t)G * D);                                                            \
+        for (int t0 = 0; t0 < T1; t0 += BLK) {                                                                    \
+            int n = T1 - t0 < BLK ? T1 - t0 : BLK;                                                                \
+            for (int j = 0; j < n; j++) {                                                                         \
+                int t = t0 + j; float *row = buf + (size_t)j * D;                                                 \
+                if (t < T) { const CT *vr = vh + t * cst; _Pragma("omp simd") for (int d = 0; d < D; d++) row[d] = WIDEN(vr[d]); } \
+                else memcpy(row, vn + task * D, sizeof(float) * D);                                               \
+            }                                                                                                     \
+            for (int g = 0; g < G; g++) {                                                                         \
+                const float *pg = s + (size_t)g * TP + t0;                                                        \
+                for (int d0 = 0; d0 < D; d0 += 64) {                                                              \
+                    v8 a[8];                                                                                      \
+                    for (int l = 0; l < 8; l++) a[l] = ld(acc + (size_t)g * D + d0 + 8 * l);                      \
+                    for (int j = 0; j < n; j++) {                                                                 \
+                        v8 p = {pg[j], pg[j], pg[j], pg[j], pg[j], pg[j], pg[j], pg[j]};                          \
+                        const float *row = buf + (size_t)j * D + d0;                                              \
+                        for (int l = 0; l < 8; l++) a[l] += p * ld(row + 8 * l);                                  \
+                    }                                                                                             \
+                    for (int l = 0; l < 8; l++) st(acc + (size_t)g * D + d0 + 8 * l, a[l]);                       \
+                }                                                                                                 \
+            }                                                                                                     \
+        }                                                                                                         \
+        float *oh = out + task * G * D;                                                                           \
+        for (int g = 0; g < G; g++) {                                                                             \
+            _Pragma("omp simd") for (int d = 0; d < D; d++) oh[g * D + d] = acc[g * D + d] * inv[g];              \
+        }                                                                                                         \
+        free(s);                                                                                                  \
+    }                                                                                                             \
+}
+
+SIMPLE(simple_f32, float, widen)
+SIMPLE(simple_bf16, uint16_t, widen_bf16)
+BLOCKED(blocked_f32, float, widen)
+BLOCKED(blocked_bf16, uint16_t, widen_bf16)
+
+#define ENTRY(NAME, CT, SUFFIX)                                                                                   \
+void NAME(const float *q, const CT *kc, const CT *vc, const float *bias, const float *kn, const float *vn,        \
+          float *out, int B, int KV, int G, int D, int T, long csb, long csh, long cst, float scale, int threads) { \
+    (D % 64 == 0 ? blocked_##SUFFIX : simple_##SUFFIX)(q, kc, vc, bias, kn, vn, out, B, KV, G, D, T, csb, csh, cst, \
+                                                       scale, threads);                                           \
+}
+ENTRY(strop_attend_f32, float, f32)
+ENTRY(strop_attend_bf16, uint16_t, bf16)
+"""
+MAX_GROUP = 64  # query heads per key/value head the kernel takes (its per-task array)
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-std=gnu11"]
+_ARGS = [ctypes.c_void_p] * 7 + [ctypes.c_int] * 5 + [ctypes.c_long] * 3 + [ctypes.c_float, ctypes.c_int]
+_lock = threading.Lock()
+_state: dict = {}  # "lib": the loaded library, "reason": why there is none
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("STROP_KERNEL_CACHE") or Path.home() / ".cache" / "strop" / "kernels")
+
+
+def _cpu() -> str:
+    """What ``-march=native`` compiles for: the CPU's model and flags."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    lines = [ln for ln in info.splitlines() if ln.startswith(("model name", "flags", "Features"))]
+    return "\n".join(dict.fromkeys(lines))
+
+
+def _build(compiler: str) -> Path:
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256("\0".join([SOURCE, *FLAGS, version, _cpu()]).encode()).hexdigest()[:20]
+    target = cache_dir() / f"attention-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as tmp:
+        src, lib = Path(tmp) / "attention.c", Path(tmp) / "attention.so"
+        src.write_text(SOURCE)
+        run = subprocess.run([compiler, *FLAGS, str(src), "-o", str(lib)], capture_output=True, text=True, timeout=120)
+        if run.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {(run.stderr.strip().splitlines() or [''])[0][:200]}")
+        os.replace(lib, target)  # (another process building the same file at once: either copy is whole)
+    return target
+
+
+def _load() -> None:
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "aarch64"):
+        _state["reason"] = f"the attention kernel is built for x86-64 and aarch64 Linux, not {platform.machine()}"
+        return
+    compiler = shutil.which(os.environ.get("CC") or "cc") or (None if os.environ.get("CC") else shutil.which("gcc"))
+    if not compiler:
+        _state["reason"] = f"no C compiler ({os.environ.get('CC') or 'cc, gcc'}) to build the attention kernel"
+        return
+    try:
+        lib = ctypes.CDLL(str(_build(compiler)))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as err:
+        _state["reason"] = f"the attention kernel did not build: {err}"
+        return
+    for name in ("strop_attend_f32", "strop_attend_bf16"):
+        getattr(lib, name).argtypes, getattr(lib, name).restype = _ARGS, None
+    _state["lib"] = lib
+
+
+def why_unavailable() -> str:
+    """'' when the kernel is built and loaded (built now if needed), else why not."""
+    with _lock:
+        if not _state:
+            _load()
+    return _state.get("reason", "")
+
+
+def attend(q, kc, vc, bias, k_new, v_new, scale: float) -> torch.Tensor:
+    """``q`` (B, KV, G, D) against the cache's ``kc``, ``vc`` (B, KV, T, D; fp32 or bf16, each column's D values
+    contiguous) and the step's own ``k_new``, ``v_new`` (B, KV, D), masked by ``bias`` (B, T + 1; the own key's
+    last). q, the new key and value and the bias in fp32. Returns (B, KV, G, D) in fp32."""
+    B, KV, G, D = q.shape
+    T = kc.shape[2]
+    if why_unavailable():
+        raise RuntimeError(_state["reason"])
+    if kc.dtype not in (torch.float32, torch.bfloat16) or vc.dtype != kc.dtype or kc.stride() != vc.stride():
+        raise ValueError(f"attention kernel: caches of {kc.dtype}/{vc.dtype}, strides {kc.stride()}/{vc.stride()}")
+    if kc.stride(-1) != 1 or G > MAX_GROUP:
+        raise ValueError(f"attention kernel: a cache column's values must be contiguous, G <= {MAX_GROUP}")
+    q, k_new, v_new, bias = (t.float().contiguous() for t in (q, k_new, v_new, bias.reshape(B, T + 1)))
+    out = torch.empty(B, KV, G, D, dtype=torch.float32)
+    fn = _state["lib"].strop_attend_f32 if kc.dtype == torch.float32 else _state["lib"].strop_attend_bf16
+    sb, sh, st = kc.stride(0), kc.stride(1), kc.stride(2)
+    fn(
+        *(t.data_ptr() for t in (q, kc, vc, bias, k_new, v_new, out)),
+        B, KV, G, D, T, sb, sh, st, scale, torch.get_num_threads(),
+    )  # fmt: skip
+    return out
