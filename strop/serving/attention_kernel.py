@@ -65,6 +65,38 @@ static inline float exp_le0(float x) {
     return x < -87.3f ? 0.0f : p * s;
 }
 
+/* column t of a task's cache (base: its column 0) widened to fp32 into row, or the step's own (own) at t == T */
+#define COLUMN(row, base, own, t, T, cst, D, CT, WIDEN)                                                            \
+    if ((t) < (T)) {                                                                                              \
+        const CT *col_ = (base) + (long)(t) * (cst);                                                              \
+        _Pragma("omp simd") for (int d = 0; d < (D); d++) (row)[d] = WIDEN(col_[d]);                              \
+    } else {                                                                                                      \
+        memcpy((row), (own), sizeof(float) * (D));                                                                \
+    }
+
+/* each of G rows of T1 scores (stride apart) scaled, masked by bias and turned into exp(score - max); inv[g]: 1/sum */
+static void softmax_rows(float *s, long stride, int G, int T1, const float *bias, float scale, float *inv) {
+    for (int g = 0; g < G; g++) {
+        float *sg = s + g * stride, m = -INFINITY, sum = 0.0f;
+        for (int t = 0; t < T1; t++) {
+            sg[t] = sg[t] * scale + bias[t];
+            m = sg[t] > m ? sg[t] : m;
+        }
+        _Pragma("omp simd reduction(+:sum)") for (int t = 0; t < T1; t++) {
+            sg[t] = exp_le0(sg[t] - m);
+            sum += sg[t];
+        }
+        inv[g] = 1.0f / sum;
+    }
+}
+
+/* a task's output: its G weighted sums, each times 1 / its weights' sum */
+static void normalize(float *out, const float *acc, const float *inv, int G, int D) {
+    for (int g = 0; g < G; g++) {
+        _Pragma("omp simd") for (int d = 0; d < D; d++) out[g * D + d] = acc[g * D + d] * inv[g];
+    }
+}
+
 #define SIMPLE(NAME, CT, WIDEN)                                                                                   \
 void NAME(const float *q, const CT *kc, const CT *vc, const float *bias, const float *kn, const float *vn,        \
           float *out, int B, int KV, int G, int D, int T, long csb, long csh, long cst, float scale, int threads) { \
@@ -77,46 +109,25 @@ void NAME(const float *q, const CT *kc, const CT *vc, const float *bias, const f
         float *s = (float *)malloc(sizeof(float) * (size_t)G * (T + 1) + sizeof(float) * (size_t)(G + 1) * D);   \
         float *acc = s + (size_t)G * (T + 1), *row = acc + (size_t)G * D;                                         \
         for (int t = 0; t <= T; t++) {                                                                            \
-            if (t < T) {                                                                                          \
-                const CT *kr = kh + t * cst;                                                                      \
-                _Pragma("omp simd") for (int d = 0; d < D; d++) row[d] = WIDEN(kr[d]);                            \
-            } else {                                                                                              \
-                memcpy(row, kn + task * D, sizeof(float) * D);                                                    \
-            }                                                                                                     \
+            COLUMN(row, kh, kn + task * D, t, T, cst, D, CT, WIDEN)                                               \
             for (int g = 0; g < G; g++) {                                                                         \
                 const float *qg = qh + g * D;                                                                     \
                 float dot = 0.0f;                                                                                 \
                 _Pragma("omp simd reduction(+:dot)") for (int d = 0; d < D; d++) dot += qg[d] * row[d];           \
-                s[g * (T + 1) + t] = dot * scale + bb[t];                                                         \
+                s[g * (T + 1) + t] = dot;                                                                         \
             }                                                                                                     \
         }                                                                                                         \
         float inv[64];                                                                                            \
-        for (int g = 0; g < G; g++) {                                                                             \
-            float *sg = s + g * (T + 1), m = -INFINITY, sum = 0.0f;                                               \
-            for (int t = 0; t <= T; t++) m = sg[t] > m ? sg[t] : m;                                               \
-            _Pragma("omp simd reduction(+:sum)") for (int t = 0; t <= T; t++) {                                   \
-                sg[t] = exp_le0(sg[t] - m);                                                                       \
-                sum += sg[t];                                                                                     \
-            }                                                                                                     \
-            inv[g] = 1.0f / sum;                                                                                  \
-        }                                                                                                         \
+        softmax_rows(s, T + 1, G, T + 1, bb, scale, inv);                                                         \
         memset(acc, 0, sizeof(float) * (size_t)G * D);                                                            \
         for (int t = 0; t <= T; t++) {                                                                            \
-            if (t < T) {                                                                                          \
-                const CT *vr = vh + t * cst;                                                                      \
-                _Pragma("omp simd") for (int d = 0; d < D; d++) row[d] = WIDEN(vr[d]);                            \
-            } else {                                                                                              \
-                memcpy(row, vn + task * D, sizeof(float) * D);                                                    \
-            }                                                                                                     \
+            COLUMN(row, vh, vn + task * D, t, T, cst, D, CT, WIDEN)                                               \
             for (int g = 0; g < G; g++) {                                                                         \
                 float p = s[g * (T + 1) + t], *ag = acc + g * D;                                                  \
                 _Pragma("omp simd") for (int d = 0; d < D; d++) ag[d] += p * row[d];                              \
             }                                                                                                     \
         }                                                                                                         \
-        float *oh = out + task * G * D;                                                                           \
-        for (int g = 0; g < G; g++) {                                                                             \
-            _Pragma("omp simd") for (int d = 0; d < D; d++) oh[g * D + d] = acc[g * D + d] * inv[g];              \
-        }                                                                                                         \
+        normalize(out + task * G * D, acc, inv, G, D);                                                            \
         free(s);                                                                                                  \
     }                                                                                                             \
 }
@@ -155,8 +166,7 @@ void NAME(const float *q, const CT *kc, const CT *vc, const float *bias, const f
             for (int j = 0; j < np; j++) {                                                                        \
                 int t = t0 + j; float *row = buf + (size_t)j * D;                                                 \
                 if (j >= n) memset(row, 0, sizeof(float) * D);                                                    \
-                else if (t < T) { const CT *kr = kh + t * cst; _Pragma("omp simd") for (int d = 0; d < D; d++) row[d] = WIDEN(kr[d]); } \
-                else memcpy(row, kn + task * D, sizeof(float) * D);                                               \
+                else { COLUMN(row, kh, kn + task * D, t, T, cst, D, CT, WIDEN) }                                  \
             }                                                                                                     \
             for (int g = 0; g < G; g++) {                                                                         \
                 const float *qg = qh + g * D;                                                                     \
@@ -172,19 +182,13 @@ void NAME(const float *q, const CT *kc, const CT *vc, const float *bias, const f
             }                                                                                                     \
         }                                                                                                         \
         float inv[64];                                                                                            \
-        for (int g = 0; g < G; g++) {                                                                             \
-            float *sg = s + (size_t)g * TP, m = -INFINITY, sum = 0.0f;                                            \
-            for (int t = 0; t < T1; t++) { sg[t] = sg[t] * scale + bb[t]; m = sg[t] > m ? sg[t] : m; }          \
-            _Pragma("omp simd reduction(+:sum)") for (int t = 0; t < T1; t++) { sg[t] = exp_le0(sg[t] - m); sum += sg[t]; } \
-            inv[g] = 1.0f / sum;                                                                                  \
-        }                                                                                                         \
+        softmax_rows(s, TP, G, T1, bb, scale, inv);                                                               \
         memset(acc, 0, sizeof(float) * (size_t)G * D);                                                            \
         for (int t0 = 0; t0 < T1; t0 += BLK) {                                                                    \
             int n = T1 - t0 < BLK ? T1 - t0 : BLK;                                                                \
             for (int j = 0; j < n; j++) {                                                                         \
                 int t = t0 + j; float *row = buf + (size_t)j * D;                                                 \
-                if (t < T) { const CT *vr = vh + t * cst; _Pragma("omp simd") for (int d = 0; d < D; d++) row[d] = WIDEN(vr[d]); } \
-                else memcpy(row, vn + task * D, sizeof(float) * D);                                               \
+                COLUMN(row, vh, vn + task * D, t, T, cst, D, CT, WIDEN)                                           \
             }                                                                                                     \
             for (int g = 0; g < G; g++) {                                                                         \
                 const float *pg = s + (size_t)g * TP + t0;                                                        \
@@ -200,10 +204,7 @@ void NAME(const float *q, const CT *kc, const CT *vc, const float *bias, const f
                 }                                                                                                 \
             }                                                                                                     \
         }                                                                                                         \
-        float *oh = out + task * G * D;                                                                           \
-        for (int g = 0; g < G; g++) {                                                                             \
-            _Pragma("omp simd") for (int d = 0; d < D; d++) oh[g * D + d] = acc[g * D + d] * inv[g];              \
-        }                                                                                                         \
+        normalize(out + task * G * D, acc, inv, G, D);                                                            \
         free(s);                                                                                                  \
     }                                                                                                             \
 }
