@@ -287,6 +287,15 @@ def why_unavailable() -> str:
     return _state.get("reason", "")
 
 
+def why_not(dtype: torch.dtype, group: int) -> str:
+    """'' when the kernel runs a decoder of ``dtype`` with ``group`` query heads per key/value head, else why not."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        return f"the C kernel takes float32 and bfloat16 caches, not {dtype}"
+    if group > MAX_GROUP:
+        return f"the C kernel takes up to {MAX_GROUP} query heads per key/value head, not {group}"
+    return why_unavailable()
+
+
 def attend(q, kc, vc, bias, k_new, v_new, scale: float) -> torch.Tensor:
     """``q`` (B, KV, G, D) against the cache's ``kc``, ``vc`` (B, KV, T, D; fp32 or bf16, each column's D values
     contiguous) and the step's own ``k_new``, ``v_new`` (B, KV, D), masked by ``bias`` (B, T + 1; the own key's

@@ -121,8 +121,13 @@ def shape_of(dec: LlamaDecoder) -> Shape:
         tuple(float(m.variance_epsilon) for m in _norms(dec)),
         any(dec.qk_norms),
         dec.dtype,
-        not attention_kernel.why_unavailable() and USE_KERNEL,
+        not attention_reason(dec),
     )
+
+
+def attention_reason(dec: LlamaDecoder) -> str:
+    """Why the step's attention is Inductor's loops rather than strop's C kernel ('' when it is the kernel)."""
+    return attention_kernel.why_not(dec.dtype, dec.group) if USE_KERNEL else "the C kernel turned off"
 
 
 def _graph(shape: Shape):

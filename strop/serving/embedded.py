@@ -33,9 +33,8 @@ from strop.serving.kvdecode import LlamaDecoder, unsupported_reason
 from strop.serving.request import SEED_RANGE, PendingRequest, PromptTooLongError, RequestError, TokenListener
 from strop.serving.sampling import sample
 from strop.serving.scheduler import BatchScheduler
-from strop.serving import attention_kernel
 from strop.serving.attention import eager
-from strop.serving.compiled_step import CompiledStepDecoder
+from strop.serving.compiled_step import CompiledStepDecoder, attention_reason
 from strop.serving.cpu_kernels import describe as describe_kernel
 from strop.serving.moe import row_routes
 from strop.serving.speculative import Speculator, describe_speculation
@@ -379,13 +378,8 @@ def describe_decoder(fast: LlamaDecoder | None, reason: str | None, speculative:
     if shared:
         path += ", from the trainer's own weights (engine.share_weights: no copy)"
     if isinstance(fast, CompiledStepDecoder):
-        why = attention_kernel.why_unavailable()
-        kernel = fast.compiled.shape.kernel
-        attention = (
-            "its attention strop's C kernel"
-            if kernel
-            else f"its attention Inductor's ({why or 'the C kernel turned off'})"
-        )
+        why = attention_reason(fast)
+        attention = f"its attention Inductor's ({why})" if why else "its attention strop's C kernel"
         path += f"; decode step compiled from {fast.from_rows} rows (Inductor, at the first such step; {attention})"
     if fast is not None and fast.attend is not eager:
         path += f"; decode attention compiled from {fast.attend.from_rows} rows (Inductor, at the first such step)"

@@ -75,6 +75,17 @@ def test_inputs_it_cannot_take_are_refused():
         attention_kernel.attend(q, kc.half(), vc.half(), bias, k_new, v_new, 1.0)
 
 
+def test_caches_and_groups_it_does_not_take_are_named():
+    assert (
+        attention_kernel.why_not(torch.float16, 3)
+        == "the C kernel takes float32 and bfloat16 caches, not torch.float16"
+    )
+    assert attention_kernel.why_not(torch.float32, 65) == (
+        "the C kernel takes up to 64 query heads per key/value head, not 65"
+    )
+    assert attention_kernel.why_not(torch.bfloat16, 64) == attention_kernel.why_unavailable()
+
+
 @pytest.mark.skipif(not shutil.which("cc") and not shutil.which("gcc"), reason="no C compiler here")
 def test_it_is_built_once_per_machine_and_loaded_from_its_cache_after(tmp_path, monkeypatch):
     monkeypatch.setenv("STROP_KERNEL_CACHE", str(tmp_path))
