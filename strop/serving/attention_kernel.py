@@ -302,15 +302,18 @@ def attend(q, kc, vc, bias, k_new, v_new, scale: float) -> torch.Tensor:
     last). q, the new key and value and the bias in fp32. Returns (B, KV, G, D) in fp32."""
     B, KV, G, D = q.shape
     T = kc.shape[2]
-    if why_unavailable():
-        raise RuntimeError(_state["reason"])
+    lib = _state.get("lib")  # (each call of a step: no lock once loaded)
+    if lib is None:
+        if why_unavailable():
+            raise RuntimeError(_state["reason"])
+        lib = _state["lib"]
     if kc.dtype not in (torch.float32, torch.bfloat16) or vc.dtype != kc.dtype or kc.stride() != vc.stride():
         raise ValueError(f"attention kernel: caches of {kc.dtype}/{vc.dtype}, strides {kc.stride()}/{vc.stride()}")
     if kc.stride(-1) != 1 or G > MAX_GROUP:
         raise ValueError(f"attention kernel: a cache column's values must be contiguous, G <= {MAX_GROUP}")
     q, k_new, v_new, bias = (t.float().contiguous() for t in (q, k_new, v_new, bias.reshape(B, T + 1)))
     out = torch.empty(B, KV, G, D, dtype=torch.float32)
-    fn = _state["lib"].strop_attend_f32 if kc.dtype == torch.float32 else _state["lib"].strop_attend_bf16
+    fn = lib.strop_attend_f32 if kc.dtype == torch.float32 else lib.strop_attend_bf16
     sb, sh, st = kc.stride(0), kc.stride(1), kc.stride(2)
     fn(
         *(t.data_ptr() for t in (q, kc, vc, bias, k_new, v_new, out)),

@@ -140,8 +140,10 @@ def _graph(shape: Shape):
     def step(x, cos, sin, kc, vc, bias, weights):
         B = x.shape[0]
         new_qk, new_v = [], []
-        bias_cache, bias_new = bias[..., :-1].float(), bias[..., -1:].float()
-        bias_all = bias.float().reshape(B, -1)
+        if shape.kernel:  # the own key's column last, as the kernel takes it
+            bias_all = bias.float().reshape(B, -1)
+        else:
+            bias_cache, bias_new = bias[..., :-1].float(), bias[..., -1:].float()
         for i in range(L):
             w, e = weights[per * i : per * i + per], shape.eps[per * i : per * i + per]
             qkv = packed_linear(norm(_Norm(w[0], e[0]), x), handle[4 * i]).view(B, H + 2 * KV, D)
