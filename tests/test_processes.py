@@ -121,6 +121,52 @@ def test_a_launched_server_requires_the_runs_token_which_never_shows_in_ps(tiny_
     finally:
         for s in servers:
             s.stop()
+    # its output is the run's: in the run directory, kept after the server stopped
+    assert server.log_path == tmp_path / "run" / "engines" / f"{server.port}.log"
+    assert f"on http://127.0.0.1:{server.port}" in server.log_path.read_text()
+
+
+@pytest.mark.timeout(60)
+def test_a_temporary_server_log_is_deleted_when_stopped_and_kept_when_the_server_ended_by_itself(tmp_path):
+    """Without a log_dir a server's output goes to a temporary file: gone once stop() ended the server (or kill()
+    did), appended to when it is started again, kept (and named in the error) when the server ended by itself."""
+    import sys
+
+    from strop.engines.launch import LocalServer
+
+    def server(code: str) -> LocalServer:
+        return LocalServer("", 1, command=[sys.executable, "-c", code]).start()
+
+    def printed(s: LocalServer, text: str) -> bool:
+        deadline = time.monotonic() + 20
+        while text not in s.log_tail() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return text in s.log_tail()
+
+    long = "import time; print('serving', flush=True); time.sleep(60)"
+    stopped, killed = server(long), server(long)
+    assert printed(stopped, "serving") and printed(killed, "serving")
+    path = stopped.log_path
+    stopped.stop()
+    assert not path.exists()
+    killed.kill()
+    first = killed.log_path
+    killed.start()  # started again: the same file, appended to
+    assert killed.log_path == first and printed(killed, "serving\nserving")
+    killed.kill()
+    killed.stop()
+    assert not first.exists()
+
+    failed = server("import sys; print('no model here', flush=True); sys.exit(3)")
+    try:
+        with pytest.raises(RuntimeError, match="exited with code 3") as err:
+            failed.wait_healthy(20)
+        assert str(failed.log_path) in str(err.value) and "no model here" in str(err.value)
+        assert "no model here" in failed.log_path.read_text()  # (kept: stop() ran inside wait_healthy)
+        failed.stop()
+        assert failed.log_path.exists()
+    finally:
+        failed.log_path.unlink(missing_ok=True)
 
 
 def test_launched_servers_get_a_fresh_token_when_none_is_set(tmp_path, monkeypatch):
@@ -132,7 +178,7 @@ def test_launched_servers_get_a_fresh_token_when_none_is_set(tmp_path, monkeypat
     monkeypatch.delenv("STROP_ENGINE_TOKEN", raising=False)
     given = []
 
-    def fake_launch(n, model_path, *, args=(), token=None, timeout_s=180.0):
+    def fake_launch(n, model_path, *, args=(), token=None, timeout_s=180.0, log_dir=None):
         given.append(token)
         return [launch.LocalServer(model_path, 40000 + i, list(args)) for i in range(n)]
 

@@ -102,11 +102,10 @@ def start_local_cluster(timeout_s: float = LOCAL_START_S):
     deadline = time.monotonic() + timeout_s
     while "Ray runtime started" not in head.log_tail(100_000):
         if head.proc.poll() is not None or time.monotonic() > deadline:
-            head.stop()
+            state, tail = "exited" if head.proc.poll() is not None else "still starting", head.log_tail()
+            head.stop()  # (which deletes the log of a head it ended)
             raise ClusterError(
-                f"a local Ray cluster did not start within {timeout_s:g}s "
-                f"(`ray start --head` {'exited' if head.proc.poll() is not None else 'still starting'}):"
-                f"\n{head.log_tail()}"
+                f"a local Ray cluster did not start within {timeout_s:g}s (`ray start --head` {state}):\n{tail}"
             )
         time.sleep(0.2)
     return head, f"127.0.0.1:{gcs}"

@@ -7,6 +7,10 @@ ends its whole process group; and it is started through the engine side's superv
 when its parent dies (``PR_SET_PDEATHSIG``), so a trainer killed with SIGKILL takes its servers with it.
 The bearer token travels in the environment, never in argv (which ``ps`` shows every user).
 
+A server's output goes to ``<log_dir>/<port>.log`` where it is given one (a run's launched servers: the run
+directory's ``engines/``), kept. Without one it goes to a temporary file, deleted when ``stop`` ends a server that
+was running; a server that ended by itself keeps its file, whose path its error names.
+
 A vLLM or SGLang server is reached only through strop's token guard (:mod:`strop.serving.guard`), which
 listens on the advertised address and runs in the server's supervisor, so the two live and die together:
 their own API keys leave routes open (vLLM's all but ``/v1/*``, among them the weight-loading
@@ -54,6 +58,8 @@ class LocalServer:
     token: str | None = field(default=None, repr=False)  # strop serve's or the guard's (health checks send it)
     private_dir: Path | None = None  # 0700, this server's: start-up secrets (deleted once it answers), its socket
     port_retries: int = 0  # times to start again on another free port when ``port`` was taken before it bound
+    log_dir: Path | None = None  # where its output goes (<port>.log, kept); None: a temporary file (module doc)
+    killed: bool = field(default=False, init=False, repr=False)  # ended by kill(), not by itself
 
     @property
     def name(self) -> str:
@@ -66,8 +72,15 @@ class LocalServer:
     def start(self) -> "LocalServer":
         """Start the server. The kernel's parent-death signal follows the thread that starts it
         (Linux's rule): start servers from a thread that lives as long as they should."""
-        fd, log = tempfile.mkstemp(prefix=f"strop-serve-{self.port}-", suffix=".log")
-        self.log_path = Path(log)
+        if self.log_dir is None and self.log_path is None:
+            fd, log = tempfile.mkstemp(prefix=f"strop-serve-{self.port}-", suffix=".log")
+            self.log_path = Path(log)
+        else:  # (started again: the same temporary log, appended to)
+            if self.log_dir is not None:
+                self.log_path = Path(self.log_dir) / f"{self.port}.log"
+                self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        self.killed = False
         tied = [*SUPERVISOR, str(os.getpid())]
         env = {**os.environ, **self.env}
         if self.command is None:
@@ -107,7 +120,8 @@ class LocalServer:
                     self.port, self.port_retries = free_port(), self.port_retries - 1  # (another process took it)
                     return self.start().wait_healthy(max(deadline - time.monotonic(), 1.0))
                 raise RuntimeError(
-                    f"{self.name} on port {self.port} exited with code {self.proc.returncode}:\n{self.log_tail()}"
+                    f"{self.name} on port {self.port} exited with code {self.proc.returncode} (its output: "
+                    f"{self.log_path}):\n{self.log_tail()}"
                 )
             try:
                 with urllib.request.urlopen(health, timeout=2) as r:
@@ -118,8 +132,9 @@ class LocalServer:
                         return self
             except (OSError, http.client.HTTPException):  # (an HTTP error: the guard's 502 while the engine starts;
                 time.sleep(0.3)  # a reply that is not HTTP: another program on the port, before this one bound)
+        tail = self.log_tail()  # (read before stop deletes a temporary log)
         self.stop()
-        raise TimeoutError(f"{self.name} on port {self.port} not healthy within {timeout_s:.0f}s:\n{self.log_tail()}")
+        raise TimeoutError(f"{self.name} on port {self.port} not healthy within {timeout_s:.0f}s:\n{tail}")
 
     def log_tail(self, n: int = 3000) -> str:
         return self.log_path.read_text(errors="replace")[-n:] if self.log_path and self.log_path.exists() else ""
@@ -129,7 +144,8 @@ class LocalServer:
         group is left (a child the server started) is killed too."""
         if self.proc is None:
             return
-        if self.proc.poll() is None:
+        ended_here = self.proc.poll() is None or self.killed
+        if ended_here:
             self._signal_group(signal.SIGTERM)
             try:
                 self.proc.wait(timeout=grace_s)
@@ -144,6 +160,8 @@ class LocalServer:
             time.sleep(0.05)
         if self.private_dir is not None:
             shutil.rmtree(self.private_dir, ignore_errors=True)
+        if ended_here and self.log_dir is None and self.log_path is not None:
+            self.log_path.unlink(missing_ok=True)  # (a temporary log of a server that ran until asked to stop)
 
     def _group_alive(self) -> bool:
         """A process of the server's group is still running (not a zombie waiting to be reaped)."""
@@ -161,6 +179,7 @@ class LocalServer:
         if self.proc is not None and self.proc.poll() is None:
             self._signal_group(signal.SIGKILL)
             self.proc.wait()
+            self.killed = True
 
     def _signal_group(self, sig: int) -> None:
         try:  # the group is the server's pid (its own session); it may be gone already
@@ -234,14 +253,21 @@ def sglang_lora_args(rank: int, slots: int, targets: list[str]) -> list[str]:
 
 
 def launch_servers(
-    n: int, model_path: str, *, args: list[str] = (), token: str | None = None, timeout_s: float = 180.0
+    n: int,
+    model_path: str,
+    *,
+    args: list[str] = (),
+    token: str | None = None,
+    timeout_s: float = 180.0,
+    log_dir: Path | None = None,
 ) -> list[LocalServer]:
     """Start ``n`` local servers on free ports and wait until every one answers /health.
-    ``token``: required on every route."""
+    ``token``: required on every route; ``log_dir``: where their output goes (``<port>.log``)."""
     servers = []
     try:
         for _ in range(n):
-            servers.append(LocalServer(model_path, free_port(), list(args), token=token, port_retries=2).start())
+            server = LocalServer(model_path, free_port(), list(args), token=token, port_retries=2, log_dir=log_dir)
+            servers.append(server.start())
         for s in servers:
             s.wait_healthy(timeout_s)
     except BaseException:

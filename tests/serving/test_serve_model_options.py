@@ -106,7 +106,7 @@ def test_servers_a_run_launches_get_its_model_options(monkeypatch, tiny_model_di
 
     seen = {}
 
-    def record(n, model_path, *, args=(), token=None, timeout_s=180.0):
+    def record(n, model_path, *, args=(), token=None, timeout_s=180.0, log_dir=None):
         seen.update(n=n, model_path=model_path, args=list(args))
         raise RuntimeError("recorded")  # stop here: what would have been launched is known
 
