@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 from strop.config import Config
+from strop.observe.run_dir import ENGINE_LOGS
 from strop.parallel.dims import ParallelDims
 from strop.sync.choose import choose_sync
 
@@ -36,13 +37,13 @@ def remote_engine(cfg: Config, model_path: str, run_dir: Path, probe_ids: list[i
             model_path,
             args=[*model_flags("strop", cfg.model), *engine_flags(e), *e.launch_args, f"--weights-dir={weights_dir}"],
             token=token,
-            log_dir=run_dir / "engines",
+            log_dir=run_dir / ENGINE_LOGS,
         )
         if e.launch
         else []
     )
     if servers:
-        log.info("strop: launched %d strop serve (their output: %s)", len(servers), run_dir / "engines")
+        log.info("strop: launched %d strop serve (their output: %s)", len(servers), run_dir / ENGINE_LOGS)
     try:
         return _router(cfg, [s.url for s in servers] or e.urls, token, run_dir, probe_ids, device), servers
     except BaseException:

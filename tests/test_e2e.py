@@ -149,6 +149,37 @@ def test_existing_run_dir_is_never_overwritten(tiny_model_dir, tmp_path, capsys)
     assert (run_dir / "precious.txt").read_text() == "keep me"
 
 
+def test_a_run_dir_holding_only_launched_servers_logs_is_used_again(tmp_path):
+    """A start that failed after its servers started leaves their logs (engines/<port>.log) and nothing else: the
+    same run.dir starts again. Anything more there, or logs that are not plain .log files, is refused."""
+    from strop.observe.run_dir import check_run_dir
+
+    def check(run_dir):
+        check_run_dir(build_config(overrides={"run": {"dir": str(run_dir)}}))
+
+    logs = tmp_path / "a" / "engines"
+    logs.mkdir(parents=True)
+    (logs / "40001.log").write_text("strop serve: ...")
+    check(tmp_path / "a")
+    for name, make in [
+        ("more", lambda d: (d / "metrics.jsonl").write_text("{}")),
+        ("not_a_log", lambda d: (d / "engines" / "notes.txt").write_text("x")),
+        ("a_folder", lambda d: (d / "engines" / "sub.log").mkdir()),
+        ("linked", lambda d: (d / "engines" / "40002.log").symlink_to(tmp_path / "a" / "engines" / "40001.log")),
+    ]:
+        run_dir = tmp_path / name
+        (run_dir / "engines").mkdir(parents=True)
+        (run_dir / "engines" / "40001.log").write_text("")
+        make(run_dir)
+        with pytest.raises(FileExistsError, match="already exists and is not empty"):
+            check(run_dir)
+    linked = tmp_path / "linked_folder"
+    linked.mkdir()
+    (linked / "engines").symlink_to(logs, target_is_directory=True)
+    with pytest.raises(FileExistsError, match="already exists and is not empty"):
+        check(linked)
+
+
 def test_a_reward_that_is_not_a_number_stops_the_run_cleanly(tiny_model_dir, tmp_path):
     from strop.rollout.generate import RewardError
 

@@ -11,10 +11,23 @@ from strop.config import Config
 from strop.observe.logs import attach_run_log
 
 
+ENGINE_LOGS = "engines"  # launched servers' output, <port>.log (strop.setup_remote), written before the rest
+
+
 def check_run_dir(cfg: Config) -> None:
-    """Refuse an existing, non-empty run directory: a run never writes over another's outputs."""
-    if cfg.run.dir and Path(cfg.run.dir).exists() and any(Path(cfg.run.dir).iterdir()):
+    """Refuse an existing, non-empty run directory: a run never writes over another's outputs. Launched servers'
+    logs alone (what a start that failed leaves) are no outputs: a run there adds its own beside them."""
+    if cfg.run.dir and Path(cfg.run.dir).exists() and not all(map(_server_logs, Path(cfg.run.dir).iterdir())):
         raise FileExistsError(f"run.dir={cfg.run.dir!r} already exists and is not empty; choose a new one")
+
+
+def _server_logs(path: Path) -> bool:
+    return (
+        path.name == ENGINE_LOGS
+        and path.is_dir()
+        and not path.is_symlink()
+        and all(f.suffix == ".log" and f.is_file() and not f.is_symlink() for f in path.iterdir())
+    )
 
 
 def make_run_dir(cfg: Config, create: bool = True, resume: bool = False) -> Path:
