@@ -1,10 +1,12 @@
 """A decode step's attention as one C kernel, built on first use with the machine's C compiler.
 
 For each row and key/value head, one task: its G query heads against the cache's columns and the step's own key and
-value (which join as a term of their own: the compiled step writes the cache after its graph). Each key and value
-column is read once for the group's G heads and widened to fp32 once; the scores are kept in fp32, the softmax's
-exponentials are a polynomial the compiler vectorises (Cephes' single-precision one: within 2 ulp of ``expf``), and
-the weighted sum keeps G x D accumulators. Tasks are spread over torch's OpenMP threads (the kernel links the same
+value (which join as a term of their own: the compiled step writes the cache after its graph). Columns go in blocks
+of 64: fp32 ones are read where they are, bf16 ones (and the block holding the step's own column) widened to fp32
+into a buffer once. Each vector of a key column is loaded once for up to 3 query heads, 4 columns at a time (12
+accumulators, the 3 queries and the key fill AVX2's 16 registers), and so is each vector of a value column for the
+weighted sums, 32 values of D at a time. The scores are kept in fp32, the softmax's exponentials are a polynomial the
+compiler vectorises (Cephes' single-precision one: within 2 ulp of ``expf``). Tasks are spread over torch's OpenMP threads (the kernel links the same
 ``libgomp.so.1`` torch loaded).
 
 The library is compiled once per source, compiler and CPU into ``$STROP_KERNEL_CACHE`` (default
@@ -132,22 +134,60 @@ void NAME(const float *q, const CT *kc, const CT *vc, const float *bias, const f
     }                                                                                                             \
 }
 
-/* the 8 sums of a[0..7]'s lanes, as one vector */
-static inline v8 sums8(const v8 *a) {
+/* the 4 sums of a0..a3's lanes, stored at s[0..3] */
+static inline void store_sums4(float *s, v8 a0, v8 a1, v8 a2, v8 a3) {
 #ifdef __AVX__
-    __m256 h0 = _mm256_hadd_ps((__m256)a[0], (__m256)a[1]), h1 = _mm256_hadd_ps((__m256)a[2], (__m256)a[3]);
-    __m256 h2 = _mm256_hadd_ps((__m256)a[4], (__m256)a[5]), h3 = _mm256_hadd_ps((__m256)a[6], (__m256)a[7]);
-    __m256 h01 = _mm256_hadd_ps(h0, h1), h23 = _mm256_hadd_ps(h2, h3);
-    return (v8)_mm256_add_ps(_mm256_permute2f128_ps(h01, h23, 0x20), _mm256_permute2f128_ps(h01, h23, 0x31));
+    __m256 h = _mm256_hadd_ps(_mm256_hadd_ps((__m256)a0, (__m256)a1), _mm256_hadd_ps((__m256)a2, (__m256)a3));
+    _mm_storeu_ps(s, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
 #else
-    v8 r;
-    for (int j = 0; j < 8; j++) { float s = 0; for (int l = 0; l < 8; l++) s += a[j][l]; r[j] = s; }
-    return r;
+    v8 a[4] = {a0, a1, a2, a3};
+    for (int j = 0; j < 4; j++) { float t = 0; for (int l = 0; l < 8; l++) t += a[j][l]; s[j] = t; }
 #endif
 }
 
-#define BLK 64  /* key/value columns widened into a buffer at a time */
-#define BLOCKED(NAME, CT, WIDEN)                                                                                   \
+/* GC query heads (q, D apart) against 4 key columns (k, ks apart): each loaded once for the GC heads; the scores
+   go to s (ss apart per head). 4 x GC accumulators, GC queries and a key in AVX2's 16 registers. */
+#define SCORE4(GC)                                                                                                 \
+static inline void score4_##GC(const float *q, int D, const float *k, long ks, float *s, long ss) {             \
+    v8 a[GC][4];                                                                                                  \
+    for (int g = 0; g < GC; g++) for (int c = 0; c < 4; c++) a[g][c] = (v8){0};                                   \
+    for (int d = 0; d < D; d += 8) {                                                                              \
+        v8 qv[GC];                                                                                                \
+        for (int g = 0; g < GC; g++) qv[g] = ld(q + (size_t)g * D + d);                                           \
+        for (int c = 0; c < 4; c++) {                                                                             \
+            v8 kv = ld(k + c * ks + d);                                                                           \
+            for (int g = 0; g < GC; g++) a[g][c] += qv[g] * kv;                                                   \
+        }                                                                                                         \
+    }                                                                                                             \
+    for (int g = 0; g < GC; g++) store_sums4(s + g * ss, a[g][0], a[g][1], a[g][2], a[g][3]);                     \
+}
+SCORE4(1)
+SCORE4(2)
+SCORE4(3)
+
+/* GC heads' weighted sums over n value columns (v, vs apart), 32 of their D values (acc, D apart per head): each
+   column's 32 values loaded once for the GC heads, whose weights are p (ps apart per head) */
+#define PV32(GC)                                                                                                   \
+static inline void pv32_##GC(float *acc, int D, const float *p, long ps, const float *v, long vs, int n) {      \
+    v8 a[GC][4];                                                                                                  \
+    for (int g = 0; g < GC; g++) for (int c = 0; c < 4; c++) a[g][c] = ld(acc + (size_t)g * D + 8 * c);          \
+    for (int j = 0; j < n; j++) {                                                                                 \
+        v8 pv[GC];                                                                                                \
+        for (int g = 0; g < GC; g++) { float w = p[g * ps + j]; pv[g] = (v8){w, w, w, w, w, w, w, w}; }          \
+        for (int c = 0; c < 4; c++) {                                                                             \
+            v8 x = ld(v + j * vs + 8 * c);                                                                        \
+            for (int g = 0; g < GC; g++) a[g][c] += pv[g] * x;                                                    \
+        }                                                                                                         \
+    }                                                                                                             \
+    for (int g = 0; g < GC; g++) for (int c = 0; c < 4; c++) st(acc + (size_t)g * D + 8 * c, a[g][c]);          \
+}
+PV32(1)
+PV32(2)
+PV32(3)
+
+#define BLK 64  /* key/value columns at a time (widened into a buffer where they cannot be read in place) */
+/* DIRECT: fp32 columns D apart are read where they are, except in a block holding the step's own column */
+#define BLOCKED(NAME, CT, WIDEN, DIRECT)                                                                           \
 void NAME(const float *q, const CT *kc, const CT *vc, const float *bias, const float *kn, const float *vn,        \
           float *out, int B, int KV, int G, int D, int T, long csb, long csh, long cst, float scale, int threads) { \
     _Pragma("omp parallel for schedule(static) num_threads(threads)")                                             \
@@ -157,50 +197,58 @@ void NAME(const float *q, const CT *kc, const CT *vc, const float *bias, const f
         const CT *kh = kc + b * csb + h * csh, *vh = vc + b * csb + h * csh;                                     \
         const float *bb = bias + b * (long)(T + 1);                                                               \
         int T1 = T + 1, TP = (T1 + 7) & ~7;                                                                       \
-        size_t bytes = sizeof(float) * ((size_t)G * TP + (size_t)BLK * D + (size_t)G * D + 64);                          \
+        size_t bytes = sizeof(float) * ((size_t)G * TP + (size_t)BLK * D + (size_t)G * D + 64);                   \
         float *s = (float *)aligned_alloc(32, (bytes + 31) & ~(size_t)31);                                        \
         float *buf = s + (size_t)G * TP, *acc = buf + (size_t)BLK * D;                                            \
-        /* scores, 8 columns at a time */                                                                         \
+        /* scores: 4 columns against up to 3 heads at a time */                                                   \
         for (int t0 = 0; t0 < T1; t0 += BLK) {                                                                    \
             int n = T1 - t0 < BLK ? T1 - t0 : BLK, np = (n + 7) & ~7;                                             \
-            for (int j = 0; j < np; j++) {                                                                        \
-                int t = t0 + j; float *row = buf + (size_t)j * D;                                                 \
-                if (j >= n) memset(row, 0, sizeof(float) * D);                                                    \
-                else { COLUMN(row, kh, kn + task * D, t, T, cst, D, CT, WIDEN) }                                  \
+            const float *kb = buf;                                                                                \
+            long ks = D;                                                                                          \
+            if (DIRECT && cst == D && t0 + np <= T) {                                                             \
+                kb = (const float *)(kh + (long)t0 * cst);                                                        \
+            } else {                                                                                              \
+                for (int j = 0; j < np; j++) {                                                                    \
+                    int t = t0 + j; float *row = buf + (size_t)j * D;                                             \
+                    if (j >= n) memset(row, 0, sizeof(float) * D);                                                \
+                    else { COLUMN(row, kh, kn + task * D, t, T, cst, D, CT, WIDEN) }                              \
+                }                                                                                                 \
             }                                                                                                     \
-            for (int g = 0; g < G; g++) {                                                                         \
-                const float *qg = qh + g * D;                                                                     \
-                for (int j0 = 0; j0 < np; j0 += 8) {                                                              \
-                    v8 a[8] = {0};                                                                                \
-                    for (int d = 0; d < D; d += 8) {                                                              \
-                        v8 qv = ld(qg + d);                                                                       \
-                        for (int j = 0; j < 8; j++) a[j] += qv * ld(buf + (size_t)(j0 + j) * D + d);             \
-                    }                                                                                             \
-                    v8 r = sums8(a);                                                                              \
-                    st(s + (size_t)g * TP + t0 + j0, r);                                                          \
+            for (int g0 = 0; g0 < G; g0 += 3) {                                                                   \
+                int gc = G - g0 < 3 ? G - g0 : 3;                                                                 \
+                const float *qg = qh + (size_t)g0 * D;                                                            \
+                float *sg = s + (size_t)g0 * TP + t0;                                                             \
+                for (int j0 = 0; j0 < np; j0 += 4) {                                                              \
+                    if (gc == 3) score4_3(qg, D, kb + j0 * ks, ks, sg + j0, TP);                                  \
+                    else if (gc == 2) score4_2(qg, D, kb + j0 * ks, ks, sg + j0, TP);                             \
+                    else score4_1(qg, D, kb + j0 * ks, ks, sg + j0, TP);                                          \
                 }                                                                                                 \
             }                                                                                                     \
         }                                                                                                         \
         float inv[64];                                                                                            \
         softmax_rows(s, TP, G, T1, bb, scale, inv);                                                               \
         memset(acc, 0, sizeof(float) * (size_t)G * D);                                                            \
+        /* weighted sums: 32 values of a column for up to 3 heads at a time */                                    \
         for (int t0 = 0; t0 < T1; t0 += BLK) {                                                                    \
             int n = T1 - t0 < BLK ? T1 - t0 : BLK;                                                                \
-            for (int j = 0; j < n; j++) {                                                                         \
-                int t = t0 + j; float *row = buf + (size_t)j * D;                                                 \
-                COLUMN(row, vh, vn + task * D, t, T, cst, D, CT, WIDEN)                                           \
+            const float *vb = buf;                                                                                \
+            long vs = D;                                                                                          \
+            if (DIRECT && cst == D && t0 + n <= T) {                                                              \
+                vb = (const float *)(vh + (long)t0 * cst);                                                        \
+            } else {                                                                                              \
+                for (int j = 0; j < n; j++) {                                                                     \
+                    int t = t0 + j; float *row = buf + (size_t)j * D;                                             \
+                    COLUMN(row, vh, vn + task * D, t, T, cst, D, CT, WIDEN)                                       \
+                }                                                                                                 \
             }                                                                                                     \
-            for (int g = 0; g < G; g++) {                                                                         \
-                const float *pg = s + (size_t)g * TP + t0;                                                        \
-                for (int d0 = 0; d0 < D; d0 += 64) {                                                              \
-                    v8 a[8];                                                                                      \
-                    for (int l = 0; l < 8; l++) a[l] = ld(acc + (size_t)g * D + d0 + 8 * l);                      \
-                    for (int j = 0; j < n; j++) {                                                                 \
-                        v8 p = {pg[j], pg[j], pg[j], pg[j], pg[j], pg[j], pg[j], pg[j]};                          \
-                        const float *row = buf + (size_t)j * D + d0;                                              \
-                        for (int l = 0; l < 8; l++) a[l] += p * ld(row + 8 * l);                                  \
-                    }                                                                                             \
-                    for (int l = 0; l < 8; l++) st(acc + (size_t)g * D + d0 + 8 * l, a[l]);                       \
+            for (int g0 = 0; g0 < G; g0 += 3) {                                                                   \
+                int gc = G - g0 < 3 ? G - g0 : 3;                                                                 \
+                const float *pg = s + (size_t)g0 * TP + t0;                                                       \
+                for (int d0 = 0; d0 < D; d0 += 32) {                                                              \
+                    float *ag = acc + (size_t)g0 * D + d0;                                                        \
+                    if (gc == 3) pv32_3(ag, D, pg, TP, vb + d0, vs, n);                                           \
+                    else if (gc == 2) pv32_2(ag, D, pg, TP, vb + d0, vs, n);                                      \
+                    else pv32_1(ag, D, pg, TP, vb + d0, vs, n);                                                   \
                 }                                                                                                 \
             }                                                                                                     \
         }                                                                                                         \
@@ -211,8 +259,8 @@ void NAME(const float *q, const CT *kc, const CT *vc, const float *bias, const f
 
 SIMPLE(simple_f32, float, widen)
 SIMPLE(simple_bf16, uint16_t, widen_bf16)
-BLOCKED(blocked_f32, float, widen)
-BLOCKED(blocked_bf16, uint16_t, widen_bf16)
+BLOCKED(blocked_f32, float, widen, 1)
+BLOCKED(blocked_bf16, uint16_t, widen_bf16, 0)
 
 #define ENTRY(NAME, CT, SUFFIX)                                                                                   \
 void NAME(const float *q, const CT *kc, const CT *vc, const float *bias, const float *kn, const float *vn,        \

@@ -39,7 +39,17 @@ def inputs(B, KV, G, D, T, dtype, seed=0):
 
 
 @needs_kernel
-@pytest.mark.parametrize("B,KV,G,D,T", [(5, 3, 3, 64, 37), (2, 2, 1, 16, 1), (3, 1, 7, 128, 70), (4, 2, 2, 8, 300)])
+@pytest.mark.parametrize(
+    "B,KV,G,D,T",
+    [
+        (5, 3, 3, 64, 37),
+        (2, 2, 1, 16, 1),
+        (3, 1, 7, 128, 70),
+        (4, 2, 2, 8, 300),
+        (3, 2, 1, 64, 130),
+        (2, 1, 5, 64, 200),
+    ],
+)
 def test_the_kernel_is_the_attention_in_fp32(B, KV, G, D, T):
     args = inputs(B, KV, G, D, T, torch.float32)
     got = attention_kernel.attend(*args, D**-0.5)
@@ -57,8 +67,9 @@ def test_the_kernel_is_the_attention_in_fp32(B, KV, G, D, T):
 
 
 @needs_kernel
-def test_bf16_caches_are_widened_exactly():
-    q, kc, vc, bias, k_new, v_new = inputs(6, 3, 3, 64, 50, torch.bfloat16, seed=3)
+@pytest.mark.parametrize("T", [50, 150])  # (150: fp32 blocks of 64 columns are read in place, bf16 ones widened)
+def test_bf16_caches_are_widened_exactly(T):
+    q, kc, vc, bias, k_new, v_new = inputs(6, 3, 3, 64, T, torch.bfloat16, seed=3)
     got = attention_kernel.attend(q, kc, vc, bias, k_new, v_new, 0.125)
     # the same values in fp32 caches: the same sums
     same = attention_kernel.attend(q, kc.float(), vc.float(), bias, k_new, v_new, 0.125)
