@@ -158,6 +158,17 @@ class VLLMServer:
         self.log.close()
 
 
+def case_rates(engine, cases, new_tokens: int = 128, rounds: int = 2) -> list[str]:
+    """Tokens per second of each of :func:`make_cases`'s cases on ``engine``, ``rounds`` times each, as table cells."""
+    cells = []
+    for _case, prompts, stop, n in cases:
+        batch = [p for p in prompts for _ in range(n)]
+        for r in range(rounds):
+            tokens, seconds = strop_generate(engine, batch, new_tokens, eos=stop, seed0=100 * r)
+            cells.append(f"{tokens / seconds:.0f}")
+    return cells
+
+
 def make_cases(tok, args):
     def chat(q):
         return list(

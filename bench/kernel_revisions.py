@@ -89,7 +89,7 @@ def engine_side(side: str, old_rev: str) -> None:
     import logging
 
     sys.path.insert(0, str(HERE))
-    from engine import make_cases, strop_generate
+    from engine import case_rates, make_cases, strop_generate
 
     from strop.models import load_model, load_tokenizer
     from strop.serving import attention_kernel as ak
@@ -103,12 +103,7 @@ def engine_side(side: str, old_rev: str) -> None:
     model = load_model("embedded:smollm2-135m-instruct").to(torch.float32).eval()
     engine = EmbeddedEngine(model, pad_token_id=tok.pad_token_id, max_batch_size=64, compile_step=True)
     strop_generate(engine, fixed, 8, eos=None)
-    cells = []
-    for _case, prompts, stop, n in cases:
-        batch = [p for p in prompts for _ in range(n)]
-        for r in range(2):
-            tokens, seconds = strop_generate(engine, batch, 128, eos=stop, seed0=100 * r)
-            cells.append(f"{tokens / seconds:.0f}")
+    cells = case_rates(engine, cases)
     print(f"| {side} | " + " | ".join(cells) + " |", flush=True)
 
 

@@ -28,7 +28,7 @@ def child(dtype: str, variant: str, rows: int) -> None:
     import torch
 
     sys.path.insert(0, str(HERE))
-    from engine import make_cases, strop_generate
+    from engine import case_rates, make_cases, strop_generate
 
     from strop.models import load_model, load_tokenizer
     from strop.serving import compiled_step
@@ -48,12 +48,7 @@ def child(dtype: str, variant: str, rows: int) -> None:
     start = time.perf_counter()
     strop_generate(engine, fixed, 8, eos=None)
     first = time.perf_counter() - start
-    cells = []
-    for _case, prompts, stop, n in cases:
-        batch = [p for p in prompts for _ in range(n)]
-        for r in range(2):
-            tokens, seconds = strop_generate(engine, batch, 128, eos=stop, seed0=100 * r)
-            cells.append(f"{tokens / seconds:.0f}")
+    cells = case_rates(engine, cases)
     graphs = engine._fast.compiled.graphs
     print(f"| {dtype} | {variant} | {first:.0f} s, {graphs} graphs | " + " | ".join(cells) + " |", flush=True)
 
