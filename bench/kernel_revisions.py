@@ -48,7 +48,8 @@ def library(source: str):
 def alone(old_source: str, keys: list[int], rounds: int) -> None:
     from strop.serving import attention_kernel as ak
 
-    libs = {"old": library(old_source), "new": library(ak_source_of_tree())}
+    tree = ak.SOURCE  # (before library() replaces it)
+    libs = {"new": library(tree), "old": library(old_source)}
     L, B, KV, G, D, capacity = 30, 64, 3, 3, 64, 320
     for T in keys:
         g = torch.Generator().manual_seed(T)
@@ -74,14 +75,6 @@ def alone(old_source: str, keys: list[int], rounds: int) -> None:
             f"{med['new'] * 1e3:.1f} | {best['old'] / best['new']:.2f} | {med['old'] / med['new']:.2f} | {diff:.1e} |",
             flush=True,
         )
-
-
-def ak_source_of_tree() -> str:
-    from strop.serving import attention_kernel as ak
-
-    ns: dict = {}
-    exec(compile(Path(ak.__file__).read_text(), "attention_kernel", "exec"), ns)
-    return ns["SOURCE"]
 
 
 def engine_side(side: str, old_rev: str) -> None:

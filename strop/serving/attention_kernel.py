@@ -5,9 +5,9 @@ value (which join as a term of their own: the compiled step writes the cache aft
 of 64: fp32 ones are read where they are, bf16 ones (and the block holding the step's own column) widened to fp32
 into a buffer once. Each vector of a key column is loaded once for up to 3 query heads, 4 columns at a time (12
 accumulators, the 3 queries and the key fill AVX2's 16 registers), and so is each vector of a value column for the
-weighted sums, 32 values of D at a time. The scores are kept in fp32, the softmax's exponentials are a polynomial the
-compiler vectorises (Cephes' single-precision one: within 2 ulp of ``expf``). Tasks are spread over torch's OpenMP threads (the kernel links the same
-``libgomp.so.1`` torch loaded).
+weighted sums, 32 values of D at a time. The scores are kept in fp32, the softmax's exponentials are a polynomial
+the compiler vectorises (Cephes' single-precision one: within 2 ulp of ``expf``). Tasks are spread over torch's
+OpenMP threads (the kernel links the same ``libgomp.so.1`` torch loaded).
 
 The library is compiled once per source, compiler and CPU into ``$STROP_KERNEL_CACHE`` (default
 ``~/.cache/strop/kernels``), in about a second, with ``-O3 -march=native``; a process that finds it there loads it.
@@ -203,8 +203,7 @@ void NAME(const float *q, const CT *kc, const CT *vc, const float *bias, const f
         /* scores: 4 columns against up to 3 heads at a time */                                                   \
         for (int t0 = 0; t0 < T1; t0 += BLK) {                                                                    \
             int n = T1 - t0 < BLK ? T1 - t0 : BLK, np = (n + 7) & ~7;                                             \
-            const float *kb = buf;                                                                                \
-            long ks = D;                                                                                          \
+            const float *kb = buf;  /* (D apart either way: in place only where the cache's columns are) */      \
             if (DIRECT && cst == D && t0 + np <= T) {                                                             \
                 kb = (const float *)(kh + (long)t0 * cst);                                                        \
             } else {                                                                                              \
@@ -219,9 +218,9 @@ void NAME(const float *q, const CT *kc, const CT *vc, const float *bias, const f
                 const float *qg = qh + (size_t)g0 * D;                                                            \
                 float *sg = s + (size_t)g0 * TP + t0;                                                             \
                 for (int j0 = 0; j0 < np; j0 += 4) {                                                              \
-                    if (gc == 3) score4_3(qg, D, kb + j0 * ks, ks, sg + j0, TP);                                  \
-                    else if (gc == 2) score4_2(qg, D, kb + j0 * ks, ks, sg + j0, TP);                             \
-                    else score4_1(qg, D, kb + j0 * ks, ks, sg + j0, TP);                                          \
+                    if (gc == 3) score4_3(qg, D, kb + j0 * D, D, sg + j0, TP);                                  \
+                    else if (gc == 2) score4_2(qg, D, kb + j0 * D, D, sg + j0, TP);                             \
+                    else score4_1(qg, D, kb + j0 * D, D, sg + j0, TP);                                          \
                 }                                                                                                 \
             }                                                                                                     \
         }                                                                                                         \
@@ -232,7 +231,6 @@ void NAME(const float *q, const CT *kc, const CT *vc, const float *bias, const f
         for (int t0 = 0; t0 < T1; t0 += BLK) {                                                                    \
             int n = T1 - t0 < BLK ? T1 - t0 : BLK;                                                                \
             const float *vb = buf;                                                                                \
-            long vs = D;                                                                                          \
             if (DIRECT && cst == D && t0 + n <= T) {                                                              \
                 vb = (const float *)(vh + (long)t0 * cst);                                                        \
             } else {                                                                                              \
@@ -246,9 +244,9 @@ void NAME(const float *q, const CT *kc, const CT *vc, const float *bias, const f
                 const float *pg = s + (size_t)g0 * TP + t0;                                                       \
                 for (int d0 = 0; d0 < D; d0 += 32) {                                                              \
                     float *ag = acc + (size_t)g0 * D + d0;                                                        \
-                    if (gc == 3) pv32_3(ag, D, pg, TP, vb + d0, vs, n);                                           \
-                    else if (gc == 2) pv32_2(ag, D, pg, TP, vb + d0, vs, n);                                      \
-                    else pv32_1(ag, D, pg, TP, vb + d0, vs, n);                                                   \
+                    if (gc == 3) pv32_3(ag, D, pg, TP, vb + d0, D, n);                                           \
+                    else if (gc == 2) pv32_2(ag, D, pg, TP, vb + d0, D, n);                                      \
+                    else pv32_1(ag, D, pg, TP, vb + d0, D, n);                                                   \
                 }                                                                                                 \
             }                                                                                                     \
         }                                                                                                         \
