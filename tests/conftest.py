@@ -100,5 +100,9 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 def pytest_unconfigure(config):
-    if _OWN_TMPDIR:
-        shutil.rmtree(os.environ["STROP_TEST_TMPDIR"], ignore_errors=True)
+    if _OWN_TMPDIR:  # at the interpreter's exit, after multiprocessing removed its own folder in it (priority -100)
+        from multiprocessing import util
+
+        util.Finalize(
+            None, shutil.rmtree, (os.environ["STROP_TEST_TMPDIR"],), {"ignore_errors": True}, exitpriority=-101
+        )

@@ -121,3 +121,44 @@ def test_a_process_group_the_caller_made_is_left_as_it_was(tmp_path):
         assert dist.is_initialized()
     finally:
         dist.destroy_process_group()
+
+
+def _where_am_i(rank, world_size):
+    import torch.distributed as dist
+
+    return os.environ.get("STROP_TEST_CALLER_VALUE"), os.getcwd(), os.getppid(), dist.get_world_size()
+
+
+@pytest.mark.timeout(120)
+def test_ranks_forked_from_the_server_take_the_callers_environment_and_directory_at_each_call(tmp_path, monkeypatch):
+    """run_on_ranks forks its ranks from a server that imported torch once (not spawned: no import per rank), yet
+    each call's ranks see the environment and working directory the caller has at that call, not the server's."""
+    from strop.parallel.launch import run_on_ranks
+
+    monkeypatch.delenv("STROP_TEST_CALLER_VALUE", raising=False)
+    first = run_on_ranks(_where_am_i, 2, timeout=60)  # (starts the server, if no earlier test did)
+    assert [r[0] for r in first] == [None, None] and all(r[3] == 2 for r in first)
+    monkeypatch.setenv("STROP_TEST_CALLER_VALUE", "set after the server started")
+    monkeypatch.chdir(tmp_path)
+    second = run_on_ranks(_where_am_i, 2, timeout=60)
+    assert [r[:2] for r in second] == [("set after the server started", str(tmp_path))] * 2
+    parents = {r[2] for r in first + second}
+    assert len(parents) == 1 and os.getpid() not in parents  # every rank a child of the same server
+
+
+def _omp_threads(rank, world_size):
+    import torch
+
+    return torch.get_num_threads()
+
+
+@pytest.mark.timeout(120)
+def test_a_variable_only_a_new_process_reads_makes_the_ranks_spawned(monkeypatch):
+    """OMP_NUM_THREADS is read when torch loads: a fork of a server that loaded torch without it would ignore it."""
+    from strop.parallel.launch import run_on_ranks
+
+    run_on_ranks(_where_am_i, 2, timeout=60)  # (the fork server runs from here on)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert run_on_ranks(_omp_threads, 2, timeout=60) == [1, 1]
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert run_on_ranks(_omp_threads, 2, timeout=60) == [2, 2]
