@@ -8,12 +8,14 @@ Ranks are forked from a server process that imported torch and ``fn``'s module o
 again (about 2.7 s of CPU a rank on a 2-core AMD EPYC, and the distributed tests make about a hundred such calls).
 The server only imports; each rank is a fresh fork of it and takes the caller's environment and working directory, as
 a spawned one would. What only a new process reads (OpenMP's, MKL's and glibc's variables, read when torch or the C
-library loads) cannot reach a fork: ranks are spawned instead when the call passes ``env`` or when the caller's such
-variables differ from the server's, and so is a ``fn`` defined in a script's ``__main__``.
+library loads) cannot reach a fork: ranks are spawned instead when the call passes ``env`` (their processes start with
+it) or when the caller's such variables differ from the server's, and so is a ``fn`` defined in a script's
+``__main__``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import pickle
@@ -45,7 +47,22 @@ def _context(fn, env: dict | None) -> mp.context.BaseContext:
     return ctx
 
 
-def _worker(fn, rank, world_size, port, backend, env, args, queue, caller=None):
+@contextlib.contextmanager
+def _environment(env: dict | None):
+    """``env`` in this process's environment while ranks are spawned (they start with it), then as it was."""
+    saved = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update(env or {})
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _worker(fn, rank, world_size, port, backend, env, args, queue, caller=None, release=None):
     if caller is not None:  # a fork server's child: the caller's environment and directory, as a spawned rank has
         os.environ.clear()
         os.environ.update(caller[0])
@@ -61,10 +78,14 @@ def _worker(fn, rank, world_size, port, backend, env, args, queue, caller=None):
         dist.init_process_group(backend, rank=rank, world_size=world_size)
         try:
             result = fn(rank, world_size, *args)
+            if rank == 0 and release is not None:  # rank 0 holds the group's store: it stays until every rank is done
+                # plain pickle: torch's multiprocessing pickler would pass tensors as shared-memory
+                # handles, which die with this process before the parent reads them
+                queue.put((rank, "ok", pickle.dumps(result)))
+                release.wait()
+                return
         finally:
             dist.destroy_process_group()
-        # plain pickle: torch's multiprocessing pickler would pass tensors as shared-memory
-        # handles, which die with this process before the parent reads them
         queue.put((rank, "ok", pickle.dumps(result)))
     except BaseException:
         queue.put((rank, "error", traceback.format_exc()))
@@ -83,14 +104,18 @@ def run_on_ranks(
     queue = ctx.Queue()
     port = free_port()
     caller = (dict(os.environ), os.getcwd()) if ctx.get_start_method() == "forkserver" else None
+    release = ctx.Event()  # set once every rank has answered (or the call gave up): rank 0 may end then
     procs = [
         ctx.Process(
-            target=_worker, args=(fn, r, world_size, port, backend, env or {}, args, queue, caller), daemon=True
+            target=_worker,
+            args=(fn, r, world_size, port, backend, env or {}, args, queue, caller, release),
+            daemon=True,
         )
         for r in range(world_size)
     ]
-    for p in procs:
-        p.start()
+    with _environment(env if caller is None else None):  # (a spawned rank's process starts with ``env`` in it)
+        for p in procs:
+            p.start()
     results: dict[int, Any] = {}
     errors = []
     deadline = time.monotonic() + timeout
@@ -116,6 +141,7 @@ def run_on_ranks(
                 errors.append(f"rank {rank}:\n{value}")
             results[rank] = pickle.loads(value) if status == "ok" else value
     finally:
+        release.set()
         for p in procs:
             p.join(timeout=5)
             if p.is_alive():

@@ -162,3 +162,38 @@ def test_a_variable_only_a_new_process_reads_makes_the_ranks_spawned(monkeypatch
     assert run_on_ranks(_omp_threads, 2, timeout=60) == [1, 1]
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     assert run_on_ranks(_omp_threads, 2, timeout=60) == [2, 2]
+
+
+def _hash(rank, world_size):
+    return hash("strop")
+
+
+@pytest.mark.timeout(120)
+def test_the_env_of_a_call_is_in_the_ranks_processes_from_their_start(monkeypatch):
+    """PYTHONHASHSEED, like MALLOC_* and OMP_*, is read when a process starts: set later it would change nothing."""
+    from strop.parallel.launch import run_on_ranks
+
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    seeded = dict(os.environ, PYTHONHASHSEED="0")
+    want = subprocess.run([sys.executable, "-c", "print(hash('strop'))"], env=seeded, capture_output=True, text=True)
+    assert run_on_ranks(_hash, 2, env={"PYTHONHASHSEED": "0"}, timeout=60) == [int(want.stdout)] * 2
+    assert "PYTHONHASHSEED" not in os.environ  # (the caller's environment as it was)
+
+
+def _rank_0_done_first(rank, world_size):
+    import torch.distributed as dist
+
+    if rank == 1:  # still using the group's store, which rank 0's process holds, after rank 0 returned
+        time.sleep(1.0)
+        dist.new_group([1])
+        dist.distributed_c10d._get_default_store().set("late", "1")
+    return rank
+
+
+@pytest.mark.timeout(120)
+def test_rank_0_keeps_the_groups_store_until_every_rank_is_done():
+    """A rank that returns has nothing more to do with the group, but rank 0's process holds its store: were it to
+    end first, a rank still setting up a subgroup (a device mesh's own dimension, say) would lose the store."""
+    from strop.parallel.launch import run_on_ranks
+
+    assert run_on_ranks(_rank_0_done_first, 2, timeout=60) == [0, 1]
