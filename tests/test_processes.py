@@ -331,3 +331,28 @@ def test_a_server_whose_port_another_program_took_starts_again_on_a_free_one(tin
         taken.close()
         for s in servers:
             s.stop()
+
+
+def test_a_supervised_commands_exit_code_survives_its_watchdog_starting_late():
+    """The supervisor forks a watchdog after starting the command and waits for that fork only: a command that
+    ends before the fork's first child has exited keeps its own exit code (it was reaped by the wait for the
+    fork, and reported as code 0, when the machine was slow), and the group's SIGTERM at the end does not reach the
+    watchdog while it still has the supervisor's handler (which SIGKILLs the group: code -9)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import os, sys, time\n"
+        "from strop.serving import supervisor\n"
+        "fork, forks = os.fork, []\n"
+        "def late_fork():\n"
+        "    pid = fork()\n"
+        "    if pid == 0 and not forks:  # the watchdog's first process is slow: the command ends first\n"
+        "        time.sleep(1.5)\n"
+        "    forks.append(pid)\n"
+        "    return pid\n"
+        "os.fork = late_fork\n"
+        "sys.exit(supervisor.supervise_group(os.getppid(), [sys.executable, '-c', 'import sys; sys.exit(3)']))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], start_new_session=True, timeout=60)
+    assert done.returncode == 3

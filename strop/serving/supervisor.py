@@ -57,10 +57,15 @@ def supervise_group(parent: int, command: list[str], guard: tuple[str, int, str]
 
 def _watch(parent: int, every_s: float = 0.5) -> None:
     """A grandchild of this process, in its group, re-parented away from it: once ``parent`` is gone, it
-    SIGKILLs the group (itself included)."""
-    if os.fork() == 0:
+    SIGKILLs the group (itself included). Only the fork made here is waited for: a wait for any child could
+    reap the command first, and its exit code would be lost. SIGTERM stays blocked until the grandchild has its
+    own default action: with this process's handler it would SIGKILL the group, this process included."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    pid = os.fork()
+    if pid == 0:
         if os.fork() == 0:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
             while True:
                 time.sleep(every_s)
                 try:
@@ -68,7 +73,8 @@ def _watch(parent: int, every_s: float = 0.5) -> None:
                 except ProcessLookupError:
                     os.killpg(0, signal.SIGKILL)
         os._exit(0)
-    os.wait()
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+    os.waitpid(pid, 0)
 
 
 def main(argv: list[str]) -> int:
