@@ -70,6 +70,7 @@ class EmbeddedEngine(BatchScheduler, WeightUpdates):
         cpu_kernels: str = "auto",
         compile_attention: bool = False,
         compile_step: bool = False,
+        release_idle: bool = True,
     ):
         """``batch_wait_s``: before a batch starts, wait while requests keep arriving (each wait this
         long, at most 40) so requests sent together over a network form one batch.
@@ -85,8 +86,12 @@ class EmbeddedEngine(BatchScheduler, WeightUpdates):
         that starts with more rows than drafts pay for decodes as without speculation; 0: off). ``cpu_kernels``:
         the fast decoder's linear-layer kernel (:mod:`strop.serving.cpu_kernels`; auto: this CPU's pick).
         ``compile_attention``: its decode steps' attention compiled (:mod:`strop.serving.attention`);
-        ``compile_step``: its whole decode steps compiled (:mod:`strop.serving.compiled_step`)."""
+        ``compile_step``: its whole decode steps compiled (:mod:`strop.serving.compiled_step`).
+        ``release_idle``: free the fast decoder's fused and packed weights whenever the engine goes idle (an engine
+        beside a trainer: the weights change before the next batch anyway, and the trainer gets the memory). False
+        (strop serve) keeps them from batch to batch while the weights stay unchanged; a weight load frees them."""
         self.shared = shared
+        self.release_idle = release_idle
         self.model = model if shared else model.eval()
         self.pad_token_id = pad_token_id
         self.default_stop_token_ids = list(default_stop_token_ids)
@@ -315,7 +320,8 @@ class EmbeddedEngine(BatchScheduler, WeightUpdates):
             room = self.max_batch_size - batch.live
             take, waiting = waiting[:room], waiting[room:]
             self._advance(batch, [prompts[i] for i in take], [rows[i] for i in take])
-        self._fast.release()
+        if self.release_idle:
+            self._fast.release()
         return [Completion(r.token_ids, r.logprobs, r.finish, version, None, row_routes(r.routes)) for r in rows]
 
     def _decode(

@@ -28,12 +28,14 @@ class WeightUpdates:
     """Weight loads, the pause and the update session (see :class:`strop.serving.embedded.EmbeddedEngine`)."""
 
     def _load(self, fn, *args):
-        """A weight load; the fast decoder's fused copies are rebuilt after it (a broadcast into the
-        parameters does not bump their version counters)."""
+        """A weight load; the fast decoder's fused and packed copies, stale now, are freed and rebuilt at the
+        next forward (a broadcast into the parameters does not bump their version counters)."""
         self._weights_epoch += 1  # (before: a load that fails midway may have written some tensors)
-        fn(*args)
-        if self._fast is not None:
-            self._fast.invalidate()
+        try:
+            fn(*args)
+        finally:
+            if self._fast is not None:
+                self._fast.release()
 
     async def _drained(self, fn, *args):
         """Run ``fn(*args)`` off the event loop once no batch runs, admitting nothing meanwhile."""

@@ -120,11 +120,11 @@ class BatchScheduler:
                         self._settle(row.owner, exc)
             finally:
                 # idle or paused: free the fused and packed weights until the next batch (never under
-                # a running generate_batch)
+                # a running generate_batch; kept where the engine releases nothing when idle: strop serve)
                 if not self._pending or self._paused:
                     # and the engine thread's OpenMP pool: the trainer's works while this one waits (strop.openmp)
                     self._worker.submit(release_threads)
-                    if self._lock.acquire(blocking=False):
+                    if self.release_idle and self._lock.acquire(blocking=False):
                         try:
                             self._fast.release()
                         finally:

@@ -181,6 +181,7 @@ def serve(
         batch_wait_s=batch_wait_ms / 1000,
         fast_decode=fast_decode,
         batch_invariant=batch_invariant,
+        release_idle=False,  # no trainer here: the packed weights stay from batch to batch until the next update
         **(decoder or {}),
     )
     engine.weight_version = weight_version
