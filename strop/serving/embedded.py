@@ -72,26 +72,23 @@ class EmbeddedEngine(BatchScheduler, WeightUpdates):
         compile_step: bool = False,
         release_idle: bool = True,
     ):
-        """``batch_wait_s``: before a batch starts, wait while requests keep arriving (each wait this
-        long, at most 40) so requests sent together over a network form one batch.
-        ``fast_decode=False`` forces the fallback path (Hugging Face forward, static batches), the
-        engine as it was before :mod:`strop.serving.kvdecode`; benchmarks compare the two.
-        ``shared``: ``model`` is the trainer's own module (engine.share_weights): its train/eval mode
-        stays the trainer's (the fast decoder, which ``shared`` needs, reads the weights, never the
-        mode), and an update that hands back these very tensors copies nothing.
-        ``batch_invariant``: a request's tokens and logprobs are bitwise the same alone and in any
-        batch (:mod:`strop.serving.invariant`), at a cost in throughput. ``speculative``: draft up to this many
-        tokens per row from the prompt's other responses and verify them in one forward pass
-        (:mod:`strop.serving.speculative`; exact: a busy period that drafts runs the batch-invariant kernels; one
-        that starts with more rows than drafts pay for decodes as without speculation; 0: off). ``cpu_kernels``:
-        the fast decoder's linear-layer kernel (:mod:`strop.serving.cpu_kernels`; auto: this CPU's pick).
-        ``compile_attention``: its decode steps' attention compiled (:mod:`strop.serving.attention`);
-        ``compile_step``: its whole decode steps compiled (:mod:`strop.serving.compiled_step`).
-        ``release_idle``: free the fast decoder's fused and packed weights whenever the engine goes idle (an engine
-        beside a trainer: the weights change before the next batch anyway, and the trainer gets the memory). False
-        (strop serve) keeps them from batch to batch while the weights stay unchanged; a weight load frees them."""
-        self.shared = shared
-        self.release_idle = release_idle
+        """``batch_wait_s``: before a batch starts, wait while requests keep arriving (each wait this long, at most
+        40) so requests sent together over a network form one batch. ``fast_decode=False`` forces the fallback path
+        (Hugging Face forward, static batches), the engine as it was before :mod:`strop.serving.kvdecode`.
+        ``shared``: ``model`` is the trainer's own module (engine.share_weights): its train/eval mode stays the
+        trainer's (the fast decoder, which ``shared`` needs, reads the weights, never the mode), and an update that
+        hands back these very tensors copies nothing. ``batch_invariant``: a request's tokens and logprobs are
+        bitwise the same alone and in any batch (:mod:`strop.serving.invariant`), at a cost in throughput.
+        ``speculative``: draft up to this many tokens per row from the prompt's other responses and verify them in
+        one forward pass (:mod:`strop.serving.speculative`; exact: a busy period that drafts runs the
+        batch-invariant kernels; one that starts with more rows than drafts pay for decodes as without
+        speculation; 0: off). ``cpu_kernels``: the fast decoder's linear-layer kernel
+        (:mod:`strop.serving.cpu_kernels`; auto: this CPU's pick). ``compile_attention``: its decode steps'
+        attention compiled (:mod:`strop.serving.attention`); ``compile_step``: its whole decode steps compiled
+        (:mod:`strop.serving.compiled_step`). ``release_idle``: free the fast decoder's fused and packed weights
+        whenever the engine goes idle (beside a trainer: the weights change before the next batch anyway, and the
+        trainer gets the memory); False (strop serve) keeps them while the weights stay unchanged, until a load."""
+        self.shared, self.release_idle = shared, release_idle
         self.model = model if shared else model.eval()
         self.pad_token_id = pad_token_id
         self.default_stop_token_ids = list(default_stop_token_ids)
