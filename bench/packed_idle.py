@@ -2,7 +2,7 @@
 bench/against_vllm.py runs it), bench/engine.py's fixed batches and its GRPO case, 128 new tokens, each batch
 decoded with the weights freed at the end of the batch before it (``release_idle=True``, a training run's engine:
 each batch packs them again) and with them kept (``release_idle=False``, strop serve), interleaved A B then B A per
-round.
+round. Also the two parts of that work alone: freeing the copies and packing them again.
 
     python bench/packed_idle.py [--dtype float32] [--batch 32 64] [--rounds 2]
 
@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -56,7 +58,19 @@ def main() -> None:
             engine._fast.release()  # what the batch before it did at its end
         return strop_generate(engine, batch, args.new_tokens, eos=stop, seed0=seed0)
 
+    fast, packing, freeing = engine._fast, [], []
+    for _ in range(5):  # the work a freed batch adds, alone: freeing the copies, then fusing and packing again
+        t = time.perf_counter()
+        fast.release()
+        freeing.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        fast._sync(64)  # (the rows of a full batch: MKL packs per row count, oneDNN for every count)
+        packing.append(time.perf_counter() - t)
     print(f"{args.dtype}, {args.new_tokens} new tokens, {engine.decode_path}")
+    print(
+        f"freeing the fused and packed weights: {statistics.median(freeing):.3f} s, fusing and packing them again: "
+        f"{statistics.median(packing):.3f} s (medians of 5)"
+    )
     print("| case | round | kept tok/s | freed tok/s | kept / freed |")
     print("|---|---|---|---|---|")
     for case in cases:
