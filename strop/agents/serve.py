@@ -60,6 +60,7 @@ def build_engine(
                 max_batch_size=max_batch_size,
                 context_window=context,
                 seed=seed,
+                release_idle=False,  # no trainer in this process: the packed weights stay from batch to batch
             ),
             tokenizer,
             context,

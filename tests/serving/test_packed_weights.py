@@ -1,7 +1,7 @@
 """When the fast decoder's fused and packed weight copies live: an engine beside a trainer frees them whenever it
-goes idle (the weights change before its next batch, and the trainer gets the memory); strop serve keeps them from
-batch to batch, packed once, until a weight load, which frees them at once; and the tokens are the same either way,
-before and after an update."""
+goes idle (the weights change before its next batch, and the trainer gets the memory); strop serve and the standalone
+proxy keep them from batch to batch, packed once, until a weight load, which frees them at once; and the tokens are
+the same either way, before and after an update."""
 
 import asyncio
 import copy
@@ -95,6 +95,15 @@ def test_strop_serve_builds_its_engine_keeping_the_packed_weights(tiny_model_dir
     with pytest.raises(KeyboardInterrupt):
         server.serve(str(tiny_model_dir))
     assert [e.release_idle for e in built] == [False]
+
+
+def test_the_standalone_proxys_engine_keeps_the_packed_weights(tiny_model_dir):
+    from strop.agents.serve import build_engine
+
+    engine, *_ = build_engine(
+        str(tiny_model_dir), [], "strop", None, device="cpu", dtype="float32", max_batch_size=2, seed=0
+    )
+    assert engine.release_idle is False
 
 
 def test_a_failed_weight_load_frees_the_copies_too(tiny):
