@@ -51,7 +51,7 @@ def main() -> None:
     def timed(case, keep: bool, seed0: int) -> tuple[int, float]:
         _name, prompts, stop, n = case
         batch = [p for p in prompts for _ in range(n)]
-        engine.release_idle = keep is False
+        engine.release_idle = not keep
         if keep:  # the batch before it kept them (a short one, not timed)
             strop_generate(engine, batch[:1], 1, eos=None)
         else:

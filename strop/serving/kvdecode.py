@@ -125,19 +125,15 @@ class LlamaDecoder:
         return [(p.data_ptr(), p._version) for p in self.lm.parameters()]
 
     def release(self) -> None:
-        """Drop the fused and packed weights (rebuilt at the next forward). The engine calls it
-        when a busy period ends: in RL the weights change before the next rollout anyway, and
-        the memory is free while the trainer works."""
+        """Drop the fused and packed weights (rebuilt at the next forward). The engine calls it at every weight
+        load (a broadcast into the parameters does not bump their version counters) and, beside a trainer, when
+        a busy period ends: the weights change before the next rollout anyway, and the memory is free while the
+        trainer works."""
         for lin in self.linears:
             lin.weight = lin.bias = lin.packed = lin.packed_kernel = lin.packed_bias = None
             lin.packed_rows, lin.packs = 0, {}
         self._seen = None
         return_freed_memory()
-
-    def invalidate(self) -> None:
-        """Rebuild the fused weights before the next forward (a broadcast into the parameters
-        does not bump their version counters, so weight loaders call this)."""
-        self._seen = None
 
     def _sync(self, rows: int | None = None, keep: bool = False) -> None:
         sig = self._signature()
