@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 
+from strop.serving.cpu_kernels import unavailable
 from strop.serving.embedded import EmbeddedEngine
 from strop.types import SamplingParams
 from tests.tiny import make_tiny_model
@@ -80,6 +81,28 @@ def test_a_serving_engine_keeps_its_packed_weights_until_a_weight_load_frees_the
     want_after = tokens(EmbeddedEngine(updated, pad_token_id=0))
     assert want_after != want  # (the update changed what is decoded)
     assert tokens(keep) == want_after and not freed(keep)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [dict(batch_invariant=True), dict(speculative=4), dict(cpu_kernels="mkl"), dict(cpu_kernels="plain")],
+    ids=["batch_invariant", "speculative", "mkl", "plain"],
+)
+def test_kept_copies_decode_what_freed_ones_do_with_the_decoders_options(tiny, options):
+    """Kept copies under the options that pack differently (per row count, two kernels alternating, none): the
+    tokens equal those of an engine freeing them, twice in a row, and after a weight load."""
+    if options.get("cpu_kernels") == "mkl" and unavailable("mkl", torch.float32):
+        pytest.skip("MKL's packed sgemm is not built here")
+    keep = EmbeddedEngine(copy.deepcopy(tiny), pad_token_id=0, release_idle=False, **options)
+    free = EmbeddedEngine(copy.deepcopy(tiny), pad_token_id=0, **options)
+    want = tokens(free)
+    assert tokens(keep) == want and tokens(keep) == want and not freed(keep)
+    changed = {name: p.detach() * 1.5 for name, p in tiny.named_parameters() if name.endswith("proj.weight")}
+    for engine in (keep, free):
+        asyncio.run(engine.update_weights(changed, strict=False))
+    assert freed(keep)
+    after = tokens(free)
+    assert after != want and tokens(keep) == after
 
 
 def test_strop_serve_builds_its_engine_keeping_the_packed_weights(tiny_model_dir, monkeypatch):
