@@ -62,7 +62,7 @@ def _environment(env: dict | None):
                 os.environ[k] = v
 
 
-def _worker(fn, rank, world_size, port, backend, env, args, queue, caller=None, release=None):
+def _worker(fn, rank, world_size, port, backend, env, args, queue, caller, release):
     if caller is not None:  # a fork server's child: the caller's environment and directory, as a spawned rank has
         os.environ.clear()
         os.environ.update(caller[0])
@@ -77,16 +77,16 @@ def _worker(fn, rank, world_size, port, backend, env, args, queue, caller=None, 
             torch.cuda.set_device(rank)
         dist.init_process_group(backend, rank=rank, world_size=world_size)
         try:
-            result = fn(rank, world_size, *args)
-            if rank == 0 and release is not None:  # rank 0 holds the group's store: it stays until every rank is done
-                # plain pickle: torch's multiprocessing pickler would pass tensors as shared-memory
-                # handles, which die with this process before the parent reads them
-                queue.put((rank, "ok", pickle.dumps(result)))
+            # plain pickle: torch's multiprocessing pickler would pass tensors as shared-memory
+            # handles, which die with this process before the parent reads them
+            answer = (rank, "ok", pickle.dumps(fn(rank, world_size, *args)))
+            if rank == 0:  # rank 0 holds the group's store: it answers, then stays until every rank is done
+                queue.put(answer)
                 release.wait()
-                return
         finally:
             dist.destroy_process_group()
-        queue.put((rank, "ok", pickle.dumps(result)))
+        if rank != 0:  # (the others answer once out of the group)
+            queue.put(answer)
     except BaseException:
         queue.put((rank, "error", traceback.format_exc()))
 
