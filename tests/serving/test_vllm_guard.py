@@ -177,7 +177,8 @@ def running(engine) -> float:
 def test_a_client_that_leaves_aborts_its_request(engine):
     """A long generation whose client leaves ends in vLLM at once: the guard closes its own connection to
     vLLM, which aborts the request (strop's abort of a vLLM request is exactly that). The client leaves once vLLM
-    reports the request running and generating (not after a fixed time, which a busy machine can outlast before the first step)."""
+    reports the request running and generating, not after a fixed time, which a busy machine can outlast before
+    its first step."""
     model = httpx.get(engine.url + "/v1/models", headers=AUTH, timeout=30).json()["data"][0]["id"]
     body = json.dumps({"model": model, "prompt": [1, 2, 3], "max_tokens": 1900, "ignore_eos": True}).encode()
     host, port = engine.url.removeprefix("http://").rsplit(":", 1)
