@@ -40,14 +40,17 @@ class Limits:
 
 
 def cpu_line() -> str:
-    """The CPU and the linear-layer kernels strop's decoder runs on it (engine.cpu_kernels=auto), per dtype."""
+    """The CPU, the linear-layer kernels strop's decoder runs on it (engine.cpu_kernels=auto), per dtype, and the
+    path of its decode attention's C kernel."""
+    from strop.serving import attention_kernel
     from strop.serving.cpu_kernels import choose, cpu
 
     c = cpu()
     picks = ", ".join(f"{d} {choose('auto', getattr(torch, d), torch.device('cpu'))}" for d in ("float32", "bfloat16"))
     return (
         f"CPU: {c['model']} ({c['vendor'] or 'vendor unknown'}; AMX {'yes' if c['amx'] else 'no'}, AVX-512 bf16 "
-        f"{'yes' if c['avx512_bf16'] else 'no'}); strop's decoder runs its linear layers on: {picks}"
+        f"{'yes' if c['avx512_bf16'] else 'no'}); strop's decoder runs its linear layers on: {picks}; its decode "
+        f"attention's C kernel: {attention_kernel.isa()}"
     )
 
 

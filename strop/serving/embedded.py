@@ -34,6 +34,7 @@ from strop.serving.request import SEED_RANGE, PendingRequest, PromptTooLongError
 from strop.serving.sampling import sample
 from strop.serving.scheduler import BatchScheduler
 from strop.serving.attention import eager
+from strop.serving.attention_kernel import isa
 from strop.serving.compiled_step import CompiledStepDecoder, attention_reason
 from strop.serving.cpu_kernels import describe as describe_kernel
 from strop.serving.moe import row_routes
@@ -382,7 +383,7 @@ def describe_decoder(fast: LlamaDecoder | None, reason: str | None, speculative:
         path += ", from the trainer's own weights (engine.share_weights: no copy)"
     if isinstance(fast, CompiledStepDecoder):
         why = attention_reason(fast)
-        attention = f"its attention Inductor's ({why})" if why else "its attention strop's C kernel"
+        attention = f"its attention Inductor's ({why})" if why else f"its attention strop's C kernel ({isa()})"
         path += f"; decode step compiled from {fast.from_rows} rows (Inductor, at the first such step; {attention})"
     if fast is not None and fast.attend is not eager:
         path += f"; decode attention compiled from {fast.attend.from_rows} rows (Inductor, at the first such step)"

@@ -5,6 +5,7 @@ loaded from its cache after; where it cannot be built it says why, and the compi
 (named in the engine's start line) and decodes what the decoder's own step does."""
 
 import os
+import platform
 import shutil
 
 import pytest
@@ -17,6 +18,30 @@ from strop.types import SamplingParams
 from tests.tiny import make_tiny_model
 
 needs_kernel = pytest.mark.skipif(bool(attention_kernel.why_unavailable()), reason=attention_kernel.why_unavailable())
+# the kernel's paths (strop.serving.attention_kernel.lanes): as built for this CPU, and on x86-64 also built without
+# AVX-512 (AVX2's) and without AVX2 and FMA (the compiler's vectors), so that a machine with AVX-512 tests all three
+PATHS = {"native": ()}
+if platform.machine() == "x86_64":
+    PATHS |= {"no AVX-512": ("-mno-avx512f",), "no AVX2": ("-mno-avx512f", "-mno-avx2", "-mno-fma")}
+
+
+@pytest.fixture(scope="module", params=list(PATHS))
+def path(request, tmp_path_factory):
+    """Which of the kernel's paths the test's calls run: ``attend`` is pointed at a library built for it."""
+    if attention_kernel.why_unavailable():
+        pytest.skip(attention_kernel.why_unavailable())
+    if not PATHS[request.param]:
+        yield request.param
+        return
+    compiler = shutil.which(os.environ.get("CC") or "cc") or shutil.which("gcc")
+    saved = dict(attention_kernel._state)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("STROP_KERNEL_CACHE", str(tmp_path_factory.mktemp("kernels")))
+        lib = attention_kernel.open_library(attention_kernel._build(compiler, PATHS[request.param]))
+    attention_kernel._state.update(lib=lib)
+    yield request.param
+    attention_kernel._state.clear()
+    attention_kernel._state.update(saved)
 
 
 def reference(q, kc, vc, bias, k_new, v_new, scale):
@@ -38,7 +63,6 @@ def inputs(B, KV, G, D, T, dtype, seed=0):
     return q, kc, vc, bias, k_new, v_new
 
 
-@needs_kernel
 @pytest.mark.parametrize(
     "B,KV,G,D,T",
     [
@@ -50,7 +74,7 @@ def inputs(B, KV, G, D, T, dtype, seed=0):
         (2, 1, 5, 64, 200),
     ],
 )
-def test_the_kernel_is_the_attention_in_fp32(B, KV, G, D, T):
+def test_the_kernel_is_the_attention_in_fp32(path, B, KV, G, D, T):
     args = inputs(B, KV, G, D, T, torch.float32)
     got = attention_kernel.attend(*args, D**-0.5)
     want = reference(*args, D**-0.5)
@@ -66,9 +90,8 @@ def test_the_kernel_is_the_attention_in_fp32(B, KV, G, D, T):
     assert torch.equal(attention_kernel.attend(q, kc, vc, bias, k_new, v_new, D**-0.5)[1], got[1])
 
 
-@needs_kernel
 @pytest.mark.parametrize("T", [50, 150])  # (150: fp32 blocks of 64 columns are read in place, bf16 ones widened)
-def test_bf16_caches_are_widened_exactly(T):
+def test_bf16_caches_are_widened_exactly(path, T):
     q, kc, vc, bias, k_new, v_new = inputs(6, 3, 3, 64, T, torch.bfloat16, seed=3)
     got = attention_kernel.attend(q, kc, vc, bias, k_new, v_new, 0.125)
     # the same values in fp32 caches: the same sums
@@ -145,3 +168,11 @@ def test_a_failed_build_is_named(tmp_path, monkeypatch):
     why = attention_kernel.why_unavailable()
     assert why.startswith("the attention kernel did not build:") and "unrecognized option" in why
     assert not list((tmp_path / "cache").glob("*.so"))
+
+
+def test_each_path_runs_where_it_was_built_for(path):
+    flags = set(" ".join(ln for ln in open("/proc/cpuinfo").read().splitlines() if ln.startswith("flags")).split())
+    avx2 = 8 if {"avx2", "fma"} <= flags else 0
+    want = {"native": 16 if "avx512f" in flags else avx2, "no AVX-512": avx2, "no AVX2": 0}[path]
+    assert attention_kernel.lanes() == want
+    assert attention_kernel.isa() == {16: "AVX-512", 8: "AVX2", 0: "plain C"}[want]
