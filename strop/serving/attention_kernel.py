@@ -22,6 +22,7 @@ The library is compiled once per source, compiler and CPU into ``$STROP_KERNEL_C
 :func:`why_unavailable` says why it cannot be used (no compiler, a failed build, not x86-64 or aarch64 Linux): the
 attention then stays Inductor's.
 """
+
 from __future__ import annotations
 
 import ctypes
