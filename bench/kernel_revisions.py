@@ -4,7 +4,8 @@ cache as a decode step passes them, both libraries loaded in one process and cal
 engine (bench/engine.py's batch of 64 rows and its GRPO case, 128 new tokens, ``engine.compile_step``; a graph is
 compiled once per process, so one process per side, alternated).
 
-    python bench/kernel_revisions.py --old REV [--keys 110 200] [--rounds 8] [--pairs 2] [--skip-engine]
+    python bench/kernel_revisions.py --old REV [--dtype float32 bfloat16] [--keys 110 200] [--rounds 8] [--pairs 2]
+        [--skip-engine]
 
 Prints the CPU, then per length: each side's best and median ms per 30 layers, their ratios and the largest
 difference between their outputs; then one line per engine process: its side and tokens per second per case and round.
@@ -25,15 +26,20 @@ ROOT = HERE.parent
 
 
 def source_at(rev: str) -> str:
-    text = subprocess.run(
-        ["git", "-C", str(ROOT), "show", f"{rev}:strop/serving/attention_kernel.py"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    """The kernel's C source at ``rev``: attention_kernel.c, or before it had a file of its own, the SOURCE string of
+    attention_kernel.py (with a ``strop_attend_lanes`` that says 0, which the module now asks a library for)."""
+
+    def show(path: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{path}"], capture_output=True, text=True)
+
+    c = show("strop/serving/attention_kernel.c")
+    if c.returncode == 0:
+        return c.stdout
     ns: dict = {}
-    exec(compile(text, f"attention_kernel@{rev}", "exec"), ns)  # (only its SOURCE string is used)
-    return ns["SOURCE"]
+    text = show("strop/serving/attention_kernel.py")
+    text.check_returncode()
+    exec(compile(text.stdout, f"attention_kernel@{rev}", "exec"), ns)  # (only its SOURCE string is used)
+    return ns["SOURCE"] + "\nint strop_attend_lanes(void) { return 0; }\n"
 
 
 def library(source: str):
@@ -45,7 +51,7 @@ def library(source: str):
     return ak._state["lib"]
 
 
-def alone(old_source: str, keys: list[int], rounds: int) -> None:
+def alone(old_source: str, keys: list[int], rounds: int, dtype: torch.dtype) -> None:
     from strop.serving import attention_kernel as ak
 
     tree = ak.SOURCE  # (before library() replaces it)
@@ -53,7 +59,7 @@ def alone(old_source: str, keys: list[int], rounds: int) -> None:
     L, B, KV, G, D, capacity = 30, 64, 3, 3, 64, 320
     for T in keys:
         g = torch.Generator().manual_seed(T)
-        kc, vc = (torch.randn(L, B + 8, KV, capacity, D, generator=g)[:, :B] for _ in "kv")
+        kc, vc = (torch.randn(L, B + 8, KV, capacity, D, generator=g).to(dtype)[:, :B] for _ in "kv")
         q, kn, vn = torch.randn(B, KV, G, D, generator=g), *torch.randn(2, B, KV, D, generator=g)
         bias = torch.zeros(B, T + 1)
 
@@ -71,13 +77,13 @@ def alone(old_source: str, keys: list[int], rounds: int) -> None:
         best = {s: min(t) for s, t in times.items()}
         med = {s: sorted(t)[len(t) // 2] for s, t in times.items()}
         print(
-            f"| {T} | {best['old'] * 1e3:.1f} / {med['old'] * 1e3:.1f} | {best['new'] * 1e3:.1f} / "
+            f"| {str(dtype)[6:]} | {T} | {best['old'] * 1e3:.1f} / {med['old'] * 1e3:.1f} | {best['new'] * 1e3:.1f} / "
             f"{med['new'] * 1e3:.1f} | {best['old'] / best['new']:.2f} | {med['old'] / med['new']:.2f} | {diff:.1e} |",
             flush=True,
         )
 
 
-def engine_side(side: str, old_rev: str) -> None:
+def engine_side(side: str, old_rev: str, dtype: str) -> None:
     """One process of the engine comparison: the kernel of ``old_rev`` (side 'old') or the tree's."""
     import logging
 
@@ -93,11 +99,11 @@ def engine_side(side: str, old_rev: str) -> None:
     logging.disable(logging.WARNING)
     tok = load_tokenizer("embedded:smollm2-135m-instruct")
     fixed, cases = make_cases(tok, argparse.Namespace(batch=[64], new_tokens=128, rows=64))
-    model = load_model("embedded:smollm2-135m-instruct").to(torch.float32).eval()
+    model = load_model("embedded:smollm2-135m-instruct").to(getattr(torch, dtype)).eval()
     engine = EmbeddedEngine(model, pad_token_id=tok.pad_token_id, max_batch_size=64, compile_step=True)
     strop_generate(engine, fixed, 8, eos=None)
     cells = case_rates(engine, cases)
-    print(f"| {side} | " + " | ".join(cells) + " |", flush=True)
+    print(f"| {dtype} | {side} | " + " | ".join(cells) + " |", flush=True)
 
 
 def main() -> None:
@@ -106,25 +112,30 @@ def main() -> None:
     ap.add_argument("--keys", type=int, nargs="+", default=[110, 200])
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--pairs", type=int, default=2)
+    ap.add_argument("--dtype", nargs="+", default=["float32"], choices=["float32", "bfloat16"])
     ap.add_argument("--skip-engine", action="store_true")
     ap.add_argument("--engine-side", choices=["old", "new"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.engine_side:
-        return engine_side(args.engine_side, args.old)
+        return engine_side(args.engine_side, args.old, args.dtype[0])
     from limits import cpu_line
 
     print(f"{cpu_line()}; torch {torch.__version__}, {torch.get_num_threads()} threads; old = {args.old}")
-    print("| keys | old ms, best / median | new ms, best / median | old / new, best | median | largest difference |")
-    print("|---|---|---|---|---|---|")
-    alone(source_at(args.old), args.keys, args.rounds)
+    print(
+        "| dtype | keys | old ms, best / median | new ms, best / median | old / new, best | median | largest difference |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for dtype in args.dtype:
+        alone(source_at(args.old), args.keys, args.rounds, getattr(torch, dtype))
     if args.skip_engine:
         return
-    print("| side | batch 64 tok/s (round 1, 2) | | GRPO 8 x 8 tok/s (round 1, 2) | |")
-    print("|---|---|---|---|---|")
-    for p in range(args.pairs):
-        for side in ("old", "new") if p % 2 == 0 else ("new", "old"):
-            cmd = [sys.executable, __file__, "--old", args.old, "--engine-side", side]
-            subprocess.run(cmd, check=True, cwd=HERE)
+    print("| dtype | side | batch 64 tok/s (round 1, 2) | | GRPO 8 x 8 tok/s (round 1, 2) | |")
+    print("|---|---|---|---|---|---|")
+    for dtype in args.dtype:
+        for p in range(args.pairs):
+            for side in ("old", "new") if p % 2 == 0 else ("new", "old"):
+                cmd = [sys.executable, __file__, "--old", args.old, "--dtype", dtype, "--engine-side", side]
+                subprocess.run(cmd, check=True, cwd=HERE)
 
 
 if __name__ == "__main__":
