@@ -51,10 +51,9 @@ def library(source: str):
     return ak._state["lib"]
 
 
-def alone(old_source: str, keys: list[int], rounds: int, dtype: torch.dtype) -> None:
+def alone(old_source: str, tree: str, keys: list[int], rounds: int, dtype: torch.dtype) -> None:
     from strop.serving import attention_kernel as ak
 
-    tree = ak.SOURCE  # (before library() replaces it)
     libs = {"new": library(tree), "old": library(old_source)}
     L, B, KV, G, D, capacity = 30, 64, 3, 3, 64, 320
     for T in keys:
@@ -125,8 +124,11 @@ def main() -> None:
         "| dtype | keys | old ms, best / median | new ms, best / median | old / new, best | median | largest difference |"
     )
     print("|---|---|---|---|---|---|---|")
+    from strop.serving import attention_kernel
+
+    tree = attention_kernel.SOURCE  # (library() replaces it)
     for dtype in args.dtype:
-        alone(source_at(args.old), args.keys, args.rounds, getattr(torch, dtype))
+        alone(source_at(args.old), tree, args.keys, args.rounds, getattr(torch, dtype))
     if args.skip_engine:
         return
     print("| dtype | side | batch 64 tok/s (round 1, 2) | | GRPO 8 x 8 tok/s (round 1, 2) | |")
