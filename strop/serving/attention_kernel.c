@@ -67,24 +67,29 @@ static void normalize(float *out, const float *acc, const float *inv, int G, int
     }
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
-/* exp_le0 8 lanes at a time */
-static inline __m256 exp_le0_8(__m256 x) {
-    __m256 c = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
-    __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(c, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), c);
-    r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_GE_OQ);
-    return _mm256_and_ps(keep, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+/* exp_le0 in vectors of W bits: FLOOR rounds down, KEEP(x, v) is v where x >= -87.3 and 0 elsewhere */
+#define EXP_LE0(W, FLOOR, KEEP)                                                                                     \
+static inline __m##W exp_le0_##W(__m##W x) {                                                                        \
+    __m##W c = _mm##W##_max_ps(x, _mm##W##_set1_ps(-87.3f));                                                        \
+    __m##W n = FLOOR(_mm##W##_fmadd_ps(c, _mm##W##_set1_ps(1.44269504088896341f), _mm##W##_set1_ps(0.5f)));        \
+    __m##W r = _mm##W##_fnmadd_ps(n, _mm##W##_set1_ps(0.693359375f), c);                                            \
+    r = _mm##W##_fmadd_ps(n, _mm##W##_set1_ps(2.12194440e-4f), r);                                                  \
+    __m##W p = _mm##W##_set1_ps(1.9875691500e-4f);                                                                  \
+    p = _mm##W##_fmadd_ps(p, r, _mm##W##_set1_ps(1.3981999507e-3f));                                               \
+    p = _mm##W##_fmadd_ps(p, r, _mm##W##_set1_ps(8.3334519073e-3f));                                               \
+    p = _mm##W##_fmadd_ps(p, r, _mm##W##_set1_ps(4.1665795894e-2f));                                               \
+    p = _mm##W##_fmadd_ps(p, r, _mm##W##_set1_ps(1.6666665459e-1f));                                               \
+    p = _mm##W##_fmadd_ps(p, r, _mm##W##_set1_ps(5.0000001201e-1f));                                               \
+    p = _mm##W##_add_ps(_mm##W##_fmadd_ps(_mm##W##_mul_ps(p, r), r, r), _mm##W##_set1_ps(1.0f));                   \
+    __m##W##i e = _mm##W##_slli_epi32(_mm##W##_add_epi32(_mm##W##_cvtps_epi32(n), _mm##W##_set1_epi32(127)), 23);  \
+    return KEEP(x, _mm##W##_mul_ps(p, _mm##W##_castsi##W##_ps(e)));                                                \
 }
+#define KEEP256(x, v) _mm256_and_ps(_mm256_cmp_ps((x), _mm256_set1_ps(-87.3f), _CMP_GE_OQ), (v))
+#define FLOOR512(v) _mm512_roundscale_ps((v), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC)
+#define KEEP512(x, v) _mm512_maskz_mov_ps(_mm512_cmp_ps_mask((x), _mm512_set1_ps(-87.3f), _CMP_GE_OQ), (v))
+
+#if defined(__AVX2__) && defined(__FMA__)
+EXP_LE0(256, _mm256_floor_ps, KEEP256)
 static inline float hmax8(__m256 v) {
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     m = _mm_max_ps(m, _mm_movehl_ps(m, m));
@@ -115,7 +120,7 @@ static void softmax8(float *s, long stride, int G, int T1, const float *bias, fl
         for (; t < T1; t++) { sg[t] = sg[t] * scale + bias[t]; mt = sg[t] > mt ? sg[t] : mt; }
         __m256 mv = _mm256_set1_ps(mt);
         for (t = 0; t < ((T1 + 7) & ~7); t += 8) {
-            __m256 e = exp_le0_8(_mm256_sub_ps(_mm256_loadu_ps(sg + t), mv));
+            __m256 e = exp_le0_256(_mm256_sub_ps(_mm256_loadu_ps(sg + t), mv));
             _mm256_storeu_ps(sg + t, e);
             sum = _mm256_add_ps(sum, e);
         }
@@ -127,14 +132,21 @@ static void softmax8(float *s, long stride, int G, int T1, const float *bias, fl
 #define SOFTMAX_BLOCKED softmax_rows
 #endif
 
-#define SIMPLE(NAME, CT, WIDEN)                                                                                   \
+/* a kernel's signature: q (B, KV, G, D) contiguous; the caches' columns csb, csh, cst apart by row, head, column */
+#define SIGNATURE(NAME, CT)                                                                                        \
 void NAME(const float *q, const CT *kc, const CT *vc, const float *bias, const float *kn, const float *vn,        \
-          float *out, int B, int KV, int G, int D, int T, long csb, long csh, long cst, float scale, int threads) { \
+          float *out, int B, int KV, int G, int D, int T, long csb, long csh, long cst, float scale, int threads)
+/* a kernel's tasks over torch's threads, one per row b and key/value head h: its queries and caches */
+#define TASKS(CT)                                                                                                  \
     _Pragma("omp parallel for schedule(static) num_threads(threads)")                                             \
     for (long task = 0; task < (long)B * KV; task++) {                                                           \
         long b = task / KV, h = task % KV;                                                                        \
-        const float *qh = q + task * G * D;  /* (B, KV, G, D) contiguous */                                       \
-        const CT *kh = kc + b * csb + h * csh, *vh = vc + b * csb + h * csh;                                     \
+        const float *qh = q + task * G * D;                                                                       \
+        const CT *kh = kc + b * csb + h * csh, *vh = vc + b * csb + h * csh;
+
+#define SIMPLE(NAME, CT, WIDEN)                                                                                   \
+SIGNATURE(NAME, CT) {                                                                                             \
+    TASKS(CT)                                                                                                     \
         const float *bb = bias + b * (long)(T + 1);                                                               \
         float *s = (float *)malloc(sizeof(float) * (size_t)G * (T + 1) + sizeof(float) * (size_t)(G + 1) * D);   \
         float *acc = s + (size_t)G * (T + 1), *row = acc + (size_t)G * D;                                         \
@@ -216,13 +228,8 @@ PV32(3)
 #define BLK 64  /* key/value columns at a time (widened into a buffer where they cannot be read in place) */
 /* DIRECT: fp32 columns D apart are read where they are, except in a block holding the step's own column */
 #define BLOCKED(NAME, CT, WIDEN, DIRECT)                                                                           \
-void NAME(const float *q, const CT *kc, const CT *vc, const float *bias, const float *kn, const float *vn,        \
-          float *out, int B, int KV, int G, int D, int T, long csb, long csh, long cst, float scale, int threads) { \
-    _Pragma("omp parallel for schedule(static) num_threads(threads)")                                             \
-    for (long task = 0; task < (long)B * KV; task++) {                                                           \
-        long b = task / KV, h = task % KV;                                                                        \
-        const float *qh = q + task * G * D;                                                                       \
-        const CT *kh = kc + b * csb + h * csh, *vh = vc + b * csb + h * csh;                                     \
+SIGNATURE(NAME, CT) {                                                                                             \
+    TASKS(CT)                                                                                                     \
         const float *bb = bias + b * (long)(T + 1);                                                               \
         int T1 = T + 1, TP = (T1 + 7) & ~7;                                                                       \
         size_t bytes = sizeof(float) * ((size_t)G * TP + (size_t)BLK * D + (size_t)G * D + 64);                   \
@@ -293,24 +300,7 @@ static inline __m512 ld16_bf16(const uint16_t *p) {
     __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
 }
-/* exp_le0 16 lanes at a time */
-static inline __m512 exp_le0_16(__m512 x) {
-    __m512 c = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-    __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(c, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-                                    _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), c);
-    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
-    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_GE_OQ);
-    return _mm512_maskz_mul_ps(keep, p, _mm512_castsi512_ps(e));
-}
+EXP_LE0(512, FLOOR512, KEEP512)
 static void softmax16(float *s, long stride, int G, int T1, const float *bias, float scale, float *inv) {
     __m512 sc = _mm512_set1_ps(scale);
     for (int g = 0; g < G; g++) {
@@ -325,7 +315,7 @@ static void softmax16(float *s, long stride, int G, int T1, const float *bias, f
         __m512 mv = _mm512_set1_ps(_mm512_reduce_max_ps(m));
         for (int t = 0; t < T1; t += 16) {
             __mmask16 k = T1 - t >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (T1 - t)) - 1);
-            __m512 e = exp_le0_16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sg + t), mv));
+            __m512 e = exp_le0_512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sg + t), mv));
             _mm512_mask_storeu_ps(sg + t, k, e);
             sum = _mm512_mask_add_ps(sum, k, sum, e);
         }
@@ -397,13 +387,8 @@ SCORE1_512(float, own)
 PV64_512(float, own, 1) PV64_512(float, own, 2) PV64_512(float, own, 3)
 
 #define WIDE(NAME, CT, SFX)                                                                                        \
-void NAME(const float *q, const CT *kc, const CT *vc, const float *bias, const float *kn, const float *vn,        \
-          float *out, int B, int KV, int G, int D, int T, long csb, long csh, long cst, float scale, int threads) { \
-    _Pragma("omp parallel for schedule(static) num_threads(threads)")                                             \
-    for (long task = 0; task < (long)B * KV; task++) {                                                           \
-        long b = task / KV, h = task % KV;                                                                        \
-        const float *qh = q + task * G * D;                                                                       \
-        const CT *kh = kc + b * csb + h * csh, *vh = vc + b * csb + h * csh;                                     \
+SIGNATURE(NAME, CT) {                                                                                             \
+    TASKS(CT)                                                                                                     \
         long nb = (task + 1) / KV, nh = (task + 1) % KV;  /* the next task's columns, fetched meanwhile */        \
         const CT *nk = task + 1 < (long)B * KV ? kc + nb * csb + nh * csh : 0;                                    \
         const CT *nv = nk ? vc + nb * csb + nh * csh : 0;                                                         \
@@ -453,8 +438,7 @@ BLOCKED(blocked_f32, float, widen, 1)
 BLOCKED(blocked_bf16, uint16_t, widen_bf16, 0)
 
 #define ENTRY(NAME, CT, SUFFIX)                                                                                   \
-void NAME(const float *q, const CT *kc, const CT *vc, const float *bias, const float *kn, const float *vn,        \
-          float *out, int B, int KV, int G, int D, int T, long csb, long csh, long cst, float scale, int threads) { \
+SIGNATURE(NAME, CT) {                                                                                         \
     (D % 64 == 0 ? wide_##SUFFIX : simple_##SUFFIX)(q, kc, vc, bias, kn, vn, out, B, KV, G, D, T, csb, csh, cst, \
                                                        scale, threads);                                           \
 }
