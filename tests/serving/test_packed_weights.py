@@ -57,21 +57,28 @@ def test_an_engine_beside_a_trainer_frees_its_packed_weights_whenever_it_goes_id
     assert asyncio.run(served()).token_ids == first[0] and freed(engine)
 
 
-def test_a_serving_engine_keeps_its_packed_weights_until_a_weight_load_frees_them(tiny):
-    keep = EmbeddedEngine(copy.deepcopy(tiny), pad_token_id=0, release_idle=False)
-    want = tokens(EmbeddedEngine(copy.deepcopy(tiny), pad_token_id=0))
+@pytest.mark.parametrize("kernel", ["onednn", "mkl"])
+def test_a_serving_engine_keeps_its_packed_weights_until_a_weight_load_frees_them(tiny, kernel):
+    if unavailable(kernel, torch.float32):
+        pytest.skip(f"{kernel} is not built here")
+    keep = EmbeddedEngine(copy.deepcopy(tiny), pad_token_id=0, release_idle=False, cpu_kernels=kernel)
+    want = tokens(EmbeddedEngine(copy.deepcopy(tiny), pad_token_id=0, cpu_kernels=kernel))
     assert tokens(keep) == want
-    packed = held(keep)
-    assert all(p is not None for _, p in packed) or keep._fast.kernel == "plain"
-    assert all(w is not None for w, _ in packed)
+    packed, rows = held(keep), [lin.packed_rows for lin in keep._fast.linears]
+    assert all(p is not None for _, p in packed) and all(w is not None for w, _ in packed)
     assert tokens(keep) == want
     assert all(a is b and c is d for (a, c), (b, d) in zip(packed, held(keep)))  # the same copies: none rebuilt
 
-    async def through_scheduler():
+    async def through_scheduler():  # (one row, where the batches above had three)
         return await keep.generate(PROMPTS[1], sampling()[1])
 
     assert asyncio.run(through_scheduler()).token_ids == want[1]
-    assert all(a is b and c is d for (a, c), (b, d) in zip(packed, held(keep)))
+    assert all(a is b for (a, _), (b, _) in zip(packed, held(keep)))  # the fused weights: never rebuilt
+    if kernel == "onednn":  # one packing serves every row count: the same buffers
+        assert all(c is d for (_, c), (_, d) in zip(packed, held(keep)))
+    else:  # MKL's packing is for a row count: the one-row batch packed for one row, and three rows again
+        assert all(lin.packed_rows == 1 for lin in keep._fast.linears)
+        assert tokens(keep) == want and [lin.packed_rows for lin in keep._fast.linears] == rows
 
     changed = {name: p.detach() * 1.5 for name, p in tiny.named_parameters() if name.endswith("proj.weight")}
     assert asyncio.run(keep.update_weights(changed, strict=False)) == 1
