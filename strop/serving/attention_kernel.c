@@ -105,10 +105,10 @@ static inline float hsum8(__m256 v) {
 /* softmax_rows 8 lanes at a time; the row is padded to a multiple of 8 (stride), its tail with -inf */
 static void softmax8(float *s, long stride, int G, int T1, const float *bias, float scale, float *inv) {
     __m256 sc = _mm256_set1_ps(scale);
-    int T8 = T1 & ~7;
+    int T8 = T1 & ~7, TP = (T1 + 7) & ~7;
     for (int g = 0; g < G; g++) {
         float *sg = s + g * stride;
-        for (int t = T1; t < ((T1 + 7) & ~7); t++) sg[t] = -INFINITY;
+        for (int t = T1; t < TP; t++) sg[t] = -INFINITY;
         __m256 m = _mm256_set1_ps(-INFINITY), sum = _mm256_setzero_ps();
         int t = 0;
         for (; t < T8; t += 8) {
@@ -119,7 +119,7 @@ static void softmax8(float *s, long stride, int G, int T1, const float *bias, fl
         float mt = hmax8(m);
         for (; t < T1; t++) { sg[t] = sg[t] * scale + bias[t]; mt = sg[t] > mt ? sg[t] : mt; }
         __m256 mv = _mm256_set1_ps(mt);
-        for (t = 0; t < ((T1 + 7) & ~7); t += 8) {
+        for (t = 0; t < TP; t += 8) {
             __m256 e = exp_le0_256(_mm256_sub_ps(_mm256_loadu_ps(sg + t), mv));
             _mm256_storeu_ps(sg + t, e);
             sum = _mm256_add_ps(sum, e);
@@ -295,7 +295,6 @@ SIGNATURE(NAME, CT) {                                                           
    for up to 3 query heads and 8 columns at once (24 accumulators); each head's 8 scores are then summed across
    lanes by one shuffle tree. The weighted sums keep 64 values of D for up to 3 heads (12 accumulators). */
 static inline __m512 ld16_f32(const float *p) { return _mm512_loadu_ps(p); }
-static inline __m512 ld16_own(const float *p) { return _mm512_loadu_ps(p); }
 static inline __m512 ld16_bf16(const uint16_t *p) {
     __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
@@ -383,8 +382,6 @@ static inline void pv64_##SFX##_##GC(float *acc, int D, const float *p, long ps,
     PV64_512(CT, SFX, 1) PV64_512(CT, SFX, 2) PV64_512(CT, SFX, 3)
 KERNELS_512(float, f32)
 KERNELS_512(uint16_t, bf16)
-SCORE1_512(float, own)
-PV64_512(float, own, 1) PV64_512(float, own, 2) PV64_512(float, own, 3)
 
 #define WIDE(NAME, CT, SFX)                                                                                        \
 SIGNATURE(NAME, CT) {                                                                                             \
@@ -401,12 +398,13 @@ SIGNATURE(NAME, CT) {                                                           
             const float *qg = qh + (size_t)g0 * D;                                                                \
             float *sg = s + (size_t)g0 * TP;                                                                      \
             for (; t + 8 <= T; t += 8) {                                                                          \
-                if (gc == 3) score8_##SFX##_3(qg, D, kh + (long)t * cst, cst, sg + t, TP, nk ? nk + (long)t * cst : 0);                        \
-                else if (gc == 2) score8_##SFX##_2(qg, D, kh + (long)t * cst, cst, sg + t, TP, nk ? nk + (long)t * cst : 0);                   \
-                else score8_##SFX##_1(qg, D, kh + (long)t * cst, cst, sg + t, TP, nk ? nk + (long)t * cst : 0);                                \
+                const CT *kt = kh + (long)t * cst, *nkt = nk ? nk + (long)t * cst : 0;                            \
+                if (gc == 3) score8_##SFX##_3(qg, D, kt, cst, sg + t, TP, nkt);                                   \
+                else if (gc == 2) score8_##SFX##_2(qg, D, kt, cst, sg + t, TP, nkt);                              \
+                else score8_##SFX##_1(qg, D, kt, cst, sg + t, TP, nkt);                                           \
             }                                                                                                     \
             for (; t < T; t++) score1_##SFX(qg, D, gc, kh + (long)t * cst, sg + t, TP);                          \
-            score1_own(qg, D, gc, kn + task * D, sg + T, TP);                                                     \
+            score1_f32(qg, D, gc, kn + task * D, sg + T, TP);  /* the step's own key */                           \
         }                                                                                                         \
         float inv[64];                                                                                            \
         softmax16(s, TP, G, T1, bb, scale, inv);                                                                  \
@@ -416,9 +414,11 @@ SIGNATURE(NAME, CT) {                                                           
             const float *pg = s + (size_t)g0 * TP;                                                                \
             for (int d0 = 0; d0 < D; d0 += 64) {                                                                  \
                 float *ag = acc + (size_t)g0 * D + d0;                                                            \
-                if (gc == 3) { pv64_##SFX##_3(ag, D, pg, TP, vh + d0, cst, T, nv ? nv + d0 : 0); pv64_own_3(ag, D, pg + T, TP, vn + task * D + d0, D, 1, 0); } \
-                else if (gc == 2) { pv64_##SFX##_2(ag, D, pg, TP, vh + d0, cst, T, nv ? nv + d0 : 0); pv64_own_2(ag, D, pg + T, TP, vn + task * D + d0, D, 1, 0); } \
-                else { pv64_##SFX##_1(ag, D, pg, TP, vh + d0, cst, T, nv ? nv + d0 : 0); pv64_own_1(ag, D, pg + T, TP, vn + task * D + d0, D, 1, 0); } \
+                const CT *nvd = nv ? nv + d0 : 0;                                                                 \
+                const float *own = vn + task * D + d0;  /* the step's own value: a column of its own */           \
+                if (gc == 3) { pv64_##SFX##_3(ag, D, pg, TP, vh + d0, cst, T, nvd); pv64_f32_3(ag, D, pg + T, TP, own, D, 1, 0); } \
+                else if (gc == 2) { pv64_##SFX##_2(ag, D, pg, TP, vh + d0, cst, T, nvd); pv64_f32_2(ag, D, pg + T, TP, own, D, 1, 0); } \
+                else { pv64_##SFX##_1(ag, D, pg, TP, vh + d0, cst, T, nvd); pv64_f32_1(ag, D, pg + T, TP, own, D, 1, 0); } \
             }                                                                                                     \
         }                                                                                                         \
         normalize(out + task * G * D, acc, inv, G, D);                                                            \
